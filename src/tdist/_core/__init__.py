@@ -1,0 +1,1 @@
+"""Lowest layer: errors, deadlines, authentication primitives. Imports nothing from tdist."""

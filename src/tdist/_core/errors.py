@@ -1,0 +1,96 @@
+"""The tdist exception tree.
+
+One root, shallow, with torch-compatible bases where torch users catch them::
+
+    DistError (RuntimeError)                 torch.distributed.DistError
+    ├── DistBackendError                     a collective or backend failed
+    │   └── PeerError                        a named peer died, stalled or broke the protocol
+    ├── DistNetworkError                     a connection could not be made or was lost
+    │   └── AuthenticationError              the peer did not prove the shared secret
+    ├── DistStoreError                       a store operation failed
+    │   ├── StoreTimeoutError (TimeoutError) keys did not appear in time
+    │   ├── StoreValueError (ValueError)     a value was not what the command needs
+    │   └── QueueEmptyError                  queue_pop(block=False) on an empty queue
+    ├── ProtocolError                        bytes that break a wire protocol
+    │   ├── LocalProtocolError               we were asked to send something invalid
+    │   └── RemoteProtocolError              the peer sent something invalid
+    └── DistTimeoutError (TimeoutError)      any other deadline that expired
+
+``TimeoutError`` here is the builtin (an ``OSError``): ``except TimeoutError`` catches every
+tdist timeout. OS errors are translated into this tree once, at the I/O boundary, and chained
+with ``from``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "DistTimeoutError",
+    "LocalProtocolError",
+    "PeerError",
+    "ProtocolError",
+    "QueueEmptyError",
+    "RemoteProtocolError",
+    "StoreTimeoutError",
+    "StoreValueError",
+]
+
+
+class DistError(RuntimeError):
+    """Root of every error raised by tdist (``torch.distributed.DistError``)."""
+
+
+class DistBackendError(DistError):
+    """A process-group backend or collective failed."""
+
+
+class PeerError(DistBackendError):
+    """A peer died, stalled, or broke the protocol. ``peer`` names it."""
+
+    def __init__(self, message: str, peer: object = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class DistNetworkError(DistError):
+    """A connection could not be made or was lost."""
+
+
+class AuthenticationError(DistNetworkError):
+    """The other side did not prove knowledge of the job's shared secret."""
+
+
+class DistStoreError(DistError):
+    """A store operation failed (``torch.distributed.DistStoreError``)."""
+
+
+class StoreTimeoutError(DistStoreError, TimeoutError):
+    """Keys awaited in a store did not appear before the timeout."""
+
+
+class StoreValueError(DistStoreError, ValueError):
+    """A stored value cannot be used as the command needs (``add`` on a non-number)."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(block=False)`` found the queue empty (``torch.distributed.QueueEmptyError``)."""
+
+
+class ProtocolError(DistError):
+    """Bytes that break a wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to produce something the protocol cannot carry."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that break the protocol."""
+
+
+class DistTimeoutError(DistError, TimeoutError):
+    """A deadline expired."""

@@ -1,0 +1,10 @@
+"""Stores: the key-value services every process of a job meets at.
+
+``TCPStore`` (client and server), ``HashStore`` (in one process), ``FileStore`` (processes
+sharing a file), ``PrefixStore`` (a namespace inside another store).
+"""
+
+from ._api import Store
+from ._tcp import TCPStore
+
+__all__ = ["Store", "TCPStore"]

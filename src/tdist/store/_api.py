@@ -1,0 +1,179 @@
+"""The ``Store`` API: torch.distributed's names and semantics, shared by every store.
+
+Values are bytes; ``str`` values are UTF-8 encoded, as torch does. Keys are ``str``. Every
+blocking call takes the store's timeout unless given one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+from .._core.deadline import to_seconds
+from .._core.errors import DistStoreError
+
+__all__ = ["DEFAULT_TIMEOUT", "Store", "as_bytes", "check_key"]
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def as_bytes(value: str | bytes | bytearray | memoryview, what: str = "value") -> bytes:
+    """Normalize a store value to bytes (``str`` is UTF-8 encoded).
+
+    Raises:
+        TypeError: for any other type.
+    """
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, list) and all(isinstance(b, int) for b in value):
+        # torch's bindings accept a list of byte values (std::vector<uint8_t>)
+        return bytes(value)
+    raise TypeError(f"store {what} must be str or bytes, got {type(value).__name__}")
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"store key must be str, got {type(key).__name__}: {key!r}")
+    return key
+
+
+class Store:
+    """Base class of every store; a Python subclass may implement the abstract methods.
+
+    Thread-safety: every concrete store in tdist may be used from several threads at once.
+    """
+
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        self._timeout = self._check_timeout(timeout)
+
+    @staticmethod
+    def _check_timeout(timeout: timedelta | float) -> timedelta:
+        seconds = to_seconds(timeout)
+        assert seconds is not None
+        return timedelta(seconds=seconds)
+
+    # -- timeouts ------------------------------------------------------------------------------
+    @property
+    def timeout(self) -> timedelta:
+        """The default timeout of blocking calls."""
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Set the default timeout of blocking calls (``get``, ``wait``, ...)."""
+        self._timeout = self._check_timeout(timeout)
+
+    def _timeout_seconds(self, timeout: timedelta | float | None) -> float:
+        seconds = to_seconds(timeout, self._timeout.total_seconds())
+        assert seconds is not None
+        return seconds
+
+    # -- the core API --------------------------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store ``value`` under ``key``, replacing any old value."""
+        raise NotImplementedError
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting up to the store's timeout for it to be set.
+
+        Raises:
+            StoreTimeoutError: the key did not appear in time.
+        """
+        raise NotImplementedError
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (0 if missing); returns the new value.
+
+        Raises:
+            StoreValueError: the key holds something that is not an integer.
+        """
+        raise NotImplementedError
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``.
+
+        A missing key counts as holding ``b""``. Returns the value after the call, except that a
+        missing key with a non-empty ``expected_value`` returns ``expected_value`` (as torch).
+        """
+        raise NotImplementedError
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Block until every key in ``keys`` is set.
+
+        Raises:
+            StoreTimeoutError: naming the keys still missing when the timeout expired.
+        """
+        raise NotImplementedError
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key in ``keys`` is set, without waiting."""
+        raise NotImplementedError
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; returns whether it existed."""
+        raise NotImplementedError
+
+    def num_keys(self) -> int:
+        """The number of keys in the store."""
+        raise NotImplementedError
+
+    # -- the extended API ----------------------------------------------------------------------
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, waiting for all of them."""
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Set every key to the matching value."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, v)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the bytes at ``key`` (set it if missing)."""
+        raise NotImplementedError
+
+    def list_keys(self) -> list[str]:
+        """Every key in the store."""
+        raise NotImplementedError
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Push ``value`` at the tail of the queue ``key``."""
+        raise NotImplementedError
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pop the head of the queue ``key``, waiting up to the timeout if ``block``.
+
+        Raises:
+            QueueEmptyError: ``block`` is False and the queue is empty.
+            StoreTimeoutError: nothing arrived in time.
+        """
+        raise NotImplementedError
+
+    def queue_len(self, key: str) -> int:
+        """The number of values in the queue ``key``."""
+        raise NotImplementedError
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
+        """Block until ``world_size`` callers have called ``barrier`` with this ``key``."""
+        if world_size < 1:
+            raise ValueError(f"barrier: world_size must be positive, got {world_size}")
+        arrived = self.add(f"{key}/arrived", 1)
+        if arrived == world_size:
+            self.set(f"{key}/done", b"1")
+        elif arrived > world_size:
+            raise DistStoreError(
+                f"barrier {key!r}: {arrived} callers arrived for a world size of {world_size}; "
+                "use a fresh key for each barrier"
+            )
+        self.wait([f"{key}/done"], timeout)
+
+    def clone(self) -> Store:
+        """A new handle on the same store, for use from another thread."""
+        raise NotImplementedError

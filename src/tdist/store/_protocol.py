@@ -1,0 +1,205 @@
+"""The store wire protocol, sans-IO: bytes in, frames out; frames in, bytes out.
+
+Theory of operation. Every message in either direction is one frame::
+
+    u32 body_length | u8 code | u32 field_count | field_count x (u32 length | bytes)
+
+little-endian, where ``body_length`` counts everything after itself. ``code`` is an ``Op`` for a
+request and a ``Status`` for a reply; integers travel as 8-byte signed fields. A connection
+opens with the server's ``HELLO`` (protocol version, whether a secret is required, a nonce, the
+server's TCP port); when a secret is required the client's first frame must be ``AUTH`` and is
+limited to ``MAX_AUTH_FRAME`` bytes, so nothing larger is read before the peer is trusted.
+Requests on one connection are answered in order, one reply each; a blocking request (``GET``,
+``WAIT``, ``MULTI_GET``, ``QUEUE_POP``) carries its timeout, and the server itself answers
+``ERROR timeout`` when it expires, so the connection never falls out of step.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import NamedTuple
+
+from .._core.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "MAX_AUTH_FRAME",
+    "PROTOCOL_VERSION",
+    "ErrorKind",
+    "Frame",
+    "FrameDecoder",
+    "Op",
+    "Status",
+    "decode_int",
+    "encode_frame",
+    "encode_int",
+]
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 1 << 30  # 1 GiB
+MAX_AUTH_FRAME = 256
+
+HEADER = struct.Struct("<IBI")  # body_length, code, field_count
+FIELD_LEN = struct.Struct("<I")
+INT = struct.Struct("<q")
+# body_length counts code + field_count + fields
+_BODY_FIXED = HEADER.size - 4
+
+
+class Op(IntEnum):
+    HELLO = 1
+    AUTH = 2
+    AUTH_OK = 3
+    SET = 10
+    GET = 11
+    ADD = 12
+    COMPARE_SET = 13
+    WAIT = 14
+    CHECK = 15
+    DELETE = 16
+    NUM_KEYS = 17
+    MULTI_GET = 18
+    MULTI_SET = 19
+    APPEND = 20
+    LIST_KEYS = 21
+    QUEUE_PUSH = 22
+    QUEUE_POP = 23
+    QUEUE_LEN = 24
+    PING = 25
+
+
+class Status(IntEnum):
+    OK = 100
+    ERROR = 101
+
+
+class ErrorKind:
+    """The first field of an ``ERROR`` reply."""
+
+    TIMEOUT = b"timeout"
+    VALUE = b"value"
+    QUEUE_EMPTY = b"queue_empty"
+    PROTOCOL = b"protocol"
+    AUTH = b"auth"
+    TOO_LARGE = b"too_large"
+
+
+class Frame(NamedTuple):
+    code: int
+    fields: list[bytes]
+
+
+def encode_int(value: int) -> bytes:
+    try:
+        return INT.pack(value)
+    except struct.error as exc:
+        raise LocalProtocolError(f"integer {value} does not fit in 64 bits") from exc
+
+
+def decode_int(field: bytes) -> int:
+    if len(field) != INT.size:
+        raise RemoteProtocolError(f"expected an 8-byte integer field, got {len(field)} bytes")
+    value: int = INT.unpack(field)[0]
+    return value
+
+
+def encode_frame(code: int, fields: list[bytes] | tuple[bytes, ...] = ()) -> bytes:
+    """One frame as bytes."""
+    parts = [b""]
+    body = _BODY_FIXED
+    pack_len = FIELD_LEN.pack
+    for f in fields:
+        n = len(f)
+        parts.append(pack_len(n))
+        parts.append(f)
+        body += 4 + n
+    if body > 0xFFFFFFFF:
+        raise LocalProtocolError(f"frame of {body} bytes is larger than the protocol allows")
+    parts[0] = HEADER.pack(body, code, len(fields))
+    return b"".join(parts)
+
+
+def parse_body(code: int, count: int, body: memoryview | bytes, start: int, end: int) -> Frame:
+    """Split the fields of a frame whose fields lie in ``body[start:end]``."""
+    if count > (end - start) // 4:
+        raise RemoteProtocolError(f"frame claims {count} fields in {end - start} bytes")
+    fields: list[bytes] = []
+    pos = start
+    unpack_len = FIELD_LEN.unpack_from
+    for _ in range(count):
+        if pos + 4 > end:
+            raise RemoteProtocolError("frame ends inside a field length")
+        (n,) = unpack_len(body, pos)
+        pos += 4
+        if pos + n > end:
+            raise RemoteProtocolError(f"field of {n} bytes runs past the end of its frame")
+        fields.append(bytes(body[pos : pos + n]))
+        pos += n
+    if pos != end:
+        raise RemoteProtocolError(f"{end - pos} stray bytes after the last field of a frame")
+    return Frame(code, fields)
+
+
+class FrameDecoder:
+    """Accumulates received bytes and yields complete frames.
+
+    ``max_frame`` bounds the body length a peer may announce; a larger announcement raises
+    ``RemoteProtocolError`` before any of it is buffered.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._pos = 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    def pending_length(self) -> int | None:
+        """The announced body length of the frame being received, if its header is in."""
+        if len(self._buf) - self._pos < 4:
+            return None
+        n: int = FIELD_LEN.unpack_from(self._buf, self._pos)[0]
+        return n
+
+    def next_frame(self) -> Frame | None:
+        """The next complete frame, or ``None`` when more bytes are needed.
+
+        Raises:
+            RemoteProtocolError: the bytes cannot be a frame (too large, malformed).
+        """
+        buf = self._buf
+        pos = self._pos
+        avail = len(buf) - pos
+        if avail < 4:
+            return None
+        body_len, code, count = (
+            HEADER.unpack_from(buf, pos) if avail >= HEADER.size else (FIELD_LEN.unpack_from(buf, pos)[0], 0, 0)
+        )
+        if body_len > self.max_frame:
+            raise RemoteProtocolError(
+                f"frame of {body_len} bytes exceeds the limit of {self.max_frame} bytes"
+            )
+        if body_len < _BODY_FIXED:
+            raise RemoteProtocolError(f"frame body of {body_len} bytes is shorter than its header")
+        if avail < 4 + body_len:
+            return None
+        end = pos + 4 + body_len
+        with memoryview(buf) as view:
+            frame = parse_body(code, count, view, pos + HEADER.size, end)
+        self._pos = end
+        if end == len(buf):
+            buf.clear()
+            self._pos = 0
+        elif end > (1 << 20) and end > len(buf) // 2:
+            del buf[:end]
+            self._pos = 0
+        return frame

@@ -1,0 +1,738 @@
+"""The store server: one selector loop over every client connection.
+
+Theory of operation. One thread runs a ``selectors`` loop: it accepts connections (TCP, plus a
+Unix-domain socket for clients on the same host, which is several times faster), reads bytes
+into each connection's ``FrameDecoder`` and executes complete requests against one ``KVState``.
+A request that must wait (``GET``/``WAIT``/``MULTI_GET`` on a missing key, ``QUEUE_POP`` on an
+empty queue) parks a waiter on the first missing key and a timer; the connection reads no
+further request until the waiter is answered, so replies stay in order. Any write that changes
+a key re-checks the waiters parked on it. A connection that breaks the protocol gets an error
+frame and is closed; nothing a client sends can stop the loop or touch other clients' keys.
+
+The loop runs in a thread, or (the default for ``TCPStore``) in a forked child process that
+serves nothing else, so a busy Python parent holding the GIL cannot slow the store down. The
+child exits when its parent closes the control pipe or dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import heapq
+import itertools
+import logging
+import os
+import selectors
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from .._core import auth
+from .._core.deadline import Clock
+from .._core.errors import DistNetworkError, RemoteProtocolError, StoreValueError
+from ._protocol import (
+    DEFAULT_MAX_FRAME,
+    MAX_AUTH_FRAME,
+    PROTOCOL_VERSION,
+    ErrorKind,
+    Frame,
+    FrameDecoder,
+    Op,
+    Status,
+    decode_int,
+    encode_frame,
+    encode_int,
+)
+from ._state import KVState
+
+__all__ = ["StoreServer", "unix_address"]
+
+log = logging.getLogger(__name__)
+
+_RECV_SIZE = 1 << 18
+_MAX_BACKLOG_FRAMES = 4  # bytes buffered behind a blocked request, in units of max_frame
+_OPEN_WARNED = False
+
+
+def unix_address(port: int) -> str:
+    """The abstract Unix-socket name a server on TCP ``port`` also listens on."""
+    return f"\0tdist-store-{port}"
+
+
+def _decode_key(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise RemoteProtocolError(f"store key is not UTF-8: {raw[:40]!r}") from None
+
+
+def _timeout_arg(raw: bytes) -> float | None:
+    ms = decode_int(raw)
+    return None if ms < 0 else ms / 1000.0
+
+
+class _Waiter:
+    __slots__ = ("conn", "deadline", "done", "keys", "op", "parked_on", "timeout")
+
+    def __init__(self, conn: _Conn, op: int, keys: list[str], timeout: float | None, now: float) -> None:
+        self.conn = conn
+        self.op = op
+        self.keys = keys
+        self.timeout = timeout
+        self.deadline = None if timeout is None else now + timeout
+        self.done = False
+        self.parked_on: str | None = None
+
+
+class _Conn:
+    __slots__ = (
+        "addr",
+        "authed",
+        "blocked",
+        "closed",
+        "decoder",
+        "nonce",
+        "out",
+        "sock",
+        "writing",
+    )
+
+    def __init__(self, sock: socket.socket, addr: str, authed: bool, max_frame: int) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.authed = authed
+        self.decoder = FrameDecoder(max_frame if authed else MAX_AUTH_FRAME)
+        self.out = bytearray()
+        self.blocked: _Waiter | None = None
+        self.closed = False
+        self.writing = False
+        self.nonce = b""
+
+
+class StoreServer:
+    """A store server bound to ``host:port`` (``port=0`` picks a free port).
+
+    Args:
+        host: the address to bind; ``""``, ``"0.0.0.0"`` or ``"::"`` bind every interface.
+        port: the TCP port; 0 picks a free one (read it back from ``port``).
+        secret: the shared secret clients must prove; ``None`` reads ``TDIST_SECRET``, and with
+            neither the store is open to anyone who can connect (as torch's is).
+        max_frame: the largest request accepted, in bytes.
+        unix: also listen on an abstract Unix socket for same-host clients.
+        clock: the monotonic clock (injectable for tests).
+
+    Raises:
+        DistNetworkError: the address cannot be bound (in use, not local).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: str | bytes | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        unix: bool = True,
+        clock: Clock = time.monotonic,
+        auth_timeout: float = 30.0,
+        backlog: int = 2048,
+        listen_fd: int | None = None,
+    ) -> None:
+        self.host = host
+        self.secret = auth.resolve_secret(secret)
+        self.max_frame = max_frame
+        self.auth_timeout = auth_timeout
+        self._clock = clock
+        self._state = KVState()
+        self._parked: dict[str, list[_Waiter]] = {}
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._ready: deque[_Conn] = deque()
+        self._conns: set[_Conn] = set()
+        self._stop_requested = False
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+        self._control_w: int | None = None
+        self._listeners: list[socket.socket] = []
+        if listen_fd is not None:
+            self._tcp = socket.socket(fileno=listen_fd)
+        else:
+            self._tcp = self._bind_tcp(host, port, backlog)
+        self.port: int = self._tcp.getsockname()[1]
+        self._listeners.append(self._tcp)
+        self._unix: socket.socket | None = None
+        if unix:
+            self._unix = self._bind_unix(self.port, backlog)
+            if self._unix is not None:
+                self._listeners.append(self._unix)
+        global _OPEN_WARNED
+        if self.secret is None and not _OPEN_WARNED:
+            _OPEN_WARNED = True
+            log.warning(
+                "store server on %s:%d accepts any client: no secret given "
+                "(pass secret= or set TDIST_SECRET to require one)",
+                host or "*",
+                self.port,
+            )
+        self._handlers: dict[int, Callable[[_Conn, list[bytes]], None]] = {
+            Op.SET: self._op_set,
+            Op.GET: self._op_get,
+            Op.ADD: self._op_add,
+            Op.COMPARE_SET: self._op_compare_set,
+            Op.WAIT: self._op_wait,
+            Op.CHECK: self._op_check,
+            Op.DELETE: self._op_delete,
+            Op.NUM_KEYS: self._op_num_keys,
+            Op.MULTI_GET: self._op_multi_get,
+            Op.MULTI_SET: self._op_multi_set,
+            Op.APPEND: self._op_append,
+            Op.LIST_KEYS: self._op_list_keys,
+            Op.QUEUE_PUSH: self._op_queue_push,
+            Op.QUEUE_POP: self._op_queue_pop,
+            Op.QUEUE_LEN: self._op_queue_len,
+            Op.PING: self._op_ping,
+        }
+
+    # -- binding -------------------------------------------------------------------------------
+    @staticmethod
+    def _bind_tcp(host: str, port: int, backlog: int) -> socket.socket:
+        if host in ("", "0.0.0.0", "::", "*"):
+            family, addr = socket.AF_INET6, ("::", port)
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except OSError:
+                family, addr = socket.AF_INET, ("0.0.0.0", port)
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            bind_addr: tuple[str, int] | tuple[str, int, int, int] = addr
+        else:
+            try:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                raise DistNetworkError(
+                    f"cannot start a store server on {host}:{port}: the host name does not "
+                    f"resolve ({exc})"
+                ) from exc
+            family, _, _, _, bind_addr = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(bind_addr)
+            sock.listen(backlog)
+        except OSError as exc:
+            sock.close()
+            hint = (
+                "another process is using the port; pick another or pass port=0"
+                if exc.errno == errno.EADDRINUSE
+                else "check that the address belongs to this host"
+            )
+            raise DistNetworkError(
+                f"cannot start a store server on {host}:{port}: {exc.strerror or exc}; {hint}"
+            ) from exc
+        return sock
+
+    @staticmethod
+    def _bind_unix(port: int, backlog: int) -> socket.socket | None:
+        if os.environ.get("TDIST_STORE_UNIX", "1") == "0":
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(unix_address(port))
+            sock.listen(backlog)
+        except OSError:
+            # another server with this port number in another address: TCP only for us
+            sock.close()
+            return None
+        return sock
+
+    # -- running -------------------------------------------------------------------------------
+    def start(self, mode: str = "process") -> None:
+        """Serve in the background: ``"process"`` (a forked child) or ``"thread"``."""
+        r, w = os.pipe()
+        self._control_w = w
+        if mode == "thread":
+            self._thread = threading.Thread(
+                target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
+            )
+            self._thread.start()
+            return
+        if mode != "process":
+            raise ValueError(f"store server mode must be 'process' or 'thread', got {mode!r}")
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: serve, then leave without running the parent's exit handlers
+            code = 0
+            try:
+                os.close(w)
+                self._prepare_child(r)
+                self._serve_and_close(r, parent_pid=parent)
+            except BaseException:
+                log.exception("store server on port %d failed", self.port)
+                code = 1
+            finally:
+                os._exit(code)
+        self._pid = pid
+        os.close(r)
+        for sock in self._listeners:
+            sock.close()
+
+    def _prepare_child(self, control_r: int) -> None:
+        keep = {0, 1, 2, control_r, *(s.fileno() for s in self._listeners)}
+        with contextlib.suppress(OSError):
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                if fd not in keep:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        gc.freeze()  # the parent's heap is not ours to scan: keep its pages shared
+
+    def _serve_and_close(self, control_r: int, parent_pid: int | None = None) -> None:
+        try:
+            self.serve_forever(control_r, parent_pid=parent_pid)
+        finally:
+            os.close(control_r)
+            for sock in self._listeners:
+                sock.close()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and release the port; waits up to ``timeout`` seconds."""
+        if self._control_w is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._control_w)
+            self._control_w = None
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        elif self._pid is not None:
+            pid, self._pid = self._pid, None
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+                    break
+                time.sleep(0.002)
+        else:
+            for sock in self._listeners:
+                sock.close()
+
+    def serve_forever(self, control_fd: int | None = None, parent_pid: int | None = None) -> None:
+        """Run the loop in this thread until ``control_fd`` reads EOF (or the parent dies)."""
+        sel = selectors.DefaultSelector()
+        self._sel = sel
+        for sock in self._listeners:
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ, sock)
+        if control_fd is not None:
+            sel.register(control_fd, selectors.EVENT_READ, None)
+        try:
+            while not self._stop_requested:
+                timeout = 1.0
+                if self._timers:
+                    timeout = min(timeout, max(0.0, self._timers[0][0] - self._clock()))
+                for key, mask in sel.select(timeout):
+                    data = key.data
+                    if isinstance(data, _Conn):
+                        if mask & selectors.EVENT_READ:
+                            self._on_readable(data)
+                        if mask & selectors.EVENT_WRITE and not data.closed:
+                            self._flush(data)
+                    elif data is None:
+                        self._stop_requested = True
+                    else:
+                        self._accept(data)
+                self._run_timers()
+                self._drain_ready()
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    log.info("store server on port %d: parent %d exited", self.port, parent_pid)
+                    break
+        finally:
+            for conn in list(self._conns):
+                self._close(conn, None)
+            sel.close()
+
+    # -- connections ---------------------------------------------------------------------------
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(64):
+            try:
+                sock, peer = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: log, keep serving the others
+                log.warning("store server on port %d: accept failed: %s", self.port, exc)
+                return
+            sock.setblocking(False)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                addr = f"{peer[0]}:{peer[1]}"
+            else:
+                addr = "unix"
+            conn = _Conn(sock, addr, self.secret is None, self.max_frame)
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.nonce = auth.make_nonce()
+            hello = [
+                encode_int(PROTOCOL_VERSION),
+                b"\x01" if self.secret is not None else b"\x00",
+                conn.nonce,
+                encode_int(self.port),
+            ]
+            conn.out += encode_frame(Op.HELLO, hello)
+            self._flush(conn)
+            if self.secret is not None:
+                self._add_timer(self._clock() + self.auth_timeout, lambda c=conn: self._auth_expired(c))
+
+    def _auth_expired(self, conn: _Conn) -> None:
+        if not conn.closed and not conn.authed:
+            self._close(conn, f"no authentication within {self.auth_timeout:g} s")
+
+    def _close(self, conn: _Conn, reason: str | None) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        if reason is not None:
+            log.info("store server on port %d: closing client %s: %s", self.port, conn.addr, reason)
+        waiter = conn.blocked
+        if waiter is not None:
+            waiter.done = True
+            self._unpark(waiter)
+            conn.blocked = None
+        self._conns.discard(conn)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close(conn, f"receive failed: {exc}")
+            return
+        if not data:
+            self._close(conn, "client closed the connection" if conn.decoder.buffered == 0
+                        else "client closed the connection in the middle of a request")
+            return
+        conn.decoder.feed(data)
+        if conn.blocked is not None and conn.decoder.buffered > _MAX_BACKLOG_FRAMES * self.max_frame:
+            self._close(conn, "too many bytes sent behind a blocked request")
+            return
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        while not conn.closed and conn.blocked is None:
+            try:
+                frame = conn.decoder.next_frame()
+            except RemoteProtocolError as exc:
+                kind = ErrorKind.TOO_LARGE if "exceeds the limit" in str(exc) else ErrorKind.PROTOCOL
+                if not conn.authed and kind == ErrorKind.TOO_LARGE:
+                    kind = ErrorKind.AUTH
+                    exc = RemoteProtocolError("the first frame must be a small AUTH frame")
+                self._reply_error(conn, kind, str(exc))
+                self._flush(conn)
+                self._close(conn, str(exc))
+                return
+            if frame is None:
+                break
+            self._dispatch(conn, frame)
+        if not conn.closed:
+            self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if not conn.out:
+            return
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._close(conn, f"send failed: {exc}")
+            return
+        del conn.out[:sent]
+        want_write = bool(conn.out)
+        if want_write != conn.writing:
+            conn.writing = want_write
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
+            self._sel.modify(conn.sock, events, conn)
+
+    def _drain_ready(self) -> None:
+        while self._ready:
+            conn = self._ready.popleft()
+            if not conn.closed:
+                self._process(conn)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _dispatch(self, conn: _Conn, frame: Frame) -> None:
+        code, fields = frame
+        if not conn.authed:
+            self._authenticate(conn, frame)
+            return
+        handler = self._handlers.get(code)
+        if handler is None:
+            self._reply_error(conn, ErrorKind.PROTOCOL, f"unknown store command {code}")
+            log.info("store server on port %d: client %s sent unknown command %d",
+                     self.port, conn.addr, code)
+            return
+        try:
+            handler(conn, fields)
+        except StoreValueError as exc:
+            self._reply_error(conn, ErrorKind.VALUE, str(exc))
+        except (RemoteProtocolError, IndexError, ValueError) as exc:
+            msg = str(exc) if isinstance(exc, RemoteProtocolError) else (
+                f"malformed {Op(code).name} request: {exc}")
+            self._reply_error(conn, ErrorKind.PROTOCOL, msg)
+            log.info("store server on port %d: client %s: %s", self.port, conn.addr, msg)
+
+    def _authenticate(self, conn: _Conn, frame: Frame) -> None:
+        assert self.secret is not None
+        code, fields = frame
+        ok = (
+            code == Op.AUTH
+            and len(fields) == 2
+            and len(fields[0]) == auth.NONCE_SIZE
+            and auth.verify(auth.client_proof(self.secret, conn.nonce, fields[0]), fields[1])
+        )
+        if not ok:
+            self._reply_error(conn, ErrorKind.AUTH, "authentication failed: wrong or missing secret")
+            self._flush(conn)
+            log.warning("store server on port %d: client %s failed authentication",
+                        self.port, conn.addr)
+            self._close(conn, None)
+            return
+        conn.authed = True
+        conn.decoder.max_frame = self.max_frame
+        conn.out += encode_frame(Op.AUTH_OK, [auth.server_proof(self.secret, conn.nonce, fields[0])])
+
+    def _reply(self, conn: _Conn, fields: list[bytes] | tuple[bytes, ...] = ()) -> None:
+        conn.out += encode_frame(Status.OK, fields)
+
+    def _reply_error(self, conn: _Conn, kind: bytes, message: str, extra: list[bytes] | None = None) -> None:
+        conn.out += encode_frame(Status.ERROR, [kind, message.encode(), *(extra or [])])
+
+    @staticmethod
+    def _nargs(fields: list[bytes], n: int, op: str) -> None:
+        if len(fields) != n:
+            raise RemoteProtocolError(f"{op} takes {n} fields, got {len(fields)}")
+
+    def _op_set(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 2, "SET")
+        key = _decode_key(f[0])
+        self._state.set(key, f[1])
+        self._reply(conn)
+        self._changed(key)
+
+    def _op_get(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 2, "GET")
+        key = _decode_key(f[0])
+        value = self._state.data.get(key)
+        if value is not None:
+            self._reply(conn, (value,))
+        else:
+            self._park(conn, Op.GET, [key], _timeout_arg(f[1]))
+
+    def _op_add(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 2, "ADD")
+        key = _decode_key(f[0])
+        value = self._state.add(key, decode_int(f[1]))
+        self._reply(conn, (encode_int(value),))
+        self._changed(key)
+
+    def _op_compare_set(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 3, "COMPARE_SET")
+        key = _decode_key(f[0])
+        value, changed = self._state.compare_set(key, f[1], f[2])
+        self._reply(conn, (value,))
+        if changed:
+            self._changed(key)
+
+    def _op_wait(self, conn: _Conn, f: list[bytes]) -> None:
+        if not f:
+            raise RemoteProtocolError("WAIT needs a timeout field")
+        keys = [_decode_key(k) for k in f[1:]]
+        if not self._state.missing(keys):
+            self._reply(conn)
+        else:
+            self._park(conn, Op.WAIT, keys, _timeout_arg(f[0]))
+
+    def _op_check(self, conn: _Conn, f: list[bytes]) -> None:
+        keys = [_decode_key(k) for k in f]
+        present = self._state.present
+        self._reply(conn, (b"\x01" if all(present(k) for k in keys) else b"\x00",))
+
+    def _op_delete(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 1, "DELETE")
+        self._reply(conn, (b"\x01" if self._state.delete(_decode_key(f[0])) else b"\x00",))
+
+    def _op_num_keys(self, conn: _Conn, f: list[bytes]) -> None:
+        self._reply(conn, (encode_int(self._state.num_keys()),))
+
+    def _op_multi_get(self, conn: _Conn, f: list[bytes]) -> None:
+        if not f:
+            raise RemoteProtocolError("MULTI_GET needs a timeout field")
+        keys = [_decode_key(k) for k in f[1:]]
+        if not self._state.missing(keys):
+            data = self._state.data
+            self._reply(conn, [data[k] for k in keys])
+        else:
+            self._park(conn, Op.MULTI_GET, keys, _timeout_arg(f[0]))
+
+    def _op_multi_set(self, conn: _Conn, f: list[bytes]) -> None:
+        if len(f) % 2:
+            raise RemoteProtocolError("MULTI_SET takes key/value pairs")
+        keys = [_decode_key(k) for k in f[0::2]]
+        for key, value in zip(keys, f[1::2], strict=True):
+            self._state.set(key, value)
+        self._reply(conn)
+        for key in keys:
+            self._changed(key)
+
+    def _op_append(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 2, "APPEND")
+        key = _decode_key(f[0])
+        self._state.append(key, f[1])
+        self._reply(conn)
+        self._changed(key)
+
+    def _op_list_keys(self, conn: _Conn, f: list[bytes]) -> None:
+        self._reply(conn, [k.encode() for k in self._state.list_keys()])
+
+    def _op_queue_push(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 2, "QUEUE_PUSH")
+        key = _decode_key(f[0])
+        self._state.queue_push(key, f[1])
+        self._reply(conn)
+        self._changed(key)
+
+    def _op_queue_pop(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 2, "QUEUE_POP")
+        key = _decode_key(f[0])
+        value = self._state.queue_pop(key)
+        if value is not None:
+            self._reply(conn, (value,))
+            return
+        timeout_ms = decode_int(f[1])
+        if timeout_ms == -2:  # non-blocking
+            self._reply_error(conn, ErrorKind.QUEUE_EMPTY, f"queue {key!r} is empty")
+            return
+        self._park(conn, Op.QUEUE_POP, [key], None if timeout_ms < 0 else timeout_ms / 1000.0)
+
+    def _op_queue_len(self, conn: _Conn, f: list[bytes]) -> None:
+        self._nargs(f, 1, "QUEUE_LEN")
+        self._reply(conn, (encode_int(self._state.queue_len(_decode_key(f[0]))),))
+
+    def _op_ping(self, conn: _Conn, f: list[bytes]) -> None:
+        self._reply(conn, f)
+
+    # -- waiting -------------------------------------------------------------------------------
+    def _park(self, conn: _Conn, op: int, keys: list[str], timeout: float | None) -> None:
+        now = self._clock()
+        waiter = _Waiter(conn, op, keys, timeout, now)
+        conn.blocked = waiter
+        if op == Op.QUEUE_POP:
+            self._park_on(waiter, keys[0])
+        else:
+            self._park_on(waiter, self._state.missing(keys)[0])
+        if waiter.deadline is not None:
+            self._add_timer(waiter.deadline, lambda w=waiter: self._expire(w))
+
+    def _park_on(self, waiter: _Waiter, key: str) -> None:
+        waiter.parked_on = key
+        self._parked.setdefault(key, []).append(waiter)
+
+    def _unpark(self, waiter: _Waiter) -> None:
+        key = waiter.parked_on
+        if key is None:
+            return
+        waiter.parked_on = None
+        lst = self._parked.get(key)
+        if lst is not None:
+            with contextlib.suppress(ValueError):
+                lst.remove(waiter)
+            if not lst:
+                del self._parked[key]
+
+    def _changed(self, key: str) -> None:
+        waiters = self._parked.pop(key, None)
+        if not waiters:
+            return
+        state = self._state
+        for i, waiter in enumerate(waiters):
+            if waiter.done:
+                continue
+            waiter.parked_on = None
+            if waiter.op == Op.QUEUE_POP:
+                value = state.queue_pop(key)
+                if value is None:
+                    # the queue ran dry: the rest wait on, in their order
+                    rest = [w for w in waiters[i:] if not w.done]
+                    for w in rest:
+                        w.parked_on = key
+                    if rest:
+                        self._parked.setdefault(key, [])[:0] = rest
+                    return
+                self._finish(waiter, (value,))
+                continue
+            missing = state.missing(waiter.keys)
+            if missing:
+                self._park_on(waiter, missing[0])
+                continue
+            if waiter.op == Op.WAIT:
+                self._finish(waiter, ())
+            else:
+                data = state.data
+                self._finish(waiter, [data[k] for k in waiter.keys])
+
+    def _finish(self, waiter: _Waiter, fields: list[bytes] | tuple[bytes, ...]) -> None:
+        waiter.done = True
+        conn = waiter.conn
+        conn.blocked = None
+        if conn.closed:
+            return
+        self._reply(conn, fields)
+        self._ready.append(conn)
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.done:
+            return
+        self._unpark(waiter)
+        waiter.done = True
+        conn = waiter.conn
+        conn.blocked = None
+        if conn.closed:
+            return
+        missing = waiter.keys if waiter.op == Op.QUEUE_POP else self._state.missing(waiter.keys)
+        assert waiter.timeout is not None
+        self._reply_error(
+            conn,
+            ErrorKind.TIMEOUT,
+            f"timed out after {waiter.timeout * 1000:.0f} ms",
+            [encode_int(round(waiter.timeout * 1000)), *(k.encode() for k in missing)],
+        )
+        self._ready.append(conn)
+
+    def _add_timer(self, when: float, callback: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (when, next(self._seq), callback))
+
+    def _run_timers(self) -> None:
+        timers = self._timers
+        if not timers:
+            return
+        now = self._clock()
+        while timers and timers[0][0] <= now:
+            _, _, callback = heapq.heappop(timers)
+            callback()

@@ -1,0 +1,98 @@
+"""Key-value semantics shared by the store server and ``HashStore``: pure, no I/O, no locks.
+
+Callers serialize access (the server's single loop, or ``HashStore``'s lock). Each mutating
+method returns nothing; callers learn which keys changed from the method they called.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .._core.errors import StoreValueError
+
+__all__ = ["KVState", "parse_counter"]
+
+
+def parse_counter(key: str, raw: bytes) -> int:
+    """The integer stored at ``key`` (as decimal text, as torch stores it)."""
+    try:
+        text = raw.decode("ascii").strip()
+        return int(text)
+    except (UnicodeDecodeError, ValueError):
+        shown = raw[:40]
+        raise StoreValueError(
+            f"add: key {key!r} holds {shown!r}{'...' if len(raw) > 40 else ''}, which is not an "
+            "integer; add only works on keys created by add or set to decimal text"
+        ) from None
+
+
+class KVState:
+    """The data of a store: a dict of bytes and a dict of FIFO queues."""
+
+    __slots__ = ("data", "queues")
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.queues: dict[str, deque[bytes]] = {}
+
+    def present(self, key: str) -> bool:
+        """Set, or a non-empty queue (``wait``/``check`` work on queues, as in torch)."""
+        return key in self.data or bool(self.queues.get(key))
+
+    def missing(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if not self.present(k)]
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def add(self, key: str, amount: int) -> int:
+        raw = self.data.get(key)
+        value = amount if raw is None else parse_counter(key, raw) + amount
+        self.data[key] = str(value).encode()
+        return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
+        """Returns (value reported to the caller, whether the key changed)."""
+        current = self.data.get(key)
+        if current is None:
+            if expected == b"":
+                self.data[key] = desired
+                return desired, True
+            return expected, False
+        if current == expected:
+            self.data[key] = desired
+            return desired, True
+        return current, False
+
+    def append(self, key: str, value: bytes) -> None:
+        self.data[key] = self.data.get(key, b"") + value
+
+    def delete(self, key: str) -> bool:
+        found = self.data.pop(key, None) is not None
+        if self.queues.pop(key, None) is not None:
+            found = True
+        return found
+
+    def num_keys(self) -> int:
+        return len(self.data) + sum(1 for k, q in self.queues.items() if q and k not in self.data)
+
+    def list_keys(self) -> list[str]:
+        keys = list(self.data)
+        keys.extend(k for k, q in self.queues.items() if q and k not in self.data)
+        return keys
+
+    def queue_push(self, key: str, value: bytes) -> None:
+        self.queues.setdefault(key, deque()).append(value)
+
+    def queue_pop(self, key: str) -> bytes | None:
+        q = self.queues.get(key)
+        if not q:
+            return None
+        value = q.popleft()
+        if not q:
+            del self.queues[key]
+        return value
+
+    def queue_len(self, key: str) -> int:
+        q = self.queues.get(key)
+        return len(q) if q else 0

@@ -1,0 +1,521 @@
+"""``TCPStore``: the client, and the server it starts when it is the master.
+
+A client keeps one connection and makes one request at a time on it (a lock serializes threads;
+``clone()`` gives a thread its own connection). On the server's host it connects over the
+server's abstract Unix socket, which is several times faster than loopback TCP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+from .._core import auth
+from .._core.errors import (
+    AuthenticationError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    QueueEmptyError,
+    StoreTimeoutError,
+    StoreValueError,
+)
+from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
+from ._protocol import (
+    PROTOCOL_VERSION,
+    ErrorKind,
+    Frame,
+    FrameDecoder,
+    Op,
+    Status,
+    decode_int,
+    encode_frame,
+    encode_int,
+)
+from ._server import StoreServer, unix_address
+
+__all__ = ["TCPStore"]
+
+log = logging.getLogger(__name__)
+
+_INIT_KEY = "init/"
+# how long past a blocking request's own timeout the client waits for the server's answer
+_GRACE = 5.0
+_WILDCARD = ("", "0.0.0.0", "::", "*")
+
+_tenants_lock = threading.Lock()
+_tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _is_local(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (in this network namespace)."""
+    if host in _WILDCARD:
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+                return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((ip, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _server_mode() -> str:
+    mode = os.environ.get("TDIST_STORE_SERVER", "process")
+    return mode if mode in ("process", "thread") else "process"
+
+
+class TCPStore(Store):
+    """A store served over TCP by the master (``is_master=True``) and reached by clients.
+
+    Args:
+        host_name: the server's host name or address (the master binds it).
+        port: the server's port; the master may pass 0 for a free one (read ``port``).
+        world_size: the number of store users; with ``wait_for_workers`` the master waits for
+            all of them to connect.
+        is_master: start the server in this process (in a forked child by default, so that a
+            busy parent cannot slow it; ``TDIST_STORE_SERVER=thread`` keeps it in a thread).
+        timeout: the default timeout of connecting and of blocking calls.
+        wait_for_workers: see ``world_size``.
+        multi_tenant: masters in one process with the same host and port share one server.
+        master_listen_fd: an already listening socket for the server to use.
+        use_libuv: accepted for compatibility with torch; ignored.
+        secret: the job's shared secret (default ``TDIST_SECRET``); without one the store is
+            open to anyone who can connect, as torch's is.
+
+    Raises:
+        DistNetworkError: the server cannot be reached or bound.
+        AuthenticationError: the secrets do not match.
+        StoreTimeoutError: the master's wait for workers expired.
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
+        *,
+        secret: str | bytes | None = None,
+        max_frame: int | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        if not isinstance(host_name, str):
+            raise TypeError(f"TCPStore host_name must be str, got {type(host_name).__name__}")
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"TCPStore port must be int, got {type(port).__name__}")
+        if not 0 <= port < 65536:
+            raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
+        if world_size is not None and world_size < 1 and world_size != -1:
+            raise ValueError(f"TCPStore world_size must be positive, got {world_size}")
+        if world_size == -1:
+            world_size = None
+        if not is_master and port == 0:
+            raise ValueError("TCPStore: a client (is_master=False) needs the server's port, not 0")
+        self._host = host_name
+        self._secret = auth.resolve_secret(secret)
+        self._is_master = is_master
+        self._world_size = world_size
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder()
+        self._transport = "tcp"
+        self._pid = os.getpid()
+        self._broken: DistError | None = None
+        self._server: StoreServer | None = None
+        self._tenant_key: tuple[str, int] | None = None
+        self._closed = False
+        if is_master:
+            self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
+        else:
+            self._port = port
+        self._connect_host = "127.0.0.1" if host_name in _WILDCARD else host_name
+        try:
+            self._connect(self._timeout_seconds(None))
+            if world_size is not None and wait_for_workers:
+                joined = self.add(_INIT_KEY, 1)
+                if is_master and joined < world_size:
+                    self._wait_for_workers(world_size)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _start_server(
+        self, host: str, port: int, multi_tenant: bool, listen_fd: int | None, max_frame: int | None
+    ) -> None:
+        key = (host, port)
+        with _tenants_lock:
+            if multi_tenant and port != 0 and key in _tenants:
+                server, refs = _tenants[key]
+                _tenants[key] = (server, refs + 1)
+                self._server, self._tenant_key, self._port = server, key, server.port
+                return
+            kwargs = {} if max_frame is None else {"max_frame": max_frame}
+            server = StoreServer(host, port, secret=self._secret, listen_fd=listen_fd, **kwargs)
+            server.start(_server_mode())
+            self._server, self._port = server, server.port
+            if multi_tenant:
+                self._tenant_key = (host, server.port)
+                _tenants[self._tenant_key] = (server, 1)
+                if port == 0:
+                    _tenants[key] = (server, 1)
+
+    def _wait_for_workers(self, world_size: int) -> None:
+        timeout = self._timeout_seconds(None)
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            joined = self.add(_INIT_KEY, 0)
+            if joined >= world_size:
+                return
+            if time.monotonic() >= deadline:
+                raise StoreTimeoutError(
+                    f"TCPStore master on {self._host}:{self._port} timed out after {timeout:g} s "
+                    f"waiting for workers: {joined}/{world_size} clients joined; check that every "
+                    "rank was started and reaches this address"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    @property
+    def _addr(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    def _connect(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        last_exc: BaseException | None = None
+        try_unix = _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
+        while True:
+            sock: socket.socket | None = None
+            try:
+                if try_unix:
+                    sock = self._try_unix(deadline)
+                if sock is None:
+                    remaining = max(0.05, deadline - time.monotonic())
+                    sock = socket.create_connection((self._connect_host, self._port), timeout=remaining)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._transport = "tcp"
+                    self._handshake(sock, deadline)
+                self._sock = sock
+                self._decoder = FrameDecoder()
+                self._pid = os.getpid()
+                return
+            except AuthenticationError:
+                if sock is not None:
+                    sock.close()
+                raise
+            except (OSError, DistNetworkError) as exc:
+                if sock is not None:
+                    sock.close()
+                last_exc = exc
+            if time.monotonic() + delay > deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        raise DistNetworkError(
+            f"could not connect to the store at {self._addr} within {timeout:g} s "
+            f"(last error: {last_exc}); check that the master process is running and that "
+            "the host and port (MASTER_ADDR/MASTER_PORT) are right"
+        ) from last_exc
+
+    def _try_unix(self, deadline: float) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            sock.connect(unix_address(self._port))
+            self._transport = "unix"
+            port = self._handshake(sock, deadline)
+        except (OSError, DistNetworkError) as exc:
+            sock.close()
+            if isinstance(exc, AuthenticationError):
+                raise
+            return None
+        if port != self._port:  # not our server: another one shares the port number
+            sock.close()
+            return None
+        return sock
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> int:
+        """Read HELLO, prove the secret if asked; returns the server's TCP port."""
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        decoder = FrameDecoder(4096)
+        hello = self._read_frame(sock, decoder, "handshake")
+        if hello.code != Op.HELLO or len(hello.fields) != 4:
+            raise DistNetworkError(f"{self._addr} did not answer as a tdist store server")
+        version = decode_int(hello.fields[0])
+        if version != PROTOCOL_VERSION:
+            raise DistNetworkError(
+                f"store at {self._addr} speaks protocol version {version}, we speak "
+                f"{PROTOCOL_VERSION}: run the same tdist version everywhere"
+            )
+        needs_auth = hello.fields[1] == b"\x01"
+        port = decode_int(hello.fields[3])
+        if needs_auth:
+            if self._secret is None:
+                raise AuthenticationError(
+                    f"the store at {self._addr} requires a secret: pass secret= or set "
+                    "TDIST_SECRET to the job's secret"
+                )
+            nonce = auth.make_nonce()
+            sock.sendall(encode_frame(Op.AUTH, [nonce, auth.client_proof(self._secret, hello.fields[2], nonce)]))
+            reply = self._read_frame(sock, decoder, "authentication")
+            if reply.code != Op.AUTH_OK or not auth.verify(
+                auth.server_proof(self._secret, hello.fields[2], nonce), reply.fields[0] if reply.fields else b""
+            ):
+                raise AuthenticationError(
+                    f"the store at {self._addr} rejected our secret (or could not prove its "
+                    "own): every process of the job must use the same TDIST_SECRET"
+                )
+        return port
+
+    def _read_frame(self, sock: socket.socket, decoder: FrameDecoder, what: str) -> Frame:
+        while True:
+            frame = decoder.next_frame()
+            if frame is not None:
+                return frame
+            data = sock.recv(65536)
+            if not data:
+                raise DistNetworkError(f"the store at {self._addr} closed the connection during {what}")
+            decoder.feed(data)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _call(self, op: Op, fields: Sequence[bytes], wait: float | None = None) -> list[bytes]:
+        """One request/reply. ``wait`` is the server-side timeout of a blocking request."""
+        frame_bytes = encode_frame(op, tuple(fields))
+        io_timeout = self._timeout_seconds(None) if wait is None else wait + _GRACE
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._sock is None or self._pid != os.getpid():
+                self._reconnect()
+            sock = self._sock
+            assert sock is not None
+            decoder = self._decoder
+            try:
+                if sock.gettimeout() != io_timeout:
+                    sock.settimeout(io_timeout)
+                sock.sendall(frame_bytes)
+                while True:
+                    frame = decoder.next_frame()
+                    if frame is not None:
+                        break
+                    pending = decoder.pending_length()
+                    size = 65536 if pending is None else max(65536, min(pending - decoder.buffered, 1 << 24))
+                    data = sock.recv(size)
+                    if not data:
+                        raise ConnectionResetError("connection closed by the server")
+                    decoder.feed(data)
+            except TimeoutError as exc:
+                err: DistError = StoreTimeoutError(
+                    f"the store at {self._addr} did not answer {op.name} within {io_timeout:g} s; "
+                    "the server may be stalled or overloaded"
+                )
+                self._fail(err)
+                raise err from exc
+            except (OSError, DistStoreError) as exc:
+                err = DistNetworkError(
+                    f"lost the connection to the store at {self._addr} during {op.name} ({exc}); "
+                    "the server process may have exited or the network failed"
+                )
+                self._fail(err)
+                raise err from exc
+        if frame.code == Status.OK:
+            return frame.fields
+        raise self._error(op, frame, wait)
+
+    def _fail(self, err: DistError) -> None:
+        self._broken = err
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _reconnect(self) -> None:
+        # a forked child must not share its parent's connection
+        self._sock = None
+        self._connect(self._timeout_seconds(None))
+
+    def _error(self, op: Op, frame: Frame, wait: float | None) -> DistError:
+        fields = frame.fields
+        kind = fields[0] if fields else b""
+        message = fields[1].decode(errors="replace") if len(fields) > 1 else "unknown error"
+        if kind == ErrorKind.TIMEOUT:
+            ms = decode_int(fields[2]) if len(fields) > 2 else 0
+            missing = [k.decode(errors="replace") for k in fields[3:]]
+            return StoreTimeoutError(
+                f"wait timeout after {ms}ms, keys: {', '.join(missing)} "
+                f"({op.name} on the store at {self._addr}; the process that sets them may be "
+                "slow, dead, or using other keys)"
+            )
+        if kind == ErrorKind.VALUE:
+            return StoreValueError(message)
+        if kind == ErrorKind.QUEUE_EMPTY:
+            return QueueEmptyError(message)
+        if kind == ErrorKind.AUTH:
+            return AuthenticationError(f"store at {self._addr}: {message}")
+        if kind == ErrorKind.TOO_LARGE:
+            err = DistStoreError(f"store at {self._addr} refused {op.name}: {message}")
+            self._fail(err)
+            return err
+        return DistStoreError(f"store at {self._addr} refused {op.name}: {message}")
+
+    def _wait_ms(self, timeout: timedelta | float | None) -> tuple[bytes, float]:
+        seconds = self._timeout_seconds(timeout)
+        return encode_int(round(seconds * 1000)), seconds
+
+    # -- the Store API -------------------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        """The server's host name, as given."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The server's TCP port (the chosen one when created with port 0)."""
+        return self._port
+
+    @property
+    def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
+        return False
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call(Op.SET, (check_key(key).encode(), as_bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        ms, seconds = self._wait_ms(None)
+        return self._call(Op.GET, (check_key(key).encode(), ms), seconds)[0]
+
+    def add(self, key: str, amount: int) -> int:
+        if isinstance(amount, bool) or not isinstance(amount, int):
+            raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
+        return decode_int(self._call(Op.ADD, (check_key(key).encode(), encode_int(amount)))[0])
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        fields = (check_key(key).encode(), as_bytes(expected_value), as_bytes(desired_value))
+        return self._call(Op.COMPARE_SET, fields)[0]
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        ms, seconds = self._wait_ms(timeout)
+        self._call(Op.WAIT, (ms, *(check_key(k).encode() for k in keys)), seconds)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._call(Op.CHECK, [check_key(k).encode() for k in keys])[0] == b"\x01"
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(Op.DELETE, (check_key(key).encode(),))[0] == b"\x01"
+
+    def num_keys(self) -> int:
+        return decode_int(self._call(Op.NUM_KEYS, ())[0])
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        ms, seconds = self._wait_ms(None)
+        return self._call(Op.MULTI_GET, (ms, *(check_key(k).encode() for k in keys)), seconds)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        fields: list[bytes] = []
+        for k, v in zip(keys, values, strict=True):
+            fields.append(check_key(k).encode())
+            fields.append(as_bytes(v))
+        self._call(Op.MULTI_SET, fields)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._call(Op.APPEND, (check_key(key).encode(), as_bytes(value)))
+
+    def list_keys(self) -> list[str]:
+        return [k.decode() for k in self._call(Op.LIST_KEYS, ())]
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self._call(Op.QUEUE_PUSH, (check_key(key).encode(), as_bytes(value)))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        if not block:
+            return self._call(Op.QUEUE_POP, (check_key(key).encode(), encode_int(-2)))[0]
+        ms, seconds = self._wait_ms(None)
+        return self._call(Op.QUEUE_POP, (check_key(key).encode(), ms), seconds)[0]
+
+    def queue_len(self, key: str) -> int:
+        return decode_int(self._call(Op.QUEUE_LEN, (check_key(key).encode(),))[0])
+
+    def ping(self, payload: bytes = b"") -> bytes:
+        """A round trip to the server (for health checks and benchmarks)."""
+        fields = self._call(Op.PING, (payload,) if payload else ())
+        return fields[0] if fields else b""
+
+    def clone(self) -> TCPStore:
+        """A new client connection to the same server, for use from another thread."""
+        return TCPStore(
+            self._connect_host,
+            self._port,
+            None,
+            False,
+            self._timeout,
+            wait_for_workers=False,
+            secret=self._secret,
+        )
+
+    @property
+    def transport(self) -> str:
+        """How this client reaches the server: ``"unix"`` or ``"tcp"``."""
+        return self._transport
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection; a master also stops its server (when no tenant shares it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self._tenant_key is not None:
+            with _tenants_lock:
+                entry = _tenants.get(self._tenant_key)
+                if entry is not None and entry[1] > 1:
+                    for k, (s, refs) in list(_tenants.items()):
+                        if s is server:
+                            _tenants[k] = (s, refs - 1)
+                    return
+                for k, (s, _) in list(_tenants.items()):
+                    if s is server:
+                        del _tenants[k]
+        server.stop()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __repr__(self) -> str:
+        role = "master" if self._is_master else "client"
+        return f"TCPStore({self._addr}, {role}, via {self._transport})"
+
