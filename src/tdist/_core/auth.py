@@ -15,8 +15,8 @@ import os
 import secrets as _secrets
 
 __all__ = [
-    "NONCE_SIZE",
     "MAC_SIZE",
+    "NONCE_SIZE",
     "client_proof",
     "make_nonce",
     "new_secret",

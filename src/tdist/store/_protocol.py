@@ -17,6 +17,7 @@ Requests on one connection are answered in order, one reply each; a blocking req
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -104,8 +105,19 @@ def decode_int(field: bytes) -> int:
     return value
 
 
-def encode_frame(code: int, fields: list[bytes] | tuple[bytes, ...] = ()) -> bytes:
+_LEN1 = struct.Struct("<IBII")
+_LEN2 = struct.Struct("<I")
+
+
+def encode_frame(code: int, fields: Sequence[bytes] = ()) -> bytes:
     """One frame as bytes."""
+    n = len(fields)
+    if n == 1:
+        f0 = fields[0]
+        return _LEN1.pack(9 + len(f0), code, 1, len(f0)) + f0
+    if n == 2:
+        f0, f1 = fields
+        return b"".join((_LEN1.pack(13 + len(f0) + len(f1), code, 2, len(f0)), f0, _LEN2.pack(len(f1)), f1))
     parts = [b""]
     body = _BODY_FIXED
     pack_len = FIELD_LEN.pack
@@ -122,21 +134,25 @@ def encode_frame(code: int, fields: list[bytes] | tuple[bytes, ...] = ()) -> byt
 
 def parse_body(code: int, count: int, body: memoryview | bytes, start: int, end: int) -> Frame:
     """Split the fields of a frame whose fields lie in ``body[start:end]``."""
-    if count > (end - start) // 4:
+    if count > (end - start) >> 2:
         raise RemoteProtocolError(f"frame claims {count} fields in {end - start} bytes")
     fields: list[bytes] = []
+    append = fields.append
+    unpack = FIELD_LEN.unpack_from
     pos = start
-    unpack_len = FIELD_LEN.unpack_from
-    for _ in range(count):
-        if pos + 4 > end:
-            raise RemoteProtocolError("frame ends inside a field length")
-        (n,) = unpack_len(body, pos)
-        pos += 4
-        if pos + n > end:
-            raise RemoteProtocolError(f"field of {n} bytes runs past the end of its frame")
-        fields.append(bytes(body[pos : pos + n]))
-        pos += n
+    copy = not isinstance(body, bytes)
+    try:
+        for _ in range(count):
+            (n,) = unpack(body, pos)
+            pos += 4
+            field = body[pos : pos + n]
+            pos += n
+            append(bytes(field) if copy else field)  # type: ignore[arg-type]
+    except struct.error:
+        raise RemoteProtocolError("frame ends inside a field length") from None
     if pos != end:
+        if pos > end:
+            raise RemoteProtocolError("a field runs past the end of its frame")
         raise RemoteProtocolError(f"{end - pos} stray bytes after the last field of a frame")
     return Frame(code, fields)
 
@@ -162,6 +178,18 @@ class FrameDecoder:
             self._buf.clear()
             self._pos = 0
         self._buf += data
+
+    def parse_whole(self, data: bytes) -> Frame | None:
+        """Fast path: ``data`` is exactly one frame and nothing is buffered; else ``None``.
+
+        A ``None`` leaves the decoder unchanged: feed the data and use ``next_frame``.
+        """
+        if self._pos != len(self._buf) or len(data) < HEADER.size:
+            return None
+        body_len, code, count = HEADER.unpack_from(data, 0)
+        if body_len + 4 != len(data) or body_len > self.max_frame:
+            return None
+        return parse_body(code, count, data, HEADER.size, len(data))
 
     def pending_length(self) -> int | None:
         """The announced body length of the frame being received, if its header is in."""

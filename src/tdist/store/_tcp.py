@@ -12,9 +12,11 @@ import functools
 import ipaddress
 import logging
 import os
+import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -30,6 +32,7 @@ from .._core.errors import (
 )
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
 from ._protocol import (
+    DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
     ErrorKind,
     Frame,
@@ -51,6 +54,8 @@ _INIT_KEY = "init/"
 _GRACE = 5.0
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
+_MAX_UNACKED = 1024
+_thread_servers: set[int] = set()  # ids of servers running in a thread of this process
 _tenants_lock = threading.Lock()
 _tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
 
@@ -76,6 +81,14 @@ def _is_local(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def _client_spin() -> float:
+    """Seconds a client polls for a reply before sleeping; none while this process serves a
+    store from a thread, which the spinning caller would starve of the GIL."""
+    if _thread_servers:
+        return 0.0
+    return float(os.environ.get("TDIST_STORE_SPIN_US", "200")) / 1e6
 
 
 def _server_mode() -> str:
@@ -148,6 +161,8 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_key: tuple[str, int] | None = None
         self._closed = False
+        self._unacked: deque[str] = deque()
+        self._spin = _client_spin()
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
         else:
@@ -174,9 +189,18 @@ class TCPStore(Store):
                 _tenants[key] = (server, refs + 1)
                 self._server, self._tenant_key, self._port = server, key, server.port
                 return
-            kwargs = {} if max_frame is None else {"max_frame": max_frame}
-            server = StoreServer(host, port, secret=self._secret, listen_fd=listen_fd, **kwargs)
-            server.start(_server_mode())
+            server = StoreServer(
+                host,
+                port,
+                secret=self._secret,
+                listen_fd=listen_fd,
+                max_frame=DEFAULT_MAX_FRAME if max_frame is None else max_frame,
+            )
+            mode = _server_mode()
+            server.start(mode)
+            if mode == "thread":
+                _thread_servers.add(id(server))
+                self._spin = 0.0
             self._server, self._port = server, server.port
             if multi_tenant:
                 self._tenant_key = (host, server.port)
@@ -221,8 +245,10 @@ class TCPStore(Store):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self._transport = "tcp"
                     self._handshake(sock, deadline)
+                sock.setblocking(False)
                 self._sock = sock
                 self._decoder = FrameDecoder()
+                self._unacked.clear()
                 self._pid = os.getpid()
                 return
             except AuthenticationError:
@@ -306,30 +332,19 @@ class TCPStore(Store):
     # -- requests ------------------------------------------------------------------------------
     def _call(self, op: Op, fields: Sequence[bytes], wait: float | None = None) -> list[bytes]:
         """One request/reply. ``wait`` is the server-side timeout of a blocking request."""
-        frame_bytes = encode_frame(op, tuple(fields))
+        frame_bytes = encode_frame(op, fields)
         io_timeout = self._timeout_seconds(None) if wait is None else wait + _GRACE
         with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            if self._sock is None or self._pid != os.getpid():
-                self._reconnect()
-            sock = self._sock
-            assert sock is not None
-            decoder = self._decoder
+            sock = self._ready_socket()
             try:
-                if sock.gettimeout() != io_timeout:
-                    sock.settimeout(io_timeout)
-                sock.sendall(frame_bytes)
-                while True:
-                    frame = decoder.next_frame()
-                    if frame is not None:
-                        break
-                    pending = decoder.pending_length()
-                    size = 65536 if pending is None else max(65536, min(pending - decoder.buffered, 1 << 24))
-                    data = sock.recv(size)
-                    if not data:
-                        raise ConnectionResetError("connection closed by the server")
-                    decoder.feed(data)
+                self._send(sock, frame_bytes, io_timeout)
+                deferred: DistError | None = None
+                while self._unacked:
+                    ack = self._read_reply(sock, io_timeout)
+                    acked = self._unacked.popleft()
+                    if ack.code != Status.OK and deferred is None:
+                        deferred = self._error(Op.SET, ack, None, f" (an earlier set of {acked!r})")
+                frame = self._read_reply(sock, io_timeout)
             except TimeoutError as exc:
                 err: DistError = StoreTimeoutError(
                     f"the store at {self._addr} did not answer {op.name} within {io_timeout:g} s; "
@@ -337,16 +352,149 @@ class TCPStore(Store):
                 )
                 self._fail(err)
                 raise err from exc
-            except (OSError, DistStoreError) as exc:
-                err = DistNetworkError(
-                    f"lost the connection to the store at {self._addr} during {op.name} ({exc}); "
-                    "the server process may have exited or the network failed"
-                )
-                self._fail(err)
-                raise err from exc
+            except OSError as exc:
+                raise self._lost(op, exc) from exc
+        if deferred is not None:
+            raise deferred
         if frame.code == Status.OK:
             return frame.fields
         raise self._error(op, frame, wait)
+
+    def _call_unacked(self, op: Op, key: str, fields: Sequence[bytes]) -> None:
+        """Send a write whose acknowledgement is read later, before the next request.
+
+        Like torch, ``set`` does not wait for a round trip; unlike torch, a server that is
+        already gone is noticed here (and a later failure at the next request), never lost.
+        """
+        frame_bytes = encode_frame(op, fields)
+        io_timeout = self._timeout_seconds(None)
+        with self._lock:
+            sock = self._ready_socket()
+            try:
+                # Over a Unix socket a send to a closed peer fails at once (EPIPE); over TCP
+                # the first send after the server closed still succeeds, so look for its EOF.
+                if self._unacked and (self._transport == "tcp" or len(self._unacked) >= _MAX_UNACKED):
+                    self._collect_acks(sock, io_timeout, block=len(self._unacked) >= _MAX_UNACKED)
+                elif self._transport == "tcp":
+                    self._check_open(sock)
+                self._send(sock, frame_bytes, io_timeout)
+            except TimeoutError as exc:
+                err: DistError = StoreTimeoutError(
+                    f"the store at {self._addr} did not take {op.name} within {io_timeout:g} s; "
+                    "the server may be stalled or overloaded"
+                )
+                self._fail(err)
+                raise err from exc
+            except OSError as exc:
+                raise self._lost(op, exc) from exc
+            self._unacked.append(key)
+
+    def _collect_acks(self, sock: socket.socket, io_timeout: float, block: bool) -> None:
+        """Read the acknowledgements that have arrived (all of them when ``block``)."""
+        while self._unacked:
+            frame: Frame | None
+            if block:
+                frame = self._read_reply(sock, io_timeout)
+            else:
+                frame = self._decoder.next_frame()
+                if frame is None:
+                    try:
+                        data = sock.recv(65536)
+                    except BlockingIOError:
+                        return
+                    if not data:
+                        raise ConnectionResetError("connection closed by the server")
+                    self._decoder.feed(data)
+                    continue
+            acked = self._unacked.popleft()
+            if frame.code != Status.OK:
+                raise self._error(Op.SET, frame, None, f" (an earlier set of {acked!r})")
+
+    @staticmethod
+    def _check_open(sock: socket.socket) -> None:
+        try:
+            data = sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        if not data:
+            raise ConnectionResetError("connection closed by the server")
+
+    def _ready_socket(self) -> socket.socket:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise DistStoreError(f"TCPStore client for {self._addr} is closed")
+        if self._sock is None or self._pid != os.getpid():
+            self._reconnect()
+        assert self._sock is not None
+        return self._sock
+
+    def _lost(self, op: Op, exc: BaseException) -> DistError:
+        err = DistNetworkError(
+            f"lost the connection to the store at {self._addr} during {op.name} ({exc}); "
+            "the server process may have exited or the network failed"
+        )
+        self._fail(err)
+        return err
+
+    def _send(self, sock: socket.socket, data: bytes, io_timeout: float) -> None:
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        view = memoryview(data)[sent:]
+        deadline = time.monotonic() + io_timeout
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        while view:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(remaining * 1000):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("send timed out")
+                continue
+            try:
+                sent = sock.send(view)
+            except BlockingIOError:
+                continue
+            view = view[sent:]
+
+    def _read_reply(self, sock: socket.socket, io_timeout: float) -> Frame:
+        """The next frame: spin briefly (replies usually come within microseconds), then sleep."""
+        decoder = self._decoder
+        frame = decoder.next_frame()
+        if frame is not None:
+            return frame
+        spin_until = time.perf_counter() + self._spin
+        poller: select.poll | None = None
+        deadline = 0.0
+        while True:
+            pending = decoder.pending_length()
+            size = 65536 if pending is None else max(65536, min(pending + 4 - decoder.buffered, 1 << 24))
+            try:
+                data = sock.recv(size)
+            except BlockingIOError:
+                if time.perf_counter() < spin_until:
+                    continue
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(sock, select.POLLIN)
+                    deadline = time.monotonic() + io_timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not poller.poll(remaining * 1000):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError("no reply") from None
+                continue
+            if not data:
+                raise ConnectionResetError("connection closed by the server")
+            frame = decoder.parse_whole(data)
+            if frame is not None:
+                return frame
+            decoder.feed(data)
+            frame = decoder.next_frame()
+            if frame is not None:
+                return frame
 
     def _fail(self, err: DistError) -> None:
         self._broken = err
@@ -360,10 +508,10 @@ class TCPStore(Store):
         self._sock = None
         self._connect(self._timeout_seconds(None))
 
-    def _error(self, op: Op, frame: Frame, wait: float | None) -> DistError:
+    def _error(self, op: Op, frame: Frame, wait: float | None, context: str = "") -> DistError:
         fields = frame.fields
         kind = fields[0] if fields else b""
-        message = fields[1].decode(errors="replace") if len(fields) > 1 else "unknown error"
+        message = (fields[1].decode(errors="replace") if len(fields) > 1 else "unknown error") + context
         if kind == ErrorKind.TIMEOUT:
             ms = decode_int(fields[2]) if len(fields) > 2 else 0
             missing = [k.decode(errors="replace") for k in fields[3:]]
@@ -400,11 +548,11 @@ class TCPStore(Store):
         return self._port
 
     @property
-    def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
+    def libuvBackend(self) -> bool:
         return False
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(Op.SET, (check_key(key).encode(), as_bytes(value)))
+        self._call_unacked(Op.SET, key, (check_key(key).encode(), as_bytes(value)))
 
     def get(self, key: str) -> bytes:
         ms, seconds = self._wait_ms(None)
@@ -492,6 +640,9 @@ class TCPStore(Store):
             return
         self._closed = True
         if self._sock is not None:
+            if self._unacked and self._pid == os.getpid():
+                with contextlib.suppress(OSError, DistError), self._lock:
+                    self._collect_acks(self._sock, min(5.0, self._timeout_seconds(None)), block=True)
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
@@ -509,6 +660,7 @@ class TCPStore(Store):
                 for k, (s, _) in list(_tenants.items()):
                     if s is server:
                         del _tenants[k]
+        _thread_servers.discard(id(server))
         server.stop()
 
     def __del__(self) -> None:
