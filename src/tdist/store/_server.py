@@ -378,10 +378,14 @@ class StoreServer:
                 for fd, mask in events:
                     data = fdmap.get(fd)
                     if isinstance(data, _Conn):
-                        if mask & readable:
-                            self._on_readable(data)
-                        if mask & select.EPOLLOUT and not data.closed:
-                            self._flush(data)
+                        try:
+                            if mask & readable:
+                                self._on_readable(data)
+                            if mask & select.EPOLLOUT and not data.closed:
+                                self._flush(data)
+                        except Exception as exc:  # a bug must cost one connection, not the store
+                            log.exception("store server on port %d: error serving %s", self.port, data.addr)
+                            self._close(data, f"internal error: {exc!r}")
                     elif data is None:
                         if fd in fdmap:
                             self._stop_requested = True
@@ -470,7 +474,10 @@ class StoreServer:
                         else "client closed the connection in the middle of a request")
             return
         if conn.blocked is None and conn.authed:
-            frame = conn.decoder.parse_whole(data)
+            try:
+                frame = conn.decoder.parse_whole(data)
+            except RemoteProtocolError:
+                frame = None  # the slow path below reports it
             if frame is not None:  # the common case: exactly one request arrived
                 self._dispatch(conn, frame)
                 if conn.blocked is None and not conn.closed:
@@ -523,7 +530,11 @@ class StoreServer:
         while self._ready:
             conn = self._ready.popleft()
             if not conn.closed:
-                self._process(conn)
+                try:
+                    self._process(conn)
+                except Exception as exc:
+                    log.exception("store server on port %d: error serving %s", self.port, conn.addr)
+                    self._close(conn, f"internal error: {exc!r}")
 
     # -- requests ------------------------------------------------------------------------------
     def _dispatch(self, conn: _Conn, frame: Frame) -> None:

@@ -597,7 +597,8 @@ class TCPStore(Store):
         self._call(Op.APPEND, (check_key(key).encode(), as_bytes(value)))
 
     def list_keys(self) -> list[str]:
-        return [k.decode() for k in self._call(Op.LIST_KEYS, ())]
+        # like torch, the workers' join counter is counted by num_keys but not listed
+        return [k.decode() for k in self._call(Op.LIST_KEYS, ()) if k != b"init/"]
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         self._call(Op.QUEUE_PUSH, (check_key(key).encode(), as_bytes(value)))
@@ -639,13 +640,19 @@ class TCPStore(Store):
         if self._closed:
             return
         self._closed = True
-        if self._sock is not None:
-            if self._unacked and self._pid == os.getpid():
-                with contextlib.suppress(OSError, DistError), self._lock:
-                    self._collect_acks(self._sock, min(5.0, self._timeout_seconds(None)), block=True)
-            with contextlib.suppress(OSError):
-                self._sock.close()
-            self._sock = None
+        # wait (briefly) for a call in flight on another thread rather than close under it
+        locked = self._lock.acquire(timeout=5.0)
+        try:
+            if self._sock is not None:
+                if self._unacked and self._pid == os.getpid():
+                    with contextlib.suppress(OSError, DistError):
+                        self._collect_acks(self._sock, min(5.0, self._timeout_seconds(None)), block=True)
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+                self._sock = None
+        finally:
+            if locked:
+                self._lock.release()
         server, self._server = self._server, None
         if server is None:
             return

@@ -1,0 +1,443 @@
+"""TCPStore over real sockets: API semantics, errors, authentication, bad input, failures."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+import tdist as dist
+from tdist._core.errors import (
+    AuthenticationError,
+    DistNetworkError,
+    DistStoreError,
+    QueueEmptyError,
+    StoreTimeoutError,
+    StoreValueError,
+)
+from tdist.store._protocol import HEADER, FrameDecoder, Op, Status, encode_frame, encode_int
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=["process", "thread"])
+def master(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[dist.TCPStore]:
+    monkeypatch.setenv("TDIST_STORE_SERVER", request.param)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    yield store
+    store.close()
+
+
+def client_of(store: dist.TCPStore, **kw: object) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", store.port, timeout=timedelta(seconds=5), **kw)  # type: ignore[arg-type]
+
+
+def raw_connect(port: int) -> tuple[socket.socket, FrameDecoder]:
+    """A bare TCP connection that has read the server's HELLO."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    dec = FrameDecoder()
+    while (hello := dec.next_frame()) is None:
+        dec.feed(sock.recv(4096))
+    assert hello.code == Op.HELLO
+    return sock, dec
+
+
+def read_frame(sock: socket.socket, dec: FrameDecoder) -> object:
+    while (frame := dec.next_frame()) is None:
+        data = sock.recv(65536)
+        if not data:
+            return None
+        dec.feed(data)
+    return frame
+
+
+def test_documented_examples(master: dist.TCPStore) -> None:
+    # torch's docs: one internal key coordinates the workers, so one set gives 2 keys
+    master.set("first_key", "first_value")
+    assert master.num_keys() == 2
+    assert master.get("first_key") == b"first_value"
+    assert master.add("counter", 1) == 1
+    assert master.add("counter", 6) == 7
+    assert master.get("counter") == b"7"
+    assert master.delete_key("first_key") is True
+    assert master.delete_key("first_key") is False
+    assert master.timeout == timedelta(seconds=10)
+    master.set_timeout(timedelta(seconds=3))
+    assert master.timeout == timedelta(seconds=3)
+
+
+def test_same_answers_as_torch(master: dist.TCPStore) -> None:
+    torch_dist = pytest.importorskip("torch.distributed")
+    theirs = torch_dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    ours = master
+
+    def script(s: object) -> list[object]:
+        out: list[object] = []
+        out.append(s.compare_set("k", "", "v1"))  # type: ignore[attr-defined]
+        out.append(s.compare_set("k", "x", "v2"))  # type: ignore[attr-defined]
+        out.append(s.compare_set("k", "v1", "v3"))  # type: ignore[attr-defined]
+        out.append(s.compare_set("nokey", "abc", "v"))  # type: ignore[attr-defined]
+        out.append(s.check(["nokey"]))  # type: ignore[attr-defined]
+        out.append(s.add("c", 5))  # type: ignore[attr-defined]
+        out.append(s.add("c", -7))  # type: ignore[attr-defined]
+        s.append("a", "x")  # type: ignore[attr-defined]
+        s.append("a", b"\x00y")  # type: ignore[attr-defined]
+        out.append(s.multi_get(["a", "c", "k"]))  # type: ignore[attr-defined]
+        s.multi_set(["m1", "m2"], ["1", b"2"])  # type: ignore[attr-defined]
+        out.append(s.get("m2"))  # type: ignore[attr-defined]
+        out.append(s.check(["m1", "m2"]))  # type: ignore[attr-defined]
+        out.append(s.num_keys())  # type: ignore[attr-defined]
+        out.append(sorted(s.list_keys()))  # type: ignore[attr-defined]
+        s.queue_push("q", "1")  # type: ignore[attr-defined]
+        s.queue_push("q", "2")  # type: ignore[attr-defined]
+        out.append(s.queue_len("q"))  # type: ignore[attr-defined]
+        out.append(s.queue_pop("q"))  # type: ignore[attr-defined]
+        out.append(s.delete_key("m1"))  # type: ignore[attr-defined]
+        out.append(s.delete_key("m1"))  # type: ignore[attr-defined]
+        return out
+
+    assert script(ours) == script(theirs)
+
+
+def test_get_waits_for_set(master: dist.TCPStore) -> None:
+    other = client_of(master)
+    threading.Timer(0.2, lambda: other.set("late", b"here")).start()
+    t0 = time.monotonic()
+    assert master.get("late") == b"here"
+    assert 0.1 < time.monotonic() - t0 < 5
+    other.close()
+
+
+def test_timeouts_name_keys_time_and_address(master: dist.TCPStore) -> None:
+    master.set("present", "1")
+    with pytest.raises(StoreTimeoutError) as info:
+        master.wait(["present", "absent1", "absent2"], timedelta(seconds=0.2))
+    msg = str(info.value)
+    assert "absent1" in msg and "absent2" in msg and "present," not in msg
+    assert "200ms" in msg and f"127.0.0.1:{master.port}" in msg
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, DistStoreError)
+    master.set_timeout(timedelta(seconds=0.1))
+    with pytest.raises(StoreTimeoutError, match="missing_key"):
+        master.get("missing_key")
+    with pytest.raises(StoreTimeoutError):
+        master.multi_get(["present", "nope"])
+    # the connection stays in step after timeouts
+    assert master.get("present") == b"1"
+    assert master.check(["present"]) is True
+
+
+def test_add_on_non_number_raises_and_connection_survives(master: dist.TCPStore) -> None:
+    master.set("text", "abc")
+    with pytest.raises(StoreValueError, match="'text'"):
+        master.add("text", 1)
+    assert master.add("num", 2) == 2
+    assert master.get("text") == b"abc"
+
+
+def test_queue(master: dist.TCPStore) -> None:
+    with pytest.raises(QueueEmptyError):
+        master.queue_pop("q", block=False)
+    other = client_of(master)
+    threading.Timer(0.1, lambda: other.queue_push("q", b"item")).start()
+    assert master.queue_pop("q") == b"item"
+    master.queue_push("w", "x")
+    master.wait(["w"], timedelta(seconds=1))  # wait works on a non-empty queue
+    other.close()
+
+
+def test_barrier_and_wait_from_many_threads(master: dist.TCPStore) -> None:
+    n = 6
+    stores = [master.clone() for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            s = stores[i]
+            s.barrier("b1", n, timedelta(seconds=10))
+            for _ in range(100):
+                s.add("count", 1)
+            s.set(f"done{i}", str(i))
+            s.wait([f"done{j}" for j in range(n)], timedelta(seconds=10))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert master.add("count", 0) == n * 100
+    for s in stores:
+        s.close()
+
+
+def test_master_waits_for_workers() -> None:
+    port_holder: list[int] = []
+    store_holder: list[dist.TCPStore] = []
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def make_master() -> None:
+        store_holder.append(dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=10)))
+
+    t = threading.Thread(target=make_master)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # still waiting for the second worker
+    worker = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=10))
+    t.join(10)
+    assert not t.is_alive() and store_holder
+    assert worker.num_keys() == 1
+    port_holder.append(port)
+    worker.close()
+    store_holder[0].close()
+    with pytest.raises(StoreTimeoutError, match="1/2 clients joined"):
+        dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=0.3))
+
+
+def test_client_connect_errors() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(DistNetworkError, match=f"127.0.0.1:{port}.*MASTER_ADDR"):
+        dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=0.5))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ValueError, match="port must have value from 0 to 65535"):
+        dist.TCPStore("127.0.0.1", 70000, is_master=True)
+
+
+def test_client_retries_until_server_starts() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    holder: list[dist.TCPStore] = []
+    threading.Timer(0.3, lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True))).start()
+    client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
+    client.set("x", "1")
+    assert client.get("x") == b"1"
+    client.close()
+    holder[0].close()
+
+
+def test_tcp_and_unix_paths_agree(master: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert master.transport == "unix"
+    monkeypatch.setenv("TDIST_STORE_UNIX", "0")
+    tcp = client_of(master)
+    assert tcp.transport == "tcp"
+    tcp.set("via", "tcp")
+    assert master.get("via") == b"tcp"
+    big = os.urandom(3 << 20)
+    tcp.set("big", big)
+    assert master.get("big") == big
+    assert tcp.get("big") == big
+    tcp.close()
+
+
+def test_set_to_a_gone_server_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    for unix in ("1", "0"):
+        monkeypatch.setenv("TDIST_STORE_UNIX", unix)
+        master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+        client = client_of(master)
+        client.set("a", "1")
+        assert client.get("a") == b"1"
+        master.close()
+        time.sleep(0.1)
+        with pytest.raises(DistNetworkError, match="lost the connection"):
+            client.set("b", "2")
+        with pytest.raises(DistNetworkError):
+            client.get("a")
+
+
+def test_multi_tenant_shares_one_server() -> None:
+    a = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True)
+    b = dist.TCPStore("127.0.0.1", a.port, is_master=True, multi_tenant=True)
+    a.set("shared", "yes")
+    assert b.get("shared") == b"yes"
+    a.close()
+    assert b.get("shared") == b"yes"  # b still holds the server
+    b.close()
+
+
+# -- authentication -----------------------------------------------------------------------------
+
+
+def test_authentication(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, secret="right", timeout=timedelta(seconds=5))
+    master.set("k", "v")
+    with pytest.raises(AuthenticationError, match="requires a secret"):
+        client_of(master)
+    with pytest.raises(AuthenticationError, match="rejected our secret"):
+        client_of(master, secret="wrong")
+    monkeypatch.setenv("TDIST_SECRET", "right")
+    good = client_of(master)
+    assert good.get("k") == b"v"
+    # a raw client that skips authentication gets nothing executed
+    sock, dec = raw_connect(master.port)
+    sock.sendall(encode_frame(Op.SET, (b"k", b"evil")))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.code == Status.ERROR and reply.fields[0] == b"auth"  # type: ignore[attr-defined]
+    assert read_frame(sock, dec) is None  # and is disconnected
+    sock.close()
+    # an unauthenticated client may not even announce a large frame
+    sock, dec = raw_connect(master.port)
+    sock.sendall(HEADER.pack(1 << 20, Op.SET, 2))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.fields[0] == b"auth"  # type: ignore[attr-defined]
+    sock.close()
+    assert good.get("k") == b"v"
+    good.close()
+    master.close()
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_input_never_takes_the_server_down(master: dist.TCPStore) -> None:
+    master.set("keep", "me")
+    survivor = client_of(master)
+    # unknown command: an error, and the connection stays usable
+    sock, dec = raw_connect(master.port)
+    sock.sendall(encode_frame(200, (b"x",)))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.code == Status.ERROR and b"unknown" in reply.fields[1]  # type: ignore[attr-defined]
+    sock.sendall(encode_frame(Op.GET, (b"keep", encode_int(1000))))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.fields == [b"me"]  # type: ignore[attr-defined]
+    # wrong field count: an error, connection usable
+    sock.sendall(encode_frame(Op.SET, (b"only-key",)))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.code == Status.ERROR  # type: ignore[attr-defined]
+    sock.close()
+    # a frame larger than the limit: error and closed
+    sock, dec = raw_connect(master.port)
+    sock.sendall(HEADER.pack(0xFFFFFFF0, Op.SET, 2))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.fields[0] == b"too_large"  # type: ignore[attr-defined]
+    sock.close()
+    # malformed framing: error and closed
+    sock, dec = raw_connect(master.port)
+    sock.sendall(HEADER.pack(5, Op.SET, 99))
+    reply = read_frame(sock, dec)
+    assert reply is not None and reply.fields[0] == b"protocol"  # type: ignore[attr-defined]
+    sock.close()
+    # disconnect in the middle of a frame, and a client that sends nothing at all
+    sock, _ = raw_connect(master.port)
+    sock.sendall(encode_frame(Op.SET, (b"half", b"x" * 1000))[:500])
+    sock.close()
+    idle, _ = raw_connect(master.port)
+    # a client that disconnects while its wait is parked
+    waiting = client_of(master)
+    outcome: list[BaseException] = []
+
+    def parked_get() -> None:
+        try:
+            waiting.get("never")
+        except DistNetworkError as exc:
+            outcome.append(exc)
+
+    th = threading.Thread(target=parked_get)
+    th.start()
+    time.sleep(0.1)
+    waiting._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    th.join(10)
+    assert len(outcome) == 1  # the client saw its connection go, at once
+    assert survivor.get("keep") == b"me"
+    assert survivor.check(["half"]) is False
+    assert master.get("keep") == b"me"
+    idle.close()
+    survivor.close()
+
+
+def test_fuzz_random_bytes_keep_keys_intact(master: dist.TCPStore) -> None:
+    rng = random.Random(7)
+    expected = {f"key{i}": rng.randbytes(rng.randint(0, 300)) for i in range(50)}
+    for k, v in expected.items():
+        master.set(k, v)
+    master.add("ctr", 41)
+    for i in range(150):
+        sock, _ = raw_connect(master.port)
+        try:
+            if i % 3 == 0:  # a valid header with garbage after it
+                sock.sendall(HEADER.pack(rng.randint(5, 400), rng.randint(0, 255), rng.randint(0, 50)))
+            sock.sendall(rng.randbytes(rng.randint(1, 2000)))
+            sock.settimeout(0.05)
+            try:
+                sock.recv(4096)
+            except OSError:
+                pass
+        finally:
+            sock.close()
+    checker = client_of(master)
+    for k, v in expected.items():
+        assert checker.get(k) == v
+    assert checker.add("ctr", 1) == 42
+    checker.close()
+
+
+# -- the server process ------------------------------------------------------------------------
+
+
+def test_server_process_exits_with_its_parent(tmp_path: object) -> None:
+    code = (
+        "import tdist, datetime, sys, time\n"
+        "s = tdist.TCPStore('127.0.0.1', 0, is_master=True)\n"
+        "s.set('alive', '1')\n"
+        "print(s.port, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=5))
+        assert client.get("alive") == b"1"
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        except OSError:
+            return  # the orphaned server went away
+        time.sleep(0.1)
+    pytest.fail("the store server outlived its parent process")
+
+
+def test_get_latency_while_parent_holds_the_gil(master: dist.TCPStore) -> None:
+    """The server must answer while the process that created it runs Python code."""
+    stop = threading.Event()
+
+    def busy() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    other = master.clone()
+    other.set("k", "v")
+    spinner = threading.Thread(target=busy)
+    spinner.start()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            assert other.get("k") == b"v"
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop.set()
+        spinner.join()
+    other.close()
+    assert elapsed < 5  # a hang or a lost wake-up would blow this by far

@@ -1,0 +1,159 @@
+"""The store wire protocol and key-value semantics, with bytes alone (no sockets)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tdist._core import auth
+from tdist._core.errors import LocalProtocolError, RemoteProtocolError, StoreValueError
+from tdist.store._protocol import (
+    HEADER,
+    FrameDecoder,
+    Op,
+    Status,
+    decode_int,
+    encode_frame,
+    encode_int,
+)
+from tdist.store._state import KVState
+
+FIELD_SETS = [
+    (),
+    (b"",),
+    (b"key",),
+    (b"key", b"value"),
+    (b"a", b"", b"ccc"),
+    tuple(bytes([i]) * i for i in range(20)),
+    (b"x" * 100_000, b"y"),
+]
+
+
+@pytest.mark.parametrize("fields", FIELD_SETS)
+def test_roundtrip(fields: tuple[bytes, ...]) -> None:
+    data = encode_frame(Op.SET, fields)
+    dec = FrameDecoder()
+    dec.feed(data)
+    frame = dec.next_frame()
+    assert frame is not None
+    assert frame.code == Op.SET
+    assert frame.fields == list(fields)
+    assert dec.next_frame() is None
+    assert dec.buffered == 0
+    whole = FrameDecoder().parse_whole(data)
+    assert whole == frame
+
+
+def test_byte_by_byte_and_batched() -> None:
+    frames = [encode_frame(Op.ADD, (b"k", encode_int(i))) for i in range(50)]
+    stream = b"".join(frames)
+    dec = FrameDecoder()
+    got = []
+    for i in range(len(stream)):
+        dec.feed(stream[i : i + 1])
+        while (f := dec.next_frame()) is not None:
+            got.append(decode_int(f.fields[1]))
+    assert got == list(range(50))
+    dec.feed(stream)
+    batch = []
+    while (f := dec.next_frame()) is not None:
+        batch.append(f)
+    assert len(batch) == 50
+
+
+def test_parse_whole_declines_partial_or_multiple() -> None:
+    one = encode_frame(Status.OK, (b"v",))
+    dec = FrameDecoder()
+    assert dec.parse_whole(one[:-1]) is None
+    assert dec.parse_whole(one + one) is None
+    dec.feed(one[:3])
+    assert dec.parse_whole(one) is None  # something is buffered: must go the slow way
+
+
+def test_oversized_frame_rejected_before_buffering() -> None:
+    dec = FrameDecoder(max_frame=1000)
+    dec.feed(HEADER.pack(10_000, Op.SET, 2))
+    with pytest.raises(RemoteProtocolError, match="exceeds the limit of 1000"):
+        dec.next_frame()
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (HEADER.pack(5, Op.SET, 1000), "claims 1000 fields"),
+        (HEADER.pack(5 + 4 + 2, Op.SET, 1) + (100).to_bytes(4, "little") + b"ab", "past the end"),
+        (HEADER.pack(5 + 2, Op.SET, 0) + b"zz", "stray bytes"),
+        ((2).to_bytes(4, "little") + b"\x01\x02", "shorter than its header"),
+        (HEADER.pack(5 + 8, Op.SET, 2) + (2).to_bytes(4, "little") + b"abzz", "inside a field length"),
+    ],
+)
+def test_malformed_frames(raw: bytes, match: str) -> None:
+    dec = FrameDecoder()
+    dec.feed(raw)
+    with pytest.raises(RemoteProtocolError, match=match):
+        dec.next_frame()
+
+
+def test_random_bytes_never_crash_the_decoder() -> None:
+    rng = random.Random(1234)
+    for _ in range(2000):
+        dec = FrameDecoder(max_frame=1 << 16)
+        dec.feed(rng.randbytes(rng.randint(0, 64)))
+        try:
+            while dec.next_frame() is not None:
+                pass
+        except RemoteProtocolError:
+            pass
+
+
+def test_ints() -> None:
+    for v in (0, 1, -1, 2**63 - 1, -(2**63)):
+        assert decode_int(encode_int(v)) == v
+    with pytest.raises(LocalProtocolError):
+        encode_int(2**63)
+    with pytest.raises(RemoteProtocolError):
+        decode_int(b"\x00" * 7)
+
+
+def test_kv_semantics_match_torch() -> None:
+    s = KVState()
+    # compare_set: missing key with empty expected sets; with other expected returns expected
+    assert s.compare_set("k", b"", b"v1") == (b"v1", True)
+    assert s.compare_set("k", b"x", b"v2") == (b"v1", False)
+    assert s.compare_set("k", b"v1", b"v3") == (b"v3", True)
+    assert s.compare_set("nokey", b"abc", b"v") == (b"abc", False)
+    assert "nokey" not in s.data
+    assert s.add("c", 5) == 5
+    assert s.add("c", -2) == 3
+    assert s.data["c"] == b"3"
+    s.set("n", b"abc")
+    with pytest.raises(StoreValueError, match=r"'n'.*not an integer"):
+        s.add("n", 1)
+    assert s.data["n"] == b"abc"
+    s.append("a", b"x")
+    s.append("a", b"y")
+    assert s.data["a"] == b"xy"
+    assert s.delete("a") is True
+    assert s.delete("a") is False
+    s.queue_push("q", b"1")
+    s.queue_push("q", b"2")
+    assert s.present("q") and s.queue_len("q") == 2
+    assert s.queue_pop("q") == b"1"
+    assert s.queue_pop("q") == b"2"
+    assert s.queue_pop("q") is None
+    assert not s.present("q")
+    assert sorted(s.list_keys()) == ["c", "k", "n"]
+    assert s.num_keys() == 3
+
+
+def test_auth_proofs() -> None:
+    secret = b"s3cret"
+    ns, nc = auth.make_nonce(), auth.make_nonce()
+    proof = auth.client_proof(secret, ns, nc)
+    assert auth.verify(auth.client_proof(secret, ns, nc), proof)
+    assert not auth.verify(auth.client_proof(b"other", ns, nc), proof)
+    # the two directions differ, so a proof cannot be reflected back
+    assert auth.server_proof(secret, ns, nc) != proof
+    assert auth.resolve_secret("abc") == b"abc"
+    assert auth.resolve_secret(b"") is None
