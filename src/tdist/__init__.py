@@ -8,6 +8,7 @@ from ._core.errors import (
     QueueEmptyError,
 )
 from .store import Store, TCPStore
+from .store._rendezvous import register_rendezvous_handler, rendezvous
 
 __all__ = [
     "DistBackendError",
@@ -17,4 +18,6 @@ __all__ = [
     "QueueEmptyError",
     "Store",
     "TCPStore",
+    "register_rendezvous_handler",
+    "rendezvous",
 ]

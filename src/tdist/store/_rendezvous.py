@@ -1,0 +1,332 @@
+"""``init_method`` URLs to ``(store, rank, world_size)``: ``torch.distributed.rendezvous``.
+
+Theory of operation. A rendezvous handler is a generator function registered for a URL scheme;
+``rendezvous(url)`` returns the generator and ``next()`` on it performs the rendezvous and
+yields the triple once. Asking for a second triple (a re-rendezvous) raises, as torch does: the
+static methods here cannot reconfigure a job.
+
+Three handlers ship, with torch's URLs, defaults and error messages:
+
+* ``env://`` reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` (``?rank=`` and
+  ``?world_size=`` in the URL override the last two);
+* ``tcp://host:port?rank=R&world_size=N``;
+* ``file:///path?rank=R&world_size=N`` (a ``FileStore``).
+
+For ``env://`` and ``tcp://`` rank 0 hosts the ``TCPStore`` server (shared by every store this
+process creates on that address) and the other ranks connect to it. Under ``tdist run`` (or
+torchrun) ``TORCHELASTIC_USE_AGENT_STORE=True`` says that the launcher already hosts the server:
+every rank is then a client, and the store is namespaced per restart attempt with
+``PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", store)`` so that keys left by a
+failed attempt cannot confuse the next one.
+
+Thread-safety: the handler registry may be used from several threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+from ._api import Store
+
+__all__ = ["RendezvousHandler", "register_rendezvous_handler", "rendezvous"]
+
+log = logging.getLogger(__name__)
+
+#: A rendezvous handler: ``handler(url, **kwargs)`` returns an iterator of triples.
+RendezvousHandler = Callable[..., Iterator[tuple[Store, int, int]]]
+
+#: torch's ``default_pg_timeout``: the default timeout of the stores made here.
+DEFAULT_RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+_handlers_lock = threading.Lock()
+_rendezvous_handlers: dict[str, RendezvousHandler] = {}
+
+
+def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
+    """Register ``handler`` for URLs of the form ``scheme://...``.
+
+    Args:
+        scheme: the URL scheme that selects the handler (``"env"``, ``"tcp"``, ...).
+        handler: a generator function ``handler(url, **kwargs)`` that yields
+            ``(store, rank, world_size)``.
+
+    Raises:
+        RuntimeError: a handler is already registered for ``scheme``.
+    """
+    with _handlers_lock:
+        if scheme in _rendezvous_handlers:
+            raise RuntimeError(f"Rendezvous handler for {scheme}:// already registered")
+        _rendezvous_handlers[scheme] = handler
+
+
+def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+    """Start the rendezvous that ``url`` describes; ``next()`` on the result performs it.
+
+    Args:
+        url: an ``init_method`` URL: ``env://``, ``tcp://host:port``, ``file:///path`` or a
+            scheme registered with ``register_rendezvous_handler``.
+        rank: this process's rank, or -1 to take it from the URL (or the environment).
+        world_size: the number of processes, or -1 to take it from the URL (or environment).
+        **kwargs: passed to the handler; the built-in ``env``/``tcp`` handlers take ``timeout``
+            (a ``timedelta``, default 30 minutes), the store's default timeout.
+
+    Returns:
+        An iterator that yields ``(store, rank, world_size)`` once; asking it again raises
+        ``RuntimeError`` (re-rendezvous is not possible with these methods).
+
+    Raises:
+        RuntimeError: ``url``, ``rank`` or ``world_size`` has the wrong type, or no handler is
+            registered for the scheme.
+        AssertionError: ``rank``/``world_size`` are given both as arguments and in the URL
+            (as torch).
+    """
+    if isinstance(url, bytes):
+        url = url.decode()
+    if not isinstance(url, str):
+        raise RuntimeError(f"`url` must be a string. {type(url)}: {url}")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise RuntimeError(f"`rank` must be an integer. {rank}")
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+        raise RuntimeError(f"`world_size` must be an integer. {world_size}")
+    return _rendezvous_helper(url, int(rank), int(world_size), **kwargs)
+
+
+def _rendezvous_helper(
+    url: str, rank: int, world_size_opt: int | None, **kwargs: Any
+) -> Iterator[tuple[Store, int, int]]:
+    """torch's helper: fold ``rank``/``world_size`` into the URL's query, pick the handler.
+
+    ``world_size_opt=None`` (used when a backend makes its own store) reads ``RANK`` and
+    ``WORLD_SIZE`` from the environment for ``env://``.
+    """
+    result = urlparse(url)
+    if world_size_opt is None:
+        world_size = -1
+        if result.scheme == "env":
+            rank = _parse_int(os.environ.get("RANK", str(rank)), "RANK", "env")
+            world_size = _parse_int(os.environ.get("WORLD_SIZE", str(world_size)), "WORLD_SIZE", "env")
+    else:
+        world_size = world_size_opt
+    if rank != -1 or world_size != -1 or world_size_opt is None:
+        query = _query_to_dict(result.query, result.scheme)
+        if "rank" in query or "world_size" in query:
+            raise AssertionError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
+        if rank != -1:
+            query["rank"] = str(rank)
+        if world_size != -1 or world_size_opt is None:
+            query["world_size"] = str(world_size)
+        result = result._replace(query="&".join(f"{k}={v}" for k, v in query.items()))
+        url = urlunparse(result)
+
+    with _handlers_lock:
+        handler = _rendezvous_handlers.get(result.scheme)
+    if handler is None:
+        raise RuntimeError(f"No rendezvous handler for {result.scheme}://")
+    return handler(url, **kwargs)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _rendezvous_error(msg: str) -> ValueError:
+    return ValueError("Error initializing torch.distributed using " + msg)
+
+
+def _query_to_dict(query: str, scheme: str) -> dict[str, str]:
+    """``"rank=0&world_size=1"`` to ``{"rank": "0", "world_size": "1"}`` (as torch)."""
+    out: dict[str, str] = {}
+    for pair in filter(None, query.split("&")):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise _rendezvous_error(
+                f"{scheme}:// rendezvous: malformed query parameter {pair!r}; expected key=value, "
+                "e.g. ?rank=0&world_size=2"
+            )
+        out[key] = value
+    return out
+
+
+def _parse_int(value: str, name: str, scheme: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise _rendezvous_error(
+            f"{scheme}:// rendezvous: {name} must be an integer, but was {value!r}"
+        ) from None
+
+
+def _check_rank(rank: int, world_size: int, scheme: str) -> None:
+    if world_size != -1 and world_size < 1:
+        raise _rendezvous_error(
+            f"{scheme}:// rendezvous: world size must be positive, but was {world_size}"
+        )
+    if rank < 0 or (world_size != -1 and rank >= world_size):
+        raise _rendezvous_error(
+            f"{scheme}:// rendezvous: rank {rank} is out of range for world size {world_size}; "
+            "ranks go from 0 to world_size - 1"
+        )
+
+
+def _check_port(port: int) -> int:
+    if not 0 <= port < 2**16:
+        raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
+    return port
+
+
+def _torchelastic_use_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", None) == str(True)
+
+
+def _use_libuv(query: dict[str, str]) -> bool:
+    return query.get("use_libuv", os.environ.get("USE_LIBUV", "1")) == "1"
+
+
+def _create_c10d_store(
+    hostname: str, port: int, rank: int, world_size: int, timeout: timedelta, use_libuv: bool = True
+) -> Store:
+    """The store for ``rank``: rank 0 hosts the server unless the launcher's agent does.
+
+    Under an agent (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client and the store
+    is namespaced by the restart attempt, so a restarted group never sees its predecessor's keys.
+    """
+    from ._tcp import TCPStore
+
+    _check_port(port)
+    size: int | None = world_size if world_size > 0 else None
+    if _torchelastic_use_agent_store():
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        log.debug("rank %d: client of the agent's store at %s:%d (attempt %s)", rank, hostname, port, attempt)
+        tcp_store = TCPStore(
+            host_name=hostname, port=port, world_size=size, is_master=False, timeout=timeout,
+            use_libuv=use_libuv,
+        )
+        from ._prefix import PrefixStore
+
+        return PrefixStore(f"/worker/attempt_{attempt}", tcp_store)
+    log.debug("rank %d: %s the store at %s:%d", rank, "hosting" if rank == 0 else "joining", hostname, port)
+    return TCPStore(
+        host_name=hostname,
+        port=port,
+        world_size=size,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+        use_libuv=use_libuv,
+    )
+
+
+# -- the built-in handlers ---------------------------------------------------------------------
+def _file_rendezvous_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+    def _error(msg: str) -> ValueError:
+        return _rendezvous_error("file:// rendezvous: " + msg)
+
+    result = urlparse(url)
+    if not result.path:
+        hint = f"; write file:///absolute/path (three slashes), not {url!r}" if result.netloc else ""
+        raise _error("path missing" + hint)
+    if result.netloc not in ("", "localhost"):
+        # torch would silently drop the host part ("file://tmp/x" is "/x"): say so instead
+        raise _error(
+            f"{url!r} names host {result.netloc!r}, but the file must be local; write "
+            "file:///absolute/path (three slashes)"
+        )
+    query = _query_to_dict(result.query, "file")
+    if "rank" not in query:
+        raise _error("rank parameter missing")
+    if "world_size" not in query:
+        raise _error("world size parameter missing")
+    rank = _parse_int(query["rank"], "rank", "file")
+    world_size = _parse_int(query["world_size"], "world_size", "file")
+    _check_rank(rank, world_size, "file")
+
+    from ._file import FileStore
+
+    store = FileStore(result.path, world_size)
+    yield (store, rank, world_size)
+    # If this configuration is invalidated, there is nothing we can do about it
+    raise RuntimeError("Unable to perform rerendezvous using file:// method")
+
+
+def _tcp_rendezvous_handler(
+    url: str, timeout: timedelta = DEFAULT_RENDEZVOUS_TIMEOUT, **kwargs: Any
+) -> Iterator[tuple[Store, int, int]]:
+    def _error(msg: str) -> ValueError:
+        return _rendezvous_error("tcp:// rendezvous: " + msg)
+
+    result = urlparse(url)
+    try:
+        port = result.port
+    except ValueError:  # out of range or not a number: say which
+        raw = result.netloc.rpartition(":")[2]
+        if raw.lstrip("-").isdigit():
+            _check_port(int(raw))
+        raise _error(f"port number {raw!r} in {url!r} is not a number from 0 to 65535") from None
+    if port is None:
+        raise _error("port number missing")
+    query = _query_to_dict(result.query, "tcp")
+    if "rank" not in query:
+        raise _error("rank parameter missing")
+    if "world_size" not in query:
+        raise _error("world size parameter missing")
+    rank = _parse_int(query["rank"], "rank", "tcp")
+    world_size = _parse_int(query["world_size"], "world_size", "tcp")
+    _check_rank(rank, world_size, "tcp")
+    if not result.hostname:
+        raise _error(f"host name missing in {url!r}; write tcp://host:port")
+
+    store = _create_c10d_store(result.hostname, port, rank, world_size, timeout, _use_libuv(query))
+    yield (store, rank, world_size)
+    # If this configuration is invalidated, there is nothing we can do about it
+    raise RuntimeError("Unable to perform re-rendezvous using tcp:// method")
+
+
+def _env_rendezvous_handler(
+    url: str, timeout: timedelta = DEFAULT_RENDEZVOUS_TIMEOUT, **kwargs: Any
+) -> Iterator[tuple[Store, int, int]]:
+    def _error(msg: str) -> ValueError:
+        return _rendezvous_error("env:// rendezvous: " + msg)
+
+    def _get_env_or_raise(var: str) -> str:
+        value = os.environ.get(var, None)
+        if not value:
+            raise _error(
+                f"environment variable {var} expected, but not set "
+                "(start the program with `tdist run` or torchrun, which set it, or set it yourself)"
+            )
+        return value
+
+    result = urlparse(url)
+    query = _query_to_dict(result.query, "env")
+    if "rank" in query:
+        rank = _parse_int(query["rank"], "rank", "env")
+    else:
+        rank = _parse_int(_get_env_or_raise("RANK"), "RANK", "env")
+    if "world_size" in query:
+        world_size = _parse_int(query["world_size"], "world_size", "env")
+    else:
+        world_size = _parse_int(_get_env_or_raise("WORLD_SIZE"), "WORLD_SIZE", "env")
+    master_addr = _get_env_or_raise("MASTER_ADDR")
+    raw_port = _get_env_or_raise("MASTER_PORT")
+    try:
+        master_port = int(raw_port)
+    except ValueError:
+        raise _error(
+            f"environment variable MASTER_PORT must be a port number, but was {raw_port!r}"
+        ) from None
+    _check_port(master_port)
+    _check_rank(rank, world_size, "env")
+
+    store = _create_c10d_store(master_addr, master_port, rank, world_size, timeout, _use_libuv(query))
+    yield (store, rank, world_size)
+    # If this configuration is invalidated, there is nothing we can do about it
+    raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+register_rendezvous_handler("tcp", _tcp_rendezvous_handler)
+register_rendezvous_handler("env", _env_rendezvous_handler)
+register_rendezvous_handler("file", _file_rendezvous_handler)
