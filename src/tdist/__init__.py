@@ -7,7 +7,7 @@ from ._core.errors import (
     DistStoreError,
     QueueEmptyError,
 )
-from .store import Store, TCPStore
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .store._rendezvous import register_rendezvous_handler, rendezvous
 
 __all__ = [
@@ -15,6 +15,9 @@ __all__ = [
     "DistError",
     "DistNetworkError",
     "DistStoreError",
+    "FileStore",
+    "HashStore",
+    "PrefixStore",
     "QueueEmptyError",
     "Store",
     "TCPStore",

@@ -5,6 +5,9 @@ sharing a file), ``PrefixStore`` (a namespace inside another store).
 """
 
 from ._api import Store
+from ._file import FileStore
+from ._hash import HashStore
+from ._prefix import PrefixStore
 from ._tcp import TCPStore
 
-__all__ = ["Store", "TCPStore"]
+__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
