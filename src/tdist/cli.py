@@ -1,0 +1,222 @@
+"""The ``tdist`` command: ``tdist run`` (the project's torchrun) and ``tdist store``.
+
+Thin argparse over ``tdist.elastic`` and ``tdist.store``; torchrun's option spellings (with
+underscores) are accepted next to ours (with dashes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+__all__ = ["main"]
+
+log = logging.getLogger(__name__)
+
+
+def _opt(*names: str) -> list[str]:
+    """``--foo-bar`` and torchrun's ``--foo_bar``."""
+    out: list[str] = []
+    for name in names:
+        out.append(name)
+        if name.startswith("--") and "-" in name[2:]:
+            out.append("--" + name[2:].replace("-", "_"))
+    return out
+
+
+def _nproc(value: str) -> int:
+    if value in ("cpu", "auto"):
+        return os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of workers, 'cpu' or 'auto', got {value!r}"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _nnodes(value: str) -> int:
+    low, sep, high = value.partition(":")
+    try:
+        lo = int(low)
+        hi = int(high) if sep else lo
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nodes, got {value!r}") from None
+    if lo != hi:
+        raise argparse.ArgumentTypeError(
+            f"elastic node ranges ({value}) are not supported yet: give a fixed number of nodes"
+        )
+    if lo < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {lo}")
+    return lo
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port must have value from 0 to 65535 but was {port}.")
+    return port
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tdist`` argument parser."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        *_opt("--log-level"), default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the launcher's own log level (default: WARNING)",
+    )
+    parser = argparse.ArgumentParser(prog="tdist", description="tdist: torch.distributed in Python")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run a script on several workers (like torchrun)",
+        description="Start --nproc-per-node workers with the environment torchrun sets, host "
+        "the job's store, stream the workers' output prefixed with their rank, stop every "
+        "worker when one fails and exit with its exit code.",
+    )
+    run.add_argument(*_opt("--nproc-per-node"), type=_nproc, default=1, metavar="N",
+                     help="workers on this node: a number, 'cpu' or 'auto' (default: 1)")
+    run.add_argument("--nnodes", type=_nnodes, default=1, metavar="N", help="nodes in the job (default: 1)")
+    run.add_argument(*_opt("--node-rank"), type=int, default=0, metavar="K",
+                     help="this node's rank; node 0 hosts the store (default: 0)")
+    run.add_argument(*_opt("--master-addr"), default="127.0.0.1", metavar="HOST",
+                     help="the store's address, as the workers reach it (default: 127.0.0.1)")
+    run.add_argument(*_opt("--master-port"), type=_port, default=29500, metavar="PORT",
+                     help="the store's port; 0 picks a free one (default: 29500)")
+    run.add_argument("--standalone", action="store_true",
+                     help="one node, a free port on 127.0.0.1 (overrides --master-addr/--master-port)")
+    run.add_argument(*_opt("--rdzv-id", "--run-id"), dest="run_id", default="none", metavar="ID",
+                     help="the job id (TORCHELASTIC_RUN_ID; default: none)")
+    run.add_argument(*_opt("--max-restarts"), type=int, default=0, metavar="N",
+                     help="restart the workers up to N times after a failure (default: 0)")
+    run.add_argument(*_opt("--monitor-interval"), type=_seconds, default=0.5, metavar="S",
+                     help="seconds between checks of the other nodes (default: 0.5)")
+    run.add_argument(*_opt("--stop-timeout"), type=_seconds, default=10.0, metavar="S",
+                     help="seconds between SIGTERM and SIGKILL when stopping workers (default: 10)")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="run the entrypoint as a module (python -m)")
+    run.add_argument(*_opt("--no-python"), action="store_true",
+                     help="run the entrypoint as a program, not a Python script")
+    run.add_argument("entrypoint", metavar="script", help="the script (or module, or program) to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+    store = sub.add_parser(
+        "store",
+        parents=[common],
+        help="run a standalone store server in the foreground",
+        description="Serve a TCPStore until interrupted. Clients must know TDIST_SECRET if it is "
+        "set here; without it the store is open to anyone who can connect.",
+    )
+    store.add_argument("--host", default="127.0.0.1",
+                       help="the address to bind (default: 127.0.0.1; 0.0.0.0 for every interface)")
+    store.add_argument("--port", type=_port, default=29500, help="the port; 0 picks a free one (default: 29500)")
+    return parser
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from .elastic import LaunchConfig, LaunchError, launch
+
+    master_addr, master_port, nnodes = ns.master_addr, ns.master_port, ns.nnodes
+    if ns.standalone:
+        master_addr, master_port, nnodes = "127.0.0.1", 0, 1
+    try:
+        config = LaunchConfig(
+            entrypoint=ns.entrypoint,
+            args=tuple(ns.args),
+            nproc_per_node=ns.nproc_per_node,
+            nnodes=nnodes,
+            node_rank=ns.node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            run_id=ns.run_id,
+            max_restarts=ns.max_restarts,
+            module=ns.module,
+            no_python=ns.no_python,
+            stop_timeout=ns.stop_timeout,
+            monitor_interval=ns.monitor_interval,
+        )
+    except ValueError as exc:
+        print(f"tdist run: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return launch(config)
+    except LaunchError as exc:
+        print(f"tdist run: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _store(ns: argparse.Namespace) -> int:
+    from ._core import auth
+    from ._core.errors import DistError
+    from .store._server import StoreServer
+
+    secret = auth.resolve_secret(None)
+    try:
+        server = StoreServer(ns.host, ns.port, secret=secret)
+    except DistError as exc:
+        print(f"tdist store: error: {exc}", file=sys.stderr)
+        return 1
+    r, w = os.pipe()
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        stopped.append(signum)
+        with contextlib.suppress(OSError):
+            os.close(w)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    access = "clients must prove TDIST_SECRET" if secret else "open: anyone who can connect may use it"
+    print(f"tdist store: serving on {ns.host}:{server.port} ({access}); Ctrl-C to stop", flush=True)
+    try:
+        server.serve_forever(control_fd=r)
+    finally:
+        server.stop()
+        os.close(r)
+        if not stopped:
+            os.close(w)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("tdist store: stopped", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tdist`` command; returns the exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level),
+        format="[tdist %(asctime)s %(levelname)s %(name)s] %(message)s",
+        stream=sys.stderr,
+    )
+    if ns.command == "run":
+        return _run(ns)
+    return _store(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

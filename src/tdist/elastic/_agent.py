@@ -1,0 +1,514 @@
+"""The local agent behind ``tdist run``: host the store, run the workers, watch, stop, report.
+
+Theory of operation. The agent of node 0 starts the job's store server (a forked process that
+serves nothing else), so that workers find it at ``MASTER_ADDR:MASTER_PORT`` and every worker is
+a client (``TORCHELASTIC_USE_AGENT_STORE=True``). It then starts ``nproc_per_node`` workers,
+each in a session of its own (so that stopping a worker stops what it started too), with the
+environment torchrun sets, and one thread per output stream that copies lines to its own
+stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last stderr lines for the report.
+
+One loop, in the calling thread, watches: it sleeps in ``select`` on a pidfd per worker and on a
+pipe that signal handlers write to, so it wakes as soon as a worker exits or a signal arrives.
+After each wake-up it records what exited and asks ``_policy`` what that means and what to do;
+the decisions (the root cause, restarts, the exit code) live there as pure functions.
+
+Stopping a group sends SIGTERM to each worker's process group, waits ``stop_timeout``
+seconds (a second SIGINT/SIGTERM to the launcher cuts the wait short), then sends SIGKILL. Every
+worker is reaped before the agent returns.
+
+With ``nnodes > 1`` each node's agent joins through the store (one key per node rank), posts
+its first failure under ``/tdist/agent/failed`` so that the other nodes stop their workers too,
+and node 0 keeps the store up until every node has finished (the exit barrier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import FrameType
+from typing import IO, BinaryIO
+
+from .._core import auth
+from .._core.deadline import Clock
+from .._core.errors import DistError, DistStoreError
+from ..store._server import StoreServer
+from ..store._tcp import TCPStore
+from ._policy import (
+    AGENT_PREFIX,
+    Action,
+    LaunchConfig,
+    Outcome,
+    WorkerExit,
+    describe_returncode,
+    exit_code,
+    failures,
+    format_failure_report,
+    group_outcome,
+    next_action,
+    worker_command,
+    worker_env,
+)
+
+__all__ = ["LaunchError", "LocalAgent", "launch"]
+
+log = logging.getLogger(__name__)
+
+_READ_CHUNK = 1 << 16
+_READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class LaunchError(DistError):
+    """The launcher could not set the job up (bad options, store not reachable, nodes missing)."""
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    tail: deque[str]
+    readers: list[threading.Thread] = field(default_factory=list)
+    signalled: bool = False
+    exit: WorkerExit | None = None
+
+
+def job_secret(env: Mapping[str, str], nnodes: int) -> str:
+    """The job's shared secret: ``TDIST_SECRET`` if set, else a new one (single node only).
+
+    Raises:
+        LaunchError: several nodes and no ``TDIST_SECRET``: they could not agree on one.
+    """
+    secret = env.get(auth.SECRET_ENV, "")
+    if secret:
+        return secret
+    if nnodes > 1:
+        raise LaunchError(
+            "a job on several nodes needs a shared secret: set TDIST_SECRET to the same value on "
+            f"every node (for example the output of: {sys.executable} -c "
+            "'import secrets; print(secrets.token_hex(32))')"
+        )
+    return auth.new_secret()
+
+
+class LocalAgent:
+    """Runs one node's share of a job; ``run()`` returns the launcher's exit code.
+
+    Args:
+        config: what to run.
+        stdout: where the workers' prefixed stdout goes (default: this process's stdout).
+        stderr: where their stderr, and the failure report, go (default: this process's stderr).
+        env: the environment workers inherit (default ``os.environ``).
+        clock: the monotonic clock.
+        handle_signals: install SIGINT/SIGTERM handlers that stop the workers (only possible in
+            the main thread).
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        *,
+        stdout: BinaryIO | None = None,
+        stderr: BinaryIO | None = None,
+        env: Mapping[str, str] | None = None,
+        clock: Clock = time.monotonic,
+        handle_signals: bool = True,
+    ) -> None:
+        self.config = config
+        self._out = stdout if stdout is not None else sys.stdout.buffer
+        self._err = stderr if stderr is not None else sys.stderr.buffer
+        self._env = dict(os.environ if env is None else env)
+        self._clock = clock
+        self._handle_signals = handle_signals
+        self._write_lock = threading.Lock()
+        self._signum: int | None = None
+        self._signal_count = 0
+        self._wake_r = -1
+        self._wake_w = -1
+        self._store: TCPStore | None = None
+        self._next_peer_check = 0.0
+        self._host = socket.gethostname()
+
+    # -- the whole run -------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the job on this node until it succeeds, fails or is interrupted.
+
+        Returns:
+            The exit code: 0, the first failed worker's (``128 + n`` for signal ``n``),
+            ``128 + signum`` if the launcher was interrupted, 1 if another node failed.
+
+        Raises:
+            LaunchError: the job could not be set up.
+        """
+        cfg = self.config
+        secret = job_secret(self._env, cfg.nnodes)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        previous = self._install_signal_handlers()
+        server: StoreServer | None = None
+        try:
+            if cfg.node_rank == 0:
+                # one node binds the given address; several must be reachable from the others
+                bind = cfg.master_addr if cfg.nnodes == 1 else ""
+                try:
+                    server = StoreServer(bind, cfg.master_port, secret=secret)
+                except DistError as exc:
+                    raise LaunchError(f"tdist run: {exc} (--master-port)") from exc
+                server.start("process")
+                port = server.port
+                log.info("node 0: job store on %s:%d", cfg.master_addr, port)
+            else:
+                port = cfg.master_port
+            if cfg.nnodes > 1:
+                self._join(port, secret)
+            return self._run_attempts(port, secret)
+        finally:
+            try:
+                self._exit_barrier()
+            finally:
+                if self._store is not None:
+                    self._store.close()
+                if server is not None:
+                    server.stop()
+                self._restore_signal_handlers(previous)
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    def _run_attempts(self, port: int, secret: str) -> int:
+        cfg = self.config
+        restart_count = 0
+        while True:
+            outcome, exits, tails = self._run_group(port, secret, restart_count)
+            action = next_action(outcome, restart_count, cfg.max_restarts)
+            found = failures(exits)
+            root = found[0] if found else None
+            if action is Action.RESTART:
+                assert root is not None
+                self._say(
+                    f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)}); "
+                    f"restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})"
+                )
+                restart_count += 1
+                continue
+            if outcome is Outcome.FAILED:
+                assert root is not None
+                self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}")
+                report = format_failure_report(
+                    self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines
+                )
+                self._write(self._err, report.encode() + b"\n")
+            elif outcome is Outcome.INTERRUPTED:
+                assert self._signum is not None
+                self._say(f"stopped the workers on {signal.Signals(self._signum).name}")
+                self._post_failure(f"node {cfg.node_rank}: interrupted")
+            elif outcome is Outcome.PEER_FAILED:
+                self._say(f"stopped the workers: {self._peer_failure() or 'another node failed'}")
+            return exit_code(outcome, root, self._signum)
+
+    def _title(self) -> str:
+        cfg = self.config
+        return cfg.entrypoint if not cfg.module else f"-m {cfg.entrypoint}"
+
+    # -- one worker group ----------------------------------------------------------------------
+    def _run_group(
+        self, port: int, secret: str, restart_count: int
+    ) -> tuple[Outcome, list[WorkerExit], dict[int, list[str]]]:
+        cfg = self.config
+        workers: list[_Worker] = []
+        exits: list[WorkerExit] = []
+        outcome = Outcome.RUNNING
+        try:
+            for local_rank in range(cfg.nproc_per_node):
+                env = worker_env(
+                    self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret
+                )
+                workers.append(self._start_worker(local_rank, env))
+            log.info(
+                "node %d: started %d workers (attempt %d): %s",
+                cfg.node_rank, len(workers), restart_count, [w.proc.pid for w in workers],
+            )
+            while True:
+                self._reap(workers, exits)
+                outcome = group_outcome(
+                    len(workers), exits, signum=self._signum, peer_failure=self._poll_peers()
+                )
+                if outcome is not Outcome.RUNNING:
+                    break
+                self._sleep(workers, self._poll_timeout())
+            for e in failures(exits):
+                log.info(
+                    "worker rank %d (local rank %d, pid %d) failed with exit code %d",
+                    e.rank, e.local_rank, e.pid, e.returncode,
+                )
+        finally:
+            self._stop(workers, exits)
+            deadline = self._clock() + _READER_JOIN
+            for w in workers:
+                for t in w.readers:
+                    t.join(max(0.0, deadline - self._clock()))
+        return outcome, exits, {w.local_rank: list(w.tail) for w in workers}
+
+    def _start_worker(self, local_rank: int, env: dict[str, str]) -> _Worker:
+        cfg = self.config
+        try:
+            proc = subprocess.Popen(
+                worker_command(cfg),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise LaunchError(f"tdist run: cannot start {cfg.entrypoint!r}: {exc}") from exc
+        pidfd: int | None
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # old kernel: the monitor loop polls instead
+            pidfd = None
+        rank = cfg.global_rank(local_rank)
+        worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)))
+        prefix = f"[rank{rank}]:".encode()
+        assert proc.stdout is not None and proc.stderr is not None
+        for stream, out, tail in ((proc.stdout, self._out, None), (proc.stderr, self._err, worker.tail)):
+            t = threading.Thread(
+                target=self._pump, args=(stream, prefix, out, tail), name=f"tdist-run-rank{rank}", daemon=True
+            )
+            t.start()
+            worker.readers.append(t)
+        return worker
+
+    def _pump(self, stream: IO[bytes], prefix: bytes, out: BinaryIO, tail: deque[str] | None) -> None:
+        """Copy a worker's stream line by line, prefixed, flushing each line."""
+        try:
+            while True:
+                line = stream.readline(_READ_CHUNK)
+                if not line:
+                    break
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                if tail is not None:
+                    tail.append(line.decode(errors="replace"))
+                self._write(out, prefix + line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            stream.close()
+
+    def _write(self, out: BinaryIO, data: bytes) -> None:
+        with self._write_lock:
+            try:
+                out.write(data)
+                out.flush()
+            except (OSError, ValueError):  # our own output is gone (closed pipe): keep running
+                pass
+
+    def _say(self, message: str) -> None:
+        self._write(self._err, f"[tdist run] {message}\n".encode())
+
+    # -- watching ------------------------------------------------------------------------------
+    def _reap(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
+        for w in workers:
+            if w.exit is not None:
+                continue
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            w.exit = WorkerExit(
+                local_rank=w.local_rank,
+                rank=w.rank,
+                pid=w.proc.pid,
+                returncode=rc,
+                observed_at=self._clock(),
+                timestamp=time.time(),
+                stopped_by_agent=w.signalled,
+            )
+            exits.append(w.exit)
+            if w.pidfd is not None:
+                os.close(w.pidfd)
+                w.pidfd = None
+            log.debug("worker rank %d (pid %d) exited with %d", w.rank, w.proc.pid, rc)
+
+    def _sleep(self, workers: list[_Worker], timeout: float | None) -> None:
+        """Block until a worker exits, a signal arrives, or ``timeout`` seconds pass."""
+        fds = [self._wake_r]
+        polling = False
+        for w in workers:
+            if w.exit is None:
+                if w.pidfd is not None:
+                    fds.append(w.pidfd)
+                else:
+                    polling = True
+        if polling:
+            timeout = 0.05 if timeout is None else min(timeout, 0.05)
+        select.select(fds, [], [], timeout)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 256):
+                pass
+
+    def _poll_timeout(self) -> float | None:
+        if self._store is None:
+            return None
+        return max(0.0, self._next_peer_check - self._clock())
+
+    # -- stopping ------------------------------------------------------------------------------
+    def _signal_group(self, w: _Worker, sig: int) -> None:
+        # the worker is not reaped yet (w.exit is None), so its pid, and group id, are still ours
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, sig)
+
+    def _stop(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
+        """SIGTERM every running worker's group, wait ``stop_timeout``, then SIGKILL; reap all."""
+        self._reap(workers, exits)
+        alive = [w for w in workers if w.exit is None]
+        if not alive:
+            return
+        log.info("stopping %d workers: %s", len(alive), [w.rank for w in alive])
+        for w in alive:
+            w.signalled = True
+            self._signal_group(w, signal.SIGTERM)
+        signals_before = self._signal_count
+        deadline = self._clock() + self.config.stop_timeout
+        while any(w.exit is None for w in alive):
+            remaining = deadline - self._clock()
+            if remaining <= 0 or self._signal_count > signals_before:
+                break
+            self._sleep(alive, remaining)
+            self._reap(alive, exits)
+        for w in alive:
+            if w.exit is None:
+                log.warning(
+                    "worker rank %d (pid %d) did not stop within %g s of SIGTERM: sending SIGKILL",
+                    w.rank, w.proc.pid, self.config.stop_timeout,
+                )
+                self._signal_group(w, signal.SIGKILL)
+        for w in alive:
+            if w.exit is None:
+                w.proc.wait()
+        self._reap(alive, exits)
+
+    # -- signals -------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._signum is None:
+            self._signum = signum
+        self._signal_count += 1
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _install_signal_handlers(self) -> dict[int, object]:
+        if not self._handle_signals or threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, object] = {}
+        for sig in _STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    def _restore_signal_handlers(self, previous: dict[int, object]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    # -- several nodes -------------------------------------------------------------------------
+    def _join(self, port: int, secret: str) -> None:
+        cfg = self.config
+        timeout = timedelta(seconds=cfg.join_timeout)
+        try:
+            store = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
+        except DistError as exc:
+            raise LaunchError(
+                f"node {cfg.node_rank}: cannot reach the job store at {cfg.master_addr}:{port}: {exc}"
+            ) from exc
+        self._store = store
+        if store.add(f"{AGENT_PREFIX}/node{cfg.node_rank}", 1) > 1:
+            raise LaunchError(
+                f"node rank {cfg.node_rank} joined twice: give every node its own --node-rank"
+            )
+        keys = [f"{AGENT_PREFIX}/node{k}" for k in range(cfg.nnodes)]
+        deadline = self._clock() + cfg.join_timeout
+        while not store.check(keys):
+            if self._signum is not None:
+                raise LaunchError(f"node {cfg.node_rank}: interrupted while waiting for the other nodes")
+            if self._clock() >= deadline:
+                missing = [k for k in range(cfg.nnodes) if not store.check([keys[k]])]
+                raise LaunchError(
+                    f"node {cfg.node_rank}: nodes {missing} of {cfg.nnodes} did not join within "
+                    f"{cfg.join_timeout:g} s; start `tdist run` with the same --master-addr and "
+                    "--master-port on every node"
+                )
+            with contextlib.suppress(DistStoreError):
+                store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+        log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
+
+    def _poll_peers(self) -> str | None:
+        if self._store is None or self._clock() < self._next_peer_check:
+            return None
+        self._next_peer_check = self._clock() + self.config.monitor_interval
+        return self._peer_failure()
+
+    def _peer_failure(self) -> str | None:
+        if self._store is None:
+            return None
+        key = f"{AGENT_PREFIX}/failed"
+        try:
+            if self._store.check([key]):
+                return self._store.get(key).decode(errors="replace")
+        except DistError as exc:
+            return f"the job store is gone ({exc})"
+        return None
+
+    def _post_failure(self, what: str) -> None:
+        if self._store is None:
+            return
+        with contextlib.suppress(DistError):
+            self._store.compare_set(f"{AGENT_PREFIX}/failed", b"", what.encode())
+
+    def _exit_barrier(self) -> None:
+        store, cfg = self._store, self.config
+        if store is None:
+            return
+        try:
+            store.set(f"{AGENT_PREFIX}/finished/node{cfg.node_rank}", b"1")
+            if cfg.node_rank != 0:
+                return
+            keys = [f"{AGENT_PREFIX}/finished/node{k}" for k in range(cfg.nnodes)]
+            deadline = self._clock() + cfg.exit_barrier_timeout
+            while not store.check(keys):
+                if self._clock() >= deadline or self._signal_count > 1:
+                    log.warning("node 0: stopping the job store before every node finished")
+                    return
+                with contextlib.suppress(DistStoreError):
+                    store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+        except DistError as exc:
+            log.warning("node %d: exit barrier failed: %s", cfg.node_rank, exc)
+
+
+def launch(
+    config: LaunchConfig,
+    *,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+    env: Mapping[str, str] | None = None,
+    handle_signals: bool = True,
+) -> int:
+    """Run ``config`` on this node with a ``LocalAgent`` (see it for the arguments).
+
+    Returns:
+        The launcher's exit code.
+
+    Raises:
+        LaunchError: the job could not be set up.
+    """
+    agent = LocalAgent(config, stdout=stdout, stderr=stderr, env=env, handle_signals=handle_signals)
+    return agent.run()

@@ -1,0 +1,355 @@
+"""The launcher's decisions, as pure functions: no processes, sockets, clocks or signals here.
+
+The agent (``_agent.py``) observes its workers and asks these functions what the observations
+mean: which worker failed first, whether the group is done, whether to restart, what exit code
+the launcher returns, what environment each worker gets, and how the failure report reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Action",
+    "LaunchConfig",
+    "Outcome",
+    "WorkerExit",
+    "describe_returncode",
+    "exit_code",
+    "failures",
+    "first_failure",
+    "format_failure_report",
+    "group_outcome",
+    "next_action",
+    "traceback_tail",
+    "worker_command",
+    "worker_env",
+]
+
+#: Agent keys in the job's store (outside every ``/worker/attempt_<n>`` namespace).
+AGENT_PREFIX = "/tdist/agent"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What ``tdist run`` was asked to do (torchrun's options, with its defaults).
+
+    Attributes:
+        entrypoint: the script (or module with ``module=True``, or program with
+            ``no_python=True``).
+        args: the entrypoint's arguments.
+        nproc_per_node: workers on this node.
+        nnodes: nodes in the job (a fixed number: no elastic ranges).
+        node_rank: this node's rank; node 0 hosts the store.
+        master_addr: the store's host, as the workers and the other nodes reach it.
+        master_port: the store's port; 0 picks a free one (single node only).
+        run_id: ``TORCHELASTIC_RUN_ID``.
+        max_restarts: how many times a failed group is restarted (single node only).
+        module: run ``python -m entrypoint``.
+        no_python: run ``entrypoint`` as a program, without the Python interpreter.
+        stop_timeout: seconds between SIGTERM and SIGKILL when stopping workers.
+        monitor_interval: seconds between checks of the other nodes' state (multi-node).
+        join_timeout: seconds to wait for every node to join (multi-node).
+        exit_barrier_timeout: seconds node 0 keeps the store up for the other nodes to finish.
+        tail_lines: lines of a failed worker's stderr quoted in the report.
+    """
+
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    run_id: str = "none"
+    max_restarts: int = 0
+    module: bool = False
+    no_python: bool = False
+    stop_timeout: float = 10.0
+    monitor_interval: float = 0.5
+    join_timeout: float = 600.0
+    exit_barrier_timeout: float = 300.0
+    tail_lines: int = 20
+    role: str = "default"
+    python: str = field(default=sys.executable)
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"--node-rank must be from 0 to nnodes - 1 = {self.nnodes - 1}, got {self.node_rank}"
+            )
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"port must have value from 0 to 65535 but was {self.master_port}.")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError(
+                "--master-port 0 (pick a free port) works on one node only: with --nnodes > 1 "
+                "every node must be given the same port"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")
+        if self.max_restarts > 0 and self.nnodes > 1:
+            raise ValueError("--max-restarts with --nnodes > 1 is not supported yet")
+        if self.module and self.no_python:
+            raise ValueError("-m/--module and --no-python cannot be used together")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc_per_node + local_rank
+
+
+# -- what workers get --------------------------------------------------------------------------
+def worker_command(config: LaunchConfig) -> list[str]:
+    """The worker's argv (torchrun's: ``python -u script args``)."""
+    if config.no_python:
+        return [config.entrypoint, *config.args]
+    if config.module:
+        return [config.python, "-u", "-m", config.entrypoint, *config.args]
+    return [config.python, "-u", config.entrypoint, *config.args]
+
+
+def worker_env(
+    base: Mapping[str, str],
+    config: LaunchConfig,
+    local_rank: int,
+    *,
+    master_port: int,
+    restart_count: int,
+    secret: str,
+) -> dict[str, str]:
+    """The environment of worker ``local_rank``: ``base`` plus what torchrun sets.
+
+    ``OMP_NUM_THREADS`` is set to 1 when unset and several workers share the node (as torchrun
+    does), and ``TDIST_SECRET`` carries the job's secret.
+    """
+    env = dict(base)
+    rank = config.global_rank(local_rank)
+    env.update(
+        {
+            "LOCAL_RANK": str(local_rank),
+            "RANK": str(rank),
+            "GROUP_RANK": str(config.node_rank),
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": config.role,
+            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+            "WORLD_SIZE": str(config.world_size),
+            "GROUP_WORLD_SIZE": str(config.nnodes),
+            "ROLE_WORLD_SIZE": str(config.world_size),
+            "MASTER_ADDR": config.master_addr,
+            "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+            "TORCHELASTIC_RUN_ID": config.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": str(True),
+            "TDIST_SECRET": secret,
+        }
+    )
+    if "OMP_NUM_THREADS" not in base and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+# -- what happened -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerExit:
+    """One worker's end, as the agent observed it.
+
+    Attributes:
+        local_rank: the worker's local rank.
+        rank: its global rank.
+        pid: its process id.
+        returncode: its exit status (negative: killed by that signal).
+        observed_at: when the agent saw it exit (monotonic seconds; orders the failures).
+        timestamp: the same moment in wall-clock seconds (for the report only).
+        stopped_by_agent: the agent had signalled it to stop before it exited, so its exit is
+            a consequence, not a failure.
+    """
+
+    local_rank: int
+    rank: int
+    pid: int
+    returncode: int
+    observed_at: float
+    timestamp: float = 0.0
+    stopped_by_agent: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.returncode != 0 and not self.stopped_by_agent
+
+
+def failures(exits: Sequence[WorkerExit]) -> list[WorkerExit]:
+    """The workers that failed on their own, first observed first (ties: lowest rank)."""
+    return sorted((e for e in exits if e.failed), key=lambda e: (e.observed_at, e.rank))
+
+
+def first_failure(exits: Sequence[WorkerExit]) -> WorkerExit | None:
+    """The root cause: the failure observed first, or ``None``."""
+    found = failures(exits)
+    return found[0] if found else None
+
+
+class Outcome(enum.Enum):
+    """The state of a worker group."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # every worker exited 0
+    FAILED = "failed"  # a worker of ours failed
+    PEER_FAILED = "peer_failed"  # another node's group failed
+    INTERRUPTED = "interrupted"  # the launcher got a signal
+
+
+def group_outcome(
+    nworkers: int,
+    exits: Sequence[WorkerExit],
+    *,
+    signum: int | None = None,
+    peer_failure: str | None = None,
+) -> Outcome:
+    """What the observations mean for the group, in order of precedence: a signal to the
+    launcher, a failure of ours, a failure on another node, all done, still running."""
+    if signum is not None:
+        return Outcome.INTERRUPTED
+    if any(e.failed for e in exits):
+        return Outcome.FAILED
+    if peer_failure is not None:
+        return Outcome.PEER_FAILED
+    if len(exits) >= nworkers:
+        return Outcome.SUCCEEDED
+    return Outcome.RUNNING
+
+
+class Action(enum.Enum):
+    """What the agent does next."""
+
+    WAIT = "wait"  # keep watching
+    FINISH = "finish"  # the job succeeded
+    RESTART = "restart"  # stop the group, start it again
+    STOP = "stop"  # stop the group and fail
+
+
+def next_action(outcome: Outcome, restart_count: int, max_restarts: int) -> Action:
+    """The agent's move: restart a failed group while restarts are left (torchrun's policy)."""
+    if outcome is Outcome.RUNNING:
+        return Action.WAIT
+    if outcome is Outcome.SUCCEEDED:
+        return Action.FINISH
+    if outcome is Outcome.FAILED and restart_count < max_restarts:
+        return Action.RESTART
+    return Action.STOP
+
+
+def exit_code(outcome: Outcome, root: WorkerExit | None = None, signum: int | None = None) -> int:
+    """The launcher's exit status: the first failed worker's (``128 + n`` for signal ``n``),
+    ``128 + signum`` when the launcher was interrupted, 1 when another node failed, else 0."""
+    if outcome is Outcome.INTERRUPTED:
+        return 128 + (signum if signum is not None else signal.SIGTERM)
+    if outcome is Outcome.FAILED:
+        if root is None:
+            return 1
+        return root.returncode if root.returncode > 0 else 128 - root.returncode
+    if outcome is Outcome.PEER_FAILED:
+        return 1
+    return 0
+
+
+# -- the report --------------------------------------------------------------------------------
+def describe_returncode(returncode: int) -> str:
+    """``"3"``, or ``"-9 (SIGKILL)"`` for a worker killed by a signal."""
+    if returncode < 0:
+        try:
+            return f"{returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return str(returncode)
+    return str(returncode)
+
+
+def traceback_tail(lines: Sequence[str], max_lines: int = 20) -> str:
+    """The last Python traceback in ``lines`` (a worker's last stderr lines), else their end."""
+    lines = [line.rstrip("\n") for line in lines]
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            start = i
+            break
+    picked = lines[start:] if start is not None else lines
+    if len(picked) > max_lines:
+        picked = ["...", *picked[-max_lines:]]
+    if not picked:
+        return "<N/A> (nothing on stderr)"
+    return "\n".join(picked)
+
+
+_FAILURE = """[{idx}]:
+  time      : {time}
+  host      : {host}
+  rank      : {rank} (local_rank: {local_rank})
+  exitcode  : {exitcode} (pid: {pid})
+  traceback :{traceback}"""
+
+
+def _format_failure(idx: int, e: WorkerExit, host: str, tail: Sequence[str], max_lines: int) -> str:
+    when = datetime.datetime.fromtimestamp(e.timestamp).isoformat(sep="_", timespec="seconds")
+    text = traceback_tail(tail, max_lines).replace("\n", "\n    ")
+    return _FAILURE.format(
+        idx=idx,
+        time=when,
+        host=host,
+        rank=e.rank,
+        local_rank=e.local_rank,
+        exitcode=describe_returncode(e.returncode),
+        pid=e.pid,
+        traceback=("\n    " if "\n" in text else " ") + text,
+    )
+
+
+def format_failure_report(
+    name: str,
+    failed: Sequence[WorkerExit],
+    *,
+    host: str,
+    tails: Mapping[int, Sequence[str]],
+    max_lines: int = 20,
+) -> str:
+    """A report of failed workers in the shape of torchrun's ``ChildFailedError``.
+
+    Args:
+        name: the entrypoint (the report's title is ``"<name> FAILED"``).
+        failed: the failures, root cause first (see ``failures``).
+        host: this host's name.
+        tails: each worker's last stderr lines, by local rank.
+        max_lines: lines of traceback quoted per failure.
+    """
+    if not failed:
+        raise ValueError("format_failure_report needs at least one failure")
+    title = f"{name} FAILED"
+    root, others = failed[0], failed[1:]
+    other_text = "\n".join(
+        _format_failure(i + 1, e, host, tails.get(e.local_rank, ()), max_lines) for i, e in enumerate(others)
+    )
+    root_text = _format_failure(0, root, host, tails.get(root.local_rank, ()), max_lines)
+    width = min(60, max(len(line) for line in [title, *root_text.splitlines(), *other_text.splitlines()]))
+    return "\n".join(
+        [
+            "=" * width,
+            title,
+            "-" * width,
+            "Failures:",
+            other_text or "  <NO_OTHER_FAILURES>",
+            "-" * width,
+            "Root Cause (first observed failure):",
+            root_text,
+            "=" * width,
+        ]
+    )

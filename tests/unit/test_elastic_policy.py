@@ -1,0 +1,196 @@
+"""The launcher's decisions: root cause, outcome, restarts, exit code, worker env, report."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from tdist.elastic._agent import LaunchError, job_secret
+from tdist.elastic._policy import (
+    Action,
+    LaunchConfig,
+    Outcome,
+    WorkerExit,
+    describe_returncode,
+    exit_code,
+    failures,
+    first_failure,
+    format_failure_report,
+    group_outcome,
+    next_action,
+    traceback_tail,
+    worker_command,
+    worker_env,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def ex(rank: int, rc: int, at: float, *, stopped: bool = False) -> WorkerExit:
+    return WorkerExit(local_rank=rank, rank=rank, pid=1000 + rank, returncode=rc, observed_at=at,
+                      timestamp=1.7e9, stopped_by_agent=stopped)
+
+
+# -- root cause --------------------------------------------------------------------------------
+def test_first_failure_is_the_first_observed() -> None:
+    exits = [ex(0, 0, 1.0), ex(2, 1, 3.0), ex(1, 3, 2.0)]
+    assert first_failure(exits) == ex(1, 3, 2.0)
+    assert [e.rank for e in failures(exits)] == [1, 2]
+
+
+def test_ties_go_to_the_lowest_rank() -> None:
+    assert first_failure([ex(3, 1, 5.0), ex(1, 1, 5.0)]) == ex(1, 1, 5.0)
+
+
+def test_workers_stopped_by_the_agent_are_not_failures() -> None:
+    exits = [ex(0, -15, 1.0, stopped=True), ex(1, 1, 2.0, stopped=True)]
+    assert first_failure(exits) is None
+    assert first_failure([ex(0, 0, 1.0)]) is None
+    assert first_failure([]) is None
+
+
+# -- outcome and action ------------------------------------------------------------------------
+def test_group_outcome() -> None:
+    assert group_outcome(2, []) is Outcome.RUNNING
+    assert group_outcome(2, [ex(0, 0, 1.0)]) is Outcome.RUNNING  # one finished early: wait
+    assert group_outcome(2, [ex(0, 0, 1.0), ex(1, 0, 2.0)]) is Outcome.SUCCEEDED
+    assert group_outcome(2, [ex(1, 2, 1.0)]) is Outcome.FAILED
+    assert group_outcome(2, [], peer_failure="node 1 failed") is Outcome.PEER_FAILED
+    assert group_outcome(2, [ex(1, 2, 1.0)], peer_failure="x") is Outcome.FAILED  # ours first
+    assert group_outcome(2, [ex(1, 2, 1.0)], signum=signal.SIGINT) is Outcome.INTERRUPTED
+
+
+def test_next_action_restarts_while_restarts_are_left() -> None:
+    assert next_action(Outcome.RUNNING, 0, 3) is Action.WAIT
+    assert next_action(Outcome.SUCCEEDED, 0, 3) is Action.FINISH
+    assert next_action(Outcome.FAILED, 0, 0) is Action.STOP
+    assert next_action(Outcome.FAILED, 0, 2) is Action.RESTART
+    assert next_action(Outcome.FAILED, 1, 2) is Action.RESTART
+    assert next_action(Outcome.FAILED, 2, 2) is Action.STOP
+    assert next_action(Outcome.INTERRUPTED, 0, 5) is Action.STOP  # never restart on a signal
+    assert next_action(Outcome.PEER_FAILED, 0, 5) is Action.STOP
+
+
+@pytest.mark.parametrize(
+    ("outcome", "root", "signum", "code"),
+    [
+        (Outcome.SUCCEEDED, None, None, 0),
+        (Outcome.FAILED, ex(1, 3, 1.0), None, 3),
+        (Outcome.FAILED, ex(1, -9, 1.0), None, 137),  # a signal: 128 + n, like a shell
+        (Outcome.FAILED, ex(1, -15, 1.0), None, 143),
+        (Outcome.INTERRUPTED, None, signal.SIGINT, 130),
+        (Outcome.INTERRUPTED, ex(1, 3, 1.0), signal.SIGTERM, 143),
+        (Outcome.PEER_FAILED, None, None, 1),
+    ],
+)
+def test_exit_code(outcome: Outcome, root: WorkerExit | None, signum: int | None, code: int) -> None:
+    assert exit_code(outcome, root, signum) == code
+
+
+# -- what workers get --------------------------------------------------------------------------
+def test_worker_env_matches_torchrun() -> None:
+    cfg = LaunchConfig("train.py", nproc_per_node=4, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                       master_port=1234, run_id="job7", max_restarts=0)
+    env = worker_env({"PATH": "/bin", "RANK": "99"}, cfg, 2, master_port=1234, restart_count=0,
+                     secret="s3cret")
+    assert env == {
+        "PATH": "/bin",
+        "LOCAL_RANK": "2",
+        "RANK": "6",
+        "GROUP_RANK": "1",
+        "ROLE_RANK": "6",
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": "4",
+        "WORLD_SIZE": "8",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_WORLD_SIZE": "8",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TDIST_SECRET": "s3cret",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
+    cfg = LaunchConfig("train.py", nproc_per_node=2)
+    assert worker_env({"OMP_NUM_THREADS": "8"}, cfg, 0, master_port=1, restart_count=3,
+                      secret="s")["OMP_NUM_THREADS"] == "8"
+    one = LaunchConfig("train.py", nproc_per_node=1)
+    env = worker_env({}, one, 0, master_port=1, restart_count=3, secret="s")
+    assert "OMP_NUM_THREADS" not in env
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
+
+
+def test_worker_command() -> None:
+    assert worker_command(LaunchConfig("a.py", ("--x", "1"))) == [sys.executable, "-u", "a.py", "--x", "1"]
+    assert worker_command(LaunchConfig("pkg.mod", ("y",), module=True)) == [sys.executable, "-u", "-m", "pkg.mod", "y"]
+    assert worker_command(LaunchConfig("/bin/echo", ("hi",), no_python=True)) == ["/bin/echo", "hi"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nproc_per_node": 0}, "--nproc-per-node must be at least 1"),
+        ({"nnodes": 2, "node_rank": 2}, "--node-rank must be from 0 to nnodes - 1 = 1"),
+        ({"master_port": 70000}, "port must have value from 0 to 65535 but was 70000."),
+        ({"nnodes": 2, "master_port": 0}, "works on one node only"),
+        ({"max_restarts": -1}, "must not be negative"),
+        ({"module": True, "no_python": True}, "cannot be used together"),
+    ],
+)
+def test_config_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LaunchConfig("a.py", **kwargs)  # type: ignore[arg-type]
+
+
+def test_job_secret() -> None:
+    assert job_secret({"TDIST_SECRET": "abc"}, 1) == "abc"
+    assert job_secret({"TDIST_SECRET": "abc"}, 3) == "abc"
+    fresh = job_secret({}, 1)
+    assert len(fresh) == 64 and fresh != job_secret({"TDIST_SECRET": ""}, 1)
+    with pytest.raises(LaunchError, match="set TDIST_SECRET to the same value on every node"):
+        job_secret({}, 2)
+
+
+# -- the report --------------------------------------------------------------------------------
+def test_describe_returncode() -> None:
+    assert describe_returncode(3) == "3"
+    assert describe_returncode(-9) == "-9 (SIGKILL)"
+    assert describe_returncode(-200) == "-200"
+
+
+def test_traceback_tail_picks_the_last_traceback() -> None:
+    lines = ["noise\n", "Traceback (most recent call last):\n", "  old\n", "OldError\n",
+             "more noise\n", "Traceback (most recent call last):\n", '  File "x.py", line 1\n',
+             "ValueError: boom\n"]
+    assert traceback_tail(lines) == 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: boom'
+    assert traceback_tail(["a\n", "b\n", "c\n"], max_lines=2) == "...\nb\nc"
+    assert traceback_tail([]).startswith("<N/A>")
+
+
+def test_failure_report_shape() -> None:
+    root, other = ex(1, 3, 1.0), ex(2, -9, 2.0)
+    tails = {1: ["Traceback (most recent call last):\n", "ValueError: boom\n"]}
+    report = format_failure_report("train.py", [root, other], host="node7", tails=tails)
+    lines = report.splitlines()
+    assert lines[0].startswith("=====") and lines[1] == "train.py FAILED"
+    assert "Failures:" in lines
+    assert "Root Cause (first observed failure):" in lines
+    root_part = report.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root_part
+    assert "exitcode  : 3 (pid: 1001)" in root_part
+    assert "host      : node7" in root_part
+    assert "    ValueError: boom" in root_part
+    others = report.split("Root Cause")[0]
+    assert "exitcode  : -9 (SIGKILL) (pid: 1002)" in others
+    assert "traceback : <N/A>" in others
+    single = format_failure_report("t.py", [root], host="h", tails={})
+    assert "<NO_OTHER_FAILURES>" in single
+    with pytest.raises(ValueError):
+        format_failure_report("t.py", [], host="h", tails={})
