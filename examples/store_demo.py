@@ -21,11 +21,12 @@ import tdist as dist
 def main() -> None:
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=60)))
 
-    # every worker announces itself under its own key ...
-    store.set(f"hello/{rank}", f"rank {rank} on {socket.gethostname()}, pid {os.getpid()}")
-    # ... adds to a shared counter (atomic on the server) ...
+    # every worker adds to a shared counter (atomic on the server) ...
     arrived = store.add("arrived", 1)
     print(f"rank {rank}/{world_size}: I was number {arrived} to arrive")
+    # ... then announces itself under its own key (after the add, so that a worker that sees
+    # every key also sees the whole count) ...
+    store.set(f"hello/{rank}", f"rank {rank} on {socket.gethostname()}, pid {os.getpid()}")
 
     # ... and waits until everyone has done the same
     start = time.monotonic()

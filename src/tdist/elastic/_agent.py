@@ -167,7 +167,7 @@ class LocalAgent:
                 try:
                     server = StoreServer(bind, cfg.master_port, secret=secret)
                 except DistError as exc:
-                    raise LaunchError(f"tdist run: {exc} (--master-port)") from exc
+                    raise LaunchError(f"{exc} (--master-port)") from exc
                 server.start("process")
                 port = server.port
                 log.info("node 0: job store on %s:%d", cfg.master_addr, port)
@@ -273,7 +273,7 @@ class LocalAgent:
                 start_new_session=True,
             )
         except OSError as exc:
-            raise LaunchError(f"tdist run: cannot start {cfg.entrypoint!r}: {exc}") from exc
+            raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
         pidfd: int | None
         try:
             pidfd = os.pidfd_open(proc.pid)

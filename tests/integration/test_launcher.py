@@ -1,0 +1,413 @@
+"""``tdist run`` and ``tdist store`` as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import tdist
+from tdist.testing import free_port
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "store_demo.py"
+
+# One worker script for every test; what it does is chosen by its arguments.
+WORKER = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    action = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    out = os.environ["TEST_OUT"]
+    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    if action == "env":
+        keys = ["RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
+                "TDIST_SECRET"]
+        with open(os.path.join(out, f"env{rank}.json"), "w") as f:
+            json.dump({k: os.environ.get(k) for k in keys}, f)
+        print(f"out from {rank}")
+        print(f"err from {rank}", file=sys.stderr)
+    elif action == "fail":  # rank 1 fails with exit code 3, the others hang
+        if rank == 1:
+            time.sleep(0.2)
+            raise ValueError("rank 1 gives up")
+        time.sleep(60)
+    elif action == "kill":  # rank 0 dies of SIGKILL, the others hang
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    elif action == "stubborn":  # rank 0 fails, rank 1 ignores SIGTERM
+        if rank == 0:
+            time.sleep(0.3)
+            sys.exit(5)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    elif action == "hang":
+        print(f"rank {rank} ready", flush=True)
+        time.sleep(60)
+    elif action == "restart":  # fail on the first attempt only
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        print(f"rank {rank} attempt {attempt}")
+        if attempt == 0 and rank == 1:
+            sys.exit(7)
+    elif action == "store":  # use the job's store through env://
+        import tdist
+        store, r, ws = next(tdist.rendezvous("env://"))
+        store.set(f"k{r}", str(r))
+        total = store.add("total", r + 1)
+        store.wait([f"k{i}" for i in range(ws)])
+        store.barrier("end", ws)
+        print(f"rank {r} of {ws} ok")
+    """
+)
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    (tmp_path / "worker.py").write_text(WORKER)
+    return tmp_path
+
+
+def launcher_env(work: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("TDIST_SECRET", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(var, None)
+    env["TEST_OUT"] = str(work)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def tdist_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tdist.cli", *args]
+
+
+def tdist_run(work: Path, *args: str, timeout: float = 20, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        tdist_cmd("run", *args), cwd=work, env=launcher_env(work, **env), capture_output=True,
+        text=True, timeout=timeout,
+    )
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie is gone too, for our purposes (it no longer runs)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def pids(work: Path, n: int) -> list[int]:
+    """The pids the workers wrote (a worker stopped before it got that far wrote none)."""
+    return [int((work / f"pid{r}").read_text()) for r in range(n) if (work / f"pid{r}").exists()]
+
+
+# -- environment and output --------------------------------------------------------------------
+def test_workers_get_torchrun_environment(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--rdzv-id", "job42",
+                    "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    envs = [json.loads((work / f"env{r}.json").read_text()) for r in range(2)]
+    port = envs[0]["MASTER_PORT"]
+    assert port != "0" and envs[1]["MASTER_PORT"] == port
+    secret = envs[0]["TDIST_SECRET"]
+    assert secret and len(secret) >= 32 and envs[1]["TDIST_SECRET"] == secret
+    for r, env in enumerate(envs):
+        assert env == {
+            "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
+            "ROLE_NAME": "default", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "OMP_NUM_THREADS": "1", "TDIST_SECRET": secret,
+        }
+    assert sorted(res.stdout.splitlines()) == ["[rank0]:out from 0", "[rank1]:out from 1"]
+    assert "[rank0]:err from 0" in res.stderr.splitlines()
+    assert "[rank1]:err from 1" in res.stderr.splitlines()
+
+
+def test_torchrun_spellings_and_given_secret(work: Path) -> None:
+    res = tdist_run(work, "--nproc_per_node=1", "--master_addr", "localhost", "--master_port", "0",
+                    "--max_restarts", "0", "worker.py", "env", TDIST_SECRET="given", OMP_NUM_THREADS="3")
+    assert res.returncode == 0, res.stderr
+    env = json.loads((work / "env0.json").read_text())
+    assert env["TDIST_SECRET"] == "given"
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["MASTER_ADDR"] == "localhost"
+    assert env["TORCHELASTIC_RUN_ID"] == "none"
+
+
+def test_workers_use_the_agent_store(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "store")
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == [f"[rank{r}]:rank {r} of 3 ok" for r in range(3)]
+
+
+def test_demo_runs(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", str(DEMO))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    assert "[rank0]:rank 0: all 2 workers met" in res.stdout
+    assert "[rank0]:rank 0: counter = 2" in out
+    assert any(line.startswith("[rank1]:rank 1/2: I was number") for line in out)
+
+
+def test_module_mode(work: Path) -> None:
+    (work / "mymod.py").write_text("import os\nprint('module rank', os.environ['RANK'])\n")
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "-m", "mymod",
+                    PYTHONPATH=f"{work}{os.pathsep}{ROOT / 'src'}")
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[rank0]:module rank 0", "[rank1]:module rank 1"]
+
+
+# -- failures ----------------------------------------------------------------------------------
+def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> None:
+    start = time.monotonic()
+    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "fail")
+    assert time.monotonic() - start < 10
+    assert res.returncode == 1  # an uncaught exception
+    for pid in pids(work, 3):
+        assert wait_gone(pid)
+    err = res.stderr
+    assert "[rank1]:ValueError: rank 1 gives up" in err.splitlines()
+    report = err[err.index("worker.py FAILED"):]
+    assert "<NO_OTHER_FAILURES>" in report  # the ranks we stopped are not failures
+    root = report.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root
+    assert f"exitcode  : 1 (pid: {(work / 'pid1').read_text()})" in root
+    assert "host      : " in root and "time      : " in root
+    assert "Traceback (most recent call last):" in root
+    assert "ValueError: rank 1 gives up" in root
+
+
+def test_exit_code_of_a_killed_worker(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "kill")
+    assert res.returncode == 128 + signal.SIGKILL
+    assert "exitcode  : -9 (SIGKILL)" in res.stderr
+    assert "rank      : 0 (local_rank: 0)" in res.stderr
+    for pid in pids(work, 2):
+        assert wait_gone(pid)
+
+
+def test_worker_ignoring_sigterm_is_killed(work: Path) -> None:
+    start = time.monotonic()
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--stop-timeout", "0.5",
+                    "worker.py", "stubborn")
+    assert res.returncode == 5
+    assert time.monotonic() - start < 10
+    assert "did not stop within 0.5 s of SIGTERM: sending SIGKILL" in res.stderr
+    for pid in pids(work, 2):
+        assert wait_gone(pid)
+
+
+def test_restart_after_failure(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1",
+                    "worker.py", "restart")
+    assert res.returncode == 0, res.stderr
+    assert "restarting the worker group (restart 1 of 1)" in res.stderr
+    assert "[rank0]:rank 0 attempt 1" in res.stdout.splitlines()
+    assert "[rank1]:rank 1 attempt 1" in res.stdout.splitlines()
+
+
+def test_restarts_exhausted(work: Path) -> None:
+    (work / "always.py").write_text("import sys\nsys.exit(4)\n")
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "--max-restarts", "2",
+                    "always.py")
+    assert res.returncode == 4
+    assert res.stderr.count("restarting the worker group") == 2
+    assert "always.py FAILED" in res.stderr
+
+
+def test_missing_script(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "nope.py")
+    assert res.returncode == 2  # python's own exit code for a missing script
+    assert "nope.py FAILED" in res.stderr
+    assert "can't open file" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc-per-node", "0", "w.py"], "must be at least 1"),
+        (["--nnodes", "1:4", "w.py"], "elastic node ranges (1:4) are not supported"),
+        (["--master-port", "99999", "w.py"], "port must have value from 0 to 65535"),
+        (["--nnodes", "2", "--master-port", "0", "w.py"], "works on one node only"),
+    ],
+)
+def test_bad_options(work: Path, args: list[str], message: str) -> None:
+    res = tdist_run(work, *args)
+    assert res.returncode == 2
+    assert message in res.stderr
+
+
+def test_port_in_use(work: Path) -> None:
+    server = tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5))
+    try:
+        res = tdist_run(work, "--master-port", str(server.port), "worker.py", "env")
+    finally:
+        server.close()
+    assert res.returncode == 1
+    assert "tdist run: error: cannot start a store server" in res.stderr
+
+
+# -- signals -----------------------------------------------------------------------------------
+def start_hanging(work: Path, n: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        tdist_cmd("run", "--nproc-per-node", str(n), "--master-port", "0", "worker.py", "hang"),
+        cwd=work, env=launcher_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    ready: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for _ in range(n):
+            ready.append(proc.stdout.readline())
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(15)  # the lines arrive while the workers still run: output is streamed promptly
+    assert sorted(ready) == [f"[rank{r}]:rank {r} ready\n" for r in range(n)]
+    return proc
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_the_launcher_stops_the_workers(work: Path, sig: int, code: int) -> None:
+    proc = start_hanging(work, 2)
+    try:
+        worker_pids = pids(work, 2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == code, err
+        assert f"stopped the workers on {signal.Signals(sig).name}" in err
+        for pid in worker_pids:
+            assert wait_gone(pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- several nodes on this host ----------------------------------------------------------------
+@pytest.fixture
+def two_nodes(work: Path) -> Iterator[tuple[Path, int]]:
+    yield work, free_port()
+
+
+def start_node(work: Path, port: int, rank: int, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        tdist_cmd("run", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                  "--master-port", str(port), "--monitor-interval", "0.1", "--stop-timeout", "2",
+                  *args),
+        cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_two_nodes_share_one_store(two_nodes: tuple[Path, int]) -> None:
+    work, port = two_nodes
+    nodes = [start_node(work, port, k, "worker.py", "store") for k in (1, 0)]
+    try:
+        outs = [p.communicate(timeout=20) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == [f"[rank{r}]:rank {r} of 4 ok" for r in range(4)]
+
+
+def test_failure_on_one_node_stops_the_other(two_nodes: tuple[Path, int]) -> None:
+    work, port = two_nodes
+    # node 1 runs ranks 2 and 3: rank 3 fails at once (exit 9); node 0's ranks hang
+    (work / "n.py").write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '3':\n    time.sleep(0.5); sys.exit(9)\n"
+        "time.sleep(60)\n"
+    )
+    nodes = [start_node(work, port, k, "n.py") for k in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=20) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert nodes[1].returncode == 9, outs[1][1]
+    assert "rank      : 3 (local_rank: 1)" in outs[1][1]
+    assert nodes[0].returncode == 1, outs[0][1]
+    assert "node 1: rank 3 exited with code 9" in outs[0][1]
+
+
+def test_nodes_need_a_shared_secret(work: Path) -> None:
+    res = tdist_run(work, "--nnodes", "2", "--master-port", str(free_port()), "worker.py", "env")
+    assert res.returncode == 1
+    assert "set TDIST_SECRET to the same value on every node" in res.stderr
+
+
+# -- tdist store -------------------------------------------------------------------------------
+def test_store_command_serves_until_interrupted(work: Path) -> None:
+    proc = subprocess.Popen(
+        tdist_cmd("store", "--port", "0"), env=launcher_env(work, TDIST_SECRET="st"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("tdist store: serving on 127.0.0.1:")
+        assert "clients must prove TDIST_SECRET" in line
+        port = int(line.split("127.0.0.1:")[1].split()[0])
+        client = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=5), secret="st")
+        client.set("a", "b")
+        assert client.get("a") == b"b"
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, err
+        assert "tdist store: stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "tdist"
+    if not script.exists():
+        pytest.skip("the tdist console script is not installed in this environment")
+    res = subprocess.run([str(script), "run", "--help"], capture_output=True, text=True, timeout=20)
+    assert res.returncode == 0
+    assert "--nproc-per-node" in res.stdout
