@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restart the workers up to N times after a failure (default: 0)")
     run.add_argument(*_opt("--monitor-interval"), type=_seconds, default=0.5, metavar="S",
                      help="seconds between checks of the other nodes (default: 0.5)")
+    run.add_argument(*_opt("--join-timeout"), type=_seconds, default=600.0, metavar="S",
+                     help="seconds to wait for every node to join (default: 600)")
     run.add_argument(*_opt("--stop-timeout"), type=_seconds, default=10.0, metavar="S",
                      help="seconds between SIGTERM and SIGKILL when stopping workers (default: 10)")
     run.add_argument("-m", "--module", action="store_true",
@@ -158,6 +160,7 @@ def _run(ns: argparse.Namespace) -> int:
             no_python=ns.no_python,
             stop_timeout=ns.stop_timeout,
             monitor_interval=ns.monitor_interval,
+            join_timeout=ns.join_timeout,
         )
     except ValueError as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)

@@ -372,6 +372,20 @@ def test_failure_on_one_node_stops_the_other(two_nodes: tuple[Path, int]) -> Non
     assert "node 1: rank 3 exited with code 9" in outs[0][1]
 
 
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_missing_node_fails_the_join(work: Path, node_rank: int) -> None:
+    start = time.monotonic()
+    res = tdist_run(work, "--nnodes", "2", "--node-rank", str(node_rank), "--master-port",
+                    str(free_port()), "--join-timeout", "1", "worker.py", "env", TDIST_SECRET="s")
+    assert res.returncode == 1
+    assert time.monotonic() - start < 10  # no exit barrier for a job that never formed
+    if node_rank == 0:
+        assert "node 0: nodes [1] of 2 did not join within 1 s" in res.stderr
+    else:
+        assert "node 1: cannot reach the job store at 127.0.0.1:" in res.stderr
+    assert not (work / "env0.json").exists()
+
+
 def test_nodes_need_a_shared_secret(work: Path) -> None:
     res = tdist_run(work, "--nnodes", "2", "--master-port", str(free_port()), "worker.py", "env")
     assert res.returncode == 1

@@ -139,6 +139,7 @@ class LocalAgent:
         self._wake_r = -1
         self._wake_w = -1
         self._store: TCPStore | None = None
+        self._joined = False  # every node joined: the exit barrier can expect them all
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
 
@@ -449,6 +450,7 @@ class LocalAgent:
                 )
             with contextlib.suppress(DistStoreError):
                 store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+        self._joined = True
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
 
     def _poll_peers(self) -> str | None:
@@ -476,7 +478,7 @@ class LocalAgent:
 
     def _exit_barrier(self) -> None:
         store, cfg = self._store, self.config
-        if store is None:
+        if store is None or not self._joined:
             return
         try:
             store.set(f"{AGENT_PREFIX}/finished/node{cfg.node_rank}", b"1")
