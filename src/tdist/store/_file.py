@@ -39,6 +39,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -71,6 +72,18 @@ _LOCK_SPIN_MAX = 0.005
 COMPACT_MIN_BYTES = 64 << 20
 
 _HINT = "the process that sets them may be slow, dead, or using another file"
+
+# Every open handle, so that a forked child can replace their thread locks: a lock held by
+# another thread of the parent at the fork would be held forever in the child.
+_handles: weakref.WeakSet[FileStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for handle in list(_handles):
+        handle._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Kind(IntEnum):
@@ -184,7 +197,13 @@ class FileStore(Store):
         self._closed = False
         self._compact_at = COMPACT_MIN_BYTES
         with self._lock:
-            self._join()
+            try:
+                self._join()
+            except BaseException:
+                self._closed = True
+                self._drop_fd()
+                raise
+        _handles.add(self)
 
     # -- the file ------------------------------------------------------------------------------
     def _where(self) -> str:
