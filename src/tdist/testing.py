@@ -311,7 +311,9 @@ def _collect(
             kind, rank = by_obj[obj]
             if kind == "exit":
                 running.discard(rank)
-                procs[rank].join(0)
+                # the sentinel fires as the process closes its files, a moment before it can
+                # be reaped: wait that moment for the exit code
+                procs[rank].join(5.0)
                 continue
             waiting_result.discard(rank)
             try:
