@@ -220,6 +220,13 @@ def test_not_a_filestore_file(path: str) -> None:
     assert Path(path).read_bytes() == b"hello, this is someone else's file"
 
 
+def test_unopenable_path_raises_a_store_error(tmp_path: Path) -> None:
+    with pytest.raises(DistStoreError, match=r"opening the file failed: .*No such file or dir"):
+        tdist.FileStore(str(tmp_path / "no-such-dir" / "store"))
+    with pytest.raises(TypeError, match="world_size must be int"):
+        tdist.FileStore(str(tmp_path / "s"), "2")  # type: ignore[arg-type]
+
+
 def test_lock_held_elsewhere_costs_a_timeout_not_a_hang(store: tdist.FileStore, path: str) -> None:
     fd = os.open(path, os.O_RDWR)  # another open file description: its flock excludes ours
     try:

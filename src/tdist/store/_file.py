@@ -216,7 +216,9 @@ class FileStore(Store):
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
         try:
             fd = os.open(self._path, flags, 0o644)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            if create:  # the directory is missing
+                raise self._os_error("opening the file", exc) from exc
             raise self._removed() from None
         except OSError as exc:
             raise self._os_error("opening the file", exc) from exc
@@ -258,7 +260,26 @@ class FileStore(Store):
             # a forked child must not share its parent's open file description (and lock)
             self._drop_fd()
             self._join()
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            self._lock_current(fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, create)
+        except DistStoreError:  # StoreTimeoutError is an OSError too: let ours through
+            raise
+        except OSError as exc:
+            raise self._os_error("locking the file", exc) from exc
+        try:
+            try:
+                self._refresh(exclusive)
+            except DistStoreError:
+                raise
+            except OSError as exc:
+                raise self._os_error("reading the file", exc) from exc
+            yield
+        finally:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _lock_current(self, mode: int, create: bool) -> None:
         while True:
             if self._fd is None:
                 self._open(create)
@@ -270,18 +291,12 @@ class FileStore(Store):
             except FileNotFoundError:
                 st = None
             if st is not None and (st.st_dev, st.st_ino) == self._ident:
-                break
+                return
             # removed (by the last handle) or replaced (by a compaction): start over
             fcntl.flock(fd, fcntl.LOCK_UN)
             self._drop_fd()
             if st is None and not create:
                 raise self._removed()
-        try:
-            self._refresh(exclusive)
-            yield
-        finally:
-            if self._fd is not None:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _flock(self, fd: int, mode: int) -> None:
         try:
