@@ -9,7 +9,9 @@ request and a ``Status`` for a reply; integers travel as 8-byte signed fields. A
 opens with the server's ``HELLO`` (protocol version, whether a secret is required, a nonce, the
 server's TCP port); when a secret is required the client's first frame must be ``AUTH`` and is
 limited to ``MAX_AUTH_FRAME`` bytes, so nothing larger is read before the peer is trusted.
-Requests on one connection are answered in order, one reply each; a blocking request (``GET``,
+Requests on one connection are answered in order, one reply each, except ``SET_QUIET`` (a
+``set`` that, as torch's, does not wait for a round trip): it is answered only if it fails, with
+an ``ASYNC_ERROR`` frame that the client reads before its next reply. A blocking request (``GET``,
 ``WAIT``, ``MULTI_GET``, ``QUEUE_POP``) carries its timeout, and the server itself answers
 ``ERROR timeout`` when it expires, so the connection never falls out of step.
 """
@@ -68,11 +70,13 @@ class Op(IntEnum):
     QUEUE_POP = 23
     QUEUE_LEN = 24
     PING = 25
+    SET_QUIET = 26  # SET with no reply unless it fails (then an ASYNC_ERROR frame)
 
 
 class Status(IntEnum):
     OK = 100
     ERROR = 101
+    ASYNC_ERROR = 102  # the failure of an earlier request that has no reply of its own
 
 
 class ErrorKind:

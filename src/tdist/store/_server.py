@@ -368,6 +368,7 @@ class StoreServer:
                 now = clock()
                 if spin and now - last_active < spin:
                     timeout = 0.0
+                    os.sched_yield()  # a client sharing this core runs at once
                 else:
                     timeout = 1.0
                     if self._timers:
@@ -543,6 +544,14 @@ class StoreServer:
             self._authenticate(conn, frame)
             return
         handler = self._handlers.get(code)
+        if code == Op.SET_QUIET:
+            try:
+                self._op_set_quiet(fields)
+            except (RemoteProtocolError, ValueError) as exc:
+                conn.out += encode_frame(
+                    Status.ASYNC_ERROR, [ErrorKind.PROTOCOL, f"malformed SET: {exc}".encode()]
+                )
+            return
         if handler is None:
             self._reply_error(conn, ErrorKind.PROTOCOL, f"unknown store command {code}")
             log.info("store server on port %d: client %s sent unknown command %d",
@@ -594,6 +603,12 @@ class StoreServer:
         key = _decode_key(f[0])
         self._state.set(key, f[1])
         self._reply(conn)
+        self._changed(key)
+
+    def _op_set_quiet(self, f: list[bytes]) -> None:
+        self._nargs(f, 2, "SET")
+        key = _decode_key(f[0])
+        self._state.set(key, f[1])
         self._changed(key)
 
     def _op_get(self, conn: _Conn, f: list[bytes]) -> None:

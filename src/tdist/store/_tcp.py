@@ -16,7 +16,6 @@ import select
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -54,7 +53,6 @@ _INIT_KEY = "init/"
 _GRACE = 5.0
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
-_MAX_UNACKED = 1024
 _thread_servers: set[int] = set()  # ids of servers running in a thread of this process
 _tenants_lock = threading.Lock()
 _tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
@@ -161,7 +159,7 @@ class TCPStore(Store):
         self._server: StoreServer | None = None
         self._tenant_key: tuple[str, int] | None = None
         self._closed = False
-        self._unacked: deque[str] = deque()
+        self._quiet_sent = False
         self._spin = _client_spin()
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
@@ -248,7 +246,7 @@ class TCPStore(Store):
                 sock.setblocking(False)
                 self._sock = sock
                 self._decoder = FrameDecoder()
-                self._unacked.clear()
+                self._quiet_sent = False
                 self._pid = os.getpid()
                 return
             except AuthenticationError:
@@ -334,17 +332,18 @@ class TCPStore(Store):
         """One request/reply. ``wait`` is the server-side timeout of a blocking request."""
         frame_bytes = encode_frame(op, fields)
         io_timeout = self._timeout_seconds(None) if wait is None else wait + _GRACE
+        deferred: DistError | None = None
         with self._lock:
             sock = self._ready_socket()
             try:
                 self._send(sock, frame_bytes, io_timeout)
-                deferred: DistError | None = None
-                while self._unacked:
-                    ack = self._read_reply(sock, io_timeout)
-                    acked = self._unacked.popleft()
-                    if ack.code != Status.OK and deferred is None:
-                        deferred = self._error(Op.SET, ack, None, f" (an earlier set of {acked!r})")
-                frame = self._read_reply(sock, io_timeout)
+                while True:
+                    frame = self._read_reply(sock, io_timeout)
+                    if frame.code != Status.ASYNC_ERROR:
+                        break
+                    if deferred is None:  # an earlier quiet set failed: report it now
+                        deferred = self._error(Op.SET, frame, None, " (an earlier set)")
+                self._quiet_sent = False
             except TimeoutError as exc:
                 err: DistError = StoreTimeoutError(
                     f"the store at {self._addr} did not answer {op.name} within {io_timeout:g} s; "
@@ -360,11 +359,11 @@ class TCPStore(Store):
             return frame.fields
         raise self._error(op, frame, wait)
 
-    def _call_unacked(self, op: Op, key: str, fields: Sequence[bytes]) -> None:
-        """Send a write whose acknowledgement is read later, before the next request.
+    def _call_quiet(self, op: Op, fields: Sequence[bytes]) -> None:
+        """Send a request that has no reply unless it fails.
 
         Like torch, ``set`` does not wait for a round trip; unlike torch, a server that is
-        already gone is noticed here (and a later failure at the next request), never lost.
+        already gone is noticed here, and a failure of the request at the next call.
         """
         frame_bytes = encode_frame(op, fields)
         io_timeout = self._timeout_seconds(None)
@@ -373,11 +372,10 @@ class TCPStore(Store):
             try:
                 # Over a Unix socket a send to a closed peer fails at once (EPIPE); over TCP
                 # the first send after the server closed still succeeds, so look for its EOF.
-                if self._unacked and (self._transport == "tcp" or len(self._unacked) >= _MAX_UNACKED):
-                    self._collect_acks(sock, io_timeout, block=len(self._unacked) >= _MAX_UNACKED)
-                elif self._transport == "tcp":
+                if self._transport == "tcp":
                     self._check_open(sock)
                 self._send(sock, frame_bytes, io_timeout)
+                self._quiet_sent = True
             except TimeoutError as exc:
                 err: DistError = StoreTimeoutError(
                     f"the store at {self._addr} did not take {op.name} within {io_timeout:g} s; "
@@ -387,28 +385,6 @@ class TCPStore(Store):
                 raise err from exc
             except OSError as exc:
                 raise self._lost(op, exc) from exc
-            self._unacked.append(key)
-
-    def _collect_acks(self, sock: socket.socket, io_timeout: float, block: bool) -> None:
-        """Read the acknowledgements that have arrived (all of them when ``block``)."""
-        while self._unacked:
-            frame: Frame | None
-            if block:
-                frame = self._read_reply(sock, io_timeout)
-            else:
-                frame = self._decoder.next_frame()
-                if frame is None:
-                    try:
-                        data = sock.recv(65536)
-                    except BlockingIOError:
-                        return
-                    if not data:
-                        raise ConnectionResetError("connection closed by the server")
-                    self._decoder.feed(data)
-                    continue
-            acked = self._unacked.popleft()
-            if frame.code != Status.OK:
-                raise self._error(Op.SET, frame, None, f" (an earlier set of {acked!r})")
 
     @staticmethod
     def _check_open(sock: socket.socket) -> None:
@@ -476,6 +452,8 @@ class TCPStore(Store):
                 data = sock.recv(size)
             except BlockingIOError:
                 if time.perf_counter() < spin_until:
+                    # yield, so that a server sharing this core gets it at once
+                    os.sched_yield()
                     continue
                 if poller is None:
                     poller = select.poll()
@@ -552,7 +530,7 @@ class TCPStore(Store):
         return False
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call_unacked(Op.SET, key, (check_key(key).encode(), as_bytes(value)))
+        self._call_quiet(Op.SET_QUIET, (check_key(key).encode(), as_bytes(value)))
 
     def get(self, key: str) -> bytes:
         ms, seconds = self._wait_ms(None)
@@ -639,14 +617,17 @@ class TCPStore(Store):
         """Close the connection; a master also stops its server (when no tenant shares it)."""
         if self._closed:
             return
+        if self._quiet_sent and self._sock is not None and self._pid == os.getpid():
+            # make sure the server has taken every set before we go; report what failed
+            try:
+                self._call(Op.PING, ())
+            except DistError as exc:
+                log.warning("TCPStore client for %s: while closing: %s", self._addr, exc)
         self._closed = True
         # wait (briefly) for a call in flight on another thread rather than close under it
         locked = self._lock.acquire(timeout=5.0)
         try:
             if self._sock is not None:
-                if self._unacked and self._pid == os.getpid():
-                    with contextlib.suppress(OSError, DistError):
-                        self._collect_acks(self._sock, min(5.0, self._timeout_seconds(None)), block=True)
                 with contextlib.suppress(OSError):
                     self._sock.close()
                 self._sock = None

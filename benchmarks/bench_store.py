@@ -1,0 +1,225 @@
+"""TCPStore side by side: tdist against torch.distributed, same machine, same client count.
+
+Run: .venv/bin/python benchmarks/bench_store.py [--rounds 5] [--ops 5000]
+
+Every figure is the median over ``--rounds`` rounds, the two implementations alternating inside
+each round. Clients are separate processes (forked); the server lives in the benchmark process
+(torch: its server thread; tdist: the child process TCPStore starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch.distributed as tdc
+
+import tdist
+from _common import machine_line, median, table
+
+IMPLS = ("torch", "tdist")
+
+
+def make_master(impl: str) -> Any:
+    if impl == "torch":
+        return tdc.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    return tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+
+
+def make_client(impl: str, port: int) -> Any:
+    if impl == "torch":
+        return tdc.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False)
+    return tdist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False)
+
+
+def run_op(store: Any, op: str, n: int, me: int) -> list[float]:
+    """Run ``n`` ops; returns per-op latencies (seconds) for latency ops, else [total]."""
+    key = f"k{me}"
+    store.set(key, b"v" * 16)
+    store.set("present", b"1")
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    if op == "get":
+        for _ in range(n):
+            store.get(key)
+    elif op == "add":
+        for _ in range(n):
+            store.add("ctr", 1)
+    elif op == "check":
+        for _ in range(n):
+            store.check([key])
+    elif op == "set":
+        for _ in range(n):
+            store.set(key, b"value")
+        store.get(key)  # everything written has been taken
+    elif op in ("wait", "get_lat"):
+        pc = time.perf_counter
+        for _ in range(n):
+            t = pc()
+            if op == "wait":
+                store.wait(["present"])
+            else:
+                store.get(key)
+            lat.append(pc() - t)
+        return lat
+    return [time.perf_counter() - t0]
+
+
+def client_main(impl: str, port: int, op: str, n: int, me: int, start: Any, out: Any) -> None:
+    try:
+        store = make_client(impl, port)
+        start.wait()
+        out.put((me, run_op(store, op, n, me)))
+    except BaseException as exc:
+        out.put((me, repr(exc)))
+
+
+def measure(impl: str, op: str, clients: int, n: int, busy: bool = False) -> float:
+    """ops/s aggregate (throughput ops) or median latency in us (wait / get_lat)."""
+    ctx = mp.get_context("fork")
+    master = make_master(impl)
+    stop = threading.Event()
+    spinner = None
+    if busy:  # the hosting process runs Python code, as a training loop would
+        def spin() -> None:
+            x = 0
+            while not stop.is_set():
+                x += 1
+        spinner = threading.Thread(target=spin, daemon=True)
+        spinner.start()
+    start = ctx.Barrier(clients + 1)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=client_main, args=(impl, master.port, op, n, i, start, out)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    start.wait()
+    t0 = time.perf_counter()
+    results = [out.get(timeout=300) for _ in procs]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(30)
+    stop.set()
+    if spinner is not None:
+        spinner.join()
+    errors = [r for _, r in results if isinstance(r, str)]
+    if errors:
+        raise RuntimeError(f"{impl} {op}: {errors[0]}")
+    if op in ("wait", "get_lat"):
+        lats = sorted(x for _, r in results for x in r)
+        value = lats[len(lats) // 2] * 1e6
+    else:
+        value = clients * n / wall
+    if hasattr(master, "close"):
+        master.close()
+    del master
+    return value
+
+
+def mixed_main(impl: str, port: int, n: int, me: int, start: Any, out: Any) -> None:
+    try:
+        store = make_client(impl, port)
+        start.wait()
+        adds = 0
+        for i in range(n):
+            r = i % 5
+            if r == 0:
+                store.add("mixed_ctr", 1)
+                adds += 1
+            elif r == 1:
+                store.set(f"m{me}", str(i))
+            elif r == 2:
+                assert store.get(f"m{me}") == str(i - 1).encode()
+            elif r == 3:
+                store.check([f"m{me}", "mixed_ctr"])
+            else:
+                store.compare_set(f"cs{me}", str(i - 5) if i >= 5 else "", str(i))
+        out.put((me, adds))
+    except BaseException as exc:
+        out.put((me, repr(exc)))
+
+
+def mixed(impl: str, clients: int, n: int) -> tuple[bool, float]:
+    ctx = mp.get_context("fork")
+    master = make_master(impl)
+    start = ctx.Barrier(clients + 1)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=mixed_main, args=(impl, master.port, n, i, start, out)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    start.wait()
+    t0 = time.perf_counter()
+    results = [out.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(30)
+    errors = [r for _, r in results if isinstance(r, str)]
+    expected = sum(r for _, r in results if isinstance(r, int))
+    final = master.add("mixed_ctr", 0)
+    ok = not errors and final == expected
+    if errors:
+        print(f"  {impl} mixed errors: {errors[:3]}")
+    if hasattr(master, "close"):
+        master.close()
+    return ok, clients * n / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--ops", type=int, default=5000)
+    ap.add_argument("--mixed-clients", type=int, default=64)
+    ap.add_argument("--mixed-ops", type=int, default=1000)
+    args = ap.parse_args()
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    print(f"# store benchmark: {machine_line()}")
+    cases = [
+        ("get", 1, "ops/s", False, 1.5),
+        ("add", 1, "ops/s", False, 1.5),
+        ("check", 1, "ops/s", False, 1.5),
+        ("set", 1, "ops/s", False, 0.8),
+        ("get", 8, "ops/s", False, 1.0),
+        ("add", 8, "ops/s", False, 1.0),
+        ("check", 8, "ops/s", False, 1.0),
+        ("wait", 1, "p50 us", False, 1.0),
+        ("get_lat", 1, "p50 us", False, 1.0),
+        ("get_lat", 1, "p50 us", True, 1.0),
+    ]
+    samples: dict[tuple[str, int, bool, str], list[float]] = {}
+    for r in range(args.rounds):
+        order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+        for op, clients, _, busy, _ in cases:
+            n = args.ops if clients == 1 else max(1000, args.ops // 2)
+            for impl in order:
+                samples.setdefault((op, clients, busy, impl), []).append(measure(impl, op, clients, n, busy))
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    rows = []
+    for op, clients, unit, busy, target in cases:
+        t = median(samples[(op, clients, busy, "torch")])
+        o = median(samples[(op, clients, busy, "tdist")])
+        lower_better = unit.startswith("p50")
+        ratio = t / o if lower_better else o / t
+        name = {"get_lat": "get latency", "wait": "wait (present key)"}.get(op, op)
+        if busy:
+            name += " (host busy)"
+        verdict = "ok" if ratio >= target else "BELOW"
+        rows.append([name, clients, unit, t, o, f"{ratio:.2f}x", f">={target}x", verdict])
+    print()
+    print(table(["operation", "clients", "unit", "torch", "tdist", "speed-up", "target", ""], rows))
+    print("\nspeed-up: tdist over torch (ops/s ratio, or latency ratio torch/tdist); median of", args.rounds, "rounds")
+    print(f"\nmixed load: {args.mixed_clients} clients x {args.mixed_ops} ops (add/set/get/check/compare_set)")
+    mrows = []
+    for impl in IMPLS:
+        ok, rate = mixed(impl, args.mixed_clients, args.mixed_ops)
+        mrows.append([impl, "exact" if ok else "WRONG", rate])
+    print(table(["impl", "final counter", "aggregate ops/s"], mrows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install tdist with its test and demo dependencies.
+# torch is pinned to 2.13.0 (a CPU wheel on these machines): a looser request lets pip pick a
+# newer CUDA build of several GB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.tdist-installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,demo]" "torch==2.13.0"
+.venv/bin/python -c "import torch, tdist; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+echo "$want" > "$stamp"

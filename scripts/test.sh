@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole check: set up, lint, type-check, test. Exits non-zero if any step fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh || exit 1
+status=0
+echo "== ruff"; .venv/bin/ruff check src tests benchmarks examples || status=1
+echo "== mypy"; .venv/bin/mypy || status=1
+echo "== pytest"; .venv/bin/pytest -q -p no:cacheprovider "$@" || status=1
+exit $status
