@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -189,6 +190,24 @@ def test_module_mode(work: Path) -> None:
                     PYTHONPATH=f"{work}{os.pathsep}{ROOT / 'src'}")
     assert res.returncode == 0, res.stderr
     assert sorted(res.stdout.splitlines()) == ["[rank0]:module rank 0", "[rank1]:module rank 1"]
+
+
+def test_agent_in_process_and_without_pidfd(work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.elastic import LaunchConfig, launch
+
+    def no_pidfd(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)  # an old kernel: the agent polls instead
+    out, err = io.BytesIO(), io.BytesIO()
+    config = LaunchConfig(str(work / "worker.py"), ("fail",), nproc_per_node=2, master_port=0,
+                          stop_timeout=2)
+    start = time.monotonic()
+    code = launch(config, stdout=out, stderr=err, env=launcher_env(work), handle_signals=False)
+    assert code == 1
+    assert time.monotonic() - start < 10
+    assert b"[rank1]:ValueError: rank 1 gives up" in err.getvalue()
+    assert b"worker.py FAILED" in err.getvalue()
 
 
 # -- failures ----------------------------------------------------------------------------------

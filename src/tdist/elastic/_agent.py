@@ -355,7 +355,10 @@ class LocalAgent:
                     polling = True
         if polling:
             timeout = 0.05 if timeout is None else min(timeout, 0.05)
-        select.select(fds, [], [], timeout)
+        poller = select.poll()  # not select.select: descriptors may exceed FD_SETSIZE
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 256):
                 pass
