@@ -103,6 +103,12 @@ def test_same_answers_as_torch(master: dist.TCPStore) -> None:
         out.append(s.queue_pop("q"))  # type: ignore[attr-defined]
         out.append(s.delete_key("m1"))  # type: ignore[attr-defined]
         out.append(s.delete_key("m1"))  # type: ignore[attr-defined]
+        # queues are not keys: not counted, not listed, not deleted
+        out.append(s.num_keys())  # type: ignore[attr-defined]
+        out.append(sorted(s.list_keys()))  # type: ignore[attr-defined]
+        out.append(s.delete_key("q"))  # type: ignore[attr-defined]
+        out.append(s.queue_len("q"))  # type: ignore[attr-defined]
+        out.append(s.check(["q"]))  # type: ignore[attr-defined]
         return out
 
     assert script(ours) == script(theirs)
@@ -133,6 +139,19 @@ def test_timeouts_name_keys_time_and_address(master: dist.TCPStore) -> None:
     # the connection stays in step after timeouts
     assert master.get("present") == b"1"
     assert master.check(["present"]) is True
+
+
+def test_get_of_a_queue_only_key_waits_for_a_value(master: dist.TCPStore) -> None:
+    master.queue_push("qk", "item")
+    master.set_timeout(timedelta(seconds=0.2))
+    with pytest.raises(StoreTimeoutError, match="qk"):
+        master.get("qk")
+    with pytest.raises(StoreTimeoutError, match="qk"):
+        master.multi_get(["qk"])
+    master.wait(["qk"])  # wait, though, sees the non-empty queue
+    master.set("qk", "value")
+    assert master.multi_get(["qk"]) == [b"value"]
+    assert master.queue_pop("qk") == b"item"
 
 
 def test_add_on_non_number_raises_and_connection_survives(master: dist.TCPStore) -> None:

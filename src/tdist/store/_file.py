@@ -543,14 +543,14 @@ class FileStore(Store):
             return not self._state.missing(wanted)
 
     def delete_key(self, key: str) -> bool:
-        """Delete ``key`` (and a queue of that name).
+        """Delete ``key``; a queue of that name is not a key and stays (as torch's stores).
 
         Returns:
             Whether it existed (torch's FileStore always returns True).
         """
         key = check_key(key)
         with self._lock, self._flocked(exclusive=True):
-            if key not in self._state.data and key not in self._state.queues:
+            if key not in self._state.data:
                 return False
             self._write([FileOp(Kind.DELETE, key)])
             return True

@@ -660,7 +660,7 @@ class StoreServer:
         if not f:
             raise RemoteProtocolError("MULTI_GET needs a timeout field")
         keys = [_decode_key(k) for k in f[1:]]
-        if not self._state.missing(keys):
+        if not self._state.missing_values(keys):
             data = self._state.data
             self._reply(conn, [data[k] for k in keys])
         else:
@@ -721,9 +721,14 @@ class StoreServer:
         if op == Op.QUEUE_POP:
             self._park_on(waiter, keys[0])
         else:
-            self._park_on(waiter, self._state.missing(keys)[0])
+            self._park_on(waiter, self._missing(waiter)[0])
         if waiter.deadline is not None:
             self._add_timer(waiter.deadline, functools.partial(self._expire, waiter))
+
+    def _missing(self, waiter: _Waiter) -> list[str]:
+        if waiter.op == Op.WAIT:
+            return self._state.missing(waiter.keys)
+        return self._state.missing_values(waiter.keys)
 
     def _park_on(self, waiter: _Waiter, key: str) -> None:
         waiter.parked_on = key
@@ -762,7 +767,7 @@ class StoreServer:
                     return
                 self._finish(waiter, (value,))
                 continue
-            missing = state.missing(waiter.keys)
+            missing = self._missing(waiter)
             if missing:
                 self._park_on(waiter, missing[0])
                 continue
@@ -790,7 +795,7 @@ class StoreServer:
         conn.blocked = None
         if conn.closed:
             return
-        missing = waiter.keys if waiter.op == Op.QUEUE_POP else self._state.missing(waiter.keys)
+        missing = waiter.keys if waiter.op == Op.QUEUE_POP else self._missing(waiter)
         assert waiter.timeout is not None
         self._reply_error(
             conn,

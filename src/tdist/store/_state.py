@@ -40,7 +40,13 @@ class KVState:
         return key in self.data or bool(self.queues.get(key))
 
     def missing(self, keys: list[str]) -> list[str]:
+        """Keys that ``wait`` still waits for (a non-empty queue counts as present)."""
         return [k for k in keys if not self.present(k)]
+
+    def missing_values(self, keys: list[str]) -> list[str]:
+        """Keys that ``get``/``multi_get`` still wait for (queues do not count)."""
+        data = self.data
+        return [k for k in keys if k not in data]
 
     def set(self, key: str, value: bytes) -> None:
         self.data[key] = value
@@ -68,18 +74,14 @@ class KVState:
         self.data[key] = self.data.get(key, b"") + value
 
     def delete(self, key: str) -> bool:
-        found = self.data.pop(key, None) is not None
-        if self.queues.pop(key, None) is not None:
-            found = True
-        return found
+        # as torch: a queue of the same name is not a key and stays
+        return self.data.pop(key, None) is not None
 
     def num_keys(self) -> int:
-        return len(self.data) + sum(1 for k, q in self.queues.items() if q and k not in self.data)
+        return len(self.data)
 
     def list_keys(self) -> list[str]:
-        keys = list(self.data)
-        keys.extend(k for k, q in self.queues.items() if q and k not in self.data)
-        return keys
+        return list(self.data)
 
     def queue_push(self, key: str, value: bytes) -> None:
         self.queues.setdefault(key, deque()).append(value)
