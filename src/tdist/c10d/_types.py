@@ -1,0 +1,326 @@
+"""Process-group vocabulary shared by the API layer and every backend: ``ReduceOp``, the option
+records torch passes to backends, ``Work`` (the handle of an operation in flight) and ``P2POp``.
+
+Thread-safety: a ``Work`` is completed by one thread (the backend's) and waited on by any.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .._core.deadline import to_seconds
+from .._core.errors import DistError, DistTimeoutError
+
+__all__ = [
+    "AllToAllOptions",
+    "AllgatherOptions",
+    "AllreduceOptions",
+    "BarrierOptions",
+    "BroadcastOptions",
+    "GatherOptions",
+    "RedOpType",
+    "ReduceOp",
+    "ReduceOptions",
+    "ReduceScatterOptions",
+    "ScatterOptions",
+    "Work",
+    "as_red_op",
+    "reduce_op",
+]
+
+
+class RedOpType(enum.IntEnum):
+    """The reduction operations (torch's ``ReduceOp.RedOpType``)."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+    UNUSED = 9
+
+    def __repr__(self) -> str:
+        return f"<RedOpType.{self.name}: {self.value}>"
+
+    def __str__(self) -> str:
+        return f"RedOpType.{self.name}"
+
+
+_RedOpType = RedOpType
+
+
+class ReduceOp:
+    """An element-wise reduction for ``all_reduce``, ``reduce`` and ``reduce_scatter``.
+
+    ``ReduceOp.SUM`` and friends are ``RedOpType`` members, as in torch; ``ReduceOp(op)`` wraps
+    one and compares equal to it.
+    """
+
+    RedOpType = RedOpType
+    SUM = RedOpType.SUM
+    AVG = RedOpType.AVG
+    PRODUCT = RedOpType.PRODUCT
+    MIN = RedOpType.MIN
+    MAX = RedOpType.MAX
+    BAND = RedOpType.BAND
+    BOR = RedOpType.BOR
+    BXOR = RedOpType.BXOR
+    PREMUL_SUM = RedOpType.PREMUL_SUM
+    UNUSED = RedOpType.UNUSED
+
+    def __init__(self, op: _RedOpType = _RedOpType.SUM) -> None:
+        self.op = as_red_op(op)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ReduceOp):
+            return self.op == other.op
+        if isinstance(other, RedOpType):
+            return self.op == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.op)
+
+    def __repr__(self) -> str:
+        return f"ReduceOp({self.op.name})"
+
+
+def as_red_op(op: object) -> RedOpType:
+    """Normalize ``op`` (a ``RedOpType``, a ``ReduceOp`` or the old ``reduce_op`` values).
+
+    Raises:
+        ValueError: not a reduction operation.
+    """
+    if isinstance(op, RedOpType):
+        return op
+    if isinstance(op, ReduceOp):
+        return op.op
+    raise ValueError(f"Invalid ReduceOp: {op!r} (use dist.ReduceOp.SUM, PRODUCT, MIN, MAX, ...)")
+
+
+class _ReduceOpAlias:
+    """``torch.distributed.reduce_op``: the deprecated spelling of ``ReduceOp``."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("__"):
+            return object.__getattribute__(self, name)
+        warnings.warn(
+            "torch.distributed.reduce_op is deprecated, please use torch.distributed.ReduceOp instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(ReduceOp, name)
+
+
+reduce_op = _ReduceOpAlias()
+
+
+# -- options: torch's record types, torch's (camelCase) field names ------------------------------
+class _Options:
+    timeout: timedelta | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        for name, value in kwargs.items():
+            if not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__} has no option {name!r}")
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+# option fields keep torch's camelCase names
+class AllreduceOptions(_Options):
+    reduceOp: RedOpType = RedOpType.SUM
+
+
+class BroadcastOptions(_Options):
+    rootRank: int = 0
+    rootTensor: int = 0
+
+
+class ReduceOptions(_Options):
+    reduceOp: RedOpType = RedOpType.SUM
+    rootRank: int = 0
+    rootTensor: int = 0
+
+
+class AllgatherOptions(_Options):
+    pass
+
+
+class GatherOptions(_Options):
+    rootRank: int = 0
+
+
+class ScatterOptions(_Options):
+    rootRank: int = 0
+
+
+class ReduceScatterOptions(_Options):
+    reduceOp: RedOpType = RedOpType.SUM
+
+
+class AllToAllOptions(_Options):
+    pass
+
+
+class BarrierOptions(_Options):
+    device_ids: list[int] | None = None
+
+
+# -- Work ----------------------------------------------------------------------------------------
+class Work:
+    """The handle of a process-group operation (``torch.distributed.Work``).
+
+    A backend completes it with ``_complete(result)`` or ``_fail(exc)`` from any thread.
+    """
+
+    def __init__(self, op: str = "", peer: str = "", result: list[Any] | None = None) -> None:
+        self._op = op
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._result: list[Any] = result if result is not None else []
+        self._source_rank = -1
+        self._future: Any = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Work], None]] = []
+        self._started = time.monotonic()
+        self._duration: float | None = None
+        self.peer = peer
+
+    @classmethod
+    def completed(cls, result: list[Any] | None = None, op: str = "") -> Work:
+        """A ``Work`` that is already done (for operations that finish inline)."""
+        work = cls(op, result=result)
+        work._complete(work._result)
+        return work
+
+    # -- the torch API ---------------------------------------------------------------------------
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the operation is done; returns True.
+
+        Args:
+            timeout: at most this long (``timedelta(0)``/``None``: the operation's own deadline,
+                which backends always set, so this never blocks forever).
+
+        Raises:
+            DistTimeoutError: the timeout expired first (the operation goes on).
+            DistError: the operation failed; the backend's error, naming peer and operation.
+        """
+        seconds = to_seconds(timeout)
+        if seconds == 0:
+            seconds = None
+        if not self._done.wait(seconds):
+            raise DistTimeoutError(
+                f"Work.wait: {self._op or 'operation'} did not complete within {seconds:g} s"
+            )
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        """Whether the operation finished without error (False while it runs)."""
+        return self._done.is_set() and self._exc is None
+
+    def exception(self) -> BaseException | None:
+        """The error the operation failed with, or None."""
+        return self._exc
+
+    def result(self) -> list[Any]:
+        """The output tensors (after ``wait``)."""
+        self.wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the rank the message came from."""
+        if self._source_rank < 0:
+            raise DistError("source_rank() is only available for a completed recv from any source")
+        return self._source_rank
+
+    def _source_rank_value(self) -> int:
+        return self._source_rank
+
+    def synchronize(self) -> None:
+        """CPU tensors need no stream synchronization: a no-op once done."""
+        self.wait()
+
+    def get_future(self) -> Any:
+        """A ``torch.futures.Future`` completed with the output tensors (or the error)."""
+        import torch
+
+        with self._lock:
+            if self._future is None:
+                fut: Any = torch.futures.Future()
+                self._future = fut
+                if self._done.is_set():
+                    self._settle_future()
+            return self._future
+
+    def _get_duration(self) -> float:
+        """Milliseconds the operation took (torch's private helper)."""
+        if self._duration is None:
+            raise DistError("the operation has not completed")
+        return self._duration * 1000.0
+
+    # -- for backends ----------------------------------------------------------------------------
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """Run ``fn(self)`` when the operation completes (at once if it already has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _complete(self, result: list[Any] | None = None, source_rank: int = -1) -> None:
+        self._finish(None, result, source_rank)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._finish(exc, None, -1)
+
+    def _finish(self, exc: BaseException | None, result: list[Any] | None, source_rank: int) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._exc = exc
+            if result is not None:
+                self._result = result
+            if source_rank >= 0:
+                self._source_rank = source_rank
+            self._duration = time.monotonic() - self._started
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+            if self._future is not None:
+                self._settle_future()
+        for fn in callbacks:
+            fn(self)
+
+    def _settle_future(self) -> None:
+        fut = self._future
+        if fut is None or fut.done():
+            return
+        if self._exc is not None:
+            fut.set_exception(self._exc)
+        else:
+            fut.set_result(self._result)
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_completed() else "pending"
+        if self._exc is not None:
+            state = f"failed: {self._exc}"
+        return f"Work({self._op}, {state})"
