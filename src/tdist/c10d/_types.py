@@ -128,6 +128,9 @@ reduce_op = _ReduceOpAlias()
 # -- options: torch's record types, torch's (camelCase) field names ------------------------------
 class _Options:
     timeout: timedelta | None = None
+    # False: the caller waits for the result at once, so the backend may run the operation in
+    # the caller's thread (torch's options carry the same flag)
+    asyncOp: bool = True
 
     def __init__(self, **kwargs: Any) -> None:
         for name, value in kwargs.items():

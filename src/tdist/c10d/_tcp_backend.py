@@ -1,0 +1,730 @@
+"""The ``tcp`` backend (alias ``gloo``): collectives as pure schedules run over the transport.
+
+Theory of operation. Each collective takes the next sequence number of the group, picks an
+algorithm (``_schedules``), cuts its data into chunks (contiguous flat views of the tensors, or
+staging copies), and runs the schedule step by step: post this step's receives, send this
+step's chunks, wait for the receives, then copy or reduce what arrived. Every message carries a
+fingerprint of the call (operation, sequence number, dtype, size) that the receiver compares
+with its own: ranks that call different collectives, or the same with different shapes or
+dtypes, fail with an error naming both sides instead of corrupting data or hanging; the rank
+that notices aborts the group so that every other rank hears of it at once.
+
+Operations run inline in the calling thread when nothing issued earlier is still pending and the
+caller will wait anyway (``opts.asyncOp`` false); otherwise they queue, in issue order, for the
+group's worker thread. Point-to-point receives complete from the transport's reader threads.
+
+Tensors may be non-contiguous: they are gathered into a contiguous copy and written back only
+inside the view. Integer AVG is refused (there is no exact integer mean).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._core.errors import DistBackendError, DistError
+from ..transport import Endpoint, RecvHandle
+from . import _schedules as S
+from ._backend import Backend, register_backend_creator
+from ._types import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    RedOpType,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+    Work,
+    as_red_op,
+)
+
+__all__ = ["ProcessGroupTCP", "bytes_view", "reduce_into"]
+
+log = logging.getLogger(__name__)
+
+_COLL_TAG = 1 << 62
+_SMALL_ALLREDUCE = 256 << 10  # bytes: recursive doubling below, ring above
+_CHAIN_MIN = 4 << 20  # bytes: pipelined chain broadcast above (world > 2)
+
+
+def bytes_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's memory (no copy)."""
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr).cast("B")
+
+
+def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
+    """``dst = op(dst, src)`` element-wise, in place (AVG reduces as SUM)."""
+    if op in (RedOpType.SUM, RedOpType.AVG):
+        if dst.dtype == torch.bool:
+            dst.logical_or_(src)
+        else:
+            dst.add_(src)
+    elif op == RedOpType.PRODUCT:
+        if dst.dtype == torch.bool:
+            dst.logical_and_(src)
+        else:
+            dst.mul_(src)
+    elif op == RedOpType.MIN:
+        torch.minimum(dst, src, out=dst)
+    elif op == RedOpType.MAX:
+        torch.maximum(dst, src, out=dst)
+    elif op == RedOpType.BAND:
+        dst.bitwise_and_(src)
+    elif op == RedOpType.BOR:
+        dst.bitwise_or_(src)
+    elif op == RedOpType.BXOR:
+        dst.bitwise_xor_(src)
+    else:
+        raise ValueError(f"unsupported reduction {op!r}")
+
+
+def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
+    if op == RedOpType.PREMUL_SUM:
+        raise ValueError(f"{what}: ReduceOp.PREMUL_SUM is only supported by NCCL")
+    if op == RedOpType.UNUSED:
+        raise ValueError(f"{what}: invalid ReduceOp.UNUSED")
+    if op in (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR) and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{what}: ReduceOp.{op.name} needs an integer or bool tensor, got {dtype}")
+    if op in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
+        raise ValueError(f"{what}: ReduceOp.{op.name} is not defined for complex tensors ({dtype})")
+    if op == RedOpType.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}")
+
+
+class _Flat:
+    """A contiguous flat working copy of a tensor, written back on ``commit``."""
+
+    def __init__(self, t: torch.Tensor, copy: bool = False) -> None:
+        self.orig = t
+        self.direct = t.is_contiguous() and not copy
+        self.flat = t.view(-1) if self.direct else t.reshape(-1).clone()
+
+    def commit(self) -> None:
+        if not self.direct:
+            self.orig.copy_(self.flat.view(self.orig.shape))
+
+
+class _RecvWork(Work):
+    """A point-to-point receive: done when the transport's reader has filled the tensor."""
+
+    def __init__(self, backend: ProcessGroupTCP, handle: RecvHandle, flat: _Flat, what: str, deadline: float) -> None:
+        super().__init__(what, result=[flat.orig])
+        self._backend = backend
+        self._handle = handle
+        self._flat = flat
+        self._deadline = deadline
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        if not self.is_completed():
+            deadline = self._deadline
+            if timeout is not None:
+                seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+                if seconds > 0:
+                    deadline = min(deadline, time.monotonic() + seconds)
+            try:
+                self._backend._ep.wait(self._handle, deadline, self._op)
+            except DistError as exc:
+                self._fail(exc)
+                raise
+            self._settle()
+        return super().wait(timeout)
+
+    def is_completed(self) -> bool:
+        if not super().is_completed() and self._handle.done.is_set():
+            self._settle()
+        return super().is_completed()
+
+    def _settle(self) -> None:
+        h = self._handle
+        if h.error is not None:
+            self._fail(h.error)
+            return
+        self._flat.commit()
+        self._complete([self._flat.orig], source_rank=h.source)
+
+    def get_future(self) -> Any:
+        fut = super().get_future()
+        if not self.is_completed():
+            threading.Thread(target=self._wait_quietly, daemon=True).start()
+        return fut
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except DistError:
+            pass
+
+
+class ProcessGroupTCP(Backend):
+    """Our CPU backend over ``tdist.transport`` (Unix sockets on one host, TCP across hosts).
+
+    Args:
+        store: the group's private store.
+        rank: this rank in the group.
+        size: the group's size.
+        timeout: the default deadline of every operation (and of building connections).
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, name: str = "") -> None:
+        super().__init__(rank, size)
+        self._timeout = timeout.total_seconds()
+        self._group_name = name
+        self._ep = Endpoint(store, rank, size, timeout=self._timeout, name=name)
+        self._seq = 0
+        self._lock = threading.Lock()  # serializes execution of collectives
+        self._queue: deque[tuple[Work, Callable[[], list[torch.Tensor]]]] = deque()
+        self._cv = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._broken: BaseException | None = None
+
+    def name(self) -> str:
+        return "tcp"
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._ep
+
+    # -- running operations --------------------------------------------------------------------
+    def _deadline(self, opts: Any) -> float:
+        t = getattr(opts, "timeout", None)
+        seconds = t.total_seconds() if isinstance(t, timedelta) and t.total_seconds() > 0 else self._timeout
+        return time.monotonic() + seconds
+
+    def _submit(self, what: str, opts: Any, fn: Callable[[], list[torch.Tensor]]) -> Work:
+        if self._closed:
+            raise DistBackendError(f"rank {self._rank}: {what} on a destroyed process group")
+        if self._broken is not None:
+            raise DistBackendError(
+                f"rank {self._rank}: {what}: the process group is broken by an earlier failure: {self._broken}"
+            ) from self._broken
+        work = Work(what)
+        with self._cv:
+            inline = not getattr(opts, "asyncOp", True) and not self._queue and self._lock.acquire(blocking=False)
+            if not inline:
+                self._queue.append((work, fn))
+                self._ensure_worker()
+                self._cv.notify()
+                return work
+        try:
+            self._execute(work, fn)
+        finally:
+            self._lock.release()
+        return work
+
+    def _execute(self, work: Work, fn: Callable[[], list[torch.Tensor]]) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            if isinstance(exc, DistError) and self._broken is None and not self._closed:
+                self._broken = exc
+                self._ep.abort(f"{work._op} failed on rank {self._rank}: {exc}")
+            work._fail(exc)
+            return
+        work._complete(result)
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work_loop, name=f"tdist-pg-{self._rank}", daemon=True)
+            self._worker.start()
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait(1.0)
+                if not self._queue:
+                    return
+                work, fn = self._queue[0]
+            with self._lock:
+                self._execute(work, fn)
+            with self._cv:
+                self._queue.popleft()
+                self._cv.notify_all()
+
+    def _next_tag(self) -> int:
+        self._seq += 1
+        return _COLL_TAG | (self._seq << 20)
+
+    def _fingerprint(self, what: str, dtype: torch.dtype | None = None, numel: int | None = None) -> bytes:
+        parts = [f"{what}#{self._seq}"]
+        if dtype is not None:
+            parts.append(str(dtype).replace("torch.", ""))
+        if numel is not None:
+            parts.append(f"[{numel}]")
+        return " ".join(parts).encode()
+
+    def _run(
+        self,
+        sched: S.Schedule,
+        chunks: list[torch.Tensor],
+        tagbase: int,
+        meta: bytes,
+        what: str,
+        deadline: float,
+        op: RedOpType = RedOpType.SUM,
+    ) -> None:
+        ep = self._ep
+        for k, step in enumerate(sched.steps):
+            tag = tagbase + k
+            sent_now = {c for s in step.sends for c in s.chunks}
+            posted: list[tuple[S.Recv, RecvHandle, torch.Tensor | None]] = []
+            for r in step.recvs:
+                direct = (
+                    r.action == S.Action.COPY and len(r.chunks) == 1 and r.chunks[0] not in sent_now
+                )
+                if direct:
+                    target = chunks[r.chunks[0]]
+                    posted.append((r, ep.post_recv(r.peer, tag, bytes_view(target), meta, what), None))
+                    continue
+                else:
+                    total = sum(chunks[c].numel() for c in r.chunks)
+                    dtype = chunks[r.chunks[0]].dtype if r.chunks else torch.uint8
+                    stage = torch.empty(total, dtype=dtype)
+                    posted.append((r, ep.post_recv(r.peer, tag, bytes_view(stage), meta, what), stage))
+            for s in step.sends:
+                ep.send(s.peer, tag, [bytes_view(chunks[c]) for c in s.chunks], meta, deadline, what)
+            for r, h, staging in posted:
+                ep.wait(h, deadline, what)
+                if staging is None:
+                    continue
+                off = 0
+                for c in r.chunks:
+                    dst = chunks[c]
+                    n = dst.numel()
+                    piece = staging[off : off + n]
+                    off += n
+                    if r.action == S.Action.REDUCE:
+                        reduce_into(dst, piece, op)
+                    else:
+                        dst.copy_(piece)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None) -> Work:
+        opts = opts or AllreduceOptions()
+        op = as_red_op(opts.reduceOp)
+        for t in tensors:
+            _check_op(op, t.dtype, "all_reduce")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            flats = [_Flat(t) for t in tensors]
+            # several tensors (the multi-device form): reduce locally first
+            lead = flats[0].flat
+            for f in flats[1:]:
+                reduce_into(lead, f.flat, op)
+            tag = self._next_tag()
+            n = self._size
+            if n > 1 and lead.numel() > 0:
+                meta = self._fingerprint("all_reduce", lead.dtype, lead.numel())
+                nbytes = lead.numel() * lead.element_size()
+                if nbytes <= _SMALL_ALLREDUCE or lead.numel() < n:
+                    sched = S.recursive_doubling_all_reduce(self._rank, n)
+                    chunks = [lead]
+                else:
+                    sched = S.ring_all_reduce(self._rank, n)
+                    chunks = [lead[a:b] for a, b in S.chunk_bounds(lead.numel(), sched.nchunks)]
+                self._run(sched, chunks, tag, meta, "all_reduce", deadline, op)
+            if op == RedOpType.AVG:
+                lead.div_(n)
+            for f in flats[1:]:
+                f.flat.copy_(lead)
+            for f in flats:
+                f.commit()
+            return tensors
+
+        return self._submit("all_reduce", opts, run)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work:
+        opts = opts or BroadcastOptions()
+        root = opts.rootRank
+        self._check_rank(root, "broadcast", "src")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            flats = [_Flat(t) for t in tensors]
+            lead = flats[0].flat if self._rank != root else flats[opts.rootTensor].flat
+            tag = self._next_tag()
+            n = self._size
+            if n > 1 and lead.numel() > 0:
+                meta = self._fingerprint("broadcast", lead.dtype, lead.numel())
+                nbytes = lead.numel() * lead.element_size()
+                if n > 2 and nbytes >= _CHAIN_MIN:
+                    nchunks = max(2, min(64, nbytes // (1 << 20)))
+                    sched = S.chain_broadcast(self._rank, n, root, nchunks)
+                    chunks = [lead[a:b] for a, b in S.chunk_bounds(lead.numel(), nchunks)]
+                else:
+                    sched = S.binomial_tree_broadcast(self._rank, n, root)
+                    chunks = [lead]
+                self._run(sched, chunks, tag, meta, "broadcast", deadline)
+            for f in flats:
+                if f.flat is not lead:
+                    f.flat.copy_(lead)
+                f.commit()
+            return tensors
+
+        return self._submit("broadcast", opts, run)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> Work:
+        opts = opts or ReduceOptions()
+        op = as_red_op(opts.reduceOp)
+        root = opts.rootRank
+        self._check_rank(root, "reduce", "dst")
+        for t in tensors:
+            _check_op(op, t.dtype, "reduce")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            is_root = self._rank == root
+            flats = [_Flat(t, copy=not is_root) for t in tensors]
+            lead = flats[0].flat
+            for f in flats[1:]:
+                reduce_into(lead, f.flat, op)
+            tag = self._next_tag()
+            n = self._size
+            if n > 1 and lead.numel() > 0:
+                meta = self._fingerprint("reduce", lead.dtype, lead.numel())
+                sched = S.binomial_tree_reduce(self._rank, n, root)
+                self._run(sched, [lead], tag, meta, "reduce", deadline, op)
+            if is_root:
+                if op == RedOpType.AVG:
+                    lead.div_(n)
+                for f in flats:
+                    if f.flat is not lead:
+                        f.flat.copy_(lead)
+                    f.commit()
+            return tensors
+
+        return self._submit("reduce", opts, run)
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> Work:
+        opts = opts or AllgatherOptions()
+        for outs in output_tensors:
+            if len(outs) != self._size:
+                raise ValueError(
+                    f"all_gather: the output list has {len(outs)} tensors for a group of {self._size}"
+                )
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            for outs, inp in zip(output_tensors, input_tensors, strict=True):
+                self._allgather_one(outs, inp, deadline)
+            return [t for outs in output_tensors for t in outs]
+
+        return self._submit("all_gather", opts, run)
+
+    def _allgather_one(self, outs: list[torch.Tensor], inp: torch.Tensor, deadline: float) -> None:
+        flats = [_Flat(t) for t in outs]
+        mine = flats[self._rank].flat
+        if mine.numel() != inp.numel():
+            raise ValueError(
+                f"all_gather: rank {self._rank}'s output slot has {mine.numel()} elements but its "
+                f"input has {inp.numel()}"
+            )
+        mine.copy_(inp.reshape(-1))
+        tag = self._next_tag()
+        if self._size > 1:
+            meta = self._fingerprint("all_gather", inp.dtype)
+            sched = S.ring_all_gather(self._rank, self._size)
+            self._run(sched, [f.flat for f in flats], tag, meta, "all_gather", deadline)
+        for f in flats:
+            f.commit()
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None) -> Work:
+        opts = opts or AllgatherOptions()
+        if output.numel() != input.numel() * self._size:
+            raise ValueError(
+                f"all_gather_into_tensor: output has {output.numel()} elements, expected "
+                f"{self._size} x {input.numel()}"
+            )
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            out = _Flat(output)
+            blocks = list(out.flat.chunk(self._size)) if input.numel() else [out.flat[:0]] * self._size
+            self._allgather_one(blocks, input, deadline)
+            out.commit()
+            return [output]
+
+        return self._submit("all_gather_into_tensor", opts, run)
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: GatherOptions | None = None,
+    ) -> Work:
+        opts = opts or GatherOptions()
+        root = opts.rootRank
+        self._check_rank(root, "gather", "dst")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            tag = self._next_tag()
+            inp = input_tensors[0].contiguous()
+            meta = self._fingerprint("gather", inp.dtype)
+            if self._rank != root:
+                self._ep.send(root, tag, [bytes_view(inp)], meta, deadline, "gather")
+                return []
+            outs = output_tensors[0]
+            if len(outs) != self._size:
+                raise ValueError(f"gather: gather_list has {len(outs)} tensors for a group of {self._size}")
+            flats = [_Flat(t) for t in outs]
+            handles = []
+            for r in range(self._size):
+                if r == root:
+                    flats[r].flat.copy_(inp.reshape(-1))
+                else:
+                    handles.append(self._ep.post_recv(r, tag, bytes_view(flats[r].flat), meta, "gather"))
+            for h in handles:
+                self._ep.wait(h, deadline, "gather")
+            for f in flats:
+                f.commit()
+            return outs
+
+        return self._submit("gather", opts, run)
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: ScatterOptions | None = None,
+    ) -> Work:
+        opts = opts or ScatterOptions()
+        root = opts.rootRank
+        self._check_rank(root, "scatter", "src")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            tag = self._next_tag()
+            out = _Flat(output_tensors[0])
+            meta = self._fingerprint("scatter", out.flat.dtype)
+            if self._rank == root:
+                ins = input_tensors[0]
+                if len(ins) != self._size:
+                    raise ValueError(f"scatter: scatter_list has {len(ins)} tensors for a group of {self._size}")
+                for r in range(self._size):
+                    src = ins[r].contiguous()
+                    if r == root:
+                        out.flat.copy_(src.reshape(-1))
+                    else:
+                        self._ep.send(r, tag, [bytes_view(src)], meta, deadline, "scatter")
+            else:
+                h = self._ep.post_recv(root, tag, bytes_view(out.flat), meta, "scatter")
+                self._ep.wait(h, deadline, "scatter")
+            out.commit()
+            return [output_tensors[0]]
+
+        return self._submit("scatter", opts, run)
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: ReduceScatterOptions | None = None,
+    ) -> Work:
+        opts = opts or ReduceScatterOptions()
+        op = as_red_op(opts.reduceOp)
+        ins = input_tensors[0]
+        if len(ins) != self._size:
+            raise ValueError(f"reduce_scatter: input_list has {len(ins)} tensors for a group of {self._size}")
+        _check_op(op, output_tensors[0].dtype, "reduce_scatter")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            self._reduce_scatter_blocks(output_tensors[0], [t.reshape(-1).clone() for t in ins], op, deadline)
+            return [output_tensors[0]]
+
+        return self._submit("reduce_scatter", opts, run)
+
+    def _reduce_scatter_blocks(self, output: torch.Tensor, blocks: list[torch.Tensor], op: RedOpType, deadline: float) -> None:
+        tag = self._next_tag()
+        if self._size > 1:
+            meta = self._fingerprint("reduce_scatter", blocks[0].dtype)
+            sched = S.ring_reduce_scatter(self._rank, self._size)
+            self._run(sched, blocks, tag, meta, "reduce_scatter", deadline, op)
+        mine = blocks[self._rank]
+        if op == RedOpType.AVG:
+            mine.div_(self._size)
+        out = _Flat(output)
+        if out.flat.numel() != mine.numel():
+            raise ValueError(
+                f"reduce_scatter: output has {out.flat.numel()} elements but rank {self._rank}'s block has {mine.numel()}"
+            )
+        out.flat.copy_(mine)
+        out.commit()
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None) -> Work:
+        opts = opts or ReduceScatterOptions()
+        op = as_red_op(opts.reduceOp)
+        _check_op(op, input.dtype, "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(
+                f"reduce_scatter_tensor: input has {input.numel()} elements, expected {self._size} x {output.numel()}"
+            )
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            flat = input.reshape(-1).clone()
+            blocks = list(torch.split(flat, output.numel())) if output.numel() else [flat[:0]] * self._size
+            self._reduce_scatter_blocks(output, blocks, op, deadline)
+            return [output]
+
+        return self._submit("reduce_scatter_tensor", opts, run)
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: AllToAllOptions | None = None,
+    ) -> Work:
+        opts = opts or AllToAllOptions()
+        if len(output_tensors) != self._size or len(input_tensors) != self._size:
+            raise ValueError(
+                f"all_to_all: needs {self._size} input and output tensors, got "
+                f"{len(input_tensors)} and {len(output_tensors)}"
+            )
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            self._exchange(output_tensors, input_tensors, deadline, "all_to_all")
+            return output_tensors
+
+        return self._submit("all_to_all", opts, run)
+
+    def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor], deadline: float, what: str) -> None:
+        tag = self._next_tag()
+        meta = self._fingerprint(what, ins[0].dtype if ins else None)
+        flats = [_Flat(t) for t in outs]
+        handles = []
+        for r in range(self._size):
+            if r != self._rank:
+                handles.append(self._ep.post_recv(r, tag, bytes_view(flats[r].flat), meta, what))
+        srcs = [t.contiguous() for t in ins]
+        flats[self._rank].flat.copy_(srcs[self._rank].reshape(-1))
+        for k in range(1, self._size):
+            r = (self._rank + k) % self._size
+            self._ep.send(r, tag, [bytes_view(srcs[r])], meta, deadline, what)
+        for h in handles:
+            self._ep.wait(h, deadline, what)
+        for f in flats:
+            f.commit()
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: AllToAllOptions | None = None,
+    ) -> Work:
+        opts = opts or AllToAllOptions()
+        n = self._size
+
+        def splits(t: torch.Tensor, sizes: list[int], what: str) -> list[torch.Tensor]:
+            if not sizes:
+                if t.shape[0] % n:
+                    raise ValueError(f"all_to_all_single: {what} dim 0 ({t.shape[0]}) is not divisible by {n}")
+                sizes = [t.shape[0] // n] * n
+            if len(sizes) != n or sum(sizes) != t.shape[0]:
+                raise ValueError(
+                    f"all_to_all_single: {what} split sizes {sizes} do not split dim 0 of size {t.shape[0]} into {n}"
+                )
+            return list(torch.split(t, sizes))
+
+        outs = splits(output, output_split_sizes, "output")
+        ins = splits(input, input_split_sizes, "input")
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            self._exchange(outs, ins, deadline, "all_to_all_single")
+            return [output]
+
+        return self._submit("all_to_all_single", opts, run)
+
+    def barrier(self, opts: BarrierOptions | None = None) -> Work:
+        opts = opts or BarrierOptions()
+
+        def run() -> list[torch.Tensor]:
+            deadline = self._deadline(opts)
+            tag = self._next_tag()
+            if self._size > 1:
+                sched = S.dissemination_barrier(self._rank, self._size)
+                self._run(sched, [], tag, self._fingerprint("barrier"), "barrier", deadline)
+            return []
+
+        return self._submit("barrier", opts, run)
+
+    # -- point to point ------------------------------------------------------------------------
+    def _p2p_tag(self, tag: int) -> int:
+        if not 0 <= tag < _COLL_TAG:
+            raise ValueError(f"tag must be a non-negative integer below 2**62, got {tag}")
+        return tag
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        self._check_rank(dst, "send", "dst")
+        t = tensors[0].contiguous()
+        deadline = time.monotonic() + self._timeout
+        self._ep.send(dst, self._p2p_tag(tag), [bytes_view(t)], b"", deadline, f"send to rank {dst}")
+        return Work.completed([tensors[0]], op="send")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        self._check_rank(src, "recv", "src")
+        return self._post_recv(tensors[0], src, tag, f"recv from rank {src}")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        return self._post_recv(tensors[0], -1, tag, "recv from any rank")
+
+    def _post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Work:
+        flat = _Flat(tensor)
+        handle = self._ep.post_recv(src, self._p2p_tag(tag), bytes_view(flat.flat), None, what)
+        return _RecvWork(self, handle, flat, what, time.monotonic() + self._timeout)
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def _check_rank(self, r: int, what: str, name: str) -> None:
+        if not 0 <= r < self._size:
+            raise ValueError(f"{what}: {name} rank {r} is out of range for a group of {self._size}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._cv:
+            self._cv.notify_all()
+        self._ep.close()
+        pending = list(self._queue)
+        for work, _ in pending:
+            work._fail(DistBackendError(f"rank {self._rank}: the process group was destroyed"))
+
+    def abort(self) -> None:
+        self._ep.abort("abort() called")
+        self.shutdown()
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Backend:
+    return ProcessGroupTCP(store, rank, size, timeout)
+
+
+register_backend_creator("tcp", _create)
+register_backend_creator("gloo", _create)

@@ -1,0 +1,817 @@
+"""One rank's end of a process group's mesh of connections.
+
+Theory of operation. At start every rank listens (TCP on the address other hosts reach it by,
+plus an abstract Unix socket for ranks of the same host), publishes its address in the group's
+store, then connects to every lower rank and accepts every higher one (a full mesh, as gloo
+builds it). Each connection is authenticated (``_protocol`` handshake) before any frame is read.
+
+Each connection has a reader thread that reads frames as they come and matches them, in order,
+to the receives posted for that peer and tag: the payload goes with ``recv_into`` straight into
+the destination memory of a posted receive, or into a fresh buffer kept until a receive is
+posted. Because readers always drain, a blocking send can never deadlock against its peer.
+Senders write with scatter-gather ``sendmsg`` under the connection's send lock.
+
+Failure: EOF or a reset marks the peer dead, and every receive waiting on it fails at once with
+a ``PeerError`` naming the rank, its address and the operation; a heartbeat thread sends a
+small frame on every connection that has been quiet for ``heartbeat_interval``, so a peer that
+stops without closing (SIGSTOP, a hung host) is reported as stalled once nothing has come from it
+for ``stall_timeout`` seconds. ``abort(reason)`` tells every peer that this rank gives the group
+up, so that ranks waiting on a third rank do not wait for their timeout.
+
+Thread-safety: ``send``, ``post_recv`` and ``wait`` may be called from any thread. Messages
+between two ranks with the same tag are delivered in the order they were sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from .._core import auth
+from .._core.errors import (
+    AuthenticationError,
+    DistError,
+    DistNetworkError,
+    DistTimeoutError,
+    PeerError,
+    RemoteProtocolError,
+)
+from ._protocol import (
+    FRAME_HEADER,
+    HELLO,
+    JOIN,
+    MAGIC,
+    TOKEN_SIZE,
+    VERSION,
+    WELCOME,
+    Kind,
+    check_magic,
+    pack_header,
+    unpack_header,
+)
+
+__all__ = ["Endpoint", "RecvHandle", "host_id"]
+
+log = logging.getLogger(__name__)
+
+_ZERO_PROOF = b"\0" * 32
+_REJECTED = 0xFFFFFFFF  # the rank a WELCOME carries when authentication failed
+_IOV_MAX = 512
+_MAX_PAYLOAD = 1 << 40
+
+
+def host_id() -> str:
+    """Identifies this host and network namespace (ranks with equal ids share memory and
+    abstract Unix sockets)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}|{boot}|{netns}"
+
+
+def _store_host(store: Any) -> str | None:
+    """The host name of the TCPStore under ``store`` (through prefix stores), if any."""
+    seen = 0
+    while store is not None and seen < 16:
+        host = getattr(store, "host", None)
+        if isinstance(host, str):
+            return host
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return None
+
+
+def _advertised_address(store: Any) -> str:
+    """The address other hosts reach this rank by: ``TDIST_ADDR``, else the local address of
+    the route to the store's host, else loopback."""
+    explicit = os.environ.get("TDIST_ADDR")
+    if explicit:
+        return explicit
+    host = _store_host(store)
+    if host:
+        try:
+            infos = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)
+            family, _, _, _, sockaddr = infos[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(sockaddr)
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+class RecvHandle:
+    """A posted receive: completes when a matching message has landed in ``buffer``."""
+
+    __slots__ = ("buffer", "data", "done", "error", "expect_meta", "meta", "nbytes", "peer", "source", "tag", "what")
+
+    def __init__(self, peer: int, tag: int, buffer: memoryview | None, expect_meta: bytes | None, what: str) -> None:
+        self.peer = peer  # -1: any source
+        self.tag = tag
+        self.buffer = buffer
+        self.expect_meta = expect_meta
+        self.what = what
+        self.done = threading.Event()
+        self.error: DistError | None = None
+        self.source = -1
+        self.data: bytes | bytearray | memoryview | None = None
+        self.meta = b""
+        self.nbytes = 0
+
+    def _finish(self, source: int, error: DistError | None = None) -> None:
+        if self.done.is_set():
+            return
+        self.source = source
+        self.error = error
+        self.done.set()
+
+
+class _Pending:
+    """A message that arrived (or is arriving) before its receive was posted."""
+
+    __slots__ = ("data", "done", "handle", "meta", "nbytes")
+
+    def __init__(self, meta: bytes, nbytes: int) -> None:
+        self.meta = meta
+        self.nbytes = nbytes
+        self.data: bytearray | None = None
+        self.done = False
+        self.handle: RecvHandle | None = None
+
+
+class _Peer:
+    def __init__(self, rank: int, sock: socket.socket, addr: str) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.addr = addr
+        self.send_lock = threading.Lock()
+        self.last_heard = time.monotonic()
+        self.last_sent = time.monotonic()
+        self.error: DistError | None = None
+        self.said_goodbye = False
+        self.posted: dict[int, deque[RecvHandle]] = {}
+        self.unexpected: dict[int, deque[_Pending]] = {}
+        self.reader: threading.Thread | None = None
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.addr})"
+
+
+class Endpoint:
+    """This rank's connections to every other rank of a group.
+
+    Args:
+        store: the group's private store (addresses are published in it).
+        rank: this rank in the group.
+        size: the group's size.
+        timeout: seconds to build the mesh.
+        secret: the job's secret (default ``TDIST_SECRET``); peers must prove it.
+        heartbeat_interval: seconds between heartbeats on a quiet connection.
+        stall_timeout: seconds without a byte from a peer before a waiter calls it stalled.
+        name: a label for messages (the group's name).
+
+    Raises:
+        DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        *,
+        timeout: float = 300.0,
+        secret: str | bytes | None = None,
+        heartbeat_interval: float | None = None,
+        stall_timeout: float | None = None,
+        name: str = "",
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.name = name
+        self.secret = auth.resolve_secret(secret)
+        self.heartbeat_interval = heartbeat_interval or float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0"))
+        self.stall_timeout = stall_timeout or float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "10.0"))
+        self.host_id = host_id()
+        self._lock = threading.Lock()
+        self._peers: dict[int, _Peer] = {}
+        self._any_posted: dict[int, deque[RecvHandle]] = {}
+        self._broken: DistError | None = None
+        self._closing = False
+        self._hb_stop = threading.Event()
+        self._peer_hosts: dict[int, str] = {}
+        self._peer_pids: dict[int, int] = {}
+        if size > 1:
+            self._build_mesh(store, timeout)
+        self._hb_thread = threading.Thread(target=self._heartbeats, name=f"tdist-hb-{name}-{rank}", daemon=True)
+        if size > 1:
+            self._hb_thread.start()
+
+    # -- building the mesh ---------------------------------------------------------------------
+    def _build_mesh(self, store: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        addr = _advertised_address(store)
+        tcp = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            tcp.bind((addr, 0))
+        except OSError:
+            tcp.close()
+            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            tcp.bind(("0.0.0.0", 0))
+        tcp.listen(max(16, self.size))
+        port = tcp.getsockname()[1]
+        unix_name = f"\0tdist-ep-{secrets.token_hex(8)}-{self.rank}"
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            unix.bind(unix_name)
+            unix.listen(max(16, self.size))
+        except OSError:
+            unix.close()
+            unix = None  # type: ignore[assignment]
+        if self.rank == 0:
+            token = secrets.token_bytes(TOKEN_SIZE)
+            store.set("ep/token", token)
+        else:
+            token = store.get("ep/token")
+        self._token = token
+        info = {
+            "host": self.host_id,
+            "addr": addr,
+            "port": port,
+            "unix": unix_name[1:] if unix is not None else None,
+            "pid": os.getpid(),
+        }
+        store.set(f"ep/{self.rank}", json.dumps(info))
+        expected_in = self.size - 1 - self.rank
+        errors: list[BaseException] = []
+        acceptor = threading.Thread(
+            target=self._accept_all,
+            args=([s for s in (tcp, unix) if s is not None], expected_in, deadline, errors),
+            name=f"tdist-accept-{self.rank}",
+            daemon=True,
+        )
+        acceptor.start()
+        try:
+            for peer in range(self.rank):
+                raw = store.get(f"ep/{peer}")
+                pinfo = json.loads(raw)
+                self._peer_hosts[peer] = pinfo["host"]
+                self._peer_pids[peer] = int(pinfo["pid"])
+                self._connect(peer, pinfo, deadline)
+            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            if errors:
+                raise errors[0]
+            if acceptor.is_alive() or len(self._peers) != self.size - 1:
+                missing = sorted(set(range(self.size)) - set(self._peers) - {self.rank})
+                raise DistTimeoutError(
+                    f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
+                    f"connection from rank(s) {missing}: are they running and in this group?"
+                )
+            for peer in range(self.rank + 1, self.size):
+                pinfo = json.loads(store.get(f"ep/{peer}"))
+                self._peer_hosts[peer] = pinfo["host"]
+                self._peer_pids[peer] = int(pinfo["pid"])
+        except BaseException:
+            self._closing = True
+            for p in self._peers.values():
+                with contextlib.suppress(OSError):
+                    p.sock.close()
+            raise
+        finally:
+            tcp.close()
+            if unix is not None:
+                unix.close()
+        for p in self._peers.values():
+            p.sock.settimeout(self.heartbeat_interval)
+            p.reader = threading.Thread(target=self._read_loop, args=(p,), name=f"tdist-rd-{self.rank}<{p.rank}", daemon=True)
+            p.reader.start()
+
+    def _connect(self, peer: int, info: dict[str, Any], deadline: float) -> None:
+        same_host = info["host"] == self.host_id and info.get("unix")
+        last: BaseException | None = None
+        while time.monotonic() < deadline:
+            try:
+                if same_host:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(max(0.1, deadline - time.monotonic()))
+                    sock.connect("\0" + info["unix"])
+                    addr = "unix"
+                else:
+                    sock = socket.create_connection((info["addr"], info["port"]), timeout=max(0.1, deadline - time.monotonic()))
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    addr = f"{info['addr']}:{info['port']}"
+                break
+            except OSError as exc:
+                last = exc
+                time.sleep(0.05)
+        else:
+            raise DistNetworkError(
+                f"rank {self.rank}: could not connect to rank {peer} at {info.get('addr')}:"
+                f"{info.get('port')}: {last}"
+            )
+        try:
+            hello = _recv_exact(sock, HELLO.size)
+            magic, version, auth_required, nonce_s = HELLO.unpack(hello)
+            check_magic(magic, version, f"rank {peer}")
+            nonce_c = auth.make_nonce()
+            if auth_required and self.secret is None:
+                raise AuthenticationError(
+                    f"rank {peer} requires the job secret; set TDIST_SECRET on every rank"
+                )
+            proof = auth.client_proof(self.secret, nonce_s, nonce_c) if self.secret else _ZERO_PROOF
+            sock.sendall(JOIN.pack(MAGIC, VERSION, self.rank, self._token, nonce_c, proof))
+            reply = _recv_exact(sock, WELCOME.size)
+            magic, version, their_rank, their_proof = WELCOME.unpack(reply)
+            check_magic(magic, version, f"rank {peer}")
+            if their_rank == _REJECTED:
+                raise AuthenticationError(
+                    f"rank {peer} rejected this rank's proof of the job secret: every rank must "
+                    "use the same TDIST_SECRET"
+                )
+            if self.secret is not None and not auth.verify(auth.server_proof(self.secret, nonce_s, nonce_c), their_proof):
+                raise AuthenticationError(f"rank {peer} could not prove the job secret")
+            if their_rank != peer:
+                raise DistNetworkError(f"expected rank {peer} at {addr}, found rank {their_rank}")
+        except (OSError, RemoteProtocolError) as exc:
+            sock.close()
+            raise DistNetworkError(f"rank {self.rank}: handshake with rank {peer} at {addr} failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._peers[peer] = _Peer(peer, sock, addr)
+
+    def _accept_all(self, listeners: list[socket.socket], expected: int, deadline: float, errors: list[BaseException]) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        for s in listeners:
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ)
+        accepted = 0
+        try:
+            while accepted < expected and not self._closing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                for key, _ in sel.select(min(remaining, 0.5)):
+                    listener = key.fileobj
+                    assert isinstance(listener, socket.socket)
+                    try:
+                        sock, peer_addr = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    if self._accept_one(sock, peer_addr, deadline):
+                        accepted += 1
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            sel.close()
+
+    def _accept_one(self, sock: socket.socket, peer_addr: Any, deadline: float) -> bool:
+        addr = "unix" if sock.family == socket.AF_UNIX else f"{peer_addr[0]}:{peer_addr[1]}"
+        try:
+            sock.setblocking(True)
+            sock.settimeout(max(0.1, min(10.0, deadline - time.monotonic())))
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce_s = auth.make_nonce()
+            sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if self.secret else 0, nonce_s))
+            data = _recv_exact(sock, JOIN.size)
+            magic, version, peer, token, nonce_c, proof = JOIN.unpack(data)
+            check_magic(magic, version, addr)
+            if self.secret is not None and not auth.verify(auth.client_proof(self.secret, nonce_s, nonce_c), proof):
+                log.warning("rank %d (%s): connection from %s failed authentication", self.rank, self.name, addr)
+                with contextlib.suppress(OSError):
+                    sock.sendall(WELCOME.pack(MAGIC, VERSION, _REJECTED, _ZERO_PROOF))
+                sock.close()
+                return False
+            if token != self._token or not self.rank < peer < self.size or peer in self._peers:
+                log.warning("rank %d (%s): rejected a connection from %s claiming rank %d", self.rank, self.name, addr, peer)
+                sock.close()
+                return False
+            server_proof = auth.server_proof(self.secret, nonce_s, nonce_c) if self.secret else _ZERO_PROOF
+            sock.sendall(WELCOME.pack(MAGIC, VERSION, self.rank, server_proof))
+        except (OSError, RemoteProtocolError) as exc:
+            log.warning("rank %d (%s): handshake with %s failed: %s", self.rank, self.name, addr, exc)
+            sock.close()
+            return False
+        with self._lock:
+            self._peers[peer] = _Peer(peer, sock, addr)
+        return True
+
+    # -- public API ----------------------------------------------------------------------------
+    def same_host(self, peer: int) -> bool:
+        return self._peer_hosts.get(peer) == self.host_id
+
+    def peer_pid(self, peer: int) -> int:
+        return self._peer_pids.get(peer, -1)
+
+    @property
+    def broken(self) -> DistError | None:
+        return self._broken
+
+    def send(
+        self,
+        peer: int,
+        tag: int,
+        buffers: Sequence[bytes | bytearray | memoryview],
+        meta: bytes = b"",
+        deadline: float | None = None,
+        what: str = "send",
+    ) -> None:
+        """Send one message (the concatenation of ``buffers``) to ``peer`` with ``tag``.
+
+        Returns once the bytes are with the kernel. Raises PeerError if the peer is dead or
+        stalls, DistTimeoutError at the deadline.
+        """
+        p = self._peer(peer, what)
+        views = [memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in buffers]
+        nbytes = sum(v.nbytes for v in views)
+        parts: list[memoryview] = [memoryview(pack_header(Kind.DATA, tag, nbytes, len(meta)))]
+        if meta:
+            parts.append(memoryview(meta))
+        parts.extend(v for v in views if v.nbytes)
+        with p.send_lock:
+            self._sendmsg(p, parts, deadline, what)
+
+    def post_recv(
+        self,
+        peer: int,
+        tag: int,
+        buffer: memoryview | None = None,
+        expect_meta: bytes | None = None,
+        what: str = "recv",
+    ) -> RecvHandle:
+        """Post a receive from ``peer`` (-1: any source) for ``tag``.
+
+        ``buffer`` (writable, contiguous) receives the payload, which must be exactly its size;
+        with ``None`` the payload is kept as ``handle.data``.
+        """
+        handle = RecvHandle(peer, tag, buffer, expect_meta, what)
+        with self._lock:
+            if self._broken is not None:
+                handle._finish(peer, self._broken)
+                return handle
+            if peer >= 0:
+                p = self._peers.get(peer)
+                if p is None:
+                    raise ValueError(f"rank {self.rank}: no peer rank {peer} in a group of {self.size}")
+                if self._take_unexpected(p, handle):
+                    return handle
+                if p.error is not None:
+                    handle._finish(peer, p.error)
+                    return handle
+                p.posted.setdefault(tag, deque()).append(handle)
+            else:
+                for p in self._peers.values():
+                    if self._take_unexpected(p, handle):
+                        return handle
+                self._any_posted.setdefault(tag, deque()).append(handle)
+        return handle
+
+    def wait(self, handle: RecvHandle, deadline: float | None, what: str | None = None) -> RecvHandle:
+        """Block until ``handle`` completes; raise its error, a stall or the deadline."""
+        step = max(0.05, self.heartbeat_interval / 2)
+        while not handle.done.wait(step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))):
+            now = time.monotonic()
+            if handle.peer >= 0:
+                p = self._peers.get(handle.peer)
+                if p is not None and now - p.last_heard > self.stall_timeout and not handle.done.is_set():
+                    err = PeerError(
+                        f"rank {self.rank}: {p.describe()} has sent nothing for {now - p.last_heard:.1f} s "
+                        f"(no heartbeat) during {what or handle.what}: it is stalled (stopped, hung or "
+                        f"cut off); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
+                        peer=p.rank,
+                    )
+                    self._fail_peer(p, err)
+            if deadline is not None and now >= deadline and not handle.done.is_set():
+                src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
+                raise DistTimeoutError(
+                    f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})"
+                )
+        if handle.error is not None:
+            raise handle.error
+        return handle
+
+    def abort(self, reason: str) -> None:
+        """Give the group up: tell every peer why, fail everything pending here."""
+        err = PeerError(f"rank {self.rank} aborted the group: {reason}", peer=self.rank)
+        self._break(err)
+        meta = reason.encode()[:60000]
+        for p in list(self._peers.values()):
+            if p.error is None and p.send_lock.acquire(timeout=1.0):
+                try:
+                    p.sock.sendall(pack_header(Kind.ABORT, 0, 0, len(meta)) + meta)
+                except OSError:
+                    pass
+                finally:
+                    p.send_lock.release()
+
+    def close(self) -> None:
+        """Say goodbye to every peer and close the connections."""
+        if self._closing:
+            return
+        self._closing = True
+        self._hb_stop.set()
+        for p in list(self._peers.values()):
+            if p.error is None and p.send_lock.acquire(timeout=1.0):
+                try:
+                    p.sock.sendall(pack_header(Kind.GOODBYE, 0, 0))
+                except OSError:
+                    pass
+                finally:
+                    p.send_lock.release()
+        for p in list(self._peers.values()):
+            with contextlib.suppress(OSError):
+                p.sock.shutdown(socket.SHUT_RDWR)
+        for p in list(self._peers.values()):
+            if p.reader is not None and p.reader is not threading.current_thread():
+                p.reader.join(2.0)
+            with contextlib.suppress(OSError):
+                p.sock.close()
+        if self._hb_thread.is_alive():
+            self._hb_thread.join(2.0)
+        self._break(DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed"))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _peer(self, peer: int, what: str) -> _Peer:
+        if self._broken is not None:
+            raise self._broken
+        p = self._peers.get(peer)
+        if p is None:
+            raise ValueError(f"rank {self.rank}: no peer rank {peer} in a group of {self.size}")
+        if p.error is not None:
+            raise p.error
+        return p
+
+    def _sendmsg(self, p: _Peer, parts: list[memoryview], deadline: float | None, what: str) -> None:
+        sock = p.sock
+        while parts:
+            try:
+                sent = sock.sendmsg(parts[:_IOV_MAX])
+            except TimeoutError:
+                now = time.monotonic()
+                if p.error is not None:
+                    raise p.error from None
+                if self._broken is not None:
+                    raise self._broken from None
+                if now - p.last_heard > self.stall_timeout:
+                    err: DistError = PeerError(
+                        f"rank {self.rank}: {p.describe()} stopped taking data during {what} and has "
+                        f"sent nothing for {now - p.last_heard:.1f} s: it is stalled",
+                        peer=p.rank,
+                    )
+                    self._fail_peer(p, err)
+                    raise err from None
+                if deadline is not None and now >= deadline:
+                    raise DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out") from None
+                continue
+            except OSError as exc:
+                err = self._lost(p, exc, what)
+                raise err from exc
+            p.last_sent = time.monotonic()
+            while sent and parts:
+                n = parts[0].nbytes
+                if sent >= n:
+                    sent -= n
+                    parts.pop(0)
+                else:
+                    parts[0] = parts[0][sent:]
+                    sent = 0
+
+    def _lost(self, p: _Peer, exc: BaseException | None, what: str) -> DistError:
+        if p.error is not None:
+            return p.error
+        if self._closing:
+            err: DistError = DistError(f"rank {self.rank}: process group {self.name!r} is closed")
+        elif p.said_goodbye:
+            # an orderly leave: only what needs this peer fails; the group is not broken
+            err = PeerError(
+                f"rank {self.rank}: {p.describe()} left the process group (destroy_process_group "
+                f"or exit) while {what} needed it",
+                peer=p.rank,
+            )
+            self._fail_peer(p, err, break_group=False)
+            return err
+        else:
+            detail = f": {exc}" if exc is not None else ""
+            pid = self._peer_pids.get(p.rank)
+            err = PeerError(
+                f"rank {self.rank}: connection to {p.describe()}{f', pid {pid}' if pid else ''} was "
+                f"lost{detail}; the process died or closed its socket",
+                peer=p.rank,
+            )
+        self._fail_peer(p, err)
+        return err
+
+    def _fail_peer(self, p: _Peer, err: DistError, break_group: bool = True) -> None:
+        with self._lock:
+            if p.error is not None:
+                return
+            p.error = err
+            failed = [h for q in p.posted.values() for h in q]
+            p.posted.clear()
+            if break_group:
+                # a group that lost a member cannot finish collectives: any-source receives go too
+                failed += [h for q in self._any_posted.values() for h in q]
+                self._any_posted.clear()
+                if self._broken is None and not self._closing:
+                    self._broken = err
+        for h in failed:
+            h._finish(p.rank, err)
+
+    def _break(self, err: DistError) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = err
+            failed = [h for p in self._peers.values() for q in p.posted.values() for h in q]
+            failed += [h for q in self._any_posted.values() for h in q]
+            for p in self._peers.values():
+                p.posted.clear()
+            self._any_posted.clear()
+        for h in failed:
+            h._finish(h.peer, err)
+
+    def _take_unexpected(self, p: _Peer, handle: RecvHandle) -> bool:
+        """Under the lock: match ``handle`` with a message from ``p`` that came early."""
+        q = p.unexpected.get(handle.tag)
+        if not q:
+            return False
+        pending = q.popleft()
+        if not q:
+            del p.unexpected[handle.tag]
+        if pending.done:
+            self._deliver_copy(p.rank, pending, handle)
+        else:
+            pending.handle = handle  # the reader completes it when the payload is in
+        return True
+
+    def _deliver_copy(self, source: int, pending: _Pending, handle: RecvHandle) -> None:
+        handle.meta = pending.meta
+        handle.nbytes = pending.nbytes
+        err = self._check(source, handle, pending.meta, pending.nbytes)
+        if err is None:
+            assert pending.data is not None
+            if handle.buffer is not None:
+                handle.buffer[: pending.nbytes] = pending.data
+            else:
+                handle.data = pending.data
+        handle._finish(source, err)
+
+    def _check(self, source: int, handle: RecvHandle, meta: bytes, nbytes: int) -> DistError | None:
+        if handle.expect_meta is not None and meta != handle.expect_meta:
+            return DistError(
+                f"rank {self.rank}: mismatched calls: rank {source} sent {meta.decode(errors='replace')} "
+                f"while this rank expects {handle.expect_meta.decode(errors='replace')}; every rank "
+                "must call the same collectives in the same order with the same shapes and dtypes"
+            )
+        if handle.buffer is not None and handle.buffer.nbytes != nbytes:
+            return DistError(
+                f"rank {self.rank}: {handle.what}: rank {source} sent {nbytes} bytes but the "
+                f"receiving tensor holds {handle.buffer.nbytes} bytes (tag {handle.tag}); sizes or "
+                "dtypes differ between the ranks"
+            )
+        return None
+
+    def _read_loop(self, p: _Peer) -> None:
+        header = bytearray(FRAME_HEADER.size)
+        try:
+            while True:
+                if not self._read_into(p, memoryview(header)):
+                    raise ConnectionResetError("connection closed")
+                h = unpack_header(header, _MAX_PAYLOAD)
+                meta = b""
+                if h.meta_len:
+                    buf = bytearray(h.meta_len)
+                    if not self._read_into(p, memoryview(buf)):
+                        raise ConnectionResetError("connection closed inside a frame")
+                    meta = bytes(buf)
+                if h.kind == Kind.DATA:
+                    self._on_data(p, h.tag, meta, h.nbytes)
+                elif h.kind == Kind.ABORT:
+                    reason = meta.decode(errors="replace")
+                    err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)
+                    self._fail_peer(p, err)
+                    self._break(err)
+                elif h.kind == Kind.GOODBYE:
+                    p.said_goodbye = True
+        except (OSError, RemoteProtocolError) as exc:
+            if not self._closing:
+                err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, "a pending operation")
+                log.debug("rank %d: %s", self.rank, err)
+            else:
+                self._fail_peer(p, DistError(f"rank {self.rank}: process group {self.name!r} is closed"))
+
+    def _read_into(self, p: _Peer, view: memoryview) -> bool:
+        """Fill ``view`` from the peer; False on a clean EOF at the start."""
+        got = 0
+        n = view.nbytes
+        sock = p.sock
+        while got < n:
+            try:
+                k = sock.recv_into(view[got:], n - got)
+            except TimeoutError:
+                if self._closing:
+                    raise ConnectionResetError("closing") from None
+                continue
+            if k == 0:
+                if got == 0:
+                    return False
+                raise ConnectionResetError("connection closed inside a frame")
+            got += k
+            p.last_heard = time.monotonic()
+        p.last_heard = time.monotonic()
+        return True
+
+    def _on_data(self, p: _Peer, tag: int, meta: bytes, nbytes: int) -> None:
+        with self._lock:
+            handle: RecvHandle | None = None
+            q = p.posted.get(tag)
+            if q:
+                handle = q.popleft()
+                if not q:
+                    del p.posted[tag]
+            else:
+                aq = self._any_posted.get(tag)
+                if aq:
+                    handle = aq.popleft()
+                    if not aq:
+                        del self._any_posted[tag]
+            pending: _Pending | None = None
+            if handle is None:
+                pending = _Pending(meta, nbytes)
+                p.unexpected.setdefault(tag, deque()).append(pending)
+        if handle is not None:
+            handle.meta = meta
+            handle.nbytes = nbytes
+            err = self._check(p.rank, handle, meta, nbytes)
+            if err is None and handle.buffer is not None:
+                self._read_payload(p, handle.buffer[:nbytes])
+            else:
+                data = bytearray(nbytes)
+                self._read_payload(p, memoryview(data))
+                if err is None:
+                    handle.data = data
+            handle._finish(p.rank, err)
+            return
+        assert pending is not None
+        data = bytearray(nbytes)
+        self._read_payload(p, memoryview(data))
+        with self._lock:
+            pending.data = data
+            pending.done = True
+            waiting = pending.handle
+        if waiting is not None:
+            self._deliver_copy(p.rank, pending, waiting)
+
+    def _read_payload(self, p: _Peer, view: memoryview) -> None:
+        if view.nbytes and not self._read_into(p, view):
+            raise ConnectionResetError("connection closed inside a frame")
+
+    def _heartbeats(self) -> None:
+        interval = self.heartbeat_interval
+        frame = pack_header(Kind.HEARTBEAT, 0, 0)
+        while not self._hb_stop.wait(interval / 2):
+            now = time.monotonic()
+            for p in list(self._peers.values()):
+                if p.error is not None or now - p.last_sent < interval / 2:
+                    continue
+                if p.send_lock.acquire(blocking=False):
+                    try:
+                        p.sock.send(frame)  # 24 bytes: fits in any socket buffer at once
+                        p.last_sent = now
+                    except (TimeoutError, BlockingIOError):
+                        pass
+                    except OSError:
+                        pass  # the reader reports the loss
+                    finally:
+                        p.send_lock.release()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("connection closed during the handshake")
+        got += k
+    return bytes(buf)

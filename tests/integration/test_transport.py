@@ -1,0 +1,157 @@
+"""The peer transport over real sockets: matching, any-source, mismatches, auth, failures."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import tdist
+from tdist._core.errors import DistError, PeerError
+from tdist.testing import run_threads
+from tdist.transport import Endpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+def test_ring_exchange_ordering_and_any_source() -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> list[float]:
+        ep = Endpoint(tdist.PrefixStore("g", store), rank, n, timeout=10)
+        try:
+            nxt, prv = (rank + 1) % n, (rank - 1) % n
+            # several messages with one tag arrive in order, early or late
+            for i in range(5):
+                ep.send(nxt, 1, [view(torch.tensor([float(rank * 100 + i)]))])
+            got = []
+            for _ in range(5):
+                out = torch.empty(1)
+                ep.wait(ep.post_recv(prv, 1, view(out)), time.monotonic() + 5)
+                got.append(out.item())
+            assert got == [float(prv * 100 + i) for i in range(5)]
+            # a large message lands straight in the posted buffer
+            big = torch.arange(1 << 20, dtype=torch.float32) + rank
+            dst = torch.empty_like(big)
+            h = ep.post_recv(prv, 2, view(dst))
+            ep.send(nxt, 2, [view(big)])
+            ep.wait(h, time.monotonic() + 10)
+            assert torch.equal(dst, torch.arange(1 << 20, dtype=torch.float32) + prv)
+            # any source, with the sender reported
+            if rank == 0:
+                sources = set()
+                for _ in range(n - 1):
+                    h = ep.post_recv(-1, 3)
+                    ep.wait(h, time.monotonic() + 5)
+                    assert h.data == f"hi from {h.source}".encode()
+                    sources.add(h.source)
+                assert sources == set(range(1, n))
+            else:
+                ep.send(0, 3, [f"hi from {rank}".encode()])
+            ep.send(nxt, 4, [b"done"])
+            ep.wait(ep.post_recv(prv, 4), time.monotonic() + 5)
+            return got
+        finally:
+            ep.close()
+
+    run_threads(body, 3, timeout=30)
+
+
+def test_size_and_fingerprint_mismatches_are_errors() -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> None:
+        ep = Endpoint(tdist.PrefixStore("m", store), rank, n, timeout=10)
+        try:
+            if rank == 0:
+                ep.send(1, 5, [b"x" * 8], meta=b"all_reduce#1 float32 [2]")
+                ep.send(1, 6, [b"y" * 8], meta=b"broadcast#2 float32 [2]")
+                ep.wait(ep.post_recv(1, 7), time.monotonic() + 5)
+            else:
+                with pytest.raises(DistError, match="sent 8 bytes but the receiving tensor holds 4"):
+                    ep.wait(ep.post_recv(0, 5, memoryview(bytearray(4)), b"all_reduce#1 float32 [2]"), time.monotonic() + 5)
+                with pytest.raises(DistError, match="mismatched calls: rank 0 sent broadcast#2"):
+                    ep.wait(ep.post_recv(0, 6, memoryview(bytearray(8)), b"all_reduce#2 float32 [2]"), time.monotonic() + 5)
+                ep.send(0, 7, [b""])
+        finally:
+            ep.close()
+
+    run_threads(body, 2, timeout=30)
+
+
+def test_wrong_secret_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> str:
+        secret = "right" if rank == 0 else "wrong"
+        try:
+            ep = Endpoint(tdist.PrefixStore("a", store), rank, n, timeout=2, secret=secret)
+        except DistError as exc:
+            return type(exc).__name__
+        ep.close()
+        return "connected"
+
+    results = run_threads(body, 2, timeout=30)
+    assert results[1] == "AuthenticationError"
+    assert results[0] != "connected"  # rank 0 never got an authenticated rank 1
+
+
+def _fault_rank(rank: int, n: int, port: int) -> None:
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
+    ep = Endpoint(tdist.PrefixStore("f", store), rank, n, timeout=20, heartbeat_interval=0.2, stall_timeout=1.5)
+    store.set(f"pid{rank}", str(os.getpid()))
+    if rank == 1:
+        time.sleep(60)  # the victim: killed or stopped by the test
+        os._exit(0)
+    store.wait(["armed"])
+    t0 = time.monotonic()
+    try:
+        ep.wait(ep.post_recv(1, 9), t0 + 30, "recv from the victim")
+        store.set(f"result{rank}", json.dumps(["no error"]))
+    except PeerError as exc:
+        store.set(f"result{rank}", json.dumps([time.monotonic() - t0, str(exc), exc.peer]))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20))
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_fault_rank, args=(r, 3, master.port)) for r in range(3)]
+    for p in procs:
+        p.start()
+    victim = 0
+    try:
+        master.wait(["pid0", "pid1", "pid2"])
+        victim = int(master.get("pid1"))
+        master.set("armed", "1")
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        results = [json.loads(master.get(f"result{r}")) for r in (0, 2)]
+        for elapsed, message, peer in results:
+            assert peer == 1
+            assert elapsed < 5, message
+            assert "rank 1" in message
+            assert ("stalled" in message) == (how == "stop"), message
+    finally:
+        if victim:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, sig)
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        master.close()
