@@ -506,8 +506,12 @@ class Endpoint:
                 raise DistTimeoutError(
                     f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})"
                 )
-        if handle.error is not None:
-            raise handle.error
+        err = handle.error
+        if err is not None:
+            if isinstance(err, PeerError):
+                # say which operation the failure hit; the cause stays attached
+                raise PeerError(f"{what or handle.what} failed: {err}", peer=err.peer) from err
+            raise err
         return handle
 
     def abort(self, reason: str) -> None:

@@ -1,0 +1,271 @@
+"""The tcp backend directly: every collective, dtypes, views, mismatches, and a rank killed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import tdist
+from tdist._core.errors import DistError, PeerError
+from tdist.c10d._tcp_backend import ProcessGroupTCP
+from tdist.c10d._types import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOp,
+    ReduceOptions,
+    ScatterOptions,
+)
+from tdist.testing import run_threads
+
+pytestmark = pytest.mark.timeout(90)
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+def group(store: tdist.Store, rank: int, n: int, name: str = "g") -> ProcessGroupTCP:
+    return ProcessGroupTCP(tdist.PrefixStore(name, store), rank, n, timedelta(seconds=30))
+
+
+def expected_reduce(values: list[torch.Tensor], op: object) -> torch.Tensor:
+    out = values[0].clone()
+    for v in values[1:]:
+        if op == ReduceOp.SUM:
+            out = torch.logical_or(out, v) if out.dtype == torch.bool else out + v
+        elif op == ReduceOp.PRODUCT:
+            out = torch.logical_and(out, v) if out.dtype == torch.bool else out * v
+        elif op == ReduceOp.MIN:
+            out = torch.minimum(out, v)
+        elif op == ReduceOp.MAX:
+            out = torch.maximum(out, v)
+        elif op == ReduceOp.BAND:
+            out = out & v
+        elif op == ReduceOp.BOR:
+            out = out | v
+        elif op == ReduceOp.BXOR:
+            out = out ^ v
+    return out
+
+
+def make(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    base = torch.arange(numel) % 7 + rank + 1
+    if dtype == torch.bool:
+        return (base % 2).bool()
+    if dtype.is_complex:
+        return torch.complex(base.float(), -base.float()).to(dtype)
+    return base.to(dtype)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_all_reduce_every_op_and_dtype(n: int) -> None:
+    store = tdist.HashStore()
+    cases = []
+    for dtype in DTYPES:
+        ops = [ReduceOp.SUM, ReduceOp.PRODUCT]
+        if not dtype.is_complex:
+            ops += [ReduceOp.MIN, ReduceOp.MAX]
+        if not (dtype.is_floating_point or dtype.is_complex):
+            ops += [ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
+        cases += [(dtype, op) for op in ops]
+
+    def body(rank: int, size: int) -> None:
+        pg = group(store, rank, size)
+        try:
+            for numel in (1, 5, 70_000):  # recursive doubling and ring
+                for dtype, op in cases:
+                    if numel > 5 and dtype not in (torch.float32, torch.int64):
+                        continue
+                    t = make(rank, numel, dtype)
+                    pg.allreduce([t], AllreduceOptions(reduceOp=op)).wait()
+                    want = expected_reduce([make(r, numel, dtype) for r in range(size)], op)
+                    if dtype.is_floating_point and dtype != torch.float64:
+                        assert torch.allclose(t.double(), want.double(), rtol=1e-2), (dtype, op)
+                    else:
+                        assert torch.equal(t, want), (numel, dtype, op)
+            t = torch.full((6,), float(rank + 1))
+            pg.allreduce([t], AllreduceOptions(reduceOp=ReduceOp.AVG)).wait()
+            assert torch.allclose(t, torch.full((6,), (size + 1) / 2))
+        finally:
+            pg.shutdown()
+
+    run_threads(body, n, timeout=80)
+
+
+def test_views_are_written_only_inside() -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n)
+        try:
+            m = torch.full((5, 4), -1.0)
+            col = m[:, 1]
+            col.copy_(torch.arange(5.0) + rank)
+            pg.allreduce([col]).wait()
+            assert torch.equal(m[:, 1], 2 * torch.arange(5.0) + 1)
+            assert (m[:, [0, 2, 3]] == -1).all()
+            x = torch.full((10,), -1.0)
+            strided = x[::2]
+            if rank == 0:
+                strided.copy_(torch.arange(5.0))
+            pg.broadcast([strided], BroadcastOptions(rootRank=0)).wait()
+            assert torch.equal(x[::2], torch.arange(5.0)) and (x[1::2] == -1).all()
+            outs = [torch.full((2, 3), -1.0)[:, 0] for _ in range(n)]
+            pg.allgather([outs], [torch.tensor([float(rank), float(rank)])]).wait()
+            assert all(torch.equal(o, torch.tensor([float(r)] * 2)) for r, o in enumerate(outs))
+        finally:
+            pg.shutdown()
+
+    run_threads(body, 2, timeout=30)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_rooted_and_uneven_collectives(n: int) -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, size: int) -> None:
+        pg = group(store, rank, size)
+        try:
+            for root in range(size):
+                t = torch.full((3,), float(rank + 1))
+                pg.reduce([t], ReduceOptions(rootRank=root, reduceOp=ReduceOp.SUM)).wait()
+                if rank == root:
+                    assert torch.equal(t, torch.full((3,), float(sum(range(1, size + 1)))))
+                else:
+                    assert torch.equal(t, torch.full((3,), float(rank + 1)))  # inputs untouched
+                outs = [torch.empty(r + 1) for r in range(size)] if rank == root else []
+                pg.gather([outs], [torch.full((rank + 1,), float(rank))], GatherOptions(rootRank=root)).wait()
+                if rank == root:
+                    assert all(torch.equal(o, torch.full((r + 1,), float(r))) for r, o in enumerate(outs))
+                out = torch.empty(2)
+                ins = [[torch.full((2,), float(r * 10 + root)) for r in range(size)]] if rank == root else []
+                pg.scatter([out], ins, ScatterOptions(rootRank=root)).wait()
+                assert torch.equal(out, torch.full((2,), float(rank * 10 + root)))
+            # uneven all_gather and all_to_all (gloo rejects both)
+            outs = [torch.empty(r + 2) for r in range(size)]
+            pg.allgather([outs], [torch.full((rank + 2,), float(rank))], AllgatherOptions()).wait()
+            assert all(torch.equal(o, torch.full((r + 2,), float(r))) for r, o in enumerate(outs))
+            ins = [torch.full((rank + 1 + d,), float(rank * 10 + d)) for d in range(size)]
+            outs = [torch.empty(s + 1 + rank) for s in range(size)]
+            pg.alltoall(outs, ins).wait()
+            assert all(torch.equal(o, torch.full((s + 1 + rank,), float(s * 10 + rank))) for s, o in enumerate(outs))
+            inp = torch.arange(float(size * 2)) + 100 * rank
+            out = torch.empty(size * 2)
+            pg.alltoall_base(out, inp, [], []).wait()
+            want = torch.cat([torch.arange(float(rank * 2), float(rank * 2 + 2)) + 100 * s for s in range(size)])
+            assert torch.equal(out, want)
+            full = torch.empty(size * 2)
+            pg._allgather_base(full, torch.full((2,), float(rank))).wait()
+            assert torch.equal(full, torch.arange(float(size)).repeat_interleave(2))
+            rs = torch.empty(2)
+            pg._reduce_scatter_base(rs, torch.arange(float(size * 2))).wait()
+            assert torch.equal(rs, size * torch.arange(float(rank * 2), float(rank * 2 + 2)))
+            pg.barrier().wait()
+        finally:
+            pg.shutdown()
+
+    run_threads(body, n, timeout=60)
+
+
+def test_async_ops_complete_in_order_and_p2p() -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n)
+        try:
+            ts = [torch.full((100,), float(i + rank)) for i in range(10)]
+            works = [pg.allreduce([t]) for t in ts]
+            for i, (w, t) in enumerate(zip(works, ts, strict=True)):
+                w.wait()
+                assert w.is_completed() and w.is_success() and w.exception() is None
+                assert torch.equal(t, torch.full((100,), float(2 * i + 1)))
+            fut = pg.allreduce([torch.ones(3)]).get_future()
+            assert torch.equal(fut.wait()[0], torch.full((3,), 2.0))
+            # p2p: both ranks receive first (async), then send: never a deadlock
+            buf = torch.empty(4)
+            w = pg.recv([buf], 1 - rank, 7)
+            pg.send([torch.full((4,), float(rank))], 1 - rank, 7).wait()
+            w.wait()
+            assert torch.equal(buf, torch.full((4,), float(1 - rank)))
+        finally:
+            pg.shutdown()
+
+    run_threads(body, 2, timeout=30)
+
+
+def test_mismatched_calls_fail_on_every_rank() -> None:
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> str:
+        pg = group(store, rank, n)
+        try:
+            t = torch.ones(4 if rank == 0 else 8)
+            with pytest.raises(DistError) as info:
+                pg.allreduce([t], AllreduceOptions(asyncOp=False)).wait()
+            # later calls fail fast: the group is broken
+            t0 = time.monotonic()
+            with pytest.raises(DistError, match="broken"):
+                pg.barrier().wait()
+            assert time.monotonic() - t0 < 1
+            return str(info.value)
+        finally:
+            pg.shutdown()
+
+    messages = run_threads(body, 2, timeout=30)
+    assert any("[4]" in m and "[8]" in m for m in messages), messages
+
+
+def _killed_rank(rank: int, n: int, port: int) -> None:
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
+    pg = ProcessGroupTCP(tdist.PrefixStore("k", store), rank, n, timedelta(seconds=60))
+    store.set(f"pid{rank}", str(os.getpid()))
+    if rank == 1:
+        time.sleep(60)
+        os._exit(0)
+    store.wait(["armed"])
+    t0 = time.monotonic()
+    try:
+        pg.allreduce([torch.ones(1000)], AllreduceOptions(asyncOp=False)).wait()
+        store.set(f"result{rank}", json.dumps(["no error"]))
+    except DistError as exc:
+        store.set(f"result{rank}", json.dumps([time.monotonic() - t0, str(exc), isinstance(exc, PeerError)]))
+    os._exit(0)
+
+
+def test_killed_rank_fails_the_collective_everywhere_within_5s() -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20))
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_killed_rank, args=(r, 4, master.port)) for r in range(4)]
+    for p in procs:
+        p.start()
+    victim = 0
+    try:
+        master.wait([f"pid{r}" for r in range(4)])
+        victim = int(master.get("pid1"))
+        master.set("armed", "1")
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        for r in (0, 2, 3):
+            elapsed, message, _is_peer_error = json.loads(master.get(f"result{r}"))
+            assert elapsed < 5, message
+            assert "rank 1" in message, message
+            assert "all_reduce" in message, message
+    finally:
+        if victim:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        master.close()
