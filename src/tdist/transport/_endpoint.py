@@ -25,6 +25,9 @@ between two ranks with the same tag are delivered in the order they were sent.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import itertools
 import json
 import logging
 import os
@@ -46,6 +49,8 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from ._protocol import (
+    CMA_HEAD,
+    CMA_SEG,
     FRAME_HEADER,
     HELLO,
     JOIN,
@@ -115,6 +120,50 @@ def _advertised_address(store: Any) -> str:
     return "127.0.0.1"
 
 
+class _IOVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+try:
+    _libc: Any = ctypes.CDLL(None, use_errno=True)
+    _process_vm_readv: Any = _libc.process_vm_readv
+    _process_vm_readv.restype = ctypes.c_ssize_t
+except (OSError, AttributeError):  # not Linux, or no such call
+    _process_vm_readv = None
+
+# messages at least this large travel by cross-memory attach between processes of one host
+_CMA_MIN = int(os.environ.get("TDIST_CMA_MIN_BYTES", str(256 << 10)))
+# how long a reader waits for the receive of a cross-memory message before buffering it
+_CMA_DEFER = 0.005
+
+
+def _address(view: memoryview) -> int | None:
+    """The address of a writable buffer's first byte (None for read-only buffers)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
+def _cma_read(pid: int, segments: list[tuple[int, int]], dest: memoryview) -> int:
+    """Copy the segments of process ``pid`` into ``dest``; returns 0 or an errno."""
+    addr = _address(dest)
+    if addr is None or _process_vm_readv is None:
+        return errno.ENOSYS
+    off = 0
+    for base, length in segments:
+        done = 0
+        while done < length:
+            local = _IOVec(addr + off + done, length - done)
+            remote = _IOVec(base + done, length - done)
+            n = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if n <= 0:
+                return ctypes.get_errno() or errno.EIO
+            done += n
+        off += length
+    return 0
+
+
 class RecvHandle:
     """A posted receive: completes when a matching message has landed in ``buffer``."""
 
@@ -139,6 +188,37 @@ class RecvHandle:
         self.source = source
         self.error = error
         self.done.set()
+
+
+class _BufferPool:
+    """Reused, already-faulted buffers for messages that arrive before their receive: a fresh
+    64 MiB bytearray costs more in page faults than copying into it."""
+
+    _MIN = 64 << 10
+    _KEEP = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+
+    def take(self, n: int) -> bytearray:
+        if n >= self._MIN:
+            with self._lock:
+                best = None
+                for i, buf in enumerate(self._free):
+                    if n <= len(buf) <= 4 * n and (best is None or len(buf) < len(self._free[best])):
+                        best = i
+                if best is not None:
+                    return self._free.pop(best)
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        if len(buf) >= self._MIN:
+            with self._lock:
+                if len(self._free) >= self._KEEP:
+                    self._free.sort(key=len)
+                    self._free.pop(0)
+                self._free.append(buf)
 
 
 class _Pending:
@@ -167,6 +247,8 @@ class _Peer:
         self.posted: dict[int, deque[RecvHandle]] = {}
         self.unexpected: dict[int, deque[_Pending]] = {}
         self.reader: threading.Thread | None = None
+        self.cma = False  # may this peer read our memory (same host, and not refused yet)?
+        self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.addr})"
@@ -209,6 +291,7 @@ class Endpoint:
         self.stall_timeout = stall_timeout or float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "10.0"))
         self.host_id = host_id()
         self._lock = threading.Lock()
+        self._posted_cv = threading.Condition(self._lock)  # notified when a receive is posted
         self._peers: dict[int, _Peer] = {}
         self._any_posted: dict[int, deque[RecvHandle]] = {}
         self._broken: DistError | None = None
@@ -216,6 +299,9 @@ class Endpoint:
         self._hb_stop = threading.Event()
         self._peer_hosts: dict[int, str] = {}
         self._peer_pids: dict[int, int] = {}
+        self._xfer_ids = itertools.count(1)
+        self._pool = _BufferPool()
+        self._pid = os.getpid()
         if size > 1:
             self._build_mesh(store, timeout)
         self._hb_thread = threading.Thread(target=self._heartbeats, name=f"tdist-hb-{name}-{rank}", daemon=True)
@@ -298,6 +384,7 @@ class Endpoint:
             if unix is not None:
                 unix.close()
         for p in self._peers.values():
+            p.cma = p.addr == "unix" and _process_vm_readv is not None and _CMA_MIN > 0
             p.sock.settimeout(self.heartbeat_interval)
             p.reader = threading.Thread(target=self._read_loop, args=(p,), name=f"tdist-rd-{self.rank}<{p.rank}", daemon=True)
             p.reader.start()
@@ -444,12 +531,75 @@ class Endpoint:
         p = self._peer(peer, what)
         views = [memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in buffers]
         nbytes = sum(v.nbytes for v in views)
+        if p.cma and nbytes >= _CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
+            return
         parts: list[memoryview] = [memoryview(pack_header(Kind.DATA, tag, nbytes, len(meta)))]
         if meta:
             parts.append(memoryview(meta))
         parts.extend(v for v in views if v.nbytes)
         with p.send_lock:
             self._sendmsg(p, parts, deadline, what)
+
+    def _send_cma(
+        self,
+        p: _Peer,
+        tag: int,
+        views: list[memoryview],
+        nbytes: int,
+        meta: bytes,
+        deadline: float | None,
+        what: str,
+    ) -> bool:
+        """Let ``p`` copy the message out of our memory; False if it may not (send inline)."""
+        segments = []
+        for v in views:
+            if not v.nbytes:
+                continue
+            addr = _address(v)
+            if addr is None:
+                return False
+            segments.append((addr, v.nbytes))
+        xfer = next(self._xfer_ids)
+        desc = CMA_HEAD.pack(xfer, self._pid, len(segments), nbytes) + b"".join(
+            CMA_SEG.pack(a, n) for a, n in segments
+        )
+        ack: list[Any] = [threading.Event(), 0]
+        with self._lock:
+            p.acks[xfer] = ack
+        try:
+            parts = [memoryview(pack_header(Kind.DATA_CMA, tag, len(desc), len(meta)))]
+            if meta:
+                parts.append(memoryview(meta))
+            parts.append(memoryview(desc))
+            with p.send_lock:
+                self._sendmsg(p, parts, deadline, what)
+            # the peer reads our buffers now: they must stay untouched until it says so
+            event: threading.Event = ack[0]
+            step = max(0.05, self.heartbeat_interval / 2)
+            while not event.wait(step):
+                if p.error is not None:
+                    raise p.error
+                now = time.monotonic()
+                if now - p.last_heard > self.stall_timeout:
+                    err = PeerError(
+                        f"rank {self.rank}: {p.describe()} stopped answering during {what}: it is stalled",
+                        peer=p.rank,
+                    )
+                    self._fail_peer(p, err)
+                    raise err
+                if deadline is not None and now >= deadline:
+                    raise DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+        finally:
+            with self._lock:
+                p.acks.pop(xfer, None)
+        if ack[1]:
+            log.info(
+                "rank %d: rank %d cannot read this process's memory (%s); sending inline from now on",
+                self.rank, p.rank, os.strerror(ack[1]),
+            )
+            p.cma = False
+            return False
+        return True
 
     def post_recv(
         self,
@@ -479,11 +629,13 @@ class Endpoint:
                     handle._finish(peer, p.error)
                     return handle
                 p.posted.setdefault(tag, deque()).append(handle)
+                self._posted_cv.notify_all()
             else:
                 for p in self._peers.values():
                     if self._take_unexpected(p, handle):
                         return handle
                 self._any_posted.setdefault(tag, deque()).append(handle)
+                self._posted_cv.notify_all()
         return handle
 
     def wait(self, handle: RecvHandle, deadline: float | None, what: str | None = None) -> RecvHandle:
@@ -506,12 +658,12 @@ class Endpoint:
                 raise DistTimeoutError(
                     f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})"
                 )
-        err = handle.error
-        if err is not None:
-            if isinstance(err, PeerError):
+        failure = handle.error
+        if failure is not None:
+            if isinstance(failure, PeerError):
                 # say which operation the failure hit; the cause stays attached
-                raise PeerError(f"{what or handle.what} failed: {err}", peer=err.peer) from err
-            raise err
+                raise PeerError(f"{what or handle.what} failed: {failure}", peer=failure.peer) from failure
+            raise failure
         return handle
 
     def abort(self, reason: str) -> None:
@@ -671,12 +823,16 @@ class Endpoint:
         handle.meta = pending.meta
         handle.nbytes = pending.nbytes
         err = self._check(source, handle, pending.meta, pending.nbytes)
-        if err is None:
-            assert pending.data is not None
-            if handle.buffer is not None:
-                handle.buffer[: pending.nbytes] = pending.data
-            else:
-                handle.data = pending.data
+        data = pending.data
+        assert data is not None
+        n = pending.nbytes
+        if err is None and handle.buffer is not None:
+            handle.buffer[:n] = memoryview(data)[:n]
+            self._pool.give(data)
+        elif err is None:
+            handle.data = data if len(data) == n else memoryview(data)[:n]
+        else:
+            self._pool.give(data)
         handle._finish(source, err)
 
     def _check(self, source: int, handle: RecvHandle, meta: bytes, nbytes: int) -> DistError | None:
@@ -709,6 +865,16 @@ class Endpoint:
                     meta = bytes(buf)
                 if h.kind == Kind.DATA:
                     self._on_data(p, h.tag, meta, h.nbytes)
+                elif h.kind == Kind.DATA_CMA:
+                    desc = bytearray(h.nbytes)
+                    self._read_payload(p, memoryview(desc))
+                    self._on_cma(p, h.tag, meta, bytes(desc))
+                elif h.kind == Kind.CMA_ACK:
+                    with self._lock:
+                        ack = p.acks.get(h.tag)
+                    if ack is not None:
+                        ack[1] = int(meta) if meta else 0
+                        ack[0].set()
                 elif h.kind == Kind.ABORT:
                     reason = meta.decode(errors="replace")
                     err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)
@@ -776,14 +942,112 @@ class Endpoint:
             handle._finish(p.rank, err)
             return
         assert pending is not None
-        data = bytearray(nbytes)
-        self._read_payload(p, memoryview(data))
+        data = self._pool.take(nbytes)
+        self._read_payload(p, memoryview(data)[:nbytes])
         with self._lock:
             pending.data = data
             pending.done = True
             waiting = pending.handle
         if waiting is not None:
             self._deliver_copy(p.rank, pending, waiting)
+
+    def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
+        xfer, pid, nseg, nbytes = CMA_HEAD.unpack_from(desc, 0)
+        if len(desc) != CMA_HEAD.size + nseg * CMA_SEG.size:
+            raise RemoteProtocolError("malformed cross-memory descriptor")
+        segments = [CMA_SEG.unpack_from(desc, CMA_HEAD.size + i * CMA_SEG.size) for i in range(nseg)]
+        if sum(n for _, n in segments) != nbytes:
+            raise RemoteProtocolError("cross-memory descriptor sizes do not add up")
+        # The sender waits for our ack anyway: give its receive a moment to be posted, so the
+        # data goes straight to the destination (one copy instead of two, no buffer).
+        deadline = time.monotonic() + _CMA_DEFER
+        with self._posted_cv:
+            handle, from_any = self._match(p, tag)
+            while handle is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._posted_cv.wait(remaining)
+                handle, from_any = self._match(p, tag)
+        if handle is not None:
+            status = self._cma_into(p, handle, from_any, tag, pid, segments, meta, nbytes)
+        else:
+            status = self._cma_buffer(p, tag, pid, segments, meta, nbytes)
+        ack_meta = str(status).encode() if status else b""
+        with p.send_lock:
+            p.sock.sendall(pack_header(Kind.CMA_ACK, xfer, 0, len(ack_meta)) + ack_meta)
+            p.last_sent = time.monotonic()
+
+    def _cma_into(
+        self,
+        p: _Peer,
+        handle: RecvHandle,
+        from_any: bool,
+        tag: int,
+        pid: int,
+        segments: list[tuple[int, int]],
+        meta: bytes,
+        nbytes: int,
+    ) -> int:
+        """Copy a cross-memory message into a matched receive; returns 0 or an errno."""
+        handle.meta = meta
+        handle.nbytes = nbytes
+        err = self._check(p.rank, handle, meta, nbytes)
+        if err is not None:
+            handle._finish(p.rank, err)
+            return 0
+        data: bytearray | None = None
+        if handle.buffer is not None:
+            status = _cma_read(pid, segments, handle.buffer[:nbytes])
+        else:
+            data = bytearray(nbytes)
+            status = _cma_read(pid, segments, memoryview(data)) if nbytes else 0
+        if status:
+            # the sender resends inline: this receive waits for that, first in line
+            with self._lock:
+                queue = self._any_posted if from_any else p.posted
+                queue.setdefault(tag, deque()).appendleft(handle)
+            return status
+        if data is not None:
+            handle.data = data
+        handle._finish(p.rank, None)
+        return 0
+
+    def _cma_buffer(
+        self, p: _Peer, tag: int, pid: int, segments: list[tuple[int, int]], meta: bytes, nbytes: int
+    ) -> int:
+        """Keep a cross-memory message whose receive is not posted yet; returns 0 or an errno."""
+        data = self._pool.take(nbytes)
+        status = _cma_read(pid, segments, memoryview(data)[:nbytes]) if nbytes else 0
+        if status:
+            self._pool.give(data)
+            return status
+        pending = _Pending(meta, nbytes)
+        pending.data = data
+        pending.done = True
+        with self._lock:
+            handle, _ = self._match(p, tag)
+            if handle is None:
+                p.unexpected.setdefault(tag, deque()).append(pending)
+        if handle is not None:
+            self._deliver_copy(p.rank, pending, handle)
+        return 0
+
+    def _match(self, p: _Peer, tag: int) -> tuple[RecvHandle | None, bool]:
+        """Under the lock: the receive a message from ``p`` with ``tag`` goes to."""
+        q = p.posted.get(tag)
+        if q:
+            handle = q.popleft()
+            if not q:
+                del p.posted[tag]
+            return handle, False
+        aq = self._any_posted.get(tag)
+        if aq:
+            handle = aq.popleft()
+            if not aq:
+                del self._any_posted[tag]
+            return handle, True
+        return None, False
 
     def _read_payload(self, p: _Peer, view: memoryview) -> None:
         if view.nbytes and not self._read_into(p, view):

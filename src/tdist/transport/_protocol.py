@@ -17,6 +17,11 @@ After the handshake every frame is a 24-byte header, ``meta_len`` bytes of metad
     kind u8 | pad u8 | meta_len u16 | pad u32 | tag i64 | nbytes u64
 
 ``DATA`` frames carry a message for a posted receive (matched by peer and tag in order);
+between processes of one host a large message is a ``DATA_CMA`` frame instead: it names the
+sender's memory, the receiver copies it straight into the destination with
+``process_vm_readv`` (one copy, no socket) and answers ``CMA_ACK``, and only then does the send
+return. A receiver that may not read the sender's memory acks with an errno and the sender
+resends the message as plain ``DATA``;
 ``meta`` describes it (for collectives: the operation's fingerprint, compared on arrival so that
 mismatched calls fail loudly instead of corrupting data). ``HEARTBEAT`` frames keep an idle
 connection proven alive; ``ABORT`` carries a reason (in ``meta``) when a peer gives the group
@@ -32,6 +37,8 @@ from typing import NamedTuple
 from .._core.errors import RemoteProtocolError
 
 __all__ = [
+    "CMA_HEAD",
+    "CMA_SEG",
     "FRAME_HEADER",
     "HELLO",
     "JOIN",
@@ -61,6 +68,13 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 2
     ABORT = 3
     GOODBYE = 4
+    DATA_CMA = 5  # a DATA message whose payload the receiver copies from the sender's memory
+    CMA_ACK = 6  # the receiver has copied it (tag: transfer id; meta: b"" or an errno)
+
+
+# DATA_CMA payload: transfer id, sender pid, segment count, total bytes; then the segments
+CMA_HEAD = struct.Struct("<QIIQ")
+CMA_SEG = struct.Struct("<QQ")
 
 
 class FrameHeader(NamedTuple):
