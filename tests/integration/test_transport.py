@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import multiprocessing
 import os
@@ -15,7 +17,7 @@ import torch
 
 import tdist
 from tdist._core.errors import DistError, PeerError
-from tdist.testing import run_threads
+from tdist.testing import run_processes, run_threads
 from tdist.transport import Endpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -155,3 +157,51 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
                 p.kill()
                 p.join(5)
         master.close()
+
+
+def _big_exchange(rank: int, n: int, port: int, refuse: bool) -> list[str]:
+    from tdist.transport import _endpoint
+
+    if refuse and rank == 1:
+        # a receiver that may not read the sender's memory (as under a strict ptrace policy)
+        def refused(*args: object) -> int:
+            ctypes.set_errno(errno.EPERM)
+            return -1
+
+        _endpoint._process_vm_readv = refused
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
+    ep = Endpoint(tdist.PrefixStore(f"big{refuse}", store), rank, n, timeout=20)
+    out = []
+    try:
+        peer = 1 - rank
+        size = 3 << 20
+        for i in range(4):
+            mine = torch.full((size,), float(rank * 10 + i))
+            got = torch.empty(size)
+            if i % 2 == 0:  # receive posted first: one copy, straight into `got`
+                h = ep.post_recv(peer, i, view(got))
+                ep.send(peer, i, [view(mine)])
+            else:  # receive posted late: the message waits in a pooled buffer
+                if rank == 0:
+                    ep.send(peer, i, [view(mine)])
+                time.sleep(0.05)
+                h = ep.post_recv(peer, i, view(got))
+                if rank == 1:
+                    ep.send(peer, i, [view(mine)])
+            ep.wait(h, time.monotonic() + 10)
+            assert torch.equal(got, torch.full((size,), float(peer * 10 + i))), i
+            out.append("cma" if ep._peers[peer].cma else "inline")
+    finally:
+        ep.close()
+    return out
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_large_messages_between_processes(refuse: bool) -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        results = run_processes(_big_exchange, 2, master.port, refuse, timeout=60)
+    finally:
+        master.close()
+    assert results[1][-1] == "cma"  # rank 1 reads rank 0's memory... unless refused:
+    assert results[0][-1] == ("inline" if refuse else "cma")
