@@ -1,0 +1,328 @@
+"""Argument checks of the module-level API: pure functions, no process group, no I/O.
+
+Each check raises torch's error type with torch's message where torch's Python layer raises one
+(``TypeError`` for a non-tensor, ``ValueError`` for mixed dtypes or a misplaced ``gather_list``),
+and a ``CollectiveArgumentError`` where torch leaves the check to gloo, which raises a bare
+``RuntimeError`` (a root rank out of range, a list of the wrong length, sizes that do not add
+up). ``CollectiveArgumentError`` is both a ``RuntimeError`` (what torch users catch) and a
+``ValueError`` (what it is), and its messages name the operation, the argument and the value.
+
+numpy arrays are accepted wherever a tensor is: ``as_tensor`` wraps them with
+``torch.from_numpy``, which shares memory, so results written into the tensor land in the array.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .._core.errors import DistBackendError
+from ._types import RedOpType
+
+__all__ = [
+    "CollectiveArgumentError",
+    "as_tensor",
+    "as_tensor_list",
+    "check_all_gather_single",
+    "check_bitwise_dtype",
+    "check_list_len",
+    "check_not_self_rank",
+    "check_reduce_scatter_single",
+    "check_root_rank",
+    "check_rooted_list",
+    "check_split_sizes",
+    "check_tag",
+    "ensure_same_dtype",
+    "real_view",
+    "real_views",
+    "supports_complex",
+]
+
+
+class CollectiveArgumentError(DistBackendError, ValueError):
+    """An argument a collective cannot work with (where torch's gloo raises ``RuntimeError``)."""
+
+
+def _is_numpy(obj: object) -> bool:
+    return type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
+def as_tensor(param: object, param_name: str) -> torch.Tensor:
+    """``param`` as a tensor: a tensor as is, a numpy array as a tensor sharing its memory.
+
+    Raises:
+        TypeError: anything else (torch's message).
+        ValueError: a numpy array torch cannot view (negative strides, read-only).
+    """
+    if isinstance(param, torch.Tensor):
+        return param
+    if _is_numpy(param):
+        arr: Any = param
+        if not arr.flags.writeable:
+            # from_numpy warns and shares read-only memory that a collective would write into
+            arr_desc = f"a read-only numpy array (shape {arr.shape}, dtype {arr.dtype})"
+            raise ValueError(
+                f"Invalid function argument. Parameter `{param_name}` is {arr_desc}; pass a "
+                "writable array (np.require(a, requirements='W')) or a tensor"
+            )
+        try:
+            return torch.from_numpy(arr)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"Invalid function argument. Parameter `{param_name}` is a numpy array that torch "
+                f"cannot share ({exc}); pass np.ascontiguousarray(a) or a tensor"
+            ) from exc
+    raise TypeError(
+        f"Invalid function argument. Expected parameter `{param_name}` of type torch.Tensor\n"
+        f"             but got {type(param)} instead."
+    )
+
+
+def as_tensor_list(param: object, param_name: str) -> list[torch.Tensor]:
+    """``param`` as a list of tensors (numpy arrays wrapped); the list itself must be a list.
+
+    Raises:
+        TypeError: not a list, or an element that is neither a tensor nor a numpy array.
+    """
+    if not isinstance(param, list):
+        raise TypeError(
+            f"Invalid function argument. Expected parameter `{param_name}` of type "
+            f"List[torch.Tensor]\n             but got {type(param)} instead."
+        )
+    if not all(isinstance(p, torch.Tensor) or _is_numpy(p) for p in param):
+        raise TypeError(
+            f"Invalid function argument. Expected parameter `{param_name}` of type "
+            f"List[torch.Tensor]\n             but got {type(param)} with elements of type "
+            f"{[type(p) for p in param]}."
+        )
+    return [as_tensor(p, param_name) for p in param]
+
+
+def _as_iterable(obj: torch.Tensor | Sequence[torch.Tensor]) -> Iterable[torch.Tensor]:
+    return obj if isinstance(obj, (list, tuple)) else (obj,)
+
+
+def ensure_same_dtype(*tensors: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """All tensors share one dtype (a complex tensor matches its real element type), as torch.
+
+    Raises:
+        ValueError: torch's message, naming the two dtypes.
+    """
+    last: torch.dtype | None = None
+    for tensor in itertools.chain.from_iterable(map(_as_iterable, tensors)):
+        dtype = tensor.dtype
+        if dtype.is_complex:
+            dtype = torch.float32 if dtype == torch.complex64 else torch.complex128
+        if last is None:
+            last = dtype
+        elif last != dtype:
+            raise ValueError(
+                f"Invalid usage of tensors with different dtypesFound {last} and  {tensor.dtype}"
+            )
+
+
+def supports_complex(op: RedOpType) -> bool:
+    """Whether ``op`` is meaningful on complex tensors viewed as pairs of reals (torch's rule)."""
+    return op not in (
+        RedOpType.MAX,
+        RedOpType.MIN,
+        RedOpType.PRODUCT,
+        RedOpType.BAND,
+        RedOpType.BOR,
+        RedOpType.BXOR,
+    )
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as reals (``view_as_real``, same memory); any other as is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def real_views(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [real_view(t) for t in ts]
+
+
+def check_complex_op(op: RedOpType, tensors: Sequence[torch.Tensor], what: str) -> None:
+    """Raises ``ValueError`` (torch's message) for an op that is garbage on complex values."""
+    if any(t.is_complex() for t in tensors) and not supports_complex(op):
+        raise ValueError(f"{what} does not support {op} on complex tensors")
+
+
+def check_bitwise_dtype(op: RedOpType, tensors: Sequence[torch.Tensor], what: str) -> None:
+    """BAND/BOR/BXOR need integral (or bool) tensors, as gloo.
+
+    Raises:
+        CollectiveArgumentError: gloo's message, with the operation and the dtype.
+    """
+    if op not in (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR):
+        return
+    for t in tensors:
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            raise CollectiveArgumentError(
+                f"{what}: Cannot use ReduceOp.{op.name} with non-integral dtype ({t.dtype})"
+            )
+
+
+def check_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
+    return int(value)
+
+
+def check_tag(tag: object) -> int:
+    """Tags are ints (torch's bindings reject anything else with a ``TypeError``)."""
+    return check_int(tag, "tag")
+
+
+def check_root_rank(group_rank: int, size: int, what: str, name: str) -> None:
+    """A root (``src``/``dst``) is a rank of the group.
+
+    Raises:
+        CollectiveArgumentError: ``"broadcast: invalid root rank: 5 ..."`` (gloo's words first).
+    """
+    if not 0 <= group_rank < size:
+        raise CollectiveArgumentError(
+            f"{what}: invalid root rank: {group_rank} ({name} must be a rank of the group, "
+            f"0 to {size - 1})"
+        )
+
+
+def check_peer_rank(group_rank: int, size: int, what: str, name: str) -> None:
+    """A point-to-point peer is a rank of the group.
+
+    Raises:
+        CollectiveArgumentError: naming the argument and the valid range.
+    """
+    if not 0 <= group_rank < size:
+        raise CollectiveArgumentError(
+            f"{what}: invalid {name} rank {group_rank}: the group has ranks 0 to {size - 1}"
+        )
+
+
+def check_not_self_rank(my_rank: int, rank: int, rank_type: str) -> None:
+    """``send``/``recv`` to or from oneself would never complete (torch's message).
+
+    Raises:
+        ValueError: ``"Invalid destination rank: destination rank should not be ..."``.
+    """
+    if my_rank == rank:
+        raise ValueError(
+            f"Invalid {rank_type} rank: {rank_type} rank should not be the same as "
+            "the rank of the current process."
+        )
+
+
+def check_list_len(items: Sequence[object], size: int, what: str, name: str) -> None:
+    """A per-rank list has one entry per rank of the group.
+
+    Raises:
+        CollectiveArgumentError: naming the list, its length and the group size.
+    """
+    if len(items) != size:
+        raise CollectiveArgumentError(
+            f"{what}: invalid {name} size {len(items)}: it must hold one tensor per rank "
+            f"of the group ({size})"
+        )
+
+
+def check_rooted_list(
+    my_rank: int, root: int, items: Sequence[object] | None, what: str, name: str, size: int
+) -> None:
+    """A list given on the root only (``gather_list``, ``scatter_list``), of the group's size.
+
+    Raises:
+        ValueError: the list is missing on the root or given elsewhere (torch's messages).
+        CollectiveArgumentError: wrong length on the root.
+    """
+    role = "destination" if what == "gather" else "source"
+    if my_rank == root:
+        if not items:
+            raise ValueError(f"Argument ``{name}`` must be specified on {role} rank.")
+        check_list_len(items, size, what, name)
+    elif items:
+        raise ValueError(f"Argument ``{name}`` must NOT be specified on non-{role} ranks.")
+
+
+def check_same_numel(tensors: Sequence[torch.Tensor], ref: torch.Tensor, what: str, name: str) -> None:
+    """Every tensor of ``tensors`` has the shape of ``ref`` (gather/scatter/reduce_scatter)."""
+    for i, t in enumerate(tensors):
+        if t.shape != ref.shape:
+            raise CollectiveArgumentError(
+                f"{what}: invalid tensor size at index {i} of {name} (expected "
+                f"{tuple(ref.shape)}, got {tuple(t.shape)})"
+            )
+
+
+def check_all_gather_single(output: torch.Tensor, input: torch.Tensor, size: int, what: str) -> None:
+    """``output`` is ``size`` inputs concatenated (``size * n, ...``) or stacked (``size, ...``).
+
+    Raises:
+        CollectiveArgumentError: the output's shape is neither.
+    """
+    _check_cat_or_stack(output, input, size, what, "output", "input")
+
+
+def check_reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, size: int, what: str) -> None:
+    """``input`` is ``size`` outputs concatenated or stacked.
+
+    Raises:
+        CollectiveArgumentError: the input's shape is neither.
+    """
+    _check_cat_or_stack(input, output, size, what, "input", "output")
+
+
+def _check_cat_or_stack(
+    big: torch.Tensor, small: torch.Tensor, size: int, what: str, big_name: str, small_name: str
+) -> None:
+    shape = tuple(small.shape)
+    stacked = (size, *shape)
+    if shape:
+        concatenated: tuple[int, ...] = (size * shape[0], *shape[1:])
+    else:
+        concatenated = (size,)
+    if tuple(big.shape) not in (stacked, concatenated):
+        raise CollectiveArgumentError(
+            f"{what}: {big_name} tensor size must be equal to world_size times {small_name} tensor "
+            f"size: {small_name} is {tuple(small.shape)} and the group has {size} ranks, so "
+            f"{big_name} must be {concatenated} (concatenated) or {stacked} (stacked), got "
+            f"{tuple(big.shape)}"
+        )
+
+
+def check_split_sizes(
+    tensor: torch.Tensor, split_sizes: Sequence[int] | None, size: int, what: str, name: str
+) -> list[int]:
+    """The dim-0 split of ``tensor`` for ``all_to_all_single``: given sizes, or equal parts.
+
+    Returns:
+        The split sizes, one per rank.
+
+    Raises:
+        CollectiveArgumentError: wrong count, negative sizes, a sum other than dim 0, or an
+            even split of a dim 0 the group size does not divide.
+    """
+    rows = tensor.shape[0] if tensor.dim() > 0 else tensor.numel()
+    if not split_sizes:
+        if rows % size != 0:
+            raise CollectiveArgumentError(
+                f"{what}: dim 0 of {name} ({rows}) is not divisible by the group size ({size}); "
+                f"pass {name}_split_sizes for an uneven split"
+            )
+        return [rows // size] * size
+    sizes = [check_int(s, f"{what}: {name}_split_sizes entries") for s in split_sizes]
+    if len(sizes) != size:
+        raise CollectiveArgumentError(
+            f"{what}: {name}_split_sizes has {len(sizes)} entries, but the group has {size} ranks"
+        )
+    if any(s < 0 for s in sizes):
+        raise CollectiveArgumentError(f"{what}: {name}_split_sizes must not be negative, got {sizes}")
+    if sum(sizes) != rows:
+        raise CollectiveArgumentError(
+            f"{what}: Split sizes doesn't match total dim 0 size: {name}_split_sizes {sizes} "
+            f"add up to {sum(sizes)}, but dim 0 of {name} is {rows}"
+        )
+    return sizes

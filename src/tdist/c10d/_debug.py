@@ -1,0 +1,283 @@
+"""Debug mode: the debug level, and the check that every rank calls the same collective.
+
+Theory of operation. With ``TDIST_DEBUG=DETAIL`` (or torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``,
+or ``set_debug_level(DebugLevel.DETAIL)`` before the group is made) every process group gets a
+``CollectiveChecker``. Before each collective, each rank describes its call as a
+``Fingerprint`` (operation, dtype, root, reduction, the shapes that must agree, and the shapes
+it sends to / expects from each peer) and writes it to the group's store under the collective's
+sequence number; then it reads every rank's fingerprint and compares them (``compare``, a pure
+function). Every rank reads the same fingerprints, so every rank reaches the same verdict: all
+raise ``CollectiveMismatchError`` naming the ranks and what differs, or all go on. A rank that
+never arrives makes the others fail after the group's timeout with an error naming it.
+
+The check costs a store round trip per rank and collective; it is for finding bugs, not for
+production. Fingerprints travel as JSON (never pickle: the store may be shared).
+
+Thread-safety: a checker serves one group, whose collectives are issued in one order.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from .._core.errors import DistBackendError, DistError
+
+if TYPE_CHECKING:
+    from ..store import Store
+
+__all__ = [
+    "CollectiveChecker",
+    "CollectiveMismatchError",
+    "DebugLevel",
+    "Fingerprint",
+    "compare",
+    "get_debug_level",
+    "set_debug_level",
+    "set_debug_level_from_env",
+]
+
+log = logging.getLogger(__name__)
+
+
+class DebugLevel(enum.IntEnum):
+    """How much checking and logging the distributed layer does (torch's ``DebugLevel``)."""
+
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+    def __str__(self) -> str:
+        return f"DebugLevel.{self.name}"
+
+
+_level = DebugLevel.OFF
+
+
+def get_debug_level() -> DebugLevel:
+    """The current debug level (from ``TDIST_DEBUG`` / ``TORCH_DISTRIBUTED_DEBUG`` at import)."""
+    return _level
+
+
+def set_debug_level(level: DebugLevel) -> None:
+    """Set the debug level; groups made afterwards check collectives at ``DETAIL``.
+
+    Raises:
+        TypeError: ``level`` is not a ``DebugLevel``.
+    """
+    global _level
+    if not isinstance(level, DebugLevel):
+        raise TypeError(f"set_debug_level expects a DebugLevel, got {type(level).__name__}")
+    _level = level
+
+
+def set_debug_level_from_env() -> None:
+    """Set the debug level from ``TDIST_DEBUG`` or, if unset, ``TORCH_DISTRIBUTED_DEBUG``.
+
+    Raises:
+        ValueError: the variable holds something other than OFF, INFO or DETAIL (any case).
+    """
+    for var in ("TDIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):
+        value = os.environ.get(var)
+        if value:
+            try:
+                set_debug_level(DebugLevel[value.strip().upper()])
+            except KeyError:
+                raise ValueError(f"The value of {var} must be OFF, INFO, or DETAIL.") from None
+            return
+    set_debug_level(DebugLevel.OFF)
+
+
+class CollectiveMismatchError(DistBackendError):
+    """Ranks called different collectives, or the same one with arguments that do not fit."""
+
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """One rank's description of a collective call.
+
+    Attributes:
+        op: the operation (``"all_reduce"``, ...).
+        dtype: the tensors' dtype, if any.
+        shape: a shape that must be the same on every rank, if any.
+        root: the group rank of the root (broadcast, reduce, gather, scatter).
+        reduce_op: the reduction, for reducing collectives.
+        sends: ``peer -> shape`` this rank sends to each peer (where shapes may differ).
+        recvs: ``peer -> shape`` this rank expects from each peer.
+    """
+
+    op: str
+    dtype: str | None = None
+    shape: Shape | None = None
+    root: int | None = None
+    reduce_op: str | None = None
+    sends: Mapping[int, Shape] = field(default_factory=dict)
+    recvs: Mapping[int, Shape] = field(default_factory=dict)
+
+    def common(self) -> tuple[Any, ...]:
+        """What must be equal on every rank."""
+        return (self.op, self.dtype, self.shape, self.root, self.reduce_op)
+
+    def describe(self) -> str:
+        parts = []
+        if self.reduce_op is not None:
+            parts.append(f"op={self.reduce_op}")
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.dtype is not None:
+            parts.append(f"dtype={self.dtype}")
+        if self.shape is not None:
+            parts.append(f"shape={list(self.shape)}")
+        return f"{self.op}({', '.join(parts)})"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "op": self.op,
+                "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape),
+                "root": self.root,
+                "reduce_op": self.reduce_op,
+                "sends": {str(k): list(v) for k, v in self.sends.items()},
+                "recvs": {str(k): list(v) for k, v in self.recvs.items()},
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Fingerprint:
+        d = json.loads(text)
+        return cls(
+            op=d["op"],
+            dtype=d["dtype"],
+            shape=None if d["shape"] is None else tuple(d["shape"]),
+            root=d["root"],
+            reduce_op=d["reduce_op"],
+            sends={int(k): tuple(v) for k, v in d["sends"].items()},
+            recvs={int(k): tuple(v) for k, v in d["recvs"].items()},
+        )
+
+
+_FIELDS = ("operation", "dtype", "shape", "root", "reduction")
+
+
+def compare(fps: Sequence[Fingerprint], me: int, seq: int = 0, group: str = "") -> str | None:
+    """Compare every rank's fingerprint of one collective; ``None`` if they fit together.
+
+    Args:
+        fps: the fingerprints by group rank.
+        me: this rank (the message speaks from its point of view).
+        seq: the collective's sequence number in the group (for the message).
+        group: the group's name (for the message).
+
+    Returns:
+        A message naming the ranks and what differs, or ``None``.
+    """
+    where = f"collective #{seq}" + (f" of group {group!r}" if group else "")
+    variants: dict[tuple[Any, ...], list[int]] = {}
+    for r, fp in enumerate(fps):
+        variants.setdefault(fp.common(), []).append(r)
+    if len(variants) > 1:
+        mine = fps[me]
+        other = next(r for r, fp in enumerate(fps) if fp.common() != mine.common())
+        theirs = fps[other]
+        differ = [n for n, a, b in zip(_FIELDS, mine.common(), theirs.common(), strict=True) if a != b]
+        table = "; ".join(
+            f"ranks {ranks}: {fps[ranks[0]].describe()}" for ranks in variants.values()
+        )
+        return (
+            f"Detected mismatch between collectives on ranks ({where}). Rank {me} is running "
+            f"collective: {mine.describe()}, but rank {other} is running collective: "
+            f"{theirs.describe()}. Collectives differ in the following aspects: "
+            f"{', '.join(differ)}. All ranks: {table}"
+        )
+    problems = []
+    for i, fp in enumerate(fps):
+        for j, shape in sorted(fp.sends.items()):
+            if not 0 <= j < len(fps):
+                continue
+            expected = fps[j].recvs.get(i)
+            if expected is not None and tuple(expected) != tuple(shape):
+                problems.append(
+                    f"rank {i} sends a tensor of shape {list(shape)} to rank {j}, which expects "
+                    f"shape {list(expected)}"
+                )
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        return (
+            f"Detected mismatch between collectives on ranks ({where}, {fps[me].describe()}): "
+            f"tensor sizes do not fit together: {shown}"
+        )
+    return None
+
+
+class CollectiveChecker:
+    """Exchanges fingerprints through ``store`` before each collective of one group.
+
+    Args:
+        store: a store namespace private to the group's checks.
+        rank: this rank in the group.
+        size: the group's size.
+        timeout: how long to wait for the other ranks' fingerprints.
+        group: the group's name, for messages.
+    """
+
+    def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, group: str) -> None:
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._group = group
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def check(self, fp: Fingerprint) -> None:
+        """Publish ``fp``, read every rank's, and raise if they do not fit together.
+
+        Raises:
+            CollectiveMismatchError: the calls differ (raised on every rank alike).
+            DistBackendError: ranks did not reach the collective within the timeout.
+        """
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        keys = [f"{seq}/{r}" for r in range(self._size)]
+        self._store.set(keys[self._rank], fp.to_json())
+        try:
+            self._store.wait(keys, self._timeout)
+        except (DistError, TimeoutError) as exc:
+            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+            raise DistBackendError(
+                f"[Rank {self._rank}] debug check of {fp.describe()} ({self._where(seq)}): ranks "
+                f"{missing} did not reach collective #{seq} within "
+                f"{self._timeout.total_seconds():g} s (they are stuck, or called fewer "
+                "collectives on this group)"
+            ) from exc
+        fps = [Fingerprint.from_json(v) for v in self._store.multi_get(keys)]
+        if seq > 0:
+            # every rank has published #seq, so every rank has finished reading #seq - 1
+            self._store.delete_key(f"{seq - 1}/{self._rank}")
+        message = compare(fps, self._rank, seq, self._group)
+        if message is not None:
+            raise CollectiveMismatchError(message)
+
+    def _where(self, seq: int) -> str:
+        return f"collective #{seq} of group {self._group!r}"
+
+
+try:
+    set_debug_level_from_env()
+except ValueError as _exc:  # a bad variable must not make ``import tdist`` fail
+    import warnings
+
+    warnings.warn(f"{_exc} Debug checks stay OFF.", RuntimeWarning, stacklevel=1)
