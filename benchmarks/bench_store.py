@@ -176,6 +176,8 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=5000)
     ap.add_argument("--mixed-clients", type=int, default=64)
     ap.add_argument("--mixed-ops", type=int, default=1000)
+    ap.add_argument("--only", default="", help="comma-separated operations to run (e.g. add,check)")
+    ap.add_argument("--no-mixed", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print(f"# store benchmark: {machine_line()}")
@@ -191,6 +193,9 @@ def main() -> None:
         ("get_lat", 1, "p50 us", False, 1.0),
         ("get_lat", 1, "p50 us", True, 1.0),
     ]
+    if args.only:
+        wanted = set(args.only.split(","))
+        cases = [c for c in cases if c[0] in wanted]
     samples: dict[tuple[str, int, bool, str], list[float]] = {}
     for r in range(args.rounds):
         order = IMPLS if r % 2 == 0 else IMPLS[::-1]
@@ -213,6 +218,8 @@ def main() -> None:
     print()
     print(table(["operation", "clients", "unit", "torch", "tdist", "speed-up", "target", ""], rows))
     print("\nspeed-up: tdist over torch (ops/s ratio, or latency ratio torch/tdist); median of", args.rounds, "rounds")
+    if args.no_mixed:
+        return
     print(f"\nmixed load: {args.mixed_clients} clients x {args.mixed_ops} ops (add/set/get/check/compare_set)")
     mrows = []
     for impl in IMPLS:

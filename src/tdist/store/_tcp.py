@@ -53,6 +53,12 @@ _INIT_KEY = "init/"
 _GRACE = 5.0
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
+# the pid, refreshed in a forked child (os.getpid() is a system call on every use)
+_current_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _current_pid.__setitem__(0, os.getpid()))
+
+_SPIN_MISS_LIMIT = 8  # replies in a row that spinning missed before it pauses
+_SPIN_RETRY_AFTER = 256  # requests to sleep through before spinning again
 _thread_servers: set[int] = set()  # ids of servers running in a thread of this process
 _tenants_lock = threading.Lock()
 _tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
@@ -161,6 +167,7 @@ class TCPStore(Store):
         self._closed = False
         self._quiet_sent = False
         self._spin = _client_spin()
+        self._spin_misses = 0
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
         else:
@@ -331,7 +338,7 @@ class TCPStore(Store):
     def _call(self, op: Op, fields: Sequence[bytes], wait: float | None = None) -> list[bytes]:
         """One request/reply. ``wait`` is the server-side timeout of a blocking request."""
         frame_bytes = encode_frame(op, fields)
-        io_timeout = self._timeout_seconds(None) if wait is None else wait + _GRACE
+        io_timeout = self._timeout.total_seconds() if wait is None else wait + _GRACE
         deferred: DistError | None = None
         with self._lock:
             sock = self._ready_socket()
@@ -366,7 +373,7 @@ class TCPStore(Store):
         already gone is noticed here, and a failure of the request at the next call.
         """
         frame_bytes = encode_frame(op, fields)
-        io_timeout = self._timeout_seconds(None)
+        io_timeout = self._timeout.total_seconds()
         with self._lock:
             sock = self._ready_socket()
             try:
@@ -400,7 +407,7 @@ class TCPStore(Store):
             raise self._broken
         if self._closed:
             raise DistStoreError(f"TCPStore client for {self._addr} is closed")
-        if self._sock is None or self._pid != os.getpid():
+        if self._sock is None or self._pid != _current_pid[0]:
             self._reconnect()
         assert self._sock is not None
         return self._sock
@@ -436,13 +443,24 @@ class TCPStore(Store):
                 continue
             view = view[sent:]
 
+    def _note_spin_miss(self, spin: float) -> None:
+        """Spinning that never catches the reply only burns CPU the server needs (a loaded
+        machine, many clients): after a run of misses, sleep at once for a while, then retry."""
+        if spin:
+            self._spin_misses += 1
+        elif self._spin_misses >= _SPIN_MISS_LIMIT:
+            self._spin_misses += 1
+            if self._spin_misses >= _SPIN_MISS_LIMIT + _SPIN_RETRY_AFTER:
+                self._spin_misses = 0
+
     def _read_reply(self, sock: socket.socket, io_timeout: float) -> Frame:
         """The next frame: spin briefly (replies usually come within microseconds), then sleep."""
         decoder = self._decoder
         frame = decoder.next_frame()
         if frame is not None:
             return frame
-        spin_until = time.perf_counter() + self._spin
+        spin = self._spin if self._spin_misses < _SPIN_MISS_LIMIT else 0.0
+        spin_until = time.perf_counter() + spin
         poller: select.poll | None = None
         deadline = 0.0
         while True:
@@ -456,6 +474,7 @@ class TCPStore(Store):
                     os.sched_yield()
                     continue
                 if poller is None:
+                    self._note_spin_miss(spin)
                     poller = select.poll()
                     poller.register(sock, select.POLLIN)
                     deadline = time.monotonic() + io_timeout
@@ -466,6 +485,8 @@ class TCPStore(Store):
                 continue
             if not data:
                 raise ConnectionResetError("connection closed by the server")
+            if poller is None and spin:
+                self._spin_misses = 0
             frame = decoder.parse_whole(data)
             if frame is not None:
                 return frame
