@@ -95,7 +95,7 @@ def set_debug_level_from_env() -> None:
     set_debug_level(DebugLevel.OFF)
 
 
-class CollectiveMismatchError(DistBackendError):
+class CollectiveMismatchError(DistBackendError, ValueError):
     """Ranks called different collectives, or the same one with arguments that do not fit."""
 
 
