@@ -11,9 +11,10 @@ The world: everything ``init_process_group`` creates (the default group, every `
 their global-to-group rank maps, stores and backend names) lives in one ``World`` object. A
 process normally has one. So that N ranks can run as N threads of one process (as the tests
 do), a thread that calls ``init_process_group`` while another thread's world is live gets a
-world of its own, bound to that thread; every other thread sees the first live world of the
-process. Consequence: within one thread, initializing twice raises as in torch; across threads
-it makes a second world instead.
+world of its own, bound to that thread. A thread that made a world sees only the last one it
+made (none once it is destroyed); a thread that never called ``init_process_group`` (a helper
+thread of a normal program) sees the process's first live world. Consequence: within one
+thread, initializing twice raises as in torch; across threads it makes a second world instead.
 
 The rank-mapping helpers at the bottom are pure functions of a ``{global: group}`` map.
 
@@ -701,10 +702,11 @@ _local = threading.local()
 
 
 def current_world() -> World | None:
-    """The world this thread sees: its own if it made one, else the process's first live one."""
-    mine: World | None = getattr(_local, "world", None)
-    if mine is not None and mine.alive:
-        return mine
+    """The world this thread sees: the last one it made (``None`` once destroyed); in a thread
+    that never called ``init_process_group``, the process's first live world."""
+    if getattr(_local, "made_one", False):
+        mine: World | None = getattr(_local, "world", None)
+        return mine if mine is not None and mine.alive else None
     primary = _primary
     if primary is not None and primary.alive:
         return primary
@@ -723,6 +725,7 @@ def new_world() -> World:
     world = World()
     with _registry_lock:
         _local.world = world
+        _local.made_one = True
         if _primary is None or not _primary.alive:
             _primary = world
     return world

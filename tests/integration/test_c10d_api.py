@@ -1,0 +1,677 @@
+"""The module-level c10d API end to end over the tcp backend, ranks as threads of this process:
+every collective and its uneven, async, numpy, complex and sub-group forms, point to point,
+object collectives, ``monitored_barrier``, debug-mode mismatch reports, destroy and re-init."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tdist as dist
+from tdist.c10d._api import _destroy_all_worlds_for_tests
+from tdist.c10d._debug import CollectiveMismatchError
+from tdist.testing import LocalStore, free_port, local_store, run_threads
+
+pytestmark = pytest.mark.timeout(60)
+
+PG_TIMEOUT = timedelta(seconds=20)
+SIZES = [1, 2, 3, 4]
+INT_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_world() -> Iterator[None]:
+    yield
+    _destroy_all_worlds_for_tests()
+
+
+def spmd(fn: Callable[..., Any], ws: int, *args: Any, timeout: float = 40.0,
+         backend: str | None = "gloo", pg_timeout: timedelta = PG_TIMEOUT) -> list[Any]:
+    """Run ``fn(rank, ws, *args)`` on ``ws`` threads, each in a process group of its own."""
+    store = dist.HashStore()
+    store.set_timeout(pg_timeout)
+
+    def body(rank: int, world_size: int) -> Any:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        try:
+            return fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+
+    return run_threads(body, ws, timeout=timeout)
+
+
+def vals(rank: int, n: int = 4, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Small distinct integers per rank (exact in every dtype used here)."""
+    return torch.tensor([(rank * 3 + i * 5) % 7 + 1 for i in range(n)], dtype=dtype)
+
+
+def reference(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        acc = {
+            "SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+            "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor,
+        }[op](acc, t)
+    return acc
+
+
+# -- reductions ------------------------------------------------------------------------------
+@pytest.mark.parametrize("ws", SIZES)
+def test_all_reduce_every_op(ws: int) -> None:
+    def body(rank: int, ws: int) -> dict[str, list[int]]:
+        out = {}
+        for op in INT_OPS:
+            t = vals(rank)
+            assert dist.all_reduce(t, op=getattr(dist.ReduceOp, op)) is None
+            out[op] = t.tolist()
+        f = torch.tensor([2.0 * rank, 4.0], dtype=torch.float64)
+        dist.all_reduce(f, op=dist.ReduceOp.AVG)
+        out["AVG"] = f.tolist()
+        return out
+
+    for res in spmd(body, ws):
+        for op in INT_OPS:
+            assert res[op] == reference(op, [vals(r) for r in range(ws)]).tolist(), op
+        assert res["AVG"] == [float(ws - 1), 4.0]
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_all_reduce_dtypes_views_numpy_complex(ws: int) -> None:
+    dtypes = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.float16, torch.bfloat16,
+              torch.float32, torch.float64]
+
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for dt in dtypes:
+            t = vals(rank, 5, dt)
+            dist.all_reduce(t)
+            out[str(dt)] = t.tolist()
+        b = torch.tensor([rank == 0, False, True])
+        dist.all_reduce(b)
+        out["bool"] = b.tolist()
+        m = torch.arange(12, dtype=torch.int64).reshape(4, 3) * (rank + 1)
+        dist.all_reduce(m[:, 1])  # a strided column: only it changes
+        out["view"] = m.tolist()
+        a = np.arange(4, dtype=np.float32) * (rank + 1)
+        dist.all_reduce(a)
+        out["numpy"] = a.tolist()
+        c = torch.tensor([1 + 2j, -1j], dtype=torch.complex64) * (rank + 1)
+        dist.all_reduce(c)
+        out["complex"] = c.tolist()
+        return out
+
+    total = sum(range(1, ws + 1))
+    for rank, res in enumerate(spmd(body, ws)):
+        for dt in dtypes:
+            assert res[str(dt)] == sum(vals(r, 5, torch.int64) for r in range(ws)).to(dt).tolist(), dt
+        assert res["bool"] == [True, False, True]
+        expect = (torch.arange(12).reshape(4, 3) * (rank + 1)).tolist()
+        for i in range(4):
+            expect[i][1] = (i * 3 + 1) * total
+        assert res["view"] == expect
+        assert res["numpy"] == [float(i * total) for i in range(4)]
+        assert res["complex"] == [complex(total, 2 * total), complex(0, -total)]
+
+
+@pytest.mark.parametrize("ws", SIZES)
+def test_broadcast_and_reduce_from_every_root(ws: int) -> None:
+    def body(rank: int, ws: int) -> list[Any]:
+        out = []
+        for root in range(ws):
+            t = vals(rank)
+            dist.broadcast(t, root)
+            out.append(t.tolist())
+            t = vals(rank)
+            dist.reduce(t, root, op=dist.ReduceOp.MAX)
+            out.append(t.tolist() if rank == root else None)
+        return out
+
+    for res in spmd(body, ws):
+        for root in range(ws):
+            assert res[2 * root] == vals(root).tolist()
+        assert [res[2 * r + 1] for r in range(ws) if res[2 * r + 1] is not None] == [
+            reference("MAX", [vals(r) for r in range(ws)]).tolist()
+        ]
+
+
+# -- gathers and scatters ----------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("ws", SIZES)
+def test_all_gather_even_uneven_and_into_tensor(ws: int) -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        even = [torch.zeros(4, dtype=torch.int64) for _ in range(ws)]
+        dist.all_gather(even, vals(rank))
+        uneven = [torch.zeros(r + 1, 2, dtype=torch.int64) for r in range(ws)]
+        dist.all_gather(uneven, torch.full((rank + 1, 2), rank))
+        cat = torch.zeros(ws * 2, 3, dtype=torch.int64)
+        dist.all_gather_single(cat, torch.full((2, 3), rank))
+        stack = torch.zeros(ws, 2, dtype=torch.int64)
+        dist.all_gather_into_tensor(stack, torch.full((2,), rank * 10))  # warns (see unit tests)
+        return {
+            "even": [t.tolist() for t in even],
+            "uneven": [t.tolist() for t in uneven],
+            "cat": cat.tolist(),
+            "stack": stack.tolist(),
+        }
+
+    for res in spmd(body, ws):
+        assert res["even"] == [vals(r).tolist() for r in range(ws)]
+        assert res["uneven"] == [[[r, r]] * (r + 1) for r in range(ws)]
+        assert res["cat"] == [[r] * 3 for r in range(ws) for _ in range(2)]
+        assert res["stack"] == [[r * 10] * 2 for r in range(ws)]
+
+
+@pytest.mark.parametrize("ws", SIZES)
+def test_gather_and_scatter_at_every_root(ws: int) -> None:
+    def body(rank: int, ws: int) -> list[Any]:
+        out = []
+        for root in range(ws):
+            glist = [torch.zeros(4, dtype=torch.int64) for _ in range(ws)] if rank == root else None
+            dist.gather(vals(rank), glist, dst=root)
+            out.append([t.tolist() for t in glist] if glist else None)
+            s = torch.zeros(3, dtype=torch.int64)
+            slist = [torch.full((3,), root * 100 + r) for r in range(ws)] if rank == root else None
+            dist.scatter(s, slist, src=root)
+            out.append(s.tolist())
+        return out
+
+    for rank, res in enumerate(spmd(body, ws)):
+        for root in range(ws):
+            gathered = res[2 * root]
+            assert gathered == ([vals(r).tolist() for r in range(ws)] if rank == root else None)
+            assert res[2 * root + 1] == [root * 100 + rank] * 3
+
+
+@pytest.mark.parametrize("ws", SIZES)
+def test_reduce_scatter_both_forms(ws: int) -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out = torch.zeros(2, dtype=torch.int64)
+        dist.reduce_scatter(out, [torch.full((2,), rank * 10 + i) for i in range(ws)])
+        single = torch.zeros(3, dtype=torch.int64)
+        dist.reduce_scatter_single(single, torch.arange(3 * ws) + rank, op=dist.ReduceOp.MAX)
+        stacked = torch.zeros(2, dtype=torch.int64)
+        dist.reduce_scatter_single(stacked, torch.ones(ws, 2, dtype=torch.int64) * (rank + 1))
+        return {"list": out.tolist(), "single": single.tolist(), "stacked": stacked.tolist()}
+
+    for rank, res in enumerate(spmd(body, ws)):
+        assert res["list"] == [sum(r * 10 + rank for r in range(ws))] * 2
+        assert res["single"] == [3 * rank + i + ws - 1 for i in range(3)]
+        assert res["stacked"] == [sum(range(1, ws + 1))] * 2
+
+
+@pytest.mark.parametrize("ws", SIZES)
+def test_all_to_all_even_uneven_and_single(ws: int) -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        even = [torch.zeros(2, dtype=torch.int64) for _ in range(ws)]
+        dist.all_to_all(even, [torch.full((2,), rank * 10 + j) for j in range(ws)])
+        # rank i sends i + j + 1 elements to rank j
+        uneven = [torch.zeros(i + rank + 1, dtype=torch.int64) for i in range(ws)]
+        dist.all_to_all(uneven, [torch.full((rank + j + 1,), rank) for j in range(ws)])
+        single = torch.zeros(ws * 2, dtype=torch.int64)
+        dist.all_to_all_single(single, torch.arange(ws * 2) + rank * 100)
+        in_splits = [rank + j + 1 for j in range(ws)]
+        out_splits = [i + rank + 1 for i in range(ws)]
+        src = torch.cat([torch.full((n,), rank * 10 + j) for j, n in enumerate(in_splits)])
+        dst = torch.zeros(sum(out_splits), dtype=torch.int64)
+        dist.all_to_all_single(dst, src, out_splits, in_splits)
+        return {"even": [t.tolist() for t in even], "uneven": [t.tolist() for t in uneven],
+                "single": single.tolist(), "splits": dst.tolist()}
+
+    for rank, res in enumerate(spmd(body, ws)):
+        assert res["even"] == [[i * 10 + rank] * 2 for i in range(ws)]
+        assert res["uneven"] == [[i] * (i + rank + 1) for i in range(ws)]
+        assert res["single"] == [i * 100 + 2 * rank + k for i in range(ws) for k in range(2)]
+        assert res["splits"] == [i * 10 + rank for i in range(ws) for _ in range(i + rank + 1)]
+
+
+# -- barriers, async, point to point -------------------------------------------------------------
+@pytest.mark.parametrize("ws", [1, 3])
+def test_barrier_and_async_work(ws: int) -> None:
+    def body(rank: int, ws: int) -> list[Any]:
+        dist.barrier()
+        w = dist.barrier(async_op=True)
+        assert isinstance(w, dist.Work)
+        w.wait()
+        t = torch.full((3,), rank + 1)
+        work = dist.all_reduce(t, async_op=True)
+        assert isinstance(work, dist.Work)
+        assert work.wait() is True and work.is_completed() and work.is_success()
+        fut = dist.broadcast(torch.full((2,), rank), 0, async_op=True).get_future()  # type: ignore[union-attr]
+        works = [dist.all_reduce(torch.ones(1) * i, async_op=True) for i in range(5)]
+        got = [w.result()[0].item() for w in works]  # type: ignore[union-attr]
+        return [t.tolist(), fut.wait()[0].tolist(), got]
+
+    for res in spmd(body, ws):
+        assert res == [[ws * (ws + 1) // 2] * 3, [0, 0], [float(i * ws) for i in range(5)]]
+
+
+@pytest.mark.parametrize("ws", [2, 3, 4])
+def test_point_to_point(ws: int) -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+        # blocking ring, even ranks first
+        r = torch.zeros(2, dtype=torch.int64)
+        if rank % 2 == 0:
+            dist.send(torch.full((2,), rank), nxt)
+            out["from"] = dist.recv(r, prv)
+        else:
+            out["from"] = dist.recv(r, prv)
+            dist.send(torch.full((2,), rank), nxt)
+        out["ring"] = r.tolist()
+        # any source: everyone sends to rank 0
+        if rank == 0:
+            senders = set()
+            for _ in range(ws - 1):
+                t = torch.zeros(1, dtype=torch.int64)
+                src = dist.recv(t, tag=5)  # a tag of its own: the later ring sends use tag 0
+                assert t.item() == src * 7
+                senders.add(src)
+            out["any"] = sorted(senders)
+        else:
+            dist.send(torch.tensor([rank * 7]), 0, tag=5)
+        # isend/irecv with tags, received out of order
+        reqs = [dist.isend(torch.tensor([rank * 10 + tag]), nxt, tag=tag) for tag in (1, 2)]
+        a, b = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        rb = dist.irecv(b, prv, tag=2)
+        ra = dist.irecv(a, prv, tag=1)
+        for w in [*reqs, ra, rb]:
+            assert w is not None
+            w.wait()
+        out["tags"] = [a.item(), b.item()]
+        # batch: send to next, receive from previous, in either order
+        s, rr = torch.full((3,), rank, dtype=torch.float32), torch.zeros(3)
+        ops = [dist.P2POp(dist.irecv, rr, prv), dist.P2POp(dist.isend, s, nxt)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        out["batch"] = rr.tolist()
+        # numpy into numpy
+        arr = np.zeros(2, dtype=np.int32)
+        if rank == 0:
+            dist.send(np.array([5, 6], dtype=np.int32), 1)
+        elif rank == 1:
+            dist.recv(arr, 0)
+        out["numpy"] = arr.tolist()
+        return out
+
+    for rank, res in enumerate(spmd(body, ws)):
+        prv = (rank - 1) % ws
+        assert res["from"] == prv and res["ring"] == [prv, prv]
+        if rank == 0:
+            assert res["any"] == list(range(1, ws))
+        assert res["tags"] == [prv * 10 + 1, prv * 10 + 2]
+        assert res["batch"] == [float(prv)] * 3
+        assert res["numpy"] == ([5, 6] if rank == 1 else [0, 0])
+
+
+def test_point_to_point_errors() -> None:
+    def body(rank: int, ws: int) -> list[str]:
+        msgs = []
+        for call in (
+            lambda: dist.send(torch.ones(1), rank),
+            lambda: dist.recv(torch.ones(1), rank),
+            lambda: dist.send(torch.ones(1), 5),
+            lambda: dist.send([1], 1 - rank),  # type: ignore[arg-type]
+        ):
+            try:
+                call()
+                msgs.append("no error")
+            except (ValueError, TypeError) as exc:
+                msgs.append(f"{type(exc).__name__}: {exc}")
+        return msgs
+
+    for res in spmd(body, 2):
+        assert res[0] == ("ValueError: Invalid destination rank: destination rank should not be the "
+                          "same as the rank of the current process.")
+        assert res[1].startswith("ValueError: Invalid source rank: source rank should not be the same")
+        assert "invalid destination rank 5" in res[2]
+        assert res[3].startswith("TypeError: Invalid function argument. Expected parameter `tensor`")
+
+
+# -- sub-groups --------------------------------------------------------------------------------
+def test_sub_groups_map_ranks_and_skip_non_members(recwarn: pytest.WarningsRecorder) -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        sub = dist.new_group([3, 1])
+        odd = dist.new_group([1, 3])  # a second group of the same ranks: its own backend
+        if rank in (1, 3):
+            assert isinstance(sub, dist.ProcessGroup) and isinstance(odd, dist.ProcessGroup)
+            out["ranks"] = (dist.get_rank(sub), dist.get_world_size(sub), dist.get_process_group_ranks(sub))
+            t = torch.tensor([rank])
+            dist.all_reduce(t, group=sub)
+            out["sum"] = t.item()
+            b = torch.tensor([rank])
+            dist.broadcast(b, src=3, group=sub)  # a global rank
+            out["bcast"] = b.item()
+            b2 = torch.tensor([rank])
+            dist.broadcast(b2, group=odd, group_src=0)  # a group rank: global 1
+            out["bcast_group_src"] = b2.item()
+            g = [torch.zeros(1, dtype=torch.int64) for _ in range(2)] if rank == 3 else None
+            dist.gather(torch.tensor([rank * 2]), g, group=sub, group_dst=1)
+            out["gather"] = [x.item() for x in g] if g else None
+            if rank == 1:
+                dist.send(torch.tensor([11]), 3, group=sub)
+            else:
+                r = torch.zeros(1, dtype=torch.int64)
+                out["recv_from"] = dist.recv(r, group=sub)  # any source: returns the global rank
+                out["recv"] = r.item()
+            objs: list[Any] = [None, None]
+            dist.all_gather_object(objs, f"r{rank}", group=sub)
+            out["objs"] = objs
+            try:
+                dist.broadcast(torch.ones(1), src=0, group=sub)
+            except ValueError as exc:
+                out["bad_src"] = str(exc)
+        else:
+            assert sub == dist.GroupMember.NON_GROUP_MEMBER
+            # warnings state is global: the test records them for all threads (recwarn)
+            assert dist.all_reduce(torch.ones(1), group=sub) is None
+            assert dist.broadcast(torch.ones(1), 1, group=sub) is None
+            assert dist.recv(torch.ones(1), group=sub) == -1
+            dist.all_gather_object([None], 1, group=sub)
+            out["ranks"] = (dist.get_rank(sub), dist.get_world_size(sub))
+        dist.barrier()
+        return out
+
+    res = spmd(body, 4)
+    assert res[1]["ranks"] == (0, 2, [1, 3]) and res[3]["ranks"] == (1, 2, [1, 3])
+    for r in (1, 3):
+        assert res[r]["sum"] == 4 and res[r]["bcast"] == 3 and res[r]["bcast_group_src"] == 1
+        assert res[r]["objs"] == ["r1", "r3"]
+        assert res[r]["bad_src"].startswith("Global rank 0 is not part of group")
+    assert res[3]["gather"] == [2, 6] and res[1]["gather"] is None
+    assert res[3]["recv_from"] == 1 and res[3]["recv"] == 11
+    messages = {str(w.message) for w in recwarn}
+    for r in (0, 2):
+        assert res[r]["ranks"] == (-1, -1)
+        for op in ("all_reduce", "broadcast", "recv", "all_gather_object"):
+            assert f"Running {op} on global rank {r} which does not belong to the given group." in messages
+
+
+def test_new_subgroups_and_local_synchronization() -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        mine, subs = dist.new_subgroups(2)
+        assert isinstance(mine, dist.ProcessGroup) and len(subs) == 2
+        t = torch.tensor([rank])
+        dist.all_reduce(t, group=mine)
+        cur, _ = dist.new_subgroups_by_enumeration([[0, 3], [1]])
+        enum_ranks = dist.get_process_group_ranks(cur) if isinstance(cur, dist.ProcessGroup) else None
+        local = dist.new_group([0, 1], use_local_synchronization=True) if rank < 2 else None
+        if isinstance(local, dist.ProcessGroup):
+            x = torch.tensor([10 + rank])
+            dist.all_reduce(x, group=local)
+            return {"pair": t.item(), "enum": enum_ranks, "local": x.item()}
+        return {"pair": t.item(), "enum": enum_ranks, "local": None}
+
+    res = spmd(body, 4)
+    assert [r["pair"] for r in res] == [1, 1, 5, 5]
+    assert [r["enum"] for r in res] == [[0, 3], [1], None, [0, 3]]
+    assert [r["local"] for r in res] == [21, 21, None, None]
+
+
+# -- object collectives -------------------------------------------------------------------------
+@pytest.mark.parametrize("ws", SIZES)
+def test_object_collectives(ws: int) -> None:
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        obj = {"rank": rank, "payload": "x" * (rank * 50), "t": torch.arange(rank + 1)}
+        everyone: list[Any] = [None] * ws
+        dist.all_gather_object(everyone, obj)
+        at_last: list[Any] | None = [None] * ws if rank == ws - 1 else None
+        dist.gather_object(rank * 3, at_last, dst=ws - 1)
+        lst: list[Any] = [{"from": 0}, [1, 2, 3], None] if rank == 0 else [None, None, None]
+        dist.broadcast_object_list(lst, src=0)
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, [f"to{r}" * (r + 1) for r in range(ws)] if rank == 0 else None, src=0)
+        return {
+            "all": [(o["rank"], len(o["payload"]), o["t"].tolist()) for o in everyone],
+            "gather": at_last, "bcast": lst, "scatter": mine[0],
+        }
+
+    for rank, res in enumerate(spmd(body, ws)):
+        assert res["all"] == [(r, r * 50, list(range(r + 1))) for r in range(ws)]
+        assert res["gather"] == ([r * 3 for r in range(ws)] if rank == ws - 1 else None)
+        assert res["bcast"] == [{"from": 0}, [1, 2, 3], None]
+        assert res["scatter"] == f"to{rank}" * (rank + 1)
+
+
+def test_send_and_recv_object_lists() -> None:
+    def body(rank: int, ws: int) -> Any:
+        if rank == 0:
+            dist.send_object_list([1, "two", {"three": 3}], dst=2)
+            dist.send_object_list(["any"], dst=1)
+            return None
+        if rank == 1:
+            box: list[Any] = [None]
+            return dist.recv_object_list(box), box  # from any source
+        box = [None, None, None]
+        return dist.recv_object_list(box, src=0), box
+
+    res = spmd(body, 3)
+    assert res[1] == (0, ["any"])
+    assert res[2] == (0, [1, "two", {"three": 3}])
+
+
+# -- multi-device and coalesced forms --------------------------------------------------------------
+@pytest.mark.parametrize("ws", [2, 3])
+def test_multigpu_forms_on_lists_of_cpu_tensors(ws: int) -> None:
+    k = 2
+
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        ts = [torch.tensor([rank * 10 + j]) for j in range(k)]
+        dist.all_reduce_multigpu(ts)
+        bs = [torch.tensor([rank * 10 + j]) for j in range(k)]
+        dist.broadcast_multigpu(bs, src=ws - 1, src_tensor=1)
+        rs = [torch.tensor([rank + j + 1]) for j in range(k)]
+        dist.reduce_multigpu(rs, dst=0, op=dist.ReduceOp.PRODUCT, dst_tensor=1)
+        outs = [[torch.zeros(1, dtype=torch.int64) for _ in range(k * ws)] for _ in range(k)]
+        dist.all_gather_multigpu(outs, [torch.tensor([rank * 10 + j]) for j in range(k)])
+        rso = [torch.zeros(1, dtype=torch.int64) for _ in range(k)]
+        dist.reduce_scatter_multigpu(
+            rso, [[torch.tensor([100 * i + c]) for c in range(k * ws)] for i in range(k)]
+        )
+        work = dist.all_reduce_multigpu([torch.ones(1), torch.ones(1)], async_op=True)
+        assert work is not None and work.wait()
+        return {"ar": [t.item() for t in ts], "bc": [t.item() for t in bs],
+                "red": rs[1].item() if rank == 0 else None,
+                "ag": [[t.item() for t in lst] for lst in outs], "rs": [t.item() for t in rso]}
+
+    total = sum(rank * 10 + j for rank in range(ws) for j in range(k))
+    prod = 1
+    for rank in range(ws):
+        for j in range(k):
+            prod *= rank + j + 1
+    for rank, res in enumerate(spmd(body, ws)):
+        assert res["ar"] == [total] * k
+        assert res["bc"] == [(ws - 1) * 10 + 1] * k
+        assert res["red"] == (prod if rank == 0 else None)
+        assert res["ag"] == [[r * 10 + j for r in range(ws) for j in range(k)]] * k
+        assert res["rs"] == [ws * (100 * 0 + rank * k + j) + ws * (100 + rank * k + j) for j in range(k)]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_coalesced_forms() -> None:
+    def body(rank: int, ws: int) -> Any:
+        ts = [torch.ones(2) * rank, torch.ones(3) * (rank + 1)]
+        dist.all_reduce_coalesced(ts)
+        outs = [[torch.zeros(1), torch.zeros(2)] for _ in range(ws)]
+        fut = dist.all_gather_coalesced(outs, [torch.ones(1) * rank, torch.ones(2) * rank * 2], async_op=True)
+        fut.wait()
+        return [t.tolist() for t in ts], [[t.tolist() for t in lst] for lst in outs]
+
+    for res in spmd(body, 3):
+        assert res[0] == [[3.0, 3.0], [6.0, 6.0, 6.0]]
+        assert res[1] == [[[float(r)], [2.0 * r, 2.0 * r]] for r in range(3)]
+
+
+# -- argument errors with a real group -----------------------------------------------------------
+def test_argument_errors_are_raised_before_any_communication() -> None:
+    def body(rank: int, ws: int) -> list[str]:
+        calls: list[Callable[[], Any]] = [
+            lambda: dist.all_gather([torch.zeros(1)], torch.zeros(1)),
+            lambda: dist.all_gather([torch.zeros(1), torch.zeros(1, dtype=torch.int64)], torch.zeros(1)),
+            lambda: dist.broadcast(torch.zeros(1), 2),
+            lambda: dist.reduce_scatter(torch.zeros(1), [torch.zeros(1)]),
+            lambda: dist.all_to_all([torch.zeros(1)], [torch.zeros(1)] * 2),
+            lambda: dist.all_to_all_single(torch.zeros(4), torch.zeros(4), [1, 1], [1, 2]),
+            lambda: dist.all_gather_single(torch.zeros(3), torch.zeros(1)),
+            lambda: dist.gather(torch.zeros(1), [torch.zeros(1)] * 2, dst=1 - rank),
+            lambda: dist.scatter(torch.zeros(1), [torch.zeros(1)], src=0),  # short on 0, given on 1
+        ]
+        out = []
+        for call in calls:
+            try:
+                call()
+                out.append("no error")
+            except (ValueError, TypeError, RuntimeError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        dist.barrier()  # the group is still healthy
+        return out
+
+    res = spmd(body, 2)
+    for rank, msgs in enumerate(res):
+        assert "output tensor list size 1" in msgs[0]
+        assert "Invalid usage of tensors with different dtypes" in msgs[1]
+        assert "broadcast: invalid root rank: 2" in msgs[2]
+        assert "input tensor list size 1" in msgs[3]
+        assert "all_to_all: invalid output tensor list size 1" in msgs[4]
+        assert "Split sizes doesn't match total dim 0 size" in msgs[5]
+        assert "output tensor size must be equal to world_size times input tensor size" in msgs[6]
+        assert "must NOT be specified on non-destination ranks" in msgs[7]
+        if rank == 0:
+            assert "invalid scatter_list size 1" in msgs[8]
+        else:
+            assert "must NOT be specified on non-source ranks" in msgs[8]
+
+
+# -- monitored barrier -----------------------------------------------------------------------------
+def test_monitored_barrier_names_the_late_rank() -> None:
+    def body(rank: int, ws: int) -> str:
+        dist.monitored_barrier(timeout=timedelta(seconds=5))
+        if rank == 2:
+            time.sleep(1.0)
+        try:
+            dist.monitored_barrier(timeout=timedelta(milliseconds=300), wait_all_ranks=True)
+            return "passed"
+        except dist.DistBackendError as exc:
+            return str(exc)
+
+    res = spmd(body, 3)
+    assert res[0] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 300 ms"
+    assert all("Ranks 2 failed to pass monitoredBarrier in 300 ms" in m for m in res[1:])
+
+
+# -- debug mode ---------------------------------------------------------------------------------
+@pytest.fixture
+def detail() -> Iterator[None]:
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    yield
+    dist.set_debug_level(before)
+
+
+@pytest.mark.usefixtures("detail")
+def test_debug_mode_reports_mismatches_on_every_rank() -> None:
+    def body(rank: int, ws: int) -> dict[str, str]:
+        out = {}
+        cases: dict[str, Callable[[], Any]] = {
+            "kind": lambda: dist.all_reduce(torch.ones(2)) if rank != 1 else dist.broadcast(torch.ones(2), 0),
+            "shape": lambda: dist.all_reduce(torch.ones(2 if rank != 2 else 3)),
+            "dtype": lambda: dist.all_reduce(torch.ones(2, dtype=torch.float64 if rank == 0 else torch.float32)),
+            "root": lambda: dist.broadcast(torch.ones(1), 0 if rank != 1 else 1),
+            "op": lambda: dist.all_reduce(torch.ones(1), op=dist.ReduceOp.MAX if rank == 2 else dist.ReduceOp.SUM),
+            "uneven": lambda: dist.all_gather([torch.zeros(1)] * ws, torch.zeros(2 if rank == 1 else 1)),
+        }
+        for name, call in cases.items():
+            try:
+                call()
+                out[name] = "no error"
+            except CollectiveMismatchError as exc:
+                out[name] = str(exc)
+        ok = [torch.zeros(r + 1) for r in range(ws)]
+        dist.all_gather(ok, torch.zeros(rank + 1))  # consistent uneven sizes pass
+        return out
+
+    res = spmd(body, 3)
+    for rank, out in enumerate(res):
+        assert out["kind"].startswith("Detected mismatch between collectives on ranks")
+        assert f"Rank {rank} is running collective" in out["kind"]
+        assert "ranks [0, 2]: all_reduce" in out["kind"] and "ranks [1]: broadcast" in out["kind"]
+        assert "differ in the following aspects: shape" in out["shape"] and "ranks [2]" in out["shape"]
+        assert "aspects: dtype" in out["dtype"]
+        assert "aspects: root" in out["root"]
+        assert "aspects: reduction" in out["op"]
+        assert "rank 1 sends a tensor of shape [2] to rank 0, which expects shape [1]" in out["uneven"]
+
+
+# -- lifetime -----------------------------------------------------------------------------------
+def test_destroy_and_init_again_on_the_same_store() -> None:
+    store = dist.HashStore()
+    store.set_timeout(PG_TIMEOUT)
+
+    def body(rank: int, ws: int) -> list[int]:
+        out = []
+        for round_ in range(3):
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=ws, timeout=PG_TIMEOUT)
+            sub = dist.new_group([0, 1])
+            t = torch.tensor([rank + round_])
+            dist.all_reduce(t)
+            if sub != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.all_reduce(t, group=sub)
+            out.append(t.item())
+            dist.destroy_process_group()
+            assert not dist.is_initialized()
+        return out
+
+    res = run_threads(body, 3, timeout=40)
+    for rank, out in enumerate(res):
+        assert out == [(3 + 3 * r) * (2 if rank < 2 else 1) for r in range(3)]
+
+
+def test_default_backend_and_names() -> None:
+    def body(rank: int, ws: int) -> tuple[Any, ...]:
+        pg = dist.group.WORLD
+        assert pg is not None
+        return (dist.get_backend(), dist.get_backend_config(), pg.name(), pg.group_name,
+                dist.get_backend(dist.new_group([0, 1])) if ws > 1 else None)
+
+    assert spmd(body, 2, backend=None)[0] == ("undefined", "cpu:gloo", "gloo", "0", "undefined")
+    assert spmd(body, 2, backend="GLOO")[0] == ("gloo", "cpu:gloo,cuda:gloo", "gloo", "0", "gloo")
+    assert spmd(body, 1, backend="tcp")[0] == ("tcp", "cpu:tcp", "tcp", "0", None)
+
+
+@pytest.fixture
+def server() -> Iterator[LocalStore]:
+    with local_store(2, timeout=20) as s:
+        yield s
+
+
+def test_init_method_urls(server: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(me: int, ws: int, **kwargs: Any) -> Any:
+        dist.init_process_group("gloo", timeout=PG_TIMEOUT, **kwargs)
+        try:
+            t = torch.tensor([me + 1])
+            dist.all_reduce(t)
+            return t.item(), dist.get_rank(), dist.get_world_size()
+        finally:
+            dist.destroy_process_group()
+
+    # env:// through the launcher's store (every rank a client), as `tdist run` does
+    for key, value in server.env(0).items():
+        monkeypatch.setenv(key, value)
+    res = run_threads(lambda rank, ws: run(rank, ws, init_method=f"env://?rank={rank}"), 2, timeout=30)
+    assert res == [(3, 0, 2), (3, 1, 2)]
+    # tcp://: rank 0 hosts a store of its own
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    port = free_port()
+    res = run_threads(
+        lambda rank, ws: run(rank, ws, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws),
+        2, timeout=30,
+    )
+    assert res == [(3, 0, 2), (3, 1, 2)]
