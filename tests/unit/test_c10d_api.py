@@ -558,6 +558,21 @@ def test_init_argument_rules() -> None:
     assert not dist.is_initialized()
 
 
+def test_extended_api_plugins_get_the_options_record() -> None:
+    seen: list[Any] = []
+
+    def creator(opts: Any, pg_options: Any) -> BackendImpl:
+        seen.append((opts.group_rank, opts.group_size, opts.group_id, opts.global_ranks_in_group, pg_options))
+        return FakeBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+    dist.Backend.register_backend("fake_ext", creator, extended_api=True, devices="cpu")
+    dist.init_process_group("FAKE_EXT", store=dist.HashStore(), rank=0, world_size=1, pg_options="o")
+    assert seen == [(0, 1, "0", [0], "o")]
+    assert dist.get_backend() == "fake_ext"
+    with pytest.raises(RuntimeError, match="doesn't have MPI built in"):
+        dist.new_group([0], backend="mpi")
+
+
 def test_init_env_rendezvous_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"]:
         monkeypatch.delenv(var, raising=False)
