@@ -141,6 +141,23 @@ def test_broadcast_and_reduce_from_every_root(ws: int) -> None:
         ]
 
 
+def test_parameters_that_require_grad_can_be_written() -> None:
+    """As torch's C++ collectives, ours write outside autograd (DDP-style parameter sync)."""
+
+    def body(rank: int, ws: int) -> list[Any]:
+        p = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+        dist.broadcast(p, 1)
+        after_broadcast = p.tolist()
+        dist.all_reduce(p)
+        outs = [torch.zeros(3, requires_grad=True) for _ in range(ws)]
+        dist.all_gather(outs, p)
+        assert p.requires_grad and p.grad_fn is None
+        return [after_broadcast, p.tolist(), [o.tolist() for o in outs]]
+
+    for res in spmd(body, 2):
+        assert res == [[2.0] * 3, [4.0] * 3, [[4.0] * 3] * 2]
+
+
 # -- gathers and scatters ----------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("ws", SIZES)

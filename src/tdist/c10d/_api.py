@@ -1604,7 +1604,7 @@ def _copy_out(work: Work, src: torch.Tensor, dsts: Sequence[torch.Tensor], op: s
     def finish() -> list[torch.Tensor]:
         for d in dsts:
             if d is not src:
-                d.copy_(src)
+                d.detach().copy_(src)
         return list(dsts)
 
     return _finish(chain_work([work], op, finish), async_op)
@@ -1728,7 +1728,7 @@ def all_gather_multigpu(
     def finish() -> list[torch.Tensor]:
         for lst in outs[1:]:
             for d, s in zip(lst, outs[0], strict=True):
-                d.copy_(s)
+                d.detach().copy_(s)
         return [t for lst in outs for t in lst]
 
     return _finish(chain_work(works, "all_gather_multigpu", finish), async_op)

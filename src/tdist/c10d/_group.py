@@ -90,6 +90,16 @@ def _as_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tenso
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _d(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as the backend gets them: detached, same memory. Collectives write outside
+    autograd, as torch's C++ ones do, so a parameter that requires grad may be broadcast into."""
+    return [t.detach() for t in ts]
+
+
+def _dd(tss: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    return [_d(ts) for ts in tss]
+
+
 def _tensors(x: Sequence[Any]) -> list[torch.Tensor]:
     """``x`` (a list of tensors, typed loosely where torch overloads a parameter) as a list."""
     return list(x)
@@ -264,7 +274,7 @@ class ProcessGroup:
                 root=opts.rootRank,
             )
         )
-        return self._impl().broadcast(tensors, opts)
+        return self._impl().broadcast(_d(tensors), opts)
 
     def allreduce(
         self,
@@ -283,7 +293,7 @@ class ProcessGroup:
                 reduce_op=as_red_op(opts.reduceOp).name,
             )
         )
-        return self._impl().allreduce(tensors, opts)
+        return self._impl().allreduce(_d(tensors), opts)
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None
@@ -300,7 +310,7 @@ class ProcessGroup:
             offset = 0
             for t in tensors:
                 n = t.numel()
-                t.copy_(flat[offset : offset + n].view(t.shape))
+                t.detach().copy_(flat[offset : offset + n].view(t.shape))
                 offset += n
             return list(tensors)
 
@@ -326,7 +336,7 @@ class ProcessGroup:
                 reduce_op=as_red_op(opts.reduceOp).name,
             )
         )
-        return self._impl().reduce(tensors, opts)
+        return self._impl().reduce(_d(tensors), opts)
 
     def allgather(
         self,
@@ -351,7 +361,7 @@ class ProcessGroup:
                     recvs={r: _shape(t) for r, t in enumerate(outs[0])},
                 )
             )
-        return self._impl().allgather(outs, ins, opts)
+        return self._impl().allgather(_dd(outs), _d(ins), opts)
 
     def allgather_coalesced(
         self,
@@ -375,7 +385,7 @@ class ProcessGroup:
                 offset = 0
                 for t in lst:
                     n = t.numel()
-                    t.copy_(flat[offset : offset + n].view(t.shape))
+                    t.detach().copy_(flat[offset : offset + n].view(t.shape))
                     offset += n
             return [t for lst in output_lists for t in lst]
 
@@ -387,7 +397,7 @@ class ProcessGroup:
         """``output`` is every rank's ``input`` concatenated (or stacked) in rank order."""
         opts = opts or AllgatherOptions()
         self._check(Fingerprint("all_gather_into_tensor", dtype=_dtype(input), shape=_shape(input)))
-        return self._impl()._allgather_base(output, input, opts)
+        return self._impl()._allgather_base(output.detach(), input.detach(), opts)
 
     all_gather_single = _allgather_base
 
@@ -417,7 +427,7 @@ class ProcessGroup:
                     recvs={r: _shape(t) for r, t in enumerate(outs[0])} if outs else {},
                 )
             )
-        return self._impl().gather(outs, ins, opts)
+        return self._impl().gather(_dd(outs), _d(ins), opts)
 
     def scatter(
         self,
@@ -445,7 +455,7 @@ class ProcessGroup:
                     recvs={root: _shape(outs[0])},
                 )
             )
-        return self._impl().scatter(outs, ins, opts)
+        return self._impl().scatter(_d(outs), _dd(ins), opts)
 
     def reduce_scatter(
         self,
@@ -472,7 +482,7 @@ class ProcessGroup:
                     recvs=dict.fromkeys(range(self._size), _shape(outs[0])),
                 )
             )
-        return self._impl().reduce_scatter(outs, ins, opts)
+        return self._impl().reduce_scatter(_d(outs), _dd(ins), opts)
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
@@ -487,7 +497,7 @@ class ProcessGroup:
                 reduce_op=as_red_op(opts.reduceOp).name,
             )
         )
-        return self._impl()._reduce_scatter_base(output, input, opts)
+        return self._impl()._reduce_scatter_base(output.detach(), input.detach(), opts)
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -508,7 +518,7 @@ class ProcessGroup:
                     recvs={r: _shape(t) for r, t in enumerate(output_tensors)},
                 )
             )
-        return self._impl().alltoall(list(output_tensors), list(input_tensors), opts)
+        return self._impl().alltoall(_d(output_tensors), _d(input_tensors), opts)
 
     def alltoall_base(
         self,
@@ -531,7 +541,9 @@ class ProcessGroup:
                     recvs={r: (int(n), *_shape(output)[1:]) for r, n in enumerate(outs)},
                 )
             )
-        return self._impl().alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        return self._impl().alltoall_base(
+            output.detach(), input.detach(), output_split_sizes, input_split_sizes, opts
+        )
 
     all_to_all_single = alltoall_base
 
@@ -565,15 +577,15 @@ class ProcessGroup:
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Work:
         """Send ``tensors[0]`` to group rank ``dstRank``."""
-        return self._impl().send(_as_list(tensors), dstRank, tag)
+        return self._impl().send(_d(_as_list(tensors)), dstRank, tag)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Work:
         """Receive into ``tensors[0]`` from group rank ``srcRank``."""
-        return self._impl().recv(_as_list(tensors), srcRank, tag)
+        return self._impl().recv(_d(_as_list(tensors)), srcRank, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         """Receive into ``tensors[0]`` from whichever rank sends first."""
-        return self._impl().recv_anysource(_as_list(tensors), tag)
+        return self._impl().recv_anysource(_d(_as_list(tensors)), tag)
 
     # -- lifetime ------------------------------------------------------------------------------
     def set_timeout(self, timeout: timedelta) -> None:
