@@ -1074,11 +1074,16 @@ def all_reduce(
         warn_not_in_group("all_reduce", _global_rank_or_minus_one())
         return None
     red = _red_op(op)
-    C.check_complex_op(red, [t], "all_reduce")
-    C.check_bitwise_dtype(red, [t], "all_reduce")
+    if t.is_complex():
+        C.check_complex_op(red, [t], "all_reduce")
+        t = torch.view_as_real(t)
+    elif red >= RedOpType.BAND:
+        C.check_bitwise_dtype(red, [t], "all_reduce")
     pg = _resolve(group)
-    opts = _set_async(AllreduceOptions(reduceOp=red), async_op)
-    return _finish(pg.allreduce([C.real_view(t)], opts), async_op)
+    opts = AllreduceOptions()  # fields set directly: this is the latency-critical path
+    opts.reduceOp = red
+    opts.asyncOp = async_op
+    return _finish(pg.allreduce([t], opts), async_op)
 
 
 def reduce(

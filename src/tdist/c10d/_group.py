@@ -90,6 +90,10 @@ def _as_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tenso
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _even_split(t: torch.Tensor, size: int) -> list[int]:
+    return [t.shape[0] // size] * size if t.dim() else []
+
+
 def _d(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors as the backend gets them: detached, same memory. Collectives write outside
     autograd, as torch's C++ ones do, so a parameter that requires grad may be broadcast into."""
@@ -253,10 +257,6 @@ class ProcessGroup:
     def _impl(self) -> BackendImpl:
         return self._get_backend()
 
-    def _check(self, fp: Fingerprint) -> None:
-        if self._checker is not None:
-            self._checker.check(fp)
-
     # -- collectives (torch's ProcessGroup methods) ----------------------------------------------
     def broadcast(
         self, tensors: torch.Tensor | list[torch.Tensor], opts: BroadcastOptions | int | None = None
@@ -266,14 +266,15 @@ class ProcessGroup:
             opts = BroadcastOptions(rootRank=0 if opts is None else int(opts))
         tensors = _as_list(tensors)
         t = tensors[opts.rootTensor] if tensors else None
-        self._check(
-            Fingerprint(
-                "broadcast",
-                dtype=_dtype(t) if t is not None else None,
-                shape=_shape(t) if t is not None else None,
-                root=opts.rootRank,
+        if self._checker is not None:
+            self._checker.check(
+                Fingerprint(
+                    "broadcast",
+                    dtype=_dtype(t) if t is not None else None,
+                    shape=_shape(t) if t is not None else None,
+                    root=opts.rootRank,
+                )
             )
-        )
         return self._impl().broadcast(_d(tensors), opts)
 
     def allreduce(
@@ -285,14 +286,15 @@ class ProcessGroup:
         if not isinstance(opts, AllreduceOptions):
             opts = AllreduceOptions(reduceOp=as_red_op(RedOpType.SUM if opts is None else opts))
         tensors = _as_list(tensors)
-        self._check(
-            Fingerprint(
-                "all_reduce",
-                dtype=_dtype(tensors[0]) if tensors else None,
-                shape=_shape(tensors[0]) if tensors else None,
-                reduce_op=as_red_op(opts.reduceOp).name,
+        if self._checker is not None:
+            self._checker.check(
+                Fingerprint(
+                    "all_reduce",
+                    dtype=_dtype(tensors[0]) if tensors else None,
+                    shape=_shape(tensors[0]) if tensors else None,
+                    reduce_op=as_red_op(opts.reduceOp).name,
+                )
             )
-        )
         return self._impl().allreduce(_d(tensors), opts)
 
     def allreduce_coalesced(
@@ -327,15 +329,16 @@ class ProcessGroup:
             opts = ReduceOptions(rootRank=0 if opts is None else int(opts), reduceOp=as_red_op(op))
         tensors = _as_list(tensors)
         t = tensors[opts.rootTensor] if tensors else None
-        self._check(
-            Fingerprint(
-                "reduce",
-                dtype=_dtype(t) if t is not None else None,
-                shape=_shape(t) if t is not None else None,
-                root=opts.rootRank,
-                reduce_op=as_red_op(opts.reduceOp).name,
+        if self._checker is not None:
+            self._checker.check(
+                Fingerprint(
+                    "reduce",
+                    dtype=_dtype(t) if t is not None else None,
+                    shape=_shape(t) if t is not None else None,
+                    root=opts.rootRank,
+                    reduce_op=as_red_op(opts.reduceOp).name,
+                )
             )
-        )
         return self._impl().reduce(_d(tensors), opts)
 
     def allgather(
@@ -353,14 +356,15 @@ class ProcessGroup:
             outs = [list(o) for o in output_tensors]
             ins = list(input_tensors)
         if ins:
-            self._check(
-                Fingerprint(
-                    "all_gather",
-                    dtype=_dtype(ins[0]),
-                    sends=dict.fromkeys(range(self._size), _shape(ins[0])),
-                    recvs={r: _shape(t) for r, t in enumerate(outs[0])},
+            if self._checker is not None:
+                self._checker.check(
+                    Fingerprint(
+                        "all_gather",
+                        dtype=_dtype(ins[0]),
+                        sends=dict.fromkeys(range(self._size), _shape(ins[0])),
+                        recvs={r: _shape(t) for r, t in enumerate(outs[0])},
+                    )
                 )
-            )
         return self._impl().allgather(_dd(outs), _d(ins), opts)
 
     def allgather_coalesced(
@@ -396,7 +400,8 @@ class ProcessGroup:
     ) -> Work:
         """``output`` is every rank's ``input`` concatenated (or stacked) in rank order."""
         opts = opts or AllgatherOptions()
-        self._check(Fingerprint("all_gather_into_tensor", dtype=_dtype(input), shape=_shape(input)))
+        if self._checker is not None:
+            self._checker.check(Fingerprint("all_gather_into_tensor", dtype=_dtype(input), shape=_shape(input)))
         return self._impl()._allgather_base(output.detach(), input.detach(), opts)
 
     all_gather_single = _allgather_base
@@ -418,15 +423,16 @@ class ProcessGroup:
             ins = list(input_tensors)
         root = opts.rootRank
         if ins:
-            self._check(
-                Fingerprint(
-                    "gather",
-                    dtype=_dtype(ins[0]),
-                    root=root,
-                    sends={root: _shape(ins[0])},
-                    recvs={r: _shape(t) for r, t in enumerate(outs[0])} if outs else {},
+            if self._checker is not None:
+                self._checker.check(
+                    Fingerprint(
+                        "gather",
+                        dtype=_dtype(ins[0]),
+                        root=root,
+                        sends={root: _shape(ins[0])},
+                        recvs={r: _shape(t) for r, t in enumerate(outs[0])} if outs else {},
+                    )
                 )
-            )
         return self._impl().gather(_dd(outs), _d(ins), opts)
 
     def scatter(
@@ -446,15 +452,16 @@ class ProcessGroup:
             ins = [list(i) for i in input_tensors]
         root = opts.rootRank
         if outs:
-            self._check(
-                Fingerprint(
-                    "scatter",
-                    dtype=_dtype(outs[0]),
-                    root=root,
-                    sends={r: _shape(t) for r, t in enumerate(ins[0])} if ins else {},
-                    recvs={root: _shape(outs[0])},
+            if self._checker is not None:
+                self._checker.check(
+                    Fingerprint(
+                        "scatter",
+                        dtype=_dtype(outs[0]),
+                        root=root,
+                        sends={r: _shape(t) for r, t in enumerate(ins[0])} if ins else {},
+                        recvs={root: _shape(outs[0])},
+                    )
                 )
-            )
         return self._impl().scatter(_d(outs), _dd(ins), opts)
 
     def reduce_scatter(
@@ -473,15 +480,16 @@ class ProcessGroup:
             outs = list(output_tensors)
             ins = [list(i) for i in input_tensors]
         if outs:
-            self._check(
-                Fingerprint(
-                    "reduce_scatter",
-                    dtype=_dtype(outs[0]),
-                    reduce_op=as_red_op(opts.reduceOp).name,
-                    sends={r: _shape(t) for r, t in enumerate(ins[0])} if ins else {},
-                    recvs=dict.fromkeys(range(self._size), _shape(outs[0])),
+            if self._checker is not None:
+                self._checker.check(
+                    Fingerprint(
+                        "reduce_scatter",
+                        dtype=_dtype(outs[0]),
+                        reduce_op=as_red_op(opts.reduceOp).name,
+                        sends={r: _shape(t) for r, t in enumerate(ins[0])} if ins else {},
+                        recvs=dict.fromkeys(range(self._size), _shape(outs[0])),
+                    )
                 )
-            )
         return self._impl().reduce_scatter(_d(outs), _dd(ins), opts)
 
     def _reduce_scatter_base(
@@ -489,14 +497,15 @@ class ProcessGroup:
     ) -> Work:
         """``input`` is ``size()`` blocks; rank r's ``output`` is the reduction of block r."""
         opts = opts or ReduceScatterOptions()
-        self._check(
-            Fingerprint(
-                "reduce_scatter_tensor",
-                dtype=_dtype(output),
-                shape=_shape(output),
-                reduce_op=as_red_op(opts.reduceOp).name,
+        if self._checker is not None:
+            self._checker.check(
+                Fingerprint(
+                    "reduce_scatter_tensor",
+                    dtype=_dtype(output),
+                    shape=_shape(output),
+                    reduce_op=as_red_op(opts.reduceOp).name,
+                )
             )
-        )
         return self._impl()._reduce_scatter_base(output.detach(), input.detach(), opts)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -510,14 +519,15 @@ class ProcessGroup:
         """``input_tensors[r]`` goes to rank r, into its ``output_tensors[me]``."""
         opts = opts or AllToAllOptions()
         if input_tensors:
-            self._check(
-                Fingerprint(
-                    "all_to_all",
-                    dtype=_dtype(input_tensors[0]),
-                    sends={r: _shape(t) for r, t in enumerate(input_tensors)},
-                    recvs={r: _shape(t) for r, t in enumerate(output_tensors)},
+            if self._checker is not None:
+                self._checker.check(
+                    Fingerprint(
+                        "all_to_all",
+                        dtype=_dtype(input_tensors[0]),
+                        sends={r: _shape(t) for r, t in enumerate(input_tensors)},
+                        recvs={r: _shape(t) for r, t in enumerate(output_tensors)},
+                    )
                 )
-            )
         return self._impl().alltoall(_d(output_tensors), _d(input_tensors), opts)
 
     def alltoall_base(
@@ -531,9 +541,9 @@ class ProcessGroup:
         """``all_to_all_single``: splits along dim 0 (empty split lists mean equal splits)."""
         opts = opts or AllToAllOptions()
         if self._checker is not None:
-            ins = input_split_sizes or [input.shape[0] // self._size] * self._size if input.dim() else []
-            outs = output_split_sizes or [output.shape[0] // self._size] * self._size if output.dim() else []
-            self._check(
+            ins = input_split_sizes or _even_split(input, self._size)
+            outs = output_split_sizes or _even_split(output, self._size)
+            self._checker.check(
                 Fingerprint(
                     "all_to_all_single",
                     dtype=_dtype(input),
@@ -550,7 +560,8 @@ class ProcessGroup:
     def barrier(self, opts: BarrierOptions | None = None) -> Work:
         """Complete once every rank of the group has called ``barrier``."""
         opts = opts or BarrierOptions()
-        self._check(Fingerprint("barrier"))
+        if self._checker is not None:
+            self._checker.check(Fingerprint("barrier"))
         return self._impl().barrier(opts)
 
     def monitored_barrier(
