@@ -28,10 +28,14 @@ keeps stores in order and loads in order, so "write the data, then bump the coun
 side and "see the counter, then read the data" on the other is safe.
 
 The segment never grows: every collective streams through the rings in frames of ``F`` bytes
-(one MiB by default, ``frame_bytes``), whatever its size. That bounds /dev/shm use to
-``world_size * K * F`` bytes, needs no re-mapping (so no generation counter and no second
-exchange through the store), and keeps the working set in the last-level cache: the
-frames just written by one rank are read by the others before they leave the cache.
+(``frame_bytes``: 1 MiB up to 4 ranks, less beyond), whatever its size. That bounds /dev/shm
+use (8 MiB for 2 ranks, about 16 MiB for more), needs no re-mapping (so no generation counter,
+no second exchange through the store, no growth while a peer reads), and keeps the working set
+in the last-level cache: the frames one rank writes are read by the others before they leave
+it, and are overwritten in place K frames later, mostly without a trip to DRAM. Measured
+here, a 64 MiB all_reduce between 2 processes took 16-17 ms with 1 MiB frames against
+24-27 ms with 2-8 MiB frames: staging that outgrows the cache costs more than the extra
+hand-offs of small frames, so a slot as large as the tensor would likely be slower still.
 
 Frames and counters
 -------------------
@@ -149,7 +153,7 @@ from .._core.errors import DistBackendError, DistError, DistTimeoutError, PeerEr
 from ..store._api import Store
 from ._types import RedOpType, as_red_op
 
-__all__ = ["CollectiveMismatchError", "ShmArena"]
+__all__ = ["CollectiveMismatchError", "ShmArena", "cleanup_stale", "default_frame_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +174,10 @@ _DESC_HEAD = 8  # seq + 1, kind, dtype, redop + 1, root + 1, numel, f0, nsizes
 
 _STARTING, _READY, _FAILED, _CLOSED = 0, 1, 2, 3
 
-_DEFAULT_FRAME_BYTES = 1 << 20
 _DEFAULT_FRAMES = 4
 _DEFAULT_SMALL_BYTES = 64 << 10
 _DEFAULT_SPIN_US = 50.0
+_MAX_YIELDS = int(os.environ.get("TDIST_SHM_YIELDS", "2"))
 # torch runs an element-wise kernel on several threads above 32768 elements
 _PARALLEL_BYTES = 32 << 10
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -318,6 +322,16 @@ def _sanitize(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", name)[:48] or "group"
 
 
+def default_frame_bytes(size: int) -> int:
+    """The default frame: 1 MiB up to 4 ranks, then smaller so that the segment stays near
+    16 MiB (Docker's default /dev/shm is 64 MiB), never under 256 KiB or 4 KiB per rank.
+
+    1 MiB measured best for a 64 MiB all_reduce between 2 processes here (512 KiB: +3%,
+    2 MiB: +40%: the frames in flight no longer fit the last-level cache).
+    """
+    return _round_up(max(256 << 10, 4096 * size, min(1 << 20, (4 << 20) // size)), 4096)
+
+
 def _usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -387,7 +401,8 @@ class ShmArena:
         heartbeat_interval: seconds between heartbeats (written every third of it).
         stall_timeout: a peer whose heartbeat is this much older than ours is stalled
             (default ``3 * heartbeat_interval``).
-        frame_bytes: bytes of one frame (a multiple of 4096, at least ``max(65536, 4096 * size)``).
+        frame_bytes: bytes of one frame (a multiple of 4096, at least ``max(65536, 4096 * size)``;
+            default ``default_frame_bytes(size)``).
         frames: frames per rank ring (at least 3).
         small_bytes: ``all_reduce``/``reduce`` of at most this many bytes take the one-frame path.
         spin_us: how long a waiter spins (yielding) before it blocks in the kernel.
@@ -417,13 +432,15 @@ class ShmArena:
         timeout: float | timedelta = 300.0,
         heartbeat_interval: float = 1.0,
         stall_timeout: float | None = None,
-        frame_bytes: int = _DEFAULT_FRAME_BYTES,
+        frame_bytes: int | None = None,
         frames: int = _DEFAULT_FRAMES,
         small_bytes: int = _DEFAULT_SMALL_BYTES,
         spin_us: float = _DEFAULT_SPIN_US,
     ) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"ShmArena: need 0 <= rank < size, got rank={rank}, size={size}")
+        if frame_bytes is None:
+            frame_bytes = default_frame_bytes(size)
         if frame_bytes % 4096 or frame_bytes < max(65536, 4096 * size):
             raise ValueError(
                 f"ShmArena: frame_bytes={frame_bytes} must be a multiple of 4096 and at least "
@@ -499,6 +516,15 @@ class ShmArena:
             self._unlink.append(seg_path)
             try:
                 os.ftruncate(fd, self._nbytes)
+                try:
+                    # allocate now: a tmpfs out of space would otherwise SIGBUS on first touch
+                    os.posix_fallocate(fd, 0, self._nbytes)
+                except OSError as exc:
+                    raise DistError(
+                        f"rank 0: cannot allocate the {self._nbytes} bytes of shared-memory arena "
+                        f"{self.name!r} in {SHM_DIR} ({exc.strerror}); free space there (in Docker: "
+                        "--shm-size), or pass a smaller frame_bytes / frames"
+                    ) from exc
                 self._map(fd)
             finally:
                 os.close(fd)
@@ -729,7 +755,7 @@ class ShmArena:
                 return
             now = pc()
             if now > pure_end:
-                if now > spin_end or yields >= 2:
+                if now > spin_end or yields >= _MAX_YIELDS:
                     break
                 yields += 1
                 os.sched_yield()
@@ -800,13 +826,17 @@ class ShmArena:
                 )
 
     def _timeout_error(self, word: int, target: int, missing: list[int]) -> DistTimeoutError:
-        what = {_W: "arrived at", _X: "reduced", _D: "finished reading"}[word]
         frame = target - 1 - self._frame
-        where = "the start" if frame <= 0 else f"frame {frame}"
+        if word == _D:
+            what = "released a ring slot (finished reading an earlier frame)"
+        elif frame <= 0:
+            what = f"arrived at operation #{self._seq}"
+        else:
+            step = "reduced" if word == _X else "written"
+            what = f"{step} frame {frame} of operation #{self._seq}"
         return DistTimeoutError(
             f"rank {self.rank}: {self._op} in shared-memory arena {self.name!r} timed out after "
-            f"{self._op_timeout:g} s: ranks {missing} had not {what} {where} of operation "
-            f"#{self._seq}"
+            f"{self._op_timeout:g} s: ranks {missing} had not {what}"
         )
 
     # -- descriptors and arrival -----------------------------------------------------------------
