@@ -485,6 +485,28 @@ def test_close_of_a_peer_wakes_waiters() -> None:
     run_threads(body, 2, HashStore(), unique("cl"), timeout=30)
 
 
+def test_abort_from_another_thread_ends_the_wait_and_tells_the_peers() -> None:
+    import threading
+
+    def body(rank: int, ws: int, store: Store, name: str) -> None:
+        a = arena(rank, ws, store, name)
+        try:
+            if rank == 1:
+                time.sleep(0.6)
+                with pytest.raises(PeerError, match="watchdog"):
+                    a.all_reduce(torch.ones(3))
+                return
+            threading.Timer(0.2, a.abort, args=("watchdog",)).start()
+            t0 = time.monotonic()
+            with pytest.raises(DistBackendError, match="aborted: watchdog"):
+                a.all_reduce(torch.ones(3))
+            assert time.monotonic() - t0 < 0.5 + 0.2
+        finally:
+            a.close()
+
+    run_threads(body, 2, HashStore(), unique("ab"), timeout=30)
+
+
 # -- faults in real processes --------------------------------------------------------------------
 def _child(fn: Callable[..., Any], rank: int, ws: int, args: tuple[Any, ...], conn: Any) -> None:
     try:

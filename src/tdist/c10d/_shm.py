@@ -177,7 +177,9 @@ _STARTING, _READY, _FAILED, _CLOSED = 0, 1, 2, 3
 _DEFAULT_FRAMES = 4
 _DEFAULT_SMALL_BYTES = 64 << 10
 _DEFAULT_SPIN_US = 50.0
-_MAX_YIELDS = int(os.environ.get("TDIST_SHM_YIELDS", "2"))
+# yields before blocking: enough for a rank that shares our core, few enough that an unrelated
+# busy process there (which a yield lets run out its slice) does not cost much
+_MAX_YIELDS = 2
 # torch runs an element-wise kernel on several threads above 32768 elements
 _PARALLEL_BYTES = 32 << 10
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -393,6 +395,7 @@ class ShmArena:
 
     Args:
         store: a store private to the group (a ``PrefixStore``); keys go under ``shm/<name>/``.
+            Arenas of one name are paired by the order in which each rank makes them.
         rank: this rank, ``0 <= rank < size``.
         size: the number of ranks.
         name: names the arena in keys, file names and messages; unique among the live arenas
@@ -471,6 +474,7 @@ class ShmArena:
         self._op = "init"
         self._op_timeout = seconds
         self._broken: BaseException | None = None
+        self._aborted: str | None = None
         self._head: list[int] = []
         self._closed = False
         self._fence_lock = threading.Lock()
@@ -505,7 +509,10 @@ class ShmArena:
 
     # -- construction ----------------------------------------------------------------------------
     def _setup(self, store: Store, deadline: float) -> None:
-        prefix = f"shm/{self.name}/"
+        # the k-th arena of this name that this rank makes pairs with everyone's k-th: a group
+        # re-created over the same store does not read the keys of the one before
+        gen = store.add(f"shm/{self.name}/generation/{self.rank}", 1)
+        prefix = f"shm/{self.name}/{gen}/"
         uid = os.getuid()
         token = secrets.token_hex(4)
         base = f"tdist-{uid}-{self._pid}-{token}-{_sanitize(self.name)}"
@@ -788,7 +795,13 @@ class ShmArena:
             w[sleep] = 0
 
     def _check_peers(self, missing: list[int], now: float) -> None:
-        """Raise if a peer failed, or a peer we wait for is dead, closed or stalled."""
+        """Raise if we were aborted, a peer failed, or a peer we wait for is dead, closed or
+        stalled."""
+        if self._aborted is not None:
+            raise DistBackendError(
+                f"rank {self.rank}: {self._op} in shared-memory arena {self.name!r} aborted: "
+                f"{self._aborted}"
+            )
         w = self._w
         for q in self._peers:
             if w[self._base[q] + _STATE] == _FAILED:
@@ -1762,6 +1775,16 @@ class ShmArena:
     def broken(self) -> BaseException | None:
         """The failure that broke the arena, or None."""
         return self._broken
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Break the arena from any thread: an operation waiting in this process raises
+        ``DistBackendError``, the peers' raise ``PeerError`` quoting ``reason``."""
+        if self._closed or self._mm is None:
+            return
+        self._aborted = reason
+        self._fail(DistBackendError(f"rank {self.rank}: aborted: {reason}"))
+        with contextlib.suppress(OSError):
+            os.write(self._fifo_r, b"\x01")  # opened read-write: wakes our own waiter
 
     def close(self) -> None:
         """Leave the arena: peers still waiting for this rank raise ``PeerError``. Idempotent."""
