@@ -415,6 +415,13 @@ def cleanup_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def _release(stop: threading.Event, fds: list[int]) -> None:
+    stop.set()
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+
+
 def _heartbeat_loop(words: memoryview[float], index: int, interval: float, stop: threading.Event) -> None:
     # references no arena, so that a forgotten arena can still be collected
     while True:
@@ -526,7 +533,9 @@ class ShmArena:
         self._mm: mmap.mmap | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, self._hb_stop.set)
+        self._fds: list[int] = []  # every descriptor we hold, for close and for the finalizer
+        # an arena dropped without close(): stop its heartbeat, close its descriptors
+        self._finalizer = weakref.finalize(self, _release, self._hb_stop, self._fds)
 
         # control-block geometry
         self._desc_words = _round_up(_DESC_HEAD + size, 8)
@@ -583,6 +592,7 @@ class ShmArena:
         self._unlink.append(fifo_path)
         # read-write: never blocks on open, never sees EOF when writers come and go
         self._fifo_r = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
+        self._fds.append(self._fifo_r)
         store.set(prefix + f"rank/{self.rank}", json.dumps({"pid": self._pid, "fifo": fifo_path}))
 
         keys = [prefix + f"rank/{q}" for q in range(self.size)]
@@ -625,6 +635,7 @@ class ShmArena:
             self._peer_pids[q] = pid
             try:
                 self._fifo_w[q] = os.open(info["fifo"], os.O_WRONLY | os.O_NONBLOCK)
+                self._fds.append(self._fifo_w[q])
             except OSError as exc:
                 raise PeerError(
                     f"rank {self.rank}: cannot open the wake-up FIFO of rank {q} (pid {pid}) in arena "
@@ -643,6 +654,7 @@ class ShmArena:
                 except OSError:  # no pidfd on this kernel: heartbeats and deadlines remain
                     continue
                 self._pidfds[pidfd] = q
+                self._fds.append(pidfd)
                 self._poll.register(pidfd, select.POLLIN)
         self._peer_pids[self.rank] = self._pid
 
@@ -1841,10 +1853,7 @@ class ShmArena:
         thread = self._hb_thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
-        for fd in [self._fifo_r, *self._fifo_w.values(), *self._pidfds]:
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        _release(self._hb_stop, self._fds)
         self._fifo_r = -1
         self._fifo_w = {}
         self._pidfds = {}
