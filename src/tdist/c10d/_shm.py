@@ -1331,8 +1331,8 @@ class ShmArena:
             with self._mode((output, input)):
                 flat, copied = _flat(output)
                 # a view of output's own block as input (the in-place idiom) reads before writes
-                self._all_gather(list(flat.chunk(self.size)) if flat.numel() else [flat] * self.size,
-                                 input.reshape(-1), deadline)
+                blocks = list(torch.split(flat, input.numel())) if input.numel() else [flat] * self.size
+                self._all_gather(blocks, input.reshape(-1), deadline)
                 if copied:
                     output.copy_(flat.view(output.shape))
         except BaseException as exc:
@@ -1616,7 +1616,7 @@ class ShmArena:
         try:
             with self._mode((output, input)):
                 flat = input.reshape(-1)
-                ins = list(flat.chunk(self.size)) if flat.numel() else [flat] * self.size
+                ins = list(torch.split(flat, output.numel())) if output.numel() else [flat] * self.size
                 self._reduce_scatter(output, ins, red, fn, deadline)
         except BaseException as exc:
             self._fail(exc)
