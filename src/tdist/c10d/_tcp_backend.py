@@ -20,6 +20,7 @@ inside the view. Integer AVG is refused (there is no exact integer mean).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from .._core.errors import DistBackendError, DistError
+from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
@@ -190,6 +192,35 @@ class ProcessGroupTCP(Backend):
         self._worker: threading.Thread | None = None
         self._closed = False
         self._broken: BaseException | None = None
+        self._arena: Any = None
+        if size > 1 and os.environ.get("TDIST_SHM", "1") != "0" and all(
+            self._ep.same_host(p) for p in range(size) if p != rank
+        ):
+            # Every rank of the group is on this host (a symmetric fact, so all ranks agree):
+            # collectives go through the shared-memory arena, never through sockets.
+            from ._shm import ShmArena
+
+            try:
+                self._arena = ShmArena(
+                    PrefixStore("shm", store),
+                    rank,
+                    size,
+                    name=name or "pg",
+                    timeout=self._timeout,
+                    heartbeat_interval=self._ep.heartbeat_interval,
+                    stall_timeout=self._ep.stall_timeout,
+                )
+            except BaseException:
+                self._ep.close()
+                raise
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether collectives run through the same-host shared-memory arena."""
+        return self._arena is not None
+
+    def _left(self, deadline: float) -> float:
+        return max(0.001, deadline - time.monotonic())
 
     def name(self) -> str:
         return "tcp"
@@ -234,7 +265,10 @@ class ProcessGroupTCP(Backend):
         except BaseException as exc:
             if isinstance(exc, DistError) and self._broken is None and not self._closed:
                 self._broken = exc
-                self._ep.abort(f"{work._op} failed on rank {self._rank}: {exc}")
+                reason = f"{work._op} failed on rank {self._rank}: {exc}"
+                self._ep.abort(reason)
+                if self._arena is not None:
+                    self._arena.abort(reason)
             work._fail(exc)
             return
         work._complete(result)
@@ -331,6 +365,13 @@ class ProcessGroupTCP(Backend):
                 reduce_into(lead, f.flat, op)
             tag = self._next_tag()
             n = self._size
+            if self._arena is not None:
+                self._arena.all_reduce(lead, op, timeout=self._left(deadline))
+                for f in flats[1:]:
+                    f.flat.copy_(lead)
+                for f in flats:
+                    f.commit()
+                return tensors
             if n > 1 and lead.numel() > 0:
                 meta = self._fingerprint("all_reduce", lead.dtype, lead.numel())
                 nbytes = lead.numel() * lead.element_size()
@@ -362,7 +403,9 @@ class ProcessGroupTCP(Backend):
             lead = flats[0].flat if self._rank != root else flats[opts.rootTensor].flat
             tag = self._next_tag()
             n = self._size
-            if n > 1 and lead.numel() > 0:
+            if self._arena is not None:
+                self._arena.broadcast(lead, root, timeout=self._left(deadline))
+            elif n > 1 and lead.numel() > 0:
                 meta = self._fingerprint("broadcast", lead.dtype, lead.numel())
                 nbytes = lead.numel() * lead.element_size()
                 if n > 2 and nbytes >= _CHAIN_MIN:
@@ -398,12 +441,16 @@ class ProcessGroupTCP(Backend):
                 reduce_into(lead, f.flat, op)
             tag = self._next_tag()
             n = self._size
-            if n > 1 and lead.numel() > 0:
+            arena_avg = False
+            if self._arena is not None:
+                self._arena.reduce(lead, root, op, timeout=self._left(deadline))
+                arena_avg = True  # the arena divides AVG itself
+            elif n > 1 and lead.numel() > 0:
                 meta = self._fingerprint("reduce", lead.dtype, lead.numel())
                 sched = S.binomial_tree_reduce(self._rank, n, root)
                 self._run(sched, [lead], tag, meta, "reduce", deadline, op)
             if is_root:
-                if op == RedOpType.AVG:
+                if op == RedOpType.AVG and not arena_avg:
                     lead.div_(n)
                 for f in flats:
                     if f.flat is not lead:
@@ -442,8 +489,13 @@ class ProcessGroupTCP(Backend):
                 f"all_gather: rank {self._rank}'s output slot has {mine.numel()} elements but its "
                 f"input has {inp.numel()}"
             )
-        mine.copy_(inp.reshape(-1))
         tag = self._next_tag()
+        if self._arena is not None:
+            self._arena.all_gather([f.flat for f in flats], inp.reshape(-1), timeout=self._left(deadline))
+            for f in flats:
+                f.commit()
+            return
+        mine.copy_(inp.reshape(-1))
         if self._size > 1:
             meta = self._fingerprint("all_gather", inp.dtype)
             sched = S.ring_all_gather(self._rank, self._size)
@@ -461,6 +513,10 @@ class ProcessGroupTCP(Backend):
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
+            if self._arena is not None:
+                self._next_tag()
+                self._arena.all_gather_into_tensor(output, input, timeout=self._left(deadline))
+                return [output]
             out = _Flat(output)
             blocks = list(out.flat.chunk(self._size)) if input.numel() else [out.flat[:0]] * self._size
             self._allgather_one(blocks, input, deadline)
@@ -483,6 +539,12 @@ class ProcessGroupTCP(Backend):
             deadline = self._deadline(opts)
             tag = self._next_tag()
             inp = input_tensors[0].contiguous()
+            if self._arena is not None:
+                outs0 = output_tensors[0] if self._rank == root else None
+                if outs0 is not None and len(outs0) != self._size:
+                    raise ValueError(f"gather: gather_list has {len(outs0)} tensors for a group of {self._size}")
+                self._arena.gather(outs0, inp, root, timeout=self._left(deadline))
+                return list(outs0) if outs0 is not None else []
             meta = self._fingerprint("gather", inp.dtype)
             if self._rank != root:
                 self._ep.send(root, tag, [bytes_view(inp)], meta, deadline, "gather")
@@ -518,6 +580,12 @@ class ProcessGroupTCP(Backend):
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
             tag = self._next_tag()
+            if self._arena is not None:
+                ins0 = input_tensors[0] if self._rank == root else None
+                if ins0 is not None and len(ins0) != self._size:
+                    raise ValueError(f"scatter: scatter_list has {len(ins0)} tensors for a group of {self._size}")
+                self._arena.scatter(output_tensors[0], ins0, root, timeout=self._left(deadline))
+                return [output_tensors[0]]
             out = _Flat(output_tensors[0])
             meta = self._fingerprint("scatter", out.flat.dtype)
             if self._rank == root:
@@ -553,6 +621,10 @@ class ProcessGroupTCP(Backend):
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
+            if self._arena is not None:
+                self._next_tag()
+                self._arena.reduce_scatter(output_tensors[0], ins, op, timeout=self._left(deadline))
+                return [output_tensors[0]]
             self._reduce_scatter_blocks(output_tensors[0], [t.reshape(-1).clone() for t in ins], op, deadline)
             return [output_tensors[0]]
 
@@ -586,6 +658,10 @@ class ProcessGroupTCP(Backend):
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
+            if self._arena is not None:
+                self._next_tag()
+                self._arena.reduce_scatter_tensor(output, input, op, timeout=self._left(deadline))
+                return [output]
             flat = input.reshape(-1).clone()
             blocks = list(torch.split(flat, output.numel())) if output.numel() else [flat[:0]] * self._size
             self._reduce_scatter_blocks(output, blocks, op, deadline)
@@ -615,6 +691,9 @@ class ProcessGroupTCP(Backend):
 
     def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor], deadline: float, what: str) -> None:
         tag = self._next_tag()
+        if self._arena is not None:
+            self._arena.all_to_all(outs, ins, timeout=self._left(deadline))
+            return
         meta = self._fingerprint(what, ins[0].dtype if ins else None)
         flats = [_Flat(t) for t in outs]
         handles = []
@@ -669,7 +748,9 @@ class ProcessGroupTCP(Backend):
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
             tag = self._next_tag()
-            if self._size > 1:
+            if self._arena is not None:
+                self._arena.barrier(timeout=self._left(deadline))
+            elif self._size > 1:
                 sched = S.dissemination_barrier(self._rank, self._size)
                 self._run(sched, [], tag, self._fingerprint("barrier"), "barrier", deadline)
             return []
@@ -712,6 +793,8 @@ class ProcessGroupTCP(Backend):
         self._closed = True
         with self._cv:
             self._cv.notify_all()
+        if self._arena is not None:
+            self._arena.close()
         self._ep.close()
         pending = list(self._queue)
         for work, _ in pending:
