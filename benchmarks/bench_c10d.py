@@ -103,7 +103,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     cases = CASES_QUICK if args.quick or args.world > 2 else CASES_FULL
-    print(f"# c10d benchmark: {machine_line()} | world {args.world} | memcpy {memcpy_gbps():.1f} GB/s")
+    # no torch work in this process before the forks below: a forked child of a process whose
+    # OpenMP pool is running can deadlock in its first parallel torch op
+    print(f"# c10d benchmark: {machine_line()} | world {args.world}")
     samples: dict[tuple[str, str], list[float]] = {}
     for r in range(args.rounds):
         order = ("gloo", "tdist") if r % 2 == 0 else ("tdist", "gloo")
@@ -129,6 +131,7 @@ def main() -> None:
     print()
     print(table(["operation", "size", "gloo", "tdist", "speed-up"], rows))
     print(f"\nspeed-up = gloo time / tdist time; median of {args.rounds} rounds; float32; {args.world} processes")
+    print(f"memcpy on this machine: {memcpy_gbps():.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 class Host:
     ns: str
     addr: str
+    ifname: str  # its interface (gloo needs GLOO_SOCKET_IFNAME to find it)
 
 
 def _ip(*args: str) -> None:
@@ -49,7 +50,7 @@ def hosts(n: int) -> Iterator[list[Host]]:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", host_if)
             _ip("-n", ns, "link", "set", host_if, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            result.append(Host(ns, addr))
+            result.append(Host(ns, addr, host_if))
         yield result
     finally:
         for ns in reversed(made):

@@ -106,6 +106,36 @@ def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
         raise ValueError(f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}")
 
 
+_PIECE = 1 << 20  # bytes per message of a large transfer
+_MAX_PIECES = 4096
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 63) & ~63
+
+
+def _piece_bounds(numel: int, element_size: int) -> list[tuple[int, int]]:
+    """Element ranges of the pieces a transfer of ``numel`` elements travels in."""
+    per = max(1, _PIECE // element_size, -(-numel // _MAX_PIECES))
+    return [(a, min(a + per, numel)) for a in range(0, numel, per)] or [(0, 0)]
+
+
+class _StepRecv:
+    """One receive of a schedule step: where it lands and how far it has been applied."""
+
+    __slots__ = ("bounds", "buf", "direct", "handles", "next", "recv")
+
+    def __init__(
+        self, recv: S.Recv, buf: torch.Tensor, direct: bool, bounds: list[tuple[int, int]], handles: list[RecvHandle]
+    ) -> None:
+        self.recv = recv
+        self.buf = buf
+        self.direct = direct
+        self.bounds = bounds
+        self.handles = handles
+        self.next = 0
+
+
 class _Flat:
     """A contiguous flat working copy of a tensor, written back on ``commit``."""
 
@@ -193,6 +223,7 @@ class ProcessGroupTCP(Backend):
         self._closed = False
         self._broken: BaseException | None = None
         self._arena: Any = None
+        self._stage_buf: torch.Tensor | None = None
         if size > 1 and os.environ.get("TDIST_SHM", "1") != "0" and all(
             self._ep.same_host(p) for p in range(size) if p != rank
         ):
@@ -293,8 +324,9 @@ class ProcessGroupTCP(Backend):
                 self._cv.notify_all()
 
     def _next_tag(self) -> int:
+        # tag = collective bit | sequence number | step (12 bits) | piece (12 bits)
         self._seq += 1
-        return _COLL_TAG | (self._seq << 20)
+        return _COLL_TAG | (self._seq << 24)
 
     def _fingerprint(self, what: str, dtype: torch.dtype | None = None, numel: int | None = None) -> bytes:
         parts = [f"{what}#{self._seq}"]
@@ -303,6 +335,14 @@ class ProcessGroupTCP(Backend):
         if numel is not None:
             parts.append(f"[{numel}]")
         return " ".join(parts).encode()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A reused byte buffer for receives that cannot land in place (faulted in once)."""
+        buf = self._stage_buf
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self._stage_buf = buf
+        return buf
 
     def _run(
         self,
@@ -314,40 +354,93 @@ class ProcessGroupTCP(Backend):
         deadline: float,
         op: RedOpType = RedOpType.SUM,
     ) -> None:
+        """Run ``sched`` over the transport. A large single-chunk transfer travels as pieces of
+        about ``_PIECE`` bytes, so that reducing what has arrived overlaps with the rest."""
         ep = self._ep
         for k, step in enumerate(sched.steps):
-            tag = tagbase + k
+            base = tagbase | (k << 12)
             sent_now = {c for s in step.sends for c in s.chunks}
-            posted: list[tuple[S.Recv, RecvHandle, torch.Tensor | None]] = []
+            need = sum(
+                _align(sum(chunks[c].numel() * chunks[c].element_size() for c in r.chunks))
+                for r in step.recvs
+            )
+            stage = self._staging(need)
+            off = 0
+            recvs: list[_StepRecv] = []
             for r in step.recvs:
-                direct = (
-                    r.action == S.Action.COPY and len(r.chunks) == 1 and r.chunks[0] not in sent_now
-                )
+                dtype = chunks[r.chunks[0]].dtype if r.chunks else torch.uint8
+                total = sum(chunks[c].numel() for c in r.chunks)
+                direct = r.action == S.Action.COPY and len(r.chunks) == 1 and r.chunks[0] not in sent_now
                 if direct:
-                    target = chunks[r.chunks[0]]
-                    posted.append((r, ep.post_recv(r.peer, tag, bytes_view(target), meta, what), None))
-                    continue
+                    buf = chunks[r.chunks[0]]
                 else:
-                    total = sum(chunks[c].numel() for c in r.chunks)
-                    dtype = chunks[r.chunks[0]].dtype if r.chunks else torch.uint8
-                    stage = torch.empty(total, dtype=dtype)
-                    posted.append((r, ep.post_recv(r.peer, tag, bytes_view(stage), meta, what), stage))
-            for s in step.sends:
-                ep.send(s.peer, tag, [bytes_view(chunks[c]) for c in s.chunks], meta, deadline, what)
-            for r, h, staging in posted:
-                ep.wait(h, deadline, what)
-                if staging is None:
-                    continue
-                off = 0
-                for c in r.chunks:
-                    dst = chunks[c]
-                    n = dst.numel()
-                    piece = staging[off : off + n]
-                    off += n
-                    if r.action == S.Action.REDUCE:
-                        reduce_into(dst, piece, op)
+                    nbytes = total * torch.empty(0, dtype=dtype).element_size()
+                    buf = stage[off : off + nbytes].view(dtype)
+                    off += _align(nbytes)
+                bounds = _piece_bounds(total, buf.element_size()) if len(r.chunks) == 1 else [(0, total)]
+                handles = [
+                    ep.post_recv(r.peer, base | i, bytes_view(buf[a:b]), meta, what)
+                    for i, (a, b) in enumerate(bounds)
+                ]
+                recvs.append(_StepRecv(r, buf, direct, bounds, handles))
+            sent_pieces: dict[int, int] = {}
+            for snd in step.sends:
+                if len(snd.chunks) == 1:
+                    c = snd.chunks[0]
+                    src = chunks[c]
+                    for i, (a, b) in enumerate(_piece_bounds(src.numel(), src.element_size())):
+                        ep.send(snd.peer, base | i, [bytes_view(src[a:b])], meta, deadline, what)
+                        sent_pieces[c] = i + 1
+                        self._apply(recvs, chunks, op, sent_pieces, False, deadline, what)
+                else:
+                    ep.send(snd.peer, base, [bytes_view(chunks[c]) for c in snd.chunks], meta, deadline, what)
+            self._apply(recvs, chunks, op, None, True, deadline, what)
+
+    def _apply(
+        self,
+        recvs: list[_StepRecv],
+        chunks: list[torch.Tensor],
+        op: RedOpType,
+        sent_pieces: dict[int, int] | None,
+        block: bool,
+        deadline: float,
+        what: str,
+    ) -> None:
+        """Copy or reduce the received pieces into their chunks, in order. Without ``block``
+        only pieces that have arrived, and (for a chunk this step also sends) only ranges
+        already sent: sends read the values from before the step."""
+        for sr in recvs:
+            r = sr.recv
+            while sr.next < len(sr.handles):
+                h = sr.handles[sr.next]
+                if not block:
+                    if not h.done.is_set():
+                        break
+                    c = r.chunks[0]
+                    if sent_pieces is not None and c in sent_pieces and sr.next >= sent_pieces[c]:
+                        break
+                self._ep.wait(h, deadline, what)
+                if not sr.direct:
+                    a, b = sr.bounds[sr.next]
+                    if len(r.chunks) == 1:
+                        dst = chunks[r.chunks[0]][a:b]
+                        piece = sr.buf[a:b]
+                        if r.action == S.Action.REDUCE:
+                            reduce_into(dst, piece, op)
+                        else:
+                            dst.copy_(piece)
                     else:
-                        dst.copy_(piece)
+                        pos = 0
+                        for c in r.chunks:
+                            dst = chunks[c]
+                            n = dst.numel()
+                            piece = sr.buf[pos : pos + n]
+                            pos += n
+                            if r.action == S.Action.REDUCE:
+                                reduce_into(dst, piece, op)
+                            else:
+                                dst.copy_(piece)
+                sr.next += 1
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | None = None) -> Work:

@@ -401,7 +401,7 @@ class Endpoint:
                     addr = "unix"
                 else:
                     sock = socket.create_connection((info["addr"], info["port"]), timeout=max(0.1, deadline - time.monotonic()))
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    _tune_tcp(sock)
                     addr = f"{info['addr']}:{info['port']}"
                 break
             except OSError as exc:
@@ -477,7 +477,7 @@ class Endpoint:
             sock.setblocking(True)
             sock.settimeout(max(0.1, min(10.0, deadline - time.monotonic())))
             if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _tune_tcp(sock)
             nonce_s = auth.make_nonce()
             sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if self.secret else 0, nonce_s))
             data = _recv_exact(sock, JOIN.size)
@@ -1071,6 +1071,16 @@ class Endpoint:
                         pass  # the reader reports the loss
                     finally:
                         p.send_lock.release()
+
+
+def _tune_tcp(sock: socket.socket) -> None:
+    """No Nagle delay for small frames; large kernel buffers for bulk transfers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size = int(os.environ.get("TDIST_TCP_BUFFER", str(4 << 20)))
+    if size > 0:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -1,0 +1,97 @@
+"""Across hosts: tdist's tcp backend against gloo over the same veth link (TCP only).
+
+Run (as root): .venv/bin/python benchmarks/bench_multihost.py [--rounds 3] [--mib 64]
+
+Two network namespaces joined by a bridge stand for two hosts, one rank in each; each round runs
+both implementations (alternating order) on the same link and times all_reduce of --mib MiB of
+float32 (median of several calls); the table shows medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from tests.multihost import _netns  # noqa: E402
+
+from _common import machine_line, median, table  # noqa: E402
+
+WORKER = r"""
+import json, os, sys, time, torch
+impl, mib, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if impl == "gloo":
+    import torch.distributed as d
+else:
+    import tdist as d
+d.init_process_group("gloo")
+t = torch.ones(mib * (1 << 20) // 4)
+small = torch.ones(1)
+d.all_reduce(t); d.barrier()
+times = []
+for _ in range(reps):
+    t0 = time.perf_counter(); d.all_reduce(t); times.append(time.perf_counter() - t0)
+lat = []
+for _ in range(200):
+    t0 = time.perf_counter(); d.all_reduce(small); lat.append(time.perf_counter() - t0)
+times.sort(); lat.sort()
+print(json.dumps({"big": times[len(times) // 2], "small": lat[len(lat) // 2]}), flush=True)
+d.destroy_process_group()
+"""
+
+
+def run(hosts: list[_netns.Host], impl: str, mib: int, reps: int, port: int) -> dict[str, float]:
+    procs = []
+    for rank, h in enumerate(hosts):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(hosts)), MASTER_ADDR=hosts[0].addr,
+                   MASTER_PORT=str(port), TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=os.pathsep.join(sys.path),
+                   GLOO_SOCKET_IFNAME=h.ifname)
+        procs.append(subprocess.Popen(_netns.command(h, [sys.executable, "-c", WORKER, impl, str(mib), str(reps)]),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        if p.returncode != 0:
+            raise RuntimeError(f"{impl} failed: {err[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    print(f"# multi-host benchmark (2 namespaces, veth + bridge, TCP): {machine_line()}")
+    samples: dict[tuple[str, str], list[float]] = {}
+    with _netns.hosts(2) as hosts:
+        port = 29700
+        for r in range(args.rounds):
+            for impl in (("gloo", "tdist") if r % 2 == 0 else ("tdist", "gloo")):
+                port += 1
+                res = run(hosts, impl, args.mib, args.reps, port)
+                for k, v in res.items():
+                    samples.setdefault((impl, k), []).append(v)
+            print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    nbytes = args.mib << 20
+    g, o = median(samples[("gloo", "big")]), median(samples[("tdist", "big")])
+    gs, os_ = median(samples[("gloo", "small")]), median(samples[("tdist", "small")])
+    rows = [
+        [f"all_reduce {args.mib} MiB", f"{g * 1e3:.1f} ms ({nbytes / g / 1e9:.2f} GB/s busbw)",
+         f"{o * 1e3:.1f} ms ({nbytes / o / 1e9:.2f} GB/s busbw)", f"{g / o:.2f}x"],
+        ["all_reduce 4 B", f"{gs * 1e6:.0f} us", f"{os_ * 1e6:.0f} us", f"{gs / os_:.2f}x"],
+    ]
+    print()
+    print(table(["operation", "gloo", "tdist", "speed-up"], rows))
+    print(f"\nspeed-up = gloo time / tdist time; median of {args.rounds} rounds; 2 ranks, one per namespace")
+
+
+if __name__ == "__main__":
+    main()
