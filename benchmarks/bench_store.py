@@ -23,14 +23,15 @@ import torch.distributed as tdc
 
 import tdist
 from _common import machine_line, median, table
+from tdist.testing import free_port
 
 IMPLS = ("torch", "tdist")
 
 
-def make_master(impl: str) -> Any:
+def make_master(impl: str, port: int) -> Any:
     if impl == "torch":
-        return tdc.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-    return tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+        return tdc.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
+    return tdist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
 
 
 def make_client(impl: str, port: int) -> Any:
@@ -84,7 +85,15 @@ def client_main(impl: str, port: int, op: str, n: int, me: int, start: Any, out:
 def measure(impl: str, op: str, clients: int, n: int, busy: bool = False) -> float:
     """ops/s aggregate (throughput ops) or median latency in us (wait / get_lat)."""
     ctx = mp.get_context("fork")
-    master = make_master(impl)
+    # Fork the clients before the master exists: a child forked while torch's server thread
+    # runs can deadlock on a lock that thread held at the fork.
+    port = free_port()
+    start = ctx.Barrier(clients + 1)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=client_main, args=(impl, port, op, n, i, start, out)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    master = make_master(impl, port)
     stop = threading.Event()
     spinner = None
     if busy:  # the hosting process runs Python code, as a training loop would
@@ -94,11 +103,6 @@ def measure(impl: str, op: str, clients: int, n: int, busy: bool = False) -> flo
                 x += 1
         spinner = threading.Thread(target=spin, daemon=True)
         spinner.start()
-    start = ctx.Barrier(clients + 1)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=client_main, args=(impl, master.port, op, n, i, start, out)) for i in range(clients)]
-    for p in procs:
-        p.start()
     start.wait()
     t0 = time.perf_counter()
     results = [out.get(timeout=300) for _ in procs]
@@ -147,12 +151,13 @@ def mixed_main(impl: str, port: int, n: int, me: int, start: Any, out: Any) -> N
 
 def mixed(impl: str, clients: int, n: int) -> tuple[bool, float]:
     ctx = mp.get_context("fork")
-    master = make_master(impl)
+    port = free_port()
     start = ctx.Barrier(clients + 1)
     out = ctx.Queue()
-    procs = [ctx.Process(target=mixed_main, args=(impl, master.port, n, i, start, out)) for i in range(clients)]
+    procs = [ctx.Process(target=mixed_main, args=(impl, port, n, i, start, out)) for i in range(clients)]
     for p in procs:
         p.start()
+    master = make_master(impl, port)
     start.wait()
     t0 = time.perf_counter()
     results = [out.get(timeout=600) for _ in procs]
