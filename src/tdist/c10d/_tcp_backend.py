@@ -240,6 +240,7 @@ class ProcessGroupTCP(Backend):
                     timeout=self._timeout,
                     heartbeat_interval=self._ep.heartbeat_interval,
                     stall_timeout=self._ep.stall_timeout,
+                    spin_us=float(os.environ.get("TDIST_SHM_SPIN_US", "150")),
                 )
             except BaseException:
                 self._ep.close()

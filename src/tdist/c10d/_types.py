@@ -192,7 +192,10 @@ class Work:
 
     def __init__(self, op: str = "", peer: str = "", result: list[Any] | None = None) -> None:
         self._op = op
-        self._done = threading.Event()
+        # the event is made only if someone waits before completion: most operations finish
+        # in the caller's thread, and an Event (a Condition and two locks) costs microseconds
+        self._is_done = False
+        self._event: threading.Event | None = None
         self._exc: BaseException | None = None
         self._result: list[Any] = result if result is not None else []
         self._source_rank = -1
@@ -225,7 +228,15 @@ class Work:
         seconds = to_seconds(timeout)
         if seconds == 0:
             seconds = None
-        if not self._done.wait(seconds):
+        if not self._is_done:
+            with self._lock:
+                if self._event is None:
+                    self._event = threading.Event()
+                    if self._is_done:
+                        self._event.set()
+                event = self._event
+            event.wait(seconds)
+        if not self._is_done:
             raise DistTimeoutError(
                 f"Work.wait: {self._op or 'operation'} did not complete within {seconds:g} s"
             )
@@ -235,11 +246,11 @@ class Work:
 
     def is_completed(self) -> bool:
         """Whether the operation has finished (successfully or not)."""
-        return self._done.is_set()
+        return self._is_done
 
     def is_success(self) -> bool:
         """Whether the operation finished without error (False while it runs)."""
-        return self._done.is_set() and self._exc is None
+        return self._is_done and self._exc is None
 
     def exception(self) -> BaseException | None:
         """The error the operation failed with, or None."""
@@ -271,7 +282,7 @@ class Work:
             if self._future is None:
                 fut: Any = torch.futures.Future()
                 self._future = fut
-                if self._done.is_set():
+                if self._is_done:
                     self._settle_future()
             return self._future
 
@@ -285,7 +296,7 @@ class Work:
     def add_done_callback(self, fn: Callable[[Work], None]) -> None:
         """Run ``fn(self)`` when the operation completes (at once if it already has)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._is_done:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -298,7 +309,7 @@ class Work:
 
     def _finish(self, exc: BaseException | None, result: list[Any] | None, source_rank: int) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._is_done:
                 return
             self._exc = exc
             if result is not None:
@@ -306,7 +317,9 @@ class Work:
             if source_rank >= 0:
                 self._source_rank = source_rank
             self._duration = time.monotonic() - self._started
-            self._done.set()
+            self._is_done = True
+            if self._event is not None:
+                self._event.set()
             callbacks, self._callbacks = self._callbacks, []
             if self._future is not None:
                 self._settle_future()
