@@ -59,6 +59,7 @@ from ._group import (
     warn_not_in_group,
 )
 from ._objects import object_to_tensor, objects_to_tensor, tensor_to_object, tensor_to_objects
+from ._reduce import reduce_into
 from ._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -1578,28 +1579,7 @@ def _local_reduce(tensors: Sequence[torch.Tensor], op: RedOpType) -> torch.Tenso
     """The element-wise reduction of ``tensors`` on this rank (a new tensor); AVG is the mean."""
     acc = tensors[0].detach().clone()
     for t in tensors[1:]:
-        if op in (RedOpType.SUM, RedOpType.AVG):
-            if acc.dtype == torch.bool:
-                acc.logical_or_(t)
-            else:
-                acc.add_(t)
-        elif op == RedOpType.PRODUCT:
-            if acc.dtype == torch.bool:
-                acc.logical_and_(t)
-            else:
-                acc.mul_(t)
-        elif op == RedOpType.MIN:
-            torch.minimum(acc, t, out=acc)
-        elif op == RedOpType.MAX:
-            torch.maximum(acc, t, out=acc)
-        elif op == RedOpType.BAND:
-            acc.bitwise_and_(t)
-        elif op == RedOpType.BOR:
-            acc.bitwise_or_(t)
-        elif op == RedOpType.BXOR:
-            acc.bitwise_xor_(t)
-        else:
-            raise ValueError(f"unsupported reduction {op!r} for a multi-tensor collective")
+        reduce_into(acc, t, op)
     if op == RedOpType.AVG and len(tensors) > 1:
         acc.div_(len(tensors))
     return acc

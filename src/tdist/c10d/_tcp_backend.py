@@ -35,6 +35,7 @@ from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
+from ._reduce import reduce_into
 from ._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -65,32 +66,6 @@ def bytes_view(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     arr: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(arr).cast("B")
-
-
-def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
-    """``dst = op(dst, src)`` element-wise, in place (AVG reduces as SUM)."""
-    if op in (RedOpType.SUM, RedOpType.AVG):
-        if dst.dtype == torch.bool:
-            dst.logical_or_(src)
-        else:
-            dst.add_(src)
-    elif op == RedOpType.PRODUCT:
-        if dst.dtype == torch.bool:
-            dst.logical_and_(src)
-        else:
-            dst.mul_(src)
-    elif op == RedOpType.MIN:
-        torch.minimum(dst, src, out=dst)
-    elif op == RedOpType.MAX:
-        torch.maximum(dst, src, out=dst)
-    elif op == RedOpType.BAND:
-        dst.bitwise_and_(src)
-    elif op == RedOpType.BOR:
-        dst.bitwise_or_(src)
-    elif op == RedOpType.BXOR:
-        dst.bitwise_xor_(src)
-    else:
-        raise ValueError(f"unsupported reduction {op!r}")
 
 
 def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
