@@ -59,6 +59,7 @@ _MAX_BACKLOG_FRAMES = 4  # bytes buffered behind a blocked request, in units of 
 _OPEN_WARNED = False
 
 
+_SET_QUIET = int(Op.SET_QUIET)
 _CHECK_TRUE = encode_frame(Status.OK, (b"\x01",))
 _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
 
@@ -552,7 +553,7 @@ class StoreServer:
             self._authenticate(conn, frame)
             return
         handler = self._handlers.get(code)
-        if code == Op.SET_QUIET:
+        if code == _SET_QUIET:
             try:
                 self._op_set_quiet(fields)
             except (RemoteProtocolError, ValueError) as exc:

@@ -460,7 +460,30 @@ class TCPStore(Store):
         if frame is not None:
             return frame
         spin = self._spin if self._spin_misses < _SPIN_MISS_LIMIT else 0.0
-        spin_until = time.perf_counter() + spin
+        if spin and not decoder.buffered:
+            # the common case, kept tight: nothing buffered, the reply due in microseconds
+            recv, perf, yield_ = sock.recv, time.perf_counter, os.sched_yield
+            until = perf() + spin
+            while True:
+                try:
+                    data = recv(65536)
+                except BlockingIOError:
+                    if perf() < until:
+                        yield_()  # a server sharing this core gets it at once
+                        continue
+                    break
+                if not data:
+                    raise ConnectionResetError("connection closed by the server")
+                self._spin_misses = 0
+                frame = decoder.parse_whole(data)
+                if frame is not None:
+                    return frame
+                decoder.feed(data)
+                frame = decoder.next_frame()
+                if frame is not None:
+                    return frame
+                break
+        spin_until = 0.0 if decoder.buffered else time.perf_counter()
         poller: select.poll | None = None
         deadline = 0.0
         while True:
