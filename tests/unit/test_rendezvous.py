@@ -240,7 +240,6 @@ def test_tcp_two_ranks_as_threads() -> None:
 
 
 def test_agent_store_is_prefixed_per_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("tdist.store._prefix")
     with local_store(2, timeout=10) as server:
         monkeypatch.setenv("MASTER_ADDR", server.host)
         monkeypatch.setenv("MASTER_PORT", str(server.port))
@@ -259,7 +258,6 @@ def test_agent_store_is_prefixed_per_attempt(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_file_rendezvous(tmp_path: Path) -> None:
-    pytest.importorskip("tdist.store._file")
     url = f"file://{tmp_path / 'store'}"
     it = tdist.rendezvous(url, rank=0, world_size=1)
     store, rank, world_size = next(it)
@@ -271,7 +269,6 @@ def test_file_rendezvous(tmp_path: Path) -> None:
 
 
 def test_file_two_ranks_as_threads(tmp_path: Path) -> None:
-    pytest.importorskip("tdist.store._file")
     url = f"file://{tmp_path / 'store'}"
 
     def body(rank: int, world_size: int) -> bytes:

@@ -196,7 +196,6 @@ def test_local_store_with_ranks_as_threads() -> None:
 
 
 def test_local_store_env_for_agent_store_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("tdist.store._prefix")
     with local_store(1, timeout=5) as server:
         env = server.env(0)
         assert env["MASTER_PORT"] == str(server.port)
