@@ -332,6 +332,29 @@ class ProcessGroupTCP(Backend):
     ) -> None:
         """Run ``sched`` over the transport. A large single-chunk transfer travels as pieces of
         about ``_PIECE`` bytes, so that reducing what has arrived overlaps with the rest."""
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        threads = torch.get_num_threads()
+        # The reductions here are piece-sized; torch's spinning intra-op threads would only
+        # take the cores that the sending and receiving threads (and the kernel) need.
+        cap = threads > 1 and nbytes > _PIECE
+        if cap:
+            torch.set_num_threads(1)
+        try:
+            self._run_steps(sched, chunks, tagbase, meta, what, deadline, op)
+        finally:
+            if cap:
+                torch.set_num_threads(threads)
+
+    def _run_steps(
+        self,
+        sched: S.Schedule,
+        chunks: list[torch.Tensor],
+        tagbase: int,
+        meta: bytes,
+        what: str,
+        deadline: float,
+        op: RedOpType,
+    ) -> None:
         ep = self._ep
         for k, step in enumerate(sched.steps):
             base = tagbase | (k << 12)
