@@ -56,7 +56,6 @@ __all__ = ["ProcessGroupTCP", "bytes_view", "reduce_into"]
 log = logging.getLogger(__name__)
 
 _COLL_TAG = 1 << 62
-_SMALL_ALLREDUCE = 256 << 10  # bytes: recursive doubling below, ring above
 _CHAIN_MIN = 4 << 20  # bytes: pipelined chain broadcast above (world > 2)
 
 
@@ -199,6 +198,7 @@ class ProcessGroupTCP(Backend):
         self._broken: BaseException | None = None
         self._arena: Any = None
         self._stage_buf: torch.Tensor | None = None
+        self._topo: S.Topology | None = None
         if size > 1 and os.environ.get("TDIST_SHM", "1") != "0" and all(
             self._ep.same_host(p) for p in range(size) if p != rank
         ):
@@ -298,6 +298,29 @@ class ProcessGroupTCP(Backend):
             with self._cv:
                 self._queue.popleft()
                 self._cv.notify_all()
+
+    def _all_reduce_schedule(self, nbytes: int) -> S.Schedule:
+        """The schedule ``choose_algorithm`` picks for this size and this group's hosts:
+        recursive doubling or ring, or hierarchical when ranks share some hosts (only one rank
+        per host then crosses the network)."""
+        topo = self._topology
+        n = self._size
+        alg = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, n, topo)
+        if alg == S.Algorithm.HIERARCHICAL:
+            inter = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, topo.num_hosts)
+            return S.hierarchical_all_reduce(self._rank, n, topo.hosts, inter=inter)
+        if alg == S.Algorithm.RECURSIVE_DOUBLING:
+            return S.recursive_doubling_all_reduce(self._rank, n)
+        return S.ring_all_reduce(self._rank, n)
+
+    @property
+    def _topology(self) -> S.Topology:
+        if self._topo is None:
+            ep = self._ep
+            hosts = [ep.host_id if r == self._rank else ep.peer_host(r) for r in range(self._size)]
+            # the arena, when there is one, already took the one-host case
+            self._topo = S.Topology.from_hosts(hosts, shm=False)
+        return self._topo
 
     def _next_tag(self) -> int:
         # tag = collective bit | sequence number | step (12 bits) | piece (12 bits)
@@ -466,12 +489,10 @@ class ProcessGroupTCP(Backend):
                 return tensors
             if n > 1 and lead.numel() > 0:
                 meta = self._fingerprint("all_reduce", lead.dtype, lead.numel())
-                nbytes = lead.numel() * lead.element_size()
-                if nbytes <= _SMALL_ALLREDUCE or lead.numel() < n:
-                    sched = S.recursive_doubling_all_reduce(self._rank, n)
+                sched = self._all_reduce_schedule(lead.numel() * lead.element_size())
+                if sched.nchunks == 1:
                     chunks = [lead]
                 else:
-                    sched = S.ring_all_reduce(self._rank, n)
                     chunks = [lead[a:b] for a, b in S.chunk_bounds(lead.numel(), sched.nchunks)]
                 self._run(sched, chunks, tag, meta, "all_reduce", deadline, op)
             if op == RedOpType.AVG:

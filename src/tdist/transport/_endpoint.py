@@ -536,6 +536,10 @@ class Endpoint:
     def same_host(self, peer: int) -> bool:
         return self._peer_hosts.get(peer) == self.host_id
 
+    def peer_host(self, peer: int) -> str:
+        """The host id of ``peer`` (equal ids: same host and network namespace)."""
+        return self._peer_hosts.get(peer, "")
+
     def peer_pid(self, peer: int) -> int:
         return self._peer_pids.get(peer, -1)
 
