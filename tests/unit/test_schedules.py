@@ -586,3 +586,16 @@ def test_all_names_exported() -> None:
         "DistError",
     }
     assert set(S.__all__) == public - imported
+
+
+def test_reduction_cost_moves_large_all_reduce_to_the_ring() -> None:
+    """With reductions in the model, recursive doubling (which reduces the whole buffer at each
+    step) loses large buffers to the ring even at n = 2; without them it never does."""
+    big = 64 << 20
+    assert choose_algorithm(Collective.ALL_REDUCE, big, 2) == Algorithm.RECURSIVE_DOUBLING
+    cost = CostModel(reduce_bytes_per_s=4e9)
+    assert choose_algorithm(Collective.ALL_REDUCE, big, 2, cost=cost) == Algorithm.RING
+    assert choose_algorithm(Collective.ALL_REDUCE, 4, 2, cost=cost) == Algorithm.RECURSIVE_DOUBLING
+    assert cost.estimate(Collective.ALL_REDUCE, Algorithm.RING, big, 2) > CostModel().estimate(
+        Collective.ALL_REDUCE, Algorithm.RING, big, 2
+    )

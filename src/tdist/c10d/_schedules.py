@@ -1149,6 +1149,14 @@ class CostModel:
 
     latency_s: float = 50e-6
     bytes_per_s: float = 2.5e9
+    # Element-wise reduction speed; 0 leaves reductions out of the model (the default, for
+    # which the crossovers above are documented). A CPU-bound machine should set it: recursive
+    # doubling reduces the whole buffer at every step, the ring only 1/n of it.
+    reduce_bytes_per_s: float = 0.0
+
+    def reduce(self, nbytes: float) -> float:
+        """Seconds to reduce ``nbytes`` into a buffer (0 when reductions are not modelled)."""
+        return nbytes / self.reduce_bytes_per_s if self.reduce_bytes_per_s > 0 else 0.0
 
     def step(self, nbytes: float) -> float:
         """Seconds for one step that moves ``nbytes``."""
@@ -1167,9 +1175,10 @@ class CostModel:
             return 0.0
         key = (collective, algorithm)
         if key == (Collective.ALL_REDUCE, Algorithm.RING):
-            return 2 * (n - 1) * self.step(nbytes / n)
+            return 2 * (n - 1) * self.step(nbytes / n) + (n - 1) * self.reduce(nbytes / n)
         if key == (Collective.ALL_REDUCE, Algorithm.RECURSIVE_DOUBLING):
-            return _recursive_doubling_num_steps(n) * self.step(nbytes)
+            steps = _recursive_doubling_num_steps(n)
+            return steps * self.step(nbytes) + steps * self.reduce(nbytes)
         if key in (
             (Collective.BROADCAST, Algorithm.BINOMIAL_TREE),
             (Collective.REDUCE, Algorithm.BINOMIAL_TREE),

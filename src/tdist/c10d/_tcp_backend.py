@@ -80,6 +80,9 @@ def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
         raise ValueError(f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}")
 
 
+# Python processes on a CPU-bound host: reductions cost (torch's add runs at a few GB/s), so
+# large all_reduces prefer the ring, which reduces 1/n of the buffer, to recursive doubling
+_COST = S.CostModel(reduce_bytes_per_s=4e9)
 _PIECE = 1 << 20  # bytes per message of a large transfer
 _MAX_PIECES = 4096
 
@@ -305,9 +308,9 @@ class ProcessGroupTCP(Backend):
         per host then crosses the network)."""
         topo = self._topology
         n = self._size
-        alg = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, n, topo)
+        alg = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, n, topo, cost=_COST)
         if alg == S.Algorithm.HIERARCHICAL:
-            inter = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, topo.num_hosts)
+            inter = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, topo.num_hosts, cost=_COST)
             return S.hierarchical_all_reduce(self._rank, n, topo.hosts, inter=inter)
         if alg == S.Algorithm.RECURSIVE_DOUBLING:
             return S.recursive_doubling_all_reduce(self._rank, n)
