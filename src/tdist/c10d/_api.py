@@ -1928,6 +1928,11 @@ def send_object_list(
     pg = _resolve(group)
     peer = _group_rank(pg, dst, group_dst)
     C.check_not_self_rank(pg.rank(), peer, "destination")
+    impl = pg._get_backend()
+    if hasattr(impl, "send_object"):
+        # one message, tensors and arrays inside the objects out of band (no copies)
+        impl.send_object(list(object_list), peer)
+        return
     data, sizes = objects_to_tensor(object_list)
     send(sizes, group=pg, group_dst=peer)
     send(data, group=pg, group_dst=peer)
@@ -1954,6 +1959,21 @@ def recv_object_list(
         warn_not_in_group("recv_object_list", _global_rank_or_minus_one())
         return -1
     pg = _resolve(group)
+    impl = pg._get_backend()
+    if hasattr(impl, "recv_object"):
+        if src is None and group_src is None:
+            peer = -1
+        else:
+            peer = _group_rank(pg, src, group_src)
+            C.check_not_self_rank(pg.rank(), peer, "source")
+        objs, source = impl.recv_object(peer)
+        if not isinstance(objs, list) or len(objs) != len(object_list):
+            raise ValueError(
+                f"recv_object_list: rank {source} sent {len(objs) if isinstance(objs, list) else 'no'} "
+                f"objects but object_list has {len(object_list)} slots"
+            )
+        object_list[:] = objs
+        return _to_global(pg, source)
     sizes = torch.empty(len(object_list), dtype=torch.long)
     if src is None and group_src is None:
         sender = recv(sizes, group=pg)

@@ -33,6 +33,7 @@ import torch
 from .._core.errors import DistBackendError, DistError
 from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
+from ..transport._serialization import dumps, loads
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._reduce import reduce_into
@@ -892,6 +893,25 @@ class ProcessGroupTCP(Backend):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         return self._post_recv(tensors[0], -1, tag, "recv from any rank")
+
+    def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
+        """Send a Python object as one message: pickle protocol 5, its tensors and arrays out
+        of band (scatter-gather, no copy of their payload)."""
+        self._check_rank(dst, "send_object_list", "dst")
+        deadline = time.monotonic() + self._timeout
+        self._ep.send(dst, self._p2p_tag(tag), dumps(obj), b"", deadline, f"send_object_list to rank {dst}")
+
+    def recv_object(self, src: int, tag: int = 0) -> tuple[Any, int]:
+        """Receive an object sent by ``send_object`` from ``src`` (-1: any rank); returns it
+        and the sender's rank. Its tensors share the received buffer."""
+        if src >= 0:
+            self._check_rank(src, "recv_object_list", "src")
+        what = "recv_object_list from " + (f"rank {src}" if src >= 0 else "any rank")
+        handle = self._ep.post_recv(src, self._p2p_tag(tag), None, None, what)
+        self._ep.wait(handle, time.monotonic() + self._timeout, what)
+        assert handle.data is not None
+        data = handle.data if not isinstance(handle.data, bytes) else bytearray(handle.data)
+        return loads(data), handle.source
 
     def _post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Work:
         flat = _Flat(tensor)

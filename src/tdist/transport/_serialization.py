@@ -1,0 +1,95 @@
+"""Objects to scatter-gather buffers and back: pickle protocol 5 with out-of-band buffers.
+
+Theory of operation. ``dumps`` pickles an object with protocol 5; every buffer that can travel
+out of band (numpy arrays natively, CPU torch tensors through ``reducer_override``) is left out
+of the pickle stream and returned as its own ``memoryview`` of the object's memory, so a sender
+passes ``[header, pickle, *buffers]`` to ``sendmsg`` without copying any payload. The header
+says how long the pickle and each buffer are. ``loads`` splits one received buffer the same way
+and rebuilds the object with the buffers as views into it: a tensor comes back sharing the
+received memory (``torch.frombuffer``), not copied again. No I/O here.
+
+Format (little-endian): ``magic "TDS1" | u32 nbuffers | u64 pickle_len | nbuffers x u64`` then
+the pickle, then the buffers back to back.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from typing import Any
+
+import torch
+
+from .._core.errors import RemoteProtocolError
+
+__all__ = ["dumps", "loads"]
+
+_MAGIC = b"TDS1"
+_HEAD = struct.Struct("<4sIQ")
+_LEN = struct.Struct("<Q")
+
+
+def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    raw = buf.raw() if isinstance(buf, pickle.PickleBuffer) else memoryview(buf)
+    if raw.nbytes == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        # plain CPU tensors travel as raw bytes beside the pickle (subclasses such as
+        # nn.Parameter, sparse or quantized tensors keep torch's own reduction)
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
+            t = obj.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            if t.numel() == 0:
+                raw: Any = bytearray()
+            else:
+                raw = t.reshape(-1).view(torch.uint8).numpy()
+            return (_rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape), obj.requires_grad and obj.is_leaf))
+        return NotImplemented
+
+
+def dumps(obj: Any) -> list[memoryview]:
+    """``obj`` as buffers to send back to back: a header, the pickle, the out-of-band payloads."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    views = [b.raw() for b in buffers]
+    body = stream.getbuffer()
+    head = _HEAD.pack(_MAGIC, len(views), body.nbytes) + b"".join(_LEN.pack(v.nbytes) for v in views)
+    return [memoryview(head), body, *views]
+
+
+def loads(data: bytes | bytearray | memoryview) -> Any:
+    """The object ``dumps`` made, its buffers viewing ``data`` (keep ``data`` writable).
+
+    Raises:
+        RemoteProtocolError: ``data`` is not a whole ``dumps`` message.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < _HEAD.size:
+        raise RemoteProtocolError("serialized object shorter than its header")
+    magic, nbuf, plen = _HEAD.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise RemoteProtocolError(f"not a serialized object (magic {bytes(magic)!r})")
+    pos = _HEAD.size + nbuf * _LEN.size
+    if pos > view.nbytes:
+        raise RemoteProtocolError("serialized object header runs past its end")
+    lengths = [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbuf)]
+    if pos + plen + sum(lengths) != view.nbytes:
+        raise RemoteProtocolError("serialized object sizes do not add up")
+    body = view[pos : pos + plen]
+    pos += plen
+    parts = []
+    for n in lengths:
+        parts.append(view[pos : pos + n])
+        pos += n
+    return pickle.loads(body, buffers=parts)

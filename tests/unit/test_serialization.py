@@ -1,0 +1,62 @@
+"""Pickle-5 out-of-band serialization, with bytes alone."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from tdist._core.errors import RemoteProtocolError
+from tdist.transport._serialization import dumps, loads
+
+
+def join(parts: list[memoryview]) -> bytearray:
+    return bytearray(b"".join(bytes(p) for p in parts))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]
+)
+def test_tensors_roundtrip_every_dtype(dtype: torch.dtype) -> None:
+    t = (torch.arange(24) % 5).to(dtype).reshape(2, 3, 4)
+    out = loads(join(dumps({"t": t, "n": 3})))
+    assert out["n"] == 3 and out["t"].dtype == dtype and torch.equal(out["t"], t)
+
+
+def test_views_empty_grad_and_numpy() -> None:
+    m = torch.arange(20.0).reshape(4, 5)
+    obj = {
+        "col": m[:, 1],
+        "empty": torch.empty(0, 3),
+        "leaf": torch.ones(2, requires_grad=True),
+        "arr": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "nested": [torch.tensor(7), ("x", b"y")],
+    }
+    out = loads(join(dumps(obj)))
+    assert torch.equal(out["col"], m[:, 1])
+    assert out["empty"].shape == (0, 3)
+    assert out["leaf"].requires_grad and torch.equal(out["leaf"].detach(), torch.ones(2))
+    assert np.array_equal(out["arr"], obj["arr"])
+    assert out["nested"][0].item() == 7 and out["nested"][1] == ("x", b"y")
+
+
+def test_payloads_travel_out_of_band_without_copies() -> None:
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    parts = dumps([t])
+    assert len(parts) == 3  # header, pickle, the tensor's bytes
+    assert parts[1].nbytes < 1024  # the pickle holds no payload
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(parts[2]))
+    assert addr == t.data_ptr()  # a view of the tensor's own memory
+    data = join(parts)
+    (back,) = loads(data)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    assert base <= back.data_ptr() < base + len(data)  # a view into the received buffer
+    assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("bad", [b"", b"XXXX" + b"\0" * 12, b"TDS1" + b"\1\0\0\0" + b"\0" * 8])
+def test_malformed_input_is_an_error(bad: bytes) -> None:
+    with pytest.raises(RemoteProtocolError):
+        loads(bytearray(bad))
