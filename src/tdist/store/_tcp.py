@@ -352,12 +352,7 @@ class TCPStore(Store):
                         deferred = self._error(Op.SET, frame, None, " (an earlier set)")
                 self._quiet_sent = False
             except TimeoutError as exc:
-                err: DistError = StoreTimeoutError(
-                    f"the store at {self._addr} did not answer {op.name} within {io_timeout:g} s; "
-                    "the server may be stalled or overloaded"
-                )
-                self._fail(err)
-                raise err from exc
+                raise self._stalled(op, io_timeout, "answer") from exc
             except OSError as exc:
                 raise self._lost(op, exc) from exc
         if deferred is not None:
@@ -384,12 +379,7 @@ class TCPStore(Store):
                 self._send(sock, frame_bytes, io_timeout)
                 self._quiet_sent = True
             except TimeoutError as exc:
-                err: DistError = StoreTimeoutError(
-                    f"the store at {self._addr} did not take {op.name} within {io_timeout:g} s; "
-                    "the server may be stalled or overloaded"
-                )
-                self._fail(err)
-                raise err from exc
+                raise self._stalled(op, io_timeout, "take") from exc
             except OSError as exc:
                 raise self._lost(op, exc) from exc
 
@@ -411,6 +401,14 @@ class TCPStore(Store):
             self._reconnect()
         assert self._sock is not None
         return self._sock
+
+    def _stalled(self, op: Op, io_timeout: float, verb: str) -> DistError:
+        err = StoreTimeoutError(
+            f"the store at {self._addr} did not {verb} {op.name} within {io_timeout:g} s; "
+            "the server may be stalled or overloaded"
+        )
+        self._fail(err)
+        return err
 
     def _lost(self, op: Op, exc: BaseException) -> DistError:
         err = DistNetworkError(

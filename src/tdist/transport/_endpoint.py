@@ -613,13 +613,9 @@ class Endpoint:
                 if p.error is not None:
                     raise p.error
                 now = time.monotonic()
-                if now - p.last_heard > self.stall_timeout:
-                    err = PeerError(
-                        f"rank {self.rank}: {p.describe()} stopped answering during {what}: it is stalled",
-                        peer=p.rank,
-                    )
-                    self._fail_peer(p, err)
-                    raise err
+                stalled = self._stalled(p, what, now)
+                if stalled is not None:
+                    raise stalled
                 if deadline is not None and now >= deadline:
                     raise DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
         finally:
@@ -678,14 +674,8 @@ class Endpoint:
             now = time.monotonic()
             if handle.peer >= 0:
                 p = self._peers.get(handle.peer)
-                if p is not None and now - p.last_heard > self.stall_timeout and not handle.done.is_set():
-                    err = PeerError(
-                        f"rank {self.rank}: {p.describe()} has sent nothing for {now - p.last_heard:.1f} s "
-                        f"(no heartbeat) during {what or handle.what}: it is stalled (stopped, hung or "
-                        f"cut off); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
-                        peer=p.rank,
-                    )
-                    self._fail_peer(p, err)
+                if p is not None and not handle.done.is_set():
+                    self._stalled(p, what or handle.what, now)
             if deadline is not None and now >= deadline and not handle.done.is_set():
                 src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
                 raise DistTimeoutError(
@@ -761,14 +751,9 @@ class Endpoint:
                     raise p.error from None
                 if self._broken is not None:
                     raise self._broken from None
-                if now - p.last_heard > self.stall_timeout:
-                    err: DistError = PeerError(
-                        f"rank {self.rank}: {p.describe()} stopped taking data during {what} and has "
-                        f"sent nothing for {now - p.last_heard:.1f} s: it is stalled",
-                        peer=p.rank,
-                    )
-                    self._fail_peer(p, err)
-                    raise err from None
+                stalled = self._stalled(p, what, now)
+                if stalled is not None:
+                    raise stalled from None
                 if deadline is not None and now >= deadline:
                     raise DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out") from None
                 continue
@@ -784,6 +769,21 @@ class Endpoint:
                 else:
                     parts[0] = parts[0][sent:]
                     sent = 0
+
+    def _stalled(self, p: _Peer, what: str, now: float) -> DistError | None:
+        """If nothing has come from ``p`` for ``stall_timeout``: fail it (every waiter on it
+        hears) and return the error; else None."""
+        silent = now - p.last_heard
+        if silent <= self.stall_timeout:
+            return None
+        err = PeerError(
+            f"rank {self.rank}: {p.describe()} has sent nothing for {silent:.1f} s (no heartbeat) "
+            f"during {what}: it is stalled (stopped, hung or cut off); "
+            f"TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
+            peer=p.rank,
+        )
+        self._fail_peer(p, err)
+        return p.error or err
 
     def _lost(self, p: _Peer, exc: BaseException | None, what: str) -> DistError:
         if p.error is not None:
@@ -945,18 +945,7 @@ class Endpoint:
 
     def _on_data(self, p: _Peer, tag: int, meta: bytes, nbytes: int) -> None:
         with self._lock:
-            handle: RecvHandle | None = None
-            q = p.posted.get(tag)
-            if q:
-                handle = q.popleft()
-                if not q:
-                    del p.posted[tag]
-            else:
-                aq = self._any_posted.get(tag)
-                if aq:
-                    handle = aq.popleft()
-                    if not aq:
-                        del self._any_posted[tag]
+            handle, _ = self._match(p, tag)
             pending: _Pending | None = None
             if handle is None:
                 pending = _Pending(meta, nbytes)
