@@ -394,13 +394,15 @@ class ProcessGroupTCP(Backend):
             off = 0
             recvs: list[_StepRecv] = []
             for r in step.recvs:
-                dtype = chunks[r.chunks[0]].dtype if r.chunks else torch.uint8
+                first = chunks[r.chunks[0]] if r.chunks else None
+                dtype = first.dtype if first is not None else torch.uint8
+                itemsize = first.element_size() if first is not None else 1
                 total = sum(chunks[c].numel() for c in r.chunks)
                 direct = r.action == S.Action.COPY and len(r.chunks) == 1 and r.chunks[0] not in sent_now
                 if direct:
                     buf = chunks[r.chunks[0]]
                 else:
-                    nbytes = total * torch.empty(0, dtype=dtype).element_size()
+                    nbytes = total * itemsize
                     buf = stage[off : off + nbytes].view(dtype)
                     off += _align(nbytes)
                 bounds = _piece_bounds(total, buf.element_size()) if len(r.chunks) == 1 else [(0, total)]
