@@ -1,0 +1,1 @@
+"""tdist.rpc (facade filled in by the RPC agent work)."""
