@@ -1,1 +1,50 @@
-"""tdist.rpc (facade filled in by the RPC agent work)."""
+"""``tdist.rpc``: remote procedure calls and remote references (``torch.distributed.rpc``).
+
+``import tdist.rpc as rpc`` runs code written for ``torch.distributed.rpc`` on CPU tensors.
+The TENSORPIPE backend (default) runs over tdist's transport (Unix sockets and cross-memory
+copies on one host, TCP across hosts); PROCESS_GROUP runs over a tdist process group.
+"""
+
+from __future__ import annotations
+
+from . import backend_registry, functions
+from ._agent import RpcTimeoutError, WorkerInfo
+from ._api import (
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    is_available,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from ._errors import RemoteError
+from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
+from ._rref import RRef
+from .backend_registry import BackendType
+from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+
+__all__ = [
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "UNSET_RPC_TIMEOUT",
+    "BackendType",
+    "ProcessGroupRpcBackendOptions",
+    "RRef",
+    "RemoteError",
+    "RpcBackendOptions",
+    "RpcTimeoutError",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+    "backend_registry",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]

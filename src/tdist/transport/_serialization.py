@@ -23,7 +23,7 @@ import torch
 
 from .._core.errors import RemoteProtocolError
 
-__all__ = ["dumps", "loads"]
+__all__ = ["dumps", "loads", "loads_parts"]
 
 _MAGIC = b"TDS1"
 _HEAD = struct.Struct("<4sIQ")
@@ -93,3 +93,23 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         parts.append(view[pos : pos + n])
         pos += n
     return pickle.loads(body, buffers=parts)
+
+
+def loads_parts(prefix: bytes | bytearray | memoryview, buffers: list[memoryview]) -> Any:
+    """Like ``loads`` for a message whose out-of-band buffers arrived apart from its header and
+    pickle (``prefix``), e.g. copied one by one from another process's memory.
+
+    Raises:
+        RemoteProtocolError: the parts do not match the header.
+    """
+    view = memoryview(prefix).cast("B")
+    if view.nbytes < _HEAD.size:
+        raise RemoteProtocolError("serialized object shorter than its header")
+    magic, nbuf, plen = _HEAD.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise RemoteProtocolError(f"not a serialized object (magic {bytes(magic)!r})")
+    pos = _HEAD.size + nbuf * _LEN.size
+    lengths = [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbuf)] if pos <= view.nbytes else []
+    if pos + plen != view.nbytes or lengths != [b.nbytes for b in buffers]:
+        raise RemoteProtocolError("serialized object sizes do not add up")
+    return pickle.loads(view[pos:], buffers=buffers)

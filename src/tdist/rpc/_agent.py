@@ -1,0 +1,609 @@
+"""The RPC agent: calls, replies, deadlines, worker pool, RRef owners; transport-agnostic.
+
+Theory of operation. A subclass moves messages (``_transmit``) and feeds every received one to
+``_on_message`` from whichever thread read it. Outgoing requests get an id and an entry in the
+pending table (its future, the callee, a description, a deadline); a reply completes the
+entry's ``torch.futures.Future`` in the reading thread; a timer thread fails entries whose
+deadline passed; a lost peer fails every entry that waits on it at once. Incoming requests run
+on ``num_worker_threads`` pool threads; a function marked ``async_execution`` returns a future
+and its reply leaves when that future completes. A blocking ``rpc_sync`` asks the subclass to
+read the callee's connection in the calling thread (``_wait_reply``), so its reply needs no
+thread hand-off.
+
+RRefs: values owned here live in ``_owners`` (a future per RRef id, created on first sight so a
+fetch or fork request that overtakes the ``REMOTE`` finds it); the reference counting is
+``_rref_protocol``'s, whose actions this class carries out.
+
+Thread-safety: every public method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._core.errors import DistError, DistTimeoutError, PeerError
+from ..transport import _serialization as ser
+from . import _errors
+from ._message import REQUESTS, MsgKind, decode_meta
+
+__all__ = ["RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_\-:.]+$")
+_MAX_NAME = 128
+
+
+class WorkerInfo:
+    """A worker's name and id (``torch.distributed.rpc.WorkerInfo``): picklable, comparable."""
+
+    __slots__ = ("id", "name")
+
+    def __init__(self, name: str, id: int) -> None:
+        self.name = name
+        self.id = id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerInfo) and other.id == self.id and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.name))
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (WorkerInfo, (self.name, self.id))
+
+
+def validate_name(name: object) -> str:
+    """Raises ``ValueError`` (torch's rule and message) for a name that cannot be a worker's."""
+    if not isinstance(name, str):
+        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
+    if not name or not _NAME_RE.match(name):
+        raise ValueError(f"Worker name must match ^[A-Za-z0-9-_:.]*$, but got {name!r}")
+    if len(name) > _MAX_NAME:
+        raise ValueError(f"RPC worker name {name!r} is longer than {_MAX_NAME} characters")
+    return name
+
+
+class RpcTimeoutError(DistTimeoutError):
+    """An RPC (or ``to_here``) did not finish within its timeout. A ``RuntimeError`` and a
+    ``TimeoutError``; the text starts like torch's."""
+
+
+class _Call:
+    __slots__ = ("deadline", "dst", "fut", "on_reply", "what")
+
+    def __init__(self, fut: Any, dst: int, what: str, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
+        self.fut = fut
+        self.dst = dst
+        self.what = what
+        self.deadline = deadline
+        self.on_reply = on_reply
+
+
+_current: RpcAgent | None = None
+_tls = threading.local()
+
+
+def current_agent(required: bool = True) -> RpcAgent | None:
+    """The running agent of this process."""
+    if _current is None and required:
+        raise RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
+    return _current
+
+
+def set_current_agent(agent: RpcAgent | None) -> None:
+    global _current
+    _current = agent
+
+
+def serialization_peer() -> int | None:
+    """While this thread pickles or unpickles an RPC message: the other worker's id."""
+    return getattr(_tls, "peer", None)
+
+
+def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What an RRef proxy runs on the owner: ``rref.local_value().name(*args, **kwargs)``."""
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """Run ``func``; returns ``(is_async, result)`` (a future when ``func`` is
+    ``async_execution``)."""
+    if func is invoke_rref_method:
+        rref, name, args, kwargs = args
+        func = getattr(rref.local_value(), name)
+    is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
+    return is_async, func(*args, **kwargs)
+
+
+class RpcAgent:
+    """Base of the TENSORPIPE and PROCESS_GROUP agents.
+
+    Args:
+        name: this worker's name.
+        rank: this worker's id.
+        world_size: the group size, or None for a dynamic group.
+        rpc_timeout: the default timeout in seconds (0: none).
+        num_worker_threads: threads that run incoming requests.
+    """
+
+    def __init__(self, name: str, rank: int, world_size: int | None, rpc_timeout: float, num_worker_threads: int) -> None:
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.rpc_timeout = rpc_timeout
+        self.info = WorkerInfo(name, rank)
+        self.label = f"{name} (id {rank})"
+        self._workers: dict[int, WorkerInfo] = {rank: self.info}
+        self._by_name: dict[str, WorkerInfo] = {name: self.info}
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._timers: list[tuple[float, int]] = []
+        self._timer_cv = threading.Condition(self._lock)
+        self._dead: dict[int, PeerError] = {}
+        self._closed = False
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._busy = 0
+        self._active_requests = 0
+        self._idle_cv = threading.Condition(self._lock)
+        self._pool = [
+            threading.Thread(target=self._worker, name=f"tdist-rpc-worker-{rank}-{i}", daemon=True)
+            for i in range(max(1, num_worker_threads))
+        ]
+        for t in self._pool:
+            t.start()
+        self._timer = threading.Thread(target=self._timer_loop, name=f"tdist-rpc-timer-{rank}", daemon=True)
+        self._timer.start()
+        self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
+        from ._rref import RRefContext
+
+        self.rref_ctx: Any = RRefContext(self)
+
+    # -- subclass interface ---------------------------------------------------------------------
+    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:
+        raise NotImplementedError
+
+    def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
+        """Block until ``fut`` is done or the deadline passes (a subclass may read the callee's
+        connection itself)."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        _wait_future(fut, timeout)
+
+    def _close_transport(self, graceful: bool) -> None:
+        raise NotImplementedError
+
+    # -- workers --------------------------------------------------------------------------------
+    def get_worker_info(self, name: str | None = None) -> WorkerInfo:
+        if name is None:
+            return self.info
+        info = self._by_name.get(name)
+        if info is None:
+            raise RuntimeError(f"Unknown destination worker {name}")
+        return info
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return sorted(self._workers.values(), key=lambda w: w.id)
+
+    def _add_worker(self, info: WorkerInfo) -> None:
+        with self._lock:
+            old = self._workers.get(info.id)
+            if old is not None and old.name != info.name:
+                self._by_name.pop(old.name, None)
+            self._workers[info.id] = info
+            self._by_name[info.name] = info
+            self._dead.pop(info.id, None)
+
+    def _remove_worker(self, wid: int) -> None:
+        with self._lock:
+            info = self._workers.pop(wid, None)
+            if info is not None and self._by_name.get(info.name) is info:
+                del self._by_name[info.name]
+
+    def describe(self, wid: int) -> str:
+        info = self._workers.get(wid)
+        return f"{info.name} (id {wid})" if info is not None else f"worker id {wid}"
+
+    def resolve(self, to: Any) -> WorkerInfo:
+        """A ``WorkerInfo`` for a name, an id or a ``WorkerInfo``."""
+        if isinstance(to, WorkerInfo):
+            return to
+        if isinstance(to, str):
+            return self.get_worker_info(to)
+        if isinstance(to, int) and not isinstance(to, bool):
+            info = self._workers.get(to)
+            if info is None:
+                raise RuntimeError(f"Unknown destination worker id {to}")
+            return info
+        raise TypeError(f"`to` must be a worker name, id or WorkerInfo, got {type(to).__name__}")
+
+    # -- calling --------------------------------------------------------------------------------
+    def timeout_seconds(self, timeout: float | None) -> float | None:
+        """The per-call timeout: -1 (unset) is the agent's default; 0 means none."""
+        if timeout is None or timeout < 0:
+            timeout = self.rpc_timeout
+        return None if timeout == 0 else float(timeout)
+
+    def request(
+        self,
+        dst: int,
+        kind: MsgKind,
+        body: Any,
+        timeout: float | None,
+        what: str,
+        on_reply: Callable[[Any, BaseException | None], None] | None = None,
+    ) -> Any:
+        """Send a request; returns a ``torch.futures.Future`` of its reply."""
+        seconds = self.timeout_seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        fut: Any = torch.futures.Future()
+        tag = next(self._ids)
+        call = _Call(fut, dst, what, deadline, on_reply)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.label}: RPC agent is shut down; cannot send {what}")
+            dead = self._dead.get(dst)
+            if dead is None:
+                self._pending[tag] = call
+                if deadline is not None:
+                    if not self._timers or deadline < self._timers[0][0]:
+                        self._timer_cv.notify()
+                    heapq.heappush(self._timers, (deadline, tag))
+        if dead is not None:
+            self._finish(call, None, PeerError(f"{dead} (while sending {what})", peer=dst))
+            return fut
+        try:
+            self._transmit(dst, tag, kind, body, deadline)
+        except BaseException as exc:
+            with self._lock:
+                self._pending.pop(tag, None)
+            if isinstance(exc, (DistError, OSError)):
+                err = exc if isinstance(exc, PeerError) else PeerError(f"{self.label}: could not send {what} to {self.describe(dst)}: {exc}", peer=dst)
+                self._finish(call, None, err)
+                return fut
+            raise
+        return fut
+
+    def wait(self, fut: Any, dst: int, timeout: float | None) -> Any:
+        """``fut.wait()`` for a request to ``dst`` (reading the reply in this thread if it can)."""
+        if not fut.done():
+            seconds = self.timeout_seconds(timeout)
+            deadline = None if seconds is None else time.monotonic() + seconds + 1.0
+            self._wait_reply(dst, fut, deadline)
+        return fut.wait()
+
+    def _finish(self, call: _Call, value: Any, exc: BaseException | None) -> None:
+        if call.on_reply is not None:
+            try:
+                call.on_reply(value, exc)
+            except Exception:
+                log.exception("%s: reply handler for %s failed", self.label, call.what)
+        if exc is not None:
+            call.fut.set_exception(exc)
+        else:
+            call.fut.set_result(value)
+
+    def _timer_loop(self) -> None:
+        while True:
+            expired: list[_Call] = []
+            with self._lock:
+                if self._closed and not self._pending:
+                    return
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    _, tag = heapq.heappop(self._timers)
+                    call = self._pending.pop(tag, None)
+                    if call is not None:
+                        expired.append(call)
+                if not expired:
+                    wait = 1.0 if not self._timers else min(1.0, self._timers[0][0] - now)
+                    self._timer_cv.wait(wait)
+                    continue
+            for call in expired:
+                secs = (call.deadline or 0) - 0
+                del secs
+                self._finish(call, None, self._timeout_error(call))
+
+    def _timeout_error(self, call: _Call) -> RpcTimeoutError:
+        return RpcTimeoutError(
+            f"RPC ran for more than set timeout and will now be marked with an error: {call.what} to "
+            f"{self.describe(call.dst)} did not complete in time (worker {self.label})"
+        )
+
+    # -- receiving ------------------------------------------------------------------------------
+    def _on_message(self, src: int, tag: int, meta: bytes, decode: Callable[[], Any]) -> None:
+        """One received message; ``decode()`` unpickles its body (in this thread)."""
+        try:
+            kind = decode_meta(meta)
+        except DistError as exc:
+            log.warning("%s: dropped a message from %s: %s", self.label, self.describe(src), exc)
+            return
+        if kind in (MsgKind.REPLY_OK, MsgKind.REPLY_ERR):
+            with self._lock:
+                call = self._pending.pop(tag, None)
+            if call is None:
+                return  # it timed out already
+            try:
+                body = self._decode(src, decode)
+            except BaseException as exc:
+                self._finish(call, None, RuntimeError(f"{self.label}: could not decode the reply to {call.what} from {self.describe(src)}: {exc!r}"))
+                return
+            if kind == MsgKind.REPLY_OK:
+                self._finish(call, body, None)
+            else:
+                self._finish(call, None, _errors.rebuild(body, call=call.what) if isinstance(body, _errors.RemoteExceptionRecord) else RuntimeError(repr(body)))
+            return
+        if kind in REQUESTS:
+            try:
+                body = self._decode(src, decode)
+            except BaseException as exc:
+                err = _errors.capture(exc, self.label)
+                self._jobs.put(lambda: self._reply_error(src, tag, err))
+                return
+            self._accept_request(src, tag, kind, body)
+            return
+        if kind == MsgKind.RREF:
+            try:
+                body = self._decode(src, decode)
+            except BaseException:
+                log.exception("%s: undecodable RRef message from %s", self.label, self.describe(src))
+                return
+            self._on_rref_message(src, body)
+            return
+        if kind == MsgKind.LEAVE:
+            self._on_leave(src)
+
+    def _decode(self, src: int, decode: Callable[[], Any]) -> Any:
+        old = getattr(_tls, "peer", None)
+        _tls.peer = src
+        try:
+            return decode()
+        finally:
+            _tls.peer = old
+
+    def encode(self, dst: int, body: Any) -> list[memoryview]:
+        """Serialize ``body`` for ``dst`` (RRefs inside fork for ``dst``)."""
+        old = getattr(_tls, "peer", None)
+        _tls.peer = dst
+        try:
+            return ser.dumps(body)
+        finally:
+            _tls.peer = old
+
+    def _accept_request(self, src: int, tag: int, kind: MsgKind, body: Any) -> None:
+        if kind == MsgKind.REMOTE:
+            # the owner's record exists from the moment the request arrives (in arrival order)
+            func, args, kwargs, rref_id, fork_id = body
+            self._owner_future(rref_id)
+            self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, fork_id, src)
+            self._jobs.put(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
+        elif kind == MsgKind.FETCH:
+            self._serve_fetch(src, tag, body)
+        elif kind == MsgKind.JOIN:
+            self._on_join(src, tag, body)
+        else:
+            func, args, kwargs = body
+            self._jobs.put(lambda: self._run_call(src, tag, func, args, kwargs))
+
+    def _worker(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._active_requests += 1
+            try:
+                job()
+            except BaseException:
+                log.exception("%s: an RPC job failed", self.label)
+            finally:
+                with self._lock:
+                    self._active_requests -= 1
+                    if self._active_requests == 0:
+                        self._idle_cv.notify_all()
+
+    def _run_call(self, src: int, tag: int, func: Any, args: Any, kwargs: Any) -> None:
+        try:
+            is_async, result = run_user_function(func, args or (), kwargs or {})
+        except BaseException as exc:
+            self._reply_error(src, tag, _errors.capture(exc, self.label))
+            return
+        if is_async:
+            self._reply_when_done(src, tag, result, func)
+        else:
+            self._reply(src, tag, result)
+
+    def _reply_when_done(self, src: int, tag: int, fut: Any, func: Any) -> None:
+        if not isinstance(fut, torch.futures.Future):
+            err = TypeError(f"async_execution function {_errors.describe_call(func)} must return a torch.futures.Future, got {type(fut).__name__}")
+            self._reply_error(src, tag, _errors.capture(err, self.label))
+            return
+
+        def done(f: Any) -> None:
+            try:
+                value = f.wait()
+            except BaseException as exc:
+                self._reply_error(src, tag, _errors.capture(_unwrap(exc), self.label))
+                return
+            self._reply(src, tag, value)
+
+        fut.add_done_callback(done)
+
+    def _reply(self, dst: int, tag: int, value: Any) -> None:
+        try:
+            self._transmit(dst, tag, MsgKind.REPLY_OK, value, None)
+        except (DistError, OSError) as exc:
+            log.debug("%s: could not reply to %s: %s", self.label, self.describe(dst), exc)
+        except BaseException as exc:  # the result could not be serialized: say so
+            self._reply_error(dst, tag, _errors.capture(exc, self.label))
+
+    def _reply_error(self, dst: int, tag: int, record: Any) -> None:
+        try:
+            self._transmit(dst, tag, MsgKind.REPLY_ERR, record, None)
+        except BaseException as exc:
+            log.debug("%s: could not send an error reply to %s: %s", self.label, self.describe(dst), exc)
+
+    # -- RRef owners ----------------------------------------------------------------------------
+    def _owner_future(self, rref_id: Any) -> Any:
+        with self._lock:
+            fut = self._owners.get(rref_id)
+            if fut is None:
+                fut = self._owners[rref_id] = torch.futures.Future()
+            return fut
+
+    def _run_remote(self, src: int, tag: int, func: Any, args: Any, kwargs: Any, rref_id: Any) -> None:
+        fut = self._owner_future(rref_id)
+        try:
+            is_async, result = run_user_function(func, args or (), kwargs or {})
+        except BaseException as exc:
+            record = _errors.capture(exc, self.label)
+            _set_owner_error(fut, record)
+            self._reply_error(src, tag, record)
+            return
+        if is_async and isinstance(result, torch.futures.Future):
+
+            def done(f: Any) -> None:
+                try:
+                    value = f.wait()
+                except BaseException as exc:
+                    record = _errors.capture(_unwrap(exc), self.label)
+                    _set_owner_error(fut, record)
+                    self._reply_error(src, tag, record)
+                    return
+                if not fut.done():
+                    fut.set_result(value)
+                self._reply(src, tag, None)
+
+            result.add_done_callback(done)
+            return
+        if not fut.done():
+            fut.set_result(result)
+        self._reply(src, tag, None)
+
+    def _serve_fetch(self, src: int, tag: int, rref_id: Any) -> None:
+        fut = self._owner_future(rref_id)
+
+        def send(f: Any) -> None:
+            value = f.value()
+            if isinstance(value, _OwnerError):
+                self._jobs.put(lambda: self._reply_error(src, tag, value.record))
+            else:
+                self._jobs.put(lambda: self._reply(src, tag, value))
+
+        fut.add_done_callback(send)
+
+    def _on_rref_message(self, src: int, msg: Any) -> None:
+        self.rref_ctx.run(self.rref_ctx.proto.handle, src, msg)
+
+    # -- membership -----------------------------------------------------------------------------
+    def _on_join(self, src: int, tag: int, body: Any) -> None:
+        self._jobs.put(lambda: self._reply(src, tag, None))
+
+    def _on_leave(self, src: int) -> None:
+        self._remove_worker(src)
+
+    def peer_lost(self, peer: int, err: PeerError, graceful: bool) -> None:
+        """Fail every request waiting on ``peer``; later requests to it fail at once."""
+        with self._lock:
+            self._dead[peer] = err
+            calls = [(t, c) for t, c in self._pending.items() if c.dst == peer]
+            for t, _ in calls:
+                del self._pending[t]
+        for _, c in calls:
+            self._finish(c, None, PeerError(f"{err} (while waiting for {c.what})", peer=peer))
+        if peer != self.rank:
+            self.rref_ctx.run(self.rref_ctx.proto.peer_failed, peer)
+        if graceful and self.world_size is None:
+            self._remove_worker(peer)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def wait_outstanding(self, deadline: float | None) -> bool:
+        """Wait until no request of ours waits for a reply; False at the deadline."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+
+    def stop(self, graceful: bool) -> None:
+        """Stop the pool and the transport; pending requests fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            calls = list(self._pending.values())
+            self._pending.clear()
+            self._timer_cv.notify_all()
+        err = RuntimeError(f"{self.label}: RPC agent shut down before a reply came")
+        for c in calls:
+            self._finish(c, None, err)
+        if graceful:
+            end = time.monotonic() + 5.0
+            with self._lock:
+                while self._active_requests and time.monotonic() < end:
+                    self._idle_cv.wait(0.05)
+        self._close_transport(graceful)
+        self.rref_ctx.close()
+        for _ in self._pool:
+            self._jobs.put(None)
+        me = threading.current_thread()
+        end = time.monotonic() + 2.0
+        for t in self._pool:
+            if t is not me:
+                t.join(max(0.0, end - time.monotonic()))
+
+
+class _OwnerError:
+    """An owned value that failed: fetches answer with the error."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Any) -> None:
+        self.record = record
+
+
+def _set_owner_error(fut: Any, record: Any) -> None:
+    if not fut.done():
+        fut.set_result(_OwnerError(record))
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    return exc
+
+
+def _wait_future(fut: Any, timeout: float | None) -> None:
+    if fut.done():
+        return
+    ev = threading.Event()
+    fut.add_done_callback(lambda _f: ev.set())
+    ev.wait(timeout)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+_keep = (contextlib, traceback, weakref)

@@ -1,0 +1,239 @@
+"""``tdist.rpc``'s functions: ``init_rpc``, ``rpc_sync``, ``rpc_async``, ``remote``, ``shutdown``.
+
+Semantics follow ``torch.distributed.rpc``: timeouts in seconds where -1 (``UNSET_RPC_TIMEOUT``)
+is the agent's default and 0 means none; ``rpc_async`` returns a ``torch.futures.Future``;
+``remote`` returns an ``RRef`` at once. Errors raised by the callee are raised on the caller
+with their type, message, the callee's name and its traceback (``_errors``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .. import store as _store
+from . import _errors, backend_registry
+from ._agent import RpcAgent, WorkerInfo, current_agent, set_current_agent
+from ._message import MsgKind
+from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
+from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+
+__all__ = [
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+log = logging.getLogger(__name__)
+
+# torch's switch: when False, shutdown raises if RRefs are still referenced (leaks)
+_ignore_rref_leak = True
+_init_lock = threading.Lock()
+_stores: list[Any] = []  # keep the rendezvous store (and a store server we host) alive
+
+
+def is_available() -> bool:
+    """RPC is always available in tdist."""
+    return True
+
+
+def _dynamic_store(init_method: str, rank: int) -> Any:
+    """A store for a group without a fixed size: rank 0 hosts it, others connect."""
+    from urllib.parse import urlparse
+
+    url = urlparse(init_method)
+    if url.scheme == "env":
+        host = os.environ["MASTER_ADDR"]
+        port = int(os.environ["MASTER_PORT"])
+    elif url.scheme == "tcp":
+        host, port = url.hostname or "127.0.0.1", int(url.port or 0)
+    elif url.scheme == "file":
+        return _store.FileStore(url.path, -1)
+    else:
+        raise ValueError(f"init_method {init_method!r} cannot form a dynamic RPC group (use env://, tcp:// or file://)")
+    return _store.TCPStore(host, port, None, rank == 0, timedelta(seconds=300), wait_for_workers=False)
+
+
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Start this process's RPC agent and join the group (``torch.distributed.rpc.init_rpc``).
+
+    Args:
+        name: a unique name (letters, digits, ``-``, ``_``, ``:``, ``.``).
+        backend: a ``BackendType`` (default ``TENSORPIPE``, or the one the options imply).
+        rank: this worker's unique id (-1: ``RANK`` from the environment).
+        world_size: the number of workers of a static group; ``None`` for a group that
+            workers join and leave while it runs.
+        rpc_backend_options: the backend's options (default: the backend's defaults).
+
+    Raises:
+        TypeError: wrong argument types. ValueError: invalid name or device maps.
+        RuntimeError: already initialized, duplicate names, or the group did not form.
+    """
+    if backend is not None and not isinstance(backend, backend_registry.BackendTypeBase):
+        raise TypeError("Argument backend must be a member of BackendType")
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+    if backend is None:
+        if isinstance(rpc_backend_options, ProcessGroupRpcBackendOptions):
+            backend = backend_registry.BackendType.PROCESS_GROUP
+        else:
+            backend = backend_registry.BackendType.TENSORPIPE
+    if rpc_backend_options is None:
+        rpc_backend_options = backend_registry.construct_rpc_backend_options(backend)
+    if rank is None or rank < 0:
+        rank = int(os.environ.get("RANK", "-1"))
+        if rank < 0:
+            raise ValueError("init_rpc needs a rank: pass rank= or set RANK")
+    if world_size is not None and not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    with _init_lock:
+        if current_agent(required=False) is not None:
+            raise RuntimeError("RPC is already initialized")
+        if world_size is None:
+            store = _dynamic_store(rpc_backend_options.init_method, rank)
+        else:
+            from ..store._rendezvous import rendezvous
+
+            store, rank, world_size = next(rendezvous(rpc_backend_options.init_method, rank=rank, world_size=world_size))
+        agent = backend_registry.init_backend(
+            backend, store=store, name=name, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options
+        )
+        _stores.append(store)
+        set_current_agent(agent)
+
+
+def _agent() -> RpcAgent:
+    agent = current_agent()
+    assert agent is not None
+    return agent
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The ``WorkerInfo`` of ``worker_name``, or of this worker when None.
+
+    Raises:
+        RuntimeError: RPC is not initialized, or no worker has that name.
+    """
+    return _agent().get_worker_info(worker_name)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this worker's RPCs, in seconds."""
+    return _agent().rpc_timeout
+
+
+def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    if not callable(func):
+        raise TypeError(f"function should be callable, got {type(func).__name__}")
+    return func, tuple(args) if args is not None else (), dict(kwargs) if kwargs is not None else {}
+
+
+def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    """Call ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``.
+
+    Raises:
+        RuntimeError: RPC not initialized or unknown worker; the future fails with the callee's
+            exception, a timeout or a lost callee.
+    """
+    agent = _agent()
+    dst = agent.resolve(to)
+    body = _call_body(func, args, kwargs)
+    what = f"rpc_async({dst.name}, {_errors.describe_call(func)})"
+    return agent.request(dst.id, MsgKind.CALL, body, timeout, what)
+
+
+def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    """Call ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Raises:
+        Exception: the callee's exception (same type where it can be rebuilt), a timeout
+            (``RuntimeError``/``TimeoutError``) or a ``PeerError`` when the callee is lost.
+    """
+    agent = _agent()
+    dst = agent.resolve(to)
+    body = _call_body(func, args, kwargs)
+    what = f"rpc_sync({dst.name}, {_errors.describe_call(func)})"
+    fut = agent.request(dst.id, MsgKind.CALL, body, timeout, what)
+    return agent.wait(fut, dst.id, timeout)
+
+
+def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return an ``RRef`` to its result at
+    once (the value stays on ``to``)."""
+    from ._rref import create_remote
+
+    agent = _agent()
+    dst = agent.resolve(to)
+    func, a, kw = _call_body(func, args, kwargs)
+    return create_remote(agent, dst, func, a, kw, timeout)
+
+
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Stop this worker's agent.
+
+    With ``graceful=True`` (static group) it waits until every worker has called shutdown and
+    all outstanding work and RRef messages are done; in a dynamic group it finishes its own
+    work, tells the others it leaves and goes. ``graceful=False`` leaves at once.
+
+    Args:
+        graceful: see above.
+        timeout: seconds for the graceful phases (0: the agent's RPC timeout, or 60 s).
+
+    Raises:
+        RuntimeError: RPC is not initialized; ``DistTimeoutError`` when other workers did not
+            reach shutdown in time; leaked RRefs when ``_ignore_rref_leak`` is False.
+    """
+    agent = _agent()
+    try:
+        if graceful:
+            seconds = timeout if timeout and timeout > 0 else (agent.rpc_timeout or 60.0)
+            leaks = _graceful(agent, seconds)
+            if leaks and not _ignore_rref_leak:
+                raise RuntimeError("Leaking RRefs at shutdown:\n" + "\n".join(leaks))
+            if leaks:
+                log.info("%s: RRefs still referenced at shutdown (released): %s", agent.label, "; ".join(leaks))
+    finally:
+        agent.stop(graceful)
+        with _init_lock:
+            if current_agent(required=False) is agent:
+                set_current_agent(None)
+
+
+def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
+    from ._rref import release_all, settle
+
+    deadline = time.monotonic() + seconds
+    agent.wait_outstanding(deadline)
+    barrier = getattr(agent, "barrier", None)
+    if agent.world_size is not None and barrier is not None:
+        barrier("shutdown-1", max(0.1, deadline - time.monotonic()))
+    leaks = release_all(agent)
+    settle(agent, deadline)
+    agent.wait_outstanding(deadline)
+    if agent.world_size is not None and barrier is not None:
+        barrier("shutdown-2", max(0.1, deadline - time.monotonic()))
+    else:
+        leave = getattr(agent, "leave_dynamic", None)
+        if leave is not None:
+            leave()
+    return leaks
+
+
+_keep = (torch, TensorPipeRpcBackendOptions)

@@ -1,0 +1,474 @@
+"""``RRef``: a reference to a value that lives on one worker, and the agent's side of the
+reference-counting protocol.
+
+Theory of operation. The decisions are ``_rref_protocol``'s (pure). ``RRefContext`` holds one
+``RRefProtocol`` per agent under a lock, feeds it what happens here (a ``remote()``, an RRef
+pickled into or out of a message, a Python ``RRef`` object dying, a protocol message, a lost
+peer) and performs its actions: protocol messages go out on one sender thread, in order;
+``DeleteOwner`` drops the owned value; ``Confirmed`` marks the Python object. Python objects die
+in ``__del__``, possibly inside the garbage collector on any thread, so they only enqueue their
+release (``SimpleQueue.put`` is safe there) and the sender thread tells the protocol.
+
+An ``RRef`` pickles only inside an RPC message (the agent says which worker it goes to): that
+is a fork. Unpickling makes an owner object on the owner and a user object anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from .._core.errors import DistError, PeerError
+from . import _errors
+from ._agent import (
+    RpcAgent,
+    RpcTimeoutError,
+    WorkerInfo,
+    _OwnerError,
+    current_agent,
+    invoke_rref_method,
+    run_user_function,
+    serialization_peer,
+)
+from ._message import MsgKind
+from ._rref_protocol import (
+    Confirmed,
+    DeleteOwner,
+    ForkId,
+    GloballyUniqueId,
+    ProtocolWarning,
+    RRefId,
+    RRefLost,
+    RRefProtocol,
+    Send,
+)
+from .constants import UNSET_RPC_TIMEOUT
+
+__all__ = ["RRef", "RRefContext", "create_remote", "release_all", "settle"]
+
+log = logging.getLogger(__name__)
+
+
+class RRefContext:
+    """The agent's RRef state: the protocol, live user objects, the ordered sender."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self.proto = RRefProtocol(agent.rank)
+        self.lock = threading.Lock()
+        self.users: dict[ForkId, weakref.ref[RRef]] = {}
+        self.lost: dict[RRefId, str] = {}
+        self._out: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._queued = 0  # items put and not yet done (approximate, for settle())
+        self._thread = threading.Thread(target=self._loop, name=f"tdist-rref-{agent.rank}", daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """Call a protocol method under the lock and perform its actions."""
+        with self.lock:
+            actions = fn(*args)
+            self.perform(actions)
+        return actions
+
+    def perform(self, actions: Any) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self._put(("send", (a.dst, a.msg)))
+            elif isinstance(a, DeleteOwner):
+                self.agent._owners.pop(a.rref_id, None)
+            elif isinstance(a, Confirmed):
+                ref = self.users.get(a.fork_id)
+                obj = ref() if ref is not None else None
+                if obj is not None:
+                    obj._confirmed = True
+            elif isinstance(a, RRefLost):
+                self.lost[a.rref_id] = a.reason
+                fut = self.agent._owners.get(a.rref_id)
+                if fut is not None and not fut.done():
+                    err = RuntimeError(f"{self.agent.label}: RRef {a.rref_id} is lost: {a.reason}")
+                    fut.set_result(_OwnerError(_errors.capture(err, self.agent.label)))
+            elif isinstance(a, ProtocolWarning):
+                log.info("%s: RRef protocol: %s", self.agent.label, a.text)
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        self._queued += 1
+        self._out.put(item)
+
+    def released(self, kind: str, ident: Any) -> None:
+        """From ``__del__``: a Python object died (no locks taken here)."""
+        self._queued += 1
+        self._out.put((kind, ident))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._out.get()
+            if item is None:
+                return
+            kind, arg = item
+            try:
+                if kind == "send":
+                    dst, msg = arg
+                    try:
+                        self.agent._transmit(dst, 0, MsgKind.RREF, msg, time.monotonic() + 30.0)
+                    except (DistError, OSError) as exc:
+                        log.debug("%s: RRef message to %s not sent: %s", self.agent.label, self.agent.describe(dst), exc)
+                elif kind == "user":
+                    with self.lock:
+                        self.users.pop(arg, None)
+                        if self.proto.user(arg) is not None:
+                            self.perform(self.proto.user_released(arg))
+                elif kind == "owner":
+                    with self.lock:
+                        if self.proto.has_owner(arg):
+                            self.perform(self.proto.owner_released(arg))
+            except Exception:
+                log.exception("%s: RRef bookkeeping failed", self.agent.label)
+            finally:
+                self._queued -= 1
+
+    def busy(self) -> bool:
+        return self._queued > 0
+
+    def close(self) -> None:
+        self._out.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+
+
+def release_all(agent: RpcAgent) -> list[str]:
+    """Graceful shutdown: release every user reference; returns the leaks (held locally)."""
+    ctx: RRefContext = agent.rref_ctx
+    with ctx.lock:
+        ctx.perform(ctx.proto.release_all_users())
+        return [str(leak) for leak in ctx.proto.leaks() if leak.role == "user"]
+
+
+def settle(agent: RpcAgent, deadline: float) -> bool:
+    """Wait until nothing of the RRef protocol is in flight here (or the deadline)."""
+    ctx: RRefContext = agent.rref_ctx
+    while time.monotonic() < deadline:
+        with ctx.lock:
+            idle = ctx.proto.idle()
+        if idle and not ctx.busy():
+            return True
+        time.sleep(0.002)
+    with ctx.lock:
+        log.info("%s: RRef protocol not settled at shutdown:\n%s", agent.label, ctx.proto.pending())
+    return False
+
+
+class RRef:
+    """A reference to a value on one worker, its owner (``torch.distributed.rpc.RRef``).
+
+    ``RRef(value)`` makes a local one (this worker owns ``value``); ``rpc.remote`` makes one
+    owned by the callee. Passing an RRef in an RPC shares it; the value is deleted on its owner
+    when no reference remains anywhere.
+    """
+
+    __slots__ = ("__weakref__", "_agent", "_confirmed", "_create_fut", "_dead", "_fork_id", "_is_owner", "_owner", "_rref_id", "_type")
+
+    def __init__(self, value: Any = None, type_hint: Any = None) -> None:
+        agent = _require_agent()
+        ctx: RRefContext = agent.rref_ctx
+        with ctx.lock:
+            rref_id = ctx.proto.create_owner_local()
+        fut = agent._owner_future(rref_id)
+        fut.set_result(value)
+        self._set_owner(agent, rref_id, type_hint if type_hint is not None else type(value))
+
+    def _set_owner(self, agent: RpcAgent, rref_id: RRefId, type_hint: Any = None) -> None:
+        self._agent = agent
+        self._rref_id = rref_id
+        self._fork_id: ForkId | None = None
+        self._owner = agent.info
+        self._is_owner = True
+        self._confirmed = True
+        self._create_fut: Any = None
+        self._type = type_hint
+        self._dead = False
+
+    @classmethod
+    def _user(cls, agent: RpcAgent, rref_id: RRefId, fork_id: ForkId, owner: WorkerInfo, confirmed: bool, type_hint: Any = None) -> RRef:
+        obj = cls.__new__(cls)
+        obj._agent = agent
+        obj._rref_id = rref_id
+        obj._fork_id = fork_id
+        obj._owner = owner
+        obj._is_owner = False
+        obj._confirmed = confirmed
+        obj._create_fut = None
+        obj._type = type_hint
+        obj._dead = False
+        return obj
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls
+
+    # -- queries --------------------------------------------------------------------------------
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._is_owner
+
+    def owner(self) -> WorkerInfo:
+        """The owner's ``WorkerInfo``."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        """The owner's name."""
+        return self._owner.name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows about this reference (always True on the owner)."""
+        return self._confirmed
+
+    def _get_future(self) -> Any:
+        """A future that completes when the owner has created the value (``remote()``)."""
+        if self._create_fut is not None:
+            return self._create_fut
+        fut: Any = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def local_value(self) -> Any:
+        """The value, on the owner.
+
+        Raises:
+            RuntimeError: called on a user (not the owner), or the value failed.
+        """
+        if not self._is_owner:
+            raise RuntimeError(
+                f"Cannot call localValue() on a non-owner RRef: RRef {self._rref_id} is owned by "
+                f"{self._owner.name}, and this is {self._agent.name}. Use to_here() to copy the value."
+            )
+        return self._owned_value(None)
+
+    def _owned_value(self, timeout: float | None) -> Any:
+        fut = self._agent._owners.get(self._rref_id)
+        if fut is None:
+            raise RuntimeError(f"{self._agent.label}: the value of RRef {self._rref_id} was deleted")
+        if not fut.done():
+            seconds = self._agent.timeout_seconds(timeout)
+            ev = threading.Event()
+            fut.add_done_callback(lambda _f: ev.set())
+            if not ev.wait(seconds):
+                raise RpcTimeoutError(
+                    f"RPC ran for more than set timeout ({seconds:g} s) and will now be marked with an "
+                    f"error: the value of RRef {self._rref_id} on {self._agent.label} is not ready"
+                )
+        value = fut.value()
+        if isinstance(value, _OwnerError):
+            raise _errors.rebuild(value.record, call=f"creating RRef {self._rref_id}")
+        return value
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """A copy of the value, fetched from the owner (the value itself on the owner).
+
+        Raises:
+            Exception: the error the value's creation raised; a timeout; ``PeerError`` when the
+                owner is lost.
+        """
+        if self._is_owner:
+            return self._owned_value(timeout)
+        reason = self._agent.rref_ctx.lost.get(self._rref_id)
+        if reason is not None:
+            raise PeerError(f"{self._agent.label}: to_here() of RRef {self._rref_id}: {reason}", peer=self._owner.id)
+        cf = self._create_fut
+        if cf is not None and cf.done():
+            with contextlib.suppress(Exception):
+                cf.wait()
+            exc = _future_error(cf)
+            if isinstance(exc, (RpcTimeoutError, PeerError)):
+                raise exc
+        what = f"to_here() of RRef {self._rref_id} owned by {self._owner.name}"
+        fut = self._agent.request(self._owner.id, MsgKind.FETCH, self._rref_id, timeout, what)
+        return self._agent.wait(fut, self._owner.id, timeout)
+
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
+        """The type of the value (asked of the owner once)."""
+        if self._type is None:
+            if self._is_owner:
+                self._type = type(self._owned_value(timeout))
+            else:
+                from ._api import rpc_sync
+
+                self._type = rpc_sync(self._owner, _value_type, args=(self,), timeout=timeout)
+        if not blocking:
+            fut: Any = torch.futures.Future()
+            fut.set_result(self._type)
+            return fut
+        return self._type
+
+    # -- proxies --------------------------------------------------------------------------------
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on the owner."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """``rref.rpc_async().method(*args)`` returns a future of ``method``'s result."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """``rref.remote().method(*args)`` returns an RRef to ``method``'s result (on the owner)."""
+        return _Proxy(self, "remote", timeout)
+
+    # -- pickling and lifetime ------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        dst = serialization_peer()
+        if dst is None:
+            raise RuntimeError("RRef can only be pickled by RPC (as an argument or result of an RPC call)")
+        agent = self._agent
+        ctx: RRefContext = agent.rref_ctx
+        with ctx.lock:
+            decision = ctx.proto.fork_for(self._rref_id, self._fork_id, self._owner.id, dst)
+            ctx.perform(decision.actions)
+        type_name = None
+        return (
+            _rebuild_rref,
+            (tuple(self._rref_id), tuple(decision.fork_id), self._owner.id, self._owner.name, agent.rank, type_name),
+        )
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_dead", True):
+                return
+            self._dead = True
+            ctx = self._agent.rref_ctx
+            if self._is_owner:
+                ctx.released("owner", self._rref_id)
+            else:
+                ctx.released("user", self._fork_id)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if self._is_owner:
+            return f"OwnerRRef({self._rref_id})"
+        return f"UserRRef(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
+
+
+class _Proxy:
+    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        from . import _api
+
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+        call = getattr(_api, mode)
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return call(rref.owner(), invoke_rref_method, args=(rref, name, args, kwargs), timeout=timeout)
+
+        return method
+
+
+def _value_type(rref: RRef) -> Any:
+    return type(rref.local_value())
+
+
+def _future_error(fut: Any) -> BaseException | None:
+    try:
+        fut.wait()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def _require_agent() -> RpcAgent:
+    agent = current_agent()
+    assert agent is not None
+    return agent
+
+
+def _rebuild_rref(rref_id: tuple[int, int], fork_id: tuple[int, int], owner_id: int, owner_name: str, parent: int, type_hint: Any) -> RRef:
+    agent = _require_agent()
+    ctx: RRefContext = agent.rref_ctx
+    rid, fid = GloballyUniqueId(*rref_id), GloballyUniqueId(*fork_id)
+    with ctx.lock:
+        if owner_id == agent.rank:
+            obj = RRef.__new__(RRef)
+            obj._set_owner(agent, rid, type_hint)
+            agent._owner_future(rid)
+        else:
+            info = agent._workers.get(owner_id) or WorkerInfo(owner_name, owner_id)
+            obj = RRef._user(agent, rid, fid, info, confirmed=False, type_hint=type_hint)
+            ctx.users[fid] = weakref.ref(obj)
+        ctx.perform(ctx.proto.received(rid, fid, owner_id, parent))
+        if not obj._is_owner:
+            u = ctx.proto.user(fid)
+            obj._confirmed = bool(u is not None and u.confirmed)
+    return obj
+
+
+def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> RRef:
+    """``rpc.remote``: an RRef at once; the value is made on ``dst``."""
+    ctx: RRefContext = agent.rref_ctx
+    what = f"remote({dst.name}, {_errors.describe_call(func)})"
+    if dst.id == agent.rank:
+        with ctx.lock:
+            rref_id = ctx.proto.create_owner_local()
+        obj = RRef.__new__(RRef)
+        obj._set_owner(agent, rref_id)
+        value_fut = agent._owner_future(rref_id)
+        created: Any = torch.futures.Future()
+        obj._create_fut = created
+        agent._jobs.put(lambda: _run_local(agent, func, args, kwargs, value_fut, created))
+        return obj
+    with ctx.lock:
+        rref_id, fork_id = ctx.proto.create_user_for_remote(dst.id)
+        obj = RRef._user(agent, rref_id, fork_id, dst, confirmed=False)
+        ctx.users[fork_id] = weakref.ref(obj)
+
+    def on_reply(value: Any, exc: BaseException | None) -> None:
+        if isinstance(exc, PeerError):
+            return  # the protocol hears of the lost peer itself
+        if isinstance(exc, RpcTimeoutError):
+            ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)
+            return
+        ctx.run(ctx.proto.confirm, fork_id)
+
+    try:
+        obj._create_fut = agent.request(dst.id, MsgKind.REMOTE, (func, args, kwargs, rref_id, fork_id), timeout, what, on_reply=on_reply)
+    except BaseException:
+        ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)
+        obj._dead = True
+        raise
+    return obj
+
+
+def _run_local(agent: RpcAgent, func: Any, args: Any, kwargs: Any, value_fut: Any, created: Any) -> None:
+    def fail(exc: BaseException) -> None:
+        record = _errors.capture(exc, agent.label)
+        if not value_fut.done():
+            value_fut.set_result(_OwnerError(record))
+        created.set_exception(_errors.rebuild(record))
+
+    try:
+        is_async, result = run_user_function(func, args, kwargs)
+    except BaseException as exc:
+        fail(exc)
+        return
+    if is_async and isinstance(result, torch.futures.Future):
+
+        def done(f: Any) -> None:
+            try:
+                v = f.wait()
+            except BaseException as exc:
+                fail(exc)
+                return
+            value_fut.set_result(v)
+            created.set_result(None)
+
+        result.add_done_callback(done)
+        return
+    value_fut.set_result(result)
+    created.set_result(None)

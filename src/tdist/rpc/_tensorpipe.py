@@ -1,0 +1,220 @@
+"""The TENSORPIPE agent: RPC over tdist's own message transport.
+
+Theory of operation. Each worker starts a ``transport.Messenger`` (an abstract Unix socket for
+workers of its host, TCP for the others, cross-memory copies for large tensors between
+processes of one host), publishes ``{name, address, devices}`` in the store under a job token,
+and connects to a peer when it first sends to it.
+
+Static group (``world_size`` given): ``init_rpc`` waits until every worker has published
+(a barrier), checks that names are unique and validates the device maps as torch does.
+Dynamic group (``world_size=None``): a worker claims its name in the store, reads the
+current members, connects to each and introduces itself with ``JOIN``; a member learns about a
+newcomer from that message. Leaving sends ``LEAVE`` to every member; nothing depends on the
+store after joining, so any worker, the store's host included, may leave while the others go on.
+
+Graceful shutdown (static): wait for our own outstanding requests, barrier, release every user
+RRef, wait for the RRef protocol to settle, barrier, close. Requests keep being served
+throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._core import auth
+from .._core.errors import DistStoreError, DistTimeoutError
+from ..transport import _serialization as ser
+from ..transport._endpoint import _advertised_address
+from ..transport._messenger import Messenger, Payload, PeerAddress
+from ._agent import RpcAgent, WorkerInfo, validate_name
+from ._message import MsgKind, encode_meta
+from ._options import TensorPipeRpcBackendOptions, resolve_device_maps
+
+__all__ = ["TensorPipeAgent"]
+
+log = logging.getLogger(__name__)
+
+_INIT_TIMEOUT = float(os.environ.get("TDIST_RPC_INIT_TIMEOUT", "300"))
+
+
+class TensorPipeAgent(RpcAgent):
+    """``TENSORPIPE`` backend agent (see the module docstring).
+
+    Raises:
+        ValueError: an invalid or duplicate name, or invalid device maps.
+        RuntimeError: the group could not be formed in time.
+    """
+
+    def __init__(self, store: Any, name: str, rank: int, world_size: int | None, options: TensorPipeRpcBackendOptions) -> None:
+        validate_name(name)
+        super().__init__(name, rank, world_size, float(options.rpc_timeout), int(options.num_worker_threads))
+        self.store = store
+        self.options = options
+        self._addresses: dict[int, PeerAddress] = {}
+        self.device_maps: dict[str, Any] = {}
+        self.devices: list[torch.device] = []
+        token_hex = store.compare_set("rpc/token", "", secrets.token_hex(16)).decode()
+        self._prefix = f"rpc/{token_hex}"
+        self.messenger = Messenger(
+            rank,
+            self.label,
+            bytes.fromhex(token_hex),
+            auth.resolve_secret(None),
+            self._lookup,
+            self.describe,
+            self._on_frame,
+            self.peer_lost,
+            advertise=_advertised_address(store),
+            heartbeat_interval=float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0")),
+            stall_timeout=float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "5.0")),
+        )
+        try:
+            if world_size is None:
+                self._join_dynamic()
+            else:
+                self._join_static(world_size)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    # -- forming the group ----------------------------------------------------------------------
+    def _record(self) -> str:
+        maps = {to: {str(k): str(v) for k, v in m.items()} for to, m in self.options.device_maps.items()}
+        return json.dumps(
+            {
+                "name": self.name,
+                "addr": self.messenger.address,
+                "maps": maps,
+                "devices": [str(d) for d in self.options.devices],
+                # CUDA path: the number of visible GPUs bounds the indices a map may use
+                "ndev": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            }
+        )
+
+    def _join_static(self, world_size: int) -> None:
+        p = self._prefix
+        self.store.set(f"{p}/worker/{self.rank}", self._record())
+        keys = [f"{p}/worker/{i}" for i in range(world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=_INIT_TIMEOUT))
+        except (DistStoreError, TimeoutError) as exc:
+            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            raise RuntimeError(f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)") from exc
+        records = [json.loads(v) for v in self.store.multi_get(keys)]
+        names: dict[str, int] = {}
+        for i, rec in enumerate(records):
+            if rec["name"] in names:
+                raise RuntimeError(f"RPC worker name {rec['name']!r} is used by workers {names[rec['name']]} and {i}: names must be unique")
+            names[rec["name"]] = i
+        for i, rec in enumerate(records):
+            self._addresses[i] = rec["addr"]
+            self._add_worker(WorkerInfo(rec["name"], i))
+        all_names = [r["name"] for r in records]
+        all_maps = {r["name"]: {to: {torch.device(k): torch.device(v) for k, v in m.items()} for to, m in r["maps"].items()} for r in records}
+        all_devices = {r["name"]: [torch.device(d) for d in r["devices"]] for r in records}
+        counts = {r["name"]: int(r["ndev"]) for r in records}
+        self.device_maps, self.devices = resolve_device_maps(self.name, all_names, counts, all_maps, all_devices, True)
+
+    def _join_dynamic(self) -> None:
+        p = self._prefix
+        claimed = self.store.compare_set(f"{p}/name/{self.name}", "", str(self.rank)).decode()
+        if claimed != str(self.rank):
+            raise RuntimeError(f"RPC worker name {self.name!r} is already taken by the worker with id {claimed}")
+        record = self._record()
+        self.store.set(f"{p}/worker/{self.rank}", record)
+        self.store.append(f"{p}/members", f"{self.rank},")
+        members = [int(x) for x in self.store.get(f"{p}/members").decode().split(",") if x]
+        mine = json.loads(record)
+        deadline = time.monotonic() + min(_INIT_TIMEOUT, 60.0)
+        for wid in dict.fromkeys(members):
+            if wid == self.rank or self.store.check([f"{p}/left/{wid}"]):
+                continue
+            rec = json.loads(self.store.get(f"{p}/worker/{wid}"))
+            self._addresses[wid] = rec["addr"]
+            self._add_worker(WorkerInfo(rec["name"], wid))
+            fut = self.request(wid, MsgKind.JOIN, (self.rank, self.name, mine["addr"]), max(0.1, deadline - time.monotonic()), "join")
+            try:
+                fut.wait()
+            except Exception as exc:
+                # a member that died without leaving: not one of us any more
+                log.info("%s: member %s did not answer the join: %s", self.label, self.describe(wid), exc)
+                self._remove_worker(wid)
+
+    def _on_join(self, src: int, tag: int, body: Any) -> None:
+        wid, name, addr = body
+        self._addresses[wid] = addr
+        self.messenger.forget(wid)
+        self._add_worker(WorkerInfo(name, wid))
+        super()._on_join(src, tag, body)
+
+    def _lookup(self, peer: int) -> PeerAddress:
+        addr = self._addresses.get(peer)
+        if addr is None:
+            rec = json.loads(self.store.get(f"{self._prefix}/worker/{peer}"))
+            addr = self._addresses[peer] = rec["addr"]
+        return addr
+
+    # -- moving messages ------------------------------------------------------------------------
+    def _on_frame(self, src: int, tag: int, meta: bytes, payload: Payload) -> None:
+        if isinstance(payload, list):
+            self._on_message(src, tag, meta, lambda: ser.loads_parts(payload[0], payload[1:]))
+        else:
+            self._on_message(src, tag, meta, lambda: ser.loads(payload))
+
+    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:
+        parts = self.encode(dst, body)
+        if dst == self.rank:
+            # a call to ourselves: copy semantics as for any peer, no socket
+            data = bytearray(b"".join(parts))
+            self._on_message(dst, tag, encode_meta(kind), lambda: ser.loads(data))
+            return
+        self.messenger.send(dst, tag, encode_meta(kind), parts, deadline)
+
+    def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
+        if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline):
+            return
+        super()._wait_reply(dst, fut, deadline)
+
+    def _close_transport(self, graceful: bool) -> None:
+        self.messenger.close()
+
+    # -- leaving --------------------------------------------------------------------------------
+    def barrier(self, name: str, timeout: float) -> None:
+        """Wait until every worker of the static group has reached ``name``.
+
+        Raises:
+            DistTimeoutError: naming the workers that did not arrive.
+        """
+        assert self.world_size is not None
+        key = f"{self._prefix}/{name}"
+        self.store.set(f"{key}/{self.rank}", "1")
+        if self.store.add(key, 1) >= self.world_size:
+            self.store.set(f"{key}/done", "1")
+        try:
+            self.store.wait([f"{key}/done"], timedelta(seconds=timeout))
+        except (DistStoreError, TimeoutError) as exc:
+            missing = [self.describe(i) for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
+            raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {', '.join(missing)}") from exc
+
+    def leave_dynamic(self) -> None:
+        """Tell every member we leave, and give our name back."""
+        p = self._prefix
+        for wid in list(self._workers):
+            if wid != self.rank and self.messenger.is_connected(wid):
+                try:
+                    self._transmit(wid, 0, MsgKind.LEAVE, self.rank, time.monotonic() + 2.0)
+                except Exception as exc:
+                    log.debug("%s: could not say goodbye to %s: %s", self.label, self.describe(wid), exc)
+        try:
+            self.store.set(f"{p}/left/{self.rank}", "1")
+            self.store.delete_key(f"{p}/name/{self.name}")
+        except Exception as exc:  # the store's host may be gone already: not our problem any more
+            log.debug("%s: could not update the store on leaving: %s", self.label, exc)

@@ -1,0 +1,93 @@
+"""The authenticated opening of a peer connection, on blocking sockets.
+
+The records are ``_protocol``'s HELLO / JOIN / WELCOME: the accepting side sends a nonce, the
+connecting side names itself (an id and a 16-byte token that ties the connection to one group
+or RPC job) and proves the shared secret, the accepting side proves it back. Nothing but these
+fixed-size records is read before the proof is checked, so a stranger's bytes never reach a
+decoder, let alone ``pickle``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+from .._core import auth
+from .._core.errors import AuthenticationError, RemoteProtocolError
+from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
+
+__all__ = ["REJECTED", "accept", "connect", "recv_exact"]
+
+ZERO_PROOF = b"\0" * 32
+REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from a blocking socket.
+
+    Raises:
+        ConnectionResetError: the peer closed first.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("connection closed during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def connect(sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str) -> int:
+    """Run the connecting side; returns the acceptor's id.
+
+    Raises:
+        AuthenticationError: either side could not prove the secret.
+        RemoteProtocolError: the acceptor is not a tdist peer of this version.
+        OSError: the connection failed.
+    """
+    magic, version, auth_required, nonce_s = HELLO.unpack(recv_exact(sock, HELLO.size))
+    check_magic(magic, version, what)
+    nonce_c = auth.make_nonce()
+    if auth_required and secret is None:
+        raise AuthenticationError(f"{what} requires the job secret; set TDIST_SECRET on every process")
+    proof = auth.client_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
+    sock.sendall(JOIN.pack(MAGIC, VERSION, my_id, token, nonce_c, proof))
+    magic, version, their_id, their_proof = WELCOME.unpack(recv_exact(sock, WELCOME.size))
+    check_magic(magic, version, what)
+    if their_id == REJECTED:
+        raise AuthenticationError(
+            f"{what} rejected our proof of the job secret: every process must use the same TDIST_SECRET"
+        )
+    if secret is not None and not auth.verify(auth.server_proof(secret, nonce_s, nonce_c), their_proof):
+        raise AuthenticationError(f"{what} could not prove the job secret")
+    return int(their_id)
+
+
+def accept(sock: socket.socket, my_id: int, secret: bytes | None, timeout: float, what: str) -> tuple[int, bytes]:
+    """Run the accepting side on a blocking socket; returns the connector's ``(id, token)``.
+
+    The caller checks the token and id before using the connection.
+
+    Raises:
+        AuthenticationError: the connector did not prove the secret (it has been told so).
+        RemoteProtocolError, OSError: not a tdist peer, or the connection failed.
+    """
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    nonce_s = auth.make_nonce()
+    sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if secret else 0, nonce_s))
+    data = recv_exact(sock, JOIN.size)
+    if time.monotonic() > deadline:
+        raise RemoteProtocolError(f"{what}: handshake too slow")
+    magic, version, peer, token, nonce_c, proof = JOIN.unpack(data)
+    check_magic(magic, version, what)
+    if secret is not None and not auth.verify(auth.client_proof(secret, nonce_s, nonce_c), proof):
+        with contextlib.suppress(OSError):
+            sock.sendall(WELCOME.pack(MAGIC, VERSION, REJECTED, ZERO_PROOF))
+        raise AuthenticationError(f"{what} failed authentication (wrong or missing TDIST_SECRET)")
+    server_proof = auth.server_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
+    sock.sendall(WELCOME.pack(MAGIC, VERSION, my_id, server_proof))
+    return int(peer), bytes(token)

@@ -1,0 +1,768 @@
+"""Message connections between named processes that come and go: the RPC agent's transport.
+
+Theory of operation. Every process listens (an abstract Unix socket for processes of its host,
+TCP for the others) and connects lazily to a peer the first time it sends to it. Connections
+are authenticated (``_handshake``) before a frame is read. Frames are ``_protocol``'s: a 24-byte
+header, metadata, payload. A payload is a list of buffers written with scatter-gather
+``sendmsg``; between processes of one host, a message whose out-of-band buffers are large
+travels as ``DATA_CMA``: the frame carries the buffers' addresses and the receiver copies them
+with ``process_vm_readv`` straight into fresh memory (one copy, no socket), then acks so the
+sender can let them go.
+
+Reading. One poller thread waits on an ``epoll`` set (one-shot registrations) and drains ready
+connections. A thread that waits for a reply from one peer may read that peer's connection
+itself (``read_until``): it takes the connection's read lock, and the poller skips the
+connection while it is held, so the reply reaches the waiting thread with no thread hand-off.
+Whoever reads a frame delivers it through ``on_message`` (from the thread that read it).
+
+Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
+connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
+seconds. Either way ``on_peer_lost(peer, error, graceful)`` tells the owner once, with a
+``PeerError`` naming the peer; a peer that sent ``GOODBYE`` first left on purpose.
+
+Thread-safety: ``send``, ``read_until``, ``close`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import queue
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._core.errors import (
+    AuthenticationError,
+    DistNetworkError,
+    DistTimeoutError,
+    PeerError,
+    RemoteProtocolError,
+)
+from . import _handshake
+from ._endpoint import _CMA_MIN, _address, _cma_read, _tune_tcp, host_id
+from ._protocol import FRAME_HEADER, TOKEN_SIZE, Kind, pack_header, unpack_header
+
+__all__ = ["Messenger", "Payload", "PeerAddress"]
+
+log = logging.getLogger(__name__)
+
+_MAX_PAYLOAD = 1 << 40
+_RX_SIZE = 256 << 10
+_IOV_MAX = 512
+_POPULATE_MIN = 1 << 20
+_HUGE = 2 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+# DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer
+# (address, length); then the inline prefix (serialization header + pickle)
+_CMA_DESC = struct.Struct("<QIIQ")
+_CMA_BUF = struct.Struct("<QQ")
+_ERRNO = struct.Struct("<i")
+
+PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "port": int, "pid": int}
+# a DATA payload (one buffer) or a DATA_CMA payload ([prefix, *buffers])
+Payload = memoryview | list[memoryview]
+
+
+def fresh_buffer(n: int) -> memoryview:
+    """Writable memory for ``n`` received bytes.
+
+    Faulting fresh pages in one by one costs more here than copying into them (64 MiB: about
+    30 ms of faults against 10 ms of copy), so a large buffer is mapped on its own, asked for
+    transparent huge pages, and populated in one call (``MADV_POPULATE_WRITE``, else
+    ``MAP_POPULATE``).
+    """
+    if n < _POPULATE_MIN:
+        return memoryview(bytearray(n))
+    m = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = _address(memoryview(m))
+    off = (-base) % _HUGE if base is not None else 0
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, off, n - n % _HUGE or n)
+        m.madvise(_MADV_POPULATE_WRITE, off, n)
+    except (OSError, AttributeError, ValueError):
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        off = 0
+    return memoryview(m)[off : off + n]
+
+
+class _Conn:
+    __slots__ = (
+        "addr",
+        "closed",
+        "cma_ok",
+        "cma_out",
+        "dest",
+        "dest_got",
+        "dest_head",
+        "fd",
+        "goodbye",
+        "last_rx",
+        "last_tx",
+        "peer",
+        "rlock",
+        "rx",
+        "rx_end",
+        "rx_start",
+        "rxview",
+        "same_host",
+        "send_lock",
+        "sock",
+    )  # fmt: skip
+
+    def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.addr = addr
+        self.same_host = same_host
+        self.cma_ok = same_host
+        self.cma_out: dict[int, tuple[int, bytes, list[memoryview]]] = {}
+        self.send_lock = threading.Lock()
+        self.rlock = threading.Lock()
+        self.closed = False
+        self.goodbye = False
+        now = time.monotonic()
+        self.last_rx = now
+        self.last_tx = now
+        self.rx = bytearray(_RX_SIZE)
+        self.rxview = memoryview(self.rx)
+        self.rx_start = 0
+        self.rx_end = 0
+        self.dest: memoryview | None = None  # a large payload being read in place
+        self.dest_got = 0
+        self.dest_head: tuple[int, int, bytes] = (0, 0, b"")
+
+
+class Messenger:
+    """This process's end of the message connections.
+
+    Args:
+        my_id: this process's id (a worker id); peers address it by id.
+        label: how messages name this process (e.g. ``"worker0 (id 0)"``).
+        token: 16 bytes shared by every member of the job; connections with another token are
+            refused.
+        secret: the job secret (``None``: open).
+        lookup: ``lookup(peer)`` returns the peer's ``PeerAddress`` (raises ``KeyError`` when
+            the peer is unknown).
+        describe: ``describe(peer)`` names a peer in messages.
+        on_message: ``on_message(peer, tag, meta, payload)`` for every DATA frame, called from
+            the thread that read it.
+        on_peer_lost: ``on_peer_lost(peer, error, graceful)`` once per peer whose last
+            connection went away.
+        on_peer_joined: ``on_peer_joined(peer)`` when a peer connected to us.
+        advertise: the IP address other hosts reach us by.
+        heartbeat_interval, stall_timeout: seconds.
+    """
+
+    def __init__(
+        self,
+        my_id: int,
+        label: str,
+        token: bytes,
+        secret: bytes | None,
+        lookup: Callable[[int], PeerAddress],
+        describe: Callable[[int], str],
+        on_message: Callable[[int, int, bytes, Payload], None],
+        on_peer_lost: Callable[[int, PeerError, bool], None],
+        on_peer_joined: Callable[[int], None] | None = None,
+        advertise: str = "127.0.0.1",
+        heartbeat_interval: float = 1.0,
+        stall_timeout: float = 5.0,
+    ) -> None:
+        assert len(token) == TOKEN_SIZE
+        self.my_id = my_id
+        self.label = label
+        self.token = token
+        self.secret = secret
+        self.lookup = lookup
+        self.describe = describe
+        self.on_message = on_message
+        self.on_peer_lost = on_peer_lost
+        self.on_peer_joined = on_peer_joined
+        self.heartbeat_interval = heartbeat_interval
+        self.stall_timeout = stall_timeout
+        self.host = host_id()
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Conn] = {}  # by fd
+        self._by_peer: dict[int, list[_Conn]] = {}
+        self._send_conn: dict[int, _Conn] = {}
+        self._connect_locks: dict[int, threading.Lock] = {}
+        self._lost: dict[int, PeerError] = {}  # peers whose connections failed, and why
+        self._xfer = itertools.count(1)
+        self._closing = False
+        self._ctrl: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+
+        family = socket.AF_INET6 if ":" in advertise else socket.AF_INET
+        self._tcp = socket.socket(family, socket.SOCK_STREAM)
+        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._tcp.bind((advertise, 0))
+        self._tcp.listen(128)
+        self._unix_name = f"tdist-rpc-{self.pid}-{secrets.token_hex(6)}"
+        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._unix.bind("\0" + self._unix_name)
+        self._unix.listen(128)
+        for s in (self._tcp, self._unix):
+            s.setblocking(False)
+        self.address: PeerAddress = {
+            "host": self.host,
+            "unix": self._unix_name,
+            "addr": advertise,
+            "port": self._tcp.getsockname()[1],
+            "pid": self.pid,
+        }
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ep = select.epoll()
+        self._ep.register(self._tcp.fileno(), select.EPOLLIN)
+        self._ep.register(self._unix.fileno(), select.EPOLLIN)
+        self._ep.register(self._wake_r, select.EPOLLIN)
+        self._hb_stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}", daemon=True),
+            threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True),
+            threading.Thread(target=self._heartbeats, name=f"tdist-rpc-hb-{my_id}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- connections ---------------------------------------------------------------------------
+    def is_connected(self, peer: int) -> bool:
+        return peer in self._send_conn
+
+    def connect(self, peer: int, deadline: float | None) -> None:
+        """Make sure a connection to ``peer`` exists (connecting now if needed).
+
+        Raises:
+            PeerError: the peer was lost before.
+            DistNetworkError, AuthenticationError, DistTimeoutError: connecting failed.
+        """
+        self._conn_for(peer, deadline)
+
+    def _conn_for(self, peer: int, deadline: float | None) -> _Conn:
+        c = self._send_conn.get(peer)
+        if c is not None:
+            return c
+        with self._lock:
+            if self._closing:
+                raise DistNetworkError(f"{self.label}: the RPC agent is shut down")
+            lock = self._connect_locks.setdefault(peer, threading.Lock())
+        with lock:
+            c = self._send_conn.get(peer)
+            if c is not None:
+                return c
+            lost = self._lost.get(peer)
+            if lost is not None:
+                raise lost
+            return self._dial(peer, deadline)
+
+    def _dial(self, peer: int, deadline: float | None) -> _Conn:
+        info = self.lookup(peer)
+        same = info.get("host") == self.host and bool(info.get("unix"))
+        what = self.describe(peer)
+        limit = deadline if deadline is not None else time.monotonic() + 60.0
+        last: BaseException | None = None
+        sock: socket.socket | None = None
+        while sock is None:
+            budget = limit - time.monotonic()
+            if budget <= 0:
+                raise DistTimeoutError(f"{self.label}: could not connect to {what} at {_where(info, same)}: {last}")
+            try:
+                if same:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(min(budget, 10.0))
+                    s.connect("\0" + info["unix"])
+                else:
+                    s = socket.create_connection((info["addr"], info["port"]), timeout=min(budget, 10.0))
+                    _tune_tcp(s)
+                sock = s
+            except OSError as exc:
+                last = exc
+                if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)) and time.monotonic() + 0.05 > limit:
+                    break
+                time.sleep(0.02)
+        if sock is None:
+            raise DistNetworkError(f"{self.label}: could not connect to {what} at {_where(info, same)}: {last}")
+        try:
+            their = _handshake.connect(sock, self.my_id, self.token, self.secret, what)
+            if their != peer:
+                raise DistNetworkError(f"{self.label}: expected {what} at {_where(info, same)}, found id {their}")
+        except (OSError, RemoteProtocolError) as exc:
+            sock.close()
+            raise DistNetworkError(f"{self.label}: handshake with {what} failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return self._register(peer, sock, _where(info, same), same, outbound=True)
+
+    def _register(self, peer: int, sock: socket.socket, addr: str, same: bool, outbound: bool) -> _Conn:
+        sock.setblocking(False)
+        c = _Conn(peer, sock, addr, same)
+        with self._lock:
+            if self._closing:
+                sock.close()
+                raise DistNetworkError(f"{self.label}: the RPC agent is shut down")
+            self._lost.pop(peer, None)
+            self._conns[c.fd] = c
+            self._by_peer.setdefault(peer, []).append(c)
+            if outbound:
+                self._send_conn[peer] = c
+            else:
+                self._send_conn.setdefault(peer, c)
+            self._ep.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+        return c
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock, addr), name="tdist-rpc-admit", daemon=True).start()
+
+    def _admit(self, sock: socket.socket, addr: Any) -> None:
+        where = "unix" if sock.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
+        try:
+            sock.setblocking(True)
+            if sock.family != socket.AF_UNIX:
+                _tune_tcp(sock)
+            peer, token = _handshake.accept(sock, self.my_id, self.secret, 10.0, f"connection from {where}")
+            if token != self.token:
+                log.warning("%s: refused a connection from %s: it belongs to another RPC job", self.label, where)
+                sock.close()
+                return
+            self._register(peer, sock, where, sock.family == socket.AF_UNIX, outbound=False)
+        except AuthenticationError as exc:
+            log.warning("%s: dropped a connection: %s", self.label, exc)
+            sock.close()
+            return
+        except (OSError, RemoteProtocolError, DistNetworkError) as exc:
+            if not self._closing:
+                log.warning("%s: handshake with %s failed: %s", self.label, where, exc)
+            sock.close()
+            return
+        if self.on_peer_joined is not None:
+            self.on_peer_joined(peer)
+
+    # -- sending -------------------------------------------------------------------------------
+    def send(self, peer: int, tag: int, meta: bytes, parts: list[memoryview], deadline: float | None) -> None:
+        """Send one message: ``parts`` is ``serialization.dumps`` output (header, pickle,
+        out-of-band buffers). Large buffers to a process of this host go by cross-memory copy
+        and are referenced until the peer has copied them.
+
+        Raises:
+            PeerError: the peer is gone.
+            DistNetworkError, DistTimeoutError: connecting or writing failed.
+        """
+        c = self._conn_for(peer, deadline)
+        bufs = parts[2:]
+        if c.cma_ok and bufs and sum(b.nbytes for b in bufs) >= _CMA_MIN:
+            addrs = [_address(b) for b in bufs]
+            if all(a is not None for a in addrs):
+                xfer = next(self._xfer)
+                prefix = parts[0].nbytes + parts[1].nbytes
+                desc = bytearray(_CMA_DESC.pack(xfer, self.pid, len(bufs), prefix))
+                for a, b in zip(addrs, bufs, strict=True):
+                    desc += _CMA_BUF.pack(a, b.nbytes)
+                c.cma_out[xfer] = (tag, meta, parts)
+                head = pack_header(Kind.DATA_CMA, tag, len(desc) + prefix, len(meta))
+                self._write(c, [memoryview(head), memoryview(meta), memoryview(desc), parts[0], parts[1]], deadline)
+                return
+        total = sum(p.nbytes for p in parts)
+        head = pack_header(Kind.DATA, tag, total, len(meta))
+        self._write(c, [memoryview(head), memoryview(meta), *parts], deadline)
+
+    def _write(self, c: _Conn, parts: list[memoryview], deadline: float | None) -> None:
+        with c.send_lock:
+            if c.closed:
+                raise self._error_for(c)
+            sock = c.sock
+            parts = [p for p in parts if p.nbytes]
+            while parts:
+                try:
+                    sent = sock.sendmsg(parts[:_IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    self._wait_writable(c, deadline)
+                    continue
+                except OSError as exc:
+                    self._lose(c, exc)
+                    raise self._error_for(c) from exc
+                while sent and parts:
+                    n = parts[0].nbytes
+                    if sent >= n:
+                        sent -= n
+                        parts.pop(0)
+                    else:
+                        parts[0] = parts[0][sent:]
+                        sent = 0
+            c.last_tx = time.monotonic()
+
+    def _wait_writable(self, c: _Conn, deadline: float | None) -> None:
+        p = select.poll()
+        p.register(c.fd, select.POLLOUT)
+        while True:
+            if c.closed:
+                raise self._error_for(c)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise DistTimeoutError(f"{self.label}: writing to {self.describe(c.peer)} timed out")
+            if now - c.last_rx > self.stall_timeout:
+                self._lose(c, None, stalled=now - c.last_rx)
+                raise self._error_for(c)
+            if p.poll(100):
+                return
+
+    def _error_for(self, c: _Conn) -> PeerError:
+        return self._lost.get(c.peer) or PeerError(f"{self.label}: connection to {self.describe(c.peer)} is closed", peer=c.peer)
+
+    def _send_ctrl(self, c: _Conn, kind: Kind, tag: int, meta: bytes = b"") -> None:
+        head = pack_header(kind, tag, 0, len(meta))
+        with contextlib.suppress(PeerError, DistNetworkError, DistTimeoutError):
+            self._write(c, [memoryview(head), memoryview(meta)], time.monotonic() + self.stall_timeout)
+
+    # -- reading -------------------------------------------------------------------------------
+    def read_until(self, peer: int, done: Callable[[], bool], deadline: float | None) -> bool:
+        """Read ``peer``'s connection in this thread until ``done()`` (or the deadline).
+
+        Returns False at once when another thread is reading that connection (or there is not
+        exactly one): then wait some other way. Frames read here are delivered as usual.
+        """
+        conns = self._by_peer.get(peer)
+        if not conns or len(conns) != 1:
+            return False
+        c = conns[0]
+        if not c.rlock.acquire(blocking=False):
+            return False
+        try:
+            # keep the poller from waking (and taking the GIL) for what this thread reads
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.modify(c.fd, select.EPOLLONESHOT)
+            p = select.poll()
+            p.register(c.fd, select.POLLIN)
+            spin_until = time.monotonic() + 0.0002
+            while not done():
+                if c.closed:
+                    return done()
+                if not self._drain(c):
+                    return done()
+                if done():
+                    return True
+                now = time.monotonic()
+                if now < spin_until:
+                    continue
+                if deadline is not None and now >= deadline:
+                    return False
+                wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - now))
+                p.poll(wait * 1000)
+            return True
+        finally:
+            if not c.closed:
+                with contextlib.suppress(OSError, ValueError):
+                    self._ep.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            c.rlock.release()
+
+    def _poll_loop(self) -> None:
+        listeners = {self._tcp.fileno(): self._tcp, self._unix.fileno(): self._unix}
+        while not self._closing:
+            try:
+                events = self._ep.poll(1.0)
+            except InterruptedError:
+                continue
+            except (OSError, ValueError):
+                return
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 4096)
+                    continue
+                lst = listeners.get(fd)
+                if lst is not None:
+                    self._accept(lst)
+                    continue
+                c = self._conns.get(fd)
+                if c is None or not c.rlock.acquire(blocking=False):
+                    continue  # a waiting thread reads it and re-arms it
+                try:
+                    alive = self._drain(c)
+                except Exception:  # a bug must not kill the poller: drop this connection only
+                    log.exception("%s: reading from %s failed", self.label, self.describe(c.peer))
+                    self._lose(c, None)
+                    alive = False
+                finally:
+                    if not c.closed:
+                        with contextlib.suppress(OSError, ValueError):
+                            self._ep.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+                    c.rlock.release()
+                del alive
+
+    def _drain(self, c: _Conn) -> bool:
+        """Read whatever is available on ``c`` and deliver complete frames (rlock held).
+        Returns False when the connection is gone."""
+        sock = c.sock
+        while True:
+            if c.dest is not None:
+                try:
+                    n = sock.recv_into(c.dest[c.dest_got :])
+                except (BlockingIOError, InterruptedError):
+                    return True
+                except OSError as exc:
+                    self._lose(c, exc)
+                    return False
+                if n == 0:
+                    self._lose(c, None)
+                    return False
+                c.last_rx = time.monotonic()
+                c.dest_got += n
+                if c.dest_got == c.dest.nbytes:
+                    kind, tag, meta = c.dest_head
+                    payload = c.dest
+                    c.dest = None
+                    self._frame(c, kind, tag, meta, payload)
+                continue
+            if c.rx_start == c.rx_end:
+                c.rx_start = c.rx_end = 0
+            elif c.rx_end == _RX_SIZE:
+                # compact: move the partial frame to the front
+                n = c.rx_end - c.rx_start
+                c.rxview[:n] = c.rxview[c.rx_start : c.rx_end]
+                c.rx_start, c.rx_end = 0, n
+            try:
+                n = sock.recv_into(c.rxview[c.rx_end :])
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as exc:
+                self._lose(c, exc)
+                return False
+            if n == 0:
+                self._lose(c, None)
+                return False
+            c.last_rx = time.monotonic()
+            c.rx_end += n
+            if not self._parse(c):
+                return False
+
+    def _parse(self, c: _Conn) -> bool:
+        view = c.rxview
+        hs = FRAME_HEADER.size
+        while c.rx_end - c.rx_start >= hs:
+            try:
+                kind, meta_len, tag, nbytes = unpack_header(view[c.rx_start : c.rx_start + hs], _MAX_PAYLOAD)
+            except RemoteProtocolError as exc:
+                log.warning("%s: %s broke the protocol: %s", self.label, self.describe(c.peer), exc)
+                self._lose(c, exc)
+                return False
+            avail = c.rx_end - c.rx_start
+            if avail < hs + meta_len:
+                if hs + meta_len > _RX_SIZE:
+                    self._lose(c, RemoteProtocolError("frame metadata too large"))
+                    return False
+                return True
+            body = c.rx_start + hs + meta_len
+            if avail >= hs + meta_len + nbytes:
+                meta = bytes(view[c.rx_start + hs : body])
+                payload = view[body : body + nbytes]
+                if kind == Kind.DATA:
+                    payload = memoryview(bytearray(payload))  # owned: tensors will view it
+                c.rx_start = body + nbytes
+                self._frame(c, kind, tag, meta, payload)
+                if c.closed:
+                    return False
+                continue
+            if hs + meta_len + nbytes <= _RX_SIZE:
+                return True  # the rest comes with the next read
+            # a large payload: read it in place
+            meta = bytes(view[c.rx_start + hs : body])
+            dest = fresh_buffer(nbytes)
+            have = c.rx_end - body
+            dest[:have] = view[body : c.rx_end]
+            c.dest, c.dest_got, c.dest_head = dest, have, (kind, tag, meta)
+            c.rx_start = c.rx_end = 0
+            return True
+        return True
+
+    def _frame(self, c: _Conn, kind: int, tag: int, meta: bytes, payload: memoryview) -> None:
+        if kind == Kind.DATA:
+            self.on_message(c.peer, tag, meta, payload)
+        elif kind == Kind.HEARTBEAT:
+            pass
+        elif kind == Kind.DATA_CMA:
+            self._on_cma(c, tag, meta, payload)
+        elif kind == Kind.CMA_ACK:
+            entry = c.cma_out.pop(tag, None)
+            err = _ERRNO.unpack(meta)[0] if len(meta) == _ERRNO.size else 0
+            if entry is not None and err:
+                # the peer may not read our memory: resend plainly, and never try again
+                c.cma_ok = False
+                log.info("%s: cross-memory copy to %s refused (errno %d); using the socket", self.label, self.describe(c.peer), err)
+                t, m, parts = entry
+                self._ctrl.put(lambda: self._resend(c.peer, t, m, parts))
+        elif kind == Kind.GOODBYE:
+            c.goodbye = True
+        else:
+            log.debug("%s: ignored frame kind %d from %s", self.label, kind, self.describe(c.peer))
+
+    def _resend(self, peer: int, tag: int, meta: bytes, parts: list[memoryview]) -> None:
+        with contextlib.suppress(PeerError, DistNetworkError, DistTimeoutError):
+            self.send(peer, tag, meta, parts, time.monotonic() + 60.0)
+
+    def _on_cma(self, c: _Conn, tag: int, meta: bytes, payload: memoryview) -> None:
+        xfer, pid, nbuf, prefix_len = _CMA_DESC.unpack_from(payload, 0)
+        pos = _CMA_DESC.size
+        segs = []
+        for _ in range(nbuf):
+            segs.append(_CMA_BUF.unpack_from(payload, pos))
+            pos += _CMA_BUF.size
+        prefix = memoryview(bytearray(payload[pos : pos + prefix_len]))
+        bufs: list[memoryview] = []
+        err = 0
+        for addr, n in segs:
+            dest = fresh_buffer(n)
+            if n:
+                err = _cma_read(pid, [(addr, n)], dest)
+                if err:
+                    break
+            bufs.append(dest)
+        ack = _ERRNO.pack(err)
+        self._ctrl.put(lambda: self._send_ctrl(c, Kind.CMA_ACK, xfer, ack))
+        if not err:
+            self.on_message(c.peer, tag, meta, [prefix, *bufs])
+
+    # -- failure -------------------------------------------------------------------------------
+    def _lose(self, c: _Conn, exc: BaseException | None, stalled: float | None = None) -> None:
+        with self._lock:
+            if c.closed:
+                return
+            c.closed = True
+            self._conns.pop(c.fd, None)
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(c.fd)
+            conns = self._by_peer.get(c.peer, [])
+            if c in conns:
+                conns.remove(c)
+            if self._send_conn.get(c.peer) is c:
+                del self._send_conn[c.peer]
+                if conns:
+                    self._send_conn[c.peer] = conns[0]
+            last = not conns
+            if last:
+                self._by_peer.pop(c.peer, None)
+            graceful = c.goodbye or self._closing
+            what = self.describe(c.peer)
+            if stalled is not None:
+                err = PeerError(
+                    f"{self.label}: {what} has sent nothing for {stalled:.1f} s (no heartbeat): it is "
+                    f"stalled (stopped, hung or cut off); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
+                    peer=c.peer,
+                )
+            elif graceful:
+                err = PeerError(f"{self.label}: {what} left (shut down its RPC agent)", peer=c.peer)
+            else:
+                detail = f": {exc}" if exc is not None else ""
+                pid = None
+                with contextlib.suppress(Exception):
+                    pid = self.lookup(c.peer).get("pid")
+                err = PeerError(
+                    f"{self.label}: connection to {what}{f' (pid {pid})' if pid else ''} at {c.addr} was "
+                    f"lost{detail}; the process died or closed its socket",
+                    peer=c.peer,
+                )
+            if last and not self._closing:
+                self._lost[c.peer] = err
+            c.cma_out.clear()
+        with contextlib.suppress(OSError):
+            c.sock.close()
+        if last and not self._closing:
+            self.on_peer_lost(c.peer, err, graceful and stalled is None)
+
+    def forget(self, peer: int) -> None:
+        """Allow a new connection to ``peer`` (a worker that left may come back)."""
+        with self._lock:
+            self._lost.pop(peer, None)
+
+    def _heartbeats(self) -> None:
+        last_tick = time.monotonic()
+        while not self._hb_stop.wait(min(self.heartbeat_interval, self.stall_timeout / 4)):
+            now = time.monotonic()
+            paused = now - last_tick > max(2 * self.heartbeat_interval, self.stall_timeout / 2)
+            last_tick = now
+            for c in list(self._conns.values()):
+                if paused:
+                    c.last_rx = now  # we were stopped ourselves: nobody had a chance to be heard
+                    continue
+                if now - c.last_rx > self.stall_timeout:
+                    self._lose(c, None, stalled=now - c.last_rx)
+                    continue
+                if now - c.last_tx >= self.heartbeat_interval and c.send_lock.acquire(blocking=False):
+                    try:
+                        with contextlib.suppress(OSError):
+                            c.sock.send(pack_header(Kind.HEARTBEAT, 0, 0))
+                            c.last_tx = now
+                    finally:
+                        c.send_lock.release()
+
+    def _ctrl_loop(self) -> None:
+        while True:
+            job = self._ctrl.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:
+                log.exception("%s: control message failed", self.label)
+
+    # -- closing -------------------------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Say goodbye to every peer, close every connection and stop the threads."""
+        with self._lock:
+            if self._closing:
+                return
+            conns = list(self._conns.values())
+        for c in conns:
+            self._send_ctrl(c, Kind.GOODBYE, 0)
+        with self._lock:
+            self._closing = True
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self._by_peer.clear()
+            self._send_conn.clear()
+        for c in conns:
+            c.closed = True
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+        self._hb_stop.set()
+        self._ctrl.put(None)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, end - time.monotonic()))
+        for c in conns:
+            # only now: a reader still inside recv must not see its descriptor reused
+            if c.rlock.acquire(timeout=max(0.0, end - time.monotonic())):
+                c.rlock.release()
+            with contextlib.suppress(OSError):
+                c.sock.close()
+        for s in (self._tcp, self._unix):
+            with contextlib.suppress(OSError):
+                s.close()
+        with contextlib.suppress(OSError):
+            self._ep.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _where(info: PeerAddress, same: bool) -> str:
+    return f"unix:{info.get('unix')}" if same else f"{info.get('addr')}:{info.get('port')}"
