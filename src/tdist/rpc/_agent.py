@@ -393,31 +393,40 @@ class RpcAgent:
             func, args, kwargs, rref_id, fork_id = body
             self._owner_future(rref_id)
             self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, fork_id, src)
-            self._jobs.put(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
+            self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
         elif kind == MsgKind.FETCH:
             self._serve_fetch(src, tag, body)
         elif kind == MsgKind.JOIN:
             self._on_join(src, tag, body)
         else:
             func, args, kwargs = body
-            self._jobs.put(lambda: self._run_call(src, tag, func, args, kwargs))
+            self._schedule(lambda: self._run_call(src, tag, func, args, kwargs))
+
+    def _schedule(self, job: Callable[[], None]) -> None:
+        """Run a request's job: on the worker pool here (a subclass may run it where the
+        message arrived)."""
+        self._jobs.put(job)
 
     def _worker(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
+            self._run_job(job)
+            del job  # not kept alive (with its arguments) while this thread waits
+
+    def _run_job(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._active_requests += 1
+        try:
+            job()
+        except BaseException:
+            log.exception("%s: an RPC job failed", self.label)
+        finally:
             with self._lock:
-                self._active_requests += 1
-            try:
-                job()
-            except BaseException:
-                log.exception("%s: an RPC job failed", self.label)
-            finally:
-                with self._lock:
-                    self._active_requests -= 1
-                    if self._active_requests == 0:
-                        self._idle_cv.notify_all()
+                self._active_requests -= 1
+                if self._active_requests == 0:
+                    self._idle_cv.notify_all()
 
     def _run_call(self, src: int, tag: int, func: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -502,15 +511,17 @@ class RpcAgent:
 
         def send(f: Any) -> None:
             value = f.value()
+            # runs where the value was set (a worker, or a reader when it was ready already)
             if isinstance(value, _OwnerError):
-                self._jobs.put(lambda: self._reply_error(src, tag, value.record))
+                self._reply_error(src, tag, value.record)
             else:
-                self._jobs.put(lambda: self._reply(src, tag, value))
+                self._reply(src, tag, value)
 
         fut.add_done_callback(send)
 
-    def _on_rref_message(self, src: int, msg: Any) -> None:
-        self.rref_ctx.run(self.rref_ctx.proto.handle, src, msg)
+    def _on_rref_message(self, src: int, msgs: Any) -> None:
+        for msg in msgs:
+            self.rref_ctx.run(self.rref_ctx.proto.handle, src, msg)
 
     # -- membership -----------------------------------------------------------------------------
     def _on_join(self, src: int, tag: int, body: Any) -> None:

@@ -48,7 +48,10 @@ from ._rref_protocol import (
     RRefLost,
     RRefProtocol,
     Send,
+    UserDelete,
 )
+
+_DELETE_DELAY = 0.005
 from .constants import UNSET_RPC_TIMEOUT
 
 __all__ = ["RRef", "RRefContext", "create_remote", "release_all", "settle"]
@@ -67,6 +70,7 @@ class RRefContext:
         self.lost: dict[RRefId, str] = {}
         self._out: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._queued = 0  # items put and not yet done (approximate, for settle())
+        self._pending: dict[int, list[Any]] = {}  # protocol messages not sent yet, by worker
         self._thread = threading.Thread(target=self._loop, name=f"tdist-rref-{agent.rank}", daemon=True)
         self._thread.start()
 
@@ -107,18 +111,24 @@ class RRefContext:
         self._out.put((kind, ident))
 
     def _loop(self) -> None:
+        # Protocol messages to one worker travel together: those queued while one was being
+        # handled go in one message. Deletions alone (nothing waits for them) wait a little
+        # for company, so a loop that drops RRefs costs one message per few milliseconds.
+        pending = self._pending
         while True:
-            item = self._out.get()
+            try:
+                item = self._out.get(timeout=_DELETE_DELAY) if pending else self._out.get()
+            except queue.Empty:
+                self._flush(pending)
+                continue
             if item is None:
+                self._flush(pending)
                 return
             kind, arg = item
             try:
                 if kind == "send":
                     dst, msg = arg
-                    try:
-                        self.agent._transmit(dst, 0, MsgKind.RREF, msg, time.monotonic() + 30.0)
-                    except (DistError, OSError) as exc:
-                        log.debug("%s: RRef message to %s not sent: %s", self.agent.label, self.agent.describe(dst), exc)
+                    pending.setdefault(dst, []).append(msg)
                 elif kind == "user":
                     with self.lock:
                         self.users.pop(arg, None)
@@ -132,9 +142,23 @@ class RRefContext:
                 log.exception("%s: RRef bookkeeping failed", self.agent.label)
             finally:
                 self._queued -= 1
+                del item
+            if pending and self._out.empty() and not all(isinstance(m, UserDelete) for ms in pending.values() for m in ms):
+                self._flush(pending)
+
+    def _flush(self, pending: dict[int, list[Any]]) -> None:
+        for dst, msgs in pending.items():
+            try:
+                self.agent._transmit(dst, 0, MsgKind.RREF, msgs, time.monotonic() + 30.0)
+            except (DistError, OSError) as exc:
+                log.debug("%s: RRef messages to %s not sent: %s", self.agent.label, self.agent.describe(dst), exc)
+        pending.clear()
 
     def busy(self) -> bool:
-        return self._queued > 0
+        return self._queued > 0 or self._unflushed()
+
+    def _unflushed(self) -> bool:
+        return bool(self._pending)
 
     def close(self) -> None:
         self._out.put(None)

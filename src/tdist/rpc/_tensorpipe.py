@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -59,6 +60,7 @@ class TensorPipeAgent(RpcAgent):
         self.store = store
         self.options = options
         self._addresses: dict[int, PeerAddress] = {}
+        self._tls = threading.local()
         self.device_maps: dict[str, Any] = {}
         self.devices: list[torch.device] = []
         token_hex = store.compare_set("rpc/token", "", secrets.token_hex(16)).decode()
@@ -75,6 +77,8 @@ class TensorPipeAgent(RpcAgent):
             advertise=_advertised_address(store),
             heartbeat_interval=float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0")),
             stall_timeout=float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "5.0")),
+            on_batch_end=self._run_deferred,
+            max_pollers=int(options.num_worker_threads) + 1,
         )
         try:
             if world_size is None:
@@ -177,6 +181,20 @@ class TensorPipeAgent(RpcAgent):
             self._on_message(dst, tag, encode_meta(kind), lambda: ser.loads(data))
             return
         self.messenger.send(dst, tag, encode_meta(kind), parts, deadline)
+
+    def _schedule(self, job: Any) -> None:
+        # a poller thread runs the first request of what it read itself (no hand-off) unless
+        # another poller is running one already; the rest go to the pool, side by side
+        if self.messenger.in_poller() and not self.messenger.busy() and getattr(self._tls, "job", None) is None:
+            self._tls.job = job
+        else:
+            super()._schedule(job)
+
+    def _run_deferred(self) -> None:
+        job = getattr(self._tls, "job", None)
+        if job is not None:
+            self._tls.job = None
+            self.messenger.run_blocking(lambda: self._run_job(job))
 
     def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
         if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline):

@@ -35,6 +35,7 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +60,8 @@ _MAX_PAYLOAD = 1 << 40
 _RX_SIZE = 256 << 10
 _IOV_MAX = 512
 _POPULATE_MIN = 1 << 20
+# how long a thread waiting for a reply polls its socket before sleeping in the kernel
+_SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "50")) * 1e-6
 _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 # DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer
@@ -72,16 +75,9 @@ PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "por
 Payload = memoryview | list[memoryview]
 
 
-def fresh_buffer(n: int) -> memoryview:
-    """Writable memory for ``n`` received bytes.
-
-    Faulting fresh pages in one by one costs more here than copying into them (64 MiB: about
-    30 ms of faults against 10 ms of copy), so a large buffer is mapped on its own, asked for
-    transparent huge pages, and populated in one call (``MADV_POPULATE_WRITE``, else
-    ``MAP_POPULATE``).
-    """
-    if n < _POPULATE_MIN:
-        return memoryview(bytearray(n))
+def _huge_mapping(n: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping of at least ``n`` bytes, populated, on huge pages where the
+    kernel gives them; returns it and the offset of its first 2 MiB boundary."""
     m = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = _address(memoryview(m))
     off = (-base) % _HUGE if base is not None else 0
@@ -91,7 +87,60 @@ def fresh_buffer(n: int) -> memoryview:
     except (OSError, AttributeError, ValueError):
         m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
         off = 0
-    return memoryview(m)[off : off + n]
+    return m, off
+
+
+class _RecvPool:
+    """Reused memory for large received payloads.
+
+    Faulting fresh pages in costs more here than copying into them (64 MiB: 30 ms or more of
+    faults against 10 ms of copy), so large payloads land in mappings that are populated once
+    and reused. A received tensor views its mapping; the mapping is free again when nothing but
+    the pool refers to it (its reference count says so), so a buffer is never reused while a
+    tensor still uses it. Free mappings beyond ``limit`` bytes are dropped.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._maps: list[tuple[mmap.mmap, int, int]] = []  # (mapping, offset, usable bytes)
+
+    def take(self, n: int) -> memoryview:
+        size = -(-n // _HUGE) * _HUGE
+        with self._lock:
+            for i, entry in enumerate(self._maps):
+                if entry[2] == size and _unused(entry):
+                    del self._maps[i]
+                    self._maps.append(entry)  # most recently used last
+                    return memoryview(entry[0])[entry[1] : entry[1] + n]
+            free_bytes = sum(e[2] for e in self._maps if _unused(e))
+            if free_bytes + size > self.limit:
+                keep = []
+                for entry in self._maps:  # drop free mappings, least recently used first
+                    if free_bytes + size > self.limit and _unused(entry):
+                        free_bytes -= entry[2]
+                    else:
+                        keep.append(entry)
+                self._maps = keep
+            m, off = _huge_mapping(size)
+            if size <= self.limit:
+                self._maps.append((m, off, size))
+            return memoryview(m)[off : off + n]
+
+
+def _unused(entry: tuple[mmap.mmap, int, int]) -> bool:
+    # referenced only by the pool's tuple and getrefcount's argument: no view of it is alive
+    return sys.getrefcount(entry[0]) <= 2
+
+
+_pool = _RecvPool(int(os.environ.get("TDIST_RECV_POOL_BYTES", str(1 << 30))))
+
+
+def fresh_buffer(n: int) -> memoryview:
+    """Writable memory for ``n`` received bytes (pooled, pre-faulted mappings when large)."""
+    if n < _POPULATE_MIN:
+        return memoryview(bytearray(n))
+    return _pool.take(n)
 
 
 class _Conn:
@@ -177,6 +226,8 @@ class Messenger:
         advertise: str = "127.0.0.1",
         heartbeat_interval: float = 1.0,
         stall_timeout: float = 5.0,
+        on_batch_end: Callable[[], None] | None = None,
+        max_pollers: int = 17,
     ) -> None:
         assert len(token) == TOKEN_SIZE
         self.my_id = my_id
@@ -190,6 +241,11 @@ class Messenger:
         self.on_peer_joined = on_peer_joined
         self.heartbeat_interval = heartbeat_interval
         self.stall_timeout = stall_timeout
+        self.on_batch_end = on_batch_end
+        self._max_pollers = max(2, max_pollers)
+        self._pollers = 2
+        self._busy_pollers = 0
+        self._tls = threading.local()
         self.host = host_id()
         self.pid = os.getpid()
         self._lock = threading.Lock()
@@ -228,7 +284,8 @@ class Messenger:
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._hb_stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}", daemon=True),
+            threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-0", daemon=True),
+            threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-1", daemon=True),
             threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True),
             threading.Thread(target=self._heartbeats, name=f"tdist-rpc-hb-{my_id}", daemon=True),
         ]
@@ -450,7 +507,7 @@ class Messenger:
                 self._ep.modify(c.fd, select.EPOLLONESHOT)
             p = select.poll()
             p.register(c.fd, select.POLLIN)
-            spin_until = time.monotonic() + 0.0002
+            spin_until = time.monotonic() + _SPIN
             while not done():
                 if c.closed:
                     return done()
@@ -467,24 +524,62 @@ class Messenger:
                 p.poll(wait * 1000)
             return True
         finally:
-            if not c.closed:
-                with contextlib.suppress(OSError, ValueError):
-                    self._ep.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
             c.rlock.release()
+            self._rearm(c)
+
+    def in_poller(self) -> bool:
+        """Whether this thread is one of the poller threads (delivering a batch)."""
+        return getattr(self._tls, "batch", None) is not None
+
+    def busy(self) -> bool:
+        """Whether a poller thread is running something (``run_blocking``)."""
+        return self._busy_pollers > 0
+
+    def run_blocking(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (which may block) in this poller thread, keeping another poller free.
+
+        Several threads wait on one ``epoll`` set with one-shot registrations, so each ready
+        connection goes to exactly one of them. A poller that runs a request itself saves the
+        hand-off to a worker thread; when it was the last free poller, one more is started (up
+        to ``max_pollers``) so that messages never wait for a request to finish.
+        """
+        with self._lock:
+            self._busy_pollers += 1
+            spawn = self._pollers - self._busy_pollers < 1 and self._pollers < self._max_pollers and not self._closing
+            if spawn:
+                self._pollers += 1
+                t = threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{self.my_id}-{self._pollers - 1}", daemon=True)
+                self._threads.append(t)
+        if spawn:
+            t.start()
+        try:
+            fn()
+        finally:
+            with self._lock:
+                self._busy_pollers -= 1
+
+    def _rearm(self, c: _Conn) -> None:
+        # Always after releasing the read lock: a poller that got the event while we held the
+        # lock skipped the connection (leaving it disarmed); arming it now raises the event
+        # again for whoever is free.
+        if not c.closed:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
 
     def _poll_loop(self) -> None:
         listeners = {self._tcp.fileno(): self._tcp, self._unix.fileno(): self._unix}
+        batch: list[tuple[int, int, bytes, Payload]] = []
         while not self._closing:
             try:
-                events = self._ep.poll(1.0)
+                events = self._ep.poll(1.0, 1)
             except InterruptedError:
                 continue
             except (OSError, ValueError):
                 return
             for fd, _ in events:
                 if fd == self._wake_r:
-                    with contextlib.suppress(OSError):
-                        os.read(self._wake_r, 4096)
+                    if self._closing:
+                        return
                     continue
                 lst = listeners.get(fd)
                 if lst is not None:
@@ -493,18 +588,28 @@ class Messenger:
                 c = self._conns.get(fd)
                 if c is None or not c.rlock.acquire(blocking=False):
                     continue  # a waiting thread reads it and re-arms it
+                self._tls.batch = batch
                 try:
-                    alive = self._drain(c)
+                    self._drain(c)
                 except Exception:  # a bug must not kill the poller: drop this connection only
                     log.exception("%s: reading from %s failed", self.label, self.describe(c.peer))
                     self._lose(c, None)
-                    alive = False
                 finally:
-                    if not c.closed:
-                        with contextlib.suppress(OSError, ValueError):
-                            self._ep.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
                     c.rlock.release()
-                del alive
+                    self._rearm(c)
+                # deliver after the connection is free again: a request run here must not keep
+                # the next messages on its connection from other threads
+                try:
+                    for item in batch:
+                        self.on_message(*item)
+                    batch.clear()
+                    if self.on_batch_end is not None:
+                        self.on_batch_end()
+                except Exception:
+                    log.exception("%s: delivering a message failed", self.label)
+                finally:
+                    batch.clear()
+                    self._tls.batch = None
 
     def _drain(self, c: _Conn) -> bool:
         """Read whatever is available on ``c`` and deliver complete frames (rlock held).
@@ -593,7 +698,7 @@ class Messenger:
 
     def _frame(self, c: _Conn, kind: int, tag: int, meta: bytes, payload: memoryview) -> None:
         if kind == Kind.DATA:
-            self.on_message(c.peer, tag, meta, payload)
+            self._deliver(c.peer, tag, meta, payload)
         elif kind == Kind.HEARTBEAT:
             pass
         elif kind == Kind.DATA_CMA:
@@ -611,6 +716,13 @@ class Messenger:
             c.goodbye = True
         else:
             log.debug("%s: ignored frame kind %d from %s", self.label, kind, self.describe(c.peer))
+
+    def _deliver(self, peer: int, tag: int, meta: bytes, payload: Payload) -> None:
+        batch = getattr(self._tls, "batch", None)
+        if batch is not None:
+            batch.append((peer, tag, meta, payload))
+        else:
+            self.on_message(peer, tag, meta, payload)
 
     def _resend(self, peer: int, tag: int, meta: bytes, parts: list[memoryview]) -> None:
         with contextlib.suppress(PeerError, DistNetworkError, DistTimeoutError):
@@ -636,7 +748,7 @@ class Messenger:
         ack = _ERRNO.pack(err)
         self._ctrl.put(lambda: self._send_ctrl(c, Kind.CMA_ACK, xfer, ack))
         if not err:
-            self.on_message(c.peer, tag, meta, [prefix, *bufs])
+            self._deliver(c.peer, tag, meta, [prefix, *bufs])
 
     # -- failure -------------------------------------------------------------------------------
     def _lose(self, c: _Conn, exc: BaseException | None, stalled: float | None = None) -> None:
@@ -743,7 +855,7 @@ class Messenger:
         self._hb_stop.set()
         self._ctrl.put(None)
         with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+            os.write(self._wake_w, b"x")  # never read: wakes every poller
         end = time.monotonic() + timeout
         for t in self._threads:
             if t is not threading.current_thread():
