@@ -50,11 +50,11 @@ from ._rref_protocol import (
     Send,
     UserDelete,
 )
-
-_DELETE_DELAY = 0.005
 from .constants import UNSET_RPC_TIMEOUT
 
 __all__ = ["RRef", "RRefContext", "create_remote", "release_all", "settle"]
+
+_DELETE_DELAY = 0.005  # seconds a lone deletion waits for others to travel with
 
 log = logging.getLogger(__name__)
 
