@@ -1,0 +1,387 @@
+"""What the RPC tests' callees run: module-level functions and classes, importable by name
+(``tests.integration.rpc_funcs``) on every worker.
+
+Module state (counters, stored RRefs, live tracked objects) is per process: each worker has its
+own, and the tests read a worker's through an RPC to it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ._rpc_harness import rpc
+
+# -- plain calls -------------------------------------------------------------------------------
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def add_kwargs(a: Any, *, b: Any = 0, c: Any = 0) -> Any:
+    return a + b + c
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def my_id() -> int:
+    return rpc.get_worker_info().id
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def sleep_then(seconds: float, value: Any = None) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """What the callee received: shape, strides, flags and a checksum."""
+    return {
+        "shape": tuple(t.shape),
+        "dtype": t.dtype,
+        "requires_grad": t.requires_grad,
+        "is_contiguous": t.is_contiguous(),
+        "sum": float(t.double().sum()),
+        "first": t.flatten()[:4].tolist(),
+    }
+
+
+def make_view(n: int) -> torch.Tensor:
+    """A non-contiguous view of a larger tensor, as a return value."""
+    return torch.arange(n * n, dtype=torch.float32).reshape(n, n).t()[1:]
+
+
+def nested_call(to: str, func: Any, args: tuple[Any, ...] = ()) -> Any:
+    """Call ``func`` on ``to`` from inside an RPC: nested RPC (``to`` may be the caller)."""
+    return rpc.rpc_sync(to, func, args=args)
+
+
+def chain_call(path: list[str], x: Any) -> Any:
+    """Forward down ``path`` (A -> B -> C ...), adding 1 at every hop."""
+    if not path:
+        return x
+    return rpc.rpc_sync(path[0], chain_call, args=(path[1:], x + 1))
+
+
+class Calc:
+    """An importable class: constructor, static, class and instance methods."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+
+    def plus(self, x: int) -> int:
+        return self.base + x
+
+    @staticmethod
+    def mul(a: Any, b: Any) -> Any:
+        return a * b
+
+    @classmethod
+    def make(cls, base: int) -> Calc:
+        return cls(base)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Calc) and other.base == self.base
+
+    def __hash__(self) -> int:
+        return hash(self.base)
+
+
+def calc_plus(c: Calc, x: int) -> int:
+    return c.plus(x)
+
+
+# -- counters and concurrency ------------------------------------------------------------------
+
+_lock = threading.Lock()
+_counts: dict[str, int] = {}
+
+
+def count(key: str, n: int = 1) -> int:
+    with _lock:
+        _counts[key] = _counts.get(key, 0) + n
+        return _counts[key]
+
+
+def get_count(key: str) -> int:
+    with _lock:
+        return _counts.get(key, 0)
+
+
+_events: dict[str, threading.Event] = {}
+
+
+def _event(key: str) -> threading.Event:
+    with _lock:
+        return _events.setdefault(key, threading.Event())
+
+
+def set_event(key: str) -> None:
+    _event(key).set()
+
+
+def wait_event(key: str, timeout: float = 30.0) -> bool:
+    return _event(key).wait(timeout)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class CustomError(Exception):
+    """A user exception class (importable on every worker)."""
+
+
+class ThreeArgError(Exception):
+    """An exception whose constructor needs three arguments (not ``cls(message)``)."""
+
+    def __init__(self, code: int, where: str, detail: str) -> None:
+        super().__init__(code, where, detail)
+        self.code = code
+        self.where = where
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"code {self.code} at {self.where}: {self.detail}"
+
+
+def raise_error(kind: str, message: str = "expected error") -> None:
+    """Raise the exception named ``kind`` with ``message`` in it."""
+    if kind == "ZeroDivisionError":
+        _ = 1 / 0
+    if kind == "ThreeArgError":
+        raise ThreeArgError(7, "callee", message)
+    if kind == "CustomError":
+        raise CustomError(message)
+    raise {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
+           "KeyError": KeyError}[kind](message)
+
+
+# -- async_execution ---------------------------------------------------------------------------
+
+
+@rpc.functions.async_execution
+def async_add(to: str, a: Any, b: Any) -> Any:
+    """Returns a future: the reply is sent when the nested call completes."""
+    return rpc.rpc_async(to, add, args=(a, b))
+
+
+@rpc.functions.async_execution
+def async_add_chained(to: str, x: Any, times: int) -> Any:
+    """``times`` nested calls chained with ``then``, each adding 1."""
+    fut = rpc.rpc_async(to, add, args=(x, 1))
+    for _ in range(times - 1):
+        fut = fut.then(lambda f: rpc.rpc_async(to, add, args=(f.wait(), 1)).wait())
+    return fut
+
+
+@rpc.functions.async_execution
+def async_fanout(tos: list[str], x: Any) -> Any:
+    """Calls every worker in ``tos`` and answers with the sum of the results."""
+    futs = [rpc.rpc_async(to, add, args=(x, 1)) for to in tos]
+    return torch.futures.collect_all(futs).then(lambda f: sum(g.wait() for g in f.wait()))
+
+
+@rpc.functions.async_execution
+def async_nested(to: str, via: str, x: Any) -> Any:
+    """async_execution calling another async_execution function: ``via`` calls ``to``."""
+    return rpc.rpc_async(via, async_add, args=(to, x, 1))
+
+
+@rpc.functions.async_execution
+def async_sleep_then(seconds: float, value: Any) -> Any:
+    """A future completed later by a thread of the callee."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+
+    def complete() -> None:
+        time.sleep(seconds)
+        fut.set_result(value)
+
+    threading.Thread(target=complete, daemon=True).start()
+    return fut
+
+
+@rpc.functions.async_execution
+def async_raise(kind: str, message: str) -> Any:
+    """Raises before returning a future."""
+    raise_error(kind, message)
+
+
+@rpc.functions.async_execution
+def async_future_error(message: str) -> Any:
+    """Returns a future that completes with an error."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_exception(ValueError(message))
+    return fut
+
+
+@rpc.functions.async_execution
+def async_callback_error(to: str, message: str) -> Any:
+    """The error is raised in a ``then`` callback."""
+
+    def fail(f: Any) -> Any:
+        f.wait()
+        raise ValueError(message)
+
+    return rpc.rpc_async(to, add, args=(1, 1)).then(fail)
+
+
+@rpc.functions.async_execution
+def async_remote_error(to: str, message: str) -> Any:
+    """The nested call fails on a third worker."""
+    return rpc.rpc_async(to, raise_error, args=("ValueError", message))
+
+
+class AsyncCalc:
+    """async_execution on static, class and instance methods."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async_add(to: str, x: Any, y: Any) -> Any:
+        return rpc.rpc_async(to, add, args=(x, y))
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_async_add(cls, to: str, x: Any, y: Any) -> Any:
+        return rpc.rpc_async(to, add, args=(x, y))
+
+    @rpc.functions.async_execution
+    def async_plus(self, to: str, x: Any) -> Any:
+        return rpc.rpc_async(to, add, args=(self.base, x))
+
+    def plus(self, x: Any) -> Any:
+        return self.base + x
+
+
+# -- RRefs -------------------------------------------------------------------------------------
+
+
+class Counter:
+    """A stateful object held by an RRef owner (for the rref proxies)."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def increment(self, n: int = 1) -> int:
+        self.value += n
+        return self.value
+
+    def get(self) -> int:
+        return self.value
+
+    def slow_get(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.value
+
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+
+# The values of Tracked objects alive in this process, by tag: the owner of an RRef holds
+# one until every user dropped its reference.
+_live: set[str] = set()
+
+
+class Tracked:
+    """An object that reports its deletion: ``is_alive(tag)`` on the process that holds it."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        with _lock:
+            _live.add(tag)
+
+    def __del__(self) -> None:
+        with _lock:
+            _live.discard(self.tag)
+
+
+def is_alive(tag: str) -> bool:
+    import gc
+
+    gc.collect()
+    with _lock:
+        return tag in _live
+
+
+_stored: dict[str, Any] = {}
+
+
+def store_rref(key: str, rref: Any) -> bool:
+    """Keep ``rref`` in this worker (a user reference that outlives the call)."""
+    _stored[key] = rref
+    return True
+
+
+def drop_rref(key: str) -> bool:
+    import gc
+
+    _stored.pop(key, None)
+    gc.collect()
+    return True
+
+
+def stored_to_here(key: str) -> Any:
+    return _stored[key].to_here()
+
+
+def forward_stored(key: str, to: str, drop: bool) -> bool:
+    """Pass the stored RRef on to ``to`` (which stores it under the same key); then maybe drop
+    ours: a fork of a fork."""
+    rpc.rpc_sync(to, store_rref, args=(key, _stored[key]))
+    if drop:
+        drop_rref(key)
+    return True
+
+
+def rref_to_here(rref: Any) -> Any:
+    return rref.to_here()
+
+
+def rref_info(rref: Any) -> dict[str, Any]:
+    """What a (user or owner) RRef says about itself where it was received."""
+    return {
+        "is_owner": rref.is_owner(),
+        "owner_name": rref.owner_name(),
+        "owner_id": rref.owner().id,
+        "confirmed": rref.confirmed_by_owner(),
+    }
+
+
+def rref_local_value(rref: Any) -> Any:
+    return rref.local_value()
+
+
+def rref_add(rref: Any, x: Any) -> Any:
+    """``to_here`` of an RRef passed as an argument, plus ``x``."""
+    return rref.to_here() + x
+
+
+def make_local_rrefs(values: list[Any]) -> list[Any]:
+    """RRefs this worker owns, returned to the caller (owner RRefs forked on return)."""
+    return [rpc.RRef(Counter(v)) for v in values]
+
+
+def call_on_rref(method: str, rref: Any, *args: Any) -> Any:
+    """Call ``method`` on the value of a local RRef (run on its owner)."""
+    return getattr(rref.local_value(), method)(*args)
+
+
+def remote_of(to: str, func: Any, args: tuple[Any, ...]) -> Any:
+    """An RRef made by this worker on ``to`` and returned to the caller (a fork)."""
+    return rpc.remote(to, func, args=args)

@@ -1,0 +1,643 @@
+"""tdist.rpc end to end on real processes, against torch.distributed.rpc's documented behaviour:
+init and the backend registry, calls, futures, errors, async_execution, timeouts, shutdown.
+
+Four workers (``worker0``..``worker3``) per test, over both agents (``tensorpipe`` and
+``process_group``); ``TDIST_RPC_TEST_IMPL=torch`` runs the same tests on torch (see
+``_rpc_harness``). Tests marked ``better_than_torch`` check what torch does not do.
+"""
+
+from __future__ import annotations
+
+import operator
+import pickle
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from . import rpc_funcs as f
+from ._rpc_harness import (
+    BACKENDS,
+    TIMEOUT_RE,
+    Worker,
+    better_than_torch,
+    name,
+    observe,
+    rpc,
+    run,
+)
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("backend", BACKENDS)]
+
+
+def call(mode: str, to: Any, func: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+         **kw: Any) -> Any:
+    """One call in one of the three ways: ``rpc_sync``, ``rpc_async().wait()``, ``remote().to_here()``."""
+    if mode == "sync":
+        return rpc.rpc_sync(to, func, args=args, kwargs=kwargs, **kw)
+    if mode == "async":
+        return rpc.rpc_async(to, func, args=args, kwargs=kwargs, **kw).wait()
+    return rpc.remote(to, func, args=args, kwargs=kwargs, **kw).to_here()
+
+
+MODES = ("sync", "async", "remote")
+
+
+# -- init and the registry ---------------------------------------------------------------------
+
+
+def _init_barrier_and_worker_infos(w: Worker) -> tuple[float, float]:
+    time.sleep(0.15 * w.rank)  # the workers arrive one after another
+    arrived = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+    w.init(rpc_timeout=45)
+    returned = time.monotonic()
+    # every worker is reachable as soon as init_rpc returned
+    assert [rpc.rpc_sync(n, f.whoami) for n in w.others()] == w.others()
+    assert rpc.get_rpc_timeout() == pytest.approx(45)
+
+    me = rpc.get_worker_info()
+    assert (me.name, me.id) == (w.me, w.rank)
+    assert rpc.get_worker_info(w.me) == me
+    infos = [rpc.get_worker_info(name(r)) for r in range(w.world_size)]
+    assert [(i.name, i.id) for i in infos] == [(name(r), r) for r in range(w.world_size)]
+    assert infos[w.rank] == me and infos[(w.rank + 1) % w.world_size] != me
+    assert pickle.loads(pickle.dumps(me)) == me
+    # a WorkerInfo travels as an argument and a result, equal to the original
+    assert rpc.rpc_sync(w.peer(), f.identity, args=(me,)) == me
+    # the destination as a name, a WorkerInfo or a rank
+    assert rpc.rpc_sync(infos[(w.rank + 1) % w.world_size], f.whoami) == w.peer()
+    assert rpc.rpc_sync((w.rank + 2) % w.world_size, f.my_id) == (w.rank + 2) % w.world_size
+    with pytest.raises(RuntimeError, match="nosuchworker"):
+        rpc.get_worker_info("nosuchworker")
+    with pytest.raises(RuntimeError, match=r"(?i)already initialized"):
+        w.init()
+    w.initialized = True
+    return arrived, returned
+
+
+def test_init_rpc_is_a_barrier_and_worker_infos_name_every_worker(backend: str) -> None:
+    times = run(_init_barrier_and_worker_infos, backend, init=False)
+    last_arrival = max(a for a, _ in times)
+    assert all(r >= last_arrival for _, r in times), times
+
+
+def _duplicate_names(w: Worker) -> None:
+    # worker0 twice (ranks 0 and 3): every rank learns of it, none is left half-initialized
+    with pytest.raises(RuntimeError, match=r"(?i)unique|duplicate") as info:
+        w.init(name(w.rank % 3))
+    assert "worker0" in str(info.value)
+    w.barrier()  # rank 0 hosts the rendezvous store: it stays until everyone has failed
+
+
+def test_duplicate_worker_names_fail_init_on_every_rank(backend: str) -> None:
+    run(_duplicate_names, backend, init=False, timeout=30)
+
+
+def _invalid_names_and_types(w: Worker) -> None:
+    # torch's rule: [A-Za-z0-9-_:], non-empty, shorter than 128 characters
+    for bad in ("abc*", " ", "", "a" * 200, "worker 1", "w/1"):
+        try:
+            rpc.WorkerInfo(bad, 0)
+        except RuntimeError:  # torch: RuntimeError("Worker name must match ...")
+            continue
+        raise AssertionError(f"WorkerInfo({bad!r}, 0) did not raise RuntimeError")
+    ok = rpc.WorkerInfo("Trainer-3_x:1", 5)
+    assert (ok.name, ok.id) == ("Trainer-3_x:1", 5)
+    with pytest.raises(RuntimeError, match=r"(?i)not (been )?initialized"):
+        rpc.rpc_sync("worker0", f.add, args=(1, 2))
+    with pytest.raises(TypeError, match="BackendType"):
+        rpc.init_rpc("worker0", backend="TENSORPIPE", rank=0, world_size=1)
+    with pytest.raises(TypeError, match="RpcBackendOptions"):
+        rpc.init_rpc("worker0", rank=0, world_size=1,
+                     rpc_backend_options={"init_method": f"tcp://127.0.0.1:{w.port}"})
+    with pytest.raises(RuntimeError, match=r"bad name\*"):
+        w.init("bad name*")
+    # a failed init leaves nothing behind: the next one works
+    w.init()
+    assert rpc.get_rpc_timeout() == pytest.approx(60)  # the options' default
+    assert rpc.rpc_sync("worker0", f.add, args=(1, 2)) == 3
+    w.shutdown()
+    with pytest.raises(RuntimeError, match=r"(?i)not (been )?initialized"):
+        rpc.rpc_sync("worker0", f.add, args=(1, 2))
+
+
+def test_invalid_worker_names_and_argument_types_are_rejected(backend: str) -> None:
+    run(_invalid_names_and_types, backend, world_size=1, init=False, timeout=30)
+
+
+def _registered_backend(w: Worker) -> dict[str, Any]:
+    base = w.backend_type.value
+    calls: list[str] = []
+
+    def construct(*args: Any, **kwargs: Any) -> Any:
+        calls.append("construct")
+        return base.construct_rpc_backend_options_handler(*args, **kwargs)
+
+    def init_backend(*args: Any, **kwargs: Any) -> Any:
+        calls.append("init")
+        return base.init_backend_handler(*args, **kwargs)
+
+    registry = rpc.backend_registry
+    mine = registry.register_backend("MINE", construct, init_backend)
+    assert registry.backend_registered("MINE")
+    assert registry.BackendType["MINE"] is mine
+    with pytest.raises(RuntimeError, match="MINE: already registered"):
+        registry.register_backend("MINE", construct, init_backend)
+    options = registry.construct_rpc_backend_options(
+        mine, rpc_timeout=33, init_method=f"tcp://127.0.0.1:{w.port}"
+    )
+    rpc.init_rpc(w.me, backend=mine, rank=w.rank, world_size=w.world_size,
+                 rpc_backend_options=options)
+    w.initialized = True
+    assert calls == ["construct", "init"]
+    assert rpc.get_rpc_timeout() == pytest.approx(33)
+    assert [rpc.rpc_sync(n, f.whoami) for n in w.others()] == w.others()
+    assert rpc.remote(w.peer(), f.add, args=(1, 2)).to_here() == 3
+    return {"in_rpc_BackendType": getattr(rpc.BackendType, "MINE", None) is mine}
+
+
+def test_user_registered_backend_runs_end_to_end(backend: str) -> None:
+    observe(_registered_backend, backend, init=False)
+
+
+@better_than_torch  # torch rebinds backend_registry.BackendType only: rpc.BackendType is stale
+def test_user_registered_backend_is_a_member_of_rpc_backend_type(backend: str) -> None:
+    assert all(o["in_rpc_BackendType"] for o in observe(_registered_backend, backend, init=False))
+
+
+# -- calls -------------------------------------------------------------------------------------
+
+
+def _calls(w: Worker) -> None:
+    p = w.peer()
+    ones = torch.ones(2, 2)
+    for mode in MODES:
+        assert call(mode, p, f.add, (1, 2)) == 3
+        assert call(mode, p, f.add_kwargs, (1,), {"b": 2, "c": 3}) == 6
+        assert call(mode, p, f.add, kwargs={"a": "x", "b": "y"}) == "xy"
+        assert call(mode, p, f.identity, (None,)) is None
+        assert torch.equal(call(mode, p, torch.add, (ones, ones)), ones * 2)
+        assert torch.equal(call(mode, p, torch.add, (ones, 3)), ones + 3)
+        assert call(mode, p, operator.add, (2, 3)) == 5
+        assert call(mode, p, len, ([1, 2, 3],)) == 3
+        assert call(mode, p, min, (3, 1, 2)) == 1
+        assert call(mode, p, f.Calc.mul, (3, 4)) == 12  # staticmethod
+        assert call(mode, p, f.Calc.make, (5,)) == f.Calc(5)  # classmethod
+        assert call(mode, p, f.Calc, (7,)) == f.Calc(7)  # a constructor
+        assert call(mode, p, f.calc_plus, (f.Calc(2), 3)) == 5  # an object as an argument
+        # to itself, by name, WorkerInfo and rank
+        assert call(mode, w.me, f.whoami) == w.me
+        assert call(mode, rpc.get_worker_info(), f.add, (1, 1)) == 2
+        assert call(mode, w.rank, f.my_id) == w.rank
+        assert call(mode, rpc.get_worker_info(p), f.whoami) == p
+
+
+def test_rpc_sync_async_remote_with_args_kwargs_builtins_methods_and_self(backend: str) -> None:
+    run(_calls, backend)
+
+
+def _tensors(w: Worker) -> None:
+    p = w.peer()
+    big = torch.randn(4 << 20)  # 16 MiB
+    assert torch.equal(rpc.rpc_sync(p, f.identity, args=(big,)), big)
+    assert torch.equal(rpc.rpc_async(p, torch.add, args=(big, 1)).wait(), big + 1)
+    assert torch.equal(rpc.remote(p, f.identity, args=(big,)).to_here(), big)
+
+    base = torch.arange(25.0).reshape(5, 5)
+    view = base.narrow(1, 2, 2)
+    assert not view.is_contiguous()
+    seen = rpc.rpc_sync(p, f.describe_tensor, args=(view,))
+    assert seen["shape"] == (5, 2)
+    assert seen["first"] == view.flatten()[:4].tolist()
+    assert seen["sum"] == float(view.sum())
+    back = rpc.rpc_sync(p, f.identity, args=(view,))
+    assert torch.equal(back, view) and back.shape == (5, 2)
+    assert torch.equal(rpc.rpc_sync(p, f.identity, args=(base.t(),)), base.t())
+    assert torch.equal(rpc.rpc_sync(p, f.make_view, args=(4,)), f.make_view(4))  # a view returned
+
+    grad = torch.ones(3, requires_grad=True)
+    assert rpc.rpc_sync(p, f.describe_tensor, args=(grad,))["requires_grad"] is True
+    assert rpc.rpc_sync(p, f.identity, args=(grad,)).requires_grad is True
+    assert rpc.rpc_sync(p, f.describe_tensor, args=(torch.ones(3),))["requires_grad"] is False
+
+    for t in (torch.arange(6, dtype=torch.int64), torch.tensor([True, False]),
+              torch.arange(4, dtype=torch.bfloat16), torch.arange(4, dtype=torch.float16),
+              torch.arange(4, dtype=torch.uint8), torch.tensor([1 + 2j], dtype=torch.complex64),
+              torch.tensor(3.5), torch.empty(0, 3)):
+        back = rpc.rpc_sync(p, f.identity, args=(t,))
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+    nested = {"a": [torch.ones(2), (torch.zeros(3), 5)], "b": torch.full((2,), 7.0), "c": "text"}
+    back = rpc.rpc_sync(p, f.identity, args=(nested,))
+    assert torch.equal(back["a"][0], torch.ones(2)) and torch.equal(back["a"][1][0], torch.zeros(3))
+    assert back["a"][1][1] == 5 and torch.equal(back["b"], nested["b"]) and back["c"] == "text"
+
+
+def test_tensors_large_non_contiguous_requires_grad_dtypes_and_containers(backend: str) -> None:
+    run(_tensors, backend)
+
+
+def _nested(w: Worker) -> None:
+    p, q = w.peer(1), w.peer(2)
+    assert rpc.rpc_sync(p, f.nested_call, args=(q, f.whoami)) == q  # to a third worker
+    assert rpc.rpc_sync(p, f.nested_call, args=(w.me, f.whoami)) == w.me  # back to the caller
+    assert rpc.rpc_sync(w.me, f.nested_call, args=(w.me, f.add, (1, 2))) == 3  # self, twice
+    assert rpc.rpc_async(p, f.nested_call, args=(q, f.add, (2, 3))).wait() == 5
+    assert rpc.remote(p, f.nested_call, args=(w.me, f.add, (3, 4))).to_here() == 7
+    # worker -> p -> q -> r -> back to the caller, adding 1 at every hop
+    assert rpc.rpc_sync(p, f.chain_call, args=([q, w.peer(3), w.me], 0)) == 3
+
+
+def test_nested_rpc_to_third_workers_and_back_to_the_caller(backend: str) -> None:
+    run(_nested, backend)
+
+
+def _futures(w: Worker) -> None:
+    p = w.peer()
+    fut = rpc.rpc_async(p, f.add, args=(1, 2))
+    chained = fut.then(lambda x: x.wait() * 10).then(lambda x: x.value() + 1)
+    assert chained.wait() == 31
+    assert fut.wait() == 3 and fut.wait() == 3  # wait twice
+    assert fut.done() and fut.value() == 3
+    seen: list[Any] = []
+    fut.add_done_callback(lambda x: seen.append(x.value()))  # done already: runs at once
+    assert seen == [3]
+
+    futs = [rpc.rpc_async(n, f.add, args=(i, 1)) for i, n in enumerate(w.others())]
+    assert torch.futures.wait_all(futs) == [i + 1 for i in range(len(futs))]
+    assert [x.wait() for x in torch.futures.collect_all(futs).wait()] == [i + 1 for i in range(len(futs))]
+
+    failed = rpc.rpc_async(p, f.raise_error, args=("ValueError", "future boom"))
+    slow = rpc.rpc_async(p, f.sleep_then, args=(0.2, "slow"))
+    with pytest.raises(ValueError, match="future boom"):
+        torch.futures.wait_all([slow, failed])
+    with pytest.raises(ValueError, match="future boom"):
+        failed.value()
+    assert slow.wait() == "slow"
+
+    def handle(x: Any) -> str:
+        try:
+            x.wait()
+        except ValueError as exc:
+            return f"caught: {exc}"
+        return "no error"
+
+    assert "future boom" in failed.then(handle).wait()
+    with pytest.raises(Exception, match="future boom"):
+        failed.then(lambda x: x.wait()).wait()  # a callback's error fails its future
+
+
+def test_futures_then_wait_value_wait_all_and_errors(backend: str) -> None:
+    run(_futures, backend)
+
+
+def _concurrent(w: Worker) -> None:
+    threads, calls = 4, 30
+    everyone = [name(r) for r in range(w.world_size)]
+    errors: list[BaseException] = []
+
+    def body(t: int) -> None:
+        try:
+            pending = []
+            for i in range(calls):
+                to = everyone[(i + t) % len(everyone)]
+                if i % 2:
+                    assert rpc.rpc_sync(to, f.add, args=(i, t)) == i + t
+                else:
+                    pending.append((rpc.rpc_async(to, f.add, args=(i, t)), i + t))
+                pending.append((rpc.rpc_async(to, f.count, args=("hits",)), None))
+            for fut, expected in pending:
+                value = fut.wait()
+                assert expected is None or value == expected
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=body, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in ts)
+    w.barrier()
+    if w.rank == 0:
+        hits = sum(rpc.rpc_sync(n, f.get_count, args=("hits",)) for n in everyone)
+        assert hits == w.world_size * threads * calls
+
+
+def test_many_concurrent_calls_from_several_threads(backend: str) -> None:
+    run(_concurrent, backend)
+
+
+def _unavailable_functions(w: Worker) -> None:
+    p = w.peer()
+
+    def local_function() -> int:
+        return 1
+
+    for func in (lambda: 1, local_function):  # not picklable: the caller fails at call time
+        for api in (rpc.rpc_sync, rpc.rpc_async, rpc.remote):
+            with pytest.raises((AttributeError, pickle.PicklingError, TypeError, RuntimeError),
+                               match=r"(?i)pickle"):
+                api(p, func)
+
+    # a module only this worker has: the callee cannot import it
+    modname = f"caller_only_module_{w.rank}"
+    module = types.ModuleType(modname)
+    exec("def only_here():\n    return 42\n", module.__dict__)
+    sys.modules[modname] = module
+    assert rpc.rpc_sync(w.me, module.only_here) == 42  # fine on the caller itself
+    with pytest.raises(Exception, match=modname):
+        rpc.rpc_sync(p, module.only_here)
+    with pytest.raises(Exception, match=modname):
+        rpc.rpc_async(p, module.only_here).wait()
+    assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3  # the callee is still up
+    w.barrier()  # keep the module until every callee has failed to import it
+
+
+def test_function_the_callee_cannot_have_fails_clearly_and_callee_stays_up(backend: str) -> None:
+    run(_unavailable_functions, backend)
+
+
+def _unimportable_remote(w: Worker) -> None:
+    modname = f"caller_only_module_{w.rank}"
+    module = types.ModuleType(modname)
+    exec("def only_here():\n    return 42\n", module.__dict__)
+    sys.modules[modname] = module
+    rref = rpc.remote(w.peer(), module.only_here)
+    with pytest.raises(Exception, match=modname):
+        rref.to_here(timeout=5)
+    assert rpc.remote(w.peer(), f.add, args=(1, 2)).to_here() == 3
+    w.barrier()
+
+
+@better_than_torch  # torch: the owner never learns the creation failed; to_here times out
+def test_remote_of_a_function_the_callee_cannot_import_fails_on_to_here(backend: str) -> None:
+    run(_unimportable_remote, backend, timeout=20)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+BUILTIN_KINDS = ("ValueError", "TypeError", "RuntimeError")
+OTHER_KINDS = ("KeyError", "ZeroDivisionError", "CustomError", "ThreeArgError")
+
+
+def _describe(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "mro": [c.__name__ for c in type(exc).__mro__],
+        "str": str(exc),
+        # what str() cannot hold (KeyError's text is the key's repr) may come as PEP 678 notes
+        "text": "\n".join([str(exc), *getattr(exc, "__notes__", [])]),
+        "attrs": {k: getattr(exc, k, None) for k in ("code", "where", "detail")},
+    }
+
+
+def _attempt(fn: Any, *args: Any) -> dict[str, Any] | None:
+    """``fn(*args)``: the description of what it raised, or None."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        return _describe(exc)
+    return None
+
+
+def _errors(w: Worker) -> dict[str, Any]:
+    p, q = w.peer(1), w.peer(2)
+    out: dict[str, Any] = {"peer": p, "third": q}
+    for kind in BUILTIN_KINDS + OTHER_KINDS:
+        for mode in MODES:
+            message = f"boom-{kind}-{mode}-from-{w.me}"
+            out[f"{kind}/{mode}"] = _attempt(call, mode, p, f.raise_error, (kind, message))
+    for mode in MODES:
+        out[f"async_raise/{mode}"] = _attempt(
+            call, mode, p, f.async_raise, ("ValueError", f"async-raise-{mode}"))
+        out[f"async_callback/{mode}"] = _attempt(
+            call, mode, p, f.async_callback_error, (q, f"async-callback-{mode}"))
+        out[f"async_nested/{mode}"] = _attempt(
+            call, mode, p, f.async_remote_error, (q, f"async-nested-{mode}"))
+        out[f"async_future/{mode}"] = _attempt(
+            call, mode, p, f.async_future_error, (f"async-future-{mode}",))
+    out["serving"] = [rpc.rpc_sync(n, f.add, args=(1, 2)) for n in w.others()]
+    w.barrier()  # everyone has observed before anyone shuts down
+    return out
+
+
+def test_remote_value_type_and_runtime_errors_keep_type_and_message(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for kind in BUILTIN_KINDS:
+            for mode in MODES:
+                got = obs[f"{kind}/{mode}"]
+                assert got is not None, f"{kind}/{mode}: no error raised"
+                assert got["type"] == kind, (kind, mode, got)
+                assert f"boom-{kind}-{mode}-from-" in got["str"]
+
+
+def test_remote_error_text_names_the_worker_and_has_the_remote_traceback(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for kind in BUILTIN_KINDS:
+            for mode in MODES:
+                text = obs[f"{kind}/{mode}"]["str"]
+                assert obs["peer"] in text, (kind, mode, text)
+                assert "Traceback" in text and "raise_error" in text, (kind, mode, text)
+
+
+@better_than_torch  # torch rebuilds only cls(message), and not KeyError or a user type
+def test_remote_errors_of_any_type_keep_their_type(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for kind in OTHER_KINDS:
+            for mode in MODES:
+                got = obs[f"{kind}/{mode}"]
+                assert got is not None and got["type"] == kind, (kind, mode, got)
+                assert obs["peer"] in got["text"], (kind, mode, got)
+                if kind == "ThreeArgError":  # rebuilt with its own arguments
+                    attrs = got["attrs"]
+                    assert (attrs["code"], attrs["where"]) == (7, "callee"), got
+                    assert str(attrs["detail"]).startswith(f"boom-{kind}-{mode}"), got
+                elif kind != "ZeroDivisionError":
+                    assert f"boom-{kind}-{mode}" in got["str"]
+
+
+def test_errors_in_async_execution_functions_and_their_callbacks(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for mode in MODES:
+            got = obs[f"async_raise/{mode}"]
+            assert got is not None and got["type"] == "ValueError", got
+            assert f"async-raise-{mode}" in got["str"] and obs["peer"] in got["str"]
+            got = obs[f"async_callback/{mode}"]
+            assert got is not None and f"async-callback-{mode}" in got["str"], got
+            assert {"ValueError", "RuntimeError"} & set(got["mro"]), got
+            got = obs[f"async_nested/{mode}"]  # failed on a third worker, which it names
+            assert got is not None and f"async-nested-{mode}" in got["str"], got
+            assert obs["third"] in got["str"], got
+            assert {"ValueError", "RuntimeError"} & set(got["mro"]), got
+
+
+@better_than_torch  # torch hands back the exception as the future's *value*
+def test_async_execution_future_set_with_an_exception_raises_on_the_caller(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for mode in MODES:
+            got = obs[f"async_future/{mode}"]
+            assert got is not None and got["type"] == "ValueError", got
+            assert f"async-future-{mode}" in got["str"]
+
+
+def test_callee_keeps_serving_after_errors(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        assert obs["serving"] == [3, 3, 3]
+
+
+# -- async_execution ---------------------------------------------------------------------------
+
+
+def _async_execution(w: Worker) -> None:
+    p, q, r = w.peer(1), w.peer(2), w.peer(3)
+    ones = torch.ones(2)
+    for mode in MODES:
+        assert call(mode, p, f.async_add, (q, 1, 2)) == 3
+        assert torch.equal(call(mode, p, f.async_add, (q, ones, ones)), ones * 2)
+        assert call(mode, p, f.async_add, (w.me, 1, 2)) == 3  # the nested call comes back
+        assert call(mode, w.me, f.async_add, (w.me, 2, 2)) == 4  # all on itself
+        assert call(mode, p, f.async_add_chained, (q, 0, 3)) == 3
+        assert call(mode, p, f.async_fanout, (w.others(), 1)) == 2 * (w.world_size - 1)
+        assert call(mode, p, f.async_nested, (r, q, 1)) == 2
+        assert call(mode, p, f.async_sleep_then, (0.05, "later")) == "later"
+        assert call(mode, p, f.AsyncCalc.static_async_add, (q, 1, 2)) == 3
+        assert call(mode, p, f.AsyncCalc.class_async_add, (q, 2, 2)) == 4
+    calc = rpc.remote(p, f.AsyncCalc, args=(10,))
+    assert calc.rpc_sync().async_plus(q, 5) == 15
+    assert calc.rpc_async().async_plus(q, 6).wait() == 16
+    assert calc.remote().async_plus(q, 7).to_here() == 17
+    assert calc.rpc_sync().plus(1) == 11  # a plain method next to async ones
+
+
+def test_async_execution_functions_chains_nesting_and_rref_proxies(backend: str) -> None:
+    run(_async_execution, backend)
+
+
+# -- timeouts ----------------------------------------------------------------------------------
+
+
+def _timeouts(w: Worker) -> list[str]:
+    p = w.peer()
+    messages: list[str] = []
+    slow = (1.2, "slow")  # longer than the timeouts below, shorter than the test
+    assert rpc.get_rpc_timeout() == pytest.approx(0.8)  # the options' rpc_timeout
+    # started together: a per-call timeout, the default one, a longer one, none
+    short = rpc.rpc_async(p, f.sleep_then, args=slow, timeout=0.2)
+    default = rpc.rpc_async(p, f.sleep_then, args=slow)
+    longer = rpc.rpc_async(p, f.sleep_then, args=slow, timeout=5)
+    unlimited = rpc.rpc_async(p, f.sleep_then, args=slow, timeout=0)  # 0: no timeout
+    t0 = time.monotonic()
+    for fut in (short, default):
+        with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+            fut.wait()
+        messages.append(str(info.value))
+    assert time.monotonic() - t0 < 1.1  # failed at the deadline, not when the callee answered
+    assert longer.wait() == "slow" and unlimited.wait() == "slow"
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        rpc.rpc_sync(p, f.sleep_then, args=slow, timeout=0.2)
+    messages.append(str(info.value))
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        rpc.rpc_sync(p, f.sleep_then, args=slow)
+    messages.append(str(info.value))
+    assert rpc.rpc_sync(p, f.sleep_then, args=slow, timeout=0) == "slow"
+
+    # to_here's own timeout; the value is still there afterwards
+    rref = rpc.remote(p, f.sleep_then, args=(1.2, 5), timeout=0)
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        rref.to_here(timeout=0.2)
+    messages.append(str(info.value))
+    assert rref.to_here(timeout=0) == 5
+    # remote: a creation that takes longer than its timeout fails the next use of the RRef
+    # (last: torch's graceful shutdown hangs when another remote() follows this one)
+    rref = rpc.remote(p, f.sleep_then, args=slow, timeout=0.2)
+    time.sleep(0.4)
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        rref.to_here()
+    messages.append(str(info.value))
+    w.barrier()
+    return messages
+
+
+def test_per_call_and_default_timeouts_on_every_api(backend: str) -> None:
+    observe(_timeouts, backend, world_size=2, rpc_timeout=0.8)
+
+
+@better_than_torch  # torch: "RPC ran for more than set timeout (200 ms)", no callee
+def test_timeout_errors_name_the_callee(backend: str) -> None:
+    for rank, messages in enumerate(observe(_timeouts, backend, world_size=2, rpc_timeout=0.8)):
+        callee = name((rank + 1) % 2)
+        assert all(callee in m for m in messages), messages
+
+
+# -- shutdown ----------------------------------------------------------------------------------
+
+
+def _graceful(w: Worker) -> None:
+    last = w.world_size - 1
+    if w.rank == last:
+        time.sleep(1.0)  # slow to reach shutdown: the others are waiting inside it by now
+        # ... and still serve while they wait
+        assert [rpc.rpc_sync(n, f.whoami) for n in w.others()] == w.others()
+    done: list[Any] = []
+    fut = rpc.rpc_async(w.peer(), f.sleep_then, args=(0.5, w.rank))
+    fut.add_done_callback(lambda x: done.append(x.value()))
+    t0 = time.monotonic()
+    w.shutdown()
+    elapsed = time.monotonic() - t0
+    assert done == [w.rank]  # the outstanding call completed before shutdown returned
+    if w.rank != last:
+        assert elapsed > 0.8, elapsed  # waited for the last worker
+    with pytest.raises(RuntimeError, match=r"(?i)not (been )?initialized"):
+        rpc.rpc_sync(w.peer(), f.add, args=(1, 2))
+
+
+def test_graceful_shutdown_waits_for_slow_workers_and_outstanding_calls(backend: str) -> None:
+    run(_graceful, backend)
+
+
+def _ungraceful(w: Worker) -> None:
+    assert rpc.rpc_sync(w.peer(), f.add, args=(1, 2)) == 3
+    w.barrier()
+    if w.rank == 0:  # leaves alone: nobody else is in shutdown
+        t0 = time.monotonic()
+        w.shutdown(graceful=False)
+        assert time.monotonic() - t0 < 5
+    w.barrier()
+    if w.rank != 0:
+        with pytest.raises(RuntimeError):
+            rpc.rpc_sync("worker0", f.add, args=(1, 2), timeout=5)
+        assert rpc.rpc_sync(name(1 + w.rank % 3), f.add, args=(1, 2)) == 3  # the others still talk
+        w.barrier()
+        w.shutdown(graceful=False)
+    else:
+        w.barrier()
+    with pytest.raises(RuntimeError, match=r"(?i)not (been )?initialized"):
+        rpc.rpc_sync(w.peer(), f.add, args=(1, 2))
+
+
+def test_ungraceful_shutdown_is_local(backend: str) -> None:
+    run(_ungraceful, backend)
+
+
+def _reinit(w: Worker) -> None:
+    assert rpc.rpc_sync(w.peer(), f.whoami) == w.peer()
+    w.shutdown()
+    w.init(port=w.shared["second_port"])
+    assert rpc.rpc_sync(w.peer(), f.whoami) == w.peer()
+    assert rpc.rpc_sync(w.peer(), f.nested_call, args=(w.peer(2), f.whoami)) == w.peer(2)
+    assert rpc.rpc_async(w.peer(), f.add, args=(1, 2)).wait() == 3
+
+
+def test_init_shutdown_init_again_in_the_same_process(backend: str) -> None:
+    from tdist.testing import free_port
+
+    run(_reinit, backend, shared={"second_port": free_port()})
