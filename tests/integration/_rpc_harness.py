@@ -183,13 +183,14 @@ def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WO
             raise
 
 
-_observed: dict[tuple[str, str], Any] = {}
+_observed: dict[tuple[str, str, str], Any] = {}
 
 
-def observe(scenario: Callable[[Worker], Any], backend: str, **kwargs: Any) -> list[Any]:
-    """``run`` once per (scenario, backend) in this session, cached: several tests can then
-    assert on what one run observed (one process start-up, telling test names)."""
-    key = (f"{scenario.__module__}.{scenario.__qualname__}", backend)
+def observe(scenario: Callable[[Worker], Any], backend: str, variant: str = "",
+            **kwargs: Any) -> list[Any]:
+    """``run`` once per (scenario, backend, variant) in this session, cached: several tests can
+    then assert on what one run observed (one process start-up, telling test names)."""
+    key = (f"{scenario.__module__}.{scenario.__qualname__}", backend, variant)
     if key not in _observed:
         try:
             _observed[key] = ("ok", run(scenario, backend, **kwargs))

@@ -1,0 +1,225 @@
+"""RPC with failing workers, on real processes: a callee killed with SIGKILL or stopped with
+SIGSTOP while calls to it are pending, and dynamic membership (``world_size=None``: workers
+join a running group and leave it). See ``_rpc_harness``.
+
+The victim (``worker1``) runs in a child of rank 1's process, so that killing it does not fail
+the run; the survivors end with ``shutdown(graceful=False)``, as a job that lost a worker does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from . import rpc_funcs as f
+from ._rpc_harness import (
+    BACKENDS,
+    Worker,
+    backend_type,
+    better_than_torch,
+    forked_worker,
+    in_thread,
+    make_options,
+    name,
+    observe,
+    rpc,
+    run,
+    settle,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+VICTIM = 1
+# the agents' heartbeats (tdist.transport): a peer silent this long is stalled
+STALL_TIMEOUT = 2.0
+HEARTBEAT_ENV = {"TDIST_HEARTBEAT_INTERVAL": "0.25", "TDIST_HEARTBEAT_TIMEOUT": str(STALL_TIMEOUT)}
+
+
+def _describe(exc: Any) -> dict[str, Any] | None:
+    if not isinstance(exc, BaseException):
+        return None
+    return {"type": type(exc).__name__, "runtime": isinstance(exc, RuntimeError),
+            "text": "\n".join([str(exc), *getattr(exc, "__notes__", [])])}
+
+
+def _timed(fn: Any) -> tuple[float, dict[str, Any] | None]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return time.monotonic() - t0, _describe(exc)
+    return time.monotonic() - t0, None
+
+
+def _victim_fails(w: Worker) -> dict[str, Any] | None:
+    """Ranks other than the victim's call it, it is killed or stopped, they observe."""
+    sig = w.shared["signal"]
+    if w.rank == VICTIM:
+        def serve() -> None:
+            w.init()
+            time.sleep(300)  # serves until killed
+
+        with forked_worker(serve) as pid:
+            w.shared["victim_pid"].value = pid
+            w.barrier()  # everyone is initialized
+            w.barrier()  # the calls to the victim are pending; it is hit now
+            w.barrier()  # everyone has observed
+        return None
+
+    w.init()
+    victim = name(VICTIM)
+    w.barrier()
+    assert rpc.rpc_sync(victim, f.whoami) == victim
+    rref = rpc.remote(victim, f.add, args=(1, 2))
+    assert rref.to_here() == 3
+    pending = rpc.rpc_async(victim, f.sleep_then, args=(300, "never"), timeout=0)
+    pending_rref = rpc.remote(victim, f.sleep_then, args=(300, "never"), timeout=0)
+    time.sleep(0.3)  # the requests have arrived
+    w.barrier()
+    if w.rank == 0:
+        os.kill(w.shared["victim_pid"].value, sig)
+    t0 = time.monotonic()
+    done, error = settle(pending, 10 if sig == signal.SIGKILL else STALL_TIMEOUT + 6)
+    out: dict[str, Any] = {"pending_s": time.monotonic() - t0 if done else None,
+                           "pending": _describe(error)}
+    if done:  # (else the rest would wait as long)
+        out["pending_rref_s"], out["pending_rref"] = _timed(lambda: pending_rref.to_here(timeout=10))
+        out["later_s"], out["later"] = _timed(lambda: rpc.rpc_sync(victim, f.add, args=(1, 2), timeout=5))
+        out["rref_later_s"], out["rref_later"] = _timed(lambda: rref.to_here(timeout=5))
+    out["others"] = [rpc.rpc_sync(n, f.whoami) for n in w.others() if n != victim]
+    w.barrier()
+    in_thread(lambda: w.shutdown(graceful=False), 10)
+    return out
+
+
+def _observe_victim(backend: str, sig: int) -> list[dict[str, Any]]:
+    import multiprocessing
+
+    shared = {"signal": sig, "victim_pid": multiprocessing.get_context("fork").Value("i", 0)}
+    env = HEARTBEAT_ENV if sig == signal.SIGSTOP else {}
+    outs = observe(_victim_fails, backend, signal.Signals(sig).name, init=False, env=env,
+                   shared=shared, timeout=50)
+    return [o for o in outs if o is not None]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_callee_fails_pending_calls_within_5s_and_later_calls_fast(backend: str) -> None:
+    for out in _observe_victim(backend, signal.SIGKILL):
+        assert out["pending_s"] is not None and out["pending_s"] < 5, out
+        assert out["pending"]["runtime"], out
+        assert out["pending_rref"] is not None and out["pending_rref_s"] < 2, out
+        assert out["later"] is not None and out["later_s"] < 2, out
+        assert out["rref_later"] is not None and out["rref_later_s"] < 2, out
+        assert len(out["others"]) == 2  # the survivors still talk to each other
+
+
+@better_than_torch  # torch: "eof (this error originated at tensorpipe/...)", no worker named
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killed_callee_errors_name_it(backend: str) -> None:
+    for out in _observe_victim(backend, signal.SIGKILL):
+        for what in ("pending", "pending_rref", "later", "rref_later"):
+            assert name(VICTIM) in out[what]["text"], (what, out[what])
+
+
+@better_than_torch  # torch has no heartbeats: a call to a stopped worker waits forever
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stopped_callee_fails_pending_calls_by_heartbeat(backend: str) -> None:
+    for out in _observe_victim(backend, signal.SIGSTOP):
+        assert out["pending_s"] is not None, f"still pending 15 s after SIGSTOP: {out}"
+        assert out["pending_s"] < STALL_TIMEOUT + 4, out
+        assert out["pending"]["runtime"] and name(VICTIM) in out["pending"]["text"], out
+        assert out["later"] is not None and out["later_s"] < STALL_TIMEOUT + 4, out
+        assert len(out["others"]) == 2
+
+
+# -- dynamic membership ------------------------------------------------------------------------
+
+
+def _dynamic(w: Worker) -> None:
+    joined, leaver = w.shared["joined"], w.shared["leaver"]
+    if w.rank > 0:  # one after another, into a group that is already running
+        assert joined[w.rank - 1].wait(20)
+    w.init(world_size=None)
+    earlier = [name(r) for r in range(w.rank)]
+    assert [rpc.rpc_sync(n, f.whoami) for n in earlier] == earlier  # the newcomer reaches them
+    # ... and they reach the newcomer
+    assert [rpc.rpc_sync(n, f.nested_call, args=(w.me, f.whoami)) for n in earlier] == [w.me] * w.rank
+    joined[w.rank].set()
+    w.barrier()
+    everyone = [name(r) for r in range(w.world_size)]
+    assert [rpc.rpc_sync(n, f.whoami) for n in everyone] == everyone
+    w.barrier()
+
+    if w.rank == leaver:
+        w.barrier()  # the others are calling each other
+        in_thread(w.shutdown, 20)
+        w.barrier()  # left
+        w.barrier()  # the others are done
+        return
+
+    # the others keep calling each other while the leaver leaves
+    stay = [n for n in everyone if n != name(leaver)]
+    stop = threading.Event()
+    calls: list[int] = []
+    errors: list[BaseException] = []
+
+    def keep_calling() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                assert rpc.rpc_sync(stay[i % len(stay)], f.add, args=(i, 1)) == i + 1
+                calls.append(i)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            i += 1
+
+    caller = threading.Thread(target=keep_calling, daemon=True)
+    caller.start()
+    w.barrier()
+    w.barrier()  # the leaver's shutdown() returned
+    time.sleep(0.2)
+    stop.set()
+    caller.join(10)
+    assert not errors, errors
+    assert calls, "no call went through while the leaver left"
+    assert [rpc.rpc_sync(n, f.whoami) for n in stay] == stay
+    with pytest.raises(RuntimeError, match=name(leaver)):
+        rpc.rpc_sync(name(leaver), f.whoami, timeout=5)
+    w.barrier()
+    in_thread(w.shutdown, 20)
+
+
+def _run_dynamic(backend: str, leaver: int) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    shared = {"joined": [ctx.Event() for _ in range(4)], "leaver": leaver}
+    run(_dynamic, backend, init=False, shared=shared, timeout=40)
+
+
+@pytest.mark.parametrize("backend", ["tensorpipe"])
+def test_dynamic_group_workers_join_one_by_one_and_one_leaves(backend: str) -> None:
+    _run_dynamic(backend, leaver=3)
+
+
+@better_than_torch  # torch: rank 0 hosts the group's store; the others cannot leave after it
+@pytest.mark.parametrize("backend", ["tensorpipe"])
+def test_dynamic_group_rank0_leaves_while_the_others_keep_calling(backend: str) -> None:
+    _run_dynamic(backend, leaver=0)
+
+
+def _dynamic_refused(w: Worker) -> None:
+    with pytest.raises((ValueError, RuntimeError), match=r"(?i)world_size|dynamic"):
+        rpc.init_rpc(w.me, backend=backend_type(w.backend), rank=w.rank, world_size=None,
+                     rpc_backend_options=make_options(w.backend, w.port))
+
+
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values == ("process_group",)])
+def test_process_group_agent_refuses_dynamic_membership(backend: str) -> None:
+    run(_dynamic_refused, backend, world_size=1, init=False, timeout=20)

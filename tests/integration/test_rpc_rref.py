@@ -1,0 +1,242 @@
+"""RRefs end to end on real processes: remote and to_here, local RRefs, introspection, RRefs as
+arguments and results (forks), forward chains, deletion on the owner after the last user,
+proxies, and to_here timeouts. Over both agents; see ``_rpc_harness``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from . import rpc_funcs as f
+from ._rpc_harness import (
+    BACKENDS,
+    TIMEOUT_RE,
+    Worker,
+    better_than_torch,
+    collect,
+    observe,
+    rpc,
+    run,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("backend", BACKENDS)]
+
+
+def _remote_and_local(w: Worker) -> None:
+    p = w.peer()
+    me = rpc.get_worker_info()
+
+    rref = rpc.remote(p, f.add, args=(1, 2))
+    assert rref.to_here() == 3 and rref.to_here() == 3
+    assert rref.owner() == rpc.get_worker_info(p) and rref.owner_name() == p
+    assert not rref.is_owner()
+    wait_until(rref.confirmed_by_owner, 5, "a user RRef is confirmed by its owner")
+    with pytest.raises(RuntimeError, match=p):  # local_value() is for the owner only
+        rref.local_value()
+
+    ones = torch.ones(2, 3)
+    assert torch.equal(rpc.remote(p, torch.add, args=(ones, 1)).to_here(), ones + 1)
+    assert rpc.remote(p, f.Counter, args=(5,)).to_here().value == 5
+    assert rpc.remote(p, f.add_kwargs, args=(1,), kwargs={"b": 2}).to_here() == 3
+    with pytest.raises(ValueError, match="remote boom"):
+        rpc.remote(p, f.raise_error, args=("ValueError", "remote boom")).to_here()
+
+    # remote() to itself: this worker owns the value
+    own = rpc.remote(w.me, f.add, args=(1, 2))
+    assert own.to_here() == 3 and own.is_owner() and own.local_value() == 3
+    assert own.owner() == me and own.owner_name() == w.me
+
+    # a local RRef
+    local = rpc.RRef(35)
+    assert local.local_value() == 35 and local.to_here() == 35
+    assert local.is_owner() and local.confirmed_by_owner()
+    assert local.owner() == me and local.owner_name() == w.me
+    t = torch.arange(6.0)
+    assert torch.equal(rpc.RRef(t).local_value(), t)
+    assert torch.equal(rpc.RRef(t).to_here(), t)
+
+
+def test_remote_to_here_local_rrefs_and_introspection(backend: str) -> None:
+    run(_remote_and_local, backend)
+
+
+def _rrefs_as_arguments(w: Worker) -> None:
+    p, q = w.peer(1), w.peer(2)
+    ones = torch.ones(2)
+    rref = rpc.remote(p, torch.add, args=(ones, 1))  # owned by p
+    # to a third worker (a fork of a user RRef)
+    assert torch.equal(rpc.rpc_sync(q, f.rref_add, args=(rref, 1)), ones * 3)
+    assert torch.equal(rpc.rpc_async(q, f.rref_to_here, args=(rref,)).wait(), ones * 2)
+    assert torch.equal(rpc.remote(q, f.rref_add, args=(rref, 2)).to_here(), ones * 4)
+    seen = rpc.rpc_sync(q, f.rref_info, args=(rref,))
+    assert (seen["is_owner"], seen["owner_name"], seen["owner_id"]) == (False, p, (w.rank + 1) % 4)
+    # back to its owner, where it is the owner RRef
+    seen = rpc.rpc_sync(p, f.rref_info, args=(rref,))
+    assert seen["is_owner"] and seen["owner_name"] == p
+    assert torch.equal(rpc.rpc_sync(p, f.rref_local_value, args=(rref,)), ones * 2)
+
+    # a local (owner) RRef lent to others
+    mine = rpc.RRef(torch.full((2,), float(w.rank)))
+    assert torch.equal(rpc.rpc_sync(p, f.rref_add, args=(mine, 1)), torch.full((2,), w.rank + 1.0))
+    seen = rpc.rpc_sync(p, f.rref_info, args=(mine,))
+    assert not seen["is_owner"] and seen["owner_name"] == w.me
+    assert rpc.rpc_sync(p, f.rref_info, args=(rpc.RRef(1),))["owner_name"] == w.me
+
+    # RRefs as results: owned by the callee, and made by the callee on a third worker
+    counters = rpc.rpc_sync(p, f.make_local_rrefs, args=([1, 2, 3],))
+    assert [c.owner_name() for c in counters] == [p, p, p]
+    for c in counters:
+        rpc.rpc_sync(c.owner(), f.call_on_rref, args=("increment", c, 10))
+    assert [rpc.rpc_sync(c.owner(), f.call_on_rref, args=("get", c)) for c in counters] == [11, 12, 13]
+    assert [c.to_here().value for c in counters] == [11, 12, 13]
+    made = rpc.rpc_sync(p, f.remote_of, args=(q, f.add, (1, 2)))
+    assert made.owner_name() == q and made.to_here() == 3
+    # one's own remote RRef as an argument to itself
+    assert rpc.rpc_sync(w.me, f.rref_add, args=(rpc.remote(w.me, f.add, args=(1, 2)), 1)) == 4
+    w.barrier()  # nobody shuts down while others still use its RRefs
+
+
+def test_rrefs_as_arguments_to_third_workers_and_as_results(backend: str) -> None:
+    run(_rrefs_as_arguments, backend)
+
+
+def _chain_and_deletion(w: Worker) -> dict[str, Any]:
+    """Every worker at once: A = this worker, B and C = the next two, O (owner) = the last."""
+    b, c, owner = w.peer(1), w.peer(2), w.peer(3)
+    out: dict[str, Any] = {}
+
+    # a forward chain A -> B -> C where A drops its reference first, then B
+    key = f"chain-{w.rank}"
+    rref = rpc.remote(owner, torch.add, args=(torch.ones(2), w.rank))
+    rpc.rpc_sync(b, f.store_rref, args=(key, rref))
+    del rref
+    collect()
+    rpc.rpc_sync(b, f.forward_stored, args=(key, c, True))
+    # (a list: a tensor result would travel back to pytest through shared memory)
+    out["chain"] = rpc.rpc_sync(c, f.stored_to_here, args=(key,)).tolist()
+    rpc.rpc_sync(c, f.drop_rref, args=(key,))
+
+    # the owner keeps a value while any user holds it, and deletes it after the last
+    tag = f"tracked-{w.rank}"
+    rref = rpc.remote(owner, f.Tracked, args=(tag,))
+    wait_until(lambda: rpc.rpc_sync(owner, f.is_alive, args=(tag,)), 5, "the value was created")
+    rpc.rpc_sync(b, f.store_rref, args=(tag, rref))  # a second user
+    del rref
+    collect()
+    time.sleep(0.3)
+    out["alive_while_a_user_holds_it"] = rpc.rpc_sync(owner, f.is_alive, args=(tag,))
+    rpc.rpc_sync(b, f.drop_rref, args=(tag,))
+    t0 = time.monotonic()
+    deadline = t0 + 5
+    while rpc.rpc_sync(owner, f.is_alive, args=(tag,)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["deleted_after_last_user_s"] = None if time.monotonic() >= deadline else time.monotonic() - t0
+
+    # the same for a value this worker owns (a local RRef) and lends out
+    tag = f"local-{w.rank}"
+    local = rpc.RRef(f.Tracked(tag))
+    rpc.rpc_sync(b, f.store_rref, args=(tag, local))
+    del local
+    collect()
+    time.sleep(0.3)
+    out["local_alive_while_lent"] = f.is_alive(tag)
+    rpc.rpc_sync(b, f.drop_rref, args=(tag,))
+    deadline = time.monotonic() + 5
+    while f.is_alive(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["local_deleted_after_return"] = not f.is_alive(tag)
+    w.barrier()
+    return out
+
+
+def test_rref_forward_chain_after_the_creator_dropped_it(backend: str) -> None:
+    for rank, out in enumerate(observe(_chain_and_deletion, backend)):
+        assert out["chain"] == [1.0 + rank, 1.0 + rank]
+
+
+def test_owner_deletes_the_value_after_the_last_user_dropped_it(backend: str) -> None:
+    for out in observe(_chain_and_deletion, backend):
+        assert out["alive_while_a_user_holds_it"] is True
+        assert out["deleted_after_last_user_s"] is not None, "still alive 5 s after the last user"
+        assert out["local_alive_while_lent"] is True
+        assert out["local_deleted_after_return"] is True
+
+
+def _proxies(w: Worker) -> None:
+    p = w.peer()
+    counter = rpc.remote(p, f.Counter, args=(5,))
+    assert counter.rpc_sync().increment(2) == 7
+    assert counter.rpc_async().increment(3).wait() == 10
+    assert counter.remote().get().to_here() == 10
+    assert counter.rpc_sync().get() == 10  # the state lives on the owner
+    with pytest.raises(ValueError, match="proxy boom"):
+        counter.rpc_sync().fail("proxy boom")
+    with pytest.raises(ValueError, match="proxy boom"):
+        counter.rpc_async().fail("proxy boom").wait()
+    with pytest.raises(AttributeError):
+        counter.rpc_sync().no_such_method()
+    # proxies of RRefs this worker owns
+    local = rpc.RRef(f.Counter(1))
+    assert local.rpc_sync().increment(1) == 2
+    assert local.rpc_async().increment(1).wait() == 3
+    assert local.remote().get().to_here() == 3
+    assert local.local_value().value == 3
+    own = rpc.remote(w.me, f.Counter, args=(0,))
+    assert own.rpc_sync().increment() == 1 and own.local_value().value == 1
+    w.barrier()
+
+
+def test_rref_proxies_rpc_sync_rpc_async_remote(backend: str) -> None:
+    run(_proxies, backend)
+
+
+def _to_here_timeout(w: Worker) -> list[str]:
+    p = w.peer()
+    messages = []
+    rref = rpc.remote(p, f.sleep_then, args=(1.0, 5))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        rref.to_here(timeout=0.2)
+    assert time.monotonic() - t0 < 0.9
+    messages.append(str(info.value))
+    assert rref.to_here() == 5  # the value arrives all the same
+    counter = rpc.remote(p, f.Counter, args=(3,))
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        counter.rpc_sync(timeout=0.2).slow_get(1.0)
+    messages.append(str(info.value))
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
+        counter.rpc_async(timeout=0.2).slow_get(1.0).wait()
+    messages.append(str(info.value))
+    assert counter.rpc_sync().get() == 3
+    w.barrier()
+    return messages
+
+
+def test_to_here_and_proxy_timeouts_on_a_slow_remote(backend: str) -> None:
+    observe(_to_here_timeout, backend, world_size=2)
+
+
+@better_than_torch  # torch: "RPC ran for more than set timeout (200 ms)", no owner named
+def test_to_here_timeout_error_names_the_owner(backend: str) -> None:
+    for rank, messages in enumerate(observe(_to_here_timeout, backend, world_size=2)):
+        assert all(f"worker{1 - rank}" in m for m in messages), messages
+
+
+def _rrefs_after_reinit(w: Worker) -> None:
+    w.shutdown()
+    w.init(port=w.shared["second_port"])
+    assert rpc.remote(w.peer(), f.add, args=(1, 2)).to_here() == 3
+    assert rpc.rpc_sync(w.peer(), f.rref_add, args=(rpc.RRef(1), 1)) == 2
+    w.barrier()
+
+
+@better_than_torch  # torch: graceful shutdown after RRefs in a second init_rpc hangs
+def test_rrefs_work_after_shutdown_and_init_again(backend: str) -> None:
+    from tdist.testing import free_port
+
+    run(_rrefs_after_reinit, backend, timeout=15, shared={"second_port": free_port()})
