@@ -24,6 +24,7 @@ import heapq
 import itertools
 import logging
 import os
+import pickle
 import queue
 import re
 import threading
@@ -44,16 +45,21 @@ __all__ = ["RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_cu
 
 log = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_\-:.]+$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_\-:]+$")
 _MAX_NAME = 128
 
 
 class WorkerInfo:
-    """A worker's name and id (``torch.distributed.rpc.WorkerInfo``): picklable, comparable."""
+    """A worker's name and id (``torch.distributed.rpc.WorkerInfo``): picklable, comparable.
+
+    Raises:
+        RuntimeError: the name is not valid (torch's rule and message).
+    """
 
     __slots__ = ("id", "name")
 
     def __init__(self, name: str, id: int) -> None:
+        validate_name(name)
         self.name = name
         self.id = id
 
@@ -71,13 +77,14 @@ class WorkerInfo:
 
 
 def validate_name(name: object) -> str:
-    """Raises ``ValueError`` (torch's rule and message) for a name that cannot be a worker's."""
+    """Raises ``RuntimeError`` (torch's rule and message) for a name that cannot be a worker's."""
     if not isinstance(name, str):
         raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or not _NAME_RE.match(name):
-        raise ValueError(f"Worker name must match ^[A-Za-z0-9-_:.]*$, but got {name!r}")
-    if len(name) > _MAX_NAME:
-        raise ValueError(f"RPC worker name {name!r} is longer than {_MAX_NAME} characters")
+    if not _NAME_RE.match(name) or len(name) >= _MAX_NAME:
+        raise RuntimeError(
+            "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than "
+            f"{_MAX_NAME} chars, but got {name}"
+        )
     return name
 
 
@@ -121,6 +128,17 @@ def serialization_peer() -> int | None:
 def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What an RRef proxy runs on the owner: ``rref.local_value().name(*args, **kwargs)``."""
     return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def pack_call(agent: RpcAgent, dst: int, func: Any, args: Any, kwargs: Any) -> list[pickle.PickleBuffer]:
+    """``(func, args, kwargs)`` serialized on its own, for a message that must be understood
+    even when the call cannot be unpickled at the other end; the parts travel out of band."""
+    return [pickle.PickleBuffer(p) for p in agent.encode(dst, (func, args, kwargs))]
+
+
+def unpack_call(packed: list[Any]) -> Any:
+    views = [memoryview(p) for p in packed]
+    return ser.loads_parts(bytes(views[0]) + bytes(views[1]), views[2:])
 
 
 def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
@@ -194,10 +212,14 @@ class RpcAgent:
     def get_worker_info(self, name: str | None = None) -> WorkerInfo:
         if name is None:
             return self.info
-        info = self._by_name.get(name)
+        info = self._by_name.get(name) or self._find_worker(name)
         if info is None:
             raise RuntimeError(f"Unknown destination worker {name}")
         return info
+
+    def _find_worker(self, name: str) -> WorkerInfo | None:
+        """A worker this agent has not heard of yet (a subclass may wait or look it up)."""
+        return None
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         return sorted(self._workers.values(), key=lambda w: w.id)
@@ -389,10 +411,18 @@ class RpcAgent:
 
     def _accept_request(self, src: int, tag: int, kind: MsgKind, body: Any) -> None:
         if kind == MsgKind.REMOTE:
-            # the owner's record exists from the moment the request arrives (in arrival order)
-            func, args, kwargs, rref_id, fork_id = body
-            self._owner_future(rref_id)
+            # the owner's record exists from the moment the request arrives (in arrival order),
+            # also when the call cannot be decoded here: then the error is the value
+            rref_id, fork_id, packed = body
+            fut = self._owner_future(rref_id)
             self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, fork_id, src)
+            try:
+                func, args, kwargs = self._decode(src, lambda: unpack_call(packed))
+            except BaseException as exc:
+                record = _errors.capture(exc, self.label)
+                _set_owner_error(fut, record)
+                self._schedule(lambda: self._reply_error(src, tag, record))
+                return
             self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
         elif kind == MsgKind.FETCH:
             self._serve_fetch(src, tag, body)
@@ -440,7 +470,7 @@ class RpcAgent:
             self._reply(src, tag, result)
 
     def _reply_when_done(self, src: int, tag: int, fut: Any, func: Any) -> None:
-        if not isinstance(fut, torch.futures.Future):
+        if not isinstance(fut, torch._C.Future):
             err = TypeError(f"async_execution function {_errors.describe_call(func)} must return a torch.futures.Future, got {type(fut).__name__}")
             self._reply_error(src, tag, _errors.capture(err, self.label))
             return
@@ -486,7 +516,7 @@ class RpcAgent:
             _set_owner_error(fut, record)
             self._reply_error(src, tag, record)
             return
-        if is_async and isinstance(result, torch.futures.Future):
+        if is_async and isinstance(result, torch._C.Future):
 
             def done(f: Any) -> None:
                 try:

@@ -15,7 +15,6 @@ is a fork. Unpickling makes an owner object on the owner and a user object anywh
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -34,6 +33,7 @@ from ._agent import (
     _OwnerError,
     current_agent,
     invoke_rref_method,
+    pack_call,
     run_user_function,
     serialization_peer,
 )
@@ -300,16 +300,14 @@ class RRef:
         """
         if self._is_owner:
             return self._owned_value(timeout)
-        reason = self._agent.rref_ctx.lost.get(self._rref_id)
-        if reason is not None:
-            raise PeerError(f"{self._agent.label}: to_here() of RRef {self._rref_id}: {reason}", peer=self._owner.id)
         cf = self._create_fut
         if cf is not None and cf.done():
-            with contextlib.suppress(Exception):
-                cf.wait()
             exc = _future_error(cf)
             if isinstance(exc, (RpcTimeoutError, PeerError)):
                 raise exc
+        reason = self._agent.rref_ctx.lost.get(self._rref_id)
+        if reason is not None:
+            raise PeerError(f"{self._agent.label}: to_here() of RRef {self._rref_id}: {reason}", peer=self._owner.id)
         what = f"to_here() of RRef {self._rref_id} owned by {self._owner.name}"
         fut = self._agent.request(self._owner.id, MsgKind.FETCH, self._rref_id, timeout, what)
         return self._agent.wait(fut, self._owner.id, timeout)
@@ -461,7 +459,8 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
         ctx.run(ctx.proto.confirm, fork_id)
 
     try:
-        obj._create_fut = agent.request(dst.id, MsgKind.REMOTE, (func, args, kwargs, rref_id, fork_id), timeout, what, on_reply=on_reply)
+        body = (rref_id, fork_id, pack_call(agent, dst.id, func, args, kwargs))
+        obj._create_fut = agent.request(dst.id, MsgKind.REMOTE, body, timeout, what, on_reply=on_reply)
     except BaseException:
         ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)
         obj._dead = True
@@ -481,7 +480,7 @@ def _run_local(agent: RpcAgent, func: Any, args: Any, kwargs: Any, value_fut: An
     except BaseException as exc:
         fail(exc)
         return
-    if is_async and isinstance(result, torch.futures.Future):
+    if is_async and isinstance(result, torch._C.Future):
 
         def done(f: Any) -> None:
             try:

@@ -19,6 +19,7 @@ throughout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from .._core.errors import DistStoreError, DistTimeoutError
 from ..transport import _serialization as ser
 from ..transport._endpoint import _advertised_address
 from ..transport._messenger import Messenger, Payload, PeerAddress
-from ._agent import RpcAgent, WorkerInfo, validate_name
+from ._agent import RpcAgent, WorkerInfo, set_current_agent, validate_name
 from ._message import MsgKind, encode_meta
 from ._options import TensorPipeRpcBackendOptions, resolve_device_maps
 
@@ -61,6 +62,7 @@ class TensorPipeAgent(RpcAgent):
         self.options = options
         self._addresses: dict[int, PeerAddress] = {}
         self._tls = threading.local()
+        self._joined = threading.Event()
         self.device_maps: dict[str, Any] = {}
         self.devices: list[torch.device] = []
         token_hex = store.compare_set("rpc/token", "", secrets.token_hex(16)).decode()
@@ -80,12 +82,17 @@ class TensorPipeAgent(RpcAgent):
             on_batch_end=self._run_deferred,
             max_pollers=int(options.num_worker_threads) + 1,
         )
+        # requests may arrive as soon as others see us, before init_rpc returns: functions
+        # they run (and RRefs they unpickle) need the current agent already
+        set_current_agent(self)
         try:
             if world_size is None:
                 self._join_dynamic()
             else:
                 self._join_static(world_size)
+            self._joined.set()
         except BaseException:
+            set_current_agent(None)
             self.stop(graceful=False)
             raise
 
@@ -159,6 +166,23 @@ class TensorPipeAgent(RpcAgent):
         self._add_worker(WorkerInfo(name, wid))
         super()._on_join(src, tag, body)
 
+    def _find_worker(self, name: str) -> WorkerInfo | None:
+        # a request can come in while we still read the members: wait for that; in a dynamic
+        # group a worker may have joined without talking to us yet: ask the store
+        self._joined.wait(_INIT_TIMEOUT)
+        info = self._by_name.get(name)
+        if info is None and self.world_size is None:
+            wid = None
+            with contextlib.suppress(Exception):
+                if self.store.check([f"{self._prefix}/name/{name}"]):
+                    wid = int(self.store.get(f"{self._prefix}/name/{name}"))
+            if wid is not None:
+                rec = json.loads(self.store.get(f"{self._prefix}/worker/{wid}"))
+                self._addresses[wid] = rec["addr"]
+                info = WorkerInfo(rec["name"], wid)
+                self._add_worker(info)
+        return info
+
     def _lookup(self, peer: int) -> PeerAddress:
         addr = self._addresses.get(peer)
         if addr is None:
@@ -178,14 +202,23 @@ class TensorPipeAgent(RpcAgent):
         if dst == self.rank:
             # a call to ourselves: copy semantics as for any peer, no socket
             data = bytearray(b"".join(parts))
-            self._on_message(dst, tag, encode_meta(kind), lambda: ser.loads(data))
+            self._tls.self_call = True  # a request to ourselves goes to the pool, never deferred
+            try:
+                self._on_message(dst, tag, encode_meta(kind), lambda: ser.loads(data))
+            finally:
+                self._tls.self_call = False
             return
         self.messenger.send(dst, tag, encode_meta(kind), parts, deadline)
 
     def _schedule(self, job: Any) -> None:
         # a poller thread runs the first request of what it read itself (no hand-off) unless
         # another poller is running one already; the rest go to the pool, side by side
-        if self.messenger.in_poller() and not self.messenger.busy() and getattr(self._tls, "job", None) is None:
+        if (
+            self.messenger.in_poller()
+            and not self.messenger.busy()
+            and getattr(self._tls, "job", None) is None
+            and not getattr(self._tls, "self_call", False)
+        ):
             self._tls.job = job
         else:
             super()._schedule(job)
@@ -194,7 +227,7 @@ class TensorPipeAgent(RpcAgent):
         job = getattr(self._tls, "job", None)
         if job is not None:
             self._tls.job = None
-            self.messenger.run_blocking(lambda: self._run_job(job))
+            self.messenger.run_inline(lambda: self._run_job(job))
 
     def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
         if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline):

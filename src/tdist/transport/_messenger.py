@@ -245,6 +245,7 @@ class Messenger:
         self._max_pollers = max(2, max_pollers)
         self._pollers = 2
         self._busy_pollers = 0
+        self._inline = 0
         self._tls = threading.local()
         self.host = host_id()
         self.pid = os.getpid()
@@ -492,57 +493,74 @@ class Messenger:
     def read_until(self, peer: int, done: Callable[[], bool], deadline: float | None) -> bool:
         """Read ``peer``'s connection in this thread until ``done()`` (or the deadline).
 
-        Returns False at once when another thread is reading that connection (or there is not
-        exactly one): then wait some other way. Frames read here are delivered as usual.
+        Returns False when another thread is reading that connection (or there is not exactly
+        one): then wait some other way. Frames read here are delivered from this thread, after
+        the connection is released (a callback that blocks must not keep it from others).
         """
-        conns = self._by_peer.get(peer)
-        if not conns or len(conns) != 1:
-            return False
-        c = conns[0]
-        if not c.rlock.acquire(blocking=False):
-            return False
-        try:
-            # keep the poller from waking (and taking the GIL) for what this thread reads
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.modify(c.fd, select.EPOLLONESHOT)
-            p = select.poll()
-            p.register(c.fd, select.POLLIN)
-            spin_until = time.monotonic() + _SPIN
-            while not done():
-                if c.closed:
-                    return done()
-                if not self._drain(c):
-                    return done()
-                if done():
-                    return True
-                now = time.monotonic()
-                if now < spin_until:
-                    continue
-                if deadline is not None and now >= deadline:
-                    return False
-                wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - now))
-                p.poll(wait * 1000)
-            return True
-        finally:
-            c.rlock.release()
-            self._rearm(c)
+        batch: list[tuple[int, int, bytes, Payload]] = []
+        while not done():
+            conns = self._by_peer.get(peer)
+            if not conns or len(conns) != 1:
+                return False
+            c = conns[0]
+            if not c.rlock.acquire(blocking=False):
+                return False
+            self._tls.batch = batch
+            try:
+                # keep the pollers from waking (and taking the GIL) for what this thread reads
+                with contextlib.suppress(OSError, ValueError):
+                    self._ep.modify(c.fd, select.EPOLLONESHOT)
+                p = select.poll()
+                p.register(c.fd, select.POLLIN)
+                spin_until = time.monotonic() + _SPIN
+                while not batch:
+                    if c.closed or not self._drain(c):
+                        break
+                    if batch:
+                        break
+                    now = time.monotonic()
+                    if now < spin_until:
+                        continue
+                    if deadline is not None and now >= deadline:
+                        break
+                    wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - now))
+                    p.poll(wait * 1000)
+            finally:
+                self._tls.batch = None
+                c.rlock.release()
+                self._rearm(c)
+            if not batch:
+                return done()
+            try:
+                for item in batch:
+                    self.on_message(*item)
+            finally:
+                batch.clear()
+        return True
 
     def in_poller(self) -> bool:
         """Whether this thread is one of the poller threads (delivering a batch)."""
-        return getattr(self._tls, "batch", None) is not None
+        return bool(getattr(self._tls, "delivering", False))
 
     def busy(self) -> bool:
-        """Whether a poller thread is running something (``run_blocking``)."""
-        return self._busy_pollers > 0
+        """Whether a poller thread is running a request (``run_inline``)."""
+        return self._inline > 0
 
-    def run_blocking(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (which may block) in this poller thread, keeping another poller free.
+    def run_inline(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a request, which may block) in this poller thread."""
+        with self._lock:
+            self._inline += 1
+        try:
+            fn()
+        finally:
+            with self._lock:
+                self._inline -= 1
 
-        Several threads wait on one ``epoll`` set with one-shot registrations, so each ready
-        connection goes to exactly one of them. A poller that runs a request itself saves the
-        hand-off to a worker thread; when it was the last free poller, one more is started (up
-        to ``max_pollers``) so that messages never wait for a request to finish.
-        """
+    def _occupied(self) -> None:
+        # Several threads wait on one epoll set with one-shot registrations, so each ready
+        # connection goes to exactly one of them. A poller that delivers messages (callbacks
+        # may block) or runs a request is occupied; when it was the last free one, one more is
+        # started (up to max_pollers), so that messages never wait for a callback or request.
         with self._lock:
             self._busy_pollers += 1
             spawn = self._pollers - self._busy_pollers < 1 and self._pollers < self._max_pollers and not self._closing
@@ -552,11 +570,10 @@ class Messenger:
                 self._threads.append(t)
         if spawn:
             t.start()
-        try:
-            fn()
-        finally:
-            with self._lock:
-                self._busy_pollers -= 1
+
+    def _free(self) -> None:
+        with self._lock:
+            self._busy_pollers -= 1
 
     def _rearm(self, c: _Conn) -> None:
         # Always after releasing the read lock: a poller that got the event while we held the
@@ -595,21 +612,30 @@ class Messenger:
                     log.exception("%s: reading from %s failed", self.label, self.describe(c.peer))
                     self._lose(c, None)
                 finally:
+                    self._tls.batch = None
                     c.rlock.release()
                     self._rearm(c)
                 # deliver after the connection is free again: a request run here must not keep
                 # the next messages on its connection from other threads
+                if not batch:
+                    continue
+                self._occupied()
                 try:
+                    self._tls.delivering = True
                     for item in batch:
                         self.on_message(*item)
-                    batch.clear()
-                    if self.on_batch_end is not None:
-                        self.on_batch_end()
                 except Exception:
                     log.exception("%s: delivering a message failed", self.label)
                 finally:
+                    self._tls.delivering = False
                     batch.clear()
-                    self._tls.batch = None
+                try:
+                    if self.on_batch_end is not None:
+                        self.on_batch_end()
+                except Exception:
+                    log.exception("%s: running a request failed", self.label)
+                finally:
+                    self._free()
 
     def _drain(self, c: _Conn) -> bool:
         """Read whatever is available on ``c`` and deliver complete frames (rlock held).
