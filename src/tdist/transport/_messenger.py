@@ -516,7 +516,7 @@ class Messenger:
                 while not batch:
                     if c.closed or not self._drain(c):
                         break
-                    if batch:
+                    if batch or done():  # done: the reply came another way (a second connection)
                         break
                     now = time.monotonic()
                     if now < spin_until:
