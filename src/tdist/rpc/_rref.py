@@ -307,7 +307,10 @@ class RRef:
                 raise exc
         reason = self._agent.rref_ctx.lost.get(self._rref_id)
         if reason is not None:
-            raise PeerError(f"{self._agent.label}: to_here() of RRef {self._rref_id}: {reason}", peer=self._owner.id)
+            raise PeerError(
+                f"{self._agent.label}: to_here() of RRef {self._rref_id} owned by {self._owner.name}: {reason}",
+                peer=self._owner.id,
+            )
         what = f"to_here() of RRef {self._rref_id} owned by {self._owner.name}"
         fut = self._agent.request(self._owner.id, MsgKind.FETCH, self._rref_id, timeout, what)
         return self._agent.wait(fut, self._owner.id, timeout)
