@@ -303,6 +303,10 @@ class RpcAgent:
             raise
         return fut
 
+    def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: str) -> Any:
+        """``request`` and wait for the reply: its value, or its exception raised."""
+        return self.wait(self.request(dst, kind, body, timeout, what), dst, timeout)
+
     def wait(self, fut: Any, dst: int, timeout: float | None) -> Any:
         """``fut.wait()`` for a request to ``dst`` (reading the reply in this thread if it can)."""
         if not fut.done():

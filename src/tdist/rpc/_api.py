@@ -170,8 +170,7 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
     dst = agent.resolve(to)
     body = _call_body(func, args, kwargs)
     what = f"rpc_sync({dst.name}, {_errors.describe_call(func)})"
-    fut = agent.request(dst.id, MsgKind.CALL, body, timeout, what)
-    return agent.wait(fut, dst.id, timeout)
+    return agent.call_sync(dst.id, MsgKind.CALL, body, timeout, what)
 
 
 def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:

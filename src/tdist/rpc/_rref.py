@@ -15,6 +15,7 @@ is a fork. Unpickling makes an owner object on the owner and a user object anywh
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -71,6 +72,8 @@ class RRefContext:
         self._out: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._queued = 0  # items put and not yet done (approximate, for settle())
         self._pending: dict[int, list[Any]] = {}  # protocol messages not sent yet, by worker
+        self._released: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake_pending = False
         self._thread = threading.Thread(target=self._loop, name=f"tdist-rref-{agent.rank}", daemon=True)
         self._thread.start()
 
@@ -106,9 +109,14 @@ class RRefContext:
         self._out.put(item)
 
     def released(self, kind: str, ident: Any) -> None:
-        """From ``__del__``: a Python object died (no locks taken here)."""
-        self._queued += 1
-        self._out.put((kind, ident))
+        """From ``__del__``: a Python object died (no locks taken here: ``deque.append`` and
+        ``SimpleQueue.put`` are safe inside the garbage collector). The sender thread is woken
+        once per batch of releases, not once per release."""
+        self._released.append((kind, ident))
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._queued += 1
+            self._out.put(("wake", None))
 
     def _loop(self) -> None:
         # Protocol messages to one worker travel together: those queued while one was being
@@ -129,15 +137,10 @@ class RRefContext:
                 if kind == "send":
                     dst, msg = arg
                     pending.setdefault(dst, []).append(msg)
-                elif kind == "user":
-                    with self.lock:
-                        self.users.pop(arg, None)
-                        if self.proto.user(arg) is not None:
-                            self.perform(self.proto.user_released(arg))
-                elif kind == "owner":
-                    with self.lock:
-                        if self.proto.has_owner(arg):
-                            self.perform(self.proto.owner_released(arg))
+                elif kind == "wake":
+                    time.sleep(_DELETE_DELAY)  # let more releases gather
+                    self._wake_pending = False
+                    self._take_releases()
             except Exception:
                 log.exception("%s: RRef bookkeeping failed", self.agent.label)
             finally:
@@ -145,6 +148,17 @@ class RRefContext:
                 del item
             if pending and self._out.empty() and not all(isinstance(m, UserDelete) for ms in pending.values() for m in ms):
                 self._flush(pending)
+
+    def _take_releases(self) -> None:
+        while self._released:
+            kind, arg = self._released.popleft()
+            with self.lock:
+                if kind == "user":
+                    self.users.pop(arg, None)
+                    if self.proto.user(arg) is not None:
+                        self.perform(self.proto.user_released(arg))
+                elif self.proto.has_owner(arg):
+                    self.perform(self.proto.owner_released(arg))
 
     def _flush(self, pending: dict[int, list[Any]]) -> None:
         for dst, msgs in pending.items():
@@ -155,7 +169,7 @@ class RRefContext:
         pending.clear()
 
     def busy(self) -> bool:
-        return self._queued > 0 or self._unflushed()
+        return self._queued > 0 or bool(self._released) or self._unflushed()
 
     def _unflushed(self) -> bool:
         return bool(self._pending)
@@ -169,6 +183,7 @@ class RRefContext:
 def release_all(agent: RpcAgent) -> list[str]:
     """Graceful shutdown: release every user reference; returns the leaks (held locally)."""
     ctx: RRefContext = agent.rref_ctx
+    ctx._take_releases()  # objects already gone are not leaks
     with ctx.lock:
         ctx.perform(ctx.proto.release_all_users())
         return [str(leak) for leak in ctx.proto.leaks() if leak.role == "user"]
@@ -312,8 +327,7 @@ class RRef:
                 peer=self._owner.id,
             )
         what = f"to_here() of RRef {self._rref_id} owned by {self._owner.name}"
-        fut = self._agent.request(self._owner.id, MsgKind.FETCH, self._rref_id, timeout, what)
-        return self._agent.wait(fut, self._owner.id, timeout)
+        return self._agent.call_sync(self._owner.id, MsgKind.FETCH, self._rref_id, timeout, what)
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once)."""

@@ -229,6 +229,26 @@ class TensorPipeAgent(RpcAgent):
             self._tls.job = None
             self.messenger.run_inline(lambda: self._run_job(job))
 
+    def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: str) -> Any:
+        # take the callee's connection before sending, so that the reply is read here and no
+        # poller wakes up (and competes for the GIL) for it
+        token = self.messenger.claim(dst) if dst != self.rank else None
+        try:
+            fut = self.request(dst, kind, body, timeout, what)
+        except BaseException:
+            self.messenger.release(token)
+            raise
+        if not fut.done():
+            seconds = self.timeout_seconds(timeout)
+            deadline = None if seconds is None else time.monotonic() + seconds + 1.0
+            if self.messenger.read_until(dst, fut.done, deadline, claimed=token):
+                return fut.wait()
+            token = None
+            super()._wait_reply(dst, fut, deadline)
+        else:
+            self.messenger.release(token)
+        return fut.wait()
+
     def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
         if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline):
             return

@@ -490,29 +490,44 @@ class Messenger:
             self._write(c, [memoryview(head), memoryview(meta)], time.monotonic() + self.stall_timeout)
 
     # -- reading -------------------------------------------------------------------------------
-    def read_until(self, peer: int, done: Callable[[], bool], deadline: float | None) -> bool:
+    def claim(self, peer: int) -> Any:
+        """Take ``peer``'s connection for reading in this thread, before sending a request
+        whose reply this thread will wait for (so no poller wakes for the reply). Returns a
+        token for ``read_until``, or None when that is not possible now."""
+        conns = self._by_peer.get(peer)
+        if not conns or len(conns) != 1:
+            return None
+        c = conns[0]
+        if not c.rlock.acquire(blocking=False):
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            self._ep.modify(c.fd, select.EPOLLONESHOT)  # disarmed: pollers leave it to us
+        return c
+
+    def release(self, token: Any) -> None:
+        """Give back a ``claim`` that was not passed to ``read_until``."""
+        if token is not None:
+            token.rlock.release()
+            self._rearm(token)
+
+    def read_until(self, peer: int, done: Callable[[], bool], deadline: float | None, claimed: Any = None) -> bool:
         """Read ``peer``'s connection in this thread until ``done()`` (or the deadline).
 
         Returns False when another thread is reading that connection (or there is not exactly
         one): then wait some other way. Frames read here are delivered from this thread, after
         the connection is released (a callback that blocks must not keep it from others).
+        ``claimed``: a token from ``claim`` (always given back here).
         """
         batch: list[tuple[int, int, bytes, Payload]] = []
-        while not done():
-            conns = self._by_peer.get(peer)
-            if not conns or len(conns) != 1:
-                return False
-            c = conns[0]
-            if not c.rlock.acquire(blocking=False):
+        while claimed is not None or not done():
+            c = claimed if claimed is not None else self.claim(peer)
+            claimed = None
+            if c is None:
                 return False
             self._tls.batch = batch
             try:
-                # keep the pollers from waking (and taking the GIL) for what this thread reads
-                with contextlib.suppress(OSError, ValueError):
-                    self._ep.modify(c.fd, select.EPOLLONESHOT)
-                p = select.poll()
-                p.register(c.fd, select.POLLIN)
                 spin_until = time.monotonic() + _SPIN
+                p: Any = None
                 while not batch:
                     if c.closed or not self._drain(c):
                         break
@@ -523,6 +538,9 @@ class Messenger:
                         continue
                     if deadline is not None and now >= deadline:
                         break
+                    if p is None:
+                        p = select.poll()
+                        p.register(c.fd, select.POLLIN)
                     wait = 0.05 if deadline is None else max(0.0, min(0.05, deadline - now))
                     p.poll(wait * 1000)
             finally:
