@@ -181,7 +181,29 @@ def async_add(to: str, a: Any, b: Any) -> Any:
 
 @rpc.functions.async_execution
 def async_add_chained(to: str, x: Any, times: int) -> Any:
-    """``times`` nested calls chained with ``then``, each adding 1."""
+    """``times`` nested calls one after another, each adding 1, chained by callbacks that
+    never block (each starts the next call): the reply goes out when the last completes."""
+    result: torch.futures.Future[Any] = torch.futures.Future()
+
+    def step(fut: Any, remaining: int) -> None:
+        try:
+            value = fut.wait()
+        except Exception as exc:
+            result.set_exception(exc)
+            return
+        if remaining == 0:
+            result.set_result(value)
+        else:
+            rpc.rpc_async(to, add, args=(value, 1)).add_done_callback(
+                lambda f: step(f, remaining - 1))
+
+    rpc.rpc_async(to, add, args=(x, 1)).add_done_callback(lambda f: step(f, times - 1))
+    return result
+
+
+@rpc.functions.async_execution
+def async_add_chained_blocking(to: str, x: Any, times: int) -> Any:
+    """As ``async_add_chained``, but each ``then`` callback blocks on the next call."""
     fut = rpc.rpc_async(to, add, args=(x, 1))
     for _ in range(times - 1):
         fut = fut.then(lambda f: rpc.rpc_async(to, add, args=(f.wait(), 1)).wait())

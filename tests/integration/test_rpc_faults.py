@@ -91,7 +91,8 @@ def _victim_fails(w: Worker) -> dict[str, Any] | None:
         out["pending_rref_s"], out["pending_rref"] = _timed(lambda: pending_rref.to_here(timeout=10))
         out["later_s"], out["later"] = _timed(lambda: rpc.rpc_sync(victim, f.add, args=(1, 2), timeout=5))
         out["rref_later_s"], out["rref_later"] = _timed(lambda: rref.to_here(timeout=5))
-    out["others"] = [rpc.rpc_sync(n, f.whoami) for n in w.others() if n != victim]
+    out["others"] = [_timed(lambda n=n: rpc.rpc_sync(n, f.whoami, timeout=5))
+                     for n in w.others() if n != victim]
     w.barrier()
     in_thread(lambda: w.shutdown(graceful=False), 10)
     return out
@@ -115,7 +116,15 @@ def test_killed_callee_fails_pending_calls_within_5s_and_later_calls_fast(backen
         assert out["pending_rref"] is not None and out["pending_rref_s"] < 2, out
         assert out["later"] is not None and out["later_s"] < 2, out
         assert out["rref_later"] is not None and out["rref_later_s"] < 2, out
-        assert len(out["others"]) == 2  # the survivors still talk to each other
+        _check_survivors(backend, out)
+
+
+def _check_survivors(backend: str, out: dict[str, Any]) -> None:
+    if backend == "tensorpipe":  # the survivors still talk to each other
+        assert [error for _, error in out["others"]] == [None, None], out
+    else:  # a process group that lost a member is broken: calls fail at once, naming it
+        for took, error in out["others"]:
+            assert took < 2 and (error is None or name(VICTIM) in error["text"]), out
 
 
 @better_than_torch  # torch: "eof (this error originated at tensorpipe/...)", no worker named
@@ -134,7 +143,7 @@ def test_stopped_callee_fails_pending_calls_by_heartbeat(backend: str) -> None:
         assert out["pending_s"] < STALL_TIMEOUT + 4, out
         assert out["pending"]["runtime"] and name(VICTIM) in out["pending"]["text"], out
         assert out["later"] is not None and out["later_s"] < STALL_TIMEOUT + 4, out
-        assert len(out["others"]) == 2
+        _check_survivors(backend, out)
 
 
 # -- dynamic membership ------------------------------------------------------------------------
