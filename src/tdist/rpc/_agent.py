@@ -182,12 +182,10 @@ class RpcAgent:
         self._busy = 0
         self._active_requests = 0
         self._idle_cv = threading.Condition(self._lock)
-        self._pool = [
-            threading.Thread(target=self._worker, name=f"tdist-rpc-worker-{rank}-{i}", daemon=True)
-            for i in range(max(1, num_worker_threads))
-        ]
-        for t in self._pool:
-            t.start()
+        # worker threads start when work waits for one (most requests run where they arrive)
+        self._max_workers = max(1, num_worker_threads)
+        self._idle_workers = 0
+        self._pool: list[threading.Thread] = []
         self._timer = threading.Thread(target=self._timer_loop, name=f"tdist-rpc-timer-{rank}", daemon=True)
         self._timer.start()
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
@@ -381,7 +379,7 @@ class RpcAgent:
                 body = self._decode(src, decode)
             except BaseException as exc:
                 err = _errors.capture(exc, self.label)
-                self._jobs.put(lambda: self._reply_error(src, tag, err))
+                self._to_pool(lambda: self._reply_error(src, tag, err))
                 return
             self._accept_request(src, tag, kind, body)
             return
@@ -439,7 +437,23 @@ class RpcAgent:
     def _schedule(self, job: Callable[[], None]) -> None:
         """Run a request's job: on the worker pool here (a subclass may run it where the
         message arrived)."""
+        self._to_pool(job)
+
+    def _to_pool(self, job: Callable[[], None]) -> None:
+        # Each job reserves an idle worker or starts one (up to num_worker_threads), so a job
+        # never waits behind another that may block on it while a thread could be started.
+        with self._lock:
+            if self._idle_workers > 0:
+                self._idle_workers -= 1
+                start = False
+            else:
+                start = len(self._pool) < self._max_workers and not self._closed
+                if start:
+                    t = threading.Thread(target=self._worker, name=f"tdist-rpc-worker-{self.rank}-{len(self._pool)}", daemon=True)
+                    self._pool.append(t)
         self._jobs.put(job)
+        if start:
+            t.start()
 
     def _worker(self) -> None:
         while True:
@@ -448,6 +462,8 @@ class RpcAgent:
                 return
             self._run_job(job)
             del job  # not kept alive (with its arguments) while this thread waits
+            with self._lock:
+                self._idle_workers += 1
 
     def _run_job(self, job: Callable[[], None]) -> None:
         with self._lock:
@@ -559,7 +575,7 @@ class RpcAgent:
 
     # -- membership -----------------------------------------------------------------------------
     def _on_join(self, src: int, tag: int, body: Any) -> None:
-        self._jobs.put(lambda: self._reply(src, tag, None))
+        self._to_pool(lambda: self._reply(src, tag, None))
 
     def _on_leave(self, src: int) -> None:
         self._remove_worker(src)

@@ -460,7 +460,7 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
         value_fut = agent._owner_future(rref_id)
         created: Any = torch.futures.Future()
         obj._create_fut = created
-        agent._jobs.put(lambda: _run_local(agent, func, args, kwargs, value_fut, created))
+        agent._to_pool(lambda: _run_local(agent, func, args, kwargs, value_fut, created))
         return obj
     with ctx.lock:
         rref_id, fork_id = ctx.proto.create_user_for_remote(dst.id)

@@ -330,6 +330,7 @@ class Messenger:
         limit = deadline if deadline is not None else time.monotonic() + 60.0
         last: BaseException | None = None
         sock: socket.socket | None = None
+        refused = 0
         while sock is None:
             budget = limit - time.monotonic()
             if budget <= 0:
@@ -345,8 +346,14 @@ class Messenger:
                 sock = s
             except OSError as exc:
                 last = exc
-                if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)) and time.monotonic() + 0.05 > limit:
-                    break
+                refused += isinstance(exc, (ConnectionRefusedError, FileNotFoundError))
+                if refused >= 5:
+                    # it published its address while listening: nobody listens any more
+                    raise PeerError(
+                        f"{self.label}: {what} refused the connection at {_where(info, same)}: it has "
+                        "shut down or died",
+                        peer=peer,
+                    ) from exc
                 time.sleep(0.02)
         if sock is None:
             raise DistNetworkError(f"{self.label}: could not connect to {what} at {_where(info, same)}: {last}")
