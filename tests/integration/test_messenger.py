@@ -1,0 +1,164 @@
+"""The RPC transport (``transport._messenger``): two or three messengers in one process, real
+sockets, real threads."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tdist._core.errors import AuthenticationError, PeerError
+from tdist.transport import _handshake
+from tdist.transport import _serialization as ser
+from tdist.transport._messenger import Messenger
+
+TOKEN = b"t" * 16
+
+
+class Node:
+    def __init__(self, my_id: int, book: dict[int, Any], secret: bytes | None = b"s3cret", token: bytes = TOKEN) -> None:
+        self.inbox: queue.Queue[tuple[int, int, bytes, Any]] = queue.Queue()
+        self.lost: queue.Queue[tuple[int, PeerError, bool]] = queue.Queue()
+        self.m = Messenger(
+            my_id,
+            f"node{my_id}",
+            token,
+            secret,
+            lambda p: book[p],
+            lambda p: f"node{p}",
+            self._on_message,
+            lambda p, e, g: self.lost.put((p, e, g)),
+            stall_timeout=1.5,
+            heartbeat_interval=0.2,
+        )
+        book[my_id] = self.m.address
+
+    def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        if isinstance(payload, list):
+            obj = ser.loads_parts(payload[0], payload[1:])
+        else:
+            obj = ser.loads(payload)
+        self.inbox.put((peer, tag, meta, obj))
+
+    def send(self, peer: int, tag: int, obj: Any) -> None:
+        self.m.send(peer, tag, b"\x01", ser.dumps(obj), time.monotonic() + 10)
+
+    def get(self, timeout: float = 10.0) -> tuple[int, int, bytes, Any]:
+        return self.inbox.get(timeout=timeout)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Node, Node]]:
+    book: dict[int, Any] = {}
+    a, b = Node(0, book), Node(1, book)
+    yield a, b
+    a.m.close()
+    b.m.close()
+
+
+def test_messages_both_ways_in_order_with_tensors(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    for i in range(50):
+        a.send(1, i, {"i": i, "t": torch.full((3,), float(i))})
+    for i in range(50):
+        peer, tag, meta, obj = b.get()
+        assert (peer, tag, meta, obj["i"]) == (0, i, b"\x01", i)
+        assert torch.equal(obj["t"], torch.full((3,), float(i)))
+    b.send(0, 7, "back")  # on the connection a opened
+    assert a.get()[1:] == (7, b"\x01", "back")
+
+
+def test_large_tensor_by_cross_memory_copy_and_buffer_reuse(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    x = torch.randn(4 << 20)  # 16 MiB: cross-memory copy on one host
+    for _ in range(3):
+        a.send(1, 1, x)
+        got = b.get()[3]
+        assert torch.equal(got, x)
+        del got  # the pooled buffer is free again for the next message
+
+
+def test_reply_read_by_the_waiting_thread(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    a.send(1, 1, "ping")
+    b.get()
+    token = a.m.claim(1)
+    assert token is not None
+    b.send(0, 2, "pong")
+    assert a.m.read_until(1, lambda: not a.inbox.empty(), time.monotonic() + 5, claimed=token)
+    assert a.get(0)[3] == "pong"
+
+
+def test_a_closed_peer_is_reported_once_and_later_sends_fail_fast(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    a.send(1, 1, "hello")
+    b.get()
+    b.m.close()
+    peer, err, graceful = a.lost.get(timeout=5)
+    assert peer == 1 and graceful and "node1" in str(err)
+    with pytest.raises(PeerError, match="node1"):
+        a.send(1, 2, "anyone?")
+    assert a.lost.empty()
+
+
+def test_a_silent_peer_is_called_stalled(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    a.send(1, 1, "hello")
+    b.get()
+    b.m._hb_stop.set()  # b stops sending heartbeats, as a stopped process would
+    peer, err, graceful = a.lost.get(timeout=10)
+    assert peer == 1 and not graceful and "stalled" in str(err)
+
+
+def test_wrong_secret_is_refused_before_anything_is_read_and_the_server_goes_on() -> None:
+    book: dict[int, Any] = {}
+    a = Node(0, book)
+    try:
+        addr = a.m.address
+        for secret in (b"wrong", None):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect("\0" + addr["unix"])
+            with pytest.raises(AuthenticationError):
+                _handshake.connect(s, 5, TOKEN, secret, "node0")
+            s.close()
+        # garbage instead of a handshake, then a pickle bomb that must never be unpickled
+        s = socket.create_connection((addr["addr"], addr["port"]), timeout=5)
+        s.sendall(os.urandom(200) + b"cos\nsystem\n(S'echo pwned'\ntR.")
+        s.settimeout(5)
+        with pytest.raises((ConnectionResetError, TimeoutError, OSError)):
+            while s.recv(4096):
+                pass
+            raise ConnectionResetError("closed")
+        s.close()
+        b = Node(1, book)
+        try:
+            b.send(0, 3, "still serving")
+            assert a.get()[3] == "still serving"
+        finally:
+            b.m.close()
+    finally:
+        a.m.close()
+
+
+def test_a_connection_from_another_job_is_refused() -> None:
+    book: dict[int, Any] = {}
+    a = Node(0, book)
+    other = Node(1, book, token=b"x" * 16)
+    try:
+        try:
+            other.send(0, 1, "hi")  # may be written before the refusal arrives
+        except PeerError:
+            pass
+        time.sleep(1.0)
+        assert a.inbox.empty()  # never delivered
+        assert not a.m.is_connected(1)
+    finally:
+        other.m.close()
+        a.m.close()
