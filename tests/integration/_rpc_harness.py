@@ -236,6 +236,15 @@ def collect() -> None:
     gc.collect()
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a rank killed for running past
+    its timeout leaves no victim behind)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @contextlib.contextmanager
 def forked_worker(body: Callable[[], Any]) -> Iterator[int]:
     """Run ``body`` in a child process of this rank (which may kill or stop it); yields its pid.
@@ -249,6 +258,7 @@ def forked_worker(body: Callable[[], Any]) -> Iterator[int]:
     if pid == 0:  # the victim: never return into the caller's stack
         code = 0
         try:
+            _die_with_parent()
             body()
         except BaseException:
             import traceback
