@@ -293,10 +293,11 @@ class RpcAgent:
             self._transmit(dst, tag, kind, body, deadline)
         except BaseException as exc:
             with self._lock:
-                self._pending.pop(tag, None)
+                mine = self._pending.pop(tag, None) is not None  # else a failure or timeout did it
             if isinstance(exc, (DistError, OSError)):
-                err = exc if isinstance(exc, PeerError) else PeerError(f"{self.label}: could not send {what} to {self.describe(dst)}: {exc}", peer=dst)
-                self._finish(call, None, err)
+                if mine:
+                    err = exc if isinstance(exc, PeerError) else PeerError(f"{self.label}: could not send {what} to {self.describe(dst)}: {exc}", peer=dst)
+                    self._finish(call, None, err)
                 return fut
             raise
         return fut

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -331,6 +332,7 @@ class Endpoint:
         self._xfer_ids = itertools.count(1)
         self._pool = _BufferPool()
         self._pid = os.getpid()
+        self._acks: queue.SimpleQueue[tuple[_Peer, bytes] | None] | None = None
         if size > 1:
             self._build_mesh(store, timeout)
         self._hb_thread = threading.Thread(target=self._heartbeats, name=f"tdist-hb-{name}-{rank}", daemon=True)
@@ -709,6 +711,8 @@ class Endpoint:
             return
         self._closing = True
         self._hb_stop.set()
+        if self._acks is not None:
+            self._acks.put(None)
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
@@ -996,9 +1000,30 @@ class Endpoint:
         else:
             status = self._cma_buffer(p, tag, pid, segments, meta, nbytes)
         ack_meta = str(status).encode() if status else b""
-        with p.send_lock:
-            p.sock.sendall(pack_header(Kind.CMA_ACK, xfer, 0, len(ack_meta)) + ack_meta)
-            p.last_sent = time.monotonic()
+        # Never block the reader on a send: if both ranks stream large messages at each other,
+        # a reader waiting for its send lock (held by a sender stuck on a full socket, because
+        # the other reader waits the same way) deadlocks the pair. A small thread sends acks.
+        self._ack_queue().put((p, pack_header(Kind.CMA_ACK, xfer, 0, len(ack_meta)) + ack_meta))
+
+    def _ack_queue(self) -> queue.SimpleQueue[tuple[_Peer, bytes] | None]:
+        with self._lock:
+            if self._acks is None:
+                self._acks = queue.SimpleQueue()
+                threading.Thread(target=self._ack_loop, args=(self._acks,), name=f"tdist-ack-{self.name}-{self.rank}", daemon=True).start()
+            return self._acks
+
+    def _ack_loop(self, acks: queue.SimpleQueue[tuple[_Peer, bytes] | None]) -> None:
+        while True:
+            item = acks.get()
+            if item is None:
+                return
+            p, frame = item
+            try:
+                with p.send_lock:
+                    p.sock.sendall(frame)
+                    p.last_sent = time.monotonic()
+            except OSError as exc:
+                self._lost(p, exc, "acknowledging a cross-memory copy")
 
     def _cma_into(
         self,
