@@ -62,14 +62,19 @@ def pair() -> Iterator[tuple[Node, Node]]:
     b.m.close()
 
 
-def test_messages_both_ways_in_order_with_tensors(pair: tuple[Node, Node]) -> None:
+def test_messages_both_ways_with_tensors(pair: tuple[Node, Node]) -> None:
     a, b = pair
     for i in range(50):
         a.send(1, i, {"i": i, "t": torch.full((3,), float(i))})
-    for i in range(50):
+    seen = set()
+    for _ in range(50):
+        # every message arrives once, intact; two pollers may hand over two batches in either
+        # order (RPC does not depend on the order of deliveries)
         peer, tag, meta, obj = b.get()
-        assert (peer, tag, meta, obj["i"]) == (0, i, b"\x01", i)
-        assert torch.equal(obj["t"], torch.full((3,), float(i)))
+        assert (peer, meta, obj["i"]) == (0, b"\x01", tag)
+        assert torch.equal(obj["t"], torch.full((3,), float(tag)))
+        seen.add(tag)
+    assert seen == set(range(50))
     b.send(0, 7, "back")  # on the connection a opened
     assert a.get()[1:] == (7, b"\x01", "back")
 

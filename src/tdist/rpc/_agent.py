@@ -32,11 +32,12 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from .._core.errors import DistError, DistTimeoutError, PeerError
+from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
 from . import _errors
 from ._message import REQUESTS, MsgKind, decode_meta
@@ -189,6 +190,8 @@ class RpcAgent:
         self._timer = threading.Thread(target=self._timer_loop, name=f"tdist-rpc-timer-{rank}", daemon=True)
         self._timer.start()
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
+        self.store: Any = None  # the group's store (set by subclasses)
+        self._prefix = "rpc"  # where this group's keys live in it
         from ._rref import RRefContext
 
         self.rref_ctx: Any = RRefContext(self)
@@ -596,6 +599,39 @@ class RpcAgent:
             self._remove_worker(peer)
 
     # -- shutdown -------------------------------------------------------------------------------
+    # (barriers use ``self.store`` and ``self._prefix``, which subclasses set)
+    def barrier(self, name: str, timeout: float) -> None:
+        """Wait until every worker of the static group has reached ``name`` (through the store).
+
+        Raises:
+            DistTimeoutError: naming the workers that did not arrive.
+        """
+        assert self.world_size is not None
+        key = f"{self._prefix}/{name}"
+        self.store.set(f"{key}/{self.rank}", "1")
+        if self.store.add(key, 1) >= self.world_size:
+            self.store.set(f"{key}/done", "1")
+        try:
+            self.store.wait([f"{key}/done"], timedelta(seconds=timeout))
+        except (DistStoreError, TimeoutError) as exc:
+            missing = [self.describe(i) for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
+            raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {', '.join(missing)}") from exc
+
+    def release_store_host(self, timeout: float) -> None:
+        """After the last barrier: the others say they are done with the store, and the worker
+        that may host it (id 0, as the rendezvous makes it) waits for that before it goes."""
+        assert self.world_size is not None
+        key = f"{self._prefix}/shutdown-done"
+        try:
+            if self.rank != 0:
+                self.store.add(key, 1)
+                return
+            end = time.monotonic() + timeout
+            while self.store.add(key, 0) < self.world_size - 1 and time.monotonic() < end:
+                time.sleep(0.0005)
+        except Exception as exc:  # the store is only being given back
+            log.debug("%s: store release: %s", self.label, exc)
+
     def outstanding(self) -> int:
         with self._lock:
             return len(self._pending)

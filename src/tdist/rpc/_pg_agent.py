@@ -52,7 +52,6 @@ import torch
 from .._core.errors import (
     DistError,
     DistStoreError,
-    DistTimeoutError,
     PeerError,
     RemoteProtocolError,
 )
@@ -371,20 +370,3 @@ class ProcessGroupAgent(RpcAgent):
             if t is not me:
                 t.join(max(0.0, end - time.monotonic()))
 
-    # -- leaving --------------------------------------------------------------------------------
-    def barrier(self, name: str, timeout: float) -> None:
-        """Wait until every worker of the group has reached ``name`` (through the store).
-
-        Raises:
-            DistTimeoutError: naming the workers that did not arrive.
-        """
-        assert self.world_size is not None
-        key = f"{self._prefix}/{name}"
-        self.store.set(f"{key}/{self.rank}", "1")
-        if self.store.add(key, 1) >= self.world_size:
-            self.store.set(f"{key}/done", "1")
-        try:
-            self.store.wait([f"{key}/done"], timedelta(seconds=timeout))
-        except (DistStoreError, TimeoutError) as exc:
-            missing = [self.describe(i) for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
-            raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {', '.join(missing)}") from exc

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._core import auth
-from .._core.errors import DistStoreError, DistTimeoutError
+from .._core.errors import DistStoreError
 from ..transport import _serialization as ser
 from ..transport._endpoint import _advertised_address
 from ..transport._messenger import Messenger, Payload, PeerAddress
@@ -258,23 +258,6 @@ class TensorPipeAgent(RpcAgent):
         self.messenger.close()
 
     # -- leaving --------------------------------------------------------------------------------
-    def barrier(self, name: str, timeout: float) -> None:
-        """Wait until every worker of the static group has reached ``name``.
-
-        Raises:
-            DistTimeoutError: naming the workers that did not arrive.
-        """
-        assert self.world_size is not None
-        key = f"{self._prefix}/{name}"
-        self.store.set(f"{key}/{self.rank}", "1")
-        if self.store.add(key, 1) >= self.world_size:
-            self.store.set(f"{key}/done", "1")
-        try:
-            self.store.wait([f"{key}/done"], timedelta(seconds=timeout))
-        except (DistStoreError, TimeoutError) as exc:
-            missing = [self.describe(i) for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
-            raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {', '.join(missing)}") from exc
-
     def leave_dynamic(self) -> None:
         """Tell every member we leave, and give our name back."""
         p = self._prefix

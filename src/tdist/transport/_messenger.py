@@ -20,6 +20,11 @@ connections and calls a peer stalled when nothing has come from it for ``stall_t
 seconds. Either way ``on_peer_lost(peer, error, graceful)`` tells the owner once, with a
 ``PeerError`` naming the peer; a peer that sent ``GOODBYE`` first left on purpose.
 
+Order: frames of one connection are read in order and delivered in order within what one
+thread read at once; two threads may deliver two such batches side by side, so a receiver must
+not depend on the order of deliveries (RPC requests run concurrently anyway, and the RRef
+protocol needs causal order only).
+
 Thread-safety: ``send``, ``read_until``, ``close`` may be called from any thread.
 """
 
