@@ -7,6 +7,7 @@ copies on one host, TCP across hosts); PROCESS_GROUP runs over a tdist process g
 
 from __future__ import annotations
 
+from . import _api as api  # torch's module name: rpc.api._ignore_rref_leak
 from . import backend_registry, functions
 from ._agent import RpcTimeoutError, WorkerInfo
 from ._api import (
@@ -37,6 +38,7 @@ __all__ = [
     "RpcTimeoutError",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "api",
     "backend_registry",
     "functions",
     "get_rpc_timeout",

@@ -1,0 +1,112 @@
+"""RPC behaviour beyond the main suite: RRef leaks at shutdown, device maps checked at init,
+authentication of the agent's connections."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import pytest
+
+from . import rpc_funcs as f
+from ._rpc_harness import BACKENDS, TORCH, Worker, rpc, run
+
+pytestmark = pytest.mark.skipif(TORCH, reason="tdist internals")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _leak(w: Worker) -> Any:
+    held = None
+    if w.rank == 0:
+        held = rpc.remote(w.peer(), f.add, args=(1, 2))  # still referenced at shutdown
+        assert held.to_here() == 3
+    w.barrier()
+    records: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Catch(level=logging.INFO)
+    logger = logging.getLogger("tdist.rpc")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        if w.rank == 0:
+            rpc.api._ignore_rref_leak = False  # torch's switch: leaks become an error
+            with pytest.raises(RuntimeError, match=r"Leaking RRef .*owner: worker 1, created on worker 0"):
+                w.shutdown()
+            w.initialized = False  # it did shut down, then reported the leak
+        else:
+            w.shutdown()
+    finally:
+        logger.removeHandler(handler)
+    del held
+    return records
+
+
+def test_leaked_rrefs_at_shutdown_are_reported_with_owner_and_creator(backend: str) -> None:
+    run(_leak, backend, world_size=2, timeout=30)
+
+
+def _leak_ignored(w: Worker) -> Any:
+    held = rpc.remote(w.peer(), f.add, args=(1, 2)) if w.rank == 0 else None
+    w.barrier()
+    w.shutdown()  # torch's default: _ignore_rref_leak is True, shutdown goes through
+    del held
+    return True
+
+
+def test_leaks_are_ignored_by_default(backend: str) -> None:
+    assert run(_leak_ignored, backend, world_size=2, timeout=30) == [True, True]
+
+
+def _bad_device_map(w: Worker) -> Any:
+    opts = w.options()
+    opts.set_device_map("nobody", {0: 0})  # a worker that is not in the group
+    with pytest.raises(ValueError, match="nobody"):
+        rpc.init_rpc(w.me, rank=w.rank, world_size=w.world_size, rpc_backend_options=opts)
+    return True
+
+
+def test_device_maps_naming_unknown_workers_fail_init_on_every_worker() -> None:
+    assert run(_bad_device_map, "tensorpipe", world_size=2, init=False, timeout=30) == [True, True]
+
+
+def _out_of_range(w: Worker) -> Any:
+    opts = w.options()
+    opts.set_device_map(w.peer(), {0: 1})  # no GPU here: device indices are out of range
+    with pytest.raises(ValueError):
+        rpc.init_rpc(w.me, rank=w.rank, world_size=w.world_size, rpc_backend_options=opts)
+    return True
+
+
+def test_device_maps_out_of_range_fail_init() -> None:
+    assert run(_out_of_range, "tensorpipe", world_size=2, init=False, timeout=30) == [True, True]
+
+
+def _auth(w: Worker) -> Any:
+    if w.rank == 0:
+        from tdist.rpc._agent import current_agent
+        from tdist.transport import _handshake
+
+        agent: Any = current_agent()
+        addr = agent._lookup(1)
+        for secret in (b"not the secret", None):
+            s = socket.create_connection((addr["addr"], addr["port"]), timeout=5)
+            with pytest.raises(Exception, match="(?i)secret"):
+                _handshake.connect(s, 7, agent.messenger.token, secret, "worker1")
+            s.close()
+        # the agent that refused them still serves everyone
+        assert rpc.rpc_sync(w.peer(), f.add, args=(2, 3)) == 5
+    w.barrier()
+    return True
+
+
+def test_connections_need_the_job_secret_and_the_agent_keeps_serving() -> None:
+    assert run(_auth, "tensorpipe", world_size=2, timeout=30, env={"TDIST_SECRET": "job-secret"}) == [True, True]
