@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,11 +82,14 @@ def test_messages_both_ways_with_tensors(pair: tuple[Node, Node]) -> None:
 
 def test_large_tensor_by_cross_memory_copy_and_buffer_reuse(pair: tuple[Node, Node]) -> None:
     a, b = pair
-    x = torch.randn(4 << 20)  # 16 MiB: cross-memory copy on one host
+    # 16 MiB: cross-memory copy on one host. Made and compared with numpy: a large torch op
+    # here would start torch's OpenMP pool in the pytest process, and processes forked from it
+    # by later tests would hang in their first parallel torch op.
+    x = torch.from_numpy(np.random.default_rng(0).random(4 << 20, dtype=np.float32))
     for _ in range(3):
         a.send(1, 1, x)
         got = b.get()[3]
-        assert torch.equal(got, x)
+        assert np.array_equal(got.numpy(), x.numpy())
         del got  # the pooled buffer is free again for the next message
 
 
