@@ -66,7 +66,7 @@ _RX_SIZE = 256 << 10
 _IOV_MAX = 512
 _POPULATE_MIN = 1 << 20
 # how long a thread waiting for a reply polls its socket before sleeping in the kernel
-_SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "50")) * 1e-6
+_SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
 _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 # DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer

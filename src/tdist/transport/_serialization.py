@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,27 +41,36 @@ def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple[int, ...], requir
     return t
 
 
-class _Pickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        # plain CPU tensors travel as raw bytes beside the pickle (subclasses such as
-        # nn.Parameter, sparse or quantized tensors keep torch's own reduction)
-        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized:
-            t = obj.detach()
-            if not t.is_contiguous():
-                t = t.contiguous()
-            if t.numel() == 0:
-                raw: Any = bytearray()
-            else:
-                raw = t.reshape(-1).view(torch.uint8).numpy()
-            return (_rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape), obj.requires_grad and obj.is_leaf))
-        return NotImplemented
+def _reduce_tensor(obj: torch.Tensor) -> Any:
+    # plain CPU tensors travel as raw bytes beside the pickle (subclasses such as nn.Parameter
+    # match no entry of the dispatch table and keep torch's own reduction, as do sparse,
+    # quantized and non-CPU tensors here)
+    if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
+        return cast(Any, obj).__reduce_ex__(5)
+    t = obj.detach() if obj.requires_grad else obj
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        raw: Any = bytearray()
+    else:
+        try:
+            raw = t.numpy()  # a contiguous array: its buffer is the tensor's memory
+        except TypeError:  # a dtype numpy lacks (bfloat16, ...): view the bytes
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+    return (_rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape), obj.requires_grad and obj.is_leaf))
+
+
+# consulted by exact type, in C: no Python call for the objects that are not tensors
+_DISPATCH = {torch.Tensor: _reduce_tensor}
 
 
 def dumps(obj: Any) -> list[memoryview]:
     """``obj`` as buffers to send back to back: a header, the pickle, the out-of-band payloads."""
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+    pickler.dump(obj)
     views = [b.raw() for b in buffers]
     body = stream.getbuffer()
     head = _HEAD.pack(_MAGIC, len(views), body.nbytes) + b"".join(_LEN.pack(v.nbytes) for v in views)
