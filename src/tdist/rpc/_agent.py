@@ -20,9 +20,9 @@ Thread-safety: every public method may be called from any thread.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
+import math
 import os
 import pickle
 import queue
@@ -175,7 +175,9 @@ class RpcAgent:
         self._lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
         self._ids = itertools.count(1)
-        self._timers: list[tuple[float, int]] = []
+        # the earliest deadline of a pending call (a lower bound: calls that completed may
+        # have had it); the timer thread sleeps until then, then scans what is pending
+        self._soonest = math.inf
         self._timer_cv = threading.Condition(self._lock)
         self._dead: dict[int, PeerError] = {}
         self._closed = False
@@ -285,10 +287,9 @@ class RpcAgent:
             dead = self._dead.get(dst)
             if dead is None:
                 self._pending[tag] = call
-                if deadline is not None:
-                    if not self._timers or deadline < self._timers[0][0]:
-                        self._timer_cv.notify()
-                    heapq.heappush(self._timers, (deadline, tag))
+                if deadline is not None and deadline < self._soonest:
+                    self._soonest = deadline
+                    self._timer_cv.notify()
         if dead is not None:
             self._finish(call, None, PeerError(f"{dead} (while sending {what})", peer=dst))
             return fut
@@ -330,23 +331,18 @@ class RpcAgent:
 
     def _timer_loop(self) -> None:
         while True:
-            expired: list[_Call] = []
             with self._lock:
                 if self._closed and not self._pending:
                     return
                 now = time.monotonic()
-                while self._timers and self._timers[0][0] <= now:
-                    _, tag = heapq.heappop(self._timers)
-                    call = self._pending.pop(tag, None)
-                    if call is not None:
-                        expired.append(call)
-                if not expired:
-                    wait = 1.0 if not self._timers else min(1.0, self._timers[0][0] - now)
-                    self._timer_cv.wait(wait)
+                if now < self._soonest:
+                    self._timer_cv.wait(min(1.0, self._soonest - now))
                     continue
-            for call in expired:
-                secs = (call.deadline or 0) - 0
-                del secs
+                expired = [(t, c) for t, c in self._pending.items() if c.deadline is not None and c.deadline <= now]
+                for t, _ in expired:
+                    del self._pending[t]
+                self._soonest = min((c.deadline for c in self._pending.values() if c.deadline is not None), default=math.inf)
+            for _, call in expired:
                 self._finish(call, None, self._timeout_error(call))
 
     def _timeout_error(self, call: _Call) -> RpcTimeoutError:
