@@ -50,6 +50,7 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
+from ._handshake import recv_exact
 from ._protocol import (
     CMA_HEAD,
     CMA_SEG,
@@ -444,7 +445,7 @@ class Endpoint:
                 f"{info.get('port')}: {last}"
             )
         try:
-            hello = _recv_exact(sock, HELLO.size)
+            hello = recv_exact(sock, HELLO.size)
             magic, version, auth_required, nonce_s = HELLO.unpack(hello)
             check_magic(magic, version, f"rank {peer}")
             nonce_c = auth.make_nonce()
@@ -454,7 +455,7 @@ class Endpoint:
                 )
             proof = auth.client_proof(self.secret, nonce_s, nonce_c) if self.secret else _ZERO_PROOF
             sock.sendall(JOIN.pack(MAGIC, VERSION, self.rank, self._token, nonce_c, proof))
-            reply = _recv_exact(sock, WELCOME.size)
+            reply = recv_exact(sock, WELCOME.size)
             magic, version, their_rank, their_proof = WELCOME.unpack(reply)
             check_magic(magic, version, f"rank {peer}")
             if their_rank == _REJECTED:
@@ -511,7 +512,7 @@ class Endpoint:
                 _tune_tcp(sock)
             nonce_s = auth.make_nonce()
             sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if self.secret else 0, nonce_s))
-            data = _recv_exact(sock, JOIN.size)
+            data = recv_exact(sock, JOIN.size)
             magic, version, peer, token, nonce_c, proof = JOIN.unpack(data)
             check_magic(magic, version, addr)
             if self.secret is not None and not auth.verify(auth.client_proof(self.secret, nonce_s, nonce_c), proof):
@@ -1128,15 +1129,3 @@ def _tune_tcp(sock: socket.socket) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionResetError("connection closed during the handshake")
-        got += k
-    return bytes(buf)

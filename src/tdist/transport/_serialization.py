@@ -84,15 +84,7 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         RemoteProtocolError: ``data`` is not a whole ``dumps`` message.
     """
     view = memoryview(data).cast("B")
-    if view.nbytes < _HEAD.size:
-        raise RemoteProtocolError("serialized object shorter than its header")
-    magic, nbuf, plen = _HEAD.unpack_from(view, 0)
-    if magic != _MAGIC:
-        raise RemoteProtocolError(f"not a serialized object (magic {bytes(magic)!r})")
-    pos = _HEAD.size + nbuf * _LEN.size
-    if pos > view.nbytes:
-        raise RemoteProtocolError("serialized object header runs past its end")
-    lengths = [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbuf)]
+    pos, plen, lengths = _header(view)
     if pos + plen + sum(lengths) != view.nbytes:
         raise RemoteProtocolError("serialized object sizes do not add up")
     body = view[pos : pos + plen]
@@ -104,6 +96,19 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     return pickle.loads(body, buffers=parts)
 
 
+def _header(view: memoryview) -> tuple[int, int, list[int]]:
+    """Where the pickle starts, its length, and the buffers' lengths."""
+    if view.nbytes < _HEAD.size:
+        raise RemoteProtocolError("serialized object shorter than its header")
+    magic, nbuf, plen = _HEAD.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise RemoteProtocolError(f"not a serialized object (magic {bytes(magic)!r})")
+    pos = _HEAD.size + nbuf * _LEN.size
+    if pos > view.nbytes:
+        raise RemoteProtocolError("serialized object header runs past its end")
+    return pos, plen, [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbuf)]
+
+
 def loads_parts(prefix: bytes | bytearray | memoryview, buffers: list[memoryview]) -> Any:
     """Like ``loads`` for a message whose out-of-band buffers arrived apart from its header and
     pickle (``prefix``), e.g. copied one by one from another process's memory.
@@ -112,13 +117,7 @@ def loads_parts(prefix: bytes | bytearray | memoryview, buffers: list[memoryview
         RemoteProtocolError: the parts do not match the header.
     """
     view = memoryview(prefix).cast("B")
-    if view.nbytes < _HEAD.size:
-        raise RemoteProtocolError("serialized object shorter than its header")
-    magic, nbuf, plen = _HEAD.unpack_from(view, 0)
-    if magic != _MAGIC:
-        raise RemoteProtocolError(f"not a serialized object (magic {bytes(magic)!r})")
-    pos = _HEAD.size + nbuf * _LEN.size
-    lengths = [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbuf)] if pos <= view.nbytes else []
+    pos, plen, lengths = _header(view)
     if pos + plen != view.nbytes or lengths != [b.nbytes for b in buffers]:
         raise RemoteProtocolError("serialized object sizes do not add up")
     return pickle.loads(view[pos:], buffers=buffers)
