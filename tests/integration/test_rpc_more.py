@@ -110,3 +110,15 @@ def _auth(w: Worker) -> Any:
 
 def test_connections_need_the_job_secret_and_the_agent_keeps_serving() -> None:
     assert run(_auth, "tensorpipe", world_size=2, timeout=30, env={"TDIST_SECRET": "job-secret"}) == [True, True]
+
+
+def _same_port_twice(w: Worker) -> Any:
+    for round_ in range(2):
+        w.init()  # the same address both times
+        assert rpc.rpc_sync(w.peer(), f.add, args=(round_, 1)) == round_ + 1
+        w.shutdown()
+    return True
+
+
+def test_init_shutdown_twice_on_the_same_address(backend: str) -> None:
+    assert run(_same_port_twice, backend, world_size=2, init=False, timeout=40) == [True, True]

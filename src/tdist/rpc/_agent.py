@@ -300,7 +300,13 @@ class RpcAgent:
                 mine = self._pending.pop(tag, None) is not None  # else a failure or timeout did it
             if isinstance(exc, (DistError, OSError)):
                 if mine:
-                    err = exc if isinstance(exc, PeerError) else PeerError(f"{self.label}: could not send {what} to {self.describe(dst)}: {exc}", peer=dst)
+                    err: BaseException
+                    if isinstance(exc, PeerError):
+                        err = exc
+                    elif isinstance(exc, DistTimeoutError):
+                        err = self._timeout_error(call)
+                    else:
+                        err = PeerError(f"{self.label}: could not send {what} to {self.describe(dst)}: {exc}", peer=dst)
                     self._finish(call, None, err)
                 return fut
             raise

@@ -234,6 +234,25 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
                 set_current_agent(None)
 
 
+def _forget_store(agent: RpcAgent) -> None:
+    """After a static group's graceful shutdown nobody needs its store: the next ``init_rpc``
+    (on the same address) must not find this group's keys, nor this store server."""
+    store = agent.store
+    try:
+        if agent.rank == 0:
+            store.delete_key("rpc/token")
+    except Exception as exc:
+        log.debug("%s: could not clear the store: %s", agent.label, exc)
+    for i, s in enumerate(_stores):
+        if s is store or getattr(s, "underlying_store", None) is store:
+            del _stores[i]
+            close = getattr(s, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+            break
+
+
 def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
     from ._rref import release_all, settle
 
@@ -247,9 +266,8 @@ def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
     agent.wait_outstanding(deadline)
     if agent.world_size is not None and barrier is not None:
         barrier("shutdown-2", max(0.1, deadline - time.monotonic()))
-        release = getattr(agent, "release_store_host", None)
-        if release is not None:
-            release(max(0.1, deadline - time.monotonic()))
+        agent.release_store_host(max(0.1, deadline - time.monotonic()))
+        _forget_store(agent)
     else:
         leave = getattr(agent, "leave_dynamic", None)
         if leave is not None:

@@ -56,6 +56,7 @@ from .constants import UNSET_RPC_TIMEOUT
 __all__ = ["RRef", "RRefContext", "create_remote", "release_all", "settle"]
 
 _DELETE_DELAY = 0.005  # seconds a lone deletion waits for others to travel with
+_SETTLE_MAX = 10.0  # seconds shutdown waits for the RRef protocol to settle here
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +124,13 @@ class RRefContext:
         # handled go in one message. Deletions alone (nothing waits for them) wait a little
         # for company, so a loop that drops RRefs costs one message per few milliseconds.
         pending = self._pending
+        oldest: float | None = None  # when the oldest unsent message was queued
         while True:
             try:
                 item = self._out.get(timeout=_DELETE_DELAY) if pending else self._out.get()
             except queue.Empty:
                 self._flush(pending)
+                oldest = None
                 continue
             if item is None:
                 self._flush(pending)
@@ -146,8 +149,16 @@ class RRefContext:
             finally:
                 self._queued -= 1
                 del item
-            if pending and self._out.empty() and not all(isinstance(m, UserDelete) for ms in pending.values() for m in ms):
+            if not pending:
+                oldest = None
+            elif oldest is None:
+                oldest = time.monotonic()
+            if pending and (
+                (self._out.empty() and not all(isinstance(m, UserDelete) for ms in pending.values() for m in ms))
+                or time.monotonic() - (oldest or 0.0) >= _DELETE_DELAY  # releases that never stop
+            ):
                 self._flush(pending)
+                oldest = None
 
     def _take_releases(self) -> None:
         while self._released:
@@ -192,6 +203,8 @@ def release_all(agent: RpcAgent) -> list[str]:
 def settle(agent: RpcAgent, deadline: float) -> bool:
     """Wait until nothing of the RRef protocol is in flight here (or the deadline)."""
     ctx: RRefContext = agent.rref_ctx
+    # bounded: a fork whose holder's remote() timed out is never deleted on its owner
+    deadline = min(deadline, time.monotonic() + _SETTLE_MAX)
     while time.monotonic() < deadline:
         with ctx.lock:
             idle = ctx.proto.idle()

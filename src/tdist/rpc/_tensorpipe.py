@@ -45,6 +45,7 @@ __all__ = ["TensorPipeAgent"]
 log = logging.getLogger(__name__)
 
 _INIT_TIMEOUT = float(os.environ.get("TDIST_RPC_INIT_TIMEOUT", "300"))
+_CLAIM_MAX = 1 << 20
 
 
 class TensorPipeAgent(RpcAgent):
@@ -208,6 +209,12 @@ class TensorPipeAgent(RpcAgent):
             finally:
                 self._tls.self_call = False
             return
+        if getattr(self._tls, "claim_for", None) == dst and sum(p.nbytes for p in parts) < _CLAIM_MAX:
+            # a blocking call takes the callee's connection before its request goes out (then
+            # no poller wakes for the reply); not for a large request, whose long write would
+            # leave the connection unread meanwhile
+            self._tls.claim_for = None
+            self._tls.claimed = self.messenger.claim(dst)
         self.messenger.send(dst, tag, encode_meta(kind), parts, deadline)
 
     def _schedule(self, job: Any) -> None:
@@ -232,12 +239,15 @@ class TensorPipeAgent(RpcAgent):
     def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: str) -> Any:
         # take the callee's connection before sending, so that the reply is read here and no
         # poller wakes up (and competes for the GIL) for it
-        token = self.messenger.claim(dst) if dst != self.rank else None
+        self._tls.claim_for = dst
         try:
             fut = self.request(dst, kind, body, timeout, what)
         except BaseException:
-            self.messenger.release(token)
+            self.messenger.release(getattr(self._tls, "claimed", None))
             raise
+        finally:
+            self._tls.claim_for = None
+            token, self._tls.claimed = getattr(self._tls, "claimed", None), None
         if not fut.done():
             seconds = self.timeout_seconds(timeout)
             deadline = None if seconds is None else time.monotonic() + seconds + 1.0

@@ -325,7 +325,7 @@ class Messenger:
                 return c
             lost = self._lost.get(peer)
             if lost is not None:
-                raise lost
+                raise PeerError(str(lost), peer=peer)
             return self._dial(peer, deadline)
 
     def _dial(self, peer: int, deadline: float | None) -> _Conn:
@@ -459,15 +459,19 @@ class Messenger:
                 raise self._error_for(c)
             sock = c.sock
             parts = [p for p in parts if p.nbytes]
+            started = False
             while parts:
                 try:
                     sent = sock.sendmsg(parts[:_IOV_MAX])
                 except (BlockingIOError, InterruptedError):
-                    self._wait_writable(c, deadline)
+                    # once part of a frame is out, only the rest of it may follow: no deadline
+                    # cuts a frame (a stalled peer still ends the connection)
+                    self._wait_writable(c, None if started else deadline)
                     continue
                 except OSError as exc:
                     self._lose(c, exc)
                     raise self._error_for(c) from exc
+                started = True
                 while sent and parts:
                     n = parts[0].nbytes
                     if sent >= n:
@@ -494,7 +498,9 @@ class Messenger:
                 return
 
     def _error_for(self, c: _Conn) -> PeerError:
-        return self._lost.get(c.peer) or PeerError(f"{self.label}: connection to {self.describe(c.peer)} is closed", peer=c.peer)
+        # a fresh exception each time: a stored one would grow its traceback with every raise
+        lost = self._lost.get(c.peer)
+        return PeerError(str(lost) if lost else f"{self.label}: connection to {self.describe(c.peer)} is closed", peer=c.peer)
 
     def _send_ctrl(self, c: _Conn, kind: Kind, tag: int, meta: bytes = b"") -> None:
         head = pack_header(kind, tag, 0, len(meta))
@@ -512,8 +518,12 @@ class Messenger:
         c = conns[0]
         if not c.rlock.acquire(blocking=False):
             return None
-        with contextlib.suppress(OSError, ValueError):
-            self._ep.modify(c.fd, select.EPOLLONESHOT)  # disarmed: pollers leave it to us
+        with self._lock:  # not closed (its descriptor may belong to a new connection then)
+            if c.closed:
+                c.rlock.release()
+                return None
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.modify(c.fd, select.EPOLLONESHOT)  # disarmed: pollers leave it to us
         return c
 
     def release(self, token: Any) -> None:
@@ -537,6 +547,8 @@ class Messenger:
             if c is None:
                 return False
             self._tls.batch = batch
+            lost: list[tuple[int, PeerError, bool]] = []
+            self._tls.lost = lost
             try:
                 spin_until = time.monotonic() + _SPIN
                 p: Any = None
@@ -559,13 +571,15 @@ class Messenger:
                 self._tls.batch = None
                 c.rlock.release()
                 self._rearm(c)
-            if not batch:
-                return done()
             try:
                 for item in batch:
                     self.on_message(*item)
             finally:
                 batch.clear()
+                self._report_lost(lost)
+            if c.closed or not done():
+                if c.closed or (deadline is not None and time.monotonic() >= deadline):
+                    return done()
         return True
 
     def in_poller(self) -> bool:
@@ -605,6 +619,13 @@ class Messenger:
         with self._lock:
             self._busy_pollers -= 1
 
+    def _report_lost(self, lost: list[tuple[int, PeerError, bool]]) -> None:
+        """Tell of peers whose connection ended while this thread read (after their last
+        messages were delivered)."""
+        for report in lost:
+            self.on_peer_lost(*report)
+        lost.clear()
+
     def _rearm(self, c: _Conn) -> None:
         # Always after releasing the read lock: a poller that got the event while we held the
         # lock skipped the connection (leaving it disarmed); arming it now raises the event
@@ -616,6 +637,7 @@ class Messenger:
     def _poll_loop(self) -> None:
         listeners = {self._tcp.fileno(): self._tcp, self._unix.fileno(): self._unix}
         batch: list[tuple[int, int, bytes, Payload]] = []
+        lost: list[tuple[int, PeerError, bool]] = []
         while not self._closing:
             try:
                 events = self._ep.poll(1.0, 1)
@@ -636,6 +658,7 @@ class Messenger:
                 if c is None or not c.rlock.acquire(blocking=False):
                     continue  # a waiting thread reads it and re-arms it
                 self._tls.batch = batch
+                self._tls.lost = lost
                 try:
                     self._drain(c)
                 except Exception:  # a bug must not kill the poller: drop this connection only
@@ -648,6 +671,7 @@ class Messenger:
                 # deliver after the connection is free again: a request run here must not keep
                 # the next messages on its connection from other threads
                 if not batch:
+                    self._report_lost(lost)
                     continue
                 self._occupied()
                 try:
@@ -659,6 +683,7 @@ class Messenger:
                 finally:
                     self._tls.delivering = False
                     batch.clear()
+                    self._report_lost(lost)
                 try:
                     if self.on_batch_end is not None:
                         self.on_batch_end()
@@ -851,7 +876,14 @@ class Messenger:
         with contextlib.suppress(OSError):
             c.sock.close()
         if last and not self._closing:
-            self.on_peer_lost(c.peer, err, graceful and stalled is None)
+            report = (c.peer, err, graceful and stalled is None)
+            pending = getattr(self._tls, "lost", None)
+            if getattr(self._tls, "batch", None) is not None and pending is not None:
+                pending.append(report)  # after the messages this thread read are delivered
+            else:
+                # from a writer or the heartbeat thread: user callbacks run on the ctrl thread,
+                # never under a send lock or in place of heartbeats
+                self._ctrl.put(lambda: self.on_peer_lost(*report))
 
     def forget(self, peer: int) -> None:
         """Allow a new connection to ``peer`` (a worker that left may come back)."""
