@@ -99,7 +99,7 @@ def _auth(w: Worker) -> Any:
         addr = agent._lookup(1)
         for secret in (b"not the secret", None):
             s = socket.create_connection((addr["addr"], addr["port"]), timeout=5)
-            with pytest.raises(Exception, match="(?i)secret"):
+            with pytest.raises(Exception, match=r"(?i)secret"):
                 _handshake.connect(s, 7, agent.messenger.token, secret, "worker1")
             s.close()
         # the agent that refused them still serves everyone
