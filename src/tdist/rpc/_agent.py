@@ -663,7 +663,7 @@ class RpcAgent:
         if graceful:
             end = time.monotonic() + 5.0
             with self._lock:
-                while self._active_requests and time.monotonic() < end:
+                while (self._active_requests or self._jobs.qsize()) and time.monotonic() < end:
                     self._idle_cv.wait(0.05)
         self._close_transport(graceful)
         self.rref_ctx.close()

@@ -571,10 +571,15 @@ class Messenger:
                 self._tls.batch = None
                 c.rlock.release()
                 self._rearm(c)
+            # requests read here are not this thread's to run (it waits for a reply, maybe
+            # inside a poller's delivery): they go to the pool
+            delivering = getattr(self._tls, "delivering", False)
+            self._tls.delivering = False
             try:
                 for item in batch:
                     self.on_message(*item)
             finally:
+                self._tls.delivering = delivering
                 batch.clear()
                 self._report_lost(lost)
             if c.closed or not done():
