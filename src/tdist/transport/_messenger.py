@@ -700,20 +700,11 @@ class Messenger:
     def _drain(self, c: _Conn) -> bool:
         """Read whatever is available on ``c`` and deliver complete frames (rlock held).
         Returns False when the connection is gone."""
-        sock = c.sock
         while True:
-            if c.dest is not None:
-                try:
-                    n = sock.recv_into(c.dest[c.dest_got :])
-                except (BlockingIOError, InterruptedError):
-                    return True
-                except OSError as exc:
-                    self._lose(c, exc)
-                    return False
-                if n == 0:
-                    self._lose(c, None)
-                    return False
-                c.last_rx = time.monotonic()
+            if c.dest is not None:  # a large payload, read in place
+                n = self._recv(c, c.dest[c.dest_got :])
+                if n <= 0:
+                    return n == 0
                 c.dest_got += n
                 if c.dest_got == c.dest.nbytes:
                     kind, tag, meta = c.dest_head
@@ -728,20 +719,27 @@ class Messenger:
                 n = c.rx_end - c.rx_start
                 c.rxview[:n] = c.rxview[c.rx_start : c.rx_end]
                 c.rx_start, c.rx_end = 0, n
-            try:
-                n = sock.recv_into(c.rxview[c.rx_end :])
-            except (BlockingIOError, InterruptedError):
-                return True
-            except OSError as exc:
-                self._lose(c, exc)
-                return False
-            if n == 0:
-                self._lose(c, None)
-                return False
-            c.last_rx = time.monotonic()
+            n = self._recv(c, c.rxview[c.rx_end :])
+            if n <= 0:
+                return n == 0
             c.rx_end += n
             if not self._parse(c):
                 return False
+
+    def _recv(self, c: _Conn, into: memoryview) -> int:
+        """Bytes read into ``into``; 0: nothing there now; -1: the connection is gone."""
+        try:
+            n = c.sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self._lose(c, exc)
+            return -1
+        if n == 0:
+            self._lose(c, None)
+            return -1
+        c.last_rx = time.monotonic()
+        return n
 
     def _parse(self, c: _Conn) -> bool:
         view = c.rxview
