@@ -26,6 +26,9 @@ from ._rref import RRef
 from .backend_registry import BackendType
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
+# the agents load with the package (as torch's do), not inside the first init_rpc
+from . import _pg_agent, _tensorpipe  # noqa: F401  isort: skip
+
 __all__ = [
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
