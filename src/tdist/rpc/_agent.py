@@ -600,6 +600,36 @@ class RpcAgent:
         if graceful and self.world_size is None:
             self._remove_worker(peer)
 
+    # -- forming a static group (through ``self.store`` under ``self._prefix``) ----------------
+    def gather(self, what: str, value: str, world_size: int, timeout: float) -> list[bytes]:
+        """Publish ``value`` and return every worker's, by id (a barrier of the static group).
+
+        Raises:
+            RuntimeError: naming the worker ids that did not publish in time.
+        """
+        self.store.set(f"{self._prefix}/{what}/{self.rank}", value)
+        keys = [f"{self._prefix}/{what}/{i}" for i in range(world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except (DistStoreError, TimeoutError) as exc:
+            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            raise RuntimeError(f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)") from exc
+        return list(self.store.multi_get(keys))
+
+    def add_workers(self, names: list[str]) -> None:
+        """Register the static group's workers (id = index).
+
+        Raises:
+            RuntimeError: two workers share a name.
+        """
+        first: dict[str, int] = {}
+        for i, n in enumerate(names):
+            if n in first:
+                raise RuntimeError(f"RPC worker name {n!r} is used by workers {first[n]} and {i}: names must be unique")
+            first[n] = i
+        for i, n in enumerate(names):
+            self._add_worker(WorkerInfo(n, i))
+
     # -- shutdown -------------------------------------------------------------------------------
     # (barriers use ``self.store`` and ``self._prefix``, which subclasses set)
     def barrier(self, name: str, timeout: float) -> None:

@@ -164,6 +164,13 @@ def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...],
     return func, tuple(args) if args is not None else (), dict(kwargs) if kwargs is not None else {}
 
 
+def _call(api: str, to: Any, func: Any, args: Any, kwargs: Any) -> tuple[RpcAgent, WorkerInfo, Any, str]:
+    """The agent, the callee, the request body and a description of the call."""
+    agent = _agent()
+    dst = agent.resolve(to)
+    return agent, dst, _call_body(func, args, kwargs), f"{api}({dst.name}, {_errors.describe_call(func)})"
+
+
 def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``.
 
@@ -171,10 +178,7 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
         RuntimeError: RPC not initialized or unknown worker; the future fails with the callee's
             exception, a timeout or a lost callee.
     """
-    agent = _agent()
-    dst = agent.resolve(to)
-    body = _call_body(func, args, kwargs)
-    what = f"rpc_async({dst.name}, {_errors.describe_call(func)})"
+    agent, dst, body, what = _call("rpc_async", to, func, args, kwargs)
     return agent.request(dst.id, MsgKind.CALL, body, timeout, what)
 
 
@@ -185,10 +189,7 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
         Exception: the callee's exception (same type where it can be rebuilt), a timeout
             (``RuntimeError``/``TimeoutError``) or a ``PeerError`` when the callee is lost.
     """
-    agent = _agent()
-    dst = agent.resolve(to)
-    body = _call_body(func, args, kwargs)
-    what = f"rpc_sync({dst.name}, {_errors.describe_call(func)})"
+    agent, dst, body, what = _call("rpc_sync", to, func, args, kwargs)
     return agent.call_sync(dst.id, MsgKind.CALL, body, timeout, what)
 
 

@@ -51,7 +51,6 @@ import torch
 
 from .._core.errors import (
     DistError,
-    DistStoreError,
     PeerError,
     RemoteProtocolError,
 )
@@ -59,7 +58,7 @@ from ..c10d._tcp_backend import ProcessGroupTCP, bytes_view
 from ..store import PrefixStore
 from ..transport import _endpoint
 from ..transport import _serialization as ser
-from ._agent import RpcAgent, WorkerInfo, current_agent, set_current_agent, validate_name
+from ._agent import RpcAgent, current_agent, set_current_agent, validate_name
 from ._message import REQUESTS, MsgKind, encode_meta
 from ._options import ProcessGroupRpcBackendOptions
 
@@ -155,22 +154,7 @@ class ProcessGroupAgent(RpcAgent):
 
     # -- forming the group ----------------------------------------------------------------------
     def _gather_names(self, world_size: int) -> None:
-        p = self._prefix
-        self.store.set(f"{p}/name/{self.rank}", self.name)
-        keys = [f"{p}/name/{i}" for i in range(world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=_INIT_TIMEOUT))
-        except (DistStoreError, TimeoutError) as exc:
-            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-            raise RuntimeError(f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)") from exc
-        names = [v.decode() for v in self.store.multi_get(keys)]
-        first: dict[str, int] = {}
-        for i, n in enumerate(names):
-            if n in first:
-                raise RuntimeError(f"RPC worker name {n!r} is used by workers {first[n]} and {i}: names must be unique")
-            first[n] = i
-        for i, n in enumerate(names):
-            self._add_worker(WorkerInfo(n, i))
+        self.add_workers([v.decode() for v in self.gather("name", self.name, world_size, _INIT_TIMEOUT)])
 
     # -- moving messages ------------------------------------------------------------------------
     def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:

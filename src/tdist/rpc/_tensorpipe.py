@@ -26,13 +26,11 @@ import os
 import secrets
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .._core import auth
-from .._core.errors import DistStoreError
 from ..transport import _serialization as ser
 from ..transport._endpoint import _advertised_address
 from ..transport._messenger import Messenger, Payload, PeerAddress
@@ -112,23 +110,10 @@ class TensorPipeAgent(RpcAgent):
         )
 
     def _join_static(self, world_size: int) -> None:
-        p = self._prefix
-        self.store.set(f"{p}/worker/{self.rank}", self._record())
-        keys = [f"{p}/worker/{i}" for i in range(world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=_INIT_TIMEOUT))
-        except (DistStoreError, TimeoutError) as exc:
-            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-            raise RuntimeError(f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)") from exc
-        records = [json.loads(v) for v in self.store.multi_get(keys)]
-        names: dict[str, int] = {}
-        for i, rec in enumerate(records):
-            if rec["name"] in names:
-                raise RuntimeError(f"RPC worker name {rec['name']!r} is used by workers {names[rec['name']]} and {i}: names must be unique")
-            names[rec["name"]] = i
+        records = [json.loads(v) for v in self.gather("worker", self._record(), world_size, _INIT_TIMEOUT)]
+        self.add_workers([r["name"] for r in records])
         for i, rec in enumerate(records):
             self._addresses[i] = rec["addr"]
-            self._add_worker(WorkerInfo(rec["name"], i))
         all_names = [r["name"] for r in records]
         all_maps = {r["name"]: {to: {torch.device(k): torch.device(v) for k, v in m.items()} for to, m in r["maps"].items()} for r in records}
         all_devices = {r["name"]: [torch.device(d) for d in r["devices"]] for r in records}
