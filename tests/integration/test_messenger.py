@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tdist._core.errors import AuthenticationError, PeerError
+from tdist._core.errors import AuthenticationError, DistNetworkError, PeerError
 from tdist.transport import _handshake
 from tdist.transport import _serialization as ser
 from tdist.transport._messenger import Messenger
@@ -162,8 +162,8 @@ def test_a_connection_from_another_job_is_refused() -> None:
     other = Node(1, book, token=b"x" * 16)
     try:
         try:
-            other.send(0, 1, "hi")  # may be written before the refusal arrives
-        except PeerError:
+            other.send(0, 1, "hi")  # refused during the handshake
+        except (PeerError, DistNetworkError):
             pass
         time.sleep(1.0)
         assert a.inbox.empty()  # never delivered

@@ -50,19 +50,13 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from ._handshake import recv_exact
+from . import _handshake
 from ._protocol import (
     CMA_HEAD,
     CMA_SEG,
     FRAME_HEADER,
-    HELLO,
-    JOIN,
-    MAGIC,
     TOKEN_SIZE,
-    VERSION,
-    WELCOME,
     Kind,
-    check_magic,
     pack_header,
     unpack_header,
 )
@@ -71,8 +65,6 @@ __all__ = ["Endpoint", "RecvHandle", "host_id"]
 
 log = logging.getLogger(__name__)
 
-_ZERO_PROOF = b"\0" * 32
-_REJECTED = 0xFFFFFFFF  # the rank a WELCOME carries when authentication failed
 _IOV_MAX = 512
 _MAX_PAYLOAD = 1 << 40
 
@@ -445,26 +437,7 @@ class Endpoint:
                 f"{info.get('port')}: {last}"
             )
         try:
-            hello = recv_exact(sock, HELLO.size)
-            magic, version, auth_required, nonce_s = HELLO.unpack(hello)
-            check_magic(magic, version, f"rank {peer}")
-            nonce_c = auth.make_nonce()
-            if auth_required and self.secret is None:
-                raise AuthenticationError(
-                    f"rank {peer} requires the job secret; set TDIST_SECRET on every rank"
-                )
-            proof = auth.client_proof(self.secret, nonce_s, nonce_c) if self.secret else _ZERO_PROOF
-            sock.sendall(JOIN.pack(MAGIC, VERSION, self.rank, self._token, nonce_c, proof))
-            reply = recv_exact(sock, WELCOME.size)
-            magic, version, their_rank, their_proof = WELCOME.unpack(reply)
-            check_magic(magic, version, f"rank {peer}")
-            if their_rank == _REJECTED:
-                raise AuthenticationError(
-                    f"rank {peer} rejected this rank's proof of the job secret: every rank must "
-                    "use the same TDIST_SECRET"
-                )
-            if self.secret is not None and not auth.verify(auth.server_proof(self.secret, nonce_s, nonce_c), their_proof):
-                raise AuthenticationError(f"rank {peer} could not prove the job secret")
+            their_rank = _handshake.connect(sock, self.rank, self._token, self.secret, f"rank {peer}")
             if their_rank != peer:
                 raise DistNetworkError(f"expected rank {peer} at {addr}, found rank {their_rank}")
         except (OSError, RemoteProtocolError) as exc:
@@ -507,26 +480,24 @@ class Endpoint:
         addr = "unix" if sock.family == socket.AF_UNIX else f"{peer_addr[0]}:{peer_addr[1]}"
         try:
             sock.setblocking(True)
-            sock.settimeout(max(0.1, min(10.0, deadline - time.monotonic())))
             if sock.family != socket.AF_UNIX:
                 _tune_tcp(sock)
-            nonce_s = auth.make_nonce()
-            sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if self.secret else 0, nonce_s))
-            data = recv_exact(sock, JOIN.size)
-            magic, version, peer, token, nonce_c, proof = JOIN.unpack(data)
-            check_magic(magic, version, addr)
-            if self.secret is not None and not auth.verify(auth.client_proof(self.secret, nonce_s, nonce_c), proof):
-                log.warning("rank %d (%s): connection from %s failed authentication", self.rank, self.name, addr)
-                with contextlib.suppress(OSError):
-                    sock.sendall(WELCOME.pack(MAGIC, VERSION, _REJECTED, _ZERO_PROOF))
-                sock.close()
-                return False
-            if token != self._token or not self.rank < peer < self.size or peer in self._peers:
-                log.warning("rank %d (%s): rejected a connection from %s claiming rank %d", self.rank, self.name, addr, peer)
-                sock.close()
-                return False
-            server_proof = auth.server_proof(self.secret, nonce_s, nonce_c) if self.secret else _ZERO_PROOF
-            sock.sendall(WELCOME.pack(MAGIC, VERSION, self.rank, server_proof))
+            peer, _ = _handshake.accept(
+                sock,
+                self.rank,
+                self.secret,
+                max(0.1, min(10.0, deadline - time.monotonic())),
+                f"connection from {addr}",
+                admit=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
+            )
+        except AuthenticationError:
+            log.warning("rank %d (%s): connection from %s failed authentication", self.rank, self.name, addr)
+            sock.close()
+            return False
+        except _handshake.Refused as exc:
+            log.warning("rank %d (%s): rejected a connection from %s claiming rank %d", self.rank, self.name, addr, exc.peer)
+            sock.close()
+            return False
         except (OSError, RemoteProtocolError) as exc:
             log.warning("rank %d (%s): handshake with %s failed: %s", self.rank, self.name, addr, exc)
             sock.close()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 
 from .._core import auth
 from .._core.errors import AuthenticationError, RemoteProtocolError
 from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
 
-__all__ = ["REJECTED", "accept", "connect", "recv_exact"]
+__all__ = ["REJECTED", "Refused", "accept", "connect", "recv_exact"]
 
 ZERO_PROOF = b"\0" * 32
 REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
@@ -66,13 +67,30 @@ def connect(sock: socket.socket, my_id: int, token: bytes, secret: bytes | None,
     return int(their_id)
 
 
-def accept(sock: socket.socket, my_id: int, secret: bytes | None, timeout: float, what: str) -> tuple[int, bytes]:
+class Refused(RemoteProtocolError):
+    """The connector proved the secret but may not join (another group, an unexpected id)."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def accept(
+    sock: socket.socket,
+    my_id: int,
+    secret: bytes | None,
+    timeout: float,
+    what: str,
+    admit: Callable[[int, bytes], bool] | None = None,
+) -> tuple[int, bytes]:
     """Run the accepting side on a blocking socket; returns the connector's ``(id, token)``.
 
-    The caller checks the token and id before using the connection.
+    ``admit(id, token)`` decides, once the secret is proven and before we answer, whether the
+    connector may join; a refused one gets no answer.
 
     Raises:
         AuthenticationError: the connector did not prove the secret (it has been told so).
+        Refused: ``admit`` said no.
         RemoteProtocolError, OSError: not a tdist peer, or the connection failed.
     """
     sock.settimeout(timeout)
@@ -88,6 +106,8 @@ def accept(sock: socket.socket, my_id: int, secret: bytes | None, timeout: float
         with contextlib.suppress(OSError):
             sock.sendall(WELCOME.pack(MAGIC, VERSION, REJECTED, ZERO_PROOF))
         raise AuthenticationError(f"{what} failed authentication (wrong or missing TDIST_SECRET)")
+    if admit is not None and not admit(int(peer), bytes(token)):
+        raise Refused(f"{what}: refused a connection claiming id {peer}", int(peer))
     server_proof = auth.server_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
     sock.sendall(WELCOME.pack(MAGIC, VERSION, my_id, server_proof))
     return int(peer), bytes(token)

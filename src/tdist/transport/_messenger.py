@@ -407,12 +407,14 @@ class Messenger:
             sock.setblocking(True)
             if sock.family != socket.AF_UNIX:
                 _tune_tcp(sock)
-            peer, token = _handshake.accept(sock, self.my_id, self.secret, 10.0, f"connection from {where}")
-            if token != self.token:
-                log.warning("%s: refused a connection from %s: it belongs to another RPC job", self.label, where)
-                sock.close()
-                return
+            peer, _ = _handshake.accept(
+                sock, self.my_id, self.secret, 10.0, f"connection from {where}", admit=lambda _peer, token: token == self.token
+            )
             self._register(peer, sock, where, sock.family == socket.AF_UNIX, outbound=False)
+        except _handshake.Refused:
+            log.warning("%s: refused a connection from %s: it belongs to another RPC job", self.label, where)
+            sock.close()
+            return
         except AuthenticationError as exc:
             log.warning("%s: dropped a connection: %s", self.label, exc)
             sock.close()
