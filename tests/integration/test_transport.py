@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -159,9 +160,24 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
         master.close()
 
 
-def _big_exchange(rank: int, n: int, port: int, refuse: bool) -> list[str]:
+def _big_exchange(rank: int, n: int, port: int, refuse: bool, slow_acks: bool = False) -> list[str]:
     from tdist.transport import _endpoint
 
+    if slow_acks and rank == 0:
+        # acks leave from a thread a moment after the receive completes: a receiver that closes
+        # right after its last receive must still send them (else its sender sees it leave)
+        real_ack_loop = Endpoint._ack_loop
+
+        def slow_ack_loop(self: Endpoint, acks: Any) -> None:
+            class Slow:
+                def get(self) -> Any:
+                    item = acks.get()
+                    time.sleep(0.2)
+                    return item
+
+            real_ack_loop(self, Slow())
+
+        Endpoint._ack_loop = slow_ack_loop  # type: ignore[method-assign]
     if refuse and rank == 1:
         # a receiver that may not read the sender's memory (as under a strict ptrace policy)
         def refused(*args: object) -> int:
@@ -205,3 +221,12 @@ def test_large_messages_between_processes(refuse: bool) -> None:
         master.close()
     assert results[1][-1] == "cma"  # rank 1 reads rank 0's memory... unless refused:
     assert results[0][-1] == ("inline" if refuse else "cma")
+
+
+def test_close_sends_pending_acks_first() -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        results = run_processes(_big_exchange, 2, master.port, False, True, timeout=60)
+    finally:
+        master.close()
+    assert results[0][-1] == results[1][-1] == "cma"

@@ -326,6 +326,9 @@ class Endpoint:
         self._pool = _BufferPool()
         self._pid = os.getpid()
         self._acks: queue.SimpleQueue[tuple[_Peer, bytes] | None] | None = None
+        self._ack_thread: threading.Thread | None = None
+        self._copying = 0  # cross-memory copies whose ack is not queued yet
+        self._copying_cv = threading.Condition()
         if size > 1:
             self._build_mesh(store, timeout)
         self._hb_thread = threading.Thread(target=self._heartbeats, name=f"tdist-hb-{name}-{rank}", daemon=True)
@@ -683,8 +686,15 @@ class Endpoint:
             return
         self._closing = True
         self._hb_stop.set()
+        # A receive may be complete here while its sender still waits for our ack (the ack leaves
+        # from the ack thread a moment later): send every ack before the goodbye, or the sender
+        # sees us leave in the middle of its send.
+        with self._copying_cv:
+            self._copying_cv.wait_for(lambda: self._copying == 0, timeout=2.0)
         if self._acks is not None:
             self._acks.put(None)
+            if self._ack_thread is not None and self._ack_thread is not threading.current_thread():
+                self._ack_thread.join(2.0)
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
@@ -950,6 +960,16 @@ class Endpoint:
             self._deliver_copy(p.rank, pending, waiting)
 
     def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
+        with self._copying_cv:
+            self._copying += 1
+        try:
+            self._on_cma_counted(p, tag, meta, desc)
+        finally:
+            with self._copying_cv:
+                self._copying -= 1
+                self._copying_cv.notify_all()
+
+    def _on_cma_counted(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
         xfer, pid, nseg, nbytes = CMA_HEAD.unpack_from(desc, 0)
         if len(desc) != CMA_HEAD.size + nseg * CMA_SEG.size:
             raise RemoteProtocolError("malformed cross-memory descriptor")
@@ -981,7 +1001,10 @@ class Endpoint:
         with self._lock:
             if self._acks is None:
                 self._acks = queue.SimpleQueue()
-                threading.Thread(target=self._ack_loop, args=(self._acks,), name=f"tdist-ack-{self.name}-{self.rank}", daemon=True).start()
+                self._ack_thread = threading.Thread(
+                    target=self._ack_loop, args=(self._acks,), name=f"tdist-ack-{self.name}-{self.rank}", daemon=True
+                )
+                self._ack_thread.start()
             return self._acks
 
     def _ack_loop(self, acks: queue.SimpleQueue[tuple[_Peer, bytes] | None]) -> None:

@@ -289,10 +289,11 @@ class Messenger:
         self._ep.register(self._unix.fileno(), select.EPOLLIN)
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._hb_stop = threading.Event()
+        self._ctrl_thread = threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True)
         self._threads = [
             threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-0", daemon=True),
             threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-1", daemon=True),
-            threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True),
+            self._ctrl_thread,
             threading.Thread(target=self._heartbeats, name=f"tdist-rpc-hb-{my_id}", daemon=True),
         ]
         for t in self._threads:
@@ -933,6 +934,11 @@ class Messenger:
             if self._closing:
                 return
             conns = list(self._conns.values())
+        if self._ctrl_thread is not threading.current_thread():
+            # acks of copies already made go out before the goodbye (a sender waits for them)
+            flushed = threading.Event()
+            self._ctrl.put(flushed.set)
+            flushed.wait(min(timeout, 2.0))
         for c in conns:
             self._send_ctrl(c, Kind.GOODBYE, 0)
         with self._lock:
