@@ -107,6 +107,32 @@ def test_random_bytes_never_crash_the_decoder() -> None:
             pass
 
 
+def test_parse_whole_agrees_with_next_frame() -> None:
+    # parse_whole has its own fast paths for one and two fields: on any single-frame input it
+    # must return what the general decoder returns, or decline (None), or raise the same way
+    rng = random.Random(99)
+    for _ in range(3000):
+        fields = [rng.randbytes(rng.randint(0, 12)) for _ in range(rng.randint(0, 3))]
+        data = bytearray(encode_frame(rng.choice([Op.ADD, Op.GET, Status.OK]), fields))
+        if rng.random() < 0.5:  # corrupt a byte of the header or a field length
+            data[rng.randrange(min(len(data), 17))] = rng.randrange(256)
+        raw = bytes(data)
+        dec = FrameDecoder(max_frame=1 << 16)
+        dec.feed(raw)
+        try:
+            expected = dec.next_frame()
+            rest = dec.buffered
+        except RemoteProtocolError:
+            expected, rest = RemoteProtocolError, 0
+        try:
+            got = FrameDecoder(max_frame=1 << 16).parse_whole(raw)
+        except RemoteProtocolError:
+            assert expected is RemoteProtocolError, raw
+            continue
+        if got is not None:
+            assert got == expected and rest == 0, raw
+
+
 def test_ints() -> None:
     for v in (0, 1, -1, 2**63 - 1, -(2**63)):
         assert decode_int(encode_int(v)) == v

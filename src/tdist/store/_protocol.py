@@ -188,12 +188,23 @@ class FrameDecoder:
 
         A ``None`` leaves the decoder unchanged: feed the data and use ``next_frame``.
         """
-        if self._pos != len(self._buf) or len(data) < HEADER.size:
+        n = len(data)
+        if self._pos != len(self._buf) or n < HEADER.size:
             return None
+        if n >= _LEN1.size:  # the common shapes (one or two fields) without the general loop
+            body_len, code, count, n0 = _LEN1.unpack_from(data, 0)
+            if body_len + 4 != n or body_len > self.max_frame:
+                return None
+            if count == 1 and n0 + _LEN1.size == n:
+                return Frame(code, [data[_LEN1.size :]])
+            end0 = _LEN1.size + n0
+            if count == 2 and end0 + 4 <= n and _LEN2.unpack_from(data, end0)[0] + end0 + 4 == n:
+                return Frame(code, [data[_LEN1.size : end0], data[end0 + 4 :]])
+            return parse_body(code, count, data, HEADER.size, n)
         body_len, code, count = HEADER.unpack_from(data, 0)
-        if body_len + 4 != len(data) or body_len > self.max_frame:
+        if body_len + 4 != n or body_len > self.max_frame:
             return None
-        return parse_body(code, count, data, HEADER.size, len(data))
+        return parse_body(code, count, data, HEADER.size, n)
 
     def pending_length(self) -> int | None:
         """The announced body length of the frame being received, if its header is in."""

@@ -27,6 +27,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -62,6 +63,7 @@ _OPEN_WARNED = False
 _SET_QUIET = int(Op.SET_QUIET)
 _CHECK_TRUE = encode_frame(Status.OK, (b"\x01",))
 _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
+_OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
 
 
 def unix_address(port: int) -> str:
@@ -489,9 +491,18 @@ class StoreServer:
             except RemoteProtocolError:
                 frame = None  # the slow path below reports it
             if frame is not None:  # the common case: exactly one request arrived
-                self._dispatch(conn, frame)
-                if conn.blocked is None and not conn.closed:
-                    self._flush(conn)
+                self._dispatch_authed(conn, frame)
+                out = conn.out
+                if out and conn.blocked is None and not conn.closed:
+                    try:
+                        sent = conn.sock.send(out)
+                    except OSError:
+                        sent = 0  # the general flush below reports it (or waits for room)
+                    if sent == len(out):
+                        out.clear()
+                    else:
+                        del out[:sent]
+                        self._flush(conn)
                 return
         conn.decoder.feed(data)
         if conn.blocked is not None and conn.decoder.buffered > _MAX_BACKLOG_FRAMES * self.max_frame:
@@ -548,12 +559,15 @@ class StoreServer:
 
     # -- requests ------------------------------------------------------------------------------
     def _dispatch(self, conn: _Conn, frame: Frame) -> None:
-        code, fields = frame
         if not conn.authed:
             self._authenticate(conn, frame)
             return
+        self._dispatch_authed(conn, frame)
+
+    def _dispatch_authed(self, conn: _Conn, frame: Frame) -> None:
+        code, fields = frame
         handler = self._handlers.get(code)
-        if code == _SET_QUIET:
+        if handler is None and code == _SET_QUIET:
             try:
                 self._op_set_quiet(fields)
             except (RemoteProtocolError, ValueError) as exc:
@@ -635,9 +649,15 @@ class StoreServer:
     def _op_add(self, conn: _Conn, f: list[bytes]) -> None:
         if len(f) != 2:
             self._nargs(f, 2, "ADD")
-        key = _decode_key(f[0])
+        try:
+            key = f[0].decode()
+        except UnicodeDecodeError:
+            key = _decode_key(f[0])  # raises the clear error
         value = self._state.add(key, decode_int(f[1]))
-        conn.out += encode_frame(Status.OK, (encode_int(value),))
+        try:
+            conn.out += _OK_INT.pack(_OK_INT.size - 4, Status.OK, 1, 8, value)
+        except struct.error:
+            conn.out += encode_frame(Status.OK, (encode_int(value),))  # raises the clear error
         if self._parked:
             self._changed(key)
 
@@ -660,7 +680,10 @@ class StoreServer:
 
     def _op_check(self, conn: _Conn, f: list[bytes]) -> None:
         present = self._state.present
-        ok = all(present(_decode_key(k)) for k in f)
+        if len(f) == 1:
+            ok = present(_decode_key(f[0]))
+        else:
+            ok = all(present(_decode_key(k)) for k in f)
         conn.out += _CHECK_TRUE if ok else _CHECK_FALSE
 
     def _op_delete(self, conn: _Conn, f: list[bytes]) -> None:

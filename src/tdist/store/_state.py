@@ -52,9 +52,16 @@ class KVState:
         self.data[key] = value
 
     def add(self, key: str, amount: int) -> int:
-        raw = self.data.get(key)
-        value = amount if raw is None else parse_counter(key, raw) + amount
-        self.data[key] = str(value).encode()
+        data = self.data
+        raw = data.get(key)
+        if raw is None:
+            value = amount
+        else:
+            try:
+                value = int(raw) + amount  # int() of bytes: ASCII digits, as parse_counter takes
+            except ValueError:
+                value = parse_counter(key, raw) + amount  # raises the clear error
+        data[key] = b"%d" % value
         return value
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> tuple[bytes, bool]:

@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ _GRACE = 5.0
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
 # the pid, refreshed in a forked child (os.getpid() is a system call on every use)
+_ADD_HEAD = struct.Struct("<IBII")  # an ADD frame's header and key length
+_INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
 _current_pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _current_pid.__setitem__(0, os.getpid()))
 
@@ -337,13 +340,23 @@ class TCPStore(Store):
     # -- requests ------------------------------------------------------------------------------
     def _call(self, op: Op, fields: Sequence[bytes], wait: float | None = None) -> list[bytes]:
         """One request/reply. ``wait`` is the server-side timeout of a blocking request."""
-        frame_bytes = encode_frame(op, fields)
+        return self._call_frame(op, encode_frame(op, fields), wait)
+
+    def _call_frame(self, op: Op, frame_bytes: bytes, wait: float | None = None) -> list[bytes]:
+        """``_call`` of a request already encoded."""
         io_timeout = self._timeout.total_seconds() if wait is None else wait + _GRACE
         deferred: DistError | None = None
         with self._lock:
-            sock = self._ready_socket()
+            sock = self._sock
+            if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
+                sock = self._ready_socket()
             try:
-                self._send(sock, frame_bytes, io_timeout)
+                try:
+                    sent = sock.send(frame_bytes)
+                except BlockingIOError:
+                    sent = 0
+                if sent != len(frame_bytes):
+                    self._send(sock, frame_bytes[sent:], io_timeout)
                 while True:
                     frame = self._read_reply(sock, io_timeout)
                     if frame.code != Status.ASYNC_ERROR:
@@ -454,11 +467,13 @@ class TCPStore(Store):
     def _read_reply(self, sock: socket.socket, io_timeout: float) -> Frame:
         """The next frame: spin briefly (replies usually come within microseconds), then sleep."""
         decoder = self._decoder
-        frame = decoder.next_frame()
-        if frame is not None:
-            return frame
+        buffered = decoder.buffered
+        if buffered:
+            frame = decoder.next_frame()
+            if frame is not None:
+                return frame
         spin = self._spin if self._spin_misses < _SPIN_MISS_LIMIT else 0.0
-        if spin and not decoder.buffered:
+        if spin and not buffered:
             # the common case, kept tight: nothing buffered, the reply due in microseconds
             recv, perf, yield_ = sock.recv, time.perf_counter, os.sched_yield
             until = perf() + spin
@@ -579,9 +594,14 @@ class TCPStore(Store):
         return self._call(Op.GET, (check_key(key).encode(), ms), seconds)[0]
 
     def add(self, key: str, amount: int) -> int:
-        if isinstance(amount, bool) or not isinstance(amount, int):
+        if type(amount) is not int and (isinstance(amount, bool) or not isinstance(amount, int)):
             raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
-        return decode_int(self._call(Op.ADD, (check_key(key).encode(), encode_int(amount)))[0])
+        k = check_key(key).encode()
+        try:  # encode_frame(Op.ADD, (k, encode_int(amount))) in one step
+            frame = _ADD_HEAD.pack(21 + len(k), Op.ADD, 2, len(k)) + k + _INT_FIELD.pack(8, amount)
+        except struct.error:
+            frame = encode_frame(Op.ADD, (k, encode_int(amount)))  # raises the clear error
+        return decode_int(self._call_frame(Op.ADD, frame)[0])
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         fields = (check_key(key).encode(), as_bytes(expected_value), as_bytes(desired_value))
