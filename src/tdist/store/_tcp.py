@@ -161,6 +161,7 @@ class TCPStore(Store):
         self._world_size = world_size
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._spin_poll = select.poll()  # readiness of _sock, for spinning
         self._decoder = FrameDecoder()
         self._transport = "tcp"
         self._pid = os.getpid()
@@ -255,6 +256,8 @@ class TCPStore(Store):
                     self._handshake(sock, deadline)
                 sock.setblocking(False)
                 self._sock = sock
+                self._spin_poll = select.poll()
+                self._spin_poll.register(sock, select.POLLIN)
                 self._decoder = FrameDecoder()
                 self._quiet_sent = False
                 self._pid = os.getpid()
@@ -475,16 +478,19 @@ class TCPStore(Store):
         spin = self._spin if self._spin_misses < _SPIN_MISS_LIMIT else 0.0
         if spin and not buffered:
             # the common case, kept tight: nothing buffered, the reply due in microseconds
-            recv, perf, yield_ = sock.recv, time.perf_counter, os.sched_yield
+            # (poll(0) where a failed recv would raise: an exception costs more than the call)
+            ready, recv, perf, yield_ = self._spin_poll.poll, sock.recv, time.perf_counter, os.sched_yield
             until = perf() + spin
             while True:
-                try:
-                    data = recv(65536)
-                except BlockingIOError:
+                if not ready(0):
                     if perf() < until:
                         yield_()  # a server sharing this core gets it at once
                         continue
                     break
+                try:
+                    data = recv(65536)
+                except BlockingIOError:
+                    continue
                 if not data:
                     raise ConnectionResetError("connection closed by the server")
                 self._spin_misses = 0
