@@ -60,3 +60,40 @@ def test_payloads_travel_out_of_band_without_copies() -> None:
 def test_malformed_input_is_an_error(bad: bytes) -> None:
     with pytest.raises(RemoteProtocolError):
         loads(bytearray(bad))
+
+
+class _Big:
+    pass
+
+
+class _Nested:
+    """Serializes something else while it is being pickled (as an RRef fork may)."""
+
+    def __reduce__(self) -> tuple[object, tuple[bytes]]:
+        return (bytes, (bytes(b"".join(bytes(p) for p in dumps({"inner": [1, 2]}))),))
+
+
+class _Unpicklable:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("no pickling")
+
+
+def test_reused_pickler_keeps_nothing_alive_and_survives_errors() -> None:
+    import gc
+    import weakref
+
+    obj = _Big()
+    ref = weakref.ref(obj)
+    small, large = dumps([obj]), dumps([obj, b"x" * (1 << 17)])
+    del obj
+    gc.collect()
+    assert ref() is None  # the per-thread pickler's memo does not hold the message's objects
+    assert loads(join(small))[0].__class__ is _Big
+    assert loads(join(large))[1] == b"x" * (1 << 17)
+    assert not large[1].readonly  # a large pickle is its own writable memory
+    inner = loads(join(dumps(_Nested())))
+    assert loads(bytearray(inner)) == {"inner": [1, 2]}
+    with pytest.raises(RuntimeError, match="no pickling"):
+        dumps([torch.ones(3), _Unpicklable()])
+    out = loads(join(dumps({"after": torch.arange(3)})))  # nothing left over from the failure
+    assert list(out) == ["after"] and torch.equal(out["after"], torch.arange(3))

@@ -170,6 +170,7 @@ class _Conn:
         "same_host",
         "send_lock",
         "sock",
+        "spin_poll",
     )  # fmt: skip
 
     def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool) -> None:
@@ -189,6 +190,8 @@ class _Conn:
         self.last_tx = now
         self.rx = bytearray(_RX_SIZE)
         self.rxview = memoryview(self.rx)
+        self.spin_poll = select.poll()  # readiness, for a reader that spins (read_until)
+        self.spin_poll.register(self.fd, select.POLLIN)
         self.rx_start = 0
         self.rx_end = 0
         self.dest: memoryview | None = None  # a large payload being read in place
@@ -562,6 +565,10 @@ class Messenger:
                         break
                     now = time.monotonic()
                     if now < spin_until:
+                        # poll(0) until readable: a failed recv raises, which costs more
+                        ready, clock = c.spin_poll.poll, time.monotonic
+                        while not ready(0) and clock() < spin_until and not done():
+                            pass
                         continue
                     if deadline is not None and now >= deadline:
                         break

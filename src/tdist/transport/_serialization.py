@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import threading
 from typing import Any, cast
 
 import torch
@@ -28,6 +29,7 @@ __all__ = ["dumps", "loads", "loads_parts"]
 _MAGIC = b"TDS1"
 _HEAD = struct.Struct("<4sIQ")
 _LEN = struct.Struct("<Q")
+_COPY_MAX = 1 << 16  # pickles up to this size are copied out of a reused stream
 
 
 def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
@@ -64,15 +66,56 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
 _DISPATCH = {torch.Tensor: _reduce_tensor}
 
 
+class _Pickling(threading.local):
+    """A pickler per thread, kept: making one costs more than pickling a small call."""
+
+    def __init__(self) -> None:
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.busy = False
+        self.renew()
+
+    def renew(self) -> None:
+        self.stream = io.BytesIO()
+        self.pickler = pickle.Pickler(self.stream, protocol=5, buffer_callback=self.buffers.append)
+        self.pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+
+
+_pickling = _Pickling()
+
+
 def dumps(obj: Any) -> list[memoryview]:
     """``obj`` as buffers to send back to back: a header, the pickle, the out-of-band payloads."""
-    buffers: list[pickle.PickleBuffer] = []
-    stream = io.BytesIO()
-    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
-    pickler.dump(obj)
+    tl = _pickling
+    if tl.busy:  # a reducer that serializes something itself: a pickler of its own
+        buffers: list[pickle.PickleBuffer] = []
+        stream = io.BytesIO()
+        pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
+        pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+        pickler.dump(obj)
+        body = memoryview(stream.getbuffer())
+    else:
+        tl.busy = True
+        stream, buffers, pickler = tl.stream, tl.buffers, tl.pickler
+        try:
+            pickler.dump(obj)
+            if stream.tell() <= _COPY_MAX:
+                body = memoryview(stream.getvalue())  # a copy: the stream is reused
+                stream.seek(0)
+                stream.truncate()
+                pickler.clear_memo()  # the memo would keep the message's objects alive
+            else:  # a large pickle: its own writable memory (cross-memory copies need that)
+                body = memoryview(stream.getbuffer())
+                tl.renew()
+        except BaseException:
+            buffers.clear()
+            tl.renew()
+            raise
+        finally:
+            tl.busy = False
+    if not buffers:
+        return [memoryview(_HEAD.pack(_MAGIC, 0, body.nbytes)), body]
     views = [b.raw() for b in buffers]
-    body = stream.getbuffer()
+    buffers.clear()
     head = _HEAD.pack(_MAGIC, len(views), body.nbytes) + b"".join(_LEN.pack(v.nbytes) for v in views)
     return [memoryview(head), body, *views]
 
@@ -84,6 +127,10 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         RemoteProtocolError: ``data`` is not a whole ``dumps`` message.
     """
     view = memoryview(data).cast("B")
+    if view.nbytes >= _HEAD.size:
+        magic, nbuf, plen = _HEAD.unpack_from(view, 0)
+        if nbuf == 0 and magic == _MAGIC and _HEAD.size + plen == view.nbytes:  # no buffers
+            return pickle.loads(view[_HEAD.size :])
     pos, plen, lengths = _header(view)
     if pos + plen + sum(lengths) != view.nbytes:
         raise RemoteProtocolError("serialized object sizes do not add up")
