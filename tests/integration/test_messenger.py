@@ -171,3 +171,32 @@ def test_a_connection_from_another_job_is_refused() -> None:
     finally:
         other.m.close()
         a.m.close()
+
+
+def test_an_authenticated_peer_that_breaks_the_framing_is_dropped_and_the_rest_go_on() -> None:
+    from tdist.transport._protocol import FRAME_HEADER
+
+    book: dict[int, Any] = {}
+    a = Node(0, book)
+    try:
+        addr = a.m.address
+        for bad in (FRAME_HEADER.pack(99, 0, 1, 0), FRAME_HEADER.pack(1, 0, 1, 1 << 41)):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect("\0" + addr["unix"])
+            _handshake.connect(s, 7, TOKEN, b"s3cret", "node0")
+            s.sendall(bad)  # an unknown frame kind, then an absurd payload length
+            with pytest.raises((ConnectionResetError, TimeoutError, OSError)):
+                while s.recv(4096):
+                    pass
+                raise ConnectionResetError("closed")
+            s.close()
+        assert a.inbox.empty()
+        b = Node(1, book)
+        try:
+            b.send(0, 3, "still serving")
+            assert a.get()[3] == "still serving"
+        finally:
+            b.m.close()
+    finally:
+        a.m.close()

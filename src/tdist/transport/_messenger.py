@@ -62,6 +62,8 @@ __all__ = ["Messenger", "Payload", "PeerAddress"]
 log = logging.getLogger(__name__)
 
 _MAX_PAYLOAD = 1 << 40
+_DATA = int(Kind.DATA)
+_KINDS = frozenset(int(k) for k in Kind)
 _RX_SIZE = 256 << 10
 _IOV_MAX = 512
 _POPULATE_MIN = 1 << 20
@@ -759,30 +761,38 @@ class Messenger:
     def _parse(self, c: _Conn) -> bool:
         view = c.rxview
         hs = FRAME_HEADER.size
+        unpack = FRAME_HEADER.unpack_from
         while c.rx_end - c.rx_start >= hs:
-            try:
-                kind, meta_len, tag, nbytes = unpack_header(view[c.rx_start : c.rx_start + hs], _MAX_PAYLOAD)
-            except RemoteProtocolError as exc:
+            start = c.rx_start
+            kind, meta_len, tag, nbytes = unpack(view, start)
+            if kind not in _KINDS or nbytes > _MAX_PAYLOAD:
+                try:
+                    unpack_header(view[start : start + hs], _MAX_PAYLOAD)  # says what is wrong
+                    exc = RemoteProtocolError(f"bad frame header (kind {kind})")
+                except RemoteProtocolError as e:
+                    exc = e
                 log.warning("%s: %s broke the protocol: %s", self.label, self.describe(c.peer), exc)
                 self._lose(c, exc)
                 return False
-            avail = c.rx_end - c.rx_start
+            avail = c.rx_end - start
+            body = start + hs + meta_len
+            if avail >= hs + meta_len + nbytes:
+                meta = bytes(view[start + hs : body])
+                payload = view[body : body + nbytes]
+                c.rx_start = body + nbytes
+                if kind == _DATA:
+                    # owned (tensors will view it), and straight to its reader
+                    self._deliver(c.peer, tag, meta, memoryview(bytearray(payload)))
+                else:
+                    self._frame(c, kind, tag, meta, payload)
+                if c.closed:
+                    return False
+                continue
             if avail < hs + meta_len:
                 if hs + meta_len > _RX_SIZE:
                     self._lose(c, RemoteProtocolError("frame metadata too large"))
                     return False
                 return True
-            body = c.rx_start + hs + meta_len
-            if avail >= hs + meta_len + nbytes:
-                meta = bytes(view[c.rx_start + hs : body])
-                payload = view[body : body + nbytes]
-                if kind == Kind.DATA:
-                    payload = memoryview(bytearray(payload))  # owned: tensors will view it
-                c.rx_start = body + nbytes
-                self._frame(c, kind, tag, meta, payload)
-                if c.closed:
-                    return False
-                continue
             if hs + meta_len + nbytes <= _RX_SIZE:
                 return True  # the rest comes with the next read
             # a large payload: read it in place
