@@ -372,6 +372,8 @@ class StoreServer:
         clock = self._clock
         fdmap = self._fdmap
         readable = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+        writable = select.EPOLLOUT
+        on_readable = self._on_readable
         last_active = 0.0
         next_ppid_check = clock() + 1.0
         try:
@@ -389,11 +391,11 @@ class StoreServer:
                     last_active = clock()
                 for fd, mask in events:
                     data = fdmap.get(fd)
-                    if isinstance(data, _Conn):
+                    if type(data) is _Conn:
                         try:
                             if mask & readable:
-                                self._on_readable(data)
-                            if mask & select.EPOLLOUT and not data.closed:
+                                on_readable(data)
+                            if mask & writable and not data.closed:
                                 self._flush(data)
                         except Exception as exc:  # a bug must cost one connection, not the store
                             log.exception("store server on port %d: error serving %s", self.port, data.addr)
