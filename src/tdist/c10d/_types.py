@@ -198,7 +198,7 @@ class Work:
         self._event: threading.Event | None = None
         self._exc: BaseException | None = None
         self._result: list[Any] = result if result is not None else []
-        self._source_rank = -1
+        self._src_rank = -1
         self._future: Any = None
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[Work], None]] = []
@@ -262,13 +262,27 @@ class Work:
         return self._result
 
     def source_rank(self) -> int:
-        """For a receive from any source: the rank the message came from."""
-        if self._source_rank < 0:
-            raise DistError("source_rank() is only available for a completed recv from any source")
-        return self._source_rank
+        """For a receive: the group rank the message came from.
+
+        Raises:
+            DistError: (a ``RuntimeError``) the operation is not a completed receive.
+        """
+        if self._src_rank < 0:
+            raise DistError(
+                f"source_rank() is only available for a completed recv or recv from any source, "
+                f"not for {self._op or 'this operation'}"
+            )
+        return self._src_rank
+
+    def _source_rank(self) -> int:
+        """torch's spelling of ``source_rank()`` (what ``torch.distributed.recv`` itself calls)."""
+        return self.source_rank()
 
     def _source_rank_value(self) -> int:
-        return self._source_rank
+        return self._src_rank
+
+    def block_current_stream(self) -> None:
+        """Nothing to do for CPU tensors (no stream to block): returns at once, as torch's does."""
 
     def synchronize(self) -> None:
         """CPU tensors need no stream synchronization: a no-op once done."""
@@ -315,7 +329,7 @@ class Work:
             if result is not None:
                 self._result = result
             if source_rank >= 0:
-                self._source_rank = source_rank
+                self._src_rank = source_rank
             self._duration = time.monotonic() - self._started
             self._is_done = True
             if self._event is not None:

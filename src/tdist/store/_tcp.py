@@ -57,6 +57,7 @@ _WILDCARD = ("", "0.0.0.0", "::", "*")
 # the pid, refreshed in a forked child (os.getpid() is a system call on every use)
 _ADD_HEAD = struct.Struct("<IBII")  # an ADD frame's header and key length
 _INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
+_INT = struct.Struct("<q")
 _current_pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _current_pid.__setitem__(0, os.getpid()))
 
@@ -162,6 +163,7 @@ class TCPStore(Store):
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._spin_poll = select.poll()  # readiness of _sock, for spinning
+        self._add_prefix: tuple[str, bytes] = ("", b"")  # the last add's key and frame start
         self._decoder = FrameDecoder()
         self._transport = "tcp"
         self._pid = os.getpid()
@@ -602,12 +604,20 @@ class TCPStore(Store):
     def add(self, key: str, amount: int) -> int:
         if type(amount) is not int and (isinstance(amount, bool) or not isinstance(amount, int)):
             raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
-        k = check_key(key).encode()
+        last_key, prefix = self._add_prefix
+        if key != last_key or type(key) is not str:  # (a counter is usually added to again)
+            k = check_key(key).encode()
+            prefix = _ADD_HEAD.pack(21 + len(k), Op.ADD, 2, len(k)) + k
+            self._add_prefix = (key, prefix)
         try:  # encode_frame(Op.ADD, (k, encode_int(amount))) in one step
-            frame = _ADD_HEAD.pack(21 + len(k), Op.ADD, 2, len(k)) + k + _INT_FIELD.pack(8, amount)
+            frame = prefix + _INT_FIELD.pack(8, amount)
         except struct.error:
-            frame = encode_frame(Op.ADD, (k, encode_int(amount)))  # raises the clear error
-        return decode_int(self._call_frame(Op.ADD, frame)[0])
+            frame = encode_frame(Op.ADD, (key.encode(), encode_int(amount)))  # raises the clear error
+        reply = self._call_frame(Op.ADD, frame)[0]
+        if len(reply) == 8:
+            value: int = _INT.unpack(reply)[0]
+            return value
+        return decode_int(reply)  # raises the clear error
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         fields = (check_key(key).encode(), as_bytes(expected_value), as_bytes(desired_value))
