@@ -19,6 +19,7 @@ from tdist._core.errors import (
     AuthenticationError,
     DistNetworkError,
     DistStoreError,
+    LocalProtocolError,
     QueueEmptyError,
     StoreTimeoutError,
     StoreValueError,
@@ -160,6 +161,24 @@ def test_add_on_non_number_raises_and_connection_survives(master: dist.TCPStore)
         master.add("text", 1)
     assert master.add("num", 2) == 2
     assert master.get("text") == b"abc"
+
+
+def test_add_switching_keys_empty_key_and_limits(master: dist.TCPStore) -> None:
+    # the client keeps the last key's encoded frame: every switch, the empty key, a padded
+    # decimal set by hand and the 64-bit limits must still be exact
+    assert master.add("", 1) == 1
+    assert master.add("", 2) == 3
+    assert master.add("a", -5) == -5
+    assert master.add("", 0) == 3
+    master.set("padded", " 41 ")
+    assert master.add("padded", 1) == 42
+    assert master.get("padded") == b"42"
+    assert master.add("big", (1 << 63) - 1) == (1 << 63) - 1
+    with pytest.raises(LocalProtocolError, match="64 bits"):
+        master.add("a", 1 << 64)
+    with pytest.raises(TypeError):
+        master.add("a", True)
+    assert master.add("a", 0) == -5
 
 
 def test_queue(master: dist.TCPStore) -> None:

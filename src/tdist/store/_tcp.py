@@ -163,7 +163,7 @@ class TCPStore(Store):
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._spin_poll = select.poll()  # readiness of _sock, for spinning
-        self._add_prefix: tuple[str, bytes] = ("", b"")  # the last add's key and frame start
+        self._add_prefix: tuple[str | None, bytes] = (None, b"")  # the last add's key and frame start
         self._decoder = FrameDecoder()
         self._transport = "tcp"
         self._pid = os.getpid()
