@@ -181,6 +181,22 @@ def test_add_switching_keys_empty_key_and_limits(master: dist.TCPStore) -> None:
     assert master.add("a", 0) == -5
 
 
+def test_a_master_can_stop_accepting_and_serves_its_clients_on(master: dist.TCPStore) -> None:
+    other = client_of(master)
+    assert master._stop_accepting()
+    master.set("still", "served")  # a round trip: the server has read the request to stop
+    deadline = time.monotonic() + 5
+    while True:  # the server takes the request between two polls
+        try:
+            late = dist.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=0.3))
+        except DistNetworkError:
+            break
+        late.close()
+        assert time.monotonic() < deadline, "new connections are still accepted"
+    assert other.get("still") == b"served" and other.add("n", 2) == 2
+    other.close()
+
+
 def test_queue(master: dist.TCPStore) -> None:
     with pytest.raises(QueueEmptyError):
         master.queue_pop("q", block=False)

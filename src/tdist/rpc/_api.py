@@ -254,6 +254,16 @@ def _forget_store(agent: RpcAgent) -> None:
             break
 
 
+def _stop_accepting(agent: RpcAgent) -> None:
+    for s in _stores:
+        if s is agent.store or getattr(s, "underlying_store", None) is agent.store:
+            for store in (s, getattr(s, "underlying_store", None)):
+                stop = getattr(store, "_stop_accepting", None)
+                if stop is not None:
+                    stop()
+            return
+
+
 def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
     from ._rref import release_all, settle
 
@@ -266,6 +276,10 @@ def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
     settle(agent, deadline)
     agent.wait_outstanding(deadline)
     if agent.world_size is not None and barrier is not None:
+        if agent.rank == 0:
+            # the store's host: nobody connects anew from here on but a worker's next init_rpc
+            # on this address, which must wait for the next store (not talk to this one)
+            _stop_accepting(agent)
         barrier("shutdown-2", max(0.1, deadline - time.monotonic()))
         agent.release_store_host(max(0.1, deadline - time.monotonic()))
         _forget_store(agent)

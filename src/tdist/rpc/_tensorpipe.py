@@ -226,7 +226,7 @@ class TensorPipeAgent(RpcAgent):
         # poller wakes up (and competes for the GIL) for it
         self._tls.claim_for = dst
         try:
-            fut = self.request(dst, kind, body, timeout, what)
+            fut = self.request(dst, kind, body, timeout, what, sync=True)
         except BaseException:
             self.messenger.release(getattr(self._tls, "claimed", None))
             raise

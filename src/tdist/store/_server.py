@@ -321,6 +321,23 @@ class StoreServer:
             for sock in self._listeners:
                 sock.close()
 
+    def stop_listening(self) -> None:
+        """Accept no new connection from now on (clients connected already are served on, and
+        a new one is refused rather than served by a store about to stop)."""
+        if self._control_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._control_w, b"L")
+
+    def _unlisten(self) -> None:
+        assert self._ep is not None
+        for sock in self._listeners:
+            fd = sock.fileno()
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.unregister(fd)
+            self._fdmap.pop(fd, None)
+            sock.close()
+        self._listeners = []
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving and release the port; waits up to ``timeout`` seconds."""
         if self._control_w is not None:
@@ -402,7 +419,14 @@ class StoreServer:
                             self._close(data, f"internal error: {exc!r}")
                     elif data is None:
                         if fd in fdmap:
-                            self._stop_requested = True
+                            try:
+                                command = os.read(fd, 64)
+                            except (BlockingIOError, InterruptedError):
+                                command = b"L"  # (nothing to read after all: not the end)
+                            if not command:  # EOF: stop
+                                self._stop_requested = True
+                            elif self._listeners:
+                                self._unlisten()
                     elif isinstance(data, socket.socket):
                         self._accept(data)
                 if self._timers:

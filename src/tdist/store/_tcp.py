@@ -691,6 +691,19 @@ class TCPStore(Store):
         return self._transport
 
     # -- lifetime ------------------------------------------------------------------------------
+    def _stop_accepting(self) -> bool:
+        """Have the server this master hosts refuse new connections (its clients are served on);
+        False when there is nothing to stop: not a master, or a server other stores share."""
+        if self._server is None:
+            return False
+        with _tenants_lock:
+            if self._tenant_key is not None:
+                entry = _tenants.get(self._tenant_key)
+                if entry is not None and entry[1] > 1:
+                    return False
+        self._server.stop_listening()
+        return True
+
     def close(self) -> None:
         """Close the connection; a master also stops its server (when no tenant shares it)."""
         if self._closed:

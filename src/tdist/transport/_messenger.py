@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _MAX_PAYLOAD = 1 << 40
 _DATA = int(Kind.DATA)
+_ARMED = select.EPOLLIN | select.EPOLLONESHOT
 _KINDS = frozenset(int(k) for k in Kind)
 _RX_SIZE = 256 << 10
 _IOV_MAX = 512
@@ -530,8 +531,10 @@ class Messenger:
             if c.closed:
                 c.rlock.release()
                 return None
-            with contextlib.suppress(OSError, ValueError):
+            try:  # (not contextlib.suppress: this runs on every call)
                 self._ep.modify(c.fd, select.EPOLLONESHOT)  # disarmed: pollers leave it to us
+            except (OSError, ValueError):
+                pass
         return c
 
     def release(self, token: Any) -> None:
@@ -648,8 +651,10 @@ class Messenger:
         # lock skipped the connection (leaving it disarmed); arming it now raises the event
         # again for whoever is free.
         if not c.closed:
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.modify(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            try:
+                self._ep.modify(c.fd, _ARMED)
+            except (OSError, ValueError):
+                pass
 
     def _poll_loop(self) -> None:
         listeners = {self._tcp.fileno(): self._tcp, self._unix.fileno(): self._unix}
