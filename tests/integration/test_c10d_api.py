@@ -567,6 +567,59 @@ def test_argument_errors_are_raised_before_any_communication() -> None:
             assert "must NOT be specified on non-source ranks" in msgs[8]
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_argument_errors_are_runtime_and_value_errors_as_in_torch() -> None:
+    """gloo raises RuntimeError for these, torch's Python checks ValueError: ours is both."""
+
+    def body(rank: int, ws: int) -> list[str]:
+        calls: list[Callable[[], Any]] = [
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG),
+            lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.PREMUL_SUM),
+            lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+            lambda: dist.all_gather_into_tensor(torch.zeros(4, dtype=torch.int64), torch.ones(2)),
+            lambda: dist.reduce_scatter_tensor(torch.zeros(2, dtype=torch.int32), torch.ones(4), op=dist.ReduceOp.AVG),
+        ]
+        out = []
+        for call in calls:
+            with pytest.raises(RuntimeError) as info:
+                call()
+            assert isinstance(info.value, ValueError)
+            out.append(str(info.value))
+        t = torch.full((2,), 1.0 + rank)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)  # the group is still healthy
+        assert t.tolist() == [1.5, 1.5]
+        return out
+
+    for msgs in spmd(body, 2):
+        assert "ReduceOp.AVG needs a floating point" in msgs[0]
+        assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in msgs[1]
+        assert "Cannot use ReduceOp.BAND with non-integral dtype" in msgs[2]
+        assert "Invalid usage of tensors with different dtypes" in msgs[3]
+
+
+def test_work_source_rank_as_torch_spells_it() -> None:
+    """``work._source_rank()`` (what torch's own ``recv`` calls) names the sender of a recv."""
+
+    def body(rank: int, ws: int) -> tuple[int, ...] | None:
+        coll = dist.all_reduce(torch.ones(1), async_op=True)
+        assert coll is not None
+        coll.wait()
+        with pytest.raises(RuntimeError, match="source_rank"):
+            coll._source_rank()
+        assert coll.block_current_stream() is None
+        if rank == 0:
+            dist.send(torch.ones(1), 1)
+            dist.send(torch.ones(1), 1)
+            return None
+        specific = dist.irecv(torch.zeros(1), 0)
+        anyone = dist.irecv(torch.zeros(1))
+        specific.wait()
+        anyone.wait()
+        return specific._source_rank(), anyone._source_rank(), anyone.source_rank()
+
+    assert spmd(body, 2)[1] == (0, 0, 0)
+
+
 # -- monitored barrier -----------------------------------------------------------------------------
 def test_monitored_barrier_names_the_late_rank() -> None:
     def body(rank: int, ws: int) -> str:

@@ -261,6 +261,7 @@ def test_reduce_op_and_its_deprecated_alias() -> None:
         assert dist.reduce_op.SUM == dist.ReduceOp.SUM
     assert C.supports_complex(RedOpType.SUM) and not C.supports_complex(RedOpType.MAX)
     assert dist.supports_complex(dist.ReduceOp.AVG) == tdd.supports_complex(tdd.ReduceOp.AVG)
+    assert dist.supports_complex(reduceOp=dist.ReduceOp.SUM)  # torch's keyword
 
 
 # -- argument checks ---------------------------------------------------------------------------

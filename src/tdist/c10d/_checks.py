@@ -110,7 +110,8 @@ def ensure_same_dtype(*tensors: torch.Tensor | Sequence[torch.Tensor]) -> None:
     """All tensors share one dtype (a complex tensor matches its real element type), as torch.
 
     Raises:
-        ValueError: torch's message, naming the two dtypes.
+        CollectiveArgumentError: torch's message, naming the two dtypes (a ``ValueError``, as
+            torch's Python check raises, and a ``RuntimeError``, as gloo's check raises).
     """
     last: torch.dtype | None = None
     for tensor in itertools.chain.from_iterable(map(_as_iterable, tensors)):
@@ -120,14 +121,14 @@ def ensure_same_dtype(*tensors: torch.Tensor | Sequence[torch.Tensor]) -> None:
         if last is None:
             last = dtype
         elif last != dtype:
-            raise ValueError(
+            raise CollectiveArgumentError(
                 f"Invalid usage of tensors with different dtypesFound {last} and  {tensor.dtype}"
             )
 
 
-def supports_complex(op: RedOpType) -> bool:
-    """Whether ``op`` is meaningful on complex tensors viewed as pairs of reals (torch's rule)."""
-    return op not in (
+def supports_complex(reduceOp: RedOpType) -> bool:  # torch spells the parameter so
+    """Whether ``reduceOp`` is meaningful on complex tensors viewed as pairs of reals (torch's rule)."""
+    return reduceOp not in (
         RedOpType.MAX,
         RedOpType.MIN,
         RedOpType.PRODUCT,

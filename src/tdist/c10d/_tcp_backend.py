@@ -36,6 +36,7 @@ from ..transport import Endpoint, RecvHandle
 from ..transport._serialization import dumps, loads
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
+from ._checks import CollectiveArgumentError
 from ._reduce import reduce_into
 from ._types import (
     AllgatherOptions,
@@ -69,16 +70,21 @@ def bytes_view(t: torch.Tensor) -> memoryview:
 
 
 def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
+    # CollectiveArgumentError is both the RuntimeError gloo raises here and a ValueError
     if op == RedOpType.PREMUL_SUM:
-        raise ValueError(f"{what}: ReduceOp.PREMUL_SUM is only supported by NCCL")
+        raise CollectiveArgumentError(f"{what}: Cannot use ReduceOp.PREMUL_SUM with Gloo (only NCCL has it)")
     if op == RedOpType.UNUSED:
-        raise ValueError(f"{what}: invalid ReduceOp.UNUSED")
+        raise CollectiveArgumentError(f"{what}: invalid ReduceOp.UNUSED")
     if op in (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR) and (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{what}: ReduceOp.{op.name} needs an integer or bool tensor, got {dtype}")
+        raise CollectiveArgumentError(
+            f"{what}: Cannot use ReduceOp.{op.name} with non-integral dtype ({dtype})"
+        )
     if op in (RedOpType.MIN, RedOpType.MAX) and dtype.is_complex:
-        raise ValueError(f"{what}: ReduceOp.{op.name} is not defined for complex tensors ({dtype})")
+        raise CollectiveArgumentError(f"{what}: ReduceOp.{op.name} is not defined for complex tensors ({dtype})")
     if op == RedOpType.AVG and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}")
+        raise CollectiveArgumentError(
+            f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}"
+        )
 
 
 # Python processes on a CPU-bound host: reductions cost (torch's add runs at a few GB/s), so
