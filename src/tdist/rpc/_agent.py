@@ -95,6 +95,7 @@ class RpcTimeoutError(DistTimeoutError):
 
 
 _reply_lock = threading.Lock()
+_REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR))
 
 
 class _SyncReply:
@@ -417,7 +418,7 @@ class RpcAgent:
         except DistError as exc:
             log.warning("%s: dropped a message from %s: %s", self.label, self.describe(src), exc)
             return
-        if kind in (MsgKind.REPLY_OK, MsgKind.REPLY_ERR):
+        if kind in _REPLIES:
             with self._lock:
                 call = self._pending.pop(tag, None)
             if call is None:
@@ -533,7 +534,7 @@ class RpcAgent:
         finally:
             with self._lock:
                 self._active_requests -= 1
-                if self._active_requests == 0:
+                if self._active_requests == 0 and self._closed:  # only shutdown waits for it
                     self._idle_cv.notify_all()
 
     def _run_call(self, src: int, tag: int, func: Any, args: Any, kwargs: Any) -> None:
