@@ -264,6 +264,15 @@ def test_reduce_op_and_its_deprecated_alias() -> None:
     assert dist.supports_complex(reduceOp=dist.ReduceOp.SUM)  # torch's keyword
 
 
+def test_reduce_op_members_are_instances_of_reduce_op_as_in_torch() -> None:
+    for ours, theirs in [(dist.ReduceOp.SUM, tdd.ReduceOp.SUM), (dist.ReduceOp(dist.ReduceOp.MAX),
+                                                                  tdd.ReduceOp(tdd.ReduceOp.MAX))]:
+        assert isinstance(ours, dist.ReduceOp) == isinstance(theirs, tdd.ReduceOp) is True
+    assert not isinstance(0, dist.ReduceOp) and not isinstance("sum", dist.ReduceOp)
+    assert dist.ReduceOp.MAX == dist.ReduceOp(dist.ReduceOp.MAX) == dist.ReduceOp(dist.ReduceOp.MAX)
+    assert dist.ReduceOp(dist.ReduceOp.MAX) != dist.ReduceOp.MIN
+
+
 # -- argument checks ---------------------------------------------------------------------------
 def test_non_tensor_arguments_raise_torchs_type_error() -> None:
     with pytest.raises(TypeError) as ours:

@@ -59,11 +59,18 @@ class RedOpType(enum.IntEnum):
 _RedOpType = RedOpType
 
 
-class ReduceOp:
+class _ReduceOpMeta(type):
+    # torch's ReduceOp.SUM is a RedOpType, yet isinstance(ReduceOp.SUM, ReduceOp) holds there
+    # (pybind11's implicit conversion); code that validates its ``op`` argument so must pass
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, RedOpType) or super().__instancecheck__(obj)
+
+
+class ReduceOp(metaclass=_ReduceOpMeta):
     """An element-wise reduction for ``all_reduce``, ``reduce`` and ``reduce_scatter``.
 
-    ``ReduceOp.SUM`` and friends are ``RedOpType`` members, as in torch; ``ReduceOp(op)`` wraps
-    one and compares equal to it.
+    ``ReduceOp.SUM`` and friends are ``RedOpType`` members, as in torch (and, as there, instances
+    of ``ReduceOp`` for ``isinstance``); ``ReduceOp(op)`` wraps one and compares equal to it.
     """
 
     RedOpType = RedOpType
@@ -82,10 +89,10 @@ class ReduceOp:
         self.op = as_red_op(op)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, ReduceOp):
-            return self.op == other.op
         if isinstance(other, RedOpType):
             return self.op == other
+        if isinstance(other, ReduceOp):
+            return self.op == other.op
         return NotImplemented
 
     def __hash__(self) -> int:
