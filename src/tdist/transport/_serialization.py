@@ -83,8 +83,14 @@ class _Pickling(threading.local):
 _pickling = _Pickling()
 
 
+_SCALARS = frozenset((type(None), bool, int, float, str, bytes))  # nothing of ours to reduce
+
+
 def dumps(obj: Any) -> list[memoryview]:
     """``obj`` as buffers to send back to back: a header, the pickle, the out-of-band payloads."""
+    if type(obj) in _SCALARS:  # a reply such as None: one call does it
+        plain = memoryview(pickle.dumps(obj, protocol=5))
+        return [memoryview(_HEAD.pack(_MAGIC, 0, plain.nbytes)), plain]
     tl = _pickling
     if tl.busy:  # a reducer that serializes something itself: a pickler of its own
         buffers: list[pickle.PickleBuffer] = []
