@@ -567,6 +567,41 @@ def test_argument_errors_are_raised_before_any_communication() -> None:
             assert "must NOT be specified on non-source ranks" in msgs[8]
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_non_member_handle_answers_for_the_latest_group_left_out_of_as_torch() -> None:
+    """torch files a left-out rank's map under NON_GROUP_MEMBER: code asking every rank
+    ``get_rank() in get_process_group_ranks(g)`` works there, so it must here."""
+
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if rank == 2:
+            with pytest.raises(ValueError, match="never left out of a group"):
+                dist.get_process_group_ranks(dist.GroupMember.NON_GROUP_MEMBER)
+        dist.new_group([0, 2])
+        g = dist.new_group([1, 0])  # sorted, as torch: [0, 1]
+        out["ranks"] = dist.get_process_group_ranks(g)
+        out["member"] = rank in out["ranks"]
+        out["global_of_1"] = dist.get_global_rank(g, 1)
+        out["group_of_0"] = dist.get_group_rank(g, 0)
+        with pytest.raises(ValueError, match="not part of group"):
+            dist.get_group_rank(g, 2)
+        # the ops of a batch on a group this rank is not in are skipped, as torch's
+        ops = [dist.P2POp(dist.isend, torch.ones(1), group=g, group_peer=1 - min(rank, 1))]
+        if rank == 2:
+            assert dist.batch_isend_irecv(ops) == []
+        else:
+            r = torch.zeros(1)
+            works = dist.batch_isend_irecv([*ops, dist.P2POp(dist.irecv, r, 1 - rank, group=g)])
+            for w in works:
+                w.wait()
+        dist.barrier()
+        return out
+
+    res = spmd(body, 3)
+    for rank in range(3):
+        assert res[rank] == {"ranks": [0, 1], "member": rank < 2, "global_of_1": 1, "group_of_0": 0}
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_argument_errors_are_runtime_and_value_errors_as_in_torch() -> None:
     """gloo raises RuntimeError for these, torch's Python checks ValueError: ours is both."""

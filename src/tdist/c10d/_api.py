@@ -651,14 +651,32 @@ def get_pg_count() -> int:
     return 0 if world is None else world.group_count
 
 
+def _non_member_ranks(what: str) -> dict[int, int]:
+    """The rank map torch answers for ``NON_GROUP_MEMBER``: the latest group left out of.
+
+    Raises:
+        ValueError: this rank was never left out of a group.
+    """
+    ranks = _world().non_member_ranks
+    if ranks is None:
+        raise ValueError(
+            f"{what}: this rank holds GroupMember.NON_GROUP_MEMBER but was never left out of a "
+            f"group made by new_group, so it names no group"
+        )
+    return ranks
+
+
 def get_group_rank(group: ProcessGroup | int, global_rank: int) -> int:
     """The rank in ``group`` of global rank ``global_rank`` (identity for the default group).
+
+    As in torch, ``GroupMember.NON_GROUP_MEMBER`` stands for the latest group that ``new_group``
+    left this rank out of.
 
     Raises:
         ValueError: ``global_rank`` is not a member, or ``group`` is not registered.
     """
     if _not_member(group):
-        raise ValueError(f"Global rank {global_rank} is not part of group {group}")
+        return group_rank_of(_non_member_ranks("get_group_rank"), global_rank, group)
     pg = _resolve(group)
     ranks = _rank_map(pg)
     return global_rank if ranks is None else group_rank_of(ranks, global_rank, pg)
@@ -667,30 +685,36 @@ def get_group_rank(group: ProcessGroup | int, global_rank: int) -> int:
 def get_global_rank(group: ProcessGroup | int, group_rank: int) -> int:
     """The global rank of rank ``group_rank`` of ``group`` (identity for the default group).
 
+    As in torch, ``GroupMember.NON_GROUP_MEMBER`` stands for the latest group that ``new_group``
+    left this rank out of.
+
     Raises:
         ValueError: no such rank in ``group``, or ``group`` is not registered.
     """
     if _not_member(group):
-        raise ValueError(f"Group rank {group_rank} is not part of group {group}")
+        return global_rank_of(_non_member_ranks("get_global_rank"), group_rank, group)
     return _to_global(_resolve(group), group_rank)
 
 
 def get_process_group_ranks(group: GroupArg) -> list[int]:
     """The global ranks of ``group``'s members, in group-rank order.
 
+    As in torch, ``GroupMember.NON_GROUP_MEMBER`` stands for the latest group that ``new_group``
+    left this rank out of (so ``get_rank() in get_process_group_ranks(g)`` works on every rank).
+
     Raises:
-        ValueError: not initialized, a non-member handle, or an unregistered group.
+        ValueError: not initialized, an unregistered group, or ``NON_GROUP_MEMBER`` on a rank
+            that was never left out of a group.
     """
     if _not_member(group):
-        raise ValueError(
-            "get_process_group_ranks: this rank holds GroupMember.NON_GROUP_MEMBER, which names "
-            "no group; ask a member"
-        )
-    pg = _resolve(group)
-    info = _world().groups.get(pg)
-    if info is None:
-        raise ValueError(f"Group {pg} is not registered")
-    return sorted(info.ranks, key=lambda g: info.ranks[g])
+        ranks = _non_member_ranks("get_process_group_ranks")
+    else:
+        pg = _resolve(group)
+        info = _world().groups.get(pg)
+        if info is None:
+            raise ValueError(f"Group {pg} is not registered")
+        ranks = info.ranks
+    return sorted(ranks, key=lambda g: ranks[g])
 
 
 def new_group(
@@ -753,6 +777,8 @@ def new_group(
             name = str(world.group_count)
             world.group_count += 1
     if global_rank not in members:
+        with world.lock:
+            world.non_member_ranks = {g: i for i, g in enumerate(members)}
         return NON_GROUP_MEMBER
     pg = _make_group(
         world, dinfo.store, members.index(global_rank), members, backend_name, creator, name,
@@ -980,18 +1006,24 @@ class P2POp:
             )
         self.op = op
         self.tensor = C.as_tensor(tensor, "tensor")
-        self.group: ProcessGroup = _resolve(group)
-        ranks = _rank_map(self.group)
+        # on a non-member, as torch: peers map through the latest group it was left out of,
+        # and batch_isend_irecv skips the op
+        self.group: ProcessGroup | int = NON_GROUP_MEMBER if _not_member(group) else _resolve(group)
+        ranks = (
+            _non_member_ranks("P2POp") if isinstance(self.group, int) else _rank_map(self.group)
+        )
         self.peer = canonical_rank(ranks, peer, group_peer, True, self.group)
         self.tag = tag
         self.group_peer = canonical_rank(ranks, peer, group_peer, False, self.group)
 
     def __repr__(self) -> str:
-        me = self.group.rank()
+        me, pg_name = (-1, str(self.group)) if isinstance(self.group, int) else (
+            self.group.rank(), self.group.group_name
+        )
         name = getattr(self.op, "__name__", "op")
         src, dst = (me, self.group_peer) if "send" in name else (self.group_peer, me)
         return (
-            f"P2POp({name} pg={self.group.group_name}, group_src={src}, group_dst={dst},  "
+            f"P2POp({name} pg={pg_name}, group_src={src}, group_dst={dst},  "
             f"{self.tensor.shape}, {self.tensor.dtype})"
         )
 
@@ -1000,7 +1032,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     """Issue every send and receive of ``p2p_op_list``; their order does not matter.
 
     Returns:
-        One ``Work`` per operation.
+        One ``Work`` per operation (none for ops on a group this rank is not in, as torch).
 
     Raises:
         ValueError: not a non-empty list of ``P2POp``, or ops on different groups.
@@ -1014,6 +1046,9 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
     group = p2p_op_list[0].group
     if not all(group is p.group for p in p2p_op_list):
         raise ValueError("All ops need to use the same group.")
+    if _not_member(group):
+        warn_not_in_group("batch_isend_irecv", _global_rank_or_minus_one())
+        return []
     works: list[Work | None] = [None] * len(p2p_op_list)
     # post every receive before any send, so that no send can wait on a receive not yet posted
     for i, p in enumerate(p2p_op_list):

@@ -707,6 +707,9 @@ class World:
     groups: dict[ProcessGroup, GroupInfo] = field(default_factory=dict)
     group_count: int = 0
     local_sync_names: dict[tuple[int, ...], int] = field(default_factory=dict)
+    # torch files the rank map of a group this rank is left out of under NON_GROUP_MEMBER, so
+    # get_process_group_ranks(NON_GROUP_MEMBER) & co. answer for the latest such group
+    non_member_ranks: dict[int, int] | None = None
     owned_store: Store | None = None
     init_method: str | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
