@@ -55,7 +55,10 @@ __all__ = ["StoreServer", "unix_address"]
 
 log = logging.getLogger(__name__)
 
-_RECV_SIZE = 1 << 18
+# Not larger: a bytes object above malloc's mmap threshold (128 KiB unless raised) costs an
+# mmap and munmap per receive, 17 us for a 30-byte request
+_RECV_SIZE = 1 << 16
+_RECV_MAX = 1 << 24
 _MAX_BACKLOG_FRAMES = 4  # bytes buffered behind a blocked request, in units of max_frame
 _OPEN_WARNED = False
 
@@ -64,6 +67,7 @@ _SET_QUIET = int(Op.SET_QUIET)
 _CHECK_TRUE = encode_frame(Status.OK, (b"\x01",))
 _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
 _OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
+_INT = struct.Struct("<q")
 
 
 def unix_address(port: int) -> str:
@@ -500,8 +504,13 @@ class StoreServer:
         conn.sock.close()
 
     def _on_readable(self, conn: _Conn) -> None:
+        size = _RECV_SIZE
+        if conn.decoder.buffered:  # the rest of a large frame: take it in larger pieces
+            pending = conn.decoder.pending_length()
+            if pending is not None:
+                size = max(_RECV_SIZE, min(pending + 4 - conn.decoder.buffered, _RECV_MAX))
         try:
-            data = conn.sock.recv(_RECV_SIZE)
+            data = conn.sock.recv(size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -679,7 +688,8 @@ class StoreServer:
             key = f[0].decode()
         except UnicodeDecodeError:
             key = _decode_key(f[0])  # raises the clear error
-        value = self._state.add(key, decode_int(f[1]))
+        amount = f[1]
+        value = self._state.add(key, _INT.unpack(amount)[0] if len(amount) == 8 else decode_int(amount))
         try:
             conn.out += _OK_INT.pack(_OK_INT.size - 4, Status.OK, 1, 8, value)
         except struct.error:
