@@ -141,19 +141,29 @@ def test_wrong_secret_is_refused_before_anything_is_read_and_the_server_goes_on(
         s = socket.create_connection((addr["addr"], addr["port"]), timeout=5)
         s.sendall(os.urandom(200) + b"cos\nsystem\n(S'echo pwned'\ntR.")
         s.settimeout(5)
-        with pytest.raises((ConnectionResetError, TimeoutError, OSError)):
-            while s.recv(4096):
-                pass
-            raise ConnectionResetError("closed")
-        s.close()
-        b = Node(1, book)
-        try:
-            b.send(0, 3, "still serving")
-            assert a.get()[3] == "still serving"
-        finally:
-            b.m.close()
+        _expect_dropped(s)
+        _still_serving(a, book)
     finally:
         a.m.close()
+
+
+def _expect_dropped(s: socket.socket) -> None:
+    """The other side closes ``s`` (or never answers)."""
+    with pytest.raises((ConnectionResetError, TimeoutError, OSError)):
+        while s.recv(4096):
+            pass
+        raise ConnectionResetError("closed")
+    s.close()
+
+
+def _still_serving(a: Node, book: dict[int, Any]) -> None:
+    """A well-behaved newcomer still gets its message through to ``a``."""
+    b = Node(1, book)
+    try:
+        b.send(0, 3, "still serving")
+        assert a.get()[3] == "still serving"
+    finally:
+        b.m.close()
 
 
 def test_a_connection_from_another_job_is_refused() -> None:
@@ -186,17 +196,8 @@ def test_an_authenticated_peer_that_breaks_the_framing_is_dropped_and_the_rest_g
             s.connect("\0" + addr["unix"])
             _handshake.connect(s, 7, TOKEN, b"s3cret", "node0")
             s.sendall(bad)  # an unknown frame kind, then an absurd payload length
-            with pytest.raises((ConnectionResetError, TimeoutError, OSError)):
-                while s.recv(4096):
-                    pass
-                raise ConnectionResetError("closed")
-            s.close()
+            _expect_dropped(s)
         assert a.inbox.empty()
-        b = Node(1, book)
-        try:
-            b.send(0, 3, "still serving")
-            assert a.get()[3] == "still serving"
-        finally:
-            b.m.close()
+        _still_serving(a, book)
     finally:
         a.m.close()
