@@ -424,12 +424,12 @@ class StoreServer:
                     elif data is None:
                         if fd in fdmap:
                             try:
-                                command = os.read(fd, 64)
+                                command: bytes | None = os.read(fd, 64)
                             except (BlockingIOError, InterruptedError):
-                                command = b"L"  # (nothing to read after all: not the end)
-                            if not command:  # EOF: stop
+                                command = None  # nothing to read after all
+                            if command == b"":  # EOF: stop
                                 self._stop_requested = True
-                            elif self._listeners:
+                            elif command and self._listeners:  # b"L": stop listening
                                 self._unlisten()
                     elif isinstance(data, socket.socket):
                         self._accept(data)

@@ -54,10 +54,11 @@ _INIT_KEY = "init/"
 _GRACE = 5.0
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
-# the pid, refreshed in a forked child (os.getpid() is a system call on every use)
 _ADD_HEAD = struct.Struct("<IBII")  # an ADD frame's header and key length
 _INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
 _INT = struct.Struct("<q")
+
+# the pid, refreshed in a forked child (os.getpid() is a system call on every use)
 _current_pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _current_pid.__setitem__(0, os.getpid()))
 

@@ -55,7 +55,7 @@ from .._core.errors import (
 )
 from . import _handshake
 from ._endpoint import _CMA_MIN, _address, _cma_read, _tune_tcp, host_id
-from ._protocol import FRAME_HEADER, TOKEN_SIZE, Kind, pack_header, unpack_header
+from ._protocol import FRAME_HEADER, KINDS, TOKEN_SIZE, Kind, pack_header, unpack_header
 
 __all__ = ["Messenger", "Payload", "PeerAddress"]
 
@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 _MAX_PAYLOAD = 1 << 40
 _DATA = int(Kind.DATA)
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
-_KINDS = frozenset(int(k) for k in Kind)
 _RX_SIZE = 256 << 10
 _IOV_MAX = 512
 _POPULATE_MIN = 1 << 20
@@ -770,7 +769,7 @@ class Messenger:
         while c.rx_end - c.rx_start >= hs:
             start = c.rx_start
             kind, meta_len, tag, nbytes = unpack(view, start)
-            if kind not in _KINDS or nbytes > _MAX_PAYLOAD:
+            if kind not in KINDS or nbytes > _MAX_PAYLOAD:
                 try:
                     unpack_header(view[start : start + hs], _MAX_PAYLOAD)  # says what is wrong
                     exc = RemoteProtocolError(f"bad frame header (kind {kind})")

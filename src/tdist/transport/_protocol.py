@@ -42,6 +42,7 @@ __all__ = [
     "FRAME_HEADER",
     "HELLO",
     "JOIN",
+    "KINDS",
     "MAGIC",
     "TOKEN_SIZE",
     "VERSION",
@@ -95,14 +96,14 @@ def unpack_header(data: bytes | bytearray | memoryview, max_payload: int) -> Fra
         RemoteProtocolError: an unknown kind or a payload larger than ``max_payload``.
     """
     kind, meta_len, tag, nbytes = FRAME_HEADER.unpack(data)
-    if kind not in _KINDS:
+    if kind not in KINDS:
         raise RemoteProtocolError(f"unknown frame kind {kind}")
     if nbytes > max_payload:
         raise RemoteProtocolError(f"frame of {nbytes} bytes exceeds the limit of {max_payload}")
     return FrameHeader(kind, meta_len, tag, nbytes)
 
 
-_KINDS = frozenset(int(k) for k in Kind)
+KINDS = frozenset(int(k) for k in Kind)
 
 
 def check_magic(magic: bytes, version: int, what: str) -> None:
