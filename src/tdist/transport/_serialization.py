@@ -75,9 +75,14 @@ class _Pickling(threading.local):
         self.renew()
 
     def renew(self) -> None:
-        self.stream = io.BytesIO()
-        self.pickler = pickle.Pickler(self.stream, protocol=5, buffer_callback=self.buffers.append)
-        self.pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+        self.stream, self.pickler = _new_pickler(self.buffers)
+
+
+def _new_pickler(buffers: list[pickle.PickleBuffer]) -> tuple[io.BytesIO, pickle.Pickler]:
+    stream = io.BytesIO()
+    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+    return stream, pickler
 
 
 _pickling = _Pickling()
@@ -94,9 +99,7 @@ def dumps(obj: Any) -> list[memoryview]:
     tl = _pickling
     if tl.busy:  # a reducer that serializes something itself: a pickler of its own
         buffers: list[pickle.PickleBuffer] = []
-        stream = io.BytesIO()
-        pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
-        pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+        stream, pickler = _new_pickler(buffers)
         pickler.dump(obj)
         body = memoryview(stream.getbuffer())
     else:
