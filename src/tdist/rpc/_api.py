@@ -244,24 +244,29 @@ def _forget_store(agent: RpcAgent) -> None:
             store.delete_key("rpc/token")
     except Exception as exc:
         log.debug("%s: could not clear the store: %s", agent.label, exc)
-    for i, s in enumerate(_stores):
-        if s is store or getattr(s, "underlying_store", None) is store:
-            del _stores[i]
-            close = getattr(s, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
-            break
+    s = _rendezvous_store(agent)
+    if s is not None:
+        _stores.remove(s)
+        close = getattr(s, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
+
+
+def _rendezvous_store(agent: RpcAgent) -> Any:
+    """The store ``init_rpc`` made for ``agent`` (the agent may hold it or a store it wraps)."""
+    for s in _stores:
+        if s is agent.store or getattr(s, "underlying_store", None) is agent.store:
+            return s
+    return None
 
 
 def _stop_accepting(agent: RpcAgent) -> None:
-    for s in _stores:
-        if s is agent.store or getattr(s, "underlying_store", None) is agent.store:
-            for store in (s, getattr(s, "underlying_store", None)):
-                stop = getattr(store, "_stop_accepting", None)
-                if stop is not None:
-                    stop()
-            return
+    s = _rendezvous_store(agent)
+    for store in (s, getattr(s, "underlying_store", None)):
+        stop = getattr(store, "_stop_accepting", None)
+        if stop is not None:
+            stop()
 
 
 def _graceful(agent: RpcAgent, seconds: float) -> list[str]:

@@ -529,11 +529,13 @@ class StoreServer:
                 self._dispatch_authed(conn, frame)
                 out = conn.out
                 if out and conn.blocked is None and not conn.closed:
+                    # _flush's common case inlined (the reply fits the socket: 1-2% of the
+                    # 8-client throughput); anything else goes through _flush itself
                     try:
                         sent = conn.sock.send(out)
                     except OSError:
-                        sent = 0  # the general flush below reports it (or waits for room)
-                    if sent == len(out):
+                        sent = 0
+                    if sent == len(out) and not conn.writing:
                         out.clear()
                     else:
                         del out[:sent]
@@ -565,17 +567,21 @@ class StoreServer:
             self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
-        if not conn.out:
-            return
-        try:
-            sent = conn.sock.send(conn.out)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            self._close(conn, f"send failed: {exc}")
-            return
-        del conn.out[:sent]
-        want_write = bool(conn.out)
+        out = conn.out
+        if out:
+            try:
+                sent = conn.sock.send(out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._close(conn, f"send failed: {exc}")
+                return
+            if sent == len(out):
+                out.clear()
+            else:
+                del out[:sent]
+        # (also with nothing left to send: a connection that waited for room stops waiting)
+        want_write = bool(out)
         if want_write != conn.writing:
             conn.writing = want_write
             events = select.EPOLLIN | (select.EPOLLOUT if want_write else 0)
