@@ -407,3 +407,17 @@ def call_on_rref(method: str, rref: Any, *args: Any) -> Any:
 def remote_of(to: str, func: Any, args: tuple[Any, ...]) -> Any:
     """An RRef made by this worker on ``to`` and returned to the caller (a fork)."""
     return rpc.remote(to, func, args=args)
+
+
+def _refuse_to_be_rebuilt(text: str) -> Any:
+    raise ValueError(text)
+
+
+class RebuildFails:
+    """Pickles fine; rebuilding it (on the callee) raises ``ValueError(text)``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __reduce__(self) -> Any:
+        return (_refuse_to_be_rebuilt, (self.text,))

@@ -371,6 +371,10 @@ def _unimportable_remote(w: Worker) -> None:
     rref = rpc.remote(w.peer(), module.only_here)
     with pytest.raises(Exception, match=modname):
         rref.to_here(timeout=5)
+    # an argument whose rebuilding raises on the callee: that error is the value
+    bad = rpc.remote(w.peer(), f.add, args=(f.RebuildFails(f"not here {w.rank}"), 1))
+    with pytest.raises(ValueError, match=f"not here {w.rank}"):
+        bad.to_here(timeout=5)
     assert rpc.remote(w.peer(), f.add, args=(1, 2)).to_here() == 3
     w.barrier()
 

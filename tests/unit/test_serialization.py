@@ -97,3 +97,41 @@ def test_reused_pickler_keeps_nothing_alive_and_survives_errors() -> None:
         dumps([torch.ones(3), _Unpicklable()])
     out = loads(join(dumps({"after": torch.arange(3)})))  # nothing left over from the failure
     assert list(out) == ["after"] and torch.equal(out["after"], torch.arange(3))
+
+
+class _Refuses:
+    def __reduce__(self) -> object:
+        return (_refuse, ("no",))
+
+
+def _refuse(text: str) -> None:
+    raise ValueError(text)
+
+
+def test_lenient_loads_reads_the_plain_data_around_what_cannot_be_rebuilt() -> None:
+    import sys
+    import types
+
+    from tdist.transport._serialization import Placeholder, loads_parts
+
+    module = types.ModuleType("only_in_this_test")
+    exec("class Gone:\n    def __init__(self):\n        self.x = [1]\n", module.__dict__)
+    sys.modules["only_in_this_test"] = module
+    try:
+        obj = ((0, 7), (0, 8), module.Gone(), _Refuses(), {"k": [1.5, "s"]}, torch.arange(4.0))
+        parts = dumps(obj)
+    finally:
+        del sys.modules["only_in_this_test"]
+    data = bytearray(b"".join(parts))
+    with pytest.raises((AttributeError, ModuleNotFoundError)):
+        loads(data)
+    for got in (loads(data, lenient=True), loads_parts(b"".join(parts[:2]), list(parts[2:]), lenient=True)):
+        assert got[:2] == ((0, 7), (0, 8))
+        assert isinstance(got[2], Placeholder) and isinstance(got[3], Placeholder)
+        assert got[4] == {"k": [1.5, "s"]}
+        assert isinstance(got[5], Placeholder)  # the tensor's rebuilder is a function too
+    # the refusing reducer alone: the strict load raises its error, the lenient one does not
+    data = bytearray(b"".join(dumps(((1, 2), _Refuses()))))
+    with pytest.raises(ValueError, match="no"):
+        loads(data)
+    assert loads(data, lenient=True)[0] == (1, 2)

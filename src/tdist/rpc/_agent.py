@@ -24,7 +24,6 @@ import itertools
 import logging
 import math
 import os
-import pickle
 import queue
 import re
 import threading
@@ -41,6 +40,7 @@ from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerErro
 from ..transport import _serialization as ser
 from . import _errors
 from ._message import REQUESTS, MsgKind, decode_meta
+from ._rref_protocol import GloballyUniqueId
 
 __all__ = ["RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
 
@@ -180,17 +180,6 @@ def serialization_peer() -> int | None:
 def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What an RRef proxy runs on the owner: ``rref.local_value().name(*args, **kwargs)``."""
     return getattr(rref.local_value(), name)(*args, **kwargs)
-
-
-def pack_call(agent: RpcAgent, dst: int, func: Any, args: Any, kwargs: Any) -> list[pickle.PickleBuffer]:
-    """``(func, args, kwargs)`` serialized on its own, for a message that must be understood
-    even when the call cannot be unpickled at the other end; the parts travel out of band."""
-    return [pickle.PickleBuffer(p) for p in agent.encode(dst, (func, args, kwargs))]
-
-
-def unpack_call(packed: list[Any]) -> Any:
-    views = [memoryview(p) for p in packed]
-    return ser.loads_parts(bytes(views[0]) + bytes(views[1]), views[2:])
 
 
 def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
@@ -411,8 +400,10 @@ class RpcAgent:
         )
 
     # -- receiving ------------------------------------------------------------------------------
-    def _on_message(self, src: int, tag: int, meta: bytes, decode: Callable[[], Any]) -> None:
-        """One received message; ``decode()`` unpickles its body (in this thread)."""
+    def _on_message(self, src: int, tag: int, meta: bytes, decode: Callable[..., Any]) -> None:
+        """One received message; ``decode()`` unpickles its body (in this thread),
+        ``decode(lenient=True)`` with placeholders for what cannot be rebuilt
+        (``serialization.loads``)."""
         try:
             kind = decode_meta(meta)
         except DistError as exc:
@@ -438,6 +429,8 @@ class RpcAgent:
                 body = self._decode(src, decode)
             except BaseException as exc:
                 err = _errors.capture(exc, self.label)
+                if kind == MsgKind.REMOTE:
+                    self._remote_undecodable(src, decode, err)
                 self._to_pool(lambda: self._reply_error(src, tag, err))
                 return
             self._accept_request(src, tag, kind, body)
@@ -453,7 +446,7 @@ class RpcAgent:
         if kind == MsgKind.LEAVE:
             self._on_leave(src)
 
-    def _decode(self, src: int, decode: Callable[[], Any]) -> Any:
+    def _decode(self, src: int, decode: Callable[..., Any]) -> Any:
         old = getattr(_tls, "peer", None)
         _tls.peer = src
         try:
@@ -472,18 +465,11 @@ class RpcAgent:
 
     def _accept_request(self, src: int, tag: int, kind: MsgKind, body: Any) -> None:
         if kind == MsgKind.REMOTE:
-            # the owner's record exists from the moment the request arrives (in arrival order),
-            # also when the call cannot be decoded here: then the error is the value
-            rref_id, fork_id, packed = body
-            fut = self._owner_future(rref_id)
-            self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, fork_id, src)
-            try:
-                func, args, kwargs = self._decode(src, lambda: unpack_call(packed))
-            except BaseException as exc:
-                record = _errors.capture(exc, self.label)
-                _set_owner_error(fut, record)
-                self._schedule(lambda: self._reply_error(src, tag, record))
-                return
+            # the owner's record exists from the moment the request arrives (in arrival order)
+            rid, fid, func, args, kwargs = body
+            rref_id = GloballyUniqueId(*rid)
+            self._owner_future(rref_id)
+            self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, GloballyUniqueId(*fid), src)
             self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
         elif kind == MsgKind.FETCH:
             self._serve_fetch(src, tag, body)
@@ -579,6 +565,20 @@ class RpcAgent:
             log.debug("%s: could not send an error reply to %s: %s", self.label, self.describe(dst), exc)
 
     # -- RRef owners ----------------------------------------------------------------------------
+    def _remote_undecodable(self, src: int, decode: Callable[..., Any], err: Any) -> None:
+        """A ``REMOTE`` whose call cannot be rebuilt here (a function this worker lacks, an
+        argument whose unpickling raises): its value is that error, so that a fetch (maybe on
+        its way already) gets it. The ids are read again with placeholders for the rest."""
+        try:
+            rid, fid = self._decode(src, lambda: decode(lenient=True))[:2]
+            rref_id, fork_id = GloballyUniqueId(*rid), GloballyUniqueId(*fid)
+        except Exception as exc:
+            log.warning("%s: dropped a remote() request from %s that cannot be read: %s", self.label, self.describe(src), exc)
+            return
+        fut = self._owner_future(rref_id)
+        self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, fork_id, src)
+        _set_owner_error(fut, err)
+
     def _owner_future(self, rref_id: Any) -> Any:
         with self._lock:
             fut = self._owners.get(rref_id)

@@ -7,7 +7,7 @@ message id, its metadata is one byte naming the kind below, its payload is the
 ``REPLY_ERR`` carrying the request's id; ``RREF`` and ``LEAVE`` are one-way::
 
     CALL       (func, args, kwargs)                 -> REPLY_OK result | REPLY_ERR record
-    REMOTE     (func, args, kwargs, rref_id, fork)  -> REPLY_OK None once the value is set
+    REMOTE     (rref_id, fork_id, func, args, kwargs) -> REPLY_OK None once the value is set
     FETCH      rref_id                              -> REPLY_OK value (when it is ready)
     RREF       an RRef protocol message (fork request, accept, delete)
     JOIN       (id, name, address)                  -> REPLY_OK None (dynamic membership)

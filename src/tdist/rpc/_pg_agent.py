@@ -162,7 +162,7 @@ class ProcessGroupAgent(RpcAgent):
         if dst == self.rank:
             # a call to ourselves: copy semantics as for any peer, no process group
             data = bytearray(b"".join(parts))
-            self._on_message(dst, tag, encode_meta(kind), lambda: ser.loads(data))
+            self._on_message(dst, tag, encode_meta(kind), lambda lenient=False: ser.loads(data, lenient))
             return
         pg = self._pg
         if pg is None:
@@ -299,7 +299,7 @@ class ProcessGroupAgent(RpcAgent):
             meta = bytes([kind]) if 0 <= kind < 256 else b""  # ``_on_message`` rejects it, with a warning
         data = bytes_view(payload)  # tensors in the body view the payload: no further copy
         try:
-            self._on_message(src, tag, meta, lambda: ser.loads(data))
+            self._on_message(src, tag, meta, lambda lenient=False: ser.loads(data, lenient))
         except Exception:
             # a reader must outlive a bug in one message's handling, or its peer goes silent
             log.exception("%s: handling a message from %s failed", self.label, self.describe(src))

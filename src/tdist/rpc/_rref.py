@@ -34,7 +34,6 @@ from ._agent import (
     _OwnerError,
     current_agent,
     invoke_rref_method,
-    pack_call,
     run_user_function,
     serialization_peer,
 )
@@ -489,7 +488,9 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
         ctx.run(ctx.proto.confirm, fork_id)
 
     try:
-        body = (rref_id, fork_id, pack_call(agent, dst.id, func, args, kwargs))
+        # one pickle: the ids are plain tuples first, so that an owner which cannot rebuild the
+        # call still reads them (``RpcAgent._remote_undecodable``)
+        body = ((rref_id[0], rref_id[1]), (fork_id[0], fork_id[1]), func, args, kwargs)
         obj._create_fut = agent.request(dst.id, MsgKind.REMOTE, body, timeout, what, on_reply=on_reply)
     except BaseException:
         ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)

@@ -179,9 +179,9 @@ class TensorPipeAgent(RpcAgent):
     # -- moving messages ------------------------------------------------------------------------
     def _on_frame(self, src: int, tag: int, meta: bytes, payload: Payload) -> None:
         if isinstance(payload, list):
-            self._on_message(src, tag, meta, lambda: ser.loads_parts(payload[0], payload[1:]))
+            self._on_message(src, tag, meta, lambda lenient=False: ser.loads_parts(payload[0], payload[1:], lenient))
         else:
-            self._on_message(src, tag, meta, lambda: ser.loads(payload))
+            self._on_message(src, tag, meta, lambda lenient=False: ser.loads(payload, lenient))
 
     def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:
         parts = self.encode(dst, body)
@@ -190,7 +190,7 @@ class TensorPipeAgent(RpcAgent):
             data = bytearray(b"".join(parts))
             self._tls.self_call = True  # a request to ourselves goes to the pool, never deferred
             try:
-                self._on_message(dst, tag, encode_meta(kind), lambda: ser.loads(data))
+                self._on_message(dst, tag, encode_meta(kind), lambda lenient=False: ser.loads(data, lenient))
             finally:
                 self._tls.self_call = False
             return

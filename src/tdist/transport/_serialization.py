@@ -24,7 +24,7 @@ import torch
 
 from .._core.errors import RemoteProtocolError
 
-__all__ = ["dumps", "loads", "loads_parts"]
+__all__ = ["Placeholder", "dumps", "loads", "loads_parts"]
 
 _MAGIC = b"TDS1"
 _HEAD = struct.Struct("<4sIQ")
@@ -129,8 +129,46 @@ def dumps(obj: Any) -> list[memoryview]:
     return [memoryview(head), body, *views]
 
 
-def loads(data: bytes | bytearray | memoryview) -> Any:
+class Placeholder:
+    """What a lenient ``loads`` makes of every class and function the pickle names: it takes
+    any arguments, state and items, and stands for the object that could not be rebuilt."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Placeholder:
+        return Placeholder()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _Lenient(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return Placeholder
+
+
+def _unpickle(body: memoryview, buffers: list[memoryview] | None, lenient: bool) -> Any:
+    if lenient:
+        return _Lenient(io.BytesIO(body), buffers=buffers).load()
+    return pickle.loads(body, buffers=buffers)
+
+
+def loads(data: bytes | bytearray | memoryview, lenient: bool = False) -> Any:
     """The object ``dumps`` made, its buffers viewing ``data`` (keep ``data`` writable).
+
+    ``lenient``: every class and function the pickle names is rebuilt as a ``Placeholder``, so
+    that nothing the receiver lacks (or whose rebuilding raises) keeps the plain data around
+    it (ids, numbers, strings, containers) from being read.
 
     Raises:
         RemoteProtocolError: ``data`` is not a whole ``dumps`` message.
@@ -138,7 +176,7 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     view = memoryview(data).cast("B")
     if view.nbytes >= _HEAD.size:
         magic, nbuf, plen = _HEAD.unpack_from(view, 0)
-        if nbuf == 0 and magic == _MAGIC and _HEAD.size + plen == view.nbytes:  # no buffers
+        if nbuf == 0 and magic == _MAGIC and _HEAD.size + plen == view.nbytes and not lenient:  # no buffers
             return pickle.loads(view[_HEAD.size :])
     pos, plen, lengths = _header(view)
     if pos + plen + sum(lengths) != view.nbytes:
@@ -149,7 +187,7 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     for n in lengths:
         parts.append(view[pos : pos + n])
         pos += n
-    return pickle.loads(body, buffers=parts)
+    return _unpickle(body, parts, lenient)
 
 
 def _header(view: memoryview) -> tuple[int, int, list[int]]:
@@ -165,7 +203,7 @@ def _header(view: memoryview) -> tuple[int, int, list[int]]:
     return pos, plen, [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbuf)]
 
 
-def loads_parts(prefix: bytes | bytearray | memoryview, buffers: list[memoryview]) -> Any:
+def loads_parts(prefix: bytes | bytearray | memoryview, buffers: list[memoryview], lenient: bool = False) -> Any:
     """Like ``loads`` for a message whose out-of-band buffers arrived apart from its header and
     pickle (``prefix``), e.g. copied one by one from another process's memory.
 
@@ -176,4 +214,4 @@ def loads_parts(prefix: bytes | bytearray | memoryview, buffers: list[memoryview
     pos, plen, lengths = _header(view)
     if pos + plen != view.nbytes or lengths != [b.nbytes for b in buffers]:
         raise RemoteProtocolError("serialized object sizes do not add up")
-    return pickle.loads(view[pos:], buffers=buffers)
+    return _unpickle(view[pos:], buffers, lenient)
