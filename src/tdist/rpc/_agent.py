@@ -42,7 +42,7 @@ from . import _errors
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
 
-__all__ = ["RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
+__all__ = ["CallText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +145,27 @@ class _SyncReply:
         return self._value
 
 
+class CallText:
+    """What a request is, for messages (``rpc_sync(worker1, mod.fn)``): written out only when a
+    message needs it, not on every call."""
+
+    __slots__ = ("api", "dst", "func")
+
+    def __init__(self, api: str, dst: str, func: Any) -> None:
+        self.api = api
+        self.dst = dst
+        self.func = func
+
+    def __str__(self) -> str:
+        return f"{self.api}({self.dst}, {_errors.describe_call(self.func)})"
+
+    __repr__ = __str__
+
+
 class _Call:
     __slots__ = ("deadline", "dst", "fut", "on_reply", "what")
 
-    def __init__(self, fut: Any, dst: int, what: str, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
+    def __init__(self, fut: Any, dst: int, what: object, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
         self.fut = fut
         self.dst = dst
         self.what = what
@@ -312,7 +329,7 @@ class RpcAgent:
         kind: MsgKind,
         body: Any,
         timeout: float | None,
-        what: str,
+        what: object,
         on_reply: Callable[[Any, BaseException | None], None] | None = None,
         sync: bool = False,
     ) -> Any:
@@ -354,7 +371,7 @@ class RpcAgent:
             raise
         return fut
 
-    def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: str) -> Any:
+    def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: object) -> Any:
         """``request`` and wait for the reply: its value, or its exception raised."""
         return self.wait(self.request(dst, kind, body, timeout, what, sync=True), dst, timeout)
 
@@ -422,7 +439,7 @@ class RpcAgent:
             if kind == MsgKind.REPLY_OK:
                 self._finish(call, body, None)
             else:
-                self._finish(call, None, _errors.rebuild(body, call=call.what) if isinstance(body, _errors.RemoteExceptionRecord) else RuntimeError(repr(body)))
+                self._finish(call, None, _errors.rebuild(body, call=str(call.what)) if isinstance(body, _errors.RemoteExceptionRecord) else RuntimeError(repr(body)))
             return
         if kind in REQUESTS:
             try:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from .. import store as _store
-from . import _errors, backend_registry
-from ._agent import RpcAgent, WorkerInfo, current_agent, set_current_agent
+from . import backend_registry
+from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
@@ -164,11 +164,11 @@ def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...],
     return func, tuple(args) if args is not None else (), dict(kwargs) if kwargs is not None else {}
 
 
-def _call(api: str, to: Any, func: Any, args: Any, kwargs: Any) -> tuple[RpcAgent, WorkerInfo, Any, str]:
+def _call(api: str, to: Any, func: Any, args: Any, kwargs: Any) -> tuple[RpcAgent, WorkerInfo, Any, CallText]:
     """The agent, the callee, the request body and a description of the call."""
     agent = _agent()
     dst = agent.resolve(to)
-    return agent, dst, _call_body(func, args, kwargs), f"{api}({dst.name}, {_errors.describe_call(func)})"
+    return agent, dst, _call_body(func, args, kwargs), CallText(api, dst.name, func)
 
 
 def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:

@@ -28,6 +28,7 @@ import torch
 from .._core.errors import DistError, PeerError
 from . import _errors
 from ._agent import (
+    CallText,
     RpcAgent,
     RpcTimeoutError,
     WorkerInfo,
@@ -463,7 +464,7 @@ def _rebuild_rref(rref_id: tuple[int, int], fork_id: tuple[int, int], owner_id: 
 def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> RRef:
     """``rpc.remote``: an RRef at once; the value is made on ``dst``."""
     ctx: RRefContext = agent.rref_ctx
-    what = f"remote({dst.name}, {_errors.describe_call(func)})"
+    what = CallText("remote", dst.name, func)
     if dst.id == agent.rank:
         with ctx.lock:
             rref_id = ctx.proto.create_owner_local()

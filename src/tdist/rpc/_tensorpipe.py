@@ -221,7 +221,7 @@ class TensorPipeAgent(RpcAgent):
             self._tls.job = None
             self.messenger.run_inline(lambda: self._run_job(job))
 
-    def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: str) -> Any:
+    def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: object) -> Any:
         # take the callee's connection before sending, so that the reply is read here and no
         # poller wakes up (and competes for the GIL) for it
         self._tls.claim_for = dst
