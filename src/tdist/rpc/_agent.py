@@ -99,8 +99,9 @@ _REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR))
 
 
 class _SyncReply:
-    """What a blocking call waits on: the part of ``torch.futures.Future`` the agent uses, at a
-    fraction of its cost (no user ever holds one: ``rpc_sync`` returns the value)."""
+    """The part of ``torch.futures.Future`` the agent uses, at a fraction of its cost, where no
+    user ever holds one: what a blocking call waits on (``rpc_sync`` returns the value) and an
+    owned RRef value (users get copies or ``local_value()``)."""
 
     __slots__ = ("_callbacks", "_done", "_exc", "_value")
 
@@ -140,6 +141,12 @@ class _SyncReply:
     def wait(self) -> Any:
         if not self._done:
             _wait_future(self, None)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def value(self) -> Any:
+        """The result of a done future (its exception raised)."""
         if self._exc is not None:
             raise self._exc
         return self._value
@@ -597,10 +604,13 @@ class RpcAgent:
         _set_owner_error(fut, err)
 
     def _owner_future(self, rref_id: Any) -> Any:
+        fut = self._owners.get(rref_id)
+        if fut is not None:
+            return fut
         with self._lock:
             fut = self._owners.get(rref_id)
             if fut is None:
-                fut = self._owners[rref_id] = torch.futures.Future()
+                fut = self._owners[rref_id] = _SyncReply()
             return fut
 
     def _run_remote(self, src: int, tag: int, func: Any, args: Any, kwargs: Any, rref_id: Any) -> None:
@@ -634,16 +644,17 @@ class RpcAgent:
 
     def _serve_fetch(self, src: int, tag: int, rref_id: Any) -> None:
         fut = self._owner_future(rref_id)
+        if fut.done():  # the common case: made already
+            self._send_owned(src, tag, fut)
+        else:  # sent from where the value is set (a worker)
+            fut.add_done_callback(lambda f: self._send_owned(src, tag, f))
 
-        def send(f: Any) -> None:
-            value = f.value()
-            # runs where the value was set (a worker, or a reader when it was ready already)
-            if isinstance(value, _OwnerError):
-                self._reply_error(src, tag, value.record)
-            else:
-                self._reply(src, tag, value)
-
-        fut.add_done_callback(send)
+    def _send_owned(self, src: int, tag: int, fut: Any) -> None:
+        value = fut.value()
+        if isinstance(value, _OwnerError):
+            self._reply_error(src, tag, value.record)
+        else:
+            self._reply(src, tag, value)
 
     def _on_rref_message(self, src: int, msgs: Any) -> None:
         for msg in msgs:
