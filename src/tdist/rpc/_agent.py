@@ -263,7 +263,9 @@ class RpcAgent:
         self.rref_ctx: Any = RRefContext(self)
 
     # -- subclass interface ---------------------------------------------------------------------
-    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:
+    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None, answer: bool = False) -> None:
+        """Send a message; ``answer``: the reply a caller waits for (its next request may
+        follow soon)."""
         raise NotImplementedError
 
     def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
@@ -574,9 +576,9 @@ class RpcAgent:
 
         fut.add_done_callback(done)
 
-    def _reply(self, dst: int, tag: int, value: Any) -> None:
+    def _reply(self, dst: int, tag: int, value: Any, answer: bool = True) -> None:
         try:
-            self._transmit(dst, tag, MsgKind.REPLY_OK, value, None)
+            self._transmit(dst, tag, MsgKind.REPLY_OK, value, None, answer)
         except (DistError, OSError) as exc:
             log.debug("%s: could not reply to %s: %s", self.label, self.describe(dst), exc)
         except BaseException as exc:  # the result could not be serialized: say so
@@ -640,7 +642,7 @@ class RpcAgent:
             return
         if not fut.done():
             fut.set_result(result)
-        self._reply(src, tag, None)
+        self._reply(src, tag, None, answer=False)  # nobody waits for it: a fetch may come
 
     def _serve_fetch(self, src: int, tag: int, rref_id: Any) -> None:
         fut = self._owner_future(rref_id)

@@ -157,7 +157,7 @@ class ProcessGroupAgent(RpcAgent):
         self.add_workers([v.decode() for v in self.gather("name", self.name, world_size, _INIT_TIMEOUT)])
 
     # -- moving messages ------------------------------------------------------------------------
-    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:
+    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None, answer: bool = False) -> None:
         parts = self.encode(dst, body)
         if dst == self.rank:
             # a call to ourselves: copy semantics as for any peer, no process group

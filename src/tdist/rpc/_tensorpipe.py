@@ -80,6 +80,7 @@ class TensorPipeAgent(RpcAgent):
             stall_timeout=float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "5.0")),
             on_batch_end=self._run_deferred,
             max_pollers=int(options.num_worker_threads) + 1,
+            quiet=lambda: self._active_requests == 0,
         )
         # requests may arrive as soon as others see us, before init_rpc returns: functions
         # they run (and RRefs they unpickle) need the current agent already
@@ -183,7 +184,7 @@ class TensorPipeAgent(RpcAgent):
         else:
             self._on_message(src, tag, meta, lambda lenient=False: ser.loads(payload, lenient))
 
-    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None) -> None:
+    def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None, answer: bool = False) -> None:
         parts = self.encode(dst, body)
         if dst == self.rank:
             # a call to ourselves: copy semantics as for any peer, no socket
@@ -200,7 +201,7 @@ class TensorPipeAgent(RpcAgent):
             # leave the connection unread meanwhile
             self._tls.claim_for = None
             self._tls.claimed = self.messenger.claim(dst)
-        self.messenger.send(dst, tag, encode_meta(kind), parts, deadline)
+        self.messenger.send(dst, tag, encode_meta(kind), parts, deadline, answer)
 
     def _schedule(self, job: Any) -> None:
         # a poller thread runs the first request of what it read itself (no hand-off) unless

@@ -69,6 +69,9 @@ _IOV_MAX = 512
 _POPULATE_MIN = 1 << 20
 # how long a thread waiting for a reply polls its socket before sleeping in the kernel
 _SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
+# how long a poller that delivered messages from a peer polls that connection for the next ones
+# before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up)
+_POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "100")) * 1e-6
 _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 # DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer
@@ -173,6 +176,8 @@ class _Conn:
         "send_lock",
         "sock",
         "spin_poll",
+        "spinner",
+        "yield_req",
     )  # fmt: skip
 
     def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool) -> None:
@@ -192,8 +197,10 @@ class _Conn:
         self.last_tx = now
         self.rx = bytearray(_RX_SIZE)
         self.rxview = memoryview(self.rx)
-        self.spin_poll = select.poll()  # readiness, for a reader that spins (read_until)
+        self.spin_poll = select.poll()  # readiness, for a reader that spins (rlock held)
         self.spin_poll.register(self.fd, select.POLLIN)
+        self.spinner = False  # a poller holds rlock, polling for the next message
+        self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.rx_start = 0
         self.rx_end = 0
         self.dest: memoryview | None = None  # a large payload being read in place
@@ -220,6 +227,13 @@ class Messenger:
         on_peer_joined: ``on_peer_joined(peer)`` when a peer connected to us.
         advertise: the IP address other hosts reach us by.
         heartbeat_interval, stall_timeout: seconds.
+        on_batch_end: called by a poller after it delivered what it read (it may run a
+            request there).
+        max_pollers: the most poller threads.
+        quiet: ``quiet()`` says whether nothing else of this process runs (no request on
+            another thread): only then does a poller that answered a caller poll its connection
+            for the next request (``_POLLER_SPIN``) rather than sleep at once, since polling
+            holds the GIL most of the time.
     """
 
     def __init__(
@@ -238,6 +252,7 @@ class Messenger:
         stall_timeout: float = 5.0,
         on_batch_end: Callable[[], None] | None = None,
         max_pollers: int = 17,
+        quiet: Callable[[], bool] | None = None,
     ) -> None:
         assert len(token) == TOKEN_SIZE
         self.my_id = my_id
@@ -252,6 +267,7 @@ class Messenger:
         self.heartbeat_interval = heartbeat_interval
         self.stall_timeout = stall_timeout
         self.on_batch_end = on_batch_end
+        self.quiet = quiet
         self._max_pollers = max(2, max_pollers)
         self._pollers = 2
         self._busy_pollers = 0
@@ -434,7 +450,7 @@ class Messenger:
             self.on_peer_joined(peer)
 
     # -- sending -------------------------------------------------------------------------------
-    def send(self, peer: int, tag: int, meta: bytes, parts: list[memoryview], deadline: float | None) -> None:
+    def send(self, peer: int, tag: int, meta: bytes, parts: list[memoryview], deadline: float | None, answer: bool = False) -> None:
         """Send one message: ``parts`` is ``serialization.dumps`` output (header, pickle,
         out-of-band buffers). Large buffers to a process of this host go by cross-memory copy
         and are referenced until the peer has copied them.
@@ -444,6 +460,8 @@ class Messenger:
             DistNetworkError, DistTimeoutError: connecting or writing failed.
         """
         c = self._conn_for(peer, deadline)
+        if answer:  # a poller that answers a caller waits a little for its next request
+            self._tls.answered = True
         bufs = parts[2:]
         if c.cma_ok and bufs and sum(b.nbytes for b in bufs) >= _CMA_MIN:
             addrs = [_address(b) for b in bufs]
@@ -525,7 +543,13 @@ class Messenger:
             return None
         c = conns[0]
         if not c.rlock.acquire(blocking=False):
-            return None
+            if not c.spinner:
+                return None
+            c.yield_req = True  # a poller waits there for the next message: it lets go at once
+            got = c.rlock.acquire(timeout=0.001)
+            c.yield_req = False
+            if not got:
+                return None
         with self._lock:  # not closed (its descriptor may belong to a new connection then)
             if c.closed:
                 c.rlock.release()
@@ -659,13 +683,17 @@ class Messenger:
         listeners = {self._tcp.fileno(): self._tcp, self._unix.fileno(): self._unix}
         batch: list[tuple[int, int, bytes, Payload]] = []
         lost: list[tuple[int, PeerError, bool]] = []
+        spun: _Conn | None = None  # a connection read next (rlock held, disarmed)
         while not self._closing:
-            try:
-                events = self._ep.poll(1.0, 1)
-            except InterruptedError:
-                continue
-            except (OSError, ValueError):
-                return
+            if spun is not None:
+                events = [(spun.fd, 0)]
+            else:
+                try:
+                    events = self._ep.poll(1.0, 1)
+                except InterruptedError:
+                    continue
+                except (OSError, ValueError):
+                    return
             for fd, _ in events:
                 if fd == self._wake_r:
                     if self._closing:
@@ -675,9 +703,12 @@ class Messenger:
                 if lst is not None:
                     self._accept(lst)
                     continue
-                c = self._conns.get(fd)
-                if c is None or not c.rlock.acquire(blocking=False):
-                    continue  # a waiting thread reads it and re-arms it
+                if spun is not None:
+                    c, spun = spun, None
+                else:
+                    c = self._conns.get(fd)  # type: ignore[assignment]
+                    if c is None or not c.rlock.acquire(blocking=False):
+                        continue  # a waiting thread reads it and re-arms it
                 self._tls.batch = batch
                 self._tls.lost = lost
                 try:
@@ -695,6 +726,7 @@ class Messenger:
                     self._report_lost(lost)
                     continue
                 self._occupied()
+                self._tls.answered = False
                 try:
                     self._tls.delivering = True
                     for item in batch:
@@ -712,6 +744,40 @@ class Messenger:
                     log.exception("%s: running a request failed", self.label)
                 finally:
                     self._free()
+                if _POLLER_SPIN > 0 and self._tls.answered and self._busy_pollers == 0 and (self.quiet is None or self.quiet()):
+                    spun = self._await_next(c)
+
+    def _await_next(self, c: _Conn) -> _Conn | None:
+        """After delivering ``c``'s messages: poll it for up to ``_POLLER_SPIN`` (holding its
+        read lock, disarmed in epoll, so no sleeping poller is woken for it). Returns ``c``,
+        still held, when something came; None (released, re-armed) when nothing came or a
+        thread asks for the connection (``claim``)."""
+        if c.closed or not c.rlock.acquire(blocking=False):
+            return None
+        ready, clock = c.spin_poll.poll, time.monotonic
+        if ready(0):  # something came while the batch ran: read it here (a poller that it woke
+            return c  # finds the connection taken and leaves it)
+        try:
+            self._ep.modify(c.fd, select.EPOLLONESHOT)
+        except (OSError, ValueError):
+            c.rlock.release()
+            return None
+        c.spinner = True
+        until = clock() + _POLLER_SPIN
+        try:
+            while not c.yield_req:
+                if ready(0):
+                    return c
+                if clock() >= until or self._closing:
+                    break
+        finally:
+            c.spinner = False
+        # (re-armed also when handed over: armed while claimed wakes a poller for nothing at
+        # worst, disarmed while nobody reads it would lose the connection)
+        c.yield_req = False
+        c.rlock.release()
+        self._rearm(c)
+        return None
 
     def _drain(self, c: _Conn) -> bool:
         """Read whatever is available on ``c`` and deliver complete frames (rlock held).
