@@ -201,3 +201,90 @@ def test_an_authenticated_peer_that_breaks_the_framing_is_dropped_and_the_rest_g
         _still_serving(a, book)
     finally:
         a.m.close()
+
+
+class Answering(Node):
+    """A node whose poller answers every message at once (as an RPC callee does), so that the
+    poller then waits on the connection for the next request (``_POLLER_SPIN``)."""
+
+    def __init__(self, my_id: int, book: dict[int, Any], quiet: bool = True) -> None:
+        super().__init__(my_id, book)
+        self.m.quiet = lambda: quiet
+
+    def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        super()._on_message(peer, tag, meta, payload)
+        self.m.send(peer, tag, b"\x01", ser.dumps(("re", tag)), time.monotonic() + 10, answer=True)
+
+
+def _conn_to(node: Node, peer: int) -> Any:
+    return node.m._by_peer[peer][0]
+
+
+def _answering_pair(quiet: bool) -> tuple[Node, Answering]:
+    book: dict[int, Any] = {}
+    return Node(0, book), Answering(1, book, quiet)
+
+
+def test_requests_that_come_while_a_poller_waits_for_them_are_all_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 0.002)
+    a, b = _answering_pair(quiet=True)
+    try:
+        for i in range(300):  # one at a time, as rpc_sync does: most arrive while b polls
+            a.send(1, i, i)
+            assert a.get()[1:] == (i, b"\x01", ("re", i))
+        time.sleep(0.01)  # the wait ended: the connection is armed again for any poller
+        a.send(1, 999, "late")
+        assert a.get()[3] == ("re", 999)
+        assert b.inbox.qsize() == 301
+    finally:
+        a.m.close()
+        b.m.close()
+
+
+def test_a_waiting_poller_lets_go_of_the_connection_for_a_thread_that_claims_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 5.0)
+    a, b = _answering_pair(quiet=True)
+    try:
+        a.send(1, 1, "ping")
+        a.get()
+        c = _conn_to(b, 0)
+        deadline = time.monotonic() + 5
+        while not c.spinner and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert c.spinner, "b's poller should be waiting on the connection"
+        t0 = time.monotonic()
+        token = b.m.claim(0)
+        assert token is not None and time.monotonic() - t0 < 0.5
+        b.inbox.get(timeout=1)  # the ping
+        a.send(1, 2, "read by the claiming thread")
+        assert b.m.read_until(0, lambda: not b.inbox.empty(), time.monotonic() + 5, claimed=token)
+        assert b.get(0)[3] == "read by the claiming thread"
+        a.send(1, 3, "and by pollers again")
+        assert b.get()[3] == "and by pollers again"
+    finally:
+        a.m.close()
+        b.m.close()
+
+
+def test_no_poller_waits_on_a_connection_while_other_work_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 5.0)
+    a, b = _answering_pair(quiet=False)
+    try:
+        a.send(1, 1, "ping")
+        a.get()
+        c = _conn_to(b, 0)
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:
+            assert not c.spinner
+            time.sleep(0.001)
+        a.send(1, 2, "still served")
+        assert a.get()[3] == ("re", 2)
+    finally:
+        a.m.close()
+        b.m.close()
