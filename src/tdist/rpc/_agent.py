@@ -42,7 +42,7 @@ from . import _errors
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
 
-__all__ = ["CallText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
+__all__ = ["CallText", "LazyText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,21 @@ class CallText:
 
     def __str__(self) -> str:
         return f"{self.api}({self.dst}, {_errors.describe_call(self.func)})"
+
+    __repr__ = __str__
+
+
+class LazyText:
+    """``fmt % args``, written out only when a message needs it."""
+
+    __slots__ = ("args", "fmt")
+
+    def __init__(self, fmt: str, *args: Any) -> None:
+        self.fmt = fmt
+        self.args = args
+
+    def __str__(self) -> str:
+        return self.fmt % self.args
 
     __repr__ = __str__
 
