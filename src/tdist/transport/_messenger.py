@@ -746,6 +746,8 @@ class Messenger:
                     self._free()
                 if _POLLER_SPIN > 0 and self._tls.answered and self._busy_pollers == 0 and (self.quiet is None or self.quiet()):
                     spun = self._await_next(c)
+        if spun is not None:  # closing: close() waits for every read lock
+            spun.rlock.release()
 
     def _await_next(self, c: _Conn) -> _Conn | None:
         """After delivering ``c``'s messages: poll it for up to ``_POLLER_SPIN`` (holding its
