@@ -9,11 +9,15 @@ travels as ``DATA_CMA``: the frame carries the buffers' addresses and the receiv
 with ``process_vm_readv`` straight into fresh memory (one copy, no socket), then acks so the
 sender can let them go.
 
-Reading. One poller thread waits on an ``epoll`` set (one-shot registrations) and drains ready
+Reading. Poller threads wait on an ``epoll`` set (one-shot registrations) and drains ready
 connections. A thread that waits for a reply from one peer may read that peer's connection
 itself (``read_until``): it takes the connection's read lock, and the poller skips the
 connection while it is held, so the reply reaches the waiting thread with no thread hand-off.
 Whoever reads a frame delivers it through ``on_message`` (from the thread that read it).
+A poller that just answered a caller (``send(answer=True)``) keeps that connection's read lock
+and polls it for up to ``_POLLER_SPIN`` before it sleeps, when nothing else of the process runs
+(``quiet``): a caller's next request then costs its sender no wake-up of a sleeping thread. A
+thread that claims the connection meanwhile asks the poller to let go (``yield_req``).
 
 Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
 connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
