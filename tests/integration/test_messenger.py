@@ -3,6 +3,7 @@ sockets, real threads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -220,17 +221,27 @@ def _conn_to(node: Node, peer: int) -> Any:
     return node.m._by_peer[peer][0]
 
 
-def _answering_pair(quiet: bool) -> tuple[Node, Answering]:
+@contextlib.contextmanager
+def _answering(monkeypatch: pytest.MonkeyPatch, spin: float, quiet: bool, ping: bool = True) -> Iterator[tuple[Node, Answering]]:
+    """Node 0 and an answering node 1 whose pollers wait ``spin`` seconds for the next request
+    (``quiet``: nothing else runs there); with ``ping``, one request answered already."""
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_POLLER_SPIN", spin)
     book: dict[int, Any] = {}
-    return Node(0, book), Answering(1, book, quiet)
+    a, b = Node(0, book), Answering(1, book, quiet)
+    try:
+        if ping:
+            a.send(1, 1, "ping")
+            a.get()
+        yield a, b
+    finally:
+        a.m.close()
+        b.m.close()
 
 
 def test_requests_that_come_while_a_poller_waits_for_them_are_all_answered(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tdist.transport import _messenger
-
-    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 0.002)
-    a, b = _answering_pair(quiet=True)
-    try:
+    with _answering(monkeypatch, 0.002, quiet=True, ping=False) as (a, b):
         for i in range(300):  # one at a time, as rpc_sync does: most arrive while b polls
             a.send(1, i, i)
             assert a.get()[1:] == (i, b"\x01", ("re", i))
@@ -238,19 +249,10 @@ def test_requests_that_come_while_a_poller_waits_for_them_are_all_answered(monke
         a.send(1, 999, "late")
         assert a.get()[3] == ("re", 999)
         assert b.inbox.qsize() == 301
-    finally:
-        a.m.close()
-        b.m.close()
 
 
 def test_a_waiting_poller_lets_go_of_the_connection_for_a_thread_that_claims_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tdist.transport import _messenger
-
-    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 5.0)
-    a, b = _answering_pair(quiet=True)
-    try:
-        a.send(1, 1, "ping")
-        a.get()
+    with _answering(monkeypatch, 5.0, quiet=True) as (a, b):
         c = _conn_to(b, 0)
         deadline = time.monotonic() + 5
         while not c.spinner and time.monotonic() < deadline:
@@ -265,19 +267,10 @@ def test_a_waiting_poller_lets_go_of_the_connection_for_a_thread_that_claims_it(
         assert b.get(0)[3] == "read by the claiming thread"
         a.send(1, 3, "and by pollers again")
         assert b.get()[3] == "and by pollers again"
-    finally:
-        a.m.close()
-        b.m.close()
 
 
 def test_no_poller_waits_on_a_connection_while_other_work_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tdist.transport import _messenger
-
-    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 5.0)
-    a, b = _answering_pair(quiet=False)
-    try:
-        a.send(1, 1, "ping")
-        a.get()
+    with _answering(monkeypatch, 5.0, quiet=False) as (a, b):
         c = _conn_to(b, 0)
         end = time.monotonic() + 0.1
         while time.monotonic() < end:
@@ -285,6 +278,3 @@ def test_no_poller_waits_on_a_connection_while_other_work_runs(monkeypatch: pyte
             time.sleep(0.001)
         a.send(1, 2, "still served")
         assert a.get()[3] == ("re", 2)
-    finally:
-        a.m.close()
-        b.m.close()
