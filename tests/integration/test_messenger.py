@@ -245,6 +245,8 @@ def test_requests_that_come_while_a_poller_waits_for_them_are_all_answered(monke
         for i in range(300):  # one at a time, as rpc_sync does: most arrive while b polls
             a.send(1, i, i)
             assert a.get()[1:] == (i, b"\x01", ("re", i))
+        c = _conn_to(b, 0)
+        assert min(c.gap1, c.gap2) < 0.002  # requests came while b waited: the waits go on
         time.sleep(0.01)  # the wait ended: the connection is armed again for any poller
         a.send(1, 999, "late")
         assert a.get()[3] == ("re", 999)
@@ -278,3 +280,23 @@ def test_no_poller_waits_on_a_connection_while_other_work_runs(monkeypatch: pyte
             time.sleep(0.001)
         a.send(1, 2, "still served")
         assert a.get()[3] == ("re", 2)
+
+
+def test_a_poller_does_not_wait_on_a_connection_whose_requests_come_seldom(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _answering(monkeypatch, 0.005, quiet=True, ping=False) as (a, b):
+        for i in range(3):  # answered, then silence longer than a wait
+            a.send(1, i, i)
+            a.get()
+            time.sleep(0.03)
+        c = _conn_to(b, 0)
+        assert c.gap1 > 0.005 and c.gap2 > 0.005
+        a.send(1, 100, "seldom")
+        assert a.get()[3] == ("re", 100)
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            assert not c.spinner
+            time.sleep(0.0005)
+        for i in range(3):  # a request soon after an answer: b waits for the next one again
+            a.send(1, 200 + i, i)
+            a.get()
+        assert min(c.gap1, c.gap2) < 0.005

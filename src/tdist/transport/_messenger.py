@@ -76,6 +76,8 @@ _SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
 # how long a poller that delivered messages from a peer polls that connection for the next ones
 # before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up)
 _POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "100")) * 1e-6
+# (only on a connection where one of the last two requests after an answer came within that
+# time: a caller in a loop keeps the waits through a late request, sporadic traffic costs none)
 _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 # DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer
@@ -160,6 +162,7 @@ def fresh_buffer(n: int) -> memoryview:
 class _Conn:
     __slots__ = (
         "addr",
+        "answered_at",
         "closed",
         "cma_ok",
         "cma_out",
@@ -167,6 +170,8 @@ class _Conn:
         "dest_got",
         "dest_head",
         "fd",
+        "gap1",
+        "gap2",
         "goodbye",
         "last_rx",
         "last_tx",
@@ -204,6 +209,8 @@ class _Conn:
         self.spin_poll = select.poll()  # readiness, for a reader that spins (rlock held)
         self.spin_poll.register(self.fd, select.POLLIN)
         self.spinner = False  # a poller holds rlock, polling for the next message
+        self.answered_at = 0.0  # when a poller last answered on it (0: a request came since)
+        self.gap1 = self.gap2 = 0.0  # how long the last two requests after an answer took
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.rx_start = 0
         self.rx_end = 0
@@ -713,6 +720,9 @@ class Messenger:
                     c = self._conns.get(fd)  # type: ignore[assignment]
                     if c is None or not c.rlock.acquire(blocking=False):
                         continue  # a waiting thread reads it and re-arms it
+                if c.answered_at:  # the first read since an answer: how long the caller took
+                    c.gap2, c.gap1 = c.gap1, time.monotonic() - c.answered_at
+                    c.answered_at = 0.0
                 self._tls.batch = batch
                 self._tls.lost = lost
                 try:
@@ -758,6 +768,9 @@ class Messenger:
         read lock, disarmed in epoll, so no sleeping poller is woken for it). Returns ``c``,
         still held, when something came; None (released, re-armed) when nothing came or a
         thread asks for the connection (``claim``)."""
+        c.answered_at = time.monotonic()
+        if c.gap1 >= _POLLER_SPIN and c.gap2 >= _POLLER_SPIN:
+            return None  # its requests come seldom: waiting would catch nothing
         if c.closed or not c.rlock.acquire(blocking=False):
             return None
         ready, clock = c.spin_poll.poll, time.monotonic
