@@ -16,8 +16,10 @@ connection while it is held, so the reply reaches the waiting thread with no thr
 Whoever reads a frame delivers it through ``on_message`` (from the thread that read it).
 A poller that just answered a caller (``send(answer=True)``) keeps that connection's read lock
 and polls it for up to ``_POLLER_SPIN`` before it sleeps, when nothing else of the process runs
-(``quiet``): a caller's next request then costs its sender no wake-up of a sleeping thread. A
-thread that claims the connection meanwhile asks the poller to let go (``yield_req``).
+(``quiet``) and one of the last two requests after an answer on it came that soon: a caller's
+next request then costs its sender no wake-up of a sleeping thread, and sporadic traffic costs
+no CPU. A thread that claims the connection meanwhile asks the poller to let go
+(``yield_req``).
 
 Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
 connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
