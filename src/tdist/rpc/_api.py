@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import store as _store
+from ..autograd import _context as _autograd
 from . import backend_registry
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
@@ -179,6 +180,12 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
             exception, a timeout or a lost callee.
     """
     agent, dst, body, what = _call("rpc_async", to, func, args, kwargs)
+    if _autograd.active:  # inside a distributed autograd context: tensors that require grad
+        rec = _autograd.record_call(dst.id, *body)
+        if rec is not None:
+            call, call_args, unwrap = rec
+            fut = agent.request(dst.id, MsgKind.CALL, (call, call_args, {}), timeout, what)
+            return fut.then(lambda f: unwrap(f.wait()))
     return agent.request(dst.id, MsgKind.CALL, body, timeout, what)
 
 
@@ -190,6 +197,11 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
             (``RuntimeError``/``TimeoutError``) or a ``PeerError`` when the callee is lost.
     """
     agent, dst, body, what = _call("rpc_sync", to, func, args, kwargs)
+    if _autograd.active:  # inside a distributed autograd context: tensors that require grad
+        rec = _autograd.record_call(dst.id, *body)
+        if rec is not None:
+            call, call_args, unwrap = rec
+            return unwrap(agent.call_sync(dst.id, MsgKind.CALL, (call, call_args, {}), timeout, what))
     return agent.call_sync(dst.id, MsgKind.CALL, body, timeout, what)
 
 
@@ -201,6 +213,10 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: fl
     agent = _agent()
     dst = agent.resolve(to)
     func, a, kw = _call_body(func, args, kwargs)
+    if _autograd.active:  # inside a distributed autograd context: tensors that require grad
+        rec = _autograd.record_remote(dst.id, func, a, kw)
+        if rec is not None:
+            func, a, kw = rec[0], rec[1], {}
     return create_remote(agent, dst, func, a, kw, timeout)
 
 

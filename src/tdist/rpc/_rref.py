@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .._core.errors import DistError, PeerError
+from ..autograd import _context as autograd
 from . import _errors
 from ._agent import (
     CallText,
@@ -329,6 +330,10 @@ class RRef:
         """
         if self._is_owner:
             return self._owned_value(timeout)
+        if autograd.active:  # inside a distributed autograd context: the fetch records autograd
+            done, value = autograd.to_here_with_autograd(self, timeout)
+            if done:
+                return value
         cf = self._create_fut
         if cf is not None and cf.done():
             exc = _future_error(cf)
@@ -359,6 +364,27 @@ class RRef:
             fut.set_result(self._type)
             return fut
         return self._type
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Autograd from this RRef's value (a scalar tensor) as the root: with a distributed
+        autograd context id, the distributed pass of that context from the owner (gradients
+        via ``get_gradients``); with -1, a local pass, on the owner only.
+
+        Raises:
+            RuntimeError: -1 off the owner, a value that is not a scalar tensor requiring grad,
+                or the backward pass's errors.
+        """
+        if not self._is_owner:
+            if dist_autograd_ctx_id == -1:
+                raise RuntimeError(
+                    f"RRef.backward() with no distributed autograd context runs local autograd and must be "
+                    f"called on the owner ({self._owner.name}), not on {self._agent.name}"
+                )
+            from ._api import rpc_sync
+
+            rpc_sync(self._owner, _rref_backward, args=(self, dist_autograd_ctx_id, retain_graph))
+            return
+        _rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     # -- proxies --------------------------------------------------------------------------------
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
@@ -424,6 +450,17 @@ class _Proxy:
             return call(rref.owner(), invoke_rref_method, args=(rref, name, args, kwargs), timeout=timeout)
 
         return method
+
+
+def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
+    """On the owner: ``RRef.backward``."""
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise RuntimeError(f"RRef.backward() needs a scalar tensor value, got {type(value).__name__}")
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
+    else:
+        autograd.backward(context_id, [value], retain_graph)
 
 
 def _value_type(rref: RRef) -> Any:

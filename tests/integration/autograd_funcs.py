@@ -1,0 +1,70 @@
+"""What the distributed autograd tests run on their callees (importable by name everywhere)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._rpc_harness import TORCH, rpc
+
+if TORCH:
+    import torch.distributed.autograd as dist_autograd
+else:
+    import tdist.autograd as dist_autograd  # type: ignore[no-redef]
+
+_params: dict[str, torch.nn.Parameter] = {}
+
+
+def mul_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b + a
+
+
+def summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b + a).sum()
+
+
+def chain(a: torch.Tensor, b: torch.Tensor, third: str) -> torch.Tensor:
+    """Through a third worker and back: ``sum(sin(a * b + a)) * 2 + sum(a)``."""
+    c = rpc.rpc_sync(third, mul_add, args=(a, b))
+    return c.sin().sum() * 2 + a.sum()
+
+
+class _Explode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward exploded on purpose")
+
+
+def explode_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _Explode.apply(x) * 2  # type: ignore[no-untyped-call]
+
+
+def make_param(name: str, seed: int) -> torch.nn.Parameter:
+    """A parameter this worker owns (kept here, returned as the value of an RRef)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(4, generator=g))
+    _params[name] = p
+    return p
+
+
+def param_value(name: str) -> torch.Tensor:
+    return _params[name].detach().clone()
+
+
+def use_param(rref: Any, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a parameter server: ``sum(tanh(param * x))`` with the owner's parameter."""
+    return torch.tanh(rref.local_value() * x).sum()
+
+
+def context_released(context_id: int) -> bool:
+    """Whether this worker has let go of the context (torch raises for an unknown one)."""
+    try:
+        dist_autograd._is_valid_context(context_id)
+    except RuntimeError:
+        return True
+    return False
