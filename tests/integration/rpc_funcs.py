@@ -138,6 +138,10 @@ def wait_event(key: str, timeout: float = 30.0) -> bool:
     return _event(key).wait(timeout)
 
 
+def clear_event(key: str) -> None:
+    _event(key).clear()
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import queue
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -300,3 +301,73 @@ def test_a_poller_does_not_wait_on_a_connection_whose_requests_come_seldom(monke
             a.send(1, 200 + i, i)
             a.get()
         assert min(c.gap1, c.gap2) < 0.005
+
+
+class Holding(Node):
+    """A node whose handler of tag 1 runs until ``release`` is set (at most ``job`` seconds), as
+    a request run by the poller that read it; tag 2 sets ``release``. Records which thread
+    delivered each tag."""
+
+    def __init__(self, my_id: int, book: dict[int, Any], job: float) -> None:
+        super().__init__(my_id, book)
+        self.job = job
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.threads: dict[int, str] = {}
+
+    def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        self.threads[tag] = threading.current_thread().name
+        if tag == 1:
+            self.started.set()
+            self.release.wait(self.job)
+        elif tag == 2:
+            self.release.set()
+        super()._on_message(peer, tag, meta, payload)
+
+
+@contextlib.contextmanager
+def _holding(monkeypatch: pytest.MonkeyPatch, hold_max: float, job: float) -> Iterator[tuple[Node, Holding]]:
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_HOLD_MAX", hold_max)
+    book: dict[int, Any] = {}
+    a, b = Node(0, book), Holding(1, book, job)
+    try:
+        yield a, b
+    finally:
+        a.m.close()
+        b.m.close()
+
+
+def test_a_message_that_comes_while_its_connection_is_held_is_read_by_the_same_poller(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _holding(monkeypatch, hold_max=2.0, job=0.2) as (a, b):
+        a.send(1, 1, "a short job")
+        assert b.started.wait(5)
+        a.send(1, 3, "comes while the job runs")
+        time.sleep(0.05)
+        assert 3 not in b.threads  # no other poller woke for it: the connection is held
+        assert [b.get()[1], b.get()[1]] == [1, 3]
+        assert b.threads[3] == b.threads[1]  # read on by the poller that ran the job
+
+
+def test_a_held_connection_is_armed_again_when_its_job_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _holding(monkeypatch, hold_max=0.02, job=10.0) as (a, b):
+        for _ in range(2):  # the second time after the guard slept
+            b.release.clear()
+            b.started.clear()
+            a.send(1, 1, "blocks until the next message")
+            assert b.started.wait(5)
+            t0 = time.monotonic()
+            a.send(1, 2, "releases it")
+            assert b.get()[1] == 2
+            assert time.monotonic() - t0 < 1.0  # read by another poller once the guard armed it
+            assert b.get()[1] == 1
+            assert b.threads[2] != b.threads[1]
+            c = _conn_to(b, 0)
+            assert c.hold_off > time.monotonic() - 1.0  # its jobs block: not held for a while
+            # the guard sleeps once no holds happen, and wakes for the next one
+            deadline = time.monotonic() + 5
+            while b.m._guard_on and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not b.m._guard_on, "the guard should sleep when nothing is held"
+            time.sleep(max(0.0, c.hold_off - time.monotonic()) + 0.01)

@@ -333,6 +333,25 @@ def test_many_concurrent_calls_from_several_threads(backend: str) -> None:
     run(_concurrent, backend)
 
 
+def _blocked_by_the_next_call(w: Worker) -> None:
+    p = w.peer()
+    key = f"released-by-{w.rank}"
+    for _ in range(3):
+        # the first call blocks on the callee until the caller's next call releases it: the
+        # callee reads that call while the first one runs (its connection is never left unread)
+        blocked = rpc.rpc_async(p, f.wait_event, args=(key, 20.0))
+        t0 = time.monotonic()
+        rpc.rpc_sync(p, f.set_event, args=(key,))
+        assert blocked.wait() is True
+        assert time.monotonic() - t0 < 2.0
+        rpc.rpc_sync(p, f.clear_event, args=(key,))
+    w.barrier()
+
+
+def test_a_call_blocked_until_the_same_callers_next_call_completes(backend: str) -> None:
+    run(_blocked_by_the_next_call, backend)
+
+
 def _unavailable_functions(w: Worker) -> None:
     p = w.peer()
 

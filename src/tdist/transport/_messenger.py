@@ -21,6 +21,13 @@ next request then costs its sender no wake-up of a sleeping thread, and sporadic
 no CPU. A thread that claims the connection meanwhile asks the poller to let go
 (``yield_req``).
 
+Holding. A poller leaves the connection it read disarmed while it delivers what it read and
+runs the request it kept (``_held``): what comes meanwhile on that connection (a caller's next
+request, a fetch right behind a ``remote()``) waits for this poller, which reads on when it is
+done, instead of waking another poller that would fight it for the GIL. A guard thread, ticking
+only while holds happen, arms again a connection held longer than ``_HOLD_MAX`` (a request that
+blocks, maybe on the very next message) and leaves that connection unheld for ``_HOLD_OFF``.
+
 Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
 connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
 seconds. Either way ``on_peer_lost(peer, error, graceful)`` tells the owner once, with a
@@ -80,6 +87,12 @@ _SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
 _POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "100")) * 1e-6
 # (only on a connection where one of the last two requests after an answer came within that
 # time: a caller in a loop keeps the waits through a late request, sporadic traffic costs none)
+# how long a poller may keep the connection it read disarmed while it delivers and runs what it
+# read before the guard arms it again (0: never held); the guard ticks at this period while
+# holds happen, so a held connection is armed again within 1.5 periods
+_HOLD_MAX = float(os.environ.get("TDIST_RPC_HOLD_MS", "5")) * 1e-3
+# a connection the guard had to arm again is not held for this long (its requests block)
+_HOLD_OFF = 0.25
 _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 # DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer
@@ -175,6 +188,7 @@ class _Conn:
         "gap1",
         "gap2",
         "goodbye",
+        "hold_off",
         "last_rx",
         "last_tx",
         "peer",
@@ -214,6 +228,7 @@ class _Conn:
         self.answered_at = 0.0  # when a poller last answered on it (0: a request came since)
         self.gap1 = self.gap2 = 0.0  # how long the last two requests after an answer took
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
+        self.hold_off = 0.0  # not held before this time (the guard had to arm it)
         self.rx_start = 0
         self.rx_end = 0
         self.dest: memoryview | None = None  # a large payload being read in place
@@ -297,6 +312,11 @@ class Messenger:
         self._xfer = itertools.count(1)
         self._closing = False
         self._ctrl: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # connections a poller left disarmed while it delivers what it read, and since when
+        self._held: dict[_Conn, float] = {}
+        self._holds = 0  # holds so far (the guard idles when it stops growing)
+        self._guard_on = False
+        self._guard_wake = threading.Event()
 
         family = socket.AF_INET6 if ":" in advertise else socket.AF_INET
         self._tcp = socket.socket(family, socket.SOCK_STREAM)
@@ -329,6 +349,7 @@ class Messenger:
             threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-1", daemon=True),
             self._ctrl_thread,
             threading.Thread(target=self._heartbeats, name=f"tdist-rpc-hb-{my_id}", daemon=True),
+            threading.Thread(target=self._guard, name=f"tdist-rpc-guard-{my_id}", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -727,6 +748,7 @@ class Messenger:
                     c.answered_at = 0.0
                 self._tls.batch = batch
                 self._tls.lost = lost
+                held = False
                 try:
                     self._drain(c)
                 except Exception:  # a bug must not kill the poller: drop this connection only
@@ -735,9 +757,13 @@ class Messenger:
                 finally:
                     self._tls.batch = None
                     c.rlock.release()
-                    self._rearm(c)
-                # deliver after the connection is free again: a request run here must not keep
-                # the next messages on its connection from other threads
+                    if batch and _HOLD_MAX > 0 and not c.closed:
+                        held = self._hold(c)
+                    if not held:
+                        self._rearm(c)
+                # deliver after the read lock is free again (a thread that waits for a reply
+                # may read the connection meanwhile); the connection itself stays disarmed
+                # while held (see "Holding")
                 if not batch:
                     self._report_lost(lost)
                     continue
@@ -760,20 +786,75 @@ class Messenger:
                     log.exception("%s: running a request failed", self.label)
                 finally:
                     self._free()
+                # still held (not armed by the guard meanwhile): arming it is ours to do
+                held = held and self._held.pop(c, None) is not None
                 if _POLLER_SPIN > 0 and self._tls.answered and self._busy_pollers == 0 and (self.quiet is None or self.quiet()):
-                    spun = self._await_next(c)
+                    spun = self._await_next(c, held)
+                elif held:
+                    spun = self._read_on(c)
         if spun is not None:  # closing: close() waits for every read lock
             spun.rlock.release()
 
-    def _await_next(self, c: _Conn) -> _Conn | None:
+    def _hold(self, c: _Conn) -> bool:
+        """Leave ``c`` disarmed while this poller delivers what it read (see "Holding");
+        False when ``c`` is not to be held now."""
+        now = time.monotonic()
+        if now < c.hold_off:
+            return False
+        self._held[c] = now
+        self._holds += 1
+        if not self._guard_on:
+            self._guard_on = True
+            self._guard_wake.set()
+        return True
+
+    def _read_on(self, c: _Conn) -> _Conn | None:
+        """After delivering what was read from held ``c``: ``c`` with its read lock taken when
+        more has come (read it next, still disarmed), else None with ``c`` armed again."""
+        if not c.closed and c.rlock.acquire(blocking=False):
+            if c.spin_poll.poll(0):
+                return c
+            c.rlock.release()
+        self._rearm(c)
+        return None
+
+    def _guard(self) -> None:
+        """Arm again the connections held longer than ``_HOLD_MAX / 2`` (checked every
+        ``_HOLD_MAX``, only while holds happen: asleep otherwise)."""
+        seen, still = -1, 0
+        while not self._closing:
+            if not self._guard_on:
+                self._guard_wake.wait()
+                self._guard_wake.clear()
+                continue
+            time.sleep(_HOLD_MAX)
+            now = time.monotonic()
+            for c, since in list(self._held.items()):
+                if now - since >= _HOLD_MAX / 2 and self._held.pop(c, None) is not None:
+                    c.hold_off = now + _HOLD_OFF  # its requests block: not held for a while
+                    self._rearm(c)
+            if self._holds != seen:
+                seen, still = self._holds, 0
+            else:
+                still += 1
+                if still * _HOLD_MAX > 0.1 and not self._held:  # no hold for 0.1 s: sleep
+                    self._guard_on = False
+                    if self._holds != seen or self._held:  # one came meanwhile: go on
+                        self._guard_on = True
+
+    def _await_next(self, c: _Conn, held: bool = False) -> _Conn | None:
         """After delivering ``c``'s messages: poll it for up to ``_POLLER_SPIN`` (holding its
         read lock, disarmed in epoll, so no sleeping poller is woken for it). Returns ``c``,
         still held, when something came; None (released, re-armed) when nothing came or a
-        thread asks for the connection (``claim``)."""
+        thread asks for the connection (``claim``). ``held``: ``c`` was held (disarmed) while
+        its messages were delivered."""
         c.answered_at = time.monotonic()
         if c.gap1 >= _POLLER_SPIN and c.gap2 >= _POLLER_SPIN:
-            return None  # its requests come seldom: waiting would catch nothing
+            # its requests come seldom: waiting would catch nothing
+            return self._read_on(c) if held else None
         if c.closed or not c.rlock.acquire(blocking=False):
+            if held:
+                self._rearm(c)
             return None
         ready, clock = c.spin_poll.poll, time.monotonic
         if ready(0):  # something came while the batch ran: read it here (a poller that it woke
@@ -1065,6 +1146,7 @@ class Messenger:
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
         self._hb_stop.set()
+        self._guard_wake.set()
         self._ctrl.put(None)
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")  # never read: wakes every poller
