@@ -49,7 +49,7 @@ class DistAutogradContext:
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
         self.sends: dict[int, list[torch.Tensor]] = {}  # autograd message id -> sent tensors
         self.peers: set[int] = set()  # workers this context reached
-        self.pending: list[Any] = []  # futures of gradients sent on during a backward pass
+        self.pending: list[tuple[int, Any]] = []  # (worker, future) of gradients sent on in a backward pass
 
     def _context_id(self) -> int:
         return self.id
@@ -109,16 +109,18 @@ def _known_context(context_id: int) -> DistAutogradContext:
         return ctx
 
 
-def _release(context_id: int) -> None:
-    """Drop the context here (its ``with`` exit, or an RPC from a worker it reached) and on the
-    workers it reached from here."""
+def _release(context_id: int, sender: int | None = None) -> None:
+    """Drop the context here (its ``with`` exit, or an RPC from ``sender``, a worker it
+    reached) and on the other workers it reached from here."""
     global active
     with _lock:
         ctx = _contexts.pop(context_id, None)
         if ctx is not None:
             active -= 1
-    if ctx is not None and ctx.peers:
-        _release_on(sorted(ctx.peers), context_id)
+    if ctx is not None:
+        peers = sorted(ctx.peers - {sender})
+        if peers:
+            _release_on(peers, context_id)
 
 
 @contextlib.contextmanager
@@ -140,11 +142,22 @@ def context() -> Iterator[int]:
 
 
 def _release_on(peers: list[int], context_id: int) -> None:
-    from .. import rpc
-
+    me = _rank()
     for p in peers:  # not waited for (a worker releasing it may be the one that asks us)
         with contextlib.suppress(Exception):  # a worker that is gone has nothing to release
-            rpc.rpc_async(p, _release, args=(context_id,))
+            _internal_call(p, _release, (context_id, me))
+
+
+def _internal_call(dst: int, func: Any, args: tuple[Any, ...]) -> Any:
+    """``rpc_async(dst, func, args)`` that no context records (autograd's own messages)."""
+    from .. import rpc
+
+    prev = getattr(_tls, "context_id", None)
+    _tls.context_id = None
+    try:
+        return rpc.rpc_async(dst, func, args=args)
+    finally:
+        _tls.context_id = prev
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -193,13 +206,11 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        from .. import rpc
-
         context_id, src, msg_id = ctx.route
         dctx = _retrieve_context(context_id)
-        fut = rpc.rpc_async(src, _backward_from_send, args=(context_id, msg_id, list(grads)))
+        fut = _internal_call(src, _backward_from_send, (context_id, msg_id, list(grads)))
         with dctx.lock:
-            dctx.pending.append(fut)
+            dctx.pending.append((src, fut))
         return (None, None, None, None, *([None] * len(grads)))
 
 
@@ -360,10 +371,13 @@ def _run_backward(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: li
     for leaf, g in zip(inputs, computed, strict=True):
         if g is not None and not getattr(leaf, "_tdist_recv_marker", False):
             ctx.accumulate(leaf, g)
+    from ..rpc._agent import current_agent
+
+    agent = current_agent(required=False)
     errors = []
-    for fut in mine:
-        try:
-            fut.wait()
+    for dst, fut in mine:
+        try:  # the agent reads the reply in this thread where it can (no hand-off)
+            agent.wait(fut, dst, None) if agent is not None else fut.wait()
         except Exception as exc:
             errors.append(exc)
     if errors:
