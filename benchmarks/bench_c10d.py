@@ -21,7 +21,7 @@ import torch
 import torch.distributed as tdc
 
 import tdist
-from _common import machine_line, median, memcpy_gbps, table
+from _common import before_fork, machine_line, median, memcpy_gbps, table
 from tdist.testing import free_port, run_processes
 
 MiB = 1 << 20
@@ -110,6 +110,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = ("gloo", "tdist") if r % 2 == 0 else ("tdist", "gloo")
         for impl in order:
+            before_fork()
             res = run_processes(bench_rank, args.world, impl, free_port(), cases, timeout=600)[0]
             for key, value in res.items():
                 samples.setdefault((impl, key), []).append(value)

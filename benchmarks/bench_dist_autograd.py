@@ -36,7 +36,7 @@ import torch.distributed.autograd as torch_autograd
 import torch.distributed.optim as torch_optim
 import torch.distributed.rpc as torch_rpc
 
-from _common import _fmt, machine_line, median, table
+from _common import _fmt, before_fork, machine_line, median, table
 from tdist.testing import RankTimeoutError, free_port, run_processes
 
 IMPLS = ("torch", "tdist")
@@ -119,6 +119,7 @@ def main() -> None:
         order = impls[r % len(impls) :] + impls[: r % len(impls)]
         for _, metric, _, _ in METRICS:
             for impl in order:
+                before_fork()
                 try:
                     res = run_processes(pair_main, 2, impl, free_port(), metric, args.steps, timeout=args.timeout, grace=5.0)[0]
                 except RankTimeoutError as exc:

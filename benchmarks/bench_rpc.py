@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 import torch.distributed.rpc as torch_rpc
 
-from _common import _fmt, machine_line, median, table
+from _common import _fmt, before_fork, machine_line, median, table
 from tdist.testing import RankTimeoutError, free_port, run_processes
 
 MiB = 1 << 20
@@ -212,6 +212,7 @@ def pair_main(
 
 def run_pair(impl: str, metric: str, cfg: dict[str, int], timeout: float) -> dict[str, float]:
     barrier = mp.get_context("fork").Barrier(2)
+    before_fork()
     res = run_processes(
         pair_main, 2, impl, free_port(), metric, cfg, barrier, timeout=timeout, grace=5.0
     )
