@@ -16,13 +16,37 @@ def join(parts: list[memoryview]) -> bytearray:
     return bytearray(b"".join(bytes(p) for p in parts))
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]
-)
+DTYPES = [
+    torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.uint16, torch.uint32, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # (float8 and the wider unsigned types lack torch.equal on CPU: compare their bytes)
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.reshape(-1).view(torch.uint8).numpy()) == bytes(b.reshape(-1).view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_tensors_roundtrip_every_dtype(dtype: torch.dtype) -> None:
     t = (torch.arange(24) % 5).to(dtype).reshape(2, 3, 4)
-    out = loads(join(dumps({"t": t, "n": 3})))
-    assert out["n"] == 3 and out["t"].dtype == dtype and torch.equal(out["t"], t)
+    out = loads(join(dumps({"t": t, "n": 3, "scalar": t[1, 2, 3], "empty": t[:0]})))
+    assert out["n"] == 3 and same(out["t"], t)
+    assert out["scalar"].shape == () and same(out["scalar"], t[1, 2, 3])
+    assert out["empty"].shape == (0, 3, 4) and out["empty"].dtype == dtype
+
+
+def test_received_tensors_view_the_buffer_even_unaligned() -> None:
+    # a tensor's bytes may start at any offset of the received buffer: it still views them
+    # (no copy), writable, with the values sent
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    data = join(dumps((b"x", t)))
+    shifted = bytearray(1) + data
+    _, out = loads(memoryview(shifted)[1:])
+    assert torch.equal(out, t)
+    out += 1  # writable: it is the buffer's memory
+    _, again = loads(memoryview(shifted)[1:])
+    assert torch.equal(again, t + 1)
 
 
 def test_views_empty_grad_and_numpy() -> None:

@@ -20,6 +20,7 @@ import struct
 import threading
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from .._core.errors import RemoteProtocolError
@@ -32,12 +33,29 @@ _LEN = struct.Struct("<Q")
 _COPY_MAX = 1 << 16  # pickles up to this size are copied out of a reused stream
 
 
-def _rebuild_tensor(buf: Any, dtype: torch.dtype, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+# dtypes travel by name (a short string pickles faster than torch's dtype object, which pickle
+# saves as a global); those numpy shares are rebuilt through numpy, the fastest way to wrap bytes
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_NAMES = {d: name for name, d in _DTYPES.items()}
+_NUMPY = {
+    name: np.dtype(name)
+    for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64", "complex128")
+}
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
     raw = buf.raw() if isinstance(buf, pickle.PickleBuffer) else memoryview(buf)
-    if raw.nbytes == 0:
-        t = torch.empty(shape, dtype=dtype)
+    npd = _NUMPY.get(dtype)
+    if raw.nbytes and npd is not None:
+        t = torch.from_numpy(np.frombuffer(raw, dtype=npd).reshape(shape))
     else:
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+        tdt = _DTYPES.get(dtype)
+        if tdt is None:
+            raise RemoteProtocolError(f"unknown tensor dtype {dtype!r} (sent by a different torch?)")
+        if raw.nbytes == 0:
+            t = torch.empty(shape, dtype=tdt)
+        else:
+            t = torch.frombuffer(raw, dtype=torch.uint8).view(tdt).reshape(shape)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -47,7 +65,7 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     # plain CPU tensors travel as raw bytes beside the pickle (subclasses such as nn.Parameter
     # match no entry of the dispatch table and keep torch's own reduction, as do sparse,
     # quantized and non-CPU tensors here)
-    if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
+    if obj.layout != torch.strided or obj.is_quantized or not obj.is_cpu:
         return cast(Any, obj).__reduce_ex__(5)
     t = obj.detach() if obj.requires_grad else obj
     if not t.is_contiguous():
@@ -59,7 +77,7 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
             raw = t.numpy()  # a contiguous array: its buffer is the tensor's memory
         except TypeError:  # a dtype numpy lacks (bfloat16, ...): view the bytes
             raw = t.reshape(-1).view(torch.uint8).numpy()
-    return (_rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape), obj.requires_grad and obj.is_leaf))
+    return (_rebuild_tensor, (pickle.PickleBuffer(raw), _NAMES[obj.dtype], tuple(obj.shape), obj.requires_grad and obj.is_leaf))
 
 
 # consulted by exact type, in C: no Python call for the objects that are not tensors
