@@ -67,6 +67,7 @@ def _victim_fails(w: Worker) -> dict[str, Any] | None:
         with forked_worker(serve) as pid:
             w.shared["victim_pid"].value = pid
             w.barrier()  # everyone is initialized
+            w.barrier()  # every caller has had its answers
             w.barrier()  # the calls to the victim are pending; it is hit now
             w.barrier()  # everyone has observed
         return None
@@ -77,6 +78,9 @@ def _victim_fails(w: Worker) -> dict[str, Any] | None:
     assert rpc.rpc_sync(victim, f.whoami) == victim
     rref = rpc.remote(victim, f.add, args=(1, 2))
     assert rref.to_here() == 3
+    # the pending calls below hold the victim's workers (the process-group agent has only
+    # num_send_recv_threads=4 of them): a slow rank's answered calls must not queue behind them
+    w.barrier()
     pending = rpc.rpc_async(victim, f.sleep_then, args=(300, "never"), timeout=0)
     pending_rref = rpc.remote(victim, f.sleep_then, args=(300, "never"), timeout=0)
     time.sleep(0.3)  # the requests have arrived
