@@ -78,6 +78,28 @@ def test_device_maps_naming_unknown_workers_fail_init_on_every_worker() -> None:
     assert run(_bad_device_map, "tensorpipe", world_size=2, init=False, timeout=30) == [True, True]
 
 
+def _bad_device_map_slow_reader(w: Worker) -> Any:
+    if w.rank == 1:  # reads the group's records late: worker0, which hosts the store, fails first
+        import time
+
+        from tdist.store._tcp import TCPStore
+
+        multi_get = TCPStore.multi_get
+
+        def late_multi_get(self: Any, keys: Any) -> Any:
+            time.sleep(0.5)
+            return multi_get(self, keys)
+
+        TCPStore.multi_get = late_multi_get  # type: ignore[method-assign]
+    return _bad_device_map(w)
+
+
+@pytest.mark.skipif(TORCH, reason="patches tdist's store")
+def test_a_failed_init_keeps_the_store_up_until_every_worker_has_read() -> None:
+    # found under load: worker1 got "connection reset" from the store instead of the ValueError
+    assert run(_bad_device_map_slow_reader, "tensorpipe", world_size=2, init=False, timeout=30) == [True, True]
+
+
 def _out_of_range(w: Worker) -> Any:
     opts = w.options()
     opts.set_device_map(w.peer(), {0: 1})  # no GPU here: device indices are out of range

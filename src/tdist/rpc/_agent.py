@@ -273,6 +273,7 @@ class RpcAgent:
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
         self.store: Any = None  # the group's store (set by subclasses)
         self._prefix = "rpc"  # where this group's keys live in it
+        self._gathered: tuple[str, int] | None = None  # the last gather: (what, world_size)
         from ._rref import RRefContext
 
         self.rref_ctx: Any = RRefContext(self)
@@ -712,7 +713,23 @@ class RpcAgent:
         except (DistStoreError, TimeoutError) as exc:
             missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
             raise RuntimeError(f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)") from exc
-        return list(self.store.multi_get(keys))
+        values = list(self.store.multi_get(keys))
+        # read: a worker whose init_rpc fails after this (an invalid device map, a name used
+        # twice: every worker fails alike) waits for the others' reads before it leaves, so
+        # that the store it may host stays up until they have what they need to fail alike
+        self.store.set(f"{self._prefix}/{what}/read/{self.rank}", "")
+        self._gathered = (what, world_size)
+        return values
+
+    def linger_after_gather(self, timeout: float = 5.0) -> None:
+        """On a failed ``init_rpc``: wait (at most ``timeout`` s) until every worker has read the
+        last ``gather``, so that a store this process hosts outlives their reads."""
+        if self._gathered is None:
+            return
+        what, world_size = self._gathered
+        keys = [f"{self._prefix}/{what}/read/{i}" for i in range(world_size)]
+        with contextlib.suppress(Exception):
+            self.store.wait(keys, timedelta(seconds=timeout))
 
     def add_workers(self, names: list[str]) -> None:
         """Register the static group's workers (id = index).

@@ -149,6 +149,7 @@ class ProcessGroupAgent(RpcAgent):
         except BaseException:
             if current_agent(required=False) is self:
                 set_current_agent(None)
+            self.linger_after_gather()
             self.stop(graceful=False)
             raise
 

@@ -93,6 +93,7 @@ class TensorPipeAgent(RpcAgent):
             self._joined.set()
         except BaseException:
             set_current_agent(None)
+            self.linger_after_gather()
             self.stop(graceful=False)
             raise
 
