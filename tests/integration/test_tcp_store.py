@@ -277,11 +277,14 @@ def test_client_retries_until_server_starts() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     holder: list[dist.TCPStore] = []
-    threading.Timer(0.3, lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True))).start()
+    starter = threading.Timer(0.3, lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True)))
+    starter.start()
     client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
     client.set("x", "1")
     assert client.get("x") == b"1"
     client.close()
+    # the server may be serving before its constructor has returned
+    starter.join(timeout=10)
     holder[0].close()
 
 
