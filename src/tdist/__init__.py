@@ -200,3 +200,17 @@ __all__ += [
     "set_debug_level_from_env",
     "supports_complex",
 ]
+
+from . import distributed_c10d as distributed_c10d  # noqa: E402  (torch's module path; needs the names above)
+
+_SUBMODULES = ("autograd", "elastic", "optim", "rpc")
+
+
+def __getattr__(name: str) -> object:
+    """``dist.rpc``, ``dist.autograd``, ``dist.optim``, ``dist.elastic`` without importing them
+    first (torch's package has them loaded); imported on first use."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,12 @@ from ._context import (
     get_gradients,
 )
 
+
+def is_available() -> bool:
+    """True: distributed autograd is always built here (torch's ``is_available``)."""
+    return True
+
+
 __all__ = [
     "DistAutogradContext",
     "_current_context",
@@ -38,4 +44,5 @@ __all__ = [
     "backward",
     "context",
     "get_gradients",
+    "is_available",
 ]

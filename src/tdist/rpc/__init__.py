@@ -23,7 +23,14 @@ from ._api import (
 from ._errors import RemoteError
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
 from ._rref import RRef
-from .backend_registry import BackendType
+from .backend_registry import (
+    BackendType,
+    BackendValue,
+    backend_registered,
+    construct_rpc_backend_options,
+    init_backend,
+    register_backend,
+)
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 # the agents load with the package (as torch's do), not inside the first init_rpc
@@ -34,6 +41,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "UNSET_RPC_TIMEOUT",
     "BackendType",
+    "BackendValue",
     "ProcessGroupRpcBackendOptions",
     "RRef",
     "RemoteError",
@@ -42,12 +50,16 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "api",
+    "backend_registered",
     "backend_registry",
+    "construct_rpc_backend_options",
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
+    "init_backend",
     "init_rpc",
     "is_available",
+    "register_backend",
     "remote",
     "rpc_async",
     "rpc_sync",

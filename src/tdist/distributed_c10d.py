@@ -1,0 +1,39 @@
+"""``tdist.distributed_c10d``: the module path of ``torch.distributed.distributed_c10d``.
+
+Code that imports from torch's module (``from torch.distributed.distributed_c10d import
+ProcessGroup``, ``dist.distributed_c10d._get_default_group()``) ports by changing the package
+name. The names are the same objects as ``tdist``'s.
+"""
+
+from __future__ import annotations
+
+from . import *  # noqa: F403  (the module-level c10d API, by design)
+from . import __all__ as _public
+from .c10d._api import _all_gather_base, _default_group, _not_member, _reduce_scatter_base
+from .c10d._group import ProcessGroup
+
+__all__ = list(_public)
+
+
+def _get_default_group() -> ProcessGroup:
+    """The default process group (torch's private helper, widely used).
+
+    Raises:
+        ValueError: the default group is not initialized (torch's error type).
+    """
+    return _default_group()
+
+
+def _rank_not_in_group(group: object) -> bool:
+    """True when ``group`` is the placeholder a non-member holds (``GroupMember.NON_GROUP_MEMBER``);
+    None (the default group) is never that."""
+    return group is not None and _not_member(group)
+
+
+__all_private__ = [
+    "_all_gather_base",
+    "_get_default_group",
+    "_rank_not_in_group",
+    "_reduce_scatter_base",
+]
+_ = (_all_gather_base, _reduce_scatter_base)

@@ -1,0 +1,73 @@
+"""Code written for torch.distributed ports by changing its imports: every public name of
+torch's modules that tdist covers exists in tdist's module of the same path."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+# torch names outside tdist's scope (device meshes, DDP's reducer, newer group surgery, ZeRO,
+# torch's internal helpers), each with the reason
+NOT_COVERED = {
+    "torch.distributed": {
+        "BuiltinCommHookType", "GradBucket", "Reducer", "Logger",  # DDP internals
+        "DeviceMesh", "init_device_mesh", "device_mesh",  # device meshes
+        "GroupName", "split_group", "shrink_group", "record_comm", "ProcessGroupGloo",
+        "breakpoint", "algorithms", "c10d_logger", "config", "constants", "logging_handlers",
+        "remote_device", "utils", "RankType",
+        "log", "logging", "sys", "timedelta", "torch", "traceback", "typing",  # torch's own imports
+    },
+    "torch.distributed.distributed_c10d": {"GroupName", "split_group", "shrink_group", "record_comm", "ProcessGroupGloo"},
+    "torch.distributed.rpc": {"AllGatherStates", "method_factory", "new_method"},  # api internals
+    "torch.distributed.optim": {"as_functional_optim", "PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"},
+}
+
+PAIRS = [
+    ("torch.distributed", "tdist"),
+    ("torch.distributed.distributed_c10d", "tdist.distributed_c10d"),
+    ("torch.distributed.rpc", "tdist.rpc"),
+    ("torch.distributed.rpc.backend_registry", "tdist.rpc.backend_registry"),
+    ("torch.distributed.rpc.functions", "tdist.rpc.functions"),
+    ("torch.distributed.autograd", "tdist.autograd"),
+    ("torch.distributed.optim", "tdist.optim"),
+]
+
+
+@pytest.mark.parametrize(("theirs", "ours"), PAIRS, ids=[p[1] for p in PAIRS])
+def test_torch_public_names_exist(theirs: str, ours: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_mod = importlib.import_module(theirs)
+    mod = importlib.import_module(ours)
+    names = getattr(torch_mod, "__all__", None) or [n for n in dir(torch_mod) if not n.startswith("_")]
+    missing = sorted(n for n in set(names) - NOT_COVERED.get(theirs, set()) if not hasattr(mod, n))
+    assert not missing, f"{ours} lacks {missing}"
+
+
+def test_distributed_c10d_private_helpers() -> None:
+    import tdist as dist
+    from tdist import distributed_c10d as c10d
+
+    assert dist.distributed_c10d is c10d
+    assert c10d.init_process_group is dist.init_process_group
+    assert c10d._rank_not_in_group(None) is False
+    assert c10d._rank_not_in_group(dist.GroupMember.NON_GROUP_MEMBER) is True
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        c10d._get_default_group()
+    store = dist.HashStore()
+    dist.init_process_group("tcp", store=store, rank=0, world_size=1)
+    try:
+        assert c10d._get_default_group() is dist.group.WORLD or c10d._get_default_group().size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rpc_and_autograd_helpers() -> None:
+    import tdist.autograd as autograd
+    import tdist.rpc as rpc
+
+    assert autograd.is_available() is True
+    assert rpc.register_backend is rpc.backend_registry.register_backend
+    assert rpc.BackendValue is rpc.backend_registry.BackendValue
