@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ else:
     import tdist.autograd as dist_autograd  # type: ignore[no-redef]
 
 _params: dict[str, torch.nn.Parameter] = {}
+gate: Any = None  # a multiprocessing Event a scenario sets on every worker (``gated``)
 
 
 def mul_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -42,6 +44,44 @@ class _Explode(torch.autograd.Function):
 
 def explode_in_backward(x: torch.Tensor) -> torch.Tensor:
     return _Explode.apply(x) * 2  # type: ignore[no-untyped-call]
+
+
+class _Slow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return g, None
+
+
+def slow(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """``x``, whose backward takes ``seconds``."""
+    return _Slow.apply(x, seconds)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def slow_mul_add(a: torch.Tensor, b: torch.Tensor, seconds: float) -> torch.Tensor:
+    return slow(a * b + a, seconds)
+
+
+class _Gated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if not gate.wait(30):
+            raise RuntimeError("the gate was never opened")
+        return g
+
+
+def gated(x: torch.Tensor) -> torch.Tensor:
+    """``x``, whose backward waits until ``gate`` is set."""
+    return _Gated.apply(x)  # type: ignore[no-untyped-call,no-any-return]
 
 
 def make_param(name: str, seed: int) -> torch.nn.Parameter:

@@ -7,6 +7,8 @@ would. ``TDIST_RPC_TEST_IMPL=torch`` runs the same scenarios on torch.distribute
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 import time
 from typing import Any
 
@@ -84,6 +86,64 @@ def test_gradients_through_chains_of_rpcs_match_local_autograd(backend: str) -> 
     assert out["async_twice"]
     assert out["remote"]
     assert out["rref_backward"] and out["rref_local"]
+
+
+def _two_passes(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    f.gate = w.shared["gate"]
+    if w.rank == 0:
+        a = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        x, y = torch.ones(1, requires_grad=True), torch.ones(1, requires_grad=True)
+        # made before the replies, so local autograd runs them after the recv functions (it
+        # runs the newest ready node first): each pass sleeps here after sending on
+        sx, sy = f.slow(x, 0.4), f.slow(y, 0.8)
+        with dist_autograd.context() as cid:
+            r1 = rpc.rpc_sync(w.peer(1), f.gated, args=(a,))  # its backward waits for the gate
+            r2 = rpc.rpc_sync(w.peer(2), f.slow_mul_add, args=(a, b, 1.5))  # its backward is slow
+            errors: list[BaseException] = []
+
+            def pass_(loss: torch.Tensor) -> None:
+                try:
+                    dist_autograd.backward(cid, [loss])
+                except BaseException as exc:
+                    errors.append(exc)
+
+            first = threading.Thread(target=pass_, args=(r1.sum() + sx.sum(),))
+            second = threading.Thread(target=pass_, args=(r2.sum() + sy.sum(),))
+            first.start()
+            time.sleep(0.1)  # the first pass has sent its gradients to worker1 and sleeps
+            second.start()
+            second.join(20)
+            # the second pass returned only when the gradients it sent on were carried through
+            # (it did not take the first pass's send, nor leave its own to the first pass)
+            out["second_done"] = not second.is_alive()
+            grads = dist_autograd.get_gradients(cid)
+            out["second_grads"] = b in grads and torch.allclose(grads[b], a.detach())
+            out["first_waits"] = first.is_alive()
+            w.shared["gate"].set()
+            first.join(20)
+            out["first_done"] = not first.is_alive()
+            grads = dist_autograd.get_gradients(cid)
+            out["all_grads"] = torch.allclose(grads[a], b.detach() + 2)
+            out["errors"] = [repr(e) for e in errors]
+    w.barrier()
+    return out
+
+
+def test_a_pass_waits_for_its_own_sends_while_another_runs_in_the_same_context(backend: str) -> None:
+    # (a backward that took another pass's sends as its own once deadlocked: the poller that
+    # ran a worker's gradients waited for a reply that waited for that very poller)
+    gate = multiprocessing.get_context("fork").Event()
+    out = run(_two_passes, backend, world_size=3, shared={"gate": gate})[0]
+    assert out == {
+        "second_done": True,
+        "second_grads": True,
+        "first_waits": True,
+        "first_done": True,
+        "all_grads": True,
+        "errors": [],
+    }
 
 
 def _errors(w: Worker) -> dict[str, Any]:

@@ -49,7 +49,6 @@ class DistAutogradContext:
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
         self.sends: dict[int, list[torch.Tensor]] = {}  # autograd message id -> sent tensors
         self.peers: set[int] = set()  # workers this context reached
-        self.pending: list[tuple[int, Any]] = []  # (worker, future) of gradients sent on in a backward pass
 
     def _context_id(self) -> int:
         return self.id
@@ -207,10 +206,13 @@ class _Recv(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         context_id, src, msg_id = ctx.route
-        dctx = _retrieve_context(context_id)
+        _retrieve_context(context_id)  # raises when the context is gone
         fut = _internal_call(src, _backward_from_send, (context_id, msg_id, list(grads)))
-        with dctx.lock:
-            dctx.pending.append((src, fut))
+        sent = getattr(_tls, "sent", None)
+        if sent is not None:
+            sent.append((src, fut))
+        else:  # not inside _run_backward's autograd call in this thread: wait here
+            _wait_all([(src, fut)])
         return (None, None, None, None, *([None] * len(grads)))
 
 
@@ -360,22 +362,30 @@ def _run_backward(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: li
     """Autograd from ``roots`` here (leaf gradients into ``ctx``), then wait for the gradients it
     sent on to other workers to be carried through there."""
     inputs = _leaves(roots)
-    with ctx.lock:
-        mark = len(ctx.pending)
+    # The gradients this pass sends on are this pass's to wait for: another thread may run a
+    # backward in the same context meanwhile (a worker's gradients coming back while its own
+    # pass still runs), and waiting for that pass's sends could wait for ourselves.
+    outer = getattr(_tls, "sent", None)
+    sent: list[tuple[int, Any]] = []
+    _tls.sent = sent
     try:
         computed = torch.autograd.grad(roots, inputs, grads, retain_graph=retain_graph, allow_unused=True)
     finally:
-        with ctx.lock:
-            mine = ctx.pending[mark:]
-            del ctx.pending[mark:]
+        _tls.sent = outer
     for leaf, g in zip(inputs, computed, strict=True):
         if g is not None and not getattr(leaf, "_tdist_recv_marker", False):
             ctx.accumulate(leaf, g)
+    _wait_all(sent)
+
+
+def _wait_all(sent: list[tuple[int, Any]]) -> None:
+    """Wait for the gradients sent on to be carried through on their workers; raises the
+    first error."""
     from ..rpc._agent import current_agent
 
     agent = current_agent(required=False)
     errors = []
-    for dst, fut in mine:
+    for dst, fut in sent:
         try:  # the agent reads the reply in this thread where it can (no hand-off)
             agent.wait(fut, dst, None) if agent is not None else fut.wait()
         except Exception as exc:
