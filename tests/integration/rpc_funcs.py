@@ -337,6 +337,11 @@ class Tracked:
             _live.discard(self.tag)
 
 
+def tracked_after(seconds: float, tag: str) -> Tracked:
+    time.sleep(seconds)
+    return Tracked(tag)
+
+
 def is_alive(tag: str) -> bool:
     import gc
 

@@ -144,3 +144,52 @@ def _same_port_twice(w: Worker) -> Any:
 
 def test_init_shutdown_twice_on_the_same_address(backend: str) -> None:
     assert run(_same_port_twice, backend, world_size=2, init=False, timeout=40) == [True, True]
+
+
+_EXIT_SCRIPT = """
+import os, sys, time, tdist.rpc as rpc
+rank, port, backend, flag = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+opts = (rpc.TensorPipeRpcBackendOptions if backend == "tensorpipe" else rpc.ProcessGroupRpcBackendOptions)(
+    init_method=f"tcp://127.0.0.1:{port}")
+rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+if rank == 0:
+    assert rpc.rpc_sync("worker1", max, args=(1, 2)) == 2
+    open(flag, "w").close()
+else:
+    end = time.monotonic() + 30
+    while not os.path.exists(flag) and time.monotonic() < end:
+        time.sleep(0.01)
+rpc.shutdown(graceful=False)
+print("left", rank, flush=True)
+"""
+
+
+def test_processes_exit_after_a_non_graceful_shutdown(backend: str, tmp_path: Any) -> None:
+    # (the interpreter's exit closed the rendezvous store, whose last check waited for a store
+    # server thread that no longer ran at exit: both processes hung there)
+    import subprocess
+    import sys
+    import time
+
+    from tdist.testing import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, str(r), port, backend, str(tmp_path / "called")],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 40
+    try:
+        for p in procs:
+            p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        alive = [p.poll() is None for p in procs]
+        for p in procs:
+            p.kill()
+        outputs = [p.communicate()[0] for p in procs]
+    assert alive == [False, False], outputs
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all(f"left {r}" in out for r, out in enumerate(outputs)), outputs

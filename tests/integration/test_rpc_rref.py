@@ -227,6 +227,40 @@ def test_to_here_timeout_error_names_the_owner(backend: str) -> None:
         assert all(f"worker{1 - rank}" in m for m in messages), messages
 
 
+def _timed_out_remote(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        p = w.peer()
+        rref = rpc.remote(p, f.tracked_after, args=(0.8, "late"), timeout=0.2)
+        time.sleep(0.4)
+        try:
+            rref.to_here()
+        except RuntimeError as exc:  # (not pytest.raises: it would keep the RRef alive)
+            out["error"] = str(exc)
+        del rref  # the owner made the value all the same, and holds our fork: it must go
+        t0 = time.monotonic()
+        while rpc.rpc_sync(p, f.is_alive, args=("late",)) is False and time.monotonic() - t0 < 3:
+            time.sleep(0.05)  # (made 0.8 s after the request)
+        while rpc.rpc_sync(p, f.is_alive, args=("late",)) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        out["deleted"] = not rpc.rpc_sync(p, f.is_alive, args=("late",))
+        rpc.remote(p, f.sleep_then, args=(0.8, 1), timeout=0.2)  # dropped at once, still running
+    w.barrier()
+    t0 = time.monotonic()
+    w.shutdown()
+    out["shutdown_s"] = time.monotonic() - t0
+    return out
+
+
+def test_a_timed_out_remote_value_is_deleted_when_its_late_reply_comes(backend: str) -> None:
+    # (the owner registers the creator's fork when the request arrives: the creator's user
+    # reference is confirmed by the late reply and then deleted; it once stayed forever and
+    # held graceful shutdown for 10 s)
+    out = run(_timed_out_remote, backend, world_size=2, init=True)
+    assert out[0]["deleted"] is True
+    assert all(o["shutdown_s"] < 4.0 for o in out), out
+
+
 def _rrefs_after_reinit(w: Worker) -> None:
     w.shutdown()
     w.init(port=w.shared["second_port"])

@@ -253,6 +253,9 @@ class RpcAgent:
         self._by_name: dict[str, WorkerInfo] = {name: self.info}
         self._lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
+        # calls that timed out while their request was out: their reply handlers still wait
+        # for the real outcome (a remote()'s owner made the value and holds a fork for us)
+        self._late: dict[int, tuple[int, Callable[[Any, BaseException | None], None]]] = {}
         self._ids = itertools.count(1)
         # the earliest deadline of a pending call (a lower bound: calls that completed may
         # have had it); the timer thread sleeps until then, then scans what is pending
@@ -382,6 +385,9 @@ class RpcAgent:
         except BaseException as exc:
             with self._lock:
                 mine = self._pending.pop(tag, None) is not None  # else a failure or timeout did it
+                late = self._late.pop(tag, None)
+            if late is not None:  # it timed out while being sent, and never went out
+                self._late_reply(late[1], None, self._timeout_error(call))
             if isinstance(exc, (DistError, OSError)):
                 if mine:
                     err: BaseException
@@ -429,11 +435,20 @@ class RpcAgent:
                     self._timer_cv.wait(min(1.0, self._soonest - now))
                     continue
                 expired = [(t, c) for t, c in self._pending.items() if c.deadline is not None and c.deadline <= now]
-                for t, _ in expired:
+                for t, c in expired:
                     del self._pending[t]
+                    if c.on_reply is not None:  # the caller gives up; the handler hears the end
+                        self._late[t] = (c.dst, c.on_reply)
+                        c.on_reply = None
                 self._soonest = min((c.deadline for c in self._pending.values() if c.deadline is not None), default=math.inf)
             for _, call in expired:
                 self._finish(call, None, self._timeout_error(call))
+
+    def _late_reply(self, handler: Callable[[Any, BaseException | None], None], value: Any, exc: BaseException | None) -> None:
+        try:
+            handler(value, exc)
+        except Exception:
+            log.exception("%s: late reply handler failed", self.label)
 
     def _timeout_error(self, call: _Call) -> RpcTimeoutError:
         return RpcTimeoutError(
@@ -454,8 +469,11 @@ class RpcAgent:
         if kind in _REPLIES:
             with self._lock:
                 call = self._pending.pop(tag, None)
+                late = self._late.pop(tag, None) if call is None else None
             if call is None:
-                return  # it timed out already
+                if late is not None:  # it timed out already; its handler hears the outcome
+                    self._late_reply(late[1], None, None if kind == MsgKind.REPLY_OK else RuntimeError("the request failed"))
+                return
             try:
                 body = self._decode(src, decode)
             except BaseException as exc:
@@ -692,8 +710,13 @@ class RpcAgent:
             calls = [(t, c) for t, c in self._pending.items() if c.dst == peer]
             for t, _ in calls:
                 del self._pending[t]
+            late = [(t, h) for t, (dst, h) in self._late.items() if dst == peer]
+            for t, _ in late:
+                del self._late[t]
         for _, c in calls:
             self._finish(c, None, PeerError(f"{err} (while waiting for {c.what})", peer=peer))
+        for _, h in late:
+            self._late_reply(h, None, PeerError(str(err), peer=peer))
         if peer != self.rank:
             self.rref_ctx.run(self.rref_ctx.proto.peer_failed, peer)
         if graceful and self.world_size is None:
@@ -801,6 +824,7 @@ class RpcAgent:
             self._closed = True
             calls = list(self._pending.values())
             self._pending.clear()
+            self._late.clear()
             self._timer_cv.notify_all()
         err = RuntimeError(f"{self.label}: RPC agent shut down before a reply came")
         for c in calls:

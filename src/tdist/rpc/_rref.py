@@ -16,6 +16,7 @@ is a fork. Unpickling makes an owner object on the owner and a user object anywh
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import queue
 import threading
@@ -338,7 +339,9 @@ class RRef:
         if cf is not None and cf.done():
             exc = _future_error(cf)
             if isinstance(exc, (RpcTimeoutError, PeerError)):
-                raise exc
+                # a copy: the stored error raised here would keep this frame, and so this
+                # RRef, alive through its traceback (a cycle that holds the owner's value)
+                raise copy.copy(exc).with_traceback(None) from None
         reason = self._agent.rref_ctx.lost.get(self._rref_id)
         if reason is not None:
             raise PeerError(
@@ -468,9 +471,12 @@ def _value_type(rref: RRef) -> Any:
 
 
 def _future_error(fut: Any) -> BaseException | None:
+    """The error ``fut`` (done) holds, or None. The future keeps the error: its traceback is
+    cleared, or it would keep the caller's frames (an RRef and its owner's value) alive."""
     try:
         fut.wait()
     except BaseException as exc:
+        exc.__traceback__ = None
         return exc
     return None
 
@@ -521,10 +527,12 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
         ctx.users[fork_id] = weakref.ref(obj)
 
     def on_reply(value: Any, exc: BaseException | None) -> None:
+        # (a request that timed out after it went out is confirmed by its late reply: the
+        # owner registered our fork and deletes the value when we let go)
         if isinstance(exc, PeerError):
             return  # the protocol hears of the lost peer itself
         if isinstance(exc, RpcTimeoutError):
-            ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)
+            ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)  # it never went out
             return
         ctx.run(ctx.proto.confirm, fork_id)
 

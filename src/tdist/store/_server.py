@@ -28,6 +28,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from collections import deque
@@ -349,7 +350,8 @@ class StoreServer:
                 os.close(self._control_w)
             self._control_w = None
         if self._thread is not None:
-            self._thread.join(timeout)
+            if not sys.is_finalizing():  # (at interpreter exit a daemon thread runs no more)
+                self._thread.join(timeout)
             self._thread = None
         elif self._pid is not None:
             pid, self._pid = self._pid, None

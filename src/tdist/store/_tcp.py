@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 _INIT_KEY = "init/"
 # how long past a blocking request's own timeout the client waits for the server's answer
 _GRACE = 5.0
+_CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
 _ADD_HEAD = struct.Struct("<IBII")  # an ADD frame's header and key length
@@ -348,9 +350,11 @@ class TCPStore(Store):
         """One request/reply. ``wait`` is the server-side timeout of a blocking request."""
         return self._call_frame(op, encode_frame(op, fields), wait)
 
-    def _call_frame(self, op: Op, frame_bytes: bytes, wait: float | None = None) -> list[bytes]:
-        """``_call`` of a request already encoded."""
-        io_timeout = self._timeout.total_seconds() if wait is None else wait + _GRACE
+    def _call_frame(self, op: Op, frame_bytes: bytes, wait: float | None = None, io_timeout: float | None = None) -> list[bytes]:
+        """``_call`` of a request already encoded (``io_timeout``: the most seconds to wait for
+        the reply, instead of the store's timeout)."""
+        if io_timeout is None:
+            io_timeout = self._timeout.total_seconds() if wait is None else wait + _GRACE
         deferred: DistError | None = None
         with self._lock:
             sock = self._sock
@@ -709,10 +713,11 @@ class TCPStore(Store):
         """Close the connection; a master also stops its server (when no tenant shares it)."""
         if self._closed:
             return
-        if self._quiet_sent and self._sock is not None and self._pid == os.getpid():
-            # make sure the server has taken every set before we go; report what failed
+        if self._quiet_sent and self._sock is not None and self._pid == os.getpid() and not sys.is_finalizing():
+            # make sure the server has taken every set before we go; report what failed (not
+            # at interpreter exit: a server thread of this process no longer runs then)
             try:
-                self._call(Op.PING, ())
+                self._call_frame(Op.PING, encode_frame(Op.PING, ()), io_timeout=min(self._timeout.total_seconds(), _CLOSE_PING))
             except DistError as exc:
                 log.warning("TCPStore client for %s: while closing: %s", self._addr, exc)
         self._closed = True
