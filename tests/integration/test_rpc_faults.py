@@ -150,6 +150,65 @@ def test_stopped_callee_fails_pending_calls_by_heartbeat(backend: str) -> None:
         _check_survivors(backend, out)
 
 
+# -- graceful shutdown ------------------------------------------------------------------------
+
+
+def _late_to_shutdown(w: Worker) -> float:
+    if w.rank == 1:
+        time.sleep(2.5)  # longer than the RPC timeout: shutdown waits all the same (as torch)
+    t0 = time.monotonic()
+    in_thread(w.shutdown, 20)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graceful_shutdown_waits_for_a_late_worker_beyond_the_rpc_timeout(backend: str) -> None:
+    took = run(_late_to_shutdown, backend, world_size=2, rpc_timeout=1.0)
+    assert took[0] > 2.0 and took[1] < 2.0, took
+
+
+def _lost_before_shutdown(w: Worker) -> dict[str, Any] | None:
+    sig = w.shared["signal"]
+    if w.rank == VICTIM:
+        def serve() -> None:
+            w.init()
+            time.sleep(300)
+
+        with forked_worker(serve) as pid:
+            w.shared["victim_pid"].value = pid
+            w.barrier()
+            w.barrier()
+        return None
+    w.init()
+    w.barrier()  # everyone is initialized
+    if w.rank == 0:
+        os.kill(w.shared["victim_pid"].value, sig)
+    t0 = time.monotonic()
+    try:
+        in_thread(w.shutdown, 30)
+        error = None
+    except Exception as exc:
+        error = _describe(exc)
+    took = time.monotonic() - t0
+    w.initialized = False  # a failed graceful shutdown stops the agent all the same
+    w.barrier()
+    return {"took": took, "error": error}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graceful_shutdown_fails_naming_a_worker_lost_before_it(backend: str, sig: int) -> None:
+    # (it waits without limit for workers that live, as torch's: never for a dead one)
+    import multiprocessing
+
+    shared = {"signal": sig, "victim_pid": multiprocessing.get_context("fork").Value("i", 0)}
+    outs = run(_lost_before_shutdown, backend, world_size=3, init=False, env=HEARTBEAT_ENV,
+               shared=shared, timeout=50)
+    for out in [o for o in outs if o is not None]:
+        assert out["error"] is not None and name(VICTIM) in out["error"]["text"], out
+        assert out["took"] < STALL_TIMEOUT + 5, out
+
+
 # -- dynamic membership ------------------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ __all__ = ["CallText", "LazyText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", 
 
 log = logging.getLogger(__name__)
 
+_BARRIER_STEP = 0.5  # seconds a shutdown barrier waits on the store between looks at the missing
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-:]+$")
 _MAX_NAME = 128
 
@@ -770,22 +771,41 @@ class RpcAgent:
 
     # -- shutdown -------------------------------------------------------------------------------
     # (barriers use ``self.store`` and ``self._prefix``, which subclasses set)
-    def barrier(self, name: str, timeout: float) -> None:
+    def barrier(self, name: str, timeout: float | None) -> None:
         """Wait until every worker of the static group has reached ``name`` (through the store).
+        With ``timeout`` None it waits as long as the missing workers live (torch's shutdown
+        waits without limit); a worker that died or stalls fails it within seconds.
 
         Raises:
-            DistTimeoutError: naming the workers that did not arrive.
+            DistTimeoutError: naming the workers that did not arrive in time.
+            PeerError: a worker that did not arrive is lost (naming it).
         """
         assert self.world_size is not None
         key = f"{self._prefix}/{name}"
         self.store.set(f"{key}/{self.rank}", "1")
         if self.store.add(key, 1) >= self.world_size:
             self.store.set(f"{key}/done", "1")
-        try:
-            self.store.wait([f"{key}/done"], timedelta(seconds=timeout))
-        except (DistStoreError, TimeoutError) as exc:
-            missing = [self.describe(i) for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
-            raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {', '.join(missing)}") from exc
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _BARRIER_STEP if deadline is None else min(_BARRIER_STEP, deadline - time.monotonic())
+            try:
+                self.store.wait([f"{key}/done"], timedelta(seconds=max(0.01, step)))
+                return
+            except TimeoutError as exc:
+                missing = [i for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
+                for i in missing:
+                    lost = self._lost_peer(i)
+                    if lost is not None:
+                        raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} will never reach it: {lost}", peer=i) from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    names = ", ".join(self.describe(i) for i in missing)
+                    raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {names}") from exc
+
+    def _lost_peer(self, peer: int) -> PeerError | None:
+        """Why ``peer`` is known to be gone, or None while it may still come (a subclass may
+        look, e.g. by connecting to it, so that its heartbeats tell when it dies or stalls)."""
+        with self._lock:
+            return self._dead.get(peer)
 
     def release_store_host(self, timeout: float) -> None:
         """After the last barrier: the others say they are done with the store, and the worker

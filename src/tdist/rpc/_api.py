@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 # torch's switch: when False, shutdown raises if RRefs are still referenced (leaks)
 _ignore_rref_leak = True
+_STORE_RELEASE = 30.0  # seconds the store's host waits for the others to be done with it
 _init_lock = threading.Lock()
 _stores: list[Any] = []  # keep the rendezvous store (and a store server we host) alive
 
@@ -229,17 +230,20 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
 
     Args:
         graceful: see above.
-        timeout: seconds for the graceful phases (0: the agent's RPC timeout, or 60 s).
+        timeout: seconds for the graceful phases; 0 (the default) waits for the other workers
+            as long as they live (a worker that dies or stalls fails it within seconds).
 
     Raises:
         RuntimeError: RPC is not initialized; ``DistTimeoutError`` when other workers did not
-            reach shutdown in time; leaked RRefs when ``_ignore_rref_leak`` is False.
+            reach shutdown in time; ``PeerError`` when one of them was lost; leaked RRefs when
+            ``_ignore_rref_leak`` is False.
     """
     agent = _agent()
     try:
         if graceful:
-            seconds = timeout if timeout and timeout > 0 else (agent.rpc_timeout or 60.0)
-            leaks = _graceful(agent, seconds)
+            # torch's meaning: 0 (the default) waits for the other workers without limit (here,
+            # as long as they live: a lost worker fails it within seconds)
+            leaks = _graceful(agent, timeout if timeout and timeout > 0 else None)
             if leaks and not _ignore_rref_leak:
                 raise RuntimeError("Leaking RRefs at shutdown:\n" + "\n".join(leaks))
             if leaks:
@@ -285,14 +289,18 @@ def _stop_accepting(agent: RpcAgent) -> None:
             stop()
 
 
-def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
+def _graceful(agent: RpcAgent, seconds: float | None) -> list[str]:
     from ._rref import release_all, settle
 
-    deadline = time.monotonic() + seconds
+    deadline = None if seconds is None else time.monotonic() + seconds
+
+    def left() -> float | None:
+        return None if deadline is None else max(0.1, deadline - time.monotonic())
+
     agent.wait_outstanding(deadline)
     barrier = getattr(agent, "barrier", None)
     if agent.world_size is not None and barrier is not None:
-        barrier("shutdown-1", max(0.1, deadline - time.monotonic()))
+        barrier("shutdown-1", left())
     leaks = release_all(agent)
     settle(agent, deadline)
     agent.wait_outstanding(deadline)
@@ -301,8 +309,8 @@ def _graceful(agent: RpcAgent, seconds: float) -> list[str]:
             # the store's host: nobody connects anew from here on but a worker's next init_rpc
             # on this address, which must wait for the next store (not talk to this one)
             _stop_accepting(agent)
-        barrier("shutdown-2", max(0.1, deadline - time.monotonic()))
-        agent.release_store_host(max(0.1, deadline - time.monotonic()))
+        barrier("shutdown-2", left())
+        agent.release_store_host(left() or _STORE_RELEASE)
         _forget_store(agent)
     else:
         leave = getattr(agent, "leave_dynamic", None)

@@ -203,11 +203,12 @@ def release_all(agent: RpcAgent) -> list[str]:
         return [str(leak) for leak in ctx.proto.leaks() if leak.role == "user"]
 
 
-def settle(agent: RpcAgent, deadline: float) -> bool:
+def settle(agent: RpcAgent, deadline: float | None) -> bool:
     """Wait until nothing of the RRef protocol is in flight here (or the deadline)."""
     ctx: RRefContext = agent.rref_ctx
-    # bounded: a fork whose holder's remote() timed out is never deleted on its owner
-    deadline = min(deadline, time.monotonic() + _SETTLE_MAX)
+    # bounded: a remote() whose function never returns leaves its creator's user unconfirmed
+    limit = time.monotonic() + _SETTLE_MAX
+    deadline = limit if deadline is None else min(deadline, limit)
     while time.monotonic() < deadline:
         with ctx.lock:
             idle = ctx.proto.idle()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .._core import auth
+from .._core.errors import DistError, PeerError
 from ..transport import _serialization as ser
 from ..transport._endpoint import _advertised_address
 from ..transport._messenger import Messenger, Payload, PeerAddress
@@ -250,6 +251,18 @@ class TensorPipeAgent(RpcAgent):
         if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline):
             return
         super()._wait_reply(dst, fut, deadline)
+
+    def _lost_peer(self, peer: int) -> PeerError | None:
+        lost = super()._lost_peer(peer)
+        if lost is None and peer != self.rank:
+            try:  # connected, its heartbeats tell when it dies or stalls
+                self.messenger.connect(peer, time.monotonic() + self.messenger.stall_timeout)
+            except PeerError as exc:
+                return exc
+            except (DistError, OSError) as exc:  # it does not answer: stalled, or gone
+                return PeerError(f"{self.describe(peer)} could not be reached: {exc}", peer=peer)
+            return super()._lost_peer(peer)
+        return lost
 
     def _close_transport(self, graceful: bool) -> None:
         self.messenger.close()
