@@ -108,3 +108,47 @@ def context_released(context_id: int) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@rpc.functions.async_execution
+def async_mul_add(to: str, a: torch.Tensor, b: torch.Tensor) -> Any:
+    """``mul_add`` on ``to``, chained through a future (an ``async_execution`` function)."""
+    return rpc.rpc_async(to, mul_add, args=(a, b)).then(lambda f: f.wait() * 1)
+
+
+@rpc.functions.async_execution
+def async_square(x: torch.Tensor) -> Any:
+    fut: Any = torch.futures.Future()
+    fut.set_result(x * x)
+    return fut
+
+
+@rpc.functions.async_execution
+def not_a_future(x: Any) -> Any:
+    return x
+
+
+def fail_forward(message: str) -> None:
+    raise ValueError(message)
+
+
+def stage(x: torch.Tensor, hops: int, rank: int, world: int) -> torch.Tensor:
+    """``x`` through ``hops`` workers after this one (each multiplies by its own constant and
+    adds a sine): a chain of nested RPCs whose backward crosses them all."""
+    y = torch.sin(x) * (rank + 2)
+    if hops == 0:
+        return y
+    nxt = (rank + 1) % world
+    return rpc.rpc_sync(f"worker{nxt}", stage, args=(y, hops - 1, nxt, world)) + y
+
+
+def stage_reference(x: torch.Tensor, hops: int, rank: int, world: int) -> torch.Tensor:
+    y = torch.sin(x) * (rank + 2)
+    if hops == 0:
+        return y
+    nxt = (rank + 1) % world
+    return stage_reference(y, hops - 1, nxt, world) + y

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import autograd_funcs as f
-from ._rpc_harness import BACKENDS, TORCH, Worker, rpc, run
+from ._rpc_harness import BACKENDS, TORCH, Worker, name, rpc, run
 
 if TORCH:
     import torch.distributed.autograd as dist_autograd
@@ -173,6 +173,112 @@ def _errors(w: Worker) -> dict[str, Any]:
 def test_errors_nested_context_unknown_context_and_a_remote_backward_failure(backend: str) -> None:
     out = run(_errors, backend, world_size=2)[0]
     assert out["remote_error"] is not None and "backward exploded on purpose" in out["remote_error"]
+
+
+def _graph_semantics(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        p = w.peer(1)
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        # a tensor used here and also sent away: its graph is walked once more when the
+        # gradient of what was sent comes back
+        with dist_autograd.context() as cid:
+            h = torch.sin(x)
+            out_ = rpc.rpc_sync(p, f.double, args=(h,)) + h
+            dist_autograd.backward(cid, [out_.sum()])
+            out["residual"] = torch.allclose(dist_autograd.get_gradients(cid)[x], 3 * torch.cos(x.detach()))
+        # backward twice: with retain_graph the gradients add up; without, the second pass
+        # fails as torch's does (its graph is freed), never counting twice
+        with dist_autograd.context() as cid:
+            loss = (rpc.rpc_sync(p, f.double, args=(torch.sin(x),)) * x).sum()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            once = 2 * torch.sin(x.detach()) + 2 * x.detach() * torch.cos(x.detach())
+            out["twice_retained"] = torch.allclose(dist_autograd.get_gradients(cid)[x], 2 * once)
+        with dist_autograd.context() as cid:
+            loss = (rpc.rpc_sync(p, f.double, args=(torch.sin(x),)) * x).sum()
+            dist_autograd.backward(cid, [loss])
+            try:
+                dist_autograd.backward(cid, [loss])
+                out["twice"] = None
+            except RuntimeError as exc:
+                out["twice"] = str(exc)
+            out["twice_counted_once"] = torch.allclose(dist_autograd.get_gradients(cid)[x], once)
+        # async_execution functions inside a context, through every API
+        with dist_autograd.context() as cid:
+            a, b = x * 1, torch.tensor([3.0, 4.0], requires_grad=True)
+            r1 = rpc.rpc_sync(p, f.async_mul_add, args=(w.peer(2), a, b))
+            r2 = rpc.rpc_async(p, f.async_square, args=(a,)).wait()
+            r3 = rpc.remote(p, f.async_square, args=(b,)).to_here()
+            dist_autograd.backward(cid, [(r1 + r2 + r3).sum()])
+            grads = dist_autograd.get_gradients(cid)
+            xd, bd = x.detach(), b.detach()
+            out["async"] = torch.allclose(grads[x], bd + 1 + 2 * xd) and torch.allclose(grads[b], xd + 2 * bd)
+            # an error keeps its type inside a context too (no wrapping by a callback)
+            with pytest.raises(ValueError, match="forward failed"):
+                rpc.rpc_async(p, f.fail_forward, args=("forward failed",)).wait()
+            with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future"):
+                rpc.rpc_sync(p, f.not_a_future, args=(x,))
+            # torch's checks of the roots
+            with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+                dist_autograd.backward(cid, [torch.ones((), requires_grad=True)])
+            with pytest.raises(RuntimeError, match="is not a scalar, all roots need to be scalar"):
+                dist_autograd.backward(cid, [x * 2])
+            with pytest.raises(RuntimeError, match="No tensors provided"):
+                dist_autograd.backward(cid, [])
+            with pytest.raises(TypeError):
+                dist_autograd.backward(cid, x.sum())  # type: ignore[arg-type]
+            with pytest.raises(TypeError):
+                dist_autograd.get_gradients("x")  # type: ignore[arg-type]
+    w.barrier()
+    return out
+
+
+def test_graph_reuse_retain_graph_async_functions_and_root_checks(backend: str) -> None:
+    out = run(_graph_semantics, backend, world_size=3)[0]
+    assert out["residual"] and out["twice_retained"] and out["async"], out
+    assert out["twice"] is not None and "backward through the graph a second time" in out["twice"], out
+    assert out["twice_counted_once"], out
+
+
+def _nested_threads(w: Worker) -> list[str]:
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def trainer(tid: int) -> None:
+        for it in range(4):
+            x = torch.randn(3, generator=torch.Generator().manual_seed(tid * 10 + it)).requires_grad_(True)
+            try:
+                with dist_autograd.context() as cid:
+                    start = (w.rank + 1) % w.world_size
+                    y = rpc.rpc_sync(name(start), f.stage, args=(x, 3, start, w.world_size))
+                    dist_autograd.backward(cid, [y.sum()])
+                    got = dist_autograd.get_gradients(cid)[x]
+                xr = x.detach().clone().requires_grad_(True)
+                f.stage_reference(xr, 3, start, w.world_size).sum().backward()
+                ok = torch.allclose(got, xr.grad, atol=1e-5)  # type: ignore[arg-type]
+                with lock:
+                    results.append("ok" if ok else "wrong")
+            except Exception as exc:
+                with lock:
+                    results.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(45)
+    w.barrier()
+    return results
+
+
+def test_concurrent_backward_passes_through_nested_calls(backend: str) -> None:
+    # (a worker's part of a backward once held a thread while it waited for the parts it sent
+    # on: 4 trainers per worker over chains of nested calls used up the 16 threads and hung;
+    # the forward's nested rpc_sync calls hold up to 12 threads per worker, as in torch)
+    threads = {} if backend == "tensorpipe" else {"num_send_recv_threads": 16}
+    outs = run(_nested_threads, backend, world_size=3, timeout=45, **threads)
+    assert all(o == ["ok"] * 16 for o in outs), outs
 
 
 def _optimizer(w: Worker) -> dict[str, Any]:

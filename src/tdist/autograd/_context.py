@@ -27,8 +27,9 @@ __all__ = [
 _lock = threading.Lock()
 _contexts: dict[int, DistAutogradContext] = {}
 _tls = threading.local()
-_ids = itertools.count(1)
+_ids = itertools.count(0)  # (torch's first context id on a worker is its id << 48)
 _msg_ids = itertools.count(1)
+_pass_ids = itertools.count(1)
 active = 0  # contexts open in this process (a cheap test for the RPC hot path)
 
 
@@ -49,6 +50,7 @@ class DistAutogradContext:
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
         self.sends: dict[int, list[torch.Tensor]] = {}  # autograd message id -> sent tensors
         self.peers: set[int] = set()  # workers this context reached
+        self.spent: dict[int, int] = {}  # send message id -> the pass without retain_graph that went through it
 
     def _context_id(self) -> int:
         return self.id
@@ -122,22 +124,26 @@ def _release(context_id: int, sender: int | None = None) -> None:
             _release_on(peers, context_id)
 
 
-@contextlib.contextmanager
-def context() -> Iterator[int]:
-    """``with context() as context_id``: a distributed autograd context for this thread.
+class context:
+    """``with context() as context_id``: a distributed autograd context for this thread
+    (``torch.distributed.autograd.context``).
 
     Raises:
-        RuntimeError: this thread has a context already, or RPC is not initialized.
+        RuntimeError: on entry, when this thread has a context already or RPC is not
+            initialized.
     """
-    if getattr(_tls, "context_id", None) is not None:
-        raise RuntimeError("Already have an autograd context id for this thread.")
-    ctx = _known_context(_new_id(_rank()))
-    _tls.context_id = ctx.id
-    try:
-        yield ctx.id
-    finally:
+
+    def __enter__(self) -> int:
+        if getattr(_tls, "context_id", None) is not None:
+            raise RuntimeError("Already have an autograd context id for this thread.")
+        ctx = _known_context(_new_id(_rank()))
+        _tls.context_id = ctx.id
+        self.autograd_context = ctx
+        return ctx.id
+
+    def __exit__(self, *exc: object) -> None:
         _tls.context_id = None
-        _release(ctx.id)
+        _release(self.autograd_context.id)
 
 
 def _release_on(peers: list[int], context_id: int) -> None:
@@ -163,8 +169,10 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """The gradients accumulated in context ``context_id`` on this worker, by tensor.
 
     Raises:
-        RuntimeError: no such context here.
+        TypeError: ``context_id`` is not an int. RuntimeError: no such context here.
     """
+    if not isinstance(context_id, int):
+        raise TypeError(f"get_gradients(): context_id must be an int, got {type(context_id).__name__}")
     ctx = _retrieve_context(context_id)
     with ctx.lock:
         return dict(ctx.grads)
@@ -207,11 +215,12 @@ class _Recv(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         context_id, src, msg_id = ctx.route
         _retrieve_context(context_id)  # raises when the context is gone
-        fut = _internal_call(src, _backward_from_send, (context_id, msg_id, list(grads)))
+        pass_id, retain = getattr(_tls, "pass_", None) or (0, True)
+        fut = _internal_call(src, _backward_from_send, (context_id, msg_id, list(grads), pass_id, retain))
         sent = getattr(_tls, "sent", None)
         if sent is not None:
             sent.append((src, fut))
-        else:  # not inside _run_backward's autograd call in this thread: wait here
+        else:  # not inside a pass's autograd call in this thread (a user's own): wait here
             _wait_all([(src, fut)])
         return (None, None, None, None, *([None] * len(grads)))
 
@@ -262,23 +271,50 @@ def record_call(dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return _call_with_autograd, (cid, _rank(), msg_id, mask, func, args, kwargs), unwrap
 
 
+def _run_in_context(context_id: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """``func(*args, **kwargs)`` with ``context_id`` as this thread's context: ``(is_async,
+    result)`` as the agent runs a call."""
+    from ..rpc._agent import run_user_function
+
+    prev = getattr(_tls, "context_id", None)
+    _tls.context_id = context_id
+    try:
+        return run_user_function(func, args, kwargs)
+    finally:
+        _tls.context_id = prev
+
+
+def _future_of(is_async: bool, result: Any, func: Any, then: Any) -> Any:
+    """A future of ``then(value)``: at once, or when ``result`` (an ``async_execution``
+    function's future) completes."""
+    if not is_async:
+        out: Any = torch.futures.Future()
+        out.set_result(then(result))
+        return out
+    from ..rpc._agent import _not_a_future
+    from ..rpc._api import _mapped
+
+    if not isinstance(result, torch._C.Future):
+        raise _not_a_future(func, result)
+    return _mapped(result, then)
+
+
 def _call_with_autograd(context_id: int, src: int, msg_id: int, mask: list[bool], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the callee: the arguments behind a recv, the call (in the context), its result
-    recorded as a send."""
+    recorded as a send (a future, so that ``async_execution`` functions work as well)."""
     ctx = _known_context(context_id)
     with ctx.lock:
         ctx.peers.add(src)
     args, kwargs = _recv(context_id, src, msg_id, (args, kwargs), mask)
-    prev = getattr(_tls, "context_id", None)
-    _tls.context_id = context_id
-    try:
-        result = func(*args, **kwargs)
-    finally:
-        _tls.context_id = prev
-    if not any(_mask(result)):
-        return (None, None, result)
-    resp_id, resp_mask = _record_send(ctx, src, result)
-    return (resp_id, resp_mask, result)
+    is_async, result = _run_in_context(context_id, func, args, kwargs)
+
+    def reply(value: Any) -> Any:
+        if not any(_mask(value)):
+            return (None, None, value)
+        resp_id, resp_mask = _record_send(ctx, src, value)
+        return (resp_id, resp_mask, value)
+
+    return _future_of(is_async, result, func, reply)
 
 
 def _remote_with_autograd(context_id: int, src: int, msg_id: int, mask: list[bool], func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -288,12 +324,13 @@ def _remote_with_autograd(context_id: int, src: int, msg_id: int, mask: list[boo
     with ctx.lock:
         ctx.peers.add(src)
     args, kwargs = _recv(context_id, src, msg_id, (args, kwargs), mask)
-    prev = getattr(_tls, "context_id", None)
-    _tls.context_id = context_id
-    try:
-        return func(*args, **kwargs)
-    finally:
-        _tls.context_id = prev
+    is_async, result = _run_in_context(context_id, func, args, kwargs)
+    return _future_of(is_async, result, func, lambda value: value)
+
+
+# both reply through a future (``rpc.functions.async_execution``, without importing rpc here)
+for _fn in (_call_with_autograd, _remote_with_autograd):
+    _fn._wrapped_async_rpc_function = _fn  # type: ignore[attr-defined]
 
 
 def record_remote(dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...]] | None:
@@ -335,8 +372,27 @@ def to_here_with_autograd(rref: Any, timeout: float) -> tuple[bool, Any]:
 
 
 # -- backward -----------------------------------------------------------------------------------
-def _leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors that require grad behind ``roots``, recv markers included."""
+#
+# A backward pass starts on one worker (``backward``) and goes on wherever a recv function's
+# gradient goes: ``_backward_from_send`` on the worker that sent those tensors runs autograd from
+# them, and so on. Every pass carries its id and the caller's ``retain_graph``. A worker may run
+# several partial passes over one graph (a tensor used here and also sent away gets its
+# gradients in two parts; a send may get partial gradients from several passes of its
+# receiver), so they keep the graph (freed with the context), except where nothing can come
+# back into it; a send that a pass without ``retain_graph`` went through refuses a later pass,
+# as torch's freed graph would.
+
+_SECOND_TIME = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after "
+    "they have already been freed). Saved intermediate values of the graph are freed when you call "
+    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+    "graph a second time or if you need to access saved tensors after calling backward."
+)
+
+
+def _graph(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], set[Any]]:
+    """The leaf tensors that require grad behind ``roots`` (recv markers included), and the
+    graph's nodes."""
     seen: set[Any] = set()
     found: dict[int, torch.Tensor] = {}
     stack: list[Any] = []
@@ -355,27 +411,27 @@ def _leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
             found.setdefault(id(var), var)
             continue
         stack.extend(f for f, _ in fn.next_functions)
-    return list(found.values())
+    return list(found.values()), seen
 
 
-def _run_backward(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list[torch.Tensor], retain_graph: bool) -> None:
-    """Autograd from ``roots`` here (leaf gradients into ``ctx``), then wait for the gradients it
-    sent on to other workers to be carried through there."""
-    inputs = _leaves(roots)
-    # The gradients this pass sends on are this pass's to wait for: another thread may run a
-    # backward in the same context meanwhile (a worker's gradients coming back while its own
-    # pass still runs), and waiting for that pass's sends could wait for ourselves.
-    outer = getattr(_tls, "sent", None)
+def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list[torch.Tensor], retain_graph: bool, pass_: tuple[int, bool]) -> list[tuple[int, Any]]:
+    """Autograd from ``roots`` here (leaf gradients into ``ctx``); returns the gradients it sent
+    on to other workers, as ``(worker, future)``, for the caller to wait for.
+
+    The sends are this pass's own (thread-local, not the context's): another thread may run a
+    pass in the same context meanwhile, and waiting for its sends could wait for ourselves."""
+    inputs, _ = _graph(roots)
+    outer = getattr(_tls, "sent", None), getattr(_tls, "pass_", None)
     sent: list[tuple[int, Any]] = []
-    _tls.sent = sent
-    try:
+    _tls.sent, _tls.pass_ = sent, pass_
+    try:  # (when it fails half-way, what it sent on finishes on its own)
         computed = torch.autograd.grad(roots, inputs, grads, retain_graph=retain_graph, allow_unused=True)
     finally:
-        _tls.sent = outer
+        _tls.sent, _tls.pass_ = outer
     for leaf, g in zip(inputs, computed, strict=True):
         if g is not None and not getattr(leaf, "_tdist_recv_marker", False):
             ctx.accumulate(leaf, g)
-    _wait_all(sent)
+    return sent
 
 
 def _wait_all(sent: list[tuple[int, Any]]) -> None:
@@ -394,33 +450,91 @@ def _wait_all(sent: list[tuple[int, Any]]) -> None:
         raise errors[0]
 
 
-def _backward_from_send(context_id: int, msg_id: int, grads: list[Any]) -> None:
-    """On a worker that sent tensors: the gradients of what it sent came back; carry on."""
+def _when_all(sent: list[tuple[int, Any]]) -> Any:
+    """A future done when every gradient sent on was carried through (the first error)."""
+    out: Any = torch.futures.Future()
+    if not sent:
+        out.set_result(None)
+        return out
+    lock = threading.Lock()
+    left = [len(sent)]
+    errors: list[BaseException] = []
+
+    def one(f: Any) -> None:
+        try:
+            f.wait()
+        except BaseException as exc:
+            errors.append(exc)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(None)
+
+    for _, fut in sent:
+        fut.add_done_callback(one)
+    return out
+
+
+def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id: int = 0, retain: bool = True) -> Any:
+    """On a worker that sent tensors: the gradients of what it sent came back; carry on. The
+    reply waits (without holding a thread) until what this sends on is carried through."""
     ctx = _retrieve_context(context_id)
     with ctx.lock:
         sent = ctx.sends.get(msg_id)
+        spent_by = ctx.spent.get(msg_id)
     if sent is None:
         raise RuntimeError(f"autograd context {context_id} has no send with message id {msg_id}")
+    if spent_by is not None and spent_by != pass_id:
+        raise RuntimeError(_SECOND_TIME)
     pairs = [(t, g) for t, g in zip(sent, grads, strict=True) if g is not None]
-    if pairs:
-        _run_backward(ctx, [t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
+    if not pairs:
+        return _when_all([])
+    out = _when_all(_local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], True, (pass_id, retain)))
+    if not retain:
+        with ctx.lock:
+            ctx.spent[msg_id] = pass_id
+    return out
+
+
+# (as ``_call_with_autograd``)
+_backward_from_send._wrapped_async_rpc_function = _backward_from_send  # type: ignore[attr-defined]
 
 
 def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots`` (scalars) in context ``context_id``.
 
     Raises:
+        TypeError: ``roots`` is not a list of tensors (torch's binding).
         RuntimeError: unknown context, a root that is not a scalar or does not require grad,
             or an error on any worker the pass reached (naming it).
     """
+    if not isinstance(context_id, int):
+        raise TypeError(f"backward(): context_id must be an int, got {type(context_id).__name__}")
+    if not isinstance(roots, (list, tuple)):
+        raise TypeError(f"backward(): roots must be a list of tensors, got {type(roots).__name__}")
     ctx = _retrieve_context(context_id)
-    if not isinstance(roots, (list, tuple)) or not roots:
-        raise RuntimeError("roots must be a non-empty list of tensors")
-    for r in roots:
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
+    for i, r in enumerate(roots):  # (torch's checks and messages)
         if not isinstance(r, torch.Tensor):
-            raise TypeError(f"roots must be tensors, got {type(r).__name__}")
+            raise TypeError(f"backward(): roots must be tensors, got {type(r).__name__}")
         if not r.requires_grad:
             raise RuntimeError("requires_grad not set on root")
         if r.numel() != 1:
-            raise RuntimeError(f"Non-scalar root tensors are not supported (got shape {tuple(r.shape)}); use a scalar loss")
-    _run_backward(ctx, list(roots), [torch.ones_like(r) for r in roots], retain_graph)
+            raise RuntimeError(f"root {i} (shape {tuple(r.shape)}) is not a scalar, all roots need to be scalar")
+        if r.grad_fn is None:
+            raise RuntimeError(f"root {i} (a leaf tensor) does not have a valid gradient function.")
+    roots = list(roots)
+    retain = retain_graph
+    if not retain:  # a tensor sent from here whose graph this pass goes through gets its
+        # gradient from the other side later: that part of the graph must stay
+        _, nodes = _graph(roots)
+        with ctx.lock:
+            sent_nodes = {t.grad_fn for ts in ctx.sends.values() for t in ts if t.grad_fn is not None}
+        retain = bool(nodes & sent_nodes)
+    pass_ = ((_rank() << 48) | next(_pass_ids), retain_graph)
+    _wait_all(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))

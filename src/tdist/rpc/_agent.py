@@ -222,6 +222,13 @@ def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict
     return getattr(rref.local_value(), name)(*args, **kwargs)
 
 
+def _not_a_future(func: Any, result: Any) -> RuntimeError:
+    return RuntimeError(
+        f"Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
+        f"but got {type(result).__module__}.{type(result).__qualname__} (from {_errors.describe_call(func)})"
+    )
+
+
 def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """Run ``func``; returns ``(is_async, result)`` (a future when ``func`` is
     ``async_execution``)."""
@@ -597,7 +604,7 @@ class RpcAgent:
 
     def _reply_when_done(self, src: int, tag: int, fut: Any, func: Any) -> None:
         if not isinstance(fut, torch._C.Future):
-            err = TypeError(f"async_execution function {_errors.describe_call(func)} must return a torch.futures.Future, got {type(fut).__name__}")
+            err = _not_a_future(func, fut)
             self._reply_error(src, tag, _errors.capture(err, self.label))
             return
 
@@ -659,7 +666,12 @@ class RpcAgent:
             _set_owner_error(fut, record)
             self._reply_error(src, tag, record)
             return
-        if is_async and isinstance(result, torch._C.Future):
+        if is_async and not isinstance(result, torch._C.Future):
+            record = _errors.capture(_not_a_future(func, result), self.label)
+            _set_owner_error(fut, record)
+            self._reply_error(src, tag, record)
+            return
+        if is_async:
 
             def done(f: Any) -> None:
                 try:

@@ -186,8 +186,23 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
         if rec is not None:
             call, call_args, unwrap = rec
             fut = agent.request(dst.id, MsgKind.CALL, (call, call_args, {}), timeout, what)
-            return fut.then(lambda f: unwrap(f.wait()))
+            return _mapped(fut, unwrap)
     return agent.request(dst.id, MsgKind.CALL, body, timeout, what)
+
+
+def _mapped(fut: Any, fn: Any) -> Any:
+    """A future of ``fn(fut's value)`` that fails with ``fut``'s own error (``then`` would wrap it
+    in a RuntimeError)."""
+    out: Any = torch.futures.Future()
+
+    def done(f: Any) -> None:
+        try:
+            out.set_result(fn(f.wait()))
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:

@@ -35,6 +35,7 @@ from ._agent import (
     RpcAgent,
     RpcTimeoutError,
     WorkerInfo,
+    _not_a_future,
     _OwnerError,
     current_agent,
     invoke_rref_method,
@@ -561,7 +562,10 @@ def _run_local(agent: RpcAgent, func: Any, args: Any, kwargs: Any, value_fut: An
     except BaseException as exc:
         fail(exc)
         return
-    if is_async and isinstance(result, torch._C.Future):
+    if is_async and not isinstance(result, torch._C.Future):
+        fail(_not_a_future(func, result))
+        return
+    if is_async:
 
         def done(f: Any) -> None:
             try:
