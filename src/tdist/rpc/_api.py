@@ -25,6 +25,7 @@ from . import backend_registry
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
+from ._rref import owner_leaks
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 __all__ = [
@@ -40,7 +41,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# torch's switch: when False, shutdown raises if RRefs are still referenced (leaks)
+# torch's switch: when False, shutdown raises when values owned here are still referenced by
+# other workers (leaks); when True (the default) it logs them
 _ignore_rref_leak = True
 _STORE_RELEASE = 30.0  # seconds the store's host waits for the others to be done with it
 _init_lock = threading.Lock()
@@ -254,20 +256,30 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             ``_ignore_rref_leak`` is False.
     """
     agent = _agent()
+    leaks: list[str] = []
     try:
         if graceful:
             # torch's meaning: 0 (the default) waits for the other workers without limit (here,
             # as long as they live: a lost worker fails it within seconds)
-            leaks = _graceful(agent, timeout if timeout and timeout > 0 else None)
-            if leaks and not _ignore_rref_leak:
-                raise RuntimeError("Leaking RRefs at shutdown:\n" + "\n".join(leaks))
-            if leaks:
-                log.info("%s: RRefs still referenced at shutdown (released): %s", agent.label, "; ".join(leaks))
+            held = _graceful(agent, timeout if timeout and timeout > 0 else None)
+            if held:  # (released by now, as torch does: not a leak)
+                log.info("%s: RRefs still referenced at shutdown (released): %s", agent.label, "; ".join(held))
+        leaks = owner_leaks(agent)
     finally:
         agent.stop(graceful)
         with _init_lock:
             if current_agent(required=False) is agent:
                 set_current_agent(None)
+    if leaks:  # torch's check: references other workers still hold to values owned here
+        text = "\n".join(leaks)
+        if not _ignore_rref_leak:
+            raise RuntimeError(text)
+        log.warning(
+            "%s: Detected RRef Leaks during shutdown: other workers still hold references to values "
+            "owned here (a non-graceful shutdown, or references kept past shutdown):\n%s",
+            agent.label,
+            text,
+        )
 
 
 def _forget_store(agent: RpcAgent) -> None:

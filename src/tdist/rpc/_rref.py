@@ -57,7 +57,7 @@ from ._rref_protocol import (
 )
 from .constants import UNSET_RPC_TIMEOUT
 
-__all__ = ["RRef", "RRefContext", "create_remote", "release_all", "settle"]
+__all__ = ["RRef", "RRefContext", "create_remote", "owner_leaks", "release_all", "settle"]
 
 _DELETE_DELAY = 0.005  # seconds a lone deletion waits for others to travel with
 _SETTLE_MAX = 10.0  # seconds shutdown waits for the RRef protocol to settle here
@@ -202,6 +202,13 @@ def release_all(agent: RpcAgent) -> list[str]:
     with ctx.lock:
         ctx.perform(ctx.proto.release_all_users())
         return [str(leak) for leak in ctx.proto.leaks() if leak.role == "user"]
+
+
+def owner_leaks(agent: RpcAgent) -> list[str]:
+    """Shutdown: the forks RRefs owned here still have (torch's leaks), one line each."""
+    ctx: RRefContext = agent.rref_ctx
+    with ctx.lock:
+        return [str(leak) for leak in ctx.proto.leaks() if leak.role == "fork"]
 
 
 def settle(agent: RpcAgent, deadline: float | None) -> bool:
