@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import pytest
@@ -159,3 +160,39 @@ def test_lenient_loads_reads_the_plain_data_around_what_cannot_be_rebuilt() -> N
     with pytest.raises(ValueError, match="no"):
         loads(data)
     assert loads(data, lenient=True)[0] == (1, 2)
+
+
+def test_requires_grad_of_non_leaves_sparse_tensors_and_copyreg_types() -> None:
+    import re
+
+    x = torch.ones(2, requires_grad=True)
+    sparse = torch.eye(3).to_sparse()
+    obj = {"non_leaf": x * 2, "sparse": sparse, "layout": torch.sparse_coo, "pattern": re.compile("a+")}
+    out = loads(join(dumps(obj)))
+    # as torch's RPC: a tensor that requires grad arrives as a leaf that requires grad
+    assert out["non_leaf"].requires_grad and out["non_leaf"].is_leaf
+    assert torch.equal(out["non_leaf"].detach(), torch.full((2,), 2.0))
+    # what copyreg knows how to pickle (torch.layout, re.Pattern) pickles here too
+    assert out["sparse"].layout == torch.sparse_coo and torch.equal(out["sparse"].to_dense(), torch.eye(3))
+    assert out["layout"] is torch.sparse_coo and out["pattern"].pattern == "a+"
+
+
+class _Late:
+    """A type only copyreg can pickle (its own reduction refuses)."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("pickled without copyreg")
+
+
+def _make_late() -> _Late:
+    return _Late.__new__(_Late)
+
+
+def test_a_type_registered_with_copyreg_later_is_pickled_through_it() -> None:
+    import copyreg
+
+    copyreg.pickle(_Late, lambda obj: (_make_late, ()))
+    try:
+        assert isinstance(loads(join(dumps([_Late()])))[0], _Late)
+    finally:
+        del copyreg.dispatch_table[_Late]

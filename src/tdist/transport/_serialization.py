@@ -14,6 +14,7 @@ the pickle, then the buffers back to back.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import struct
@@ -77,11 +78,22 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
             raw = t.numpy()  # a contiguous array: its buffer is the tensor's memory
         except TypeError:  # a dtype numpy lacks (bfloat16, ...): view the bytes
             raw = t.reshape(-1).view(torch.uint8).numpy()
-    return (_rebuild_tensor, (pickle.PickleBuffer(raw), _NAMES[obj.dtype], tuple(obj.shape), obj.requires_grad and obj.is_leaf))
+    return (_rebuild_tensor, (pickle.PickleBuffer(raw), _NAMES[obj.dtype], tuple(obj.shape), obj.requires_grad))
 
 
-# consulted by exact type, in C: no Python call for the objects that are not tensors
-_DISPATCH = {torch.Tensor: _reduce_tensor}
+# consulted by exact type, in C: no Python call for the objects that are not tensors. It stands
+# in for copyreg's table (torch.layout, re.Pattern, numpy's ufuncs are pickled through it), so
+# it holds a copy of that, kept up to date with what is registered later
+_DISPATCH: dict[type, Any] = {}
+
+
+def _sync_dispatch() -> None:
+    _DISPATCH.clear()
+    _DISPATCH.update(copyreg.dispatch_table)
+    _DISPATCH[torch.Tensor] = _reduce_tensor
+
+
+_sync_dispatch()
 
 
 class _Pickling(threading.local):
@@ -114,6 +126,8 @@ def dumps(obj: Any) -> list[memoryview]:
     if type(obj) in _SCALARS:  # a reply such as None: one call does it
         plain = memoryview(pickle.dumps(obj, protocol=5))
         return [memoryview(_HEAD.pack(_MAGIC, 0, plain.nbytes)), plain]
+    if len(_DISPATCH) != len(copyreg.dispatch_table) + (torch.Tensor not in copyreg.dispatch_table):
+        _sync_dispatch()  # something registered with copyreg since
     tl = _pickling
     if tl.busy:  # a reducer that serializes something itself: a pickler of its own
         buffers: list[pickle.PickleBuffer] = []
