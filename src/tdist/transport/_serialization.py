@@ -111,7 +111,7 @@ class _Pickling(threading.local):
 def _new_pickler(buffers: list[pickle.PickleBuffer]) -> tuple[io.BytesIO, pickle.Pickler]:
     stream = io.BytesIO()
     pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _DISPATCH  # type: ignore[assignment]
+    pickler.dispatch_table = _DISPATCH
     return stream, pickler
 
 
