@@ -129,6 +129,50 @@ def test_invalid_worker_names_and_argument_types_are_rejected(backend: str) -> N
     run(_invalid_names_and_types, backend, world_size=1, init=False, timeout=30)
 
 
+def _destinations(w: Worker) -> dict[str, Any]:
+    # torch's checks of init_rpc's argument types (RuntimeError)
+    for kwargs in ({"name": 3}, {"rank": "0"}, {"world_size": "2"}):
+        args = {"name": w.me, "rank": w.rank, "world_size": w.world_size, **kwargs}
+        with pytest.raises(RuntimeError, match="must be of type"):
+            rpc.init_rpc(args["name"], rank=args["rank"], world_size=args["world_size"],
+                         rpc_backend_options=w.options())
+    w.init()
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        # a WorkerInfo is found by its name, as torch finds it
+        assert rpc.rpc_sync(rpc.WorkerInfo("worker1", 0), f.whoami) == "worker1"
+        assert rpc.get_worker_info(1) == rpc.get_worker_info("worker1")
+        t0 = time.monotonic()
+        for use in (lambda to: rpc.rpc_sync(to, f.whoami), lambda to: rpc.rpc_async(to, f.whoami),
+                    lambda to: rpc.remote(to, f.whoami)):
+            for to in (rpc.WorkerInfo("fake", 1), rpc.WorkerInfo("fake", 5), "fake", 5):
+                with pytest.raises(RuntimeError, match="could not find destination"):
+                    use(to)
+        out["unknown_s"] = time.monotonic() - t0  # at once, never waiting for a stranger
+        with pytest.raises(ValueError, match="Cannot get WorkerInfo"):
+            rpc.rpc_sync(1.0, f.whoami)
+        info = rpc.get_worker_info()
+        with pytest.raises(AttributeError):
+            info.name = "other"  # type: ignore[misc]
+        assert rpc.get_worker_info().name == "worker0"
+        with pytest.raises(RuntimeError, match="out of bound"):
+            rpc.WorkerInfo("big", 1 << 16)
+        # a negative timeout other than -1 has run out already (torch); the text says how long
+        with pytest.raises(RuntimeError, match=r"ran for more than set timeout \(200 ms\)"):
+            rpc.rpc_sync("worker1", f.sleep_then, args=(1.0,), timeout=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=TIMEOUT_RE):
+            rpc.rpc_sync("worker1", f.sleep_then, args=(0.5,), timeout=-5)
+        out["negative_s"] = time.monotonic() - t0
+    w.barrier()
+    return out
+
+
+def test_destinations_worker_infos_argument_types_and_negative_timeouts(backend: str) -> None:
+    out = run(_destinations, backend, world_size=2, init=False)[0]
+    assert out["unknown_s"] < 2 and out["negative_s"] < 0.4, out
+
+
 def _registered_backend(w: Worker) -> dict[str, Any]:
     base = w.backend_type.value
     calls: list[str] = []

@@ -41,14 +41,17 @@ from ..transport import _serialization as ser
 from . import _errors
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
+from .constants import UNSET_RPC_TIMEOUT
 
 __all__ = ["CallText", "LazyText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
 
 log = logging.getLogger(__name__)
 
+_EXPIRED = 1e-9  # a deadline that has passed when the request is out
 _BARRIER_STEP = 0.5  # seconds a shutdown barrier waits on the store between looks at the missing
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-:]+$")
 _MAX_NAME = 128
+_MAX_ID = (1 << 15) - 1  # torch's worker ids are int16
 
 
 class WorkerInfo:
@@ -59,11 +62,20 @@ class WorkerInfo:
     """
 
     __slots__ = ("id", "name")
+    id: int
+    name: str
 
     def __init__(self, name: str, id: int) -> None:
         validate_name(name)
-        self.name = name
-        self.id = id
+        if not isinstance(id, int) or isinstance(id, bool):
+            raise TypeError(f"WorkerInfo id must be an int, got {type(id).__name__}")
+        if not 0 <= id <= _MAX_ID:
+            raise RuntimeError(f"RPC worker id {id} out of bound of int16_t.")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "id", id)
+
+    def __setattr__(self, attr: str, value: object) -> None:
+        raise AttributeError(f"WorkerInfo is read-only: cannot set {attr!r}")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, WorkerInfo) and other.id == self.id and other.name == self.name
@@ -186,12 +198,13 @@ class LazyText:
 
 
 class _Call:
-    __slots__ = ("deadline", "dst", "fut", "on_reply", "what")
+    __slots__ = ("deadline", "dst", "fut", "on_reply", "seconds", "what")
 
-    def __init__(self, fut: Any, dst: int, what: object, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
+    def __init__(self, fut: Any, dst: int, what: object, seconds: float | None, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
         self.fut = fut
         self.dst = dst
         self.what = what
+        self.seconds = seconds
         self.deadline = deadline
         self.on_reply = on_reply
 
@@ -305,16 +318,32 @@ class RpcAgent:
         raise NotImplementedError
 
     # -- workers --------------------------------------------------------------------------------
-    def get_worker_info(self, name: str | None = None) -> WorkerInfo:
+    def get_worker_info(self, name: str | int | None = None) -> WorkerInfo:
+        """This worker's ``WorkerInfo``, or that of the worker with this name (or id).
+
+        Raises:
+            RuntimeError: no such worker (torch's message).
+        """
         if name is None:
             return self.info
+        if isinstance(name, int) and not isinstance(name, bool):
+            info = self._workers.get(name) or self._find_worker_id(name)
+            if info is None:
+                raise RuntimeError(f"name:{self.name},rank:{self.rank} could not find destination id {name}")
+            return info
+        if not isinstance(name, str):
+            raise TypeError(f"get_worker_info(): expected a worker name or id, got {type(name).__name__}")
         info = self._by_name.get(name) or self._find_worker(name)
         if info is None:
-            raise RuntimeError(f"Unknown destination worker {name}")
+            raise RuntimeError(f"name:{self.name},rank:{self.rank} could not find destination name {name}")
         return info
 
     def _find_worker(self, name: str) -> WorkerInfo | None:
         """A worker this agent has not heard of yet (a subclass may wait or look it up)."""
+        return None
+
+    def _find_worker_id(self, wid: int) -> WorkerInfo | None:
+        """As ``_find_worker``, by id."""
         return None
 
     def get_worker_infos(self) -> list[WorkerInfo]:
@@ -340,23 +369,27 @@ class RpcAgent:
         return f"{info.name} (id {wid})" if info is not None else f"worker id {wid}"
 
     def resolve(self, to: Any) -> WorkerInfo:
-        """A ``WorkerInfo`` for a name, an id or a ``WorkerInfo``."""
+        """The ``WorkerInfo`` of a name, an id or a ``WorkerInfo`` (found by its name, as torch
+        finds it).
+
+        Raises:
+            RuntimeError: no such worker. ValueError: ``to`` is none of those (torch's).
+        """
         if isinstance(to, WorkerInfo):
-            return to
-        if isinstance(to, str):
+            known = self._by_name.get(to.name)
+            return known if known is not None else self.get_worker_info(to.name)
+        if isinstance(to, (str, int)) and not isinstance(to, bool):
             return self.get_worker_info(to)
-        if isinstance(to, int) and not isinstance(to, bool):
-            info = self._workers.get(to)
-            if info is None:
-                raise RuntimeError(f"Unknown destination worker id {to}")
-            return info
-        raise TypeError(f"`to` must be a worker name, id or WorkerInfo, got {type(to).__name__}")
+        raise ValueError(f"Cannot get WorkerInfo from name {to}")
 
     # -- calling --------------------------------------------------------------------------------
     def timeout_seconds(self, timeout: float | None) -> float | None:
-        """The per-call timeout: -1 (unset) is the agent's default; 0 means none."""
-        if timeout is None or timeout < 0:
+        """The per-call timeout: -1 (unset) is the agent's default; 0 means none; another
+        negative value has run out already (as in torch)."""
+        if timeout is None or timeout == UNSET_RPC_TIMEOUT:
             timeout = self.rpc_timeout
+        elif timeout < 0:
+            return _EXPIRED
         return None if timeout == 0 else float(timeout)
 
     def request(
@@ -375,7 +408,7 @@ class RpcAgent:
         deadline = None if seconds is None else time.monotonic() + seconds
         fut: Any = _SyncReply() if sync else torch.futures.Future()
         tag = next(self._ids)
-        call = _Call(fut, dst, what, deadline, on_reply)
+        call = _Call(fut, dst, what, seconds, deadline, on_reply)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.label}: RPC agent is shut down; cannot send {what}")
@@ -459,9 +492,10 @@ class RpcAgent:
             log.exception("%s: late reply handler failed", self.label)
 
     def _timeout_error(self, call: _Call) -> RpcTimeoutError:
+        ms = round((call.seconds or 0.0) * 1000)
         return RpcTimeoutError(
-            f"RPC ran for more than set timeout and will now be marked with an error: {call.what} to "
-            f"{self.describe(call.dst)} did not complete in time (worker {self.label})"
+            f"RPC ran for more than set timeout ({ms} ms) and will now be marked with an error: "
+            f"{call.what} to {self.describe(call.dst)} did not complete in time (worker {self.label})"
         )
 
     # -- receiving ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import os
 import threading
 import time
@@ -105,13 +106,18 @@ def init_rpc(
         rpc_backend_options: the backend's options (default: the backend's defaults).
 
     Raises:
-        TypeError: wrong argument types. ValueError: invalid name or device maps.
+        TypeError: ``backend`` or ``rpc_backend_options`` of the wrong type. RuntimeError: a
+        name, rank or world size of the wrong type (torch's check); a name already used; RPC
+        already initialized; the group did not form. ValueError: invalid device maps.
         RuntimeError: already initialized, duplicate names, or the group did not form.
     """
     if backend is not None and not isinstance(backend, backend_registry.BackendTypeBase):
         raise TypeError("Argument backend must be a member of BackendType")
     if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+    for value, kinds in ((name, str), (rank, numbers.Integral), (world_size, (numbers.Integral, type(None)))):
+        if not isinstance(value, kinds) or isinstance(value, bool):  # torch's check and message
+            raise RuntimeError(f"Argument {value} must be of type {kinds} but got type {type(value)}")
     if backend is None:
         if isinstance(rpc_backend_options, ProcessGroupRpcBackendOptions):
             backend = backend_registry.BackendType.PROCESS_GROUP

@@ -172,10 +172,25 @@ class TensorPipeAgent(RpcAgent):
                 self._add_worker(info)
         return info
 
+    def _find_worker_id(self, wid: int) -> WorkerInfo | None:
+        self._joined.wait(_INIT_TIMEOUT)
+        info = self._workers.get(wid)
+        if info is None and self.world_size is None:
+            with contextlib.suppress(Exception):
+                if self.store.check([f"{self._prefix}/worker/{wid}"]):
+                    rec = json.loads(self.store.get(f"{self._prefix}/worker/{wid}"))
+                    self._addresses[wid] = rec["addr"]
+                    info = WorkerInfo(rec["name"], wid)
+                    self._add_worker(info)
+        return info
+
     def _lookup(self, peer: int) -> PeerAddress:
         addr = self._addresses.get(peer)
         if addr is None:
-            rec = json.loads(self.store.get(f"{self._prefix}/worker/{peer}"))
+            key = f"{self._prefix}/worker/{peer}"
+            if not self.store.check([key]):  # (never wait on the store for a stranger)
+                raise KeyError(f"no worker with id {peer} is known")
+            rec = json.loads(self.store.get(key))
             addr = self._addresses[peer] = rec["addr"]
         return addr
 

@@ -385,7 +385,10 @@ class Messenger:
             return self._dial(peer, deadline)
 
     def _dial(self, peer: int, deadline: float | None) -> _Conn:
-        info = self.lookup(peer)
+        try:
+            info = self.lookup(peer)
+        except KeyError as exc:
+            raise PeerError(f"{self.label}: cannot reach {self.describe(peer)}: {exc.args[0] if exc.args else exc}", peer=peer) from None
         same = info.get("host") == self.host and bool(info.get("unix"))
         what = self.describe(peer)
         limit = deadline if deadline is not None else time.monotonic() + 60.0
