@@ -139,6 +139,12 @@ def _destinations(w: Worker) -> dict[str, Any]:
     w.init()
     out: dict[str, Any] = {}
     if w.rank == 0:
+        # torch's private helpers that code uses
+        agent = rpc.api._get_current_rpc_agent()
+        assert [i.name for i in agent.get_worker_infos()] == ["worker0", "worker1"]
+        assert rpc._get_debug_info()["num_pending_requests"] == "0"
+        rpc._set_rpc_timeout(7.5)
+        assert rpc.get_rpc_timeout() == 7.5
         # a WorkerInfo is found by its name, as torch finds it
         assert rpc.rpc_sync(rpc.WorkerInfo("worker1", 0), f.whoami) == "worker1"
         assert rpc.get_worker_info(1) == rpc.get_worker_info("worker1")

@@ -21,6 +21,7 @@ NOT_COVERED = {
     },
     "torch.distributed.distributed_c10d": {"GroupName", "split_group", "shrink_group", "record_comm", "ProcessGroupGloo"},
     "torch.distributed.rpc": {"AllGatherStates", "method_factory", "new_method"},  # api internals
+    "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.optim": {"as_functional_optim", "PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"},
 }
 
@@ -30,6 +31,8 @@ PAIRS = [
     ("torch.distributed.rpc", "tdist.rpc"),
     ("torch.distributed.rpc.backend_registry", "tdist.rpc.backend_registry"),
     ("torch.distributed.rpc.functions", "tdist.rpc.functions"),
+    ("torch.distributed.rpc.api", "tdist.rpc.api"),
+    ("torch.distributed.rpc.options", "tdist.rpc.options"),
     ("torch.distributed.autograd", "tdist.autograd"),
     ("torch.distributed.optim", "tdist.optim"),
 ]
@@ -67,6 +70,14 @@ def test_distributed_c10d_private_helpers() -> None:
 def test_rpc_and_autograd_helpers() -> None:
     import tdist.autograd as autograd
     import tdist.rpc as rpc
+    import tdist.rpc.api
+    from tdist.rpc.options import TensorPipeRpcBackendOptions
+
+    assert tdist.rpc.api is rpc.api and TensorPipeRpcBackendOptions is rpc.TensorPipeRpcBackendOptions
+    assert rpc.PyRRef is rpc.RRef and rpc._UNSET_RPC_TIMEOUT == -1.0 and rpc._DEFAULT_RPC_TIMEOUT_SEC == 60.0
+    assert not rpc._is_current_rpc_agent_set()
+    with pytest.raises(RuntimeError, match="Current RPC agent is not set"):
+        rpc._get_current_rpc_agent()
 
     assert autograd.is_available() is True
     assert rpc.register_backend is rpc.backend_registry.register_backend

@@ -7,9 +7,16 @@ copies on one host, TCP across hosts); PROCESS_GROUP runs over a tdist process g
 
 from __future__ import annotations
 
+import sys
+
+from ..store import Store
 from . import _api as api  # torch's module name: rpc.api._ignore_rref_leak
-from . import backend_registry, functions
-from ._agent import RpcTimeoutError, WorkerInfo
+from . import _options, backend_registry, functions
+from ._agent import RpcAgent, RpcTimeoutError, WorkerInfo
+from ._api import _get_current_rpc_agent as _get_current_rpc_agent
+from ._api import _get_debug_info as _get_debug_info
+from ._api import _is_current_rpc_agent_set as _is_current_rpc_agent_set
+from ._api import _set_rpc_timeout as _set_rpc_timeout
 from ._api import (
     get_rpc_timeout,
     get_worker_info,
@@ -31,10 +38,23 @@ from .backend_registry import (
     init_backend,
     register_backend,
 )
+from .constants import _DEFAULT_INIT_METHOD as _DEFAULT_INIT_METHOD
+from .constants import _DEFAULT_NUM_WORKER_THREADS as _DEFAULT_NUM_WORKER_THREADS
+from .constants import _DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
+from .constants import _UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 # the agents load with the package (as torch's do), not inside the first init_rpc
-from . import _pg_agent, _tensorpipe  # noqa: F401  isort: skip
+from . import _pg_agent  # noqa: F401  isort: skip
+from ._tensorpipe import TensorPipeAgent  # isort: skip
+
+PyRRef = RRef  # torch's name for the class of the RRefs it receives
+
+# torch's module paths: ``import torch.distributed.rpc.api`` / ``.options`` reach the same
+# modules here (``rpc.api._ignore_rref_leak = False`` sets the switch shutdown reads)
+options = _options
+sys.modules[f"{__name__}.api"] = api
+sys.modules[f"{__name__}.options"] = options
 
 __all__ = [
     "DEFAULT_RPC_TIMEOUT_SEC",
@@ -43,10 +63,14 @@ __all__ = [
     "BackendType",
     "BackendValue",
     "ProcessGroupRpcBackendOptions",
+    "PyRRef",
     "RRef",
     "RemoteError",
+    "RpcAgent",
     "RpcBackendOptions",
     "RpcTimeoutError",
+    "Store",
+    "TensorPipeAgent",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "api",
@@ -59,6 +83,7 @@ __all__ = [
     "init_backend",
     "init_rpc",
     "is_available",
+    "options",
     "register_backend",
     "remote",
     "rpc_async",

@@ -346,6 +346,30 @@ class RpcAgent:
         """As ``_find_worker``, by id."""
         return None
 
+    def get_debug_info(self) -> dict[str, str]:
+        """What this agent is doing, as strings (torch's ``RpcAgent.get_debug_info`` keys where
+        they apply)."""
+        with self._lock:
+            info = {
+                "agent": type(self).__name__,
+                "name": self.name,
+                "rank": str(self.rank),
+                "world_size": str(self.world_size),
+                "num_pending_requests": str(len(self._pending)),
+                "num_timed_out_awaiting_reply": str(len(self._late)),
+                "thread_pool_size": str(len(self._pool)),
+                "num_idle_threads": str(self._idle_workers),
+                "num_active_requests": str(self._active_requests),
+                "rpc_timeout": str(self.rpc_timeout),
+                "dead_workers": ",".join(str(w) for w in sorted(self._dead)),
+            }
+        ctx = self.rref_ctx
+        with ctx.lock:
+            info["num_owner_rrefs"] = str(len(self._owners))
+            info["num_user_rrefs"] = str(len(ctx.proto.all_users()))
+            info["rref_protocol_pending"] = ctx.proto.pending()
+        return info
+
     def get_worker_infos(self) -> list[WorkerInfo]:
         return sorted(self._workers.values(), key=lambda w: w.id)
 

@@ -26,10 +26,11 @@ from . import backend_registry
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
-from ._rref import owner_leaks
+from ._rref import RRef, owner_leaks
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 __all__ = [
+    "RRef",
     "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
@@ -146,6 +147,38 @@ def init_rpc(
         )
         _stores.append(store)
         set_current_agent(agent)
+
+
+def _get_current_rpc_agent() -> RpcAgent:
+    """The running agent (torch's ``rpc.api._get_current_rpc_agent``: ``get_worker_infos()``,
+    ``get_worker_info()``, ``get_debug_info()``).
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+    """
+    agent = current_agent(required=False)
+    if agent is None:
+        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling `rpc.init_rpc`)?")
+    return agent
+
+
+def _is_current_rpc_agent_set() -> bool:
+    return current_agent(required=False) is not None
+
+
+def _set_rpc_timeout(rpcTimeoutSeconds: float) -> None:  # (torch's keyword)
+    """Change the default timeout of this worker's RPCs (torch's ``rpc._set_rpc_timeout``)."""
+    _agent().rpc_timeout = float(rpcTimeoutSeconds)
+
+
+def _get_debug_info() -> dict[str, str]:
+    """The agent's and the RRef protocol's state, as strings (torch's ``rpc._get_debug_info``)."""
+    return _get_current_rpc_agent().get_debug_info()
+
+
+def _to_worker_info(to: Any) -> WorkerInfo:
+    """The ``WorkerInfo`` of a name, an id or a ``WorkerInfo`` (torch's helper)."""
+    return _agent().resolve(to)
 
 
 def _agent() -> RpcAgent:

@@ -26,3 +26,9 @@ DEFAULT_PROCESS_GROUP_TIMEOUT: timedelta = timedelta(milliseconds=2**31 - 1)
 
 # An RPC call's timeout argument when the caller gave none: the agent's default applies.
 UNSET_RPC_TIMEOUT: float = -1.0
+
+# torch's private aliases (``rpc._DEFAULT_RPC_TIMEOUT_SEC`` ...)
+_DEFAULT_RPC_TIMEOUT_SEC = DEFAULT_RPC_TIMEOUT_SEC
+_DEFAULT_INIT_METHOD = DEFAULT_INIT_METHOD
+_DEFAULT_NUM_WORKER_THREADS = DEFAULT_NUM_WORKER_THREADS
+_UNSET_RPC_TIMEOUT = UNSET_RPC_TIMEOUT
