@@ -152,3 +152,12 @@ def stage_reference(x: torch.Tensor, hops: int, rank: int, world: int) -> torch.
         return y
     nxt = (rank + 1) % world
     return stage_reference(y, hops - 1, nxt, world) + y
+
+
+def param_grad(name: str) -> Any:
+    g = _params[name].grad
+    return None if g is None else g.detach().clone()
+
+
+class PlainSGD(torch.optim.SGD):
+    """Not one of torch's functional optimizers: DistributedOptimizer's plain path."""

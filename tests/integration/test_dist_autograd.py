@@ -305,6 +305,45 @@ def _optimizer(w: Worker) -> dict[str, Any]:
     return out
 
 
+def _optimizer_details(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        p = w.peer(1)
+        x = torch.linspace(-1, 1, 4)
+        for key, cls in (("sgd", torch.optim.SGD), ("plain", f.PlainSGD)):
+            rref = rpc.remote(p, f.make_param, args=(key, 3))
+            before = rref.to_here().detach().clone()
+            opt = DistributedOptimizer(cls, [rref]) if cls is torch.optim.SGD else DistributedOptimizer(cls, [rref], lr=0.01)
+            out[f"{key}_functional"] = opt.is_functional_optim
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [rpc.rpc_sync(p, f.use_param, args=(rref, x))])
+                (grad,) = rpc.rpc_sync(p, _owner_grads, args=(cid, key))
+                opt.step(cid)
+            after = rpc.rpc_sync(p, f.param_value, args=(key,))
+            out[f"{key}_lr_0.01"] = torch.allclose(after, before - 0.01 * grad)  # (torch's default for SGD)
+            # torch's functional optimizers leave .grad alone; the plain path sets it
+            left = rpc.rpc_sync(p, f.param_grad, args=(key,))
+            out[f"{key}_grad"] = None if left is None else torch.allclose(left, grad)
+        rref = rpc.remote(p, f.make_param, args=("bad", 3))
+        for kwargs in ({"lr": 0.1, "bogus": 1}, {"lr": 0.1, "differentiable": False}):
+            with pytest.raises(TypeError, match="unexpected keyword argument"):
+                DistributedOptimizer(torch.optim.SGD, [rref], **kwargs)
+    w.barrier()
+    return out
+
+
+def _owner_grads(cid: int, key: str) -> list[torch.Tensor]:
+    return [dist_autograd.get_gradients(cid)[f._params[key]]]
+
+
+def test_distributed_optimizer_defaults_grad_fields_and_argument_errors_as_torch(backend: str) -> None:
+    out = run(_optimizer_details, backend, world_size=2)[0]
+    assert out == {
+        "sgd_functional": True, "sgd_lr_0.01": True, "sgd_grad": None,
+        "plain_functional": False, "plain_lr_0.01": True, "plain_grad": True,
+    }
+
+
 def test_distributed_optimizer_steps_parameters_on_their_owners_as_a_local_one(backend: str) -> None:
     out = run(_optimizer, backend, world_size=3)[0]
     assert out == {"SGD": True, "Adam": True}
