@@ -68,10 +68,11 @@ def test_distributed_c10d_private_helpers() -> None:
 
 
 def test_rpc_and_autograd_helpers() -> None:
-    import tdist.autograd as autograd
-    import tdist.rpc as rpc
     import tdist.rpc.api
     from tdist.rpc.options import TensorPipeRpcBackendOptions
+
+    import tdist.autograd as autograd
+    import tdist.rpc as rpc
 
     assert tdist.rpc.api is rpc.api and TensorPipeRpcBackendOptions is rpc.TensorPipeRpcBackendOptions
     assert rpc.PyRRef is rpc.RRef and rpc._UNSET_RPC_TIMEOUT == -1.0 and rpc._DEFAULT_RPC_TIMEOUT_SEC == 60.0
