@@ -238,7 +238,7 @@ class RRef:
 
     __slots__ = ("__weakref__", "_agent", "_confirmed", "_create_fut", "_dead", "_fork_id", "_is_owner", "_owner", "_rref_id", "_type")
 
-    def __init__(self, value: Any = None, type_hint: Any = None) -> None:
+    def __init__(self, value: Any, type_hint: Any = None) -> None:
         agent = _require_agent()
         ctx: RRefContext = agent.rref_ctx
         with ctx.lock:
