@@ -532,9 +532,8 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     retain = retain_graph
     if not retain:  # a tensor sent from here whose graph this pass goes through gets its
         # gradient from the other side later: that part of the graph must stay
-        _, nodes = _graph(roots)
         with ctx.lock:
             sent_nodes = {t.grad_fn for ts in ctx.sends.values() for t in ts if t.grad_fn is not None}
-        retain = bool(nodes & sent_nodes)
+        retain = bool(sent_nodes) and bool(_graph(roots)[1] & sent_nodes)
     pass_ = ((_rank() << 48) | next(_pass_ids), retain_graph)
     _wait_all(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
