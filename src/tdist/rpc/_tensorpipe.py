@@ -166,10 +166,7 @@ class TensorPipeAgent(RpcAgent):
                 if self.store.check([f"{self._prefix}/name/{name}"]):
                     wid = int(self.store.get(f"{self._prefix}/name/{name}"))
             if wid is not None:
-                rec = json.loads(self.store.get(f"{self._prefix}/worker/{wid}"))
-                self._addresses[wid] = rec["addr"]
-                info = WorkerInfo(rec["name"], wid)
-                self._add_worker(info)
+                info = self._find_worker_id(wid)
         return info
 
     def _find_worker_id(self, wid: int) -> WorkerInfo | None:

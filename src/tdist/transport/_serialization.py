@@ -85,12 +85,14 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
 # in for copyreg's table (torch.layout, re.Pattern, numpy's ufuncs are pickled through it), so
 # it holds a copy of that, kept up to date with what is registered later
 _DISPATCH: dict[type, Any] = {}
+_synced = [-1]  # the size of copyreg's table when _DISPATCH copied it
 
 
 def _sync_dispatch() -> None:
     _DISPATCH.clear()
     _DISPATCH.update(copyreg.dispatch_table)
     _DISPATCH[torch.Tensor] = _reduce_tensor
+    _synced[0] = len(copyreg.dispatch_table)
 
 
 _sync_dispatch()
@@ -126,7 +128,7 @@ def dumps(obj: Any) -> list[memoryview]:
     if type(obj) in _SCALARS:  # a reply such as None: one call does it
         plain = memoryview(pickle.dumps(obj, protocol=5))
         return [memoryview(_HEAD.pack(_MAGIC, 0, plain.nbytes)), plain]
-    if len(_DISPATCH) != len(copyreg.dispatch_table) + (torch.Tensor not in copyreg.dispatch_table):
+    if len(copyreg.dispatch_table) != _synced[0]:
         _sync_dispatch()  # something registered with copyreg since
     tl = _pickling
     if tl.busy:  # a reducer that serializes something itself: a pickler of its own
