@@ -371,3 +371,85 @@ def test_a_held_connection_is_armed_again_when_its_job_blocks(monkeypatch: pytes
                 time.sleep(0.01)
             assert not b.m._guard_on, "the guard should sleep when nothing is held"
             time.sleep(max(0.0, c.hold_off - time.monotonic()) + 0.01)
+
+
+class Recording(Node):
+    """Records, in order, each delivered tag (with its thread) and each kept job that runs at
+    the end of a poller's batch (``("job", tag)``). Tag 1 is a request kept for the batch's end;
+    its delivery waits until ``go`` is set (so what comes next is there before the job runs)."""
+
+    def __init__(self, my_id: int, book: dict[int, Any], read_ahead: bool) -> None:
+        super().__init__(my_id, book)
+        self.events: list[tuple[Any, ...]] = []
+        self.go = threading.Event()
+        self.kept: list[int] = []
+        self.ahead = read_ahead
+        self.m.on_batch_end = self._batch_end
+
+    def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        self.events.append(("msg", tag, threading.current_thread().name))
+        if tag == 1:
+            self.go.wait(5)
+            self.kept.append(tag)
+        super()._on_message(peer, tag, meta, payload)
+
+    def _batch_end(self) -> None:
+        if self.kept:
+            if self.ahead:
+                self.m.read_ahead()
+            self.events.append(("job", self.kept.pop(), threading.current_thread().name))
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_read_ahead_delivers_what_came_before_the_kept_job_runs(monkeypatch: pytest.MonkeyPatch, ahead: bool) -> None:
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_HOLD_MAX", 0.4)  # (held well past the 50 ms below)
+    book: dict[int, Any] = {}
+    a, b = Node(0, book), Recording(1, book, ahead)
+    try:
+        a.send(1, 1, "a request kept for the end of the batch")
+        deadline = time.monotonic() + 5
+        while not b.events and time.monotonic() < deadline:
+            time.sleep(0.001)
+        a.send(1, 2, "the fetch right behind it")
+        time.sleep(0.05)  # it is there, the connection held by the poller that read tag 1
+        b.go.set()
+        assert {b.get()[1], b.get()[1]} == {1, 2}
+        deadline = time.monotonic() + 5
+        while len(b.events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        order = [e[:2] for e in b.events]
+        if ahead:  # read by the same poller, before the job
+            assert order == [("msg", 1), ("msg", 2), ("job", 1)]
+            assert len({e[2] for e in b.events}) == 1
+        else:  # after it (the job then runs before the fetch is known)
+            assert order == [("msg", 1), ("job", 1), ("msg", 2)]
+    finally:
+        a.m.close()
+        b.m.close()
+
+
+def test_corked_messages_leave_together_and_in_order(pair: tuple[Node, Node]) -> None:
+    from tdist.transport._endpoint import _CMA_MIN
+
+    a, b = pair
+    a.send(1, 0, "connect")
+    assert b.get()[1] == 0
+    a.m.cork(1)
+    for i in (1, 2, 3):
+        a.send(1, i, f"small {i}")
+    time.sleep(0.05)
+    assert b.inbox.empty()  # kept until the cork comes off
+    big = torch.arange(_CMA_MIN // 4 + 16, dtype=torch.float32)
+    a.send(1, 4, big)  # too large to keep: what was kept goes first, then it
+    got = [b.get() for _ in range(4)]
+    assert [g[1] for g in got[:3]] == [1, 2, 3]  # one read: delivered in order
+    assert torch.equal(got[3][3], big)
+    a.send(1, 5, "kept again")
+    time.sleep(0.05)
+    assert b.inbox.empty()
+    a.m.uncork()
+    assert b.get()[1:] == (5, b"\x01", "kept again")
+    a.send(1, 6, "not corked any more")
+    assert b.get()[1] == 6

@@ -427,7 +427,7 @@ class RpcAgent:
         sync: bool = False,
     ) -> Any:
         """Send a request; returns a ``torch.futures.Future`` of its reply (``sync``: a lighter
-        object with ``done``/``wait``, for a caller that blocks on it itself)."""
+        object with ``done``/``wait``/``add_done_callback``, where no user holds the future)."""
         seconds = self.timeout_seconds(timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
         fut: Any = _SyncReply() if sync else torch.futures.Future()
@@ -596,7 +596,7 @@ class RpcAgent:
             rref_id = GloballyUniqueId(*rid)
             self._owner_future(rref_id)
             self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, GloballyUniqueId(*fid), src)
-            self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
+            self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id), remote=True)
         elif kind == MsgKind.FETCH:
             self._serve_fetch(src, tag, body)
         elif kind == MsgKind.JOIN:
@@ -605,10 +605,17 @@ class RpcAgent:
             func, args, kwargs = body
             self._schedule(lambda: self._run_call(src, tag, func, args, kwargs))
 
-    def _schedule(self, job: Callable[[], None]) -> None:
+    def _schedule(self, job: Callable[[], None], remote: bool = False) -> None:
         """Run a request's job: on the worker pool here (a subclass may run it where the
-        message arrived)."""
+        message arrived). ``remote``: the job makes an RRef's value."""
         self._to_pool(job)
+
+    def _cork(self, dst: int) -> None:
+        """Until ``_uncork``, replies to ``dst`` from this thread may be kept and sent together
+        (a transport that can)."""
+
+    def _uncork(self) -> None:
+        """Send what ``_cork`` kept."""
 
     def _to_pool(self, job: Callable[[], None]) -> None:
         # Each job reserves an idle worker or starts one (up to num_worker_threads), so a job
@@ -745,9 +752,15 @@ class RpcAgent:
 
             result.add_done_callback(done)
             return
-        if not fut.done():
-            fut.set_result(result)
-        self._reply(src, tag, None, answer=False)  # nobody waits for it: a fetch may come
+        # a fetch that came right behind the request (maybe read ahead for this) is answered
+        # when the value is set: its reply and this one leave together
+        self._cork(src)
+        try:
+            if not fut.done():
+                fut.set_result(result)
+            self._reply(src, tag, None, answer=False)  # nobody waits for it: a fetch may come
+        finally:
+            self._uncork()
 
     def _serve_fetch(self, src: int, tag: int, rref_id: Any) -> None:
         fut = self._owner_future(rref_id)

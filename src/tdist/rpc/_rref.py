@@ -294,10 +294,26 @@ class RRef:
 
     def _get_future(self) -> Any:
         """A future that completes when the owner has created the value (``remote()``)."""
-        if self._create_fut is not None:
-            return self._create_fut
-        fut: Any = torch.futures.Future()
-        fut.set_result(None)
+        cf = self._create_fut
+        if cf is None:
+            fut: Any = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+        if isinstance(cf, torch.futures.Future):
+            return cf
+        # remote() waits on a lighter future (a torch one costs a lot to complete): the torch
+        # future a user asks for follows it, and is the one returned from now on
+        fut = torch.futures.Future()
+
+        def follow(f: Any) -> None:
+            exc = _future_error(f)
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+        cf.add_done_callback(follow)
+        self._create_fut = fut
         return fut
 
     def local_value(self) -> Any:
@@ -549,7 +565,7 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
         # one pickle: the ids are plain tuples first, so that an owner which cannot rebuild the
         # call still reads them (``RpcAgent._remote_undecodable``)
         body = ((rref_id[0], rref_id[1]), (fork_id[0], fork_id[1]), func, args, kwargs)
-        obj._create_fut = agent.request(dst.id, MsgKind.REMOTE, body, timeout, what, on_reply=on_reply)
+        obj._create_fut = agent.request(dst.id, MsgKind.REMOTE, body, timeout, what, on_reply=on_reply, sync=True)
     except BaseException:
         ctx.run(ctx.proto.fork_not_sent, rref_id, fork_id)
         obj._dead = True

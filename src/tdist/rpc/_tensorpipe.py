@@ -217,7 +217,7 @@ class TensorPipeAgent(RpcAgent):
             self._tls.claimed = self.messenger.claim(dst)
         self.messenger.send(dst, tag, encode_meta(kind), parts, deadline, answer)
 
-    def _schedule(self, job: Any) -> None:
+    def _schedule(self, job: Any, remote: bool = False) -> None:
         # a poller thread runs the first request of what it read itself (no hand-off) unless
         # another poller is running one already; the rest go to the pool, side by side
         if (
@@ -227,14 +227,27 @@ class TensorPipeAgent(RpcAgent):
             and not getattr(self._tls, "self_call", False)
         ):
             self._tls.job = job
+            self._tls.job_remote = remote
         else:
             super()._schedule(job)
 
     def _run_deferred(self) -> None:
         job = getattr(self._tls, "job", None)
         if job is not None:
+            if self._tls.job_remote:
+                # a remote(): the fetch of its value may be right behind it (to_here()); read
+                # it first (requests read meanwhile go to the pool: the job is still kept),
+                # so that its answer leaves with the remote()'s own
+                self.messenger.read_ahead()
             self._tls.job = None
             self.messenger.run_inline(lambda: self._run_job(job))
+
+    def _cork(self, dst: int) -> None:
+        if dst != self.rank:
+            self.messenger.cork(dst)
+
+    def _uncork(self) -> None:
+        self.messenger.uncork()
 
     def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: object) -> Any:
         # take the callee's connection before sending, so that the reply is read here and no

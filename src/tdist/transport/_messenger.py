@@ -27,6 +27,10 @@ request, a fetch right behind a ``remote()``) waits for this poller, which reads
 done, instead of waking another poller that would fight it for the GIL. A guard thread, ticking
 only while holds happen, arms again a connection held longer than ``_HOLD_MAX`` (a request that
 blocks, maybe on the very next message) and leaves that connection unheld for ``_HOLD_OFF``.
+Before it runs a request it kept, the poller may read on the held connection (``read_ahead``):
+a fetch right behind a ``remote()`` is then waiting on the value when the value is made, and
+its reply leaves with the ``remote()``'s own in one write (``cork``), so the caller reads both
+at once.
 
 Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
 connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
@@ -84,7 +88,7 @@ _POPULATE_MIN = 1 << 20
 _SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
 # how long a poller that delivered messages from a peer polls that connection for the next ones
 # before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up)
-_POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "100")) * 1e-6
+_POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "200")) * 1e-6
 # (only on a connection where one of the last two requests after an answer came within that
 # time: a caller in a loop keeps the waits through a late request, sporadic traffic costs none)
 # how long a poller may keep the connection it read disarmed while it delivers and runs what it
@@ -496,6 +500,15 @@ class Messenger:
             PeerError: the peer is gone.
             DistNetworkError, DistTimeoutError: connecting or writing failed.
         """
+        cork = getattr(self._tls, "cork", None)
+        if cork is not None and cork[0] == peer:
+            total = sum(p.nbytes for p in parts)
+            if total < _CMA_MIN:  # corked (see ``cork``): written with the others later
+                if answer:
+                    self._tls.answered = True
+                cork[1].extend((memoryview(pack_header(Kind.DATA, tag, total, len(meta))), memoryview(meta), *parts))
+                return
+            self._flush_cork(cork)  # (what was kept goes first: order is kept)
         c = self._conn_for(peer, deadline)
         if answer:  # a poller that answers a caller waits a little for its next request
             self._tls.answered = True
@@ -515,6 +528,32 @@ class Messenger:
         total = sum(p.nbytes for p in parts)
         head = pack_header(Kind.DATA, tag, total, len(meta))
         self._write(c, [memoryview(head), memoryview(meta), *parts], deadline)
+
+    def cork(self, peer: int) -> None:
+        """Until ``uncork``, this thread's small messages to ``peer`` are kept and then written
+        together, in one system call: replies that become ready together (a ``remote()``'s
+        value fetched right behind it, and the ``remote()``'s own reply) reach the peer in one
+        read. Not nested."""
+        self._tls.cork = (peer, [])
+
+    def uncork(self) -> None:
+        """Write what was kept since ``cork`` (a failure is logged: only replies are corked,
+        and a peer that is gone is reported by the connection itself)."""
+        cork = getattr(self._tls, "cork", None)
+        self._tls.cork = None
+        if cork is not None:
+            self._flush_cork(cork)
+
+    def _flush_cork(self, cork: tuple[int, list[memoryview]]) -> None:
+        peer, frames = cork
+        if not frames:
+            return
+        try:
+            self._write(self._conn_for(peer, None), frames, None)
+        except (PeerError, DistNetworkError, DistTimeoutError, OSError) as exc:
+            log.debug("%s: could not write replies to %s: %s", self.label, self.describe(peer), exc)
+        finally:
+            frames.clear()
 
     def _write(self, c: _Conn, parts: list[memoryview], deadline: float | None) -> None:
         with c.send_lock:
@@ -662,6 +701,39 @@ class Messenger:
                     return done()
         return True
 
+    def read_ahead(self) -> None:
+        """From ``on_batch_end``, before the request a poller kept runs: read and deliver what
+        has come meanwhile on the connection it read, when it still holds it (see "Holding").
+        A request that others wait behind (a ``fetch`` right behind its ``remote()``) is then
+        known before the request runs, so its answer can leave with the request's own."""
+        c = getattr(self._tls, "held_conn", None)
+        if c is None or c.closed or c not in self._held or not c.spin_poll.poll(0):
+            return
+        if not c.rlock.acquire(blocking=False):
+            return
+        batch: list[tuple[int, int, bytes, Payload]] = []
+        lost: list[tuple[int, PeerError, bool]] = []
+        self._tls.batch = batch
+        self._tls.lost = lost
+        try:
+            self._drain(c)
+        except Exception:
+            log.exception("%s: reading from %s failed", self.label, self.describe(c.peer))
+            self._lose(c, None)
+        finally:
+            self._tls.batch = None
+            c.rlock.release()
+            if c not in self._held:  # the guard armed it meanwhile; a poller may have skipped it
+                self._rearm(c)
+        delivering = getattr(self._tls, "delivering", False)
+        self._tls.delivering = True
+        try:
+            for item in batch:
+                self.on_message(*item)
+        finally:
+            self._tls.delivering = delivering
+            self._report_lost(lost)
+
     def in_poller(self) -> bool:
         """Whether this thread is one of the poller threads (delivering a batch)."""
         return bool(getattr(self._tls, "delivering", False))
@@ -784,10 +856,12 @@ class Messenger:
                     self._report_lost(lost)
                 try:
                     if self.on_batch_end is not None:
+                        self._tls.held_conn = c if held else None
                         self.on_batch_end()
                 except Exception:
                     log.exception("%s: running a request failed", self.label)
                 finally:
+                    self._tls.held_conn = None
                     self._free()
                 # still held (not armed by the guard meanwhile): arming it is ours to do
                 held = held and self._held.pop(c, None) is not None
