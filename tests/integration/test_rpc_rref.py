@@ -46,6 +46,16 @@ def _remote_and_local(w: Worker) -> None:
     with pytest.raises(ValueError, match="remote boom"):
         rpc.remote(p, f.raise_error, args=("ValueError", "remote boom")).to_here()
 
+    # the future of the value's creation (torch's RRef._get_future)
+    made = rpc.remote(p, f.add, args=(1, 2))
+    fut = made._get_future()
+    assert isinstance(fut, torch._C.Future)
+    assert fut.wait() is None and made.to_here() == 3
+    failed = rpc.remote(p, f.raise_error, args=("ValueError", "made badly"))
+    assert failed._get_future().wait() is None  # made (as that error, which to_here raises)
+    with pytest.raises(ValueError, match="made badly"):
+        failed.to_here()
+
     # remote() to itself: this worker owns the value
     own = rpc.remote(w.me, f.add, args=(1, 2))
     assert own.to_here() == 3 and own.is_owner() and own.local_value() == 3
@@ -213,6 +223,10 @@ def _to_here_timeout(w: Worker) -> list[str]:
         counter.rpc_async(timeout=0.2).slow_get(1.0).wait()
     messages.append(str(info.value))
     assert counter.rpc_sync().get() == 3
+    # a remote() that times out: the future of its creation fails (torch's RRef._get_future)
+    late = rpc.remote(p, f.sleep_then, args=(1.0, 5), timeout=0.2)
+    with pytest.raises(RuntimeError, match=TIMEOUT_RE):
+        late._get_future().wait()
     w.barrier()
     return messages
 
@@ -252,6 +266,7 @@ def _timed_out_remote(w: Worker) -> dict[str, Any]:
     return out
 
 
+@better_than_torch  # torch: the processes hang (its shutdown waits for the timed-out RRef)
 def test_a_timed_out_remote_value_is_deleted_when_its_late_reply_comes(backend: str) -> None:
     # (the owner registers the creator's fork when the request arrives: the creator's user
     # reference is confirmed by the late reply and then deleted; it once stayed forever and

@@ -302,13 +302,15 @@ class RRef:
         if isinstance(cf, torch.futures.Future):
             return cf
         # remote() waits on a lighter future (a torch one costs a lot to complete): the torch
-        # future a user asks for follows it, and is the one returned from now on
+        # future a user asks for follows it, and is the one returned from now on. As torch's, it
+        # fails when the request did (a timeout, a lost owner), not when the function raised:
+        # the value is then that error, which to_here() raises
         fut = torch.futures.Future()
 
         def follow(f: Any) -> None:
             exc = _future_error(f)
-            if exc is not None:
-                fut.set_exception(exc)
+            if isinstance(exc, (RpcTimeoutError, PeerError)):
+                fut.set_exception(copy.copy(exc).with_traceback(None))
             else:
                 fut.set_result(None)
 
