@@ -430,3 +430,30 @@ class RebuildFails:
 
     def __reduce__(self) -> Any:
         return (_refuse_to_be_rebuilt, (self.text,))
+
+
+# -- RemoteModule ------------------------------------------------------------------------------
+class Affine(torch.nn.Module):
+    """``x @ w.T + b`` with known parameters (w = 1, b = 0.5), and a training flag to read."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, n_out)
+        with torch.no_grad():
+            self.lin.weight.fill_(1.0)
+            self.lin.bias.fill_(0.5)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+def call_module(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """Another worker runs a module (a RemoteModule sent to it) on ``x`` (``forward``: torch's
+    unpickled RemoteModule cannot be called as ``module(x)``; ours can)."""
+    return module.forward(x)  # type: ignore[no-any-return]
+
+
+def module_state(module_rref: Any) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """On the module's owner: its training flag and parameters."""
+    m = module_rref.local_value()
+    return m.training, m.lin.weight.detach().clone(), m.lin.bias.detach().clone()

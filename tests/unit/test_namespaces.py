@@ -35,6 +35,7 @@ PAIRS = [
     ("torch.distributed.rpc.options", "tdist.rpc.options"),
     ("torch.distributed.autograd", "tdist.autograd"),
     ("torch.distributed.optim", "tdist.optim"),
+    ("torch.distributed.nn.api.remote_module", "tdist.nn.api.remote_module"),
 ]
 
 

@@ -1,0 +1,1 @@
+"""``torch.distributed.nn.api``: see ``remote_module``."""
