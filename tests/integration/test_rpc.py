@@ -345,6 +345,30 @@ def test_futures_then_wait_value_wait_all_and_errors(backend: str) -> None:
     run(_futures, backend)
 
 
+def _profiled(w: Worker) -> list[str]:
+    names: list[str] = []
+    if w.rank == 0:
+        p = w.peer()
+        # torch's rule: RPCs are profiled under the legacy autograd profiler only
+        with torch.autograd.profiler_legacy.profile() as prof:
+            assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3
+            assert torch.equal(rpc.rpc_async(p, torch.add, args=(torch.ones(2), 1)).wait(), torch.full((2,), 2.0))
+            assert rpc.remote(p, f.add, args=(2, 3)).to_here() == 5
+        names = [e.name for e in prof.function_events]
+        assert f"rpc_sync#add({w.me} -> {p})" in names
+        assert f"rpc_async#aten::add({w.me} -> {p})" in names
+        assert f"rpc_remote#add({w.me} -> {p})" in names
+        with torch.autograd.profiler.profile() as kineto:  # the default profiler: not recorded
+            rpc.rpc_sync(p, f.add, args=(1, 2))
+        assert not [e.name for e in kineto.function_events if e.name.startswith("rpc_")]
+    w.barrier()
+    return names
+
+
+def test_calls_under_the_legacy_profiler_are_recorded_as_torch_names_them(backend: str) -> None:
+    run(_profiled, backend, world_size=2)
+
+
 def _concurrent(w: Worker) -> None:
     threads, calls = 4, 30
     everyone = [name(r) for r in range(w.world_size)]

@@ -39,6 +39,23 @@ PAIRS = [
 ]
 
 
+def test_rpc_internal_and_rref_proxy_modules() -> None:
+    import torch
+
+    from tdist.rpc import internal
+    from tdist.rpc.rref_proxy import RRefProxy
+
+    assert callable(RRefProxy)
+    assert [m.value for m in internal.RPCExecMode] == ["sync", "async", "async_jit", "remote"]
+    key = internal._build_rpc_profiling_key(internal.RPCExecMode.SYNC, "f", "a", "b")
+    assert key == "rpc_sync#f(a -> b)"
+    obj = {"t": torch.arange(3.0), "x": [1, torch.ones(2)]}
+    data, table = internal.serialize(obj)
+    assert isinstance(data, bytes) and len(table) == 2  # the tensors travel beside the pickle
+    back = internal.deserialize(data, table)
+    assert torch.equal(back["t"], obj["t"]) and back["x"][0] == 1 and torch.equal(back["x"][1], torch.ones(2))
+
+
 @pytest.mark.parametrize(("theirs", "ours"), PAIRS, ids=[p[1] for p in PAIRS])
 def test_torch_public_names_exist(theirs: str, ours: str) -> None:
     with warnings.catch_warnings():

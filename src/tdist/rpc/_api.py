@@ -28,6 +28,7 @@ from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
 from ._rref import RRef, owner_leaks
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from .internal import RPCExecMode, _build_rpc_profiling_key
 
 __all__ = [
     "RRef",
@@ -201,6 +202,22 @@ def get_rpc_timeout() -> float:
     return _agent().rpc_timeout
 
 
+def _profiling() -> bool:
+    """Whether calls are profiled: torch's rule, only under the legacy autograd profiler
+    (``torch.autograd.profiler_legacy.profile``)."""
+    return bool(torch._C._autograd._profiler_enabled()) and torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.LEGACY
+
+
+def _record(exec_type: str, to: Any, func: Any) -> Any:
+    """The profiler range of one call, named as torch names it:
+    ``rpc_<sync|async|remote>#<function>(<this worker> -> <callee>)``."""
+    agent = _agent()
+    builtin = torch.jit._builtins._find_builtin(func)  # type: ignore[no-untyped-call]
+    name = builtin if builtin is not None else getattr(func, "__qualname__", repr(func))
+    key = _build_rpc_profiling_key(RPCExecMode(exec_type), name, agent.name, agent.resolve(to).name)
+    return torch.autograd.profiler.record_function(key)
+
+
 def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     if not callable(func):
         raise TypeError(f"function should be callable, got {type(func).__name__}")
@@ -221,6 +238,13 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
         RuntimeError: RPC not initialized or unknown worker; the future fails with the callee's
             exception, a timeout or a lost callee.
     """
+    if _profiling():
+        with _record("async", to, func) as rf:
+            return rf._call_end_callbacks_on_future(_rpc_async(to, func, args, kwargs, timeout))
+    return _rpc_async(to, func, args, kwargs, timeout)
+
+
+def _rpc_async(to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
     agent, dst, body, what = _call("rpc_async", to, func, args, kwargs)
     if _autograd.active:  # inside a distributed autograd context: tensors that require grad
         rec = _autograd.record_call(dst.id, *body)
@@ -253,6 +277,13 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
         Exception: the callee's exception (same type where it can be rebuilt), a timeout
             (``RuntimeError``/``TimeoutError``) or a ``PeerError`` when the callee is lost.
     """
+    if _profiling():
+        with _record("sync", to, func):
+            return _rpc_sync(to, func, args, kwargs, timeout)
+    return _rpc_sync(to, func, args, kwargs, timeout)
+
+
+def _rpc_sync(to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
     agent, dst, body, what = _call("rpc_sync", to, func, args, kwargs)
     if _autograd.active:  # inside a distributed autograd context: tensors that require grad
         rec = _autograd.record_call(dst.id, *body)
@@ -265,6 +296,15 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
 def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return an ``RRef`` to its result at
     once (the value stays on ``to``)."""
+    if _profiling():
+        with _record("remote", to, func) as rf:
+            rref = _remote(to, func, args, kwargs, timeout)
+            rf._call_end_callbacks_on_future(rref._get_future())
+            return rref
+    return _remote(to, func, args, kwargs, timeout)
+
+
+def _remote(to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
     from ._rref import create_remote
 
     agent = _agent()

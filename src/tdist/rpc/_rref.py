@@ -38,7 +38,6 @@ from ._agent import (
     _not_a_future,
     _OwnerError,
     current_agent,
-    invoke_rref_method,
     run_user_function,
     serialization_peer,
 )
@@ -464,22 +463,11 @@ class RRef:
         return f"UserRRef(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
 
 
-class _Proxy:
-    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
-        self._rref = rref
-        self._mode = mode
-        self._timeout = timeout
+def _Proxy(rref: RRef, mode: str, timeout: float) -> Any:
+    from . import _api
+    from .rref_proxy import RRefProxy
 
-    def __getattr__(self, name: str) -> Any:
-        from . import _api
-
-        rref, mode, timeout = self._rref, self._mode, self._timeout
-        call = getattr(_api, mode)
-
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return call(rref.owner(), invoke_rref_method, args=(rref, name, args, kwargs), timeout=timeout)
-
-        return method
+    return RRefProxy(rref, getattr(_api, mode), timeout)
 
 
 def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
