@@ -4,6 +4,7 @@ sockets, real threads."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import socket
@@ -453,3 +454,55 @@ def test_corked_messages_leave_together_and_in_order(pair: tuple[Node, Node]) ->
     assert b.get()[1:] == (5, b"\x01", "kept again")
     a.send(1, 6, "not corked any more")
     assert b.get()[1] == 6
+
+
+class Ahead(Node):
+    """Reads ahead at the end of every batch its pollers deliver (as the RPC agent does before
+    a ``remote()`` it kept); records the tags of replies (tuples) apart."""
+
+    def __init__(self, my_id: int, book: dict[int, Any]) -> None:
+        super().__init__(my_id, book)
+        self.replies: set[int] = set()
+        self.m.on_batch_end = self.m.read_ahead
+
+    def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        super()._on_message(peer, tag, meta, payload)
+        if tag >= 1000:
+            self.replies.add(tag)
+
+
+def test_reading_ahead_beside_a_thread_that_claimed_the_connection(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A poller reading ahead on a connection that a waiting thread has claimed leaves it to that
+    thread (both polling it at once failed: 'concurrent poll() invocation')."""
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_HOLD_MAX", 0.05)
+    book: dict[int, Any] = {}
+    a, b = Answering(0, book), Ahead(1, book)
+    stop = threading.Event()
+
+    def chatter() -> None:  # one-way messages from a that b's pollers read (and read ahead after)
+        i = 0
+        while not stop.is_set():
+            a.m.send(1, i % 500, b"\x01", ser.dumps(i), time.monotonic() + 10)
+            i += 1
+            time.sleep(0.0001)
+
+    t = threading.Thread(target=chatter)
+    try:
+        b.send(0, 999, "connect")
+        t.start()
+        for i in range(1000, 2500):  # b's thread calls a and reads the reply itself
+            token = b.m.claim(0)
+            b.m.send(0, i, b"\x01", ser.dumps(i), time.monotonic() + 10)
+            deadline = time.monotonic() + 10
+            if not b.m.read_until(0, lambda i=i: i in b.replies, deadline, claimed=token):
+                while i not in b.replies and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+            assert i in b.replies
+    finally:
+        stop.set()
+        t.join(5)
+        a.m.close()
+        b.m.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

@@ -707,8 +707,10 @@ class Messenger:
         A request that others wait behind (a ``fetch`` right behind its ``remote()``) is then
         known before the request runs, so its answer can leave with the request's own."""
         c = getattr(self._tls, "held_conn", None)
-        if c is None or c.closed or c not in self._held or not c.spin_poll.poll(0):
+        if c is None or c.closed or c not in self._held:
             return
+        # (the read lock first: a thread that claimed the connection polls it meanwhile, and a
+        # poll object is not for two threads at once)
         if not c.rlock.acquire(blocking=False):
             return
         batch: list[tuple[int, int, bytes, Payload]] = []
@@ -716,7 +718,8 @@ class Messenger:
         self._tls.batch = batch
         self._tls.lost = lost
         try:
-            self._drain(c)
+            if c.spin_poll.poll(0):
+                self._drain(c)
         except Exception:
             log.exception("%s: reading from %s failed", self.label, self.describe(c.peer))
             self._lose(c, None)
