@@ -210,7 +210,15 @@ class _Call:
 
 
 _current: RpcAgent | None = None
-_tls = threading.local()
+
+
+class _ThreadState(threading.local):
+    # the class holds the default (a missing attribute of a plain threading.local costs an
+    # exception on every look, and this one is looked at for every message)
+    peer: int | None = None
+
+
+_tls = _ThreadState()
 
 
 def current_agent(required: bool = True) -> RpcAgent | None:
@@ -227,7 +235,7 @@ def set_current_agent(agent: RpcAgent | None) -> None:
 
 def serialization_peer() -> int | None:
     """While this thread pickles or unpickles an RPC message: the other worker's id."""
-    return getattr(_tls, "peer", None)
+    return _tls.peer
 
 
 def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -573,7 +581,7 @@ class RpcAgent:
             self._on_leave(src)
 
     def _decode(self, src: int, decode: Callable[..., Any]) -> Any:
-        old = getattr(_tls, "peer", None)
+        old = _tls.peer
         _tls.peer = src
         try:
             return decode()
@@ -582,7 +590,7 @@ class RpcAgent:
 
     def encode(self, dst: int, body: Any) -> list[memoryview]:
         """Serialize ``body`` for ``dst`` (RRefs inside fork for ``dst``)."""
-        old = getattr(_tls, "peer", None)
+        old = _tls.peer
         _tls.peer = dst
         try:
             return ser.dumps(body)

@@ -47,6 +47,17 @@ _INIT_TIMEOUT = float(os.environ.get("TDIST_RPC_INIT_TIMEOUT", "300"))
 _CLAIM_MAX = 1 << 20
 
 
+class _ThreadState(threading.local):
+    """What each thread keeps here; the class holds the defaults (a missing attribute of a
+    plain ``threading.local`` costs an exception on every look)."""
+
+    self_call: bool = False
+    claim_for: int | None = None
+    claimed: Any = None
+    job: Any = None
+    job_remote: bool = False
+
+
 class TensorPipeAgent(RpcAgent):
     """``TENSORPIPE`` backend agent (see the module docstring).
 
@@ -61,7 +72,7 @@ class TensorPipeAgent(RpcAgent):
         self.store = store
         self.options = options
         self._addresses: dict[int, PeerAddress] = {}
-        self._tls = threading.local()
+        self._tls = _ThreadState()
         self._joined = threading.Event()
         self.device_maps: dict[str, Any] = {}
         self.devices: list[torch.device] = []
@@ -209,7 +220,7 @@ class TensorPipeAgent(RpcAgent):
             finally:
                 self._tls.self_call = False
             return
-        if getattr(self._tls, "claim_for", None) == dst and sum(p.nbytes for p in parts) < _CLAIM_MAX:
+        if self._tls.claim_for == dst and sum(p.nbytes for p in parts) < _CLAIM_MAX:
             # a blocking call takes the callee's connection before its request goes out (then
             # no poller wakes for the reply); not for a large request, whose long write would
             # leave the connection unread meanwhile
@@ -223,8 +234,8 @@ class TensorPipeAgent(RpcAgent):
         if (
             self.messenger.in_poller()
             and not self.messenger.busy()
-            and getattr(self._tls, "job", None) is None
-            and not getattr(self._tls, "self_call", False)
+            and self._tls.job is None
+            and not self._tls.self_call
         ):
             self._tls.job = job
             self._tls.job_remote = remote
@@ -232,7 +243,7 @@ class TensorPipeAgent(RpcAgent):
             super()._schedule(job)
 
     def _run_deferred(self) -> None:
-        job = getattr(self._tls, "job", None)
+        job = self._tls.job
         if job is not None:
             if self._tls.job_remote:
                 # a remote(): the fetch of its value may be right behind it (to_here()); read
@@ -256,11 +267,11 @@ class TensorPipeAgent(RpcAgent):
         try:
             fut = self.request(dst, kind, body, timeout, what, sync=True)
         except BaseException:
-            self.messenger.release(getattr(self._tls, "claimed", None))
+            self.messenger.release(self._tls.claimed)
             raise
         finally:
             self._tls.claim_for = None
-            token, self._tls.claimed = getattr(self._tls, "claimed", None), None
+            token, self._tls.claimed = self._tls.claimed, None
         if not fut.done():
             seconds = self.timeout_seconds(timeout)
             deadline = None if seconds is None else time.monotonic() + seconds + 1.0

@@ -240,6 +240,18 @@ class _Conn:
         self.dest_head: tuple[int, int, bytes] = (0, 0, b"")
 
 
+class _ThreadState(threading.local):
+    """What each thread keeps here; the class holds the defaults (a missing attribute of a
+    plain ``threading.local`` costs an exception on every look)."""
+
+    batch: list[tuple[int, int, bytes, Payload]] | None = None
+    lost: list[tuple[int, PeerError, bool]] | None = None
+    answered: bool = False
+    delivering: bool = False
+    cork: tuple[int, list[memoryview]] | None = None
+    held_conn: _Conn | None = None
+
+
 class Messenger:
     """This process's end of the message connections.
 
@@ -304,7 +316,7 @@ class Messenger:
         self._pollers = 2
         self._busy_pollers = 0
         self._inline = 0
-        self._tls = threading.local()
+        self._tls = _ThreadState()
         self.host = host_id()
         self.pid = os.getpid()
         self._lock = threading.Lock()
@@ -500,7 +512,7 @@ class Messenger:
             PeerError: the peer is gone.
             DistNetworkError, DistTimeoutError: connecting or writing failed.
         """
-        cork = getattr(self._tls, "cork", None)
+        cork = self._tls.cork
         if cork is not None and cork[0] == peer:
             total = sum(p.nbytes for p in parts)
             if total < _CMA_MIN:  # corked (see ``cork``): written with the others later
@@ -539,7 +551,7 @@ class Messenger:
     def uncork(self) -> None:
         """Write what was kept since ``cork`` (a failure is logged: only replies are corked,
         and a peer that is gone is reported by the connection itself)."""
-        cork = getattr(self._tls, "cork", None)
+        cork = self._tls.cork
         self._tls.cork = None
         if cork is not None:
             self._flush_cork(cork)
@@ -687,7 +699,7 @@ class Messenger:
                 self._rearm(c)
             # requests read here are not this thread's to run (it waits for a reply, maybe
             # inside a poller's delivery): they go to the pool
-            delivering = getattr(self._tls, "delivering", False)
+            delivering = self._tls.delivering
             self._tls.delivering = False
             try:
                 for item in batch:
@@ -706,7 +718,7 @@ class Messenger:
         has come meanwhile on the connection it read, when it still holds it (see "Holding").
         A request that others wait behind (a ``fetch`` right behind its ``remote()``) is then
         known before the request runs, so its answer can leave with the request's own."""
-        c = getattr(self._tls, "held_conn", None)
+        c = self._tls.held_conn
         if c is None or c.closed or c not in self._held:
             return
         # (the read lock first: a thread that claimed the connection polls it meanwhile, and a
@@ -728,7 +740,7 @@ class Messenger:
             c.rlock.release()
             if c not in self._held:  # the guard armed it meanwhile; a poller may have skipped it
                 self._rearm(c)
-        delivering = getattr(self._tls, "delivering", False)
+        delivering = self._tls.delivering
         self._tls.delivering = True
         try:
             for item in batch:
@@ -739,7 +751,7 @@ class Messenger:
 
     def in_poller(self) -> bool:
         """Whether this thread is one of the poller threads (delivering a batch)."""
-        return bool(getattr(self._tls, "delivering", False))
+        return bool(self._tls.delivering)
 
     def busy(self) -> bool:
         """Whether a poller thread is running a request (``run_inline``)."""
@@ -1079,7 +1091,7 @@ class Messenger:
             log.debug("%s: ignored frame kind %d from %s", self.label, kind, self.describe(c.peer))
 
     def _deliver(self, peer: int, tag: int, meta: bytes, payload: Payload) -> None:
-        batch = getattr(self._tls, "batch", None)
+        batch = self._tls.batch
         if batch is not None:
             batch.append((peer, tag, meta, payload))
         else:
@@ -1157,8 +1169,8 @@ class Messenger:
             c.sock.close()
         if last and not self._closing:
             report = (c.peer, err, graceful and stalled is None)
-            pending = getattr(self._tls, "lost", None)
-            if getattr(self._tls, "batch", None) is not None and pending is not None:
+            pending = self._tls.lost
+            if self._tls.batch is not None and pending is not None:
                 pending.append(report)  # after the messages this thread read are delivered
             else:
                 # from a writer or the heartbeat thread: user callbacks run on the ctrl thread,
