@@ -196,3 +196,33 @@ def test_a_type_registered_with_copyreg_later_is_pickled_through_it() -> None:
         assert isinstance(loads(join(dumps([_Late()])))[0], _Late)
     finally:
         del copyreg.dispatch_table[_Late]
+
+
+def test_views_keep_their_storage_strides_and_sharing_as_torch_rpc_sends_them() -> None:
+    small = torch.arange(16.0)
+    parts = dumps((small[::2], small[1:5], small))
+    assert len(parts) == 3  # one storage, sent once for the three tensors
+    every_other, window, whole = loads(join(parts))
+    assert every_other.stride() == (2,) and not every_other.is_contiguous()
+    assert window.storage_offset() == 1 and window.untyped_storage().nbytes() == 64
+    assert torch.equal(every_other, small[::2]) and torch.equal(window, small[1:5]) and torch.equal(whole, small)
+    whole[2] = -1.0  # one storage on arrival, as with torch: a write shows through every view
+    assert every_other[1].item() == -1.0 and window[1].item() == -1.0
+
+    t = torch.arange(12.0).reshape(3, 4).t()  # strides kept: still a transpose
+    (back,) = loads(join(dumps((t,))))
+    assert back.stride() == (1, 4) and torch.equal(back, t)
+
+    # a small view of a large storage is copied out alone (torch's rule: it saves at least half
+    # of a storage of at least 8 KiB)
+    big = torch.arange(4096.0)
+    for view in (big[:100], big[::2]):
+        (back,) = loads(join(dumps((view,))))
+        assert back.is_contiguous() and back.untyped_storage().nbytes() == view.numel() * 4
+        assert torch.equal(back, view)
+    (back,) = loads(join(dumps((big[:3000],))))  # most of the storage: sent whole, with its offset
+    assert back.untyped_storage().nbytes() == big.untyped_storage().nbytes() and torch.equal(back, big[:3000])
+
+    g = torch.arange(8.0, requires_grad=True)
+    (back,) = loads(join(dumps((g[::2],))))  # (a non-leaf view that requires grad)
+    assert back.requires_grad and torch.equal(back.detach(), g.detach()[::2])

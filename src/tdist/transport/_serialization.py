@@ -62,6 +62,54 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
     return t
 
 
+# A view travels with its whole storage (its offset and strides kept, and views of one storage
+# in one message sharing it on arrival), as torch's RPC sends it, unless copying out just its
+# elements saves at least half of a storage of at least this size (torch's rule). A whole
+# tensor travels alone (the fast path), unless a view sent before it in the message shares its
+# storage.
+_RECOPY_MIN = 8 * 1024
+
+
+class _Storage:
+    """A tensor storage in one message: pickled once however many views use it (the pickler's
+    memo), its bytes out of band."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_storage, (pickle.PickleBuffer(self.raw),))
+
+
+def _rebuild_storage(buf: Any) -> torch.Tensor:
+    raw = buf.raw() if isinstance(buf, pickle.PickleBuffer) else memoryview(buf)
+    if raw.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(raw, dtype=torch.uint8)
+
+
+def _rebuild_view(base: torch.Tensor, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    tdt = _DTYPES.get(dtype)
+    if tdt is None:
+        raise RemoteProtocolError(f"unknown tensor dtype {dtype!r} (sent by a different torch?)")
+    t = torch.empty(0, dtype=tdt).set_(base.untyped_storage(), offset, shape, stride)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _storage_of(t: torch.Tensor) -> _Storage:
+    storages = _pickling.storages
+    key = t.untyped_storage().data_ptr()
+    entry = storages.get(key)
+    if entry is None:
+        whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        entry = storages[key] = _Storage(whole.numpy() if whole.numel() else bytearray())
+    return entry
+
+
 def _reduce_tensor(obj: torch.Tensor) -> Any:
     # plain CPU tensors travel as raw bytes beside the pickle (subclasses such as nn.Parameter
     # match no entry of the dispatch table and keep torch's own reduction, as do sparse,
@@ -69,6 +117,14 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     if obj.layout != torch.strided or obj.is_quantized or not obj.is_cpu:
         return cast(Any, obj).__reduce_ex__(5)
     t = obj.detach() if obj.requires_grad else obj
+    useful = t.numel() * t.element_size()
+    whole = t.untyped_storage().nbytes()
+    if (
+        (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful)
+    ) or (_pickling.storages and t.untyped_storage().data_ptr() in _pickling.storages):
+        # a view (or a tensor whose storage a view in this message sent already): with its
+        # storage, offset and strides, sharing the storage with the message's other views
+        return (_rebuild_view, (_storage_of(t), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
@@ -103,6 +159,7 @@ class _Pickling(threading.local):
 
     def __init__(self) -> None:
         self.buffers: list[pickle.PickleBuffer] = []
+        self.storages: dict[int, _Storage] = {}  # the storages of the views in the message
         self.busy = False
         self.renew()
 
@@ -155,6 +212,7 @@ def dumps(obj: Any) -> list[memoryview]:
             raise
         finally:
             tl.busy = False
+            tl.storages.clear()
     if not buffers:
         return [memoryview(_HEAD.pack(_MAGIC, 0, body.nbytes)), body]
     views = [b.raw() for b in buffers]
