@@ -699,15 +699,7 @@ class Messenger:
                 self._rearm(c)
             # requests read here are not this thread's to run (it waits for a reply, maybe
             # inside a poller's delivery): they go to the pool
-            delivering = self._tls.delivering
-            self._tls.delivering = False
-            try:
-                for item in batch:
-                    self.on_message(*item)
-            finally:
-                self._tls.delivering = delivering
-                batch.clear()
-                self._report_lost(lost)
+            self._deliver_batch(batch, lost, as_poller=False)
             if c.closed or not done():
                 if c.closed or (deadline is not None and time.monotonic() >= deadline):
                     return done()
@@ -740,13 +732,19 @@ class Messenger:
             c.rlock.release()
             if c not in self._held:  # the guard armed it meanwhile; a poller may have skipped it
                 self._rearm(c)
+        self._deliver_batch(batch, lost, as_poller=True)
+
+    def _deliver_batch(self, batch: list[tuple[int, int, bytes, Payload]], lost: list[tuple[int, PeerError, bool]], as_poller: bool) -> None:
+        """Deliver what this thread read (``as_poller``: as a poller does, so a request may be
+        kept to run here), then report the connections lost meanwhile."""
         delivering = self._tls.delivering
-        self._tls.delivering = True
+        self._tls.delivering = as_poller
         try:
             for item in batch:
                 self.on_message(*item)
         finally:
             self._tls.delivering = delivering
+            batch.clear()
             self._report_lost(lost)
 
     def in_poller(self) -> bool:
