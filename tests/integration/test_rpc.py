@@ -369,6 +369,29 @@ def test_calls_under_the_legacy_profiler_are_recorded_as_torch_names_them(backen
     run(_profiled, backend, world_size=2)
 
 
+def _server_profiled(w: Worker) -> None:
+    if w.rank == 0:  # torch's documented use: profiles of the callee's requests, through RRefs
+        p = w.peer()
+        x = torch.ones(2)
+        outer = rpc.remote(p, rpc._server_process_global_profile)
+        outer.rpc_sync().__enter__()
+        rpc.rpc_sync(p, torch.add, args=(x, x))
+        inner = rpc.remote(p, rpc._server_process_global_profile)
+        inner.rpc_sync().__enter__()
+        rpc.rpc_sync(p, torch.sub, args=(x, x))
+        inner.rpc_sync().__exit__(None, None, None)
+        outer.rpc_sync().__exit__(None, None, None)
+        inner_keys = {e.key.removeprefix("aten::") for e in inner.rpc_sync().key_averages()}
+        outer_keys = {e.key.removeprefix("aten::") for e in outer.rpc_sync().key_averages()}
+        assert "sub" in inner_keys and "add" not in inner_keys, inner_keys
+        assert {"add", "sub"} <= outer_keys, outer_keys
+    w.barrier()
+
+
+def test_server_process_global_profile_records_the_requests_a_worker_serves(backend: str) -> None:
+    run(_server_profiled, backend, world_size=2)
+
+
 def _concurrent(w: Worker) -> None:
     threads, calls = 4, 30
     everyone = [name(r) for r in range(w.world_size)]

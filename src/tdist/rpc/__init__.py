@@ -43,6 +43,9 @@ from .constants import _DEFAULT_NUM_WORKER_THREADS as _DEFAULT_NUM_WORKER_THREAD
 from .constants import _DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
 from .constants import _UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from .server_process_global_profiler import (
+    _server_process_global_profile as _server_process_global_profile,
+)
 
 # the agents load with the package (as torch's do), not inside the first init_rpc
 from . import _pg_agent  # noqa: F401  isort: skip

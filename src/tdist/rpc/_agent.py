@@ -42,6 +42,7 @@ from . import _errors
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
 from .constants import UNSET_RPC_TIMEOUT
+from .server_process_global_profiler import profiled_job
 
 __all__ = ["CallText", "LazyText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
 
@@ -655,7 +656,7 @@ class RpcAgent:
         with self._lock:
             self._active_requests += 1
         try:
-            job()
+            profiled_job(job)
         except BaseException:
             log.exception("%s: an RPC job failed", self.label)
         finally:
