@@ -55,6 +55,10 @@ def _remote_and_local(w: Worker) -> None:
     assert failed._get_future().wait() is None  # made (as that error, which to_here raises)
     with pytest.raises(ValueError, match="made badly"):
         failed.to_here()
+    failed_here = rpc.remote(w.me, f.raise_error, args=("ValueError", "made badly here"))
+    assert failed_here._get_future().wait() is None  # (also when this worker is the owner)
+    with pytest.raises(ValueError, match="made badly here"):
+        failed_here.to_here()
 
     # remote() to itself: this worker owns the value
     own = rpc.remote(w.me, f.add, args=(1, 2))

@@ -565,10 +565,12 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
 
 def _run_local(agent: RpcAgent, func: Any, args: Any, kwargs: Any, value_fut: Any, created: Any) -> None:
     def fail(exc: BaseException) -> None:
+        # the value is the error (to_here() and local_value() raise it); the creation itself
+        # completed, as torch's creation future does
         record = _errors.capture(exc, agent.label)
         if not value_fut.done():
             value_fut.set_result(_OwnerError(record))
-        created.set_exception(_errors.rebuild(record))
+        created.set_result(None)
 
     try:
         is_async, result = run_user_function(func, args, kwargs)
