@@ -353,7 +353,11 @@ def _profiled(w: Worker) -> list[str]:
         with torch.autograd.profiler_legacy.profile() as prof:
             assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3
             assert torch.equal(rpc.rpc_async(p, torch.add, args=(torch.ones(2), 1)).wait(), torch.full((2,), 2.0))
-            assert rpc.remote(p, f.add, args=(2, 3)).to_here() == 5
+            rref = rpc.remote(p, f.add, args=(2, 3))
+            assert rref.to_here() == 5
+            # a remote() is recorded until its creation is confirmed, which may come after the
+            # value (torch's rule as well): wait for it inside the profiled range
+            rref._get_future().wait()
         names = [e.name for e in prof.function_events]
         assert f"rpc_sync#add({w.me} -> {p})" in names
         assert f"rpc_async#aten::add({w.me} -> {p})" in names
