@@ -55,6 +55,7 @@ from ._rref_protocol import (
     UserDelete,
 )
 from .constants import UNSET_RPC_TIMEOUT
+from .rref_proxy import RRefProxy
 
 __all__ = ["RRef", "RRefContext", "create_remote", "owner_leaks", "release_all", "settle"]
 
@@ -418,15 +419,21 @@ class RRef:
     # -- proxies --------------------------------------------------------------------------------
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on the owner."""
-        return _Proxy(self, "rpc_sync", timeout)
+        from ._api import rpc_sync
+
+        return RRefProxy(self, rpc_sync, timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """``rref.rpc_async().method(*args)`` returns a future of ``method``'s result."""
-        return _Proxy(self, "rpc_async", timeout)
+        from ._api import rpc_async
+
+        return RRefProxy(self, rpc_async, timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """``rref.remote().method(*args)`` returns an RRef to ``method``'s result (on the owner)."""
-        return _Proxy(self, "remote", timeout)
+        from ._api import remote
+
+        return RRefProxy(self, remote, timeout)
 
     # -- pickling and lifetime ------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
@@ -461,13 +468,6 @@ class RRef:
         if self._is_owner:
             return f"OwnerRRef({self._rref_id})"
         return f"UserRRef(RRefId = {self._rref_id}, ForkId = {self._fork_id})"
-
-
-def _Proxy(rref: RRef, mode: str, timeout: float) -> Any:
-    from . import _api
-    from .rref_proxy import RRefProxy
-
-    return RRefProxy(rref, getattr(_api, mode), timeout)
 
 
 def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:

@@ -100,12 +100,12 @@ def _rebuild_view(base: torch.Tensor, dtype: str, offset: int, shape: tuple[int,
     return t
 
 
-def _storage_of(t: torch.Tensor) -> _Storage:
+def _storage_of(storage: Any) -> _Storage:
     storages = _pickling.storages
-    key = t.untyped_storage().data_ptr()
+    key = storage.data_ptr()
     entry = storages.get(key)
     if entry is None:
-        whole = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
         entry = storages[key] = _Storage(whole.numpy() if whole.numel() else bytearray())
     return entry
 
@@ -118,13 +118,14 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
         return cast(Any, obj).__reduce_ex__(5)
     t = obj.detach() if obj.requires_grad else obj
     useful = t.numel() * t.element_size()
-    whole = t.untyped_storage().nbytes()
+    storage = t.untyped_storage()
+    whole = storage.nbytes()
     if (
         (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful)
-    ) or (_pickling.storages and t.untyped_storage().data_ptr() in _pickling.storages):
+    ) or (_pickling.storages and storage.data_ptr() in _pickling.storages):
         # a view (or a tensor whose storage a view in this message sent already): with its
         # storage, offset and strides, sharing the storage with the message's other views
-        return (_rebuild_view, (_storage_of(t), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
+        return (_rebuild_view, (_storage_of(storage), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
