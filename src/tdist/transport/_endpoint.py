@@ -456,11 +456,13 @@ class Endpoint:
         import selectors
 
         sel = selectors.DefaultSelector()
-        for s in listeners:
-            s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ)
         accepted = 0
         try:
+            # (inside the try: the endpoint may be closed, its listeners with it, before this
+            # thread gets to run; that ends accepting like any other failure)
+            for s in listeners:
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ)
             while accepted < expected and not self._closing:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
