@@ -432,6 +432,12 @@ class RebuildFails:
         return (_refuse_to_be_rebuilt, (self.text,))
 
 
+def unrebuildable_after(seconds: float, text: str) -> RebuildFails:
+    """After ``seconds``, a value whose rebuilding (on the caller) raises ``ValueError(text)``."""
+    time.sleep(seconds)
+    return RebuildFails(text)
+
+
 # -- RemoteModule ------------------------------------------------------------------------------
 class Affine(torch.nn.Module):
     """``x @ w.T + b`` with known parameters (w = 1, b = 0.5), and a training flag to read."""

@@ -431,29 +431,38 @@ def test_read_ahead_delivers_what_came_before_the_kept_job_runs(monkeypatch: pyt
         b.m.close()
 
 
-def test_corked_messages_leave_together_and_in_order(pair: tuple[Node, Node]) -> None:
-    from tdist.transport._endpoint import _CMA_MIN
-
+def test_a_deferred_message_goes_before_the_next_send_or_when_the_poller_stops_waiting(pair: tuple[Node, Node]) -> None:
     a, b = pair
-    a.send(1, 0, "connect")
-    assert b.get()[1] == 0
-    a.m.cork(1)
-    for i in (1, 2, 3):
-        a.send(1, i, f"small {i}")
-    time.sleep(0.05)
-    assert b.inbox.empty()  # kept until the cork comes off
-    big = torch.arange(_CMA_MIN // 4 + 16, dtype=torch.float32)
-    a.send(1, 4, big)  # too large to keep: what was kept goes first, then it
-    got = [b.get() for _ in range(4)]
-    assert [g[1] for g in got[:3]] == [1, 2, 3]  # one read: delivered in order
-    assert torch.equal(got[3][3], big)
-    a.send(1, 5, "kept again")
-    time.sleep(0.05)
-    assert b.inbox.empty()
-    a.m.uncork()
-    assert b.get()[1:] == (5, b"\x01", "kept again")
-    a.send(1, 6, "not corked any more")
-    assert b.get()[1] == 6
+    sent: list[int] = []
+
+    def later(tag: int) -> None:
+        sent.append(tag)
+        b.send(0, tag, f"deferred {tag}")
+
+    # not in a poller thread: nothing is put off
+    assert not b.m.defer(lambda: later(99))
+    assert sent == []
+
+    # in a poller (delivering a message from a): put off, then sent before the next send
+    results: queue.Queue[Any] = queue.Queue()
+
+    def on_message(peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        if tag == 1:
+            results.put(b.m.defer(lambda: later(10)))
+            b.send(0, 11, "after")  # the deferred one goes first
+        elif tag == 2:
+            results.put(b.m.defer(lambda: later(20)))  # sent when the poller stops waiting
+
+    b.m.on_message = on_message
+    a.send(1, 1, "one")
+    assert results.get(timeout=10) is True
+    assert [a.get()[1] for _ in range(2)] == [10, 11]
+    t0 = time.monotonic()
+    a.send(1, 2, "two")
+    assert results.get(timeout=10) is True
+    assert a.get()[1] == 20
+    assert time.monotonic() - t0 < 1.0  # (the poller waits for the next request briefly only)
+    assert sent == [10, 20]
 
 
 class Ahead(Node):

@@ -356,14 +356,17 @@ def _profiled(w: Worker) -> list[str]:
             rref = rpc.remote(p, f.add, args=(2, 3))
             assert rref.to_here() == 5
             # a remote() is recorded until its creation is confirmed, which may come after the
-            # value (torch's rule as well): wait for it inside the profiled range
-            rref._get_future().wait()
+            # value (torch's rule as well): wait for its record inside the profiled range, as
+            # torch's tests do
+            assert rref._get_profiling_future().wait() is None
         names = [e.name for e in prof.function_events]
         assert f"rpc_sync#add({w.me} -> {p})" in names
         assert f"rpc_async#aten::add({w.me} -> {p})" in names
         assert f"rpc_remote#add({w.me} -> {p})" in names
         with torch.autograd.profiler.profile() as kineto:  # the default profiler: not recorded
             rpc.rpc_sync(p, f.add, args=(1, 2))
+            with pytest.raises(RuntimeError, match="Profiling future has not been set"):
+                rpc.remote(p, f.add, args=(1, 2))._get_profiling_future()
         assert not [e.name for e in kineto.function_events if e.name.startswith("rpc_")]
     w.barrier()
     return names

@@ -280,6 +280,47 @@ def test_a_timed_out_remote_value_is_deleted_when_its_late_reply_comes(backend: 
     assert all(o["shutdown_s"] < 4.0 for o in out), out
 
 
+def _fetched_while_made(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        p = w.peer()
+
+        def confirmed_soon(rref: Any) -> bool:
+            t0 = time.monotonic()
+            while not rref.confirmed_by_owner() and time.monotonic() - t0 < 3.0:
+                time.sleep(0.01)
+            return bool(rref.confirmed_by_owner())
+
+        # the fetch waits on the owner for the value: one reply answers it and the remote()
+        rref = rpc.remote(p, f.tracked_after, args=(0.3, "fetched-early"))
+        assert rref.to_here().tag == "fetched-early"
+        out["confirmed"] = confirmed_soon(rref)
+        rref._get_future().wait()
+        del rref  # the owner deletes the value: the remote()'s fork was confirmed and let go
+        t0 = time.monotonic()
+        while rpc.rpc_sync(p, f.is_alive, args=("fetched-early",)) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        out["deleted"] = not rpc.rpc_sync(p, f.is_alive, args=("fetched-early",))
+        # a value that cannot be rebuilt here: to_here() fails, the remote() itself is done
+        bad = rpc.remote(p, f.unrebuildable_after, args=(0.3, "not here"))
+        try:
+            bad.to_here()
+        except Exception as exc:  # (not pytest.raises: it would keep the RRef alive)
+            out["error"] = str(exc)
+        out["bad_confirmed"] = confirmed_soon(bad)
+        # fetched right after the remote(), many times (the common, merged, case)
+        out["values"] = [rpc.remote(p, f.add, args=(i, 1)).to_here() for i in range(50)]
+    w.barrier()
+    return out
+
+
+def test_a_fetch_that_waits_for_the_value_also_completes_the_remote(backend: str) -> None:
+    out = run(_fetched_while_made, backend, world_size=2)[0]
+    assert out["confirmed"] and out["deleted"], out
+    assert "not here" in out["error"] and out["bad_confirmed"], out
+    assert out["values"] == [i + 1 for i in range(50)]
+
+
 def _rrefs_after_reinit(w: Worker) -> None:
     w.shutdown()
     w.init(port=w.shared["second_port"])

@@ -109,7 +109,7 @@ class RpcTimeoutError(DistTimeoutError):
 
 
 _reply_lock = threading.Lock()
-_REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR))
+_REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR, MsgKind.REPLY_OK_ACK))
 
 
 class _SyncReply:
@@ -217,6 +217,9 @@ class _ThreadState(threading.local):
     # the class holds the default (a missing attribute of a plain threading.local costs an
     # exception on every look, and this one is looked at for every message)
     peer: int | None = None
+    # (agent, caller, request id): a remote() whose value is set and whose reply has not gone;
+    # a fetch reply to that caller from this thread takes it along (``RpcAgent._run_remote``)
+    ack: tuple[Any, int, int] | None = None
 
 
 _tls = _ThreadState()
@@ -542,22 +545,10 @@ class RpcAgent:
             log.warning("%s: dropped a message from %s: %s", self.label, self.describe(src), exc)
             return
         if kind in _REPLIES:
-            with self._lock:
-                call = self._pending.pop(tag, None)
-                late = self._late.pop(tag, None) if call is None else None
-            if call is None:
-                if late is not None:  # it timed out already; its handler hears the outcome
-                    self._late_reply(late[1], None, None if kind == MsgKind.REPLY_OK else RuntimeError("the request failed"))
-                return
-            try:
-                body = self._decode(src, decode)
-            except BaseException as exc:
-                self._finish(call, None, RuntimeError(f"{self.label}: could not decode the reply to {call.what} from {self.describe(src)}: {exc!r}"))
-                return
-            if kind == MsgKind.REPLY_OK:
-                self._finish(call, body, None)
+            if kind == MsgKind.REPLY_OK_ACK:
+                self._on_reply_ack(src, tag, decode)
             else:
-                self._finish(call, None, _errors.rebuild(body, call=str(call.what)) if isinstance(body, _errors.RemoteExceptionRecord) else RuntimeError(repr(body)))
+                self._on_reply(src, tag, kind == MsgKind.REPLY_OK, decode)
             return
         if kind in REQUESTS:
             try:
@@ -580,6 +571,42 @@ class RpcAgent:
             return
         if kind == MsgKind.LEAVE:
             self._on_leave(src)
+
+    def _on_reply(self, src: int, tag: int, ok: bool, decode: Callable[..., Any]) -> None:
+        """The reply to request ``tag`` (``ok``: its value, else its error record)."""
+        with self._lock:
+            call = self._pending.pop(tag, None)
+            late = self._late.pop(tag, None) if call is None else None
+        if call is None:
+            if late is not None:  # it timed out already; its handler hears the outcome
+                self._late_reply(late[1], None, None if ok else RuntimeError("the request failed"))
+            return
+        try:
+            body = self._decode(src, decode)
+        except BaseException as exc:
+            self._finish(call, None, RuntimeError(f"{self.label}: could not decode the reply to {call.what} from {self.describe(src)}: {exc!r}"))
+            return
+        if ok:
+            self._finish(call, body, None)
+        else:
+            self._finish(call, None, _errors.rebuild(body, call=str(call.what)) if isinstance(body, _errors.RemoteExceptionRecord) else RuntimeError(repr(body)))
+
+    def _on_reply_ack(self, src: int, tag: int, decode: Callable[..., Any]) -> None:
+        """``REPLY_OK_ACK (remote_tag, value)``: the ``remote()`` of id ``remote_tag`` is done
+        (its reply first, as if it had come alone), then fetch ``tag`` has its value."""
+        try:
+            remote_tag, value = self._decode(src, decode)
+        except BaseException:
+            try:  # the value cannot be rebuilt here: the remote() is done all the same
+                remote_tag = self._decode(src, lambda: decode(lenient=True))[0]
+            except Exception as exc:
+                log.warning("%s: dropped an unreadable reply from %s: %s", self.label, self.describe(src), exc)
+                return
+            self._on_reply(src, remote_tag, True, lambda: None)
+            self._on_reply(src, tag, True, decode)  # (says what could not be decoded)
+            return
+        self._on_reply(src, remote_tag, True, lambda: None)
+        self._on_reply(src, tag, True, lambda: value)
 
     def _decode(self, src: int, decode: Callable[..., Any]) -> Any:
         old = _tls.peer
@@ -618,13 +645,6 @@ class RpcAgent:
         """Run a request's job: on the worker pool here (a subclass may run it where the
         message arrived). ``remote``: the job makes an RRef's value."""
         self._to_pool(job)
-
-    def _cork(self, dst: int) -> None:
-        """Until ``_uncork``, replies to ``dst`` from this thread may be kept and sent together
-        (a transport that can)."""
-
-    def _uncork(self) -> None:
-        """Send what ``_cork`` kept."""
 
     def _to_pool(self, job: Callable[[], None]) -> None:
         # Each job reserves an idle worker or starts one (up to num_worker_threads), so a job
@@ -761,15 +781,33 @@ class RpcAgent:
 
             result.add_done_callback(done)
             return
-        # a fetch that came right behind the request (maybe read ahead for this) is answered
-        # when the value is set: its reply and this one leave together
-        self._cork(src)
+        # a fetch from the caller that came right behind the request (maybe read ahead for
+        # this) is answered when the value is set, and its reply answers this request too;
+        # when it has not come yet, this reply waits for it a little (``to_here()`` usually
+        # follows at once) and then goes alone
+        if _tls.ack is not None:  # an earlier one, put off: it goes first
+            _tls.ack[0]._send_ack(_tls.ack)
+        ack = _tls.ack = (self, src, tag)
         try:
             if not fut.done():
                 fut.set_result(result)
-            self._reply(src, tag, None, answer=False)  # nobody waits for it: a fetch may come
-        finally:
-            self._uncork()
+        except BaseException:
+            _tls.ack = None
+            raise
+        if _tls.ack is ack and not self._defer(lambda: self._send_ack(ack)):
+            self._send_ack(ack)
+
+    def _send_ack(self, ack: tuple[Any, int, int]) -> None:
+        """The reply to a ``remote()`` that no fetch reply took along (see ``_run_remote``)."""
+        if _tls.ack is not ack:  # a fetch reply took it (while it was put off)
+            return
+        _tls.ack = None
+        self._reply(ack[1], ack[2], None, answer=False)  # nobody waits for it
+
+    def _defer(self, send: Callable[[], None]) -> bool:
+        """Call ``send`` a little later, where the transport can (see ``Messenger.defer``):
+        False when it cannot (send now)."""
+        return False
 
     def _serve_fetch(self, src: int, tag: int, rref_id: Any) -> None:
         fut = self._owner_future(rref_id)
@@ -782,8 +820,20 @@ class RpcAgent:
         value = fut.value()
         if isinstance(value, _OwnerError):
             self._reply_error(src, tag, value.record)
-        else:
-            self._reply(src, tag, value)
+            return
+        ack = _tls.ack
+        if ack is not None and ack[0] is self and ack[1] == src:
+            # the caller's remote() of this value is not answered yet: this reply does it
+            _tls.ack = None
+            try:
+                self._transmit(src, tag, MsgKind.REPLY_OK_ACK, (ack[2], value), None, True)
+            except (DistError, OSError) as exc:
+                log.debug("%s: could not reply to %s: %s", self.label, self.describe(src), exc)
+            except BaseException as exc:  # the value could not be serialized: say so
+                self._reply_error(src, tag, _errors.capture(exc, self.label))
+                self._reply(src, ack[2], None, answer=False)
+            return
+        self._reply(src, tag, value)
 
     def _on_rref_message(self, src: int, msgs: Any) -> None:
         for msg in msgs:

@@ -299,7 +299,8 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: fl
     if _profiling():
         with _record("remote", to, func) as rf:
             rref = _remote(to, func, args, kwargs, timeout)
-            rf._call_end_callbacks_on_future(rref._get_future())
+            # (a future that completes once the range is recorded, as torch keeps it)
+            rref._set_profiling_future(rf._call_end_callbacks_on_future(rref._get_future()))
             return rref
     return _remote(to, func, args, kwargs, timeout)
 

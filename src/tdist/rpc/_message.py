@@ -9,11 +9,14 @@ message id, its metadata is one byte naming the kind below, its payload is the
     CALL       (func, args, kwargs)                 -> REPLY_OK result | REPLY_ERR record
     REMOTE     (rref_id, fork_id, func, args, kwargs) -> REPLY_OK None once the value is set
     FETCH      rref_id                              -> REPLY_OK value (when it is ready)
+                                                       or REPLY_OK_ACK (remote_tag, value)
     RREF       an RRef protocol message (fork request, accept, delete)
     JOIN       (id, name, address)                  -> REPLY_OK None (dynamic membership)
     LEAVE      id                                   (a worker leaves a dynamic group)
 
-``REPLY_ERR`` carries an ``_errors.RemoteExceptionRecord``.
+``REPLY_ERR`` carries an ``_errors.RemoteExceptionRecord``. ``REPLY_OK_ACK`` answers a fetch and
+also the ``REMOTE`` of id ``remote_tag`` (``REPLY_OK None``): the owner sends it when the fetch
+came before it answered the ``remote()``, the common ``remote(...).to_here()``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class MsgKind(enum.IntEnum):
     LEAVE = 6
     REPLY_OK = 16
     REPLY_ERR = 17
+    REPLY_OK_ACK = 18
 
 
 REQUESTS = frozenset({MsgKind.CALL, MsgKind.REMOTE, MsgKind.FETCH, MsgKind.JOIN})

@@ -254,7 +254,7 @@ class ProcessGroupAgent(RpcAgent):
                 work.wait()
             # a reply completes a future, whose callbacks may block: ``_finish`` hands the
             # baton on before it runs them
-            self._tls.baton = st if kind in (MsgKind.REPLY_OK, MsgKind.REPLY_ERR) else None
+            self._tls.baton = st if kind in (MsgKind.REPLY_OK, MsgKind.REPLY_ERR, MsgKind.REPLY_OK_ACK) else None
             try:
                 self._deliver(src, kind, tag, payload)
             finally:

@@ -236,7 +236,10 @@ class RRef:
     when no reference remains anywhere.
     """
 
-    __slots__ = ("__weakref__", "_agent", "_confirmed", "_create_fut", "_dead", "_fork_id", "_is_owner", "_owner", "_rref_id", "_type")
+    __slots__ = (
+        "__weakref__", "_agent", "_confirmed", "_create_fut", "_dead", "_fork_id", "_is_owner", "_owner",
+        "_profiling_fut", "_rref_id", "_type",
+    )  # fmt: skip
 
     def __init__(self, value: Any, type_hint: Any = None) -> None:
         agent = _require_agent()
@@ -316,6 +319,23 @@ class RRef:
 
         cf.add_done_callback(follow)
         self._create_fut = fut
+        return fut
+
+    def _set_profiling_future(self, fut: Any) -> None:
+        """Keep the future that completes once a profiled ``remote()``'s range is recorded
+        (torch's; ``rpc.remote`` sets it under the legacy profiler)."""
+        self._profiling_fut = fut
+
+    def _get_profiling_future(self) -> Any:
+        """The future ``_set_profiling_future`` kept: wait on it to know a profiled ``remote()``
+        is recorded (its creation confirmed by the owner, which may come after ``to_here()``).
+
+        Raises:
+            RuntimeError: none was set (torch's error).
+        """
+        fut = getattr(self, "_profiling_fut", None)
+        if fut is None:
+            raise RuntimeError("Profiling future has not been set!")
         return fut
 
     def local_value(self) -> Any:

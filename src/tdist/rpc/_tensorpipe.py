@@ -253,12 +253,8 @@ class TensorPipeAgent(RpcAgent):
             self._tls.job = None
             self.messenger.run_inline(lambda: self._run_job(job))
 
-    def _cork(self, dst: int) -> None:
-        if dst != self.rank:
-            self.messenger.cork(dst)
-
-    def _uncork(self) -> None:
-        self.messenger.uncork()
+    def _defer(self, send: Any) -> bool:
+        return self.messenger.defer(send)
 
     def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: object) -> Any:
         # take the callee's connection before sending, so that the reply is read here and no

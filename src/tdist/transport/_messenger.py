@@ -29,8 +29,8 @@ only while holds happen, arms again a connection held longer than ``_HOLD_MAX`` 
 blocks, maybe on the very next message) and leaves that connection unheld for ``_HOLD_OFF``.
 Before it runs a request it kept, the poller may read on the held connection (``read_ahead``):
 a fetch right behind a ``remote()`` is then waiting on the value when the value is made, and
-its reply leaves with the ``remote()``'s own in one write (``cork``), so the caller reads both
-at once.
+one reply answers both. When the fetch has not come yet, the ``remote()``'s reply waits for it
+(``defer``) while the poller polls for it as after an answer.
 
 Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
 connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
@@ -248,8 +248,9 @@ class _ThreadState(threading.local):
     lost: list[tuple[int, PeerError, bool]] | None = None
     answered: bool = False
     delivering: bool = False
-    cork: tuple[int, list[memoryview]] | None = None
+    deferred: Callable[[], None] | None = None  # a message to send later (``defer``)
     held_conn: _Conn | None = None
+    poller: bool = False  # this thread is a poller thread
 
 
 class Messenger:
@@ -512,15 +513,8 @@ class Messenger:
             PeerError: the peer is gone.
             DistNetworkError, DistTimeoutError: connecting or writing failed.
         """
-        cork = self._tls.cork
-        if cork is not None and cork[0] == peer:
-            total = sum(p.nbytes for p in parts)
-            if total < _CMA_MIN:  # corked (see ``cork``): written with the others later
-                if answer:
-                    self._tls.answered = True
-                cork[1].extend((memoryview(pack_header(Kind.DATA, tag, total, len(meta))), memoryview(meta), *parts))
-                return
-            self._flush_cork(cork)  # (what was kept goes first: order is kept)
+        if self._tls.deferred is not None:
+            self.send_deferred()  # (what this thread put off goes first: order is kept)
         c = self._conn_for(peer, deadline)
         if answer:  # a poller that answers a caller waits a little for its next request
             self._tls.answered = True
@@ -541,31 +535,28 @@ class Messenger:
         head = pack_header(Kind.DATA, tag, total, len(meta))
         self._write(c, [memoryview(head), memoryview(meta), *parts], deadline)
 
-    def cork(self, peer: int) -> None:
-        """Until ``uncork``, this thread's small messages to ``peer`` are kept and then written
-        together, in one system call: replies that become ready together (a ``remote()``'s
-        value fetched right behind it, and the ``remote()``'s own reply) reach the peer in one
-        read. Not nested."""
-        self._tls.cork = (peer, [])
+    def defer(self, send: Callable[[], None]) -> bool:
+        """In a poller thread: call ``send`` (which sends a message) later, before this thread
+        sends anything else or when its poller stops waiting for the next request, and wait for
+        that request meanwhile as after an answer (``_POLLER_SPIN``). For a reply nobody waits
+        for that may be answered with the next request's own (a ``remote()``'s, with its
+        fetch). Returns False (nothing kept: send now) in any other thread."""
+        if not self._tls.poller or self._closing:
+            return False
+        if self._tls.deferred is not None:
+            self.send_deferred()
+        self._tls.deferred = send
+        self._tls.answered = True
+        return True
 
-    def uncork(self) -> None:
-        """Write what was kept since ``cork`` (a failure is logged: only replies are corked,
-        and a peer that is gone is reported by the connection itself)."""
-        cork = self._tls.cork
-        self._tls.cork = None
-        if cork is not None:
-            self._flush_cork(cork)
-
-    def _flush_cork(self, cork: tuple[int, list[memoryview]]) -> None:
-        peer, frames = cork
-        if not frames:
-            return
-        try:
-            self._write(self._conn_for(peer, None), frames, None)
-        except (PeerError, DistNetworkError, DistTimeoutError, OSError) as exc:
-            log.debug("%s: could not write replies to %s: %s", self.label, self.describe(peer), exc)
-        finally:
-            frames.clear()
+    def send_deferred(self) -> None:
+        """Send what this thread put off with ``defer`` (if anything); a failure is logged."""
+        send, self._tls.deferred = self._tls.deferred, None
+        if send is not None:
+            try:
+                send()
+            except Exception:
+                log.exception("%s: sending a deferred message failed", self.label)
 
     def _write(self, c: _Conn, parts: list[memoryview], deadline: float | None) -> None:
         with c.send_lock:
@@ -806,10 +797,13 @@ class Messenger:
         batch: list[tuple[int, int, bytes, Payload]] = []
         lost: list[tuple[int, PeerError, bool]] = []
         spun: _Conn | None = None  # a connection read next (rlock held, disarmed)
+        self._tls.poller = True
         while not self._closing:
             if spun is not None:
                 events = [(spun.fd, 0)]
             else:
+                if self._tls.deferred is not None:
+                    self.send_deferred()  # (never sleep on a message put off)
                 try:
                     events = self._ep.poll(1.0, 1)
                 except InterruptedError:
@@ -857,6 +851,7 @@ class Messenger:
                     continue
                 self._occupied()
                 self._tls.answered = False
+                carried = self._tls.deferred is not None  # put off during the last batch
                 try:
                     self._tls.delivering = True
                     for item in batch:
@@ -882,6 +877,9 @@ class Messenger:
                     spun = self._await_next(c, held)
                 elif held:
                     spun = self._read_on(c)
+                if self._tls.deferred is not None and (spun is None or carried):
+                    self.send_deferred()  # put off for no longer than one wait and one batch
+        self.send_deferred()
         if spun is not None:  # closing: close() waits for every read lock
             spun.rlock.release()
 
