@@ -307,6 +307,8 @@ class RpcAgent:
         self._timer = threading.Thread(target=self._timer_loop, name=f"tdist-rpc-timer-{rank}", daemon=True)
         self._timer.start()
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
+        # by caller: its recent remote()s whose reply waited for a fetch in vain (``_run_remote``)
+        self._ack_misses: dict[int, int] = {}
         self.store: Any = None  # the group's store (set by subclasses)
         self._prefix = "rpc"  # where this group's keys live in it
         self._gathered: tuple[str, int] | None = None  # the last gather: (what, world_size)
@@ -794,14 +796,25 @@ class RpcAgent:
         except BaseException:
             _tls.ack = None
             raise
-        if _tls.ack is ack and not self._defer(lambda: self._send_ack(ack)):
-            self._send_ack(ack)
+        if _tls.ack is not ack:  # a fetch reply took it
+            return
+        # waiting is worth it while this caller's remote()s are fetched at once: after two
+        # that were not, only one in 16 waits (to notice when they are again)
+        misses = self._ack_misses.get(src, 0)
+        if (misses < 2 or misses % 16 == 0) and self._defer(lambda: self._send_ack(ack, waited=True)):
+            return
+        if misses >= 2:
+            self._ack_misses[src] = misses + 1
+        self._send_ack(ack)
 
-    def _send_ack(self, ack: tuple[Any, int, int]) -> None:
-        """The reply to a ``remote()`` that no fetch reply took along (see ``_run_remote``)."""
-        if _tls.ack is not ack:  # a fetch reply took it (while it was put off)
+    def _send_ack(self, ack: tuple[Any, int, int], waited: bool = False) -> None:
+        """The reply to a ``remote()`` that no fetch reply took along (see ``_run_remote``);
+        ``waited``: it waited for a fetch in vain."""
+        if _tls.ack is not ack:  # a fetch reply took it (while it waited)
             return
         _tls.ack = None
+        if waited:
+            self._ack_misses[ack[1]] = self._ack_misses.get(ack[1], 0) + 1
         self._reply(ack[1], ack[2], None, answer=False)  # nobody waits for it
 
     def _defer(self, send: Callable[[], None]) -> bool:
@@ -825,6 +838,8 @@ class RpcAgent:
         if ack is not None and ack[0] is self and ack[1] == src:
             # the caller's remote() of this value is not answered yet: this reply does it
             _tls.ack = None
+            if self._ack_misses.get(src):
+                self._ack_misses[src] = 0
             try:
                 self._transmit(src, tag, MsgKind.REPLY_OK_ACK, (ack[2], value), None, True)
             except (DistError, OSError) as exc:
