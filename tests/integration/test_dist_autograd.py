@@ -46,7 +46,9 @@ def _gradients(w: Worker) -> dict[str, Any]:
         # worker0 -> worker1 -> worker2 and back, rpc_sync
         with dist_autograd.context() as cid:
             loss = rpc.rpc_sync(w.peer(1), f.chain, args=(a, b, w.peer(2))) * 3
+            out["debug_before"] = dist_autograd._get_debug_info()
             dist_autograd.backward(cid, [loss])
+            out["debug_after"] = dist_autograd._get_debug_info()
             grads = dist_autograd.get_gradients(cid)
             out["chain"] = torch.allclose(grads[a], ga) and torch.allclose(grads[b], gb)
             out["not_in_grad"] = a.grad is None and b.grad is None
@@ -83,6 +85,8 @@ def test_gradients_through_chains_of_rpcs_match_local_autograd(backend: str) -> 
     out = run(_gradients, backend, world_size=3)[0]
     assert out["chain"] and out["not_in_grad"]
     assert out["released"] == [True, True]
+    # torch's figures: this worker's one context, no backward pass running before or after
+    assert out["debug_before"] == out["debug_after"] == {"num_autograd_contexts": 1, "num_current_backward_passes": 0}
     assert out["async_twice"]
     assert out["remote"]
     assert out["rref_backward"] and out["rref_local"]

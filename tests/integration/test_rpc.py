@@ -142,7 +142,7 @@ def _destinations(w: Worker) -> dict[str, Any]:
         # torch's private helpers that code uses
         agent = rpc.api._get_current_rpc_agent()
         assert [i.name for i in agent.get_worker_infos()] == ["worker0", "worker1"]
-        assert rpc._get_debug_info()["num_pending_requests"] == "0"
+        assert rpc._get_debug_info()["agent.client_active_calls"] == "0"
         rpc._set_rpc_timeout(7.5)
         assert rpc.get_rpc_timeout() == 7.5
         # a WorkerInfo is found by its name, as torch finds it

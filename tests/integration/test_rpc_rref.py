@@ -15,6 +15,7 @@ from . import rpc_funcs as f
 from ._rpc_harness import (
     BACKENDS,
     TIMEOUT_RE,
+    TORCH,
     Worker,
     better_than_torch,
     collect,
@@ -319,6 +320,75 @@ def test_a_fetch_that_waits_for_the_value_also_completes_the_remote(backend: str
     assert out["confirmed"] and out["deleted"], out
     assert "not here" in out["error"] and out["bad_confirmed"], out
     assert out["values"] == [i + 1 for i in range(50)]
+
+
+_TORCH_DEBUG_KEYS = {
+    "num_pending_users", "num_forks", "num_pending_futures", "num_owner_rrefs",
+    "agent.server_active_async_calls", "agent.client_active_calls", "agent.server_active_calls",
+    "agent.num_idle_threads", "agent.thread_pool_size",
+    "num_autograd_contexts", "num_current_backward_passes",
+}  # fmt: skip
+
+
+def _debug_info(w: Worker) -> list[tuple[str, str]]:
+    if TORCH:
+        import torch.distributed.autograd as dist_autograd
+    else:
+        import tdist.autograd as dist_autograd  # type: ignore[no-redef]
+    p = w.peer()
+
+    def counts() -> tuple[str, str]:
+        info = rpc._rref_context_get_debug_info()
+        return info["num_owner_rrefs"], info["num_pending_users"]
+
+    def flushed() -> bool:
+        info = rpc._rref_context_get_debug_info()
+        return info["num_pending_futures"] == "0" and info["num_pending_users"] == "0"
+
+    seen = []
+    # (torch's test_rref_context_debug_info) a local RRef counts once it is shared
+    rref1 = rpc.RRef(w.rank)
+    seen.append(counts())
+    w.barrier()
+    rpc.rpc_sync(p, f.store_rref, args=("debug", rref1))
+    wait_until(flushed, 10, "RRef messages settled")
+    w.barrier()
+    seen.append(counts())
+    w.barrier()
+    rpc.rpc_sync(p, f.drop_rref, args=("debug",))
+    wait_until(lambda: counts()[0] == "0", 10, "the shared RRef is no longer counted")
+    w.barrier()
+    rref2 = rpc.remote(p, torch.add, args=(torch.ones(2, 2), 1))
+    rref3 = rpc.remote(p, torch.add, args=(torch.ones(2, 2), 1))
+    rref2.to_here()
+    rref3.to_here()
+    wait_until(flushed, 10, "RRef messages settled")
+    w.barrier()
+    seen.append(counts())
+    w.barrier()
+    # (torch's test_debug_info) the three parts, together
+    info = rpc._get_debug_info()
+    rref_info = rpc._rref_context_get_debug_info()
+    agent_info = rpc.api._get_current_rpc_agent().get_debug_info()
+    autograd_info = dist_autograd._get_debug_info()
+    assert not (rref_info.keys() & agent_info.keys() & autograd_info.keys())
+    assert set(info) == set(rref_info) | set(agent_info) | set(autograd_info), info
+    assert _TORCH_DEBUG_KEYS <= set(info), info
+    assert "agent.gil_average_wait_time_us" not in info
+    rpc.enable_gil_profiling(True)
+    assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3
+    time.sleep(0.05)
+    assert float(rpc._get_debug_info()["agent.gil_average_wait_time_us"]) >= 0.0
+    rpc.enable_gil_profiling(False)
+    assert "agent.gil_average_wait_time_us" not in rpc._get_debug_info()
+    w.barrier()
+    del rref2, rref3
+    return seen
+
+
+def test_debug_info_counts_rrefs_and_has_torchs_keys(backend: str) -> None:
+    for seen in run(_debug_info, backend, world_size=2):
+        assert seen == [("0", "0"), ("1", "0"), ("2", "0")]
 
 
 def _rrefs_after_reinit(w: Worker) -> None:

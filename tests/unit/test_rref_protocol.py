@@ -845,3 +845,25 @@ def test_module_is_sans_io() -> None:
     assert sorted(rp.__all__) == rp.__all__
     for name in rp.__all__:
         assert hasattr(rp, name)
+
+
+def test_debug_counts_follow_torchs_rref_context_figures() -> None:
+    """Owned values count once another worker references them, forks per reference there,
+    pending users until the owner confirms them."""
+    o, u = RRefProtocol(0), RRefProtocol(1)
+    zero = {"owners": 0, "forks": 0, "pending_users": 0}
+    local = o.create_owner_local()
+    assert o.debug_counts() == zero  # a local RRef is not counted until shared
+    fork = o.fork_for(local, None, 0, 1).fork_id
+    assert o.debug_counts() == {"owners": 1, "forks": 1, "pending_users": 0}
+    assert u.received(local, fork, owner=0, parent=0) == [Confirmed(fork)]
+    assert u.debug_counts() == zero  # the owner sent it: confirmed at once
+    ((_, delete),) = _sends(u.user_released(fork))
+    o.handle(1, delete)
+    assert o.debug_counts() == zero
+    rref, fa = u.create_user_for_remote(0)
+    assert u.debug_counts() == {"owners": 0, "forks": 0, "pending_users": 1}
+    o.owner_created_by_remote(rref, fa, 1)
+    assert o.debug_counts() == {"owners": 1, "forks": 1, "pending_users": 0}
+    u.confirm(fa)
+    assert u.debug_counts() == zero

@@ -23,6 +23,7 @@ from __future__ import annotations
 from ._context import (
     DistAutogradContext,
     _current_context,
+    _get_debug_info,
     _is_valid_context,
     _retrieve_context,
     backward,
@@ -39,6 +40,7 @@ def is_available() -> bool:
 __all__ = [
     "DistAutogradContext",
     "_current_context",
+    "_get_debug_info",
     "_is_valid_context",
     "_retrieve_context",
     "backward",

@@ -31,6 +31,7 @@ _ids = itertools.count(0)  # (torch's first context id on a worker is its id << 
 _msg_ids = itertools.count(1)
 _pass_ids = itertools.count(1)
 active = 0  # contexts open in this process (a cheap test for the RPC hot path)
+_passes = 0  # backward passes running on this worker (started here or reached it)
 
 
 def _rank() -> int:
@@ -59,6 +60,26 @@ class DistAutogradContext:
         with self.lock:
             old = self.grads.get(tensor)
             self.grads[tensor] = grad.detach().clone() if old is None else old + grad
+
+
+def _get_debug_info() -> dict[str, int]:
+    """torch's figures: ``num_autograd_contexts`` (contexts known on this worker) and
+    ``num_current_backward_passes`` (backward passes running here: started here, or carried on
+    here from another worker)."""
+    with _lock:
+        return {"num_autograd_contexts": len(_contexts), "num_current_backward_passes": _passes}
+
+
+def _pass_started() -> None:
+    global _passes
+    with _lock:
+        _passes += 1
+
+
+def _pass_done(*_: Any) -> None:
+    global _passes
+    with _lock:
+        _passes -= 1
 
 
 def _new_id(rank: int) -> int:
@@ -493,7 +514,13 @@ def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id:
     pairs = [(t, g) for t, g in zip(sent, grads, strict=True) if g is not None]
     if not pairs:
         return _when_all([])
-    out = _when_all(_local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], True, (pass_id, retain)))
+    _pass_started()
+    try:
+        out = _when_all(_local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], True, (pass_id, retain)))
+    except BaseException:
+        _pass_done()
+        raise
+    out.add_done_callback(_pass_done)
     if not retain:
         with ctx.lock:
             ctx.spent[msg_id] = pass_id
@@ -536,4 +563,8 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
             sent_nodes = {t.grad_fn for ts in ctx.sends.values() for t in ts if t.grad_fn is not None}
         retain = bool(sent_nodes) and bool(_graph(roots)[1] & sent_nodes)
     pass_ = ((_rank() << 48) | next(_pass_ids), retain_graph)
-    _wait_all(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
+    _pass_started()
+    try:
+        _wait_all(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
+    finally:
+        _pass_done()

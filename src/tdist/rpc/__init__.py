@@ -16,7 +16,9 @@ from ._agent import RpcAgent, RpcTimeoutError, WorkerInfo
 from ._api import _get_current_rpc_agent as _get_current_rpc_agent
 from ._api import _get_debug_info as _get_debug_info
 from ._api import _is_current_rpc_agent_set as _is_current_rpc_agent_set
+from ._api import _rref_context_get_debug_info as _rref_context_get_debug_info
 from ._api import _set_rpc_timeout as _set_rpc_timeout
+from ._api import enable_gil_profiling as enable_gil_profiling
 from ._api import (
     get_rpc_timeout,
     get_worker_info,

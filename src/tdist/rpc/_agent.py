@@ -166,6 +166,32 @@ class _SyncReply:
         return self._value
 
 
+class _GilProbe:
+    """``rpc.enable_gil_profiling(True)``: a thread that every 10 ms lets the GIL go and times
+    how long it waits to get it back; the average is torch's ``agent.gil_average_wait_time_us``."""
+
+    def __init__(self, label: str) -> None:
+        self.total = 0.0
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tdist-rpc-gil-{label}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        clock = time.perf_counter
+        while not self._stop.wait(0.01):
+            t0 = clock()
+            time.sleep(0)  # (lets the GIL go: the time is the wait to get it back)
+            self.total += clock() - t0
+            self.count += 1
+
+    def average_us(self) -> float:
+        return self.total / self.count * 1e6 if self.count else 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class CallText:
     """What a request is, for messages (``rpc_sync(worker1, mod.fn)``): written out only when a
     message needs it, not on every call."""
@@ -309,6 +335,8 @@ class RpcAgent:
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
         # by caller: its recent remote()s whose reply waited for a fetch in vain (``_run_remote``)
         self._ack_misses: dict[int, int] = {}
+        self._active_async = 0  # async_execution requests waiting for their future
+        self._gil_probe: _GilProbe | None = None
         self.store: Any = None  # the group's store (set by subclasses)
         self._prefix = "rpc"  # where this group's keys live in it
         self._gathered: tuple[str, int] | None = None  # the last gather: (what, world_size)
@@ -361,28 +389,58 @@ class RpcAgent:
         return None
 
     def get_debug_info(self) -> dict[str, str]:
-        """What this agent is doing, as strings (torch's ``RpcAgent.get_debug_info`` keys where
-        they apply)."""
+        """What this agent is doing, as strings: torch's keys (``agent.client_active_calls``:
+        requests waiting for their reply, ``agent.server_active_calls``: requests running here,
+        ``agent.server_active_async_calls``: ``async_execution`` ones waiting for their future,
+        ``agent.thread_pool_size``: ``num_worker_threads``, ``agent.num_idle_threads``: those
+        not running a request, ``agent.gil_average_wait_time_us`` with GIL profiling on) and
+        ours (``agent.name``, ``agent.rank``, ``agent.world_size``, ``agent.rpc_timeout``,
+        ``agent.num_timed_out_awaiting_reply``, ``agent.dead_workers``, ``agent.type``)."""
         with self._lock:
+            busy = len(self._pool) - self._idle_workers
             info = {
-                "agent": type(self).__name__,
-                "name": self.name,
-                "rank": str(self.rank),
-                "world_size": str(self.world_size),
-                "num_pending_requests": str(len(self._pending)),
-                "num_timed_out_awaiting_reply": str(len(self._late)),
-                "thread_pool_size": str(len(self._pool)),
-                "num_idle_threads": str(self._idle_workers),
-                "num_active_requests": str(self._active_requests),
-                "rpc_timeout": str(self.rpc_timeout),
-                "dead_workers": ",".join(str(w) for w in sorted(self._dead)),
+                "agent.server_active_async_calls": str(self._active_async),
+                "agent.client_active_calls": str(len(self._pending)),
+                "agent.server_active_calls": str(self._active_requests),
+                "agent.num_idle_threads": str(max(0, self._max_workers - busy)),
+                "agent.thread_pool_size": str(self._max_workers),
+                "agent.type": type(self).__name__,
+                "agent.name": self.name,
+                "agent.rank": str(self.rank),
+                "agent.world_size": str(self.world_size),
+                "agent.rpc_timeout": str(self.rpc_timeout),
+                "agent.num_timed_out_awaiting_reply": str(len(self._late)),
+                "agent.dead_workers": ",".join(str(w) for w in sorted(self._dead)),
             }
+        probe = self._gil_probe
+        if probe is not None:
+            info["agent.gil_average_wait_time_us"] = f"{probe.average_us():.6f}"
+        return info
+
+    def rref_debug_info(self) -> dict[str, str]:
+        """Torch's RRef context figures, as strings: ``num_owner_rrefs`` (values owned here
+        that other workers reference; a local ``RRef`` counts once shared), ``num_forks``
+        (their references elsewhere), ``num_pending_users`` (user references here their owner
+        has not confirmed yet), ``num_pending_futures`` (values owned here not made yet); and
+        ours, ``rref_protocol_pending`` (what the protocol still waits for, one line each)."""
         ctx = self.rref_ctx
         with ctx.lock:
-            info["num_owner_rrefs"] = str(len(self._owners))
-            info["num_user_rrefs"] = str(len(ctx.proto.all_users()))
-            info["rref_protocol_pending"] = ctx.proto.pending()
-        return info
+            counts = ctx.proto.debug_counts()
+            pending = ctx.proto.pending()
+        return {
+            "num_pending_users": str(counts["pending_users"]),
+            "num_forks": str(counts["forks"]),
+            "num_pending_futures": str(sum(1 for f in list(self._owners.values()) if not f.done())),
+            "num_owner_rrefs": str(counts["owners"]),
+            "rref_protocol_pending": pending,
+        }
+
+    def enable_gil_profiling(self, flag: bool) -> None:
+        """Measure how long threads wait for the GIL (``agent.gil_average_wait_time_us``)."""
+        with self._lock:
+            probe, self._gil_probe = self._gil_probe, (_GilProbe(str(self.rank)) if flag else None)
+        if probe is not None:
+            probe.stop()
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         return sorted(self._workers.values(), key=lambda w: w.id)
@@ -705,6 +763,8 @@ class RpcAgent:
             return
 
         def done(f: Any) -> None:
+            with self._lock:
+                self._active_async -= 1
             try:
                 value = f.wait()
             except BaseException as exc:
@@ -712,6 +772,8 @@ class RpcAgent:
                 return
             self._reply(src, tag, value)
 
+        with self._lock:
+            self._active_async += 1
         fut.add_done_callback(done)
 
     def _reply(self, dst: int, tag: int, value: Any, answer: bool = True) -> None:
@@ -1006,6 +1068,8 @@ class RpcAgent:
         err = RuntimeError(f"{self.label}: RPC agent shut down before a reply came")
         for c in calls:
             self._finish(c, None, err)
+        if self._gil_probe is not None:
+            self._gil_probe.stop()
         if graceful:
             end = time.monotonic() + 5.0
             with self._lock:

@@ -172,9 +172,39 @@ def _set_rpc_timeout(rpcTimeoutSeconds: float) -> None:  # (torch's keyword)
     _agent().rpc_timeout = float(rpcTimeoutSeconds)
 
 
-def _get_debug_info() -> dict[str, str]:
-    """The agent's and the RRef protocol's state, as strings (torch's ``rpc._get_debug_info``)."""
-    return _get_current_rpc_agent().get_debug_info()
+def _get_debug_info() -> dict[str, Any]:
+    """The RRef context's, the agent's and distributed autograd's state (torch's
+    ``rpc._get_debug_info``: ``_rref_context_get_debug_info()``, the agent's
+    ``get_debug_info()`` and ``dist_autograd._get_debug_info()`` in one dict).
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+    """
+    agent = _agent()
+    info: dict[str, Any] = agent.rref_debug_info()
+    info.update(agent.get_debug_info())
+    info.update(_autograd._get_debug_info())
+    return info
+
+
+def _rref_context_get_debug_info() -> dict[str, str]:
+    """The RRef context's figures on this worker (torch's; see ``RpcAgent.rref_debug_info``).
+
+    Raises:
+        RuntimeError: RPC is not initialized (torch's message).
+    """
+    return _get_current_rpc_agent().rref_debug_info()
+
+
+def enable_gil_profiling(flag: bool) -> None:
+    """Measure (``True``) or stop measuring how long this worker's threads wait for the GIL:
+    ``_get_debug_info()["agent.gil_average_wait_time_us"]`` (torch's; a thread wakes every
+    10 ms while on).
+
+    Raises:
+        RuntimeError: RPC is not initialized (torch's message).
+    """
+    _get_current_rpc_agent().enable_gil_profiling(bool(flag))
 
 
 def _to_worker_info(to: Any) -> WorkerInfo:

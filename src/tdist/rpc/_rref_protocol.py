@@ -765,6 +765,17 @@ class RRefProtocol:
             and not any(r.forks for r in self._owners.values())
         )
 
+    def debug_counts(self) -> dict[str, int]:
+        """Torch's RRef context figures: values owned here that other workers reference
+        (``owners``: a local ``RRef`` counts once shared, and no longer once every other
+        reference is gone), forks registered on them (``forks``), and user references here
+        not confirmed by their owner yet (``pending_users``)."""
+        return {
+            "owners": sum(1 for r in self._owners.values() if r.forks),
+            "forks": sum(len(r.forks) for r in self._owners.values()),
+            "pending_users": sum(1 for u in self._users.values() if not (u.confirmed or u.lost)),
+        }
+
     def pending(self) -> str:
         """What keeps ``idle()`` false, one line each; empty when idle."""
         lines = [
