@@ -391,6 +391,25 @@ def test_debug_info_counts_rrefs_and_has_torchs_keys(backend: str) -> None:
         assert seen == [("0", "0"), ("1", "0"), ("2", "0")]
 
 
+def _rref_str(w: Worker) -> list[str]:
+    # (torch's test_rref_str) ids count per worker: a local RRef takes one, a remote() two
+    out = []
+    if w.rank == 0:
+        rref1 = rpc.RRef(w.rank)
+        rref2 = rpc.remote(w.peer(), torch.add, args=(torch.ones(2, 2), 1))
+        out = [str(rref1), str(rref2), repr(rref2)]
+        rref2.to_here()
+    w.barrier()
+    return out
+
+
+def test_rrefs_print_as_torchs(backend: str) -> None:
+    local, user, user_repr = run(_rref_str, backend, world_size=2)[0]
+    gid = "GloballyUniqueId(created_on=0, local_id={})"
+    assert local == f"OwnerRRef({gid.format(0)})"
+    assert user == user_repr == f"UserRRef(RRefId = {gid.format(1)}, ForkId = {gid.format(2)})"
+
+
 def _rrefs_after_reinit(w: Worker) -> None:
     w.shutdown()
     w.init(port=w.shared["second_port"])

@@ -144,7 +144,7 @@ class Net:
     def remote(self, creator: int, owner: int, label: str | None = None) -> str:
         label = label or self.new_label()
         rref_id, fork_id = self.protos[creator].create_user_for_remote(owner)
-        assert rref_id == fork_id and rref_id.created_on == creator
+        assert rref_id != fork_id and rref_id.created_on == fork_id.created_on == creator
         self.owner_of[rref_id] = owner
         self.touch(rref_id, creator, owner)
         self.add_handle(label, Handle(creator, rref_id, fork_id, owner))

@@ -374,7 +374,8 @@ class RRefProtocol:
                 oneself is a local ``RRef``: use ``create_owner_local``).
 
         Returns:
-            ``(rref_id, fork_id)``, equal ids. ``confirm(fork_id)`` when the reply arrives;
+            ``(rref_id, fork_id)``: two new ids, in that order (as torch numbers them).
+            ``confirm(fork_id)`` when the reply arrives;
             ``fork_not_sent(rref_id, fork_id)`` if the request is not sent.
 
         Raises:
@@ -388,8 +389,9 @@ class RRefProtocol:
             )
         self._check_alive(owner, "create an RRef owned by")
         rref_id = self._new_id()
-        self._users[rref_id] = _User(rref_id, rref_id, owner, parent=None, confirmed=False)
-        return rref_id, rref_id
+        fork_id = self._new_id()
+        self._users[fork_id] = _User(rref_id, fork_id, owner, parent=None, confirmed=False)
+        return rref_id, fork_id
 
     def owner_created_by_remote(
         self, rref_id: RRefId, fork_id: ForkId, creator: int
@@ -400,7 +402,7 @@ class RRefProtocol:
 
         Args:
             rref_id: the RRefId carried by the request.
-            fork_id: the creator's fork (equal to ``rref_id``).
+            fork_id: the creator's fork.
             creator: the worker that sent the request.
 
         Returns:
