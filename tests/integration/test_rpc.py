@@ -250,6 +250,33 @@ def test_rpc_sync_async_remote_with_args_kwargs_builtins_methods_and_self(backen
     run(_calls, backend)
 
 
+def _operators_on_numbers(w: Worker) -> None:
+    p = w.peer()
+    # torch's RPC runs an operator given plain values on the first schema they fit without
+    # becoming tensors: Python numbers come back (called locally, these return tensors)
+    cases: list[tuple[Any, tuple[Any, ...], Any]] = [
+        (torch.add, (1, 1), 2),
+        (torch.add, (1.5, 1), 2.5 + 0j),  # (aten::add.complex comes before add.float)
+        (torch.mul, (2, 3), 6),
+        (torch.div, (3, 2), 1.5),
+        (torch.eq, (1, 1), True),
+        (torch.sqrt, (4,), 2.0),
+        (torch.pow, (2, 3), 8.0),
+        (torch.neg, (3,), -3),
+        (torch.add, (True, 1), 2),
+    ]
+    for mode in MODES:
+        for fn, args, expected in cases:
+            got = call(mode, p, fn, args)
+            assert type(got) is type(expected) and got == expected, (mode, fn, args, got)
+        assert torch.equal(call(mode, p, torch.zeros, ((2,),)), torch.zeros(2))  # a tensor made
+    w.barrier()
+
+
+def test_torch_operators_on_plain_numbers_return_what_torchs_rpc_returns(backend: str) -> None:
+    run(_operators_on_numbers, backend, world_size=2)
+
+
 def _tensors(w: Worker) -> None:
     p = w.peer()
     big = torch.randn(4 << 20)  # 16 MiB

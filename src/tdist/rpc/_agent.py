@@ -29,6 +29,7 @@ import re
 import threading
 import time
 import traceback
+import types
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,7 +39,7 @@ import torch
 
 from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
-from . import _errors
+from . import _builtins, _errors
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
 from .constants import UNSET_RPC_TIMEOUT
@@ -286,6 +287,8 @@ def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if func is invoke_rref_method:
         rref, name, args, kwargs = args
         func = getattr(rref.local_value(), name)
+    if type(func) is types.BuiltinFunctionType:  # a torch operator: as torch's RPC runs it
+        return False, _builtins.call(func, args, kwargs)
     is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
     return is_async, func(*args, **kwargs)
 
