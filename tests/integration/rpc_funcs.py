@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -430,6 +431,20 @@ class RebuildFails:
 
     def __reduce__(self) -> Any:
         return (_refuse_to_be_rebuilt, (self.text,))
+
+
+def _script_add(x: torch.Tensor, y: int) -> torch.Tensor:
+    return x + y
+
+
+def _script_fails(x: torch.Tensor) -> torch.Tensor:
+    raise ValueError("script boom")
+
+
+with warnings.catch_warnings():  # (torch.jit.script is deprecated in this torch; RPC runs it)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    script_add = torch.jit.script(_script_add)  # TorchScript functions: torch's RPC runs them by name
+    script_fails = torch.jit.script(_script_fails)
 
 
 def unrebuildable_after(seconds: float, text: str) -> RebuildFails:

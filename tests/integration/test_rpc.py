@@ -277,6 +277,21 @@ def test_torch_operators_on_plain_numbers_return_what_torchs_rpc_returns(backend
     run(_operators_on_numbers, backend, world_size=2)
 
 
+def _script_functions(w: Worker) -> None:
+    p = w.peer()
+    for mode in MODES:
+        assert torch.equal(call(mode, p, f.script_add, (torch.ones(2), 3)), torch.full((2,), 4.0))
+        assert torch.equal(call(mode, p, f.script_add, kwargs={"x": torch.ones(1), "y": 2}), torch.full((1,), 3.0))
+        # an error inside TorchScript arrives as a RuntimeError, as torch's RPC raises it
+        with pytest.raises(RuntimeError, match="TorchScript interpreter"):
+            call(mode, p, f.script_fails, (torch.ones(1),))
+    w.barrier()
+
+
+def test_torchscript_functions_run_by_name(backend: str) -> None:
+    run(_script_functions, backend, world_size=2)
+
+
 def _tensors(w: Worker) -> None:
     p = w.peer()
     big = torch.randn(4 << 20)  # 16 MiB

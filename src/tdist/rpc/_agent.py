@@ -289,6 +289,11 @@ def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         func = getattr(rref.local_value(), name)
     if type(func) is types.BuiltinFunctionType:  # a torch operator: as torch's RPC runs it
         return False, _builtins.call(func, args, kwargs)
+    if type(func) is torch.jit.ScriptFunction:
+        try:
+            return False, func(*args, **kwargs)
+        except torch.jit.Error as exc:  # (not a RuntimeError; torch's RPC raises one)
+            raise RuntimeError(str(exc)) from None
     is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
     return is_async, func(*args, **kwargs)
 

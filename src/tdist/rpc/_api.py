@@ -243,7 +243,12 @@ def _record(exec_type: str, to: Any, func: Any) -> Any:
     ``rpc_<sync|async|remote>#<function>(<this worker> -> <callee>)``."""
     agent = _agent()
     builtin = torch.jit._builtins._find_builtin(func)  # type: ignore[no-untyped-call]
-    name = builtin if builtin is not None else getattr(func, "__qualname__", repr(func))
+    if builtin is not None:
+        name = builtin
+    elif isinstance(func, torch.jit.ScriptFunction):
+        name = torch._jit_internal._qualified_name(func)
+    else:
+        name = getattr(func, "__qualname__", repr(func))
     key = _build_rpc_profiling_key(RPCExecMode(exec_type), name, agent.name, agent.resolve(to).name)
     return torch.autograd.profiler.record_function(key)
 

@@ -15,6 +15,7 @@ the pickle, then the buffers back to back.
 from __future__ import annotations
 
 import copyreg
+import importlib
 import io
 import pickle
 import struct
@@ -145,10 +146,31 @@ _DISPATCH: dict[type, Any] = {}
 _synced = [-1]  # the size of copyreg's table when _DISPATCH copied it
 
 
+def _script_function(qualified_name: str) -> Any:
+    """The TorchScript function named ``qualified_name`` (``__torch__.module.name``) in this
+    process: compiled already, or compiled by importing its module."""
+    fn = torch.jit._state._python_cu.find_function(qualified_name)
+    if fn is None:
+        module, _, name = qualified_name.removeprefix("__torch__.").rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            fn = None
+        if not isinstance(fn, torch.jit.ScriptFunction):
+            raise RemoteProtocolError(f"no TorchScript function {qualified_name} here (is its module importable?)")
+    return fn
+
+
+def _reduce_script_function(fn: Any) -> Any:
+    # by name, as torch's RPC sends it: the receiver finds (or compiles) its own
+    return (_script_function, (fn.qualified_name,))
+
+
 def _sync_dispatch() -> None:
     _DISPATCH.clear()
     _DISPATCH.update(copyreg.dispatch_table)
     _DISPATCH[torch.Tensor] = _reduce_tensor
+    _DISPATCH[torch.jit.ScriptFunction] = _reduce_script_function
     _synced[0] = len(copyreg.dispatch_table)
 
 
