@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.futures import Future
 
 from ._rpc_harness import rpc
 
@@ -441,10 +442,16 @@ def _script_fails(x: torch.Tensor) -> torch.Tensor:
     raise ValueError("script boom")
 
 
+def _script_add_later(x: torch.Tensor, y: int) -> Future[torch.Tensor]:
+    return torch.jit._fork(_script_add, x, y)
+
+
 with warnings.catch_warnings():  # (torch.jit.script is deprecated in this torch; RPC runs it)
     warnings.simplefilter("ignore", DeprecationWarning)
     script_add = torch.jit.script(_script_add)  # TorchScript functions: torch's RPC runs them by name
     script_fails = torch.jit.script(_script_fails)
+    # async_execution over TorchScript: the function returns a future, the reply waits for it
+    script_add_later = rpc.functions.async_execution(torch.jit.script(_script_add_later))
 
 
 def unrebuildable_after(seconds: float, text: str) -> RebuildFails:

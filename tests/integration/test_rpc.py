@@ -282,6 +282,7 @@ def _script_functions(w: Worker) -> None:
     for mode in MODES:
         assert torch.equal(call(mode, p, f.script_add, (torch.ones(2), 3)), torch.full((2,), 4.0))
         assert torch.equal(call(mode, p, f.script_add, kwargs={"x": torch.ones(1), "y": 2}), torch.full((1,), 3.0))
+        assert torch.equal(call(mode, p, f.script_add_later, (torch.ones(2), 5)), torch.full((2,), 6.0))
         # an error inside TorchScript arrives as a RuntimeError, as torch's RPC raises it
         with pytest.raises(RuntimeError, match="TorchScript interpreter"):
             call(mode, p, f.script_fails, (torch.ones(1),))

@@ -14,6 +14,7 @@ import numbers
 import os
 import threading
 import time
+import types
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from .. import store as _store
 from ..autograd import _context as _autograd
-from . import backend_registry
+from . import backend_registry, functions
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
@@ -256,6 +257,8 @@ def _record(exec_type: str, to: Any, func: Any) -> Any:
 def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     if not callable(func):
         raise TypeError(f"function should be callable, got {type(func).__name__}")
+    if type(func) is types.FunctionType and "_wrapped_async_rpc_function" in func.__dict__:
+        func = functions._sendable(func)  # (async_execution over a TorchScript function)
     return func, tuple(args) if args is not None else (), dict(kwargs) if kwargs is not None else {}
 
 

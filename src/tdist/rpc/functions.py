@@ -6,6 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 __all__ = ["async_execution"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -23,3 +25,31 @@ def async_execution(fn: F) -> F:
 
     wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+class _AsyncScript:
+    """What RPC sends for ``async_execution`` over a TorchScript function: the function (by
+    name) and the mark (the decorator's wrapper copies the script function's names, so it
+    cannot travel by name itself)."""
+
+    __slots__ = ("_wrapped_async_rpc_function",)
+
+    def __init__(self, fn: Any) -> None:
+        self._wrapped_async_rpc_function = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped_async_rpc_function(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_AsyncScript, (self._wrapped_async_rpc_function,))
+
+
+def _sendable(func: Any) -> Any:
+    """``func`` as an RPC sends it: an ``async_execution`` TorchScript function as
+    ``_AsyncScript``, anything else as it is."""
+    marked = getattr(func, "__dict__", None)
+    if marked:
+        fn = marked.get("_wrapped_async_rpc_function")
+        if fn is not None and isinstance(fn, torch.jit.ScriptFunction):
+            return _AsyncScript(fn)
+    return func
