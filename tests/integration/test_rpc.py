@@ -406,6 +406,7 @@ def _profiled(w: Worker) -> list[str]:
         assert f"rpc_sync#add({w.me} -> {p})" in names
         assert f"rpc_async#aten::add({w.me} -> {p})" in names
         assert f"rpc_remote#add({w.me} -> {p})" in names
+        assert f"to_here#({w.me})->({p})" in names
         with torch.autograd.profiler.profile() as kineto:  # the default profiler: not recorded
             rpc.rpc_sync(p, f.add, args=(1, 2))
             with pytest.raises(RuntimeError, match="Profiling future has not been set"):

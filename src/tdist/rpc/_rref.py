@@ -378,6 +378,12 @@ class RRef:
         """
         if self._is_owner:
             return self._owned_value(timeout)
+        if torch._C._autograd._profiler_enabled():  # recorded as torch records it
+            with torch.autograd.profiler.record_function(f"to_here#({self._agent.name})->({self._owner.name})"):
+                return self._fetch(timeout)
+        return self._fetch(timeout)
+
+    def _fetch(self, timeout: float) -> Any:
         if autograd.active:  # inside a distributed autograd context: the fetch records autograd
             done, value = autograd.to_here_with_autograd(self, timeout)
             if done:
