@@ -407,6 +407,10 @@ def _profiled(w: Worker) -> list[str]:
         assert f"rpc_async#aten::add({w.me} -> {p})" in names
         assert f"rpc_remote#add({w.me} -> {p})" in names
         assert f"to_here#({w.me})->({p})" in names
+        # the callee's own events come back, as torch shows them
+        remote = [e for e in prof.function_events if e.name == f"rpc_async#aten::add({w.me} -> {p})#remote_op: aten::add"]
+        assert remote and all(e.is_remote and e.node_id == 1 for e in remote), remote
+        assert all(e.node_id == 0 for e in prof.function_events if not e.is_remote)
         with torch.autograd.profiler.profile() as kineto:  # the default profiler: not recorded
             rpc.rpc_sync(p, f.add, args=(1, 2))
             with pytest.raises(RuntimeError, match="Profiling future has not been set"):

@@ -23,7 +23,7 @@ import torch
 
 from .. import store as _store
 from ..autograd import _context as _autograd
-from . import backend_registry, functions
+from . import _remote_profiling, backend_registry, functions
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
@@ -149,6 +149,8 @@ def init_rpc(
         )
         _stores.append(store)
         set_current_agent(agent)
+        with contextlib.suppress(AttributeError, RuntimeError):  # profiler events carry the worker id, as torch's
+            torch._C._distributed_rpc._set_profiler_node_id(agent.rank)
 
 
 def _get_current_rpc_agent() -> RpcAgent:
@@ -239,8 +241,8 @@ def _profiling() -> bool:
     return bool(torch._C._autograd._profiler_enabled()) and torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.LEGACY
 
 
-def _record(exec_type: str, to: Any, func: Any) -> Any:
-    """The profiler range of one call, named as torch names it:
+def _record(exec_type: str, to: Any, func: Any) -> tuple[Any, str]:
+    """The profiler range of one call, and its name, as torch names it:
     ``rpc_<sync|async|remote>#<function>(<this worker> -> <callee>)``."""
     agent = _agent()
     builtin = torch.jit._builtins._find_builtin(func)  # type: ignore[no-untyped-call]
@@ -251,7 +253,15 @@ def _record(exec_type: str, to: Any, func: Any) -> Any:
     else:
         name = getattr(func, "__qualname__", repr(func))
     key = _build_rpc_profiling_key(RPCExecMode(exec_type), name, agent.name, agent.resolve(to).name)
-    return torch.autograd.profiler.record_function(key)
+    return torch.autograd.profiler.record_function(key), key
+
+
+def _profiled_call(func: Any, key: str) -> Any:
+    """``func`` wrapped so that the callee's profiler events come back (``_remote_profiling``),
+    or None where they cannot (inside a distributed autograd context, ``async_execution``)."""
+    if _autograd.active or not callable(func) or getattr(func, "_wrapped_async_rpc_function", None) is not None:
+        return None
+    return _remote_profiling.ProfiledCall(func, key)
 
 
 def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
@@ -262,11 +272,12 @@ def _call_body(func: Any, args: Any, kwargs: Any) -> tuple[Any, tuple[Any, ...],
     return func, tuple(args) if args is not None else (), dict(kwargs) if kwargs is not None else {}
 
 
-def _call(api: str, to: Any, func: Any, args: Any, kwargs: Any) -> tuple[RpcAgent, WorkerInfo, Any, CallText]:
-    """The agent, the callee, the request body and a description of the call."""
+def _call(api: str, to: Any, func: Any, args: Any, kwargs: Any, shown: Any = None) -> tuple[RpcAgent, WorkerInfo, Any, CallText]:
+    """The agent, the callee, the request body and a description of the call (naming
+    ``shown`` when given: the function a wrapper stands for)."""
     agent = _agent()
     dst = agent.resolve(to)
-    return agent, dst, _call_body(func, args, kwargs), CallText(api, dst.name, func)
+    return agent, dst, _call_body(func, args, kwargs), CallText(api, dst.name, func if shown is None else shown)
 
 
 def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
@@ -277,13 +288,20 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
             exception, a timeout or a lost callee.
     """
     if _profiling():
-        with _record("async", to, func) as rf:
-            return rf._call_end_callbacks_on_future(_rpc_async(to, func, args, kwargs, timeout))
+        rf, key = _record("async", to, func)
+        with rf:
+            profiled = _profiled_call(func, key)
+            if profiled is None:
+                fut = _rpc_async(to, func, args, kwargs, timeout)
+            else:  # (the callee's events come back with the value)
+                sent = time.perf_counter()
+                fut = _mapped(_rpc_async(to, profiled, args, kwargs, timeout, func), _remote_profiling.unwrap(key, sent))
+            return rf._call_end_callbacks_on_future(fut)
     return _rpc_async(to, func, args, kwargs, timeout)
 
 
-def _rpc_async(to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
-    agent, dst, body, what = _call("rpc_async", to, func, args, kwargs)
+def _rpc_async(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown: Any = None) -> Any:
+    agent, dst, body, what = _call("rpc_async", to, func, args, kwargs, shown)
     if _autograd.active:  # inside a distributed autograd context: tensors that require grad
         rec = _autograd.record_call(dst.id, *body)
         if rec is not None:
@@ -316,13 +334,18 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
             (``RuntimeError``/``TimeoutError``) or a ``PeerError`` when the callee is lost.
     """
     if _profiling():
-        with _record("sync", to, func):
-            return _rpc_sync(to, func, args, kwargs, timeout)
+        rf, key = _record("sync", to, func)
+        with rf:
+            profiled = _profiled_call(func, key)
+            if profiled is None:
+                return _rpc_sync(to, func, args, kwargs, timeout)
+            sent = time.perf_counter()  # (the callee's events come back with the value)
+            return _remote_profiling.keep(key, sent, _rpc_sync(to, profiled, args, kwargs, timeout, func))
     return _rpc_sync(to, func, args, kwargs, timeout)
 
 
-def _rpc_sync(to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
-    agent, dst, body, what = _call("rpc_sync", to, func, args, kwargs)
+def _rpc_sync(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown: Any = None) -> Any:
+    agent, dst, body, what = _call("rpc_sync", to, func, args, kwargs, shown)
     if _autograd.active:  # inside a distributed autograd context: tensors that require grad
         rec = _autograd.record_call(dst.id, *body)
         if rec is not None:
@@ -335,7 +358,8 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: fl
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return an ``RRef`` to its result at
     once (the value stays on ``to``)."""
     if _profiling():
-        with _record("remote", to, func) as rf:
+        rf, _ = _record("remote", to, func)
+        with rf:
             rref = _remote(to, func, args, kwargs, timeout)
             # (a future that completes once the range is recorded, as torch keeps it)
             rref._set_profiling_future(rf._call_end_callbacks_on_future(rref._get_future()))
