@@ -398,6 +398,9 @@ def _profiled(w: Worker) -> list[str]:
             assert torch.equal(rpc.rpc_async(p, torch.add, args=(torch.ones(2), 1)).wait(), torch.full((2,), 2.0))
             rref = rpc.remote(p, f.add, args=(2, 3))
             assert rref.to_here() == 5
+            made = rpc.remote(p, torch.add, args=(torch.ones(2), 1))
+            assert torch.equal(made.to_here(), torch.full((2,), 2.0))
+            made._get_profiling_future().wait()
             # a remote() is recorded until its creation is confirmed, which may come after the
             # value (torch's rule as well): wait for its record inside the profiled range, as
             # torch's tests do
@@ -408,8 +411,9 @@ def _profiled(w: Worker) -> list[str]:
         assert f"rpc_remote#add({w.me} -> {p})" in names
         assert f"to_here#({w.me})->({p})" in names
         # the callee's own events come back, as torch shows them
-        remote = [e for e in prof.function_events if e.name == f"rpc_async#aten::add({w.me} -> {p})#remote_op: aten::add"]
-        assert remote and all(e.is_remote and e.node_id == 1 for e in remote), remote
+        for key in (f"rpc_async#aten::add({w.me} -> {p})", f"rpc_remote#aten::add({w.me} -> {p})"):
+            remote = [e for e in prof.function_events if e.name == f"{key}#remote_op: aten::add"]
+            assert remote and all(e.is_remote and e.node_id == 1 for e in remote), (key, remote)
         assert all(e.node_id == 0 for e in prof.function_events if not e.is_remote)
         with torch.autograd.profiler.profile() as kineto:  # the default profiler: not recorded
             rpc.rpc_sync(p, f.add, args=(1, 2))

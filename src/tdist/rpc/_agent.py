@@ -39,7 +39,7 @@ import torch
 
 from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
-from . import _builtins, _errors
+from . import _builtins, _errors, _remote_profiling
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
 from .constants import UNSET_RPC_TIMEOUT
@@ -244,9 +244,9 @@ class _ThreadState(threading.local):
     # the class holds the default (a missing attribute of a plain threading.local costs an
     # exception on every look, and this one is looked at for every message)
     peer: int | None = None
-    # (agent, caller, request id): a remote() whose value is set and whose reply has not gone;
-    # a fetch reply to that caller from this thread takes it along (``RpcAgent._run_remote``)
-    ack: tuple[Any, int, int] | None = None
+    # (agent, caller, request id, reply): a remote() whose value is set and whose reply has not
+    # gone; a fetch reply to that caller from this thread takes it along (``_run_remote``)
+    ack: tuple[Any, int, int, Any] | None = None
 
 
 _tls = _ThreadState()
@@ -660,10 +660,11 @@ class RpcAgent:
             self._finish(call, None, _errors.rebuild(body, call=str(call.what)) if isinstance(body, _errors.RemoteExceptionRecord) else RuntimeError(repr(body)))
 
     def _on_reply_ack(self, src: int, tag: int, decode: Callable[..., Any]) -> None:
-        """``REPLY_OK_ACK (remote_tag, value)``: the ``remote()`` of id ``remote_tag`` is done
-        (its reply first, as if it had come alone), then fetch ``tag`` has its value."""
+        """``REPLY_OK_ACK (remote_tag, value, remote_reply)``: the ``remote()`` of id
+        ``remote_tag`` is done (its reply first, as if it had come alone), then fetch ``tag``
+        has its value."""
         try:
-            remote_tag, value = self._decode(src, decode)
+            remote_tag, value, remote_reply = self._decode(src, decode)
         except BaseException:
             try:  # the value cannot be rebuilt here: the remote() is done all the same
                 remote_tag = self._decode(src, lambda: decode(lenient=True))[0]
@@ -673,7 +674,7 @@ class RpcAgent:
             self._on_reply(src, remote_tag, True, lambda: None)
             self._on_reply(src, tag, True, decode)  # (says what could not be decoded)
             return
-        self._on_reply(src, remote_tag, True, lambda: None)
+        self._on_reply(src, remote_tag, True, lambda: remote_reply)
         self._on_reply(src, tag, True, lambda: value)
 
     def _decode(self, src: int, decode: Callable[..., Any]) -> Any:
@@ -837,6 +838,9 @@ class RpcAgent:
             _set_owner_error(fut, record)
             self._reply_error(src, tag, record)
             return
+        reply: Any = None
+        if type(result) is _remote_profiling.Profiled:  # a profiled remote(): the events go back
+            reply, result = _remote_profiling.Profiled(None, result.events, result.started, result.node), result.value
         if is_async:
 
             def done(f: Any) -> None:
@@ -859,7 +863,7 @@ class RpcAgent:
         # follows at once) and then goes alone
         if _tls.ack is not None:  # an earlier one, put off: it goes first
             _tls.ack[0]._send_ack(_tls.ack)
-        ack = _tls.ack = (self, src, tag)
+        ack = _tls.ack = (self, src, tag, reply)
         try:
             if not fut.done():
                 fut.set_result(result)
@@ -877,7 +881,7 @@ class RpcAgent:
             self._ack_misses[src] = misses + 1
         self._send_ack(ack)
 
-    def _send_ack(self, ack: tuple[Any, int, int], waited: bool = False) -> None:
+    def _send_ack(self, ack: tuple[Any, int, int, Any], waited: bool = False) -> None:
         """The reply to a ``remote()`` that no fetch reply took along (see ``_run_remote``);
         ``waited``: it waited for a fetch in vain."""
         if _tls.ack is not ack:  # a fetch reply took it (while it waited)
@@ -885,7 +889,7 @@ class RpcAgent:
         _tls.ack = None
         if waited:
             self._ack_misses[ack[1]] = self._ack_misses.get(ack[1], 0) + 1
-        self._reply(ack[1], ack[2], None, answer=False)  # nobody waits for it
+        self._reply(ack[1], ack[2], ack[3], answer=False)  # nobody waits for it
 
     def _defer(self, send: Callable[[], None]) -> bool:
         """Call ``send`` a little later, where the transport can (see ``Messenger.defer``):
@@ -911,12 +915,12 @@ class RpcAgent:
             if self._ack_misses.get(src):
                 self._ack_misses[src] = 0
             try:
-                self._transmit(src, tag, MsgKind.REPLY_OK_ACK, (ack[2], value), None, True)
+                self._transmit(src, tag, MsgKind.REPLY_OK_ACK, (ack[2], value, ack[3]), None, True)
             except (DistError, OSError) as exc:
                 log.debug("%s: could not reply to %s: %s", self.label, self.describe(src), exc)
             except BaseException as exc:  # the value could not be serialized: say so
                 self._reply_error(src, tag, _errors.capture(exc, self.label))
-                self._reply(src, ack[2], None, answer=False)
+                self._reply(src, ack[2], ack[3], answer=False)
             return
         self._reply(src, tag, value)
 

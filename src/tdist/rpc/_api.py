@@ -358,9 +358,13 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: fl
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return an ``RRef`` to its result at
     once (the value stays on ``to``)."""
     if _profiling():
-        rf, _ = _record("remote", to, func)
+        rf, key = _record("remote", to, func)
         with rf:
-            rref = _remote(to, func, args, kwargs, timeout)
+            profiled = _profiled_call(func, key) if _agent().resolve(to).id != _agent().rank else None
+            sent = time.perf_counter()
+            rref = _remote(to, func if profiled is None else profiled, args, kwargs, timeout)
+            if profiled is not None:  # the owner's events come back with the creation's reply
+                _remote_profiling.keep_on(rref._create_fut, key, sent)
             # (a future that completes once the range is recorded, as torch keeps it)
             rref._set_profiling_future(rf._call_end_callbacks_on_future(rref._get_future()))
             return rref

@@ -9,7 +9,7 @@ message id, its metadata is one byte naming the kind below, its payload is the
     CALL       (func, args, kwargs)                 -> REPLY_OK result | REPLY_ERR record
     REMOTE     (rref_id, fork_id, func, args, kwargs) -> REPLY_OK None once the value is set
     FETCH      rref_id                              -> REPLY_OK value (when it is ready)
-                                                       or REPLY_OK_ACK (remote_tag, value)
+                                                       or REPLY_OK_ACK (remote_tag, value, remote_reply)
     RREF       an RRef protocol message (fork request, accept, delete)
     JOIN       (id, name, address)                  -> REPLY_OK None (dynamic membership)
     LEAVE      id                                   (a worker leaves a dynamic group)

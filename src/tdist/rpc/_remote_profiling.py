@@ -10,9 +10,10 @@ adds each kept batch as remote events (``is_remote``, the callee's ``node_id``, 
 ``<key>#remote_op: <op>``), placed in the caller's range of that call (``key``), as torch
 places them. Batches that no range of the ending profile claims are dropped.
 
-Not profiled this way (torch's events for them are not produced): ``remote()``, calls inside a
-distributed autograd context, ``async_execution`` functions, and a callee thread that runs a
-profiler already (a server-side profile).
+A ``remote()``'s events come back with the reply to the ``remote()`` itself (the owner keeps
+the value). Not profiled this way (torch's events for them are not produced): calls inside a
+distributed autograd context, ``async_execution`` functions, a ``remote()`` to this worker, and
+a callee thread that runs a profiler already (a server-side profile).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch.autograd import profiler_legacy
 
-__all__ = ["Profiled", "ProfiledCall", "keep", "unwrap"]
+__all__ = ["Profiled", "ProfiledCall", "keep", "keep_on", "unwrap"]
 
 _lock = threading.Lock()
 _batches: list[tuple[str, float, Any]] = []  # (key, when the caller sent it, Profiled)
@@ -82,6 +83,20 @@ def keep(key: str, sent: float, result: Any) -> Any:
         with _lock:
             _batches.append((key, sent, result))
     return result.value
+
+
+def keep_on(fut: Any, key: str, sent: float) -> None:
+    """``keep`` the events that a ``remote()``'s creation reply (``fut``) brings."""
+
+    def done(f: Any) -> None:
+        try:
+            value = f.value() if hasattr(f, "value") else f.wait()
+        except BaseException:
+            return
+        keep(key, sent, value)
+
+    if fut is not None:
+        fut.add_done_callback(done)
 
 
 def unwrap(key: str, sent: float) -> Any:
