@@ -67,6 +67,8 @@ def _remote_and_local(w: Worker) -> None:
     assert own.owner() == me and own.owner_name() == w.me
 
     # a local RRef
+    with pytest.raises(RuntimeError, match="type_hint should only be specified"):
+        rpc.RRef(torch.ones(1), torch.Tensor)  # (torch's: a type hint is for ScriptModules)
     local = rpc.RRef(35)
     assert local.local_value() == 35 and local.to_here() == 35
     assert local.is_owner() and local.confirmed_by_owner()

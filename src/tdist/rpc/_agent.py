@@ -512,7 +512,9 @@ class RpcAgent:
         deadline = None if seconds is None else time.monotonic() + seconds
         fut: Any = _SyncReply() if sync else torch.futures.Future()
         tag = next(self._ids)
-        call = _Call(fut, dst, what, seconds, deadline, on_reply)
+        # (a negative timeout, spent already, is named as given in the timeout error, as torch's)
+        shown = seconds if seconds != _EXPIRED or timeout is None else float(timeout)
+        call = _Call(fut, dst, what, shown, deadline, on_reply)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.label}: RPC agent is shut down; cannot send {what}")

@@ -242,6 +242,8 @@ class RRef:
     )  # fmt: skip
 
     def __init__(self, value: Any, type_hint: Any = None) -> None:
+        if type_hint is not None and not isinstance(value, torch.jit.ScriptModule):
+            raise RuntimeError("type_hint should only be specified when the RRef being created contains a ScriptModule.")
         agent = _require_agent()
         ctx: RRefContext = agent.rref_ctx
         with ctx.lock:
