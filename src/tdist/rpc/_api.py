@@ -232,7 +232,7 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 def get_rpc_timeout() -> float:
     """The default timeout of this worker's RPCs, in seconds."""
-    return _agent().rpc_timeout
+    return _get_current_rpc_agent().rpc_timeout
 
 
 def _profiling() -> bool:

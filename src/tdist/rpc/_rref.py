@@ -525,8 +525,9 @@ def _future_error(fut: Any) -> BaseException | None:
 
 
 def _require_agent() -> RpcAgent:
-    agent = current_agent()
-    assert agent is not None
+    agent = current_agent(required=False)
+    if agent is None:  # (torch's words)
+        raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling `rpc.init_rpc`)?")
     return agent
 
 
