@@ -891,7 +891,8 @@ class RpcAgent:
         _tls.ack = None
         if waited:
             self._ack_misses[ack[1]] = self._ack_misses.get(ack[1], 0) + 1
-        self._reply(ack[1], ack[2], ack[3], answer=False)  # nobody waits for it
+        # (an answer: its caller may wait on the creation, and send its next request at once)
+        self._reply(ack[1], ack[2], ack[3])
 
     def _defer(self, send: Callable[[], None]) -> bool:
         """Call ``send`` a little later, where the transport can (see ``Messenger.defer``):
