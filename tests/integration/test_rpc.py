@@ -130,10 +130,11 @@ def test_invalid_worker_names_and_argument_types_are_rejected(backend: str) -> N
 
 
 def _destinations(w: Worker) -> dict[str, Any]:
-    # torch's checks of init_rpc's argument types (RuntimeError)
-    for kwargs in ({"name": 3}, {"rank": "0"}, {"world_size": "2"}):
+    # torch's checks of init_rpc's argument types (RuntimeError), in torch's words
+    for kwargs, words in (({"name": 3}, "must be of type"), ({"rank": "0"}, "`rank` must be an integer"),
+                          ({"world_size": "2"}, "`world_size` must be an integer")):
         args = {"name": w.me, "rank": w.rank, "world_size": w.world_size, **kwargs}
-        with pytest.raises(RuntimeError, match="must be of type"):
+        with pytest.raises(RuntimeError, match=words):
             rpc.init_rpc(args["name"], rank=args["rank"], world_size=args["world_size"],
                          rpc_backend_options=w.options())
     w.init()

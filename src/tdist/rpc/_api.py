@@ -118,6 +118,11 @@ def init_rpc(
         raise TypeError("Argument backend must be a member of BackendType")
     if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
+    if world_size:  # a static group: torch's rendezvous checks these first, in its words
+        if not isinstance(rank, numbers.Integral):
+            raise RuntimeError(f"`rank` must be an integer. {rank}")
+        if not isinstance(world_size, numbers.Integral):
+            raise RuntimeError(f"`world_size` must be an integer. {world_size}")
     for value, kinds in ((name, str), (rank, numbers.Integral), (world_size, (numbers.Integral, type(None)))):
         if not isinstance(value, kinds) or isinstance(value, bool):  # torch's check and message
             raise RuntimeError(f"Argument {value} must be of type {kinds} but got type {type(value)}")
