@@ -16,12 +16,19 @@ One root, shallow, with torch-compatible bases where torch users catch them::
     │   └── RemoteProtocolError              the peer sent something invalid
     └── DistTimeoutError (TimeoutError)      any other deadline that expired
 
-``TimeoutError`` here is the builtin (an ``OSError``): ``except TimeoutError`` catches every
-tdist timeout. OS errors are translated into this tree once, at the I/O boundary, and chained
+Each class that names a torch class on the right also derives from it, so code that catches
+torch's (``except torch.distributed.DistStoreError``) catches ours too. ``TimeoutError`` here is
+the builtin (an ``OSError``): ``except TimeoutError`` catches every tdist timeout. OS errors are translated into this tree once, at the I/O boundary, and chained
 with ``from``.
 """
 
 from __future__ import annotations
+
+from torch.distributed import DistBackendError as _TorchBackendError
+from torch.distributed import DistError as _TorchDistError
+from torch.distributed import DistNetworkError as _TorchNetworkError
+from torch.distributed import DistStoreError as _TorchStoreError
+from torch.distributed import QueueEmptyError as _TorchQueueEmptyError
 
 __all__ = [
     "AuthenticationError",
@@ -40,12 +47,12 @@ __all__ = [
 ]
 
 
-class DistError(RuntimeError):
+class DistError(_TorchDistError):
     """Root of every error raised by tdist (``torch.distributed.DistError``)."""
 
 
-class DistBackendError(DistError):
-    """A process-group backend or collective failed."""
+class DistBackendError(DistError, _TorchBackendError):
+    """A process-group backend or collective failed (``torch.distributed.DistBackendError``)."""
 
 
 class PeerError(DistBackendError):
@@ -56,15 +63,15 @@ class PeerError(DistBackendError):
         self.peer = peer
 
 
-class DistNetworkError(DistError):
-    """A connection could not be made or was lost."""
+class DistNetworkError(DistError, _TorchNetworkError):
+    """A connection could not be made or was lost (``torch.distributed.DistNetworkError``)."""
 
 
 class AuthenticationError(DistNetworkError):
     """The other side did not prove knowledge of the job's shared secret."""
 
 
-class DistStoreError(DistError):
+class DistStoreError(DistError, _TorchStoreError):
     """A store operation failed (``torch.distributed.DistStoreError``)."""
 
 
@@ -76,7 +83,7 @@ class StoreValueError(DistStoreError, ValueError):
     """A stored value cannot be used as the command needs (``add`` on a non-number)."""
 
 
-class QueueEmptyError(DistStoreError):
+class QueueEmptyError(DistStoreError, _TorchQueueEmptyError):
     """``queue_pop(block=False)`` found the queue empty (``torch.distributed.QueueEmptyError``)."""
 
 
