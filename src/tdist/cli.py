@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
 from types import FrameType
 
@@ -142,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(ns: argparse.Namespace) -> int:
     from .elastic import LaunchConfig, LaunchError, launch
 
-    master_addr, master_port, nnodes = ns.master_addr, ns.master_port, ns.nnodes
-    if ns.standalone:
-        master_addr, master_port, nnodes = "127.0.0.1", 0, 1
+    master_addr, master_port, nnodes, run_id = ns.master_addr, ns.master_port, ns.nnodes, ns.run_id
+    if ns.standalone:  # (a run id of its own, as torchrun's --standalone makes one)
+        master_addr, master_port, nnodes, run_id = "127.0.0.1", 0, 1, str(uuid.uuid4())
     try:
         config = LaunchConfig(
             entrypoint=ns.entrypoint,
@@ -154,7 +155,7 @@ def _run(ns: argparse.Namespace) -> int:
             node_rank=ns.node_rank,
             master_addr=master_addr,
             master_port=master_port,
-            run_id=ns.run_id,
+            run_id=run_id,
             max_restarts=ns.max_restarts,
             module=ns.module,
             no_python=ns.no_python,
