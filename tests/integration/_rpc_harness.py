@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -152,7 +152,8 @@ def _worker_main(rank: int, world_size: int, scenario: Callable[[Worker], Any], 
 
 def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WORLD,
         timeout: float = 40.0, init: bool = True, env: dict[str, str] | None = None,
-        shared: dict[str, Any] | None = None, **options_kwargs: Any) -> list[Any]:
+        shared: dict[str, Any] | None = None, start_method: Literal["fork", "spawn"] = "fork",
+        **options_kwargs: Any) -> list[Any]:
     """Run ``scenario`` on ``world_size`` fresh processes; its results by rank.
 
     Args:
@@ -165,14 +166,18 @@ def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WO
         env: environment variables every worker sets first.
         shared: objects made before the fork that every worker shares (``multiprocessing``
             events, values, queues); ``w.shared``.
+        start_method: ``"spawn"`` for a scenario that must not inherit this process's state
+            (torch's thread pools do not survive a fork: ``torch.jit._fork`` in a forked
+            worker may abort); ``scenario`` is then found by name in its module.
         **options_kwargs: passed to the backend's options (``rpc_timeout=...``).
     """
-    barrier = _ctx.Barrier(world_size)
+    barrier = multiprocessing.get_context(start_method).Barrier(world_size)
     with tempfile.TemporaryDirectory(prefix="rpc-stacks-") as stacks_dir:
         try:
             return run_processes(
                 _worker_main, world_size, scenario, backend, free_port(), barrier, shared or {},
                 init, options_kwargs, env or {}, stacks_dir, timeout=timeout,
+                start_method=start_method,
             )
         except RankTimeoutError as exc:
             for rank in exc.ranks:
