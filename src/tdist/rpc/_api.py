@@ -365,7 +365,8 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: fl
     if _profiling():
         rf, key = _record("remote", to, func)
         with rf:
-            profiled = _profiled_call(func, key) if _agent().resolve(to).id != _agent().rank else None
+            agent = _agent()
+            profiled = _profiled_call(func, key) if agent.resolve(to).id != agent.rank else None
             sent = time.perf_counter()
             rref = _remote(to, func if profiled is None else profiled, args, kwargs, timeout)
             if profiled is not None:  # the owner's events come back with the creation's reply

@@ -90,7 +90,7 @@ def keep_on(fut: Any, key: str, sent: float) -> None:
 
     def done(f: Any) -> None:
         try:
-            value = f.value() if hasattr(f, "value") else f.wait()
+            value = f.value()  # (the agent's light future: its value, or its error raised)
         except BaseException:
             return
         keep(key, sent, value)

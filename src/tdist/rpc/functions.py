@@ -45,11 +45,7 @@ class _AsyncScript:
 
 
 def _sendable(func: Any) -> Any:
-    """``func`` as an RPC sends it: an ``async_execution`` TorchScript function as
-    ``_AsyncScript``, anything else as it is."""
-    marked = getattr(func, "__dict__", None)
-    if marked:
-        fn = marked.get("_wrapped_async_rpc_function")
-        if fn is not None and isinstance(fn, torch.jit.ScriptFunction):
-            return _AsyncScript(fn)
-    return func
+    """``func`` (an ``async_execution`` wrapper) as an RPC sends it: ``_AsyncScript`` when it
+    wraps a TorchScript function, else itself."""
+    fn = func._wrapped_async_rpc_function
+    return _AsyncScript(fn) if isinstance(fn, torch.jit.ScriptFunction) else func
