@@ -18,6 +18,7 @@ a callee thread that runs a profiler already (a server-side profile).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from torch.autograd import profiler_legacy
 
 __all__ = ["Profiled", "ProfiledCall", "keep", "keep_on", "unwrap"]
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _batches: list[tuple[str, float, Any]] = []  # (key, when the caller sent it, Profiled)
 _installed = False
@@ -117,8 +119,8 @@ def _install() -> None:
             events = parse(thread_records)  # type: ignore[no-untyped-call]
             try:
                 _add_remote_events(events)
-            except Exception:  # never cost the user their profile
-                pass
+            except Exception:  # never cost the user their profile: only the remote events go
+                log.debug("could not add the remote profiler events", exc_info=True)
             return events
 
         profiler_legacy._parse_legacy_records = parse_with_remote_events
