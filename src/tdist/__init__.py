@@ -1,216 +1,49 @@
-"""tdist: the torch.distributed stack, in Python. ``import tdist as dist``."""
+"""tdist: the torch.distributed stack, in Python. ``import tdist as dist``.
 
-from ._core.errors import (
-    DistBackendError,
-    DistError,
-    DistNetworkError,
-    DistStoreError,
-    QueueEmptyError,
-)
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
-from .store._rendezvous import register_rendezvous_handler, rendezvous
+The top-level names (``dist.init_process_group``, ``dist.TCPStore``, ...) live in
+``tdist._public`` and are loaded on first use, all at once: ``import tdist`` alone imports
+nothing heavy, so the ``tdist`` command's own process (the launcher, which never touches a
+tensor) starts without importing torch. Once loaded they are plain module attributes.
+"""
 
-__all__ = [
-    "DistBackendError",
-    "DistError",
-    "DistNetworkError",
-    "DistStoreError",
-    "FileStore",
-    "HashStore",
-    "PrefixStore",
-    "QueueEmptyError",
-    "Store",
-    "TCPStore",
-    "register_rendezvous_handler",
-    "rendezvous",
-]
+from __future__ import annotations
 
-# -- process groups and collectives: the module-level API of torch.distributed --------------------
-from .c10d._api import (
-    AllreduceCoalescedOptions,
-    P2POp,
-    all_gather,
-    all_gather_coalesced,
-    all_gather_into_tensor,
-    all_gather_multigpu,
-    all_gather_object,
-    all_gather_single,
-    all_reduce,
-    all_reduce_coalesced,
-    all_reduce_multigpu,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    batch_isend_irecv,
-    broadcast,
-    broadcast_multigpu,
-    broadcast_object_list,
-    default_pg_timeout,
-    destroy_process_group,
-    gather,
-    gather_object,
-    get_backend,
-    get_backend_config,
-    get_global_rank,
-    get_group_rank,
-    get_node_local_rank,
-    get_pg_count,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    irecv,
-    is_available,
-    is_gloo_available,
-    is_initialized,
-    is_mpi_available,
-    is_nccl_available,
-    is_torchelastic_launched,
-    is_ucc_available,
-    is_xccl_available,
-    isend,
-    monitored_barrier,
-    new_group,
-    new_subgroups,
-    new_subgroups_by_enumeration,
-    recv,
-    recv_object_list,
-    reduce,
-    reduce_multigpu,
-    reduce_scatter,
-    reduce_scatter_multigpu,
-    reduce_scatter_single,
-    reduce_scatter_tensor,
-    scatter,
-    scatter_object_list,
-    send,
-    send_object_list,
-)
-from .c10d._api import (
-    _all_gather_base as _all_gather_base,
-)
-from .c10d._api import (
-    _reduce_scatter_base as _reduce_scatter_base,
-)
-from .c10d._backend_config import (
-    Backend,
-    BackendConfig,
-    get_default_backend_for_device,
-    is_backend_available,
-)
-from .c10d._checks import supports_complex
-from .c10d._debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
-from .c10d._group import GroupMember, ProcessGroup, group
-from .c10d._types import (
-    AllgatherOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-    BarrierOptions,
-    BroadcastOptions,
-    GatherOptions,
-    ReduceOp,
-    ReduceOptions,
-    ReduceScatterOptions,
-    ScatterOptions,
-    Work,
-    reduce_op,
-)
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ += [
-    "AllToAllOptions",
-    "AllgatherOptions",
-    "AllreduceCoalescedOptions",
-    "AllreduceOptions",
-    "Backend",
-    "BackendConfig",
-    "BarrierOptions",
-    "BroadcastOptions",
-    "DebugLevel",
-    "GatherOptions",
-    "GroupMember",
-    "P2POp",
-    "ProcessGroup",
-    "ReduceOp",
-    "ReduceOptions",
-    "ReduceScatterOptions",
-    "ScatterOptions",
-    "Work",
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_multigpu",
-    "all_gather_object",
-    "all_gather_single",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_reduce_multigpu",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "broadcast",
-    "broadcast_multigpu",
-    "broadcast_object_list",
-    "default_pg_timeout",
-    "destroy_process_group",
-    "gather",
-    "gather_object",
-    "get_backend",
-    "get_backend_config",
-    "get_debug_level",
-    "get_default_backend_for_device",
-    "get_global_rank",
-    "get_group_rank",
-    "get_node_local_rank",
-    "get_pg_count",
-    "get_process_group_ranks",
-    "get_rank",
-    "get_world_size",
-    "group",
-    "init_process_group",
-    "irecv",
-    "is_available",
-    "is_backend_available",
-    "is_gloo_available",
-    "is_initialized",
-    "is_mpi_available",
-    "is_nccl_available",
-    "is_torchelastic_launched",
-    "is_ucc_available",
-    "is_xccl_available",
-    "isend",
-    "monitored_barrier",
-    "new_group",
-    "new_subgroups",
-    "new_subgroups_by_enumeration",
-    "recv",
-    "recv_object_list",
-    "reduce",
-    "reduce_multigpu",
-    "reduce_op",
-    "reduce_scatter",
-    "reduce_scatter_multigpu",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "send_object_list",
-    "set_debug_level",
-    "set_debug_level_from_env",
-    "supports_complex",
-]
+if TYPE_CHECKING:
+    from . import autograd as autograd
+    from . import distributed_c10d as distributed_c10d
+    from . import elastic as elastic
+    from . import optim as optim
+    from . import rpc as rpc
+    from ._public import *  # noqa: F403
+    from ._public import __all__ as __all__
+    from ._public import _all_gather_base as _all_gather_base
+    from ._public import _reduce_scatter_base as _reduce_scatter_base
 
-from . import distributed_c10d as distributed_c10d  # noqa: E402  (torch's module path; needs the names above)
-
+# torch's package has these loaded; ours imports them on first use
 _SUBMODULES = ("autograd", "elastic", "optim", "rpc")
 
 
-def __getattr__(name: str) -> object:
-    """``dist.rpc``, ``dist.autograd``, ``dist.optim``, ``dist.elastic`` without importing them
-    first (torch's package has them loaded); imported on first use."""
-    if name in _SUBMODULES:
-        import importlib
+def _load() -> None:
+    public = importlib.import_module(f"{__name__}._public")
+    names = globals()
+    for name in (*public.__all__, "__all__", "_all_gather_base", "_reduce_scatter_base"):
+        names.setdefault(name, getattr(public, name))
 
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if "__all__" not in globals():
+        _load()
+        if name in globals():
+            return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    if "__all__" not in globals():
+        _load()
+    return sorted({*globals(), *_SUBMODULES})

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Sequence
 from types import FrameType
 
-__all__ = ["main"]
+__all__ = ["console_main", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -222,5 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _store(ns)
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``tdist`` command itself (console script and ``python -m tdist.cli``): like ``main``,
+    in a process that does not import torch (``tdist._core._process``), then exits."""
+    from ._core import _process
+
+    _process.TORCHLESS = True
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -7,8 +7,8 @@ name. The names are the same objects as ``tdist``'s.
 
 from __future__ import annotations
 
-from . import *  # noqa: F403  (the module-level c10d API, by design)
-from . import __all__ as _public
+from ._public import *  # noqa: F403  (the module-level c10d API, by design)
+from ._public import __all__ as _public
 from .c10d._api import _all_gather_base, _default_group, _not_member, _reduce_scatter_base
 from .c10d._group import ProcessGroup
 

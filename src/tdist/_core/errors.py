@@ -17,18 +17,41 @@ One root, shallow, with torch-compatible bases where torch users catch them::
     └── DistTimeoutError (TimeoutError)      any other deadline that expired
 
 Each class that names a torch class on the right also derives from it, so code that catches
-torch's (``except torch.distributed.DistStoreError``) catches ours too. ``TimeoutError`` here is
+torch's (``except torch.distributed.DistStoreError``) catches ours too (except in the ``tdist``
+command's own process, which runs no user code and does not import torch: ``_process``). ``TimeoutError`` here is
 the builtin (an ``OSError``): ``except TimeoutError`` catches every tdist timeout. OS errors are translated into this tree once, at the I/O boundary, and chained
 with ``from``.
 """
 
 from __future__ import annotations
 
-from torch.distributed import DistBackendError as _TorchBackendError
-from torch.distributed import DistError as _TorchDistError
-from torch.distributed import DistNetworkError as _TorchNetworkError
-from torch.distributed import DistStoreError as _TorchStoreError
-from torch.distributed import QueueEmptyError as _TorchQueueEmptyError
+import sys
+from typing import TYPE_CHECKING
+
+from . import _process
+
+if TYPE_CHECKING or not _process.TORCHLESS or "torch" in sys.modules:
+    from torch.distributed import DistBackendError as _TorchBackendError
+    from torch.distributed import DistError as _TorchDistError
+    from torch.distributed import DistNetworkError as _TorchNetworkError
+    from torch.distributed import DistStoreError as _TorchStoreError
+    from torch.distributed import QueueEmptyError as _TorchQueueEmptyError
+else:  # the `tdist` command's own process: torch's tree, without importing torch (see _process)
+
+    class _TorchDistError(RuntimeError):
+        pass
+
+    class _TorchBackendError(_TorchDistError):
+        pass
+
+    class _TorchNetworkError(_TorchDistError):
+        pass
+
+    class _TorchStoreError(_TorchDistError):
+        pass
+
+    class _TorchQueueEmptyError(_TorchStoreError):
+        pass
 
 __all__ = [
     "AuthenticationError",
