@@ -485,3 +485,21 @@ def module_state(module_rref: Any) -> tuple[bool, torch.Tensor, torch.Tensor]:
     """On the module's owner: its training flag and parameters."""
     m = module_rref.local_value()
     return m.training, m.lin.weight.detach().clone(), m.lin.bias.detach().clone()
+
+
+@torch.jit.interface
+class AffineInterface(torch.nn.Module):
+    """What ``Affine`` implements, as a TorchScript module interface."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        pass
+
+
+@torch.jit.interface
+class OtherInterface(torch.nn.Module):
+    def forward(self, x: torch.Tensor, word: str) -> str:
+        pass
+
+
+def scripted_affine() -> torch.jit.ScriptModule:
+    return torch.jit.script(Affine(3, 2))

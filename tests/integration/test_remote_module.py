@@ -16,10 +16,12 @@ from ._rpc_harness import BACKENDS, TORCH, Worker, rpc, run
 if TORCH:
     import torch.distributed.autograd as dist_autograd
     from torch.distributed.nn import RemoteModule
+    from torch.distributed.nn.api.remote_module import _RemoteModule
     from torch.distributed.optim import DistributedOptimizer
 else:
     import tdist.autograd as dist_autograd  # type: ignore[no-redef]
     from tdist.nn import RemoteModule  # type: ignore[assignment]
+    from tdist.nn.api.remote_module import _RemoteModule  # type: ignore[assignment]
     from tdist.optim import DistributedOptimizer  # type: ignore[assignment]
 
 # RemoteModule is plain RPC calls (agent-agnostic): one agent keeps the suite's time down
@@ -83,3 +85,41 @@ def _remote_module(w: Worker) -> None:
 
 def test_remote_module(backend: str) -> None:
     run(_remote_module, backend, world_size=3)
+
+
+def _scripted_remote_module(w: Worker) -> None:
+    if w.rank == 0:
+        x = torch.ones(4, 3)
+        # torch's private TorchScript interface: the owner scripts the module, behind an RRef
+        # typed by the interface
+        rm = _RemoteModule("worker1/cpu", f.Affine, args=(3, 2), _module_interface_cls=f.AffineInterface)
+        assert rm.is_scriptable
+        assert torch.equal(rm.forward(x, 1.0), torch.full((4, 2), 3.5))
+        assert torch.equal(rm.forward_async(x, 2.0).wait(), torch.full((4, 2), 7.0))
+        assert rm.get_module_rref()._get_type() is torch._C.ScriptModule
+        shared = _RemoteModule.init_from_module_rref("worker1/cpu", rm.get_module_rref(), f.AffineInterface)
+        assert shared.is_scriptable and torch.equal(shared.forward(x, 1.0), torch.full((4, 2), 3.5))
+
+        # an RRef to a ScriptModule needs the interface, and one the module implements
+        scripted = f.scripted_affine()
+        with pytest.raises(RuntimeError, match="must provide its ModuleInterface type hint"):
+            rpc.RRef(scripted)
+        with pytest.raises(RuntimeError, match=r"is not a subtype of the type hint: .*OtherInterface"):
+            rpc.RRef(scripted, f.OtherInterface)
+        assert rpc.RRef(scripted, f.AffineInterface)._get_type() is torch._C.ScriptModule
+        with pytest.raises(RuntimeError, match="type_hint should only be specified"):
+            rpc.RRef(torch.ones(1), f.AffineInterface)
+        with pytest.raises(RuntimeError, match=r"is not a subtype of the type hint: .*OtherInterface"):
+            _RemoteModule("worker1/cpu", f.Affine, args=(3, 2), _module_interface_cls=f.OtherInterface)
+        with pytest.raises(ValueError, match=r"must be a type object decorated by @torch\.jit\.interface"):
+            _RemoteModule("worker1/cpu", f.Affine, args=(3, 2), _module_interface_cls=f.Affine)
+        if not TORCH:  # where torch's fail (its owner holds a bare C++ module)
+            assert len(rm.remote_parameters()) == 2
+            assert rm.eval() is rm
+            assert rpc.rpc_sync("worker1", f.module_state, args=(rm.get_module_rref(),))[0] is False
+            assert rpc.rpc_sync("worker2", f.call_module, args=(rm, x)).shape == (4, 2)
+    w.barrier()
+
+
+def test_scripted_remote_module(backend: str) -> None:
+    run(_scripted_remote_module, backend, world_size=3)

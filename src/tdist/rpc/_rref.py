@@ -242,7 +242,9 @@ class RRef:
     )  # fmt: skip
 
     def __init__(self, value: Any, type_hint: Any = None) -> None:
-        if type_hint is not None and not isinstance(value, torch.jit.ScriptModule):
+        if isinstance(value, torch.jit.ScriptModule):
+            type_hint = _script_module_type(value, type_hint)
+        elif type_hint is not None:
             raise RuntimeError("type_hint should only be specified when the RRef being created contains a ScriptModule.")
         agent = _require_agent()
         ctx: RRefContext = agent.rref_ctx
@@ -412,7 +414,7 @@ class RRef:
         """The type of the value (asked of the owner once)."""
         if self._type is None:
             if self._is_owner:
-                self._type = type(self._owned_value(timeout))
+                self._type = _type_of(self._owned_value(timeout))
             else:
                 from ._api import rpc_sync
 
@@ -510,7 +512,13 @@ def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
 
 
 def _value_type(rref: RRef) -> Any:
-    return type(rref.local_value())
+    return _type_of(rref.local_value())
+
+
+def _type_of(value: Any) -> Any:
+    """What ``_get_type`` reports: the value's type; for a ScriptModule, held by its interface,
+    ``torch._C.ScriptModule`` (as torch's)."""
+    return torch._C.ScriptModule if isinstance(value, torch.jit.ScriptModule) else type(value)
 
 
 def _future_error(fut: Any) -> BaseException | None:
@@ -529,6 +537,32 @@ def _require_agent() -> RpcAgent:
     if agent is None:  # (torch's words)
         raise RuntimeError("Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling `rpc.init_rpc`)?")
     return agent
+
+
+def _script_module_type(module: torch.jit.ScriptModule, interface: Any) -> Any:
+    """The type an RRef to a ScriptModule reports (``torch._C.ScriptModule``, as torch's), once
+    ``interface`` (a ``@torch.jit.interface`` class) is checked to be one the module implements.
+
+    Raises:
+        RuntimeError: no interface, or one the module does not implement (torch's checks).
+    """
+    if interface is None:
+        raise RuntimeError(
+            "The RRef being created contains a ScriptModule, must provide its ModuleInterface type hint. "
+        )
+    try:
+        name = torch._jit_internal._qualified_name(interface)
+    except Exception:  # not a class: the check below names it
+        name = repr(interface)
+    compiled = torch.jit._state._python_cu.get_interface(name) if isinstance(interface, type) else None
+    module_type = module._c._type()
+    if compiled is None or not module_type.isSubtypeOf(compiled):
+        raise RuntimeError(
+            f"{module_type.qualified_name()} is not a subtype of the type hint: {name}, did you pass a "
+            "valid interface type?"
+            + ("" if compiled is not None else " (it is not a @torch.jit.interface class)")
+        )
+    return torch._C.ScriptModule
 
 
 def _rebuild_rref(rref_id: tuple[int, int], fork_id: tuple[int, int], owner_id: int, owner_name: str, parent: int, type_hint: Any) -> RRef:

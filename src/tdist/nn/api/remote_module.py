@@ -10,8 +10,13 @@ remote: ``remote_parameters()`` gives RRefs to them, for ``DistributedOptimizer`
 ``eval`` run on the remote module. A ``RemoteModule`` travels in RPC arguments and results (its
 module RRef is shared, as any RRef is), never through plain pickle, as in torch.
 
-TorchScript interfaces (torch's ``_module_interface_cls``) are not supported: a module given one
-raises ``NotImplementedError``.
+TorchScript module interfaces (torch's private ``_module_interface_cls``, on ``_RemoteModule``
+and ``init_from_module_rref``): the worker scripts the module (``torch.jit.script``) and holds it
+in an RRef typed by the interface, after checking that the module implements it, as torch does;
+``is_scriptable`` is then True and the constructor waits for the module (torch's does too).
+``forward``, ``forward_async``, ``remote_parameters``, ``train`` and ``eval`` work from Python on
+such a module. What torch adds on top, calling a RemoteModule from inside TorchScript code, needs
+TorchScript's own RPC operators, which are bound to torch's C++ agent: not supported here.
 
 CUDA path (written against torch's logic, not run here): when the remote device is a CUDA device,
 CPU tensors among the arguments are moved to it before ``forward``; without a device map to the
@@ -84,6 +89,17 @@ def _create_module(module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs
     return module
 
 
+def _create_module_with_interface(
+    module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: str, module_interface_cls: Any
+) -> Any:
+    module = torch.jit.script(_create_module(module_cls, args, kwargs, device))
+    return rpc.RRef(module, module_interface_cls)
+
+
+def _set_training(module_rref: Any, mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
 def _param_rrefs(module_rref: Any, recurse: bool) -> list[Any]:
     return [rpc.RRef(p) for p in module_rref.local_value().parameters(recurse)]
 
@@ -154,21 +170,28 @@ class _RemoteModule(nn.Module):
         self._prepare_init(remote_device, _module_interface_cls)
         args = args if args is not None else ()
         kwargs = kwargs if kwargs is not None else {}
-        self.module_rref = rpc.remote(self.on, _create_module, (module_cls, args, kwargs, self.device))
+        if _module_interface_cls is not None:  # scripted there; waits, as torch's does
+            self.module_rref = rpc.rpc_sync(
+                self.on, _create_module_with_interface, (module_cls, args, kwargs, self.device, _module_interface_cls)
+            )
+        else:
+            self.module_rref = rpc.remote(self.on, _create_module, (module_cls, args, kwargs, self.device))
         self._install_generated_methods()
 
     def _prepare_init(self, remote_device: str, module_interface_cls: Any) -> None:
         if not rpc._is_current_rpc_agent_set():
             raise AssertionError("RemoteModule only works in RPC.")
-        if module_interface_cls is not None:
-            raise NotImplementedError("RemoteModule: TorchScript module interfaces are not supported by tdist")
+        if module_interface_cls is not None and not getattr(module_interface_cls, "__torch_script_interface__", False):
+            raise ValueError(
+                f"module_interface_cls {module_interface_cls} must be a type object decorated by @torch.jit.interface"
+            )
         parsed = _rd.parse(remote_device)
         self.on = parsed.worker_name if parsed.worker_name is not None else parsed.rank
         self.device = str(parsed.device)
         agent = rpc._get_current_rpc_agent()
         name = agent.resolve(self.on).name
         self.is_device_map_set = bool(getattr(agent, "device_maps", {}).get(name))
-        self.is_scriptable = False
+        self.is_scriptable = module_interface_cls is not None
         self.generated_methods = _GENERATED_METHODS
 
     def _install_generated_methods(self) -> None:
@@ -185,12 +208,16 @@ class _RemoteModule(nn.Module):
         return self.module_rref
 
     def train(self, mode: bool = True) -> Any:
-        """``train(mode)`` on the remote module (its result, a copy of the module, as torch's)."""
+        """``train(mode)`` on the remote module. Returns its result, a copy of the module, as
+        torch's does; for a scripted module (which cannot travel), this RemoteModule."""
+        if self.is_scriptable:
+            rpc.rpc_sync(self.on, _set_training, (self.module_rref, mode))
+            return self
         return self.module_rref.rpc_sync().train(mode)
 
     def eval(self) -> Any:
-        """``eval()`` on the remote module."""
-        return self.module_rref.rpc_sync().eval()
+        """``eval()`` on the remote module (see ``train``)."""
+        return self.train(False)
 
     def __getstate__(self) -> Any:
         raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC")
