@@ -427,6 +427,9 @@ def _profiled(w: Worker) -> list[str]:
             remote = [e for e in prof.function_events if e.name == f"{key}#remote_op: aten::add"]
             assert remote and all(e.is_remote and e.node_id == 1 for e in remote), (key, remote)
         assert all(e.node_id == 0 for e in prof.function_events if not e.is_remote)
+        # here, only the user's own ops and the calls' ranges: not what serialization runs
+        local = {e.name for e in prof.function_events if not e.is_remote and not e.name.startswith(("rpc_", "to_here#"))}
+        assert local == {"aten::ones", "aten::empty", "aten::fill_", "aten::full", "aten::equal", "aten::is_same_size"}, local
         with torch.autograd.profiler.profile() as kineto:  # the default profiler: not recorded
             rpc.rpc_sync(p, f.add, args=(1, 2))
             with pytest.raises(RuntimeError, match="Profiling future has not been set"):

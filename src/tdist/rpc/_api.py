@@ -296,11 +296,12 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
         rf, key = _record("async", to, func)
         with rf:
             profiled = _profiled_call(func, key)
-            if profiled is None:
-                fut = _rpc_async(to, func, args, kwargs, timeout)
-            else:  # (the callee's events come back with the value)
-                sent = time.perf_counter()
-                fut = _mapped(_rpc_async(to, profiled, args, kwargs, timeout, func), _remote_profiling.unwrap(key, sent))
+            with _remote_profiling.unrecorded():
+                if profiled is None:
+                    fut = _rpc_async(to, func, args, kwargs, timeout)
+                else:  # (the callee's events come back with the value)
+                    sent = time.perf_counter()
+                    fut = _mapped(_rpc_async(to, profiled, args, kwargs, timeout, func), _remote_profiling.unwrap(key, sent))
             return rf._call_end_callbacks_on_future(fut)
     return _rpc_async(to, func, args, kwargs, timeout)
 
@@ -342,10 +343,11 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
         rf, key = _record("sync", to, func)
         with rf:
             profiled = _profiled_call(func, key)
-            if profiled is None:
-                return _rpc_sync(to, func, args, kwargs, timeout)
-            sent = time.perf_counter()  # (the callee's events come back with the value)
-            return _remote_profiling.keep(key, sent, _rpc_sync(to, profiled, args, kwargs, timeout, func))
+            with _remote_profiling.unrecorded():
+                if profiled is None:
+                    return _rpc_sync(to, func, args, kwargs, timeout)
+                sent = time.perf_counter()  # (the callee's events come back with the value)
+                return _remote_profiling.keep(key, sent, _rpc_sync(to, profiled, args, kwargs, timeout, func))
     return _rpc_sync(to, func, args, kwargs, timeout)
 
 
@@ -368,7 +370,8 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: fl
             agent = _agent()
             profiled = _profiled_call(func, key) if agent.resolve(to).id != agent.rank else None
             sent = time.perf_counter()
-            rref = _remote(to, func if profiled is None else profiled, args, kwargs, timeout)
+            with _remote_profiling.unrecorded():
+                rref = _remote(to, func if profiled is None else profiled, args, kwargs, timeout)
             if profiled is not None:  # the owner's events come back with the creation's reply
                 _remote_profiling.keep_on(rref._create_fut, key, sent)
             # (a future that completes once the range is recorded, as torch keeps it)

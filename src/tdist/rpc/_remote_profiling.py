@@ -18,9 +18,11 @@ a callee thread that runs a profiler already (a server-side profile).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,18 @@ class ProfiledCall:
         # (the events' names, times from the profile's start, threads and input shapes)
         events = [(e.name, e.time_range.start, e.time_range.end, e.thread, e.input_shapes) for e in prof.function_events]
         return Profiled(value, events, started, node)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Torch ops run here are not recorded (this thread's record functions are off): the
+    caller's profile shows the call's range, not the ops tdist's own serialization runs
+    (``aten::detach``, ``aten::lift_fresh``...), which torch's C++ does without recording."""
+    torch._C._autograd._enable_record_function(False)
+    try:
+        yield
+    finally:
+        torch._C._autograd._enable_record_function(True)
 
 
 def keep(key: str, sent: float, result: Any) -> Any:

@@ -28,7 +28,7 @@ import torch
 
 from .._core.errors import DistError, PeerError
 from ..autograd import _context as autograd
-from . import _errors
+from . import _errors, _remote_profiling
 from ._agent import (
     CallText,
     LazyText,
@@ -384,7 +384,8 @@ class RRef:
             return self._owned_value(timeout)
         if torch._C._autograd._profiler_enabled():  # recorded as torch records it
             with torch.autograd.profiler.record_function(f"to_here#({self._agent.name})->({self._owner.name})"):
-                return self._fetch(timeout)
+                with _remote_profiling.unrecorded():
+                    return self._fetch(timeout)
         return self._fetch(timeout)
 
     def _fetch(self, timeout: float) -> Any:
