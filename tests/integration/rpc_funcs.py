@@ -503,3 +503,21 @@ class OtherInterface(torch.nn.Module):
 
 def scripted_affine() -> torch.jit.ScriptModule:
     return torch.jit.script(Affine(3, 2))
+
+
+class SlowCounter(Counter):
+    """A ``Counter`` whose constructor takes ``seconds``."""
+
+    def __init__(self, value: int, seconds: float) -> None:
+        time.sleep(seconds)
+        super().__init__(value)
+
+
+def local_get(rref: Any) -> int:
+    """On the owner: ``rref.local_value().get()`` (waits for the value to be made)."""
+    return rref.local_value().get()  # type: ignore[no-any-return]
+
+
+def parameter_rref() -> Any:
+    """An RRef, owned here, to a parameter."""
+    return rpc.RRef(torch.nn.Parameter(torch.ones(2)))

@@ -5,6 +5,8 @@ proxies, and to_here timeouts. Over both agents; see ``_rpc_harness``.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import time
 from typing import Any
 
@@ -240,6 +242,49 @@ def _to_here_timeout(w: Worker) -> list[str]:
 
 def test_to_here_and_proxy_timeouts_on_a_slow_remote(backend: str) -> None:
     observe(_to_here_timeout, backend, world_size=2)
+
+
+def _pickling_and_parameters(w: Worker) -> None:
+    if w.rank == 0:
+        rref = rpc.remote(w.peer(), f.Counter, args=(1,))
+        for attempt in (lambda: pickle.dumps(rref), lambda: copy.deepcopy(rref), rref.__getstate__):
+            with pytest.raises(RuntimeError, match="rref can only be pickled when using RPC"):
+                attempt()
+        # a parameter is fetched as a plain tensor that requires grad, as torch's to_here() does
+        param = rpc.rpc_sync(w.peer(), f.parameter_rref)
+        fetched = param.to_here()
+        assert type(fetched) is torch.Tensor and fetched.requires_grad and fetched.grad_fn is None
+        assert param._get_type() is torch.nn.Parameter
+    w.barrier()
+
+
+def test_rrefs_refuse_plain_pickle_and_parameters_are_fetched_as_tensors(backend: str) -> None:
+    run(_pickling_and_parameters, backend, world_size=2)
+
+
+def _slow_made(w: Worker) -> None:
+    # the owner waits for a value still being made as long as the call's own timeout allows,
+    # not the agent's default (torch's owner waits without limit): here the default is 0.2 s
+    # and the value takes 0.6 s to make
+    default = rpc.get_rpc_timeout()
+    rpc._set_rpc_timeout(0.2)
+    w.barrier()
+    try:
+        if w.rank == 0:
+            p = w.peer()
+            made = [rpc.remote(p, f.SlowCounter, args=(n, 0.6), timeout=5) for n in range(5)]
+            assert made[0].rpc_sync(timeout=5).get() == 0
+            assert made[1].rpc_async(timeout=5).increment(2).wait() == 3
+            assert made[2].remote(timeout=5).get().to_here(5) == 2
+            assert made[3].rpc_sync(timeout=0).get() == 3  # 0: no limit
+            assert rpc.rpc_sync(p, f.local_get, args=(made[4],), timeout=5) == 4  # local_value()
+        w.barrier()
+    finally:
+        rpc._set_rpc_timeout(default)
+
+
+def test_the_owner_waits_for_a_value_being_made_within_the_callers_timeout(backend: str) -> None:
+    run(_slow_made, backend, world_size=2)
 
 
 @better_than_torch  # torch: "RPC ran for more than set timeout (200 ms)", no owner named

@@ -281,11 +281,43 @@ def _not_a_future(func: Any, result: Any) -> RuntimeError:
     )
 
 
+def _when_made(rref: Any, made: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A future of an RRef proxy's method call, run (on the worker pool) once the value it
+    calls is made, however long that takes: the caller's deadline bounds the wait, as torch's."""
+    out: Any = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            is_async, result = run_user_function(invoke_rref_method, (rref, name, args, kwargs), {})
+        except BaseException as exc:
+            out.set_exception(exc)
+            return
+        if not is_async:
+            out.set_result(result)
+        elif not isinstance(result, torch._C.Future):
+            out.set_exception(_not_a_future(getattr(rref.local_value(), name), result))
+        else:
+            result.add_done_callback(lambda f: _forward(f, out))
+
+    made.add_done_callback(lambda _f: rref._agent._to_pool(run))
+    return out
+
+
+def _forward(src: Any, dst: Any) -> None:
+    try:
+        dst.set_result(src.wait())
+    except BaseException as exc:
+        dst.set_exception(exc)
+
+
 def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """Run ``func``; returns ``(is_async, result)`` (a future when ``func`` is
     ``async_execution``)."""
     if func is invoke_rref_method:
         rref, name, args, kwargs = args
+        pending = rref._pending_owned()
+        if pending is not None:  # not made yet: the method runs once it is, holding no thread
+            return True, _when_made(rref, pending, name, args, kwargs)
         func = getattr(rref.local_value(), name)
     if type(func) is types.BuiltinFunctionType:  # a torch operator: as torch's RPC runs it
         return False, _builtins.call(func, args, kwargs)
@@ -911,6 +943,8 @@ class RpcAgent:
         if isinstance(value, _OwnerError):
             self._reply_error(src, tag, value.record)
             return
+        if type(value) is torch.nn.Parameter:  # fetched as a plain tensor, as torch's to_here()
+            value = value.detach().requires_grad_(value.requires_grad)
         ack = _tls.ack
         if ack is not None and ack[0] is self and ack[1] == src:
             # the caller's remote() of this value is not answered yet: this reply does it

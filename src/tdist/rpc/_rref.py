@@ -360,18 +360,42 @@ class RRef:
         if fut is None:
             raise RuntimeError(f"{self._agent.label}: the value of RRef {self._rref_id} was deleted")
         if not fut.done():
-            seconds = self._agent.timeout_seconds(timeout)
-            ev = threading.Event()
-            fut.add_done_callback(lambda _f: ev.set())
-            if not ev.wait(seconds):
-                raise RpcTimeoutError(
-                    f"RPC ran for more than set timeout ({seconds:g} s) and will now be marked with an "
-                    f"error: the value of RRef {self._rref_id} on {self._agent.label} is not ready"
-                )
+            self._wait_owned(fut, timeout)
         value = fut.value()
         if isinstance(value, _OwnerError):
             raise _errors.rebuild(value.record, call=f"creating RRef {self._rref_id}")
         return value
+
+    def _wait_owned(self, fut: Any, timeout: float | None) -> None:
+        """Wait on the owner for the value's creation. With a timeout given (``to_here(t)``),
+        that long; otherwise as long as the creation takes, as torch's ``local_value()``
+        waits (a constructor may run for minutes), but not for a value that will never come:
+        one whose creator is lost before its remote() arrived fails (the protocol's
+        ``RRefLost``), and an agent that shuts down ends the wait with an error."""
+        agent = self._agent
+        seconds = None if timeout is None or timeout == UNSET_RPC_TIMEOUT else agent.timeout_seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        ev = threading.Event()
+        fut.add_done_callback(lambda _f: ev.set())
+        while True:
+            step = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if ev.wait(max(step, 0.0)):
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                assert seconds is not None
+                raise RpcTimeoutError(
+                    f"RPC ran for more than set timeout ({seconds:g} s) and will now be marked with an "
+                    f"error: the value of RRef {self._rref_id} on {agent.label} is not ready"
+                )
+            if agent._closed:
+                raise RuntimeError(f"{agent.label}: RPC agent shut down while waiting for the value of RRef {self._rref_id}")
+
+    def _pending_owned(self) -> Any:
+        """On the owner, the future of a value not made yet; None once it is (or off the owner)."""
+        if not self._is_owner:
+            return None
+        fut = self._agent._owners.get(self._rref_id)
+        return None if fut is None or fut.done() else fut
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """A copy of the value, fetched from the owner (the value itself on the owner).
@@ -470,7 +494,7 @@ class RRef:
     def __reduce__(self) -> tuple[Any, ...]:
         dst = serialization_peer()
         if dst is None:
-            raise RuntimeError("RRef can only be pickled by RPC (as an argument or result of an RPC call)")
+            raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
         agent = self._agent
         ctx: RRefContext = agent.rref_ctx
         with ctx.lock:
@@ -481,6 +505,9 @@ class RRef:
             _rebuild_rref,
             (tuple(self._rref_id), tuple(decision.fork_id), self._owner.id, self._owner.name, agent.rank, type_name),
         )
+
+    def __getstate__(self) -> Any:
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
 
     def __del__(self) -> None:
         try:
