@@ -78,6 +78,10 @@ def _remote_module(w: Worker) -> None:
             pickle.dumps(rm)
         with pytest.raises(ValueError, match="Could not parse remote_device"):
             RemoteModule("a/b/c", f.Affine, args=(3, 2))
+        with pytest.raises(RuntimeError, match="device type at start of device string: foo"):
+            RemoteModule("worker1/foo", f.Affine, args=(3, 2))  # torch.device's own error
+        with pytest.raises(ValueError, match="Please use ``remote_parameters`` instead"):
+            rm.parameters()
         with pytest.raises(ValueError, match="returns an instance of"):  # not a module: the owner says so
             RemoteModule("worker1", f.add, args=(1, 2)).get_module_rref().to_here()
     w.barrier()

@@ -30,8 +30,8 @@ def _is_device(text: str) -> bool:
 
 
 def parse(remote_device: str | torch.device) -> RemoteDevice:
-    """Raises: ValueError (torch's message) for a string of none of the formats; TypeError for
-    another type."""
+    """Raises: ValueError (torch's message) for a string of none of the formats; RuntimeError
+    (``torch.device``'s) for a bad device; TypeError for another type."""
     error = (
         f"Could not parse remote_device: {remote_device}. The valid format is "
         "'<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'"
@@ -51,10 +51,7 @@ def parse(remote_device: str | torch.device) -> RemoteDevice:
         raise ValueError(error)
     if not worker:
         raise ValueError(error)
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(error) from exc
+    dev = torch.device(device)  # (a bad device: torch.device's RuntimeError, as torch's)
     parts = worker.split(":")
     if len(parts) == 2:
         if parts[0] == "rank" and parts[1].isdigit():

@@ -140,8 +140,10 @@ _GENERATED_METHODS = (forward_async, forward)
 
 
 def _not_supported(name: str) -> Callable[..., Any]:
+    hint = ". Please use ``remote_parameters`` instead." if name == "parameters" else ""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise ValueError(f"Method ``{name}`` not supported for RemoteModule")
+        raise ValueError(f"Method ``{name}`` not supported for RemoteModule{hint}")
 
     method.__name__ = name
     method.__qualname__ = f"RemoteModule.{name}"
