@@ -40,7 +40,7 @@ WORKER = textwrap.dedent(
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
-                "TDIST_SECRET"]
+                "TDIST_SECRET", "TORCHELASTIC_ERROR_FILE"]
         with open(os.path.join(out, f"env{rank}.json"), "w") as f:
             json.dump({k: os.environ.get(k) for k in keys}, f)
         with open(f"/proc/{os.getppid()}/maps") as f:  # the launcher's memory map
@@ -150,6 +150,7 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     secret = envs[0]["TDIST_SECRET"]
     assert secret and len(secret) >= 32 and envs[1]["TDIST_SECRET"] == secret
     for r, env in enumerate(envs):
+        assert env.pop("TORCHELASTIC_ERROR_FILE").endswith(f"attempt_0/{r}/error.json")
         assert env == {
             "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
             "ROLE_NAME": "default", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
@@ -199,6 +200,17 @@ def test_demo_runs(work: Path) -> None:
     assert any(line.startswith("[rank1]:rank 1/2: I was number") for line in out)
 
 
+def test_torchs_module_name_runs_the_launcher(work: Path) -> None:
+    # python -m tdist.run, as python -m torch.distributed.run
+    res = subprocess.run(
+        [sys.executable, "-m", "tdist.run", "--nproc-per-node", "2", "--master-port", "0", "worker.py", "env"],
+        cwd=work, env=launcher_env(work), capture_output=True, text=True, timeout=20,
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[rank0]:out from 0", "[rank1]:out from 1"]
+    assert (work / "launcher_has_torch0").read_text() == "False"
+
+
 def test_module_mode(work: Path) -> None:
     (work / "mymod.py").write_text("import os\nprint('module rank', os.environ['RANK'])\n")
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "-m", "mymod",
@@ -243,6 +255,39 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> N
     assert "host      : " in root and "time      : " in root
     assert "Traceback (most recent call last):" in root
     assert "ValueError: rank 1 gives up" in root
+    assert "error_file: <N/A>" in root  # (no @record: the traceback is stderr's)
+
+
+RECORDED = textwrap.dedent(
+    """
+    import os, sys
+    from tdist.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            os.close(2)  # nothing on stderr: the report can only quote the error file
+            raise KeyError(f"rank {rank} recorded this")
+
+    main()
+    """
+)
+
+
+def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
+    # torchrun's contract: @record writes the exception to TORCHELASTIC_ERROR_FILE, and the
+    # launcher's report quotes it
+    (work / "recorded.py").write_text(RECORDED)
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "recorded.py")
+    assert res.returncode == 1
+    root = res.stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root
+    error_file = next(line for line in root.splitlines() if line.startswith("  error_file: ")).split(": ", 1)[1]
+    assert error_file.endswith("attempt_0/1/error.json")
+    assert not Path(error_file).exists()  # the launcher's run directory is gone with it
+    assert "Traceback (most recent call last):" in root
+    assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
 
 
 def test_exit_code_of_a_killed_worker(work: Path) -> None:

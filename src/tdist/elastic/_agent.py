@@ -27,10 +27,12 @@ import contextlib
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -48,6 +50,7 @@ from ..store._tcp import TCPStore
 from ._policy import (
     AGENT_PREFIX,
     Action,
+    ErrorFile,
     LaunchConfig,
     Outcome,
     WorkerExit,
@@ -57,6 +60,7 @@ from ._policy import (
     format_failure_report,
     group_outcome,
     next_action,
+    parse_error_file,
     worker_command,
     worker_env,
 )
@@ -142,6 +146,7 @@ class LocalAgent:
         self._joined = False  # every node joined: the exit barrier can expect them all
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
+        self._error_dir = ""  # made by run()
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -161,6 +166,9 @@ class LocalAgent:
         os.set_blocking(self._wake_w, False)
         previous = self._install_signal_handlers()
         server: StoreServer | None = None
+        # the workers' error files (TORCHELASTIC_ERROR_FILE), under a directory of this run's
+        safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
+        self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
             if cfg.node_rank == 0:
                 # one node binds the given address; several must be reachable from the others
@@ -188,6 +196,7 @@ class LocalAgent:
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
+                shutil.rmtree(self._error_dir, ignore_errors=True)
 
     def _run_attempts(self, port: int, secret: str) -> int:
         cfg = self.config
@@ -209,7 +218,8 @@ class LocalAgent:
                 assert root is not None
                 self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}")
                 report = format_failure_report(
-                    self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines
+                    self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
+                    error_files=self._error_files(restart_count, found),
                 )
                 self._write(self._err, report.encode() + b"\n")
             elif outcome is Outcome.INTERRUPTED:
@@ -219,6 +229,27 @@ class LocalAgent:
             elif outcome is Outcome.PEER_FAILED:
                 self._say(f"stopped the workers: {self._peer_failure() or 'another node failed'}")
             return exit_code(outcome, root, self._signum)
+
+    def _error_file(self, restart_count: int, local_rank: int) -> str:
+        """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (its
+        directory is made here; torchrun's layout: ``attempt_<n>/<local rank>/error.json``)."""
+        directory = os.path.join(self._error_dir, f"attempt_{restart_count}", str(local_rank))
+        os.makedirs(directory, exist_ok=True)
+        return os.path.join(directory, "error.json")
+
+    def _error_files(self, restart_count: int, failed: list[WorkerExit]) -> dict[int, ErrorFile]:
+        """What the failed workers' ``@record`` wrote, by local rank."""
+        found = {}
+        for e in failed:
+            path = self._error_file(restart_count, e.local_rank)
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    parsed = parse_error_file(path, f.read())
+            except OSError:
+                continue
+            if parsed is not None:
+                found[e.local_rank] = parsed
+        return found
 
     def _title(self) -> str:
         cfg = self.config
@@ -235,7 +266,8 @@ class LocalAgent:
         try:
             for local_rank in range(cfg.nproc_per_node):
                 env = worker_env(
-                    self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret
+                    self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
+                    error_file=self._error_file(restart_count, local_rank),
                 )
                 workers.append(self._start_worker(local_rank, env))
             log.info(

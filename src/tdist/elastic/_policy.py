@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import json
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "Action",
+    "ErrorFile",
     "LaunchConfig",
     "Outcome",
     "WorkerExit",
@@ -26,6 +28,7 @@ __all__ = [
     "format_failure_report",
     "group_outcome",
     "next_action",
+    "parse_error_file",
     "traceback_tail",
     "worker_command",
     "worker_env",
@@ -127,11 +130,13 @@ def worker_env(
     master_port: int,
     restart_count: int,
     secret: str,
+    error_file: str | None = None,
 ) -> dict[str, str]:
     """The environment of worker ``local_rank``: ``base`` plus what torchrun sets.
 
     ``OMP_NUM_THREADS`` is set to 1 when unset and several workers share the node (as torchrun
-    does), and ``TDIST_SECRET`` carries the job's secret.
+    does), ``TDIST_SECRET`` carries the job's secret, and ``TORCHELASTIC_ERROR_FILE`` (when
+    ``error_file`` is given) is where ``@record`` writes the worker's uncaught exception.
     """
     env = dict(base)
     rank = config.global_rank(local_rank)
@@ -155,6 +160,8 @@ def worker_env(
             "TDIST_SECRET": secret,
         }
     )
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
     if "OMP_NUM_THREADS" not in base and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     return env
@@ -296,12 +303,42 @@ _FAILURE = """[{idx}]:
   host      : {host}
   rank      : {rank} (local_rank: {local_rank})
   exitcode  : {exitcode} (pid: {pid})
+  error_file: {error_file}
   traceback :{traceback}"""
 
 
-def _format_failure(idx: int, e: WorkerExit, host: str, tail: Sequence[str], max_lines: int) -> str:
+@dataclass(frozen=True)
+class ErrorFile:
+    """What a worker's ``@record`` wrote (torchelastic's error file): its path and the
+    exception's message and traceback."""
+
+    path: str
+    message: str
+    traceback: str
+
+
+def parse_error_file(path: str, text: str) -> ErrorFile | None:
+    """The error file at ``path`` whose content is ``text`` (torchelastic's JSON:
+    ``message.message`` and ``message.extraInfo.py_callstack``), or None when it is not that."""
+    try:
+        message = json.loads(text)["message"]
+        if isinstance(message, str):  # (a plain message, as torch writes for some errors)
+            return ErrorFile(path, message, message)
+        extra = message.get("extraInfo") or {}
+        return ErrorFile(path, str(message.get("message", "")), str(extra.get("py_callstack", "")))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _format_failure(
+    idx: int, e: WorkerExit, host: str, tail: Sequence[str], max_lines: int, error: ErrorFile | None
+) -> str:
     when = datetime.datetime.fromtimestamp(e.timestamp).isoformat(sep="_", timespec="seconds")
-    text = traceback_tail(tail, max_lines).replace("\n", "\n    ")
+    if error is not None and error.traceback.strip():  # the exception @record wrote, as torchrun
+        text = traceback_tail(error.traceback.splitlines(), max_lines)
+    else:
+        text = traceback_tail(tail, max_lines)
+    text = text.replace("\n", "\n    ")
     return _FAILURE.format(
         idx=idx,
         time=when,
@@ -310,6 +347,7 @@ def _format_failure(idx: int, e: WorkerExit, host: str, tail: Sequence[str], max
         local_rank=e.local_rank,
         exitcode=describe_returncode(e.returncode),
         pid=e.pid,
+        error_file=error.path if error is not None else "<N/A>",
         traceback=("\n    " if "\n" in text else " ") + text,
     )
 
@@ -321,6 +359,7 @@ def format_failure_report(
     host: str,
     tails: Mapping[int, Sequence[str]],
     max_lines: int = 20,
+    error_files: Mapping[int, ErrorFile] | None = None,
 ) -> str:
     """A report of failed workers in the shape of torchrun's ``ChildFailedError``.
 
@@ -330,15 +369,19 @@ def format_failure_report(
         host: this host's name.
         tails: each worker's last stderr lines, by local rank.
         max_lines: lines of traceback quoted per failure.
+        error_files: what workers' ``@record`` wrote, by local rank: the traceback quoted
+            comes from there, else from the stderr tail.
     """
     if not failed:
         raise ValueError("format_failure_report needs at least one failure")
     title = f"{name} FAILED"
     root, others = failed[0], failed[1:]
+    errors = error_files or {}
     other_text = "\n".join(
-        _format_failure(i + 1, e, host, tails.get(e.local_rank, ()), max_lines) for i, e in enumerate(others)
+        _format_failure(i + 1, e, host, tails.get(e.local_rank, ()), max_lines, errors.get(e.local_rank))
+        for i, e in enumerate(others)
     )
-    root_text = _format_failure(0, root, host, tails.get(root.local_rank, ()), max_lines)
+    root_text = _format_failure(0, root, host, tails.get(root.local_rank, ()), max_lines, errors.get(root.local_rank))
     width = min(60, max(len(line) for line in [title, *root_text.splitlines(), *other_text.splitlines()]))
     return "\n".join(
         [

@@ -1,0 +1,89 @@
+"""``@record``: a worker's uncaught exception, written where its launcher reads it.
+
+``torch.distributed.elastic.multiprocessing.errors`` under tdist's name. A worker's entry point
+decorated with ``@record`` writes the exception that escapes it to the file named by
+``TORCHELASTIC_ERROR_FILE`` (set by ``tdist run`` and by torchrun, one file per worker), as
+torchelastic's JSON, before it propagates; the launcher's failure report then quotes that
+exception's traceback (the "Root Cause") instead of the worker's last stderr lines. Without the
+variable (the script run alone) nothing is written.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import json
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["ErrorHandler", "get_error_handler", "record"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class ErrorHandler:
+    """Writes a worker's exception to its error file (torch's ``ErrorHandler``); subclass to
+    change what is written."""
+
+    def _get_error_file_path(self) -> str | None:
+        return os.environ.get("TORCHELASTIC_ERROR_FILE")
+
+    def initialize(self) -> None:
+        """Called before the decorated function runs: a fatal signal (a segfault in an
+        extension) dumps every thread's Python stack to stderr, which the launcher quotes."""
+        try:
+            faulthandler.enable(all_threads=True)
+        except Exception as exc:  # (stderr may be closed or not a file)
+            warnings.warn(f"Unable to enable fault handler. {type(exc).__name__}: {exc}", stacklevel=2)
+
+    def record_exception(self, e: BaseException) -> None:
+        """Write ``e`` (with the traceback being handled) to the error file, if there is one."""
+        path = self._get_error_file_path()
+        if not path:
+            return
+        data = {
+            "message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": "".join(traceback.format_exception(e)),
+                    "timestamp": str(int(time.time())),
+                },
+            }
+        }
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+
+
+def get_error_handler() -> ErrorHandler:
+    """The default ``ErrorHandler``."""
+    return ErrorHandler()
+
+
+def record(fn: _F | None = None, error_handler: ErrorHandler | None = None) -> Any:
+    """Decorate a worker's entry point (``@record`` or ``@record(error_handler=...)``): an
+    exception that escapes it is written to ``TORCHELASTIC_ERROR_FILE`` and raised again.
+    ``SystemExit`` with code 0 returns None; another ``SystemExit`` passes through
+    unrecorded, as torch's does."""
+    handler = error_handler if error_handler is not None else get_error_handler()
+
+    def wrap(f: _F) -> _F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            handler.initialize()
+            try:
+                return f(*args, **kwargs)
+            except SystemExit as exc:
+                if exc.code == 0:
+                    return None
+                raise
+            except Exception as exc:
+                handler.record_exception(exc)
+                raise
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap(fn) if fn is not None else wrap
