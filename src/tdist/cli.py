@@ -71,6 +71,39 @@ def _port(value: str) -> int:
     return port
 
 
+def _rdzv_backend(value: str) -> str:
+    if value in ("static", "c10d"):
+        return value
+    if value.startswith("etcd"):
+        raise argparse.ArgumentTypeError(f"the {value} rendezvous is not supported; use c10d (the store of the node at --rdzv-endpoint)")
+    raise argparse.ArgumentTypeError(f"unknown rendezvous backend {value!r}: static or c10d")
+
+
+def _rdzv_conf(value: str) -> dict[str, str]:
+    conf = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE pairs separated by commas, got {item!r}")
+        conf[key.strip()] = val.strip()
+    return conf
+
+
+def _endpoint(value: str, default_port: int) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port`` -> (host, port)."""
+    host, port = value, default_port
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        if rest.startswith(":"):
+            port = _port(rest[1:])
+    elif value.count(":") == 1:
+        host, _, text = value.partition(":")
+        port = _port(text)
+    if not host:
+        raise ValueError(f"--rdzv-endpoint {value!r} names no host")
+    return host, port
+
+
 def _seconds(value: str) -> float:
     try:
         seconds = float(value)
@@ -112,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="one node, a free port on 127.0.0.1 (overrides --master-addr/--master-port)")
     run.add_argument(*_opt("--rdzv-id", "--run-id"), dest="run_id", default="none", metavar="ID",
                      help="the job id (TORCHELASTIC_RUN_ID; default: none)")
+    run.add_argument(*_opt("--rdzv-backend"), type=_rdzv_backend, default="static", metavar="NAME",
+                     help="'static' (every node is given --node-rank; node 0 hosts the store at "
+                     "--master-addr/--master-port) or 'c10d' (the nodes meet at --rdzv-endpoint, "
+                     "whose host hosts the store, and get their node ranks in turn) (default: static)")
+    run.add_argument(*_opt("--rdzv-endpoint"), default="", metavar="HOST[:PORT]",
+                     help="where the nodes meet: the store's address (c10d: port 29400 if not "
+                     "given; static: instead of --master-addr/--master-port)")
+    run.add_argument(*_opt("--rdzv-conf"), type=_rdzv_conf, default={}, metavar="K=V,...",
+                     help="rendezvous settings: join_timeout (seconds), is_host (true/false)")
     run.add_argument(*_opt("--max-restarts"), type=int, default=0, metavar="N",
                      help="restart the workers up to N times after a failure (default: 0)")
     run.add_argument(*_opt("--monitor-interval"), type=_seconds, default=0.5, metavar="S",
@@ -144,9 +186,21 @@ def _run(ns: argparse.Namespace) -> int:
     from .elastic import LaunchConfig, LaunchError, launch
 
     master_addr, master_port, nnodes, run_id = ns.master_addr, ns.master_port, ns.nnodes, ns.run_id
-    if ns.standalone:  # (a run id of its own, as torchrun's --standalone makes one)
-        master_addr, master_port, nnodes, run_id = "127.0.0.1", 0, 1, str(uuid.uuid4())
+    backend, conf = ns.rdzv_backend, dict(ns.rdzv_conf)
+    join_timeout, is_host = ns.join_timeout, None
     try:
+        if ns.standalone:  # (a run id of its own, as torchrun's --standalone makes one)
+            master_addr, master_port, nnodes, run_id, backend = "127.0.0.1", 0, 1, str(uuid.uuid4()), "static"
+        elif ns.rdzv_endpoint:
+            master_addr, master_port = _endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port)
+        elif backend == "c10d":
+            raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
+        if "join_timeout" in conf:
+            join_timeout = _seconds(conf.pop("join_timeout"))
+        if "is_host" in conf:
+            is_host = conf.pop("is_host").lower() in ("1", "true", "yes", "y")
+        for key in conf:
+            log.warning("--rdzv-conf %s is not used by tdist run; ignored", key)
         config = LaunchConfig(
             entrypoint=ns.entrypoint,
             args=tuple(ns.args),
@@ -161,9 +215,11 @@ def _run(ns: argparse.Namespace) -> int:
             no_python=ns.no_python,
             stop_timeout=ns.stop_timeout,
             monitor_interval=ns.monitor_interval,
-            join_timeout=ns.join_timeout,
+            join_timeout=join_timeout,
+            rdzv_backend=backend,
+            is_host=is_host,
         )
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 2
     try:

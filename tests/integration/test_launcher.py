@@ -342,6 +342,9 @@ def test_missing_script(work: Path) -> None:
         (["--nnodes", "1:4", "w.py"], "elastic node ranges (1:4) are not supported"),
         (["--master-port", "99999", "w.py"], "port must have value from 0 to 65535"),
         (["--nnodes", "2", "--master-port", "0", "w.py"], "works on one node only"),
+        (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1", "w.py"], "the etcd-v2 rendezvous is not supported"),
+        (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
+        (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
     ],
 )
 def test_bad_options(work: Path, args: list[str], message: str) -> None:
@@ -427,6 +430,46 @@ def test_two_nodes_share_one_store(two_nodes: tuple[Path, int]) -> None:
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
     assert lines == [f"[rank{r}]:rank {r} of 4 ok" for r in range(4)]
+
+
+def test_c10d_rendezvous_numbers_the_nodes(two_nodes: tuple[Path, int]) -> None:
+    # torchrun's multi-node form: no --node-rank; the node that hosts the endpoint is node 0
+    work, port = two_nodes
+    (work / "c.py").write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'group', os.environ['GROUP_RANK'], os.environ['WORLD_SIZE'])\n"
+    )
+    nodes = [
+        subprocess.Popen(
+            tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf",
+                      "join_timeout=20", "c.py"),
+            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=20) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == [f"[rank{r}]:rank {r} group {r // 2} 4" for r in range(4)]
+    assert {frozenset(line.split(" group ")[1][0] for line in o[0].splitlines()) for o in outs} == {
+        frozenset("0"), frozenset("1")
+    }
+
+
+def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:
+    # torchrun's "stacked single-node" form
+    res = tdist_run(work, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",
+                    "--nproc-per-node=2", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    envs = [json.loads((work / f"env{r}.json").read_text()) for r in range(2)]
+    assert {e["MASTER_ADDR"] for e in envs} == {"localhost"} and envs[0]["MASTER_PORT"] != "0"
 
 
 def test_failure_on_one_node_stops_the_other(two_nodes: tuple[Path, int]) -> None:

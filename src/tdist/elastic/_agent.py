@@ -24,6 +24,8 @@ and node 0 keeps the store up until every node has finished (the exit barrier).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import logging
 import os
 import select
@@ -147,6 +149,7 @@ class LocalAgent:
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
         self._error_dir = ""  # made by run()
+        self._hosting: bool | None = None  # whether this node hosts the job's store (run())
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -170,13 +173,19 @@ class LocalAgent:
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
         self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
-            if cfg.node_rank == 0:
+            if cfg.rdzv_backend == "c10d":
+                server = self._try_to_host(secret)
+            elif cfg.node_rank == 0:
                 # one node binds the given address; several must be reachable from the others
                 bind = cfg.master_addr if cfg.nnodes == 1 else ""
                 try:
                     server = StoreServer(bind, cfg.master_port, secret=secret)
                 except DistError as exc:
                     raise LaunchError(f"{exc} (--master-port)") from exc
+            self._hosting = server is not None
+            if cfg.rdzv_backend == "c10d" and server is not None and cfg.node_rank != 0:
+                cfg = self.config = dataclasses.replace(cfg, node_rank=0)  # (the host is node 0)
+            if server is not None:
                 server.start("process")
                 port = server.port
                 log.info("node 0: job store on %s:%d", cfg.master_addr, port)
@@ -197,6 +206,22 @@ class LocalAgent:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 shutil.rmtree(self._error_dir, ignore_errors=True)
+
+    def _try_to_host(self, secret: str) -> StoreServer | None:
+        """c10d rendezvous: host the job's store at the endpoint if this node can bind it (it
+        is then node 0), else None (another node hosts it; this one joins as a client)."""
+        cfg = self.config
+        if cfg.is_host is False:
+            return None
+        try:
+            return StoreServer(cfg.master_addr, cfg.master_port, secret=secret)
+        except DistError as exc:
+            cause = exc.__cause__
+            taken = isinstance(cause, OSError) and cause.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+            if not taken or cfg.nnodes == 1 or cfg.is_host:
+                raise LaunchError(f"{exc} (--rdzv-endpoint)") from exc
+            log.info("the job store at %s:%d is another node's: joining it", cfg.master_addr, cfg.master_port)
+            return None
 
     def _run_attempts(self, port: int, secret: str) -> int:
         cfg = self.config
@@ -467,6 +492,16 @@ class LocalAgent:
                 f"node {cfg.node_rank}: cannot reach the job store at {cfg.master_addr}:{port}: {exc}"
             ) from exc
         self._store = store
+        if cfg.rdzv_backend == "c10d" and self._hosting is False:
+            # (the host is node 0; the others are numbered in the order they come)
+            rank = store.add(f"{AGENT_PREFIX}/next_node_rank", 1)
+            if rank >= cfg.nnodes:
+                raise LaunchError(
+                    f"the job at {cfg.master_addr}:{port} has its {cfg.nnodes} nodes already (--nnodes); "
+                    "this one is one too many"
+                )
+            cfg = self.config = dataclasses.replace(cfg, node_rank=rank)
+            log.info("node %d of %d (assigned by the rendezvous)", rank, cfg.nnodes)
         if store.add(f"{AGENT_PREFIX}/node{cfg.node_rank}", 1) > 1:
             raise LaunchError(
                 f"node rank {cfg.node_rank} joined twice: give every node its own --node-rank"

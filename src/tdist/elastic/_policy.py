@@ -60,6 +60,10 @@ class LaunchConfig:
         join_timeout: seconds to wait for every node to join (multi-node).
         exit_barrier_timeout: seconds node 0 keeps the store up for the other nodes to finish.
         tail_lines: lines of a failed worker's stderr quoted in the report.
+        rdzv_backend: ``"static"`` (``node_rank`` given; node 0 hosts the store) or ``"c10d"``
+            (the node that can bind ``master_addr:master_port`` hosts the store and is node 0;
+            the others get their ranks in the order they join; ``node_rank`` is not used).
+        is_host: c10d only: whether this node hosts the store (None: it tries).
     """
 
     entrypoint: str
@@ -80,6 +84,8 @@ class LaunchConfig:
     tail_lines: int = 20
     role: str = "default"
     python: str = field(default=sys.executable)
+    rdzv_backend: str = "static"
+    is_host: bool | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -101,6 +107,8 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")
         if self.max_restarts > 0 and self.nnodes > 1:
             raise ValueError("--max-restarts with --nnodes > 1 is not supported yet")
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise ValueError(f"unknown rendezvous backend {self.rdzv_backend!r}: static or c10d")
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python cannot be used together")
 
