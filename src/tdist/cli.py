@@ -71,6 +71,16 @@ def _port(value: str) -> int:
     return port
 
 
+def _ranks(value: str) -> frozenset[int]:
+    try:
+        ranks = frozenset(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected local ranks separated by commas, got {value!r}") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected local ranks separated by commas, got {value!r}")
+    return ranks
+
+
 def _rdzv_backend(value: str) -> str:
     if value in ("static", "c10d"):
         return value
@@ -162,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for every node to join (default: 600)")
     run.add_argument(*_opt("--stop-timeout"), type=_seconds, default=10.0, metavar="S",
                      help="seconds between SIGTERM and SIGKILL when stopping workers (default: 10)")
+    run.add_argument(*_opt("--local-ranks-filter"), type=_ranks, default=None, metavar="R,R,...",
+                     help="show only these local ranks' output, e.g. 0 (default: every rank's)")
+    run.add_argument("--role", default="default", metavar="NAME",
+                     help="the workers' role (ROLE_NAME; default: default)")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the entrypoint as a module (python -m)")
     run.add_argument(*_opt("--no-python"), action="store_true",
@@ -218,6 +232,8 @@ def _run(ns: argparse.Namespace) -> int:
             join_timeout=join_timeout,
             rdzv_backend=backend,
             is_host=is_host,
+            local_ranks_filter=ns.local_ranks_filter,
+            role=ns.role,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)

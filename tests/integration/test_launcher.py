@@ -166,6 +166,18 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     assert "[rank1]:err from 1" in res.stderr.splitlines()
 
 
+def test_local_ranks_filter_and_role(work: Path) -> None:
+    (work / "r.py").write_text(
+        "import os, sys\nprint('out', os.environ['RANK'], os.environ['ROLE_NAME'])\n"
+        "print('err', os.environ['RANK'], file=sys.stderr)\n"
+    )
+    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "--local-ranks-filter", "0,2",
+                    "--role", "trainer", "r.py")
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[rank0]:out 0 trainer", "[rank2]:out 2 trainer"]
+    assert sorted(line for line in res.stderr.splitlines() if "err" in line) == ["[rank0]:err 0", "[rank2]:err 2"]
+
+
 def test_torchrun_spellings_and_given_secret(work: Path) -> None:
     res = tdist_run(work, "--nproc_per_node=1", "--master_addr", "localhost", "--master_port", "0",
                     "--max_restarts", "0", "worker.py", "env", TDIST_SECRET="given", OMP_NUM_THREADS="3")

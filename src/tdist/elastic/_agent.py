@@ -341,7 +341,11 @@ class LocalAgent:
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)))
         prefix = f"[rank{rank}]:".encode()
         assert proc.stdout is not None and proc.stderr is not None
-        for stream, out, tail in ((proc.stdout, self._out, None), (proc.stderr, self._err, worker.tail)):
+        shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
+        for stream, out, tail in (
+            (proc.stdout, self._out if shown else None, None),
+            (proc.stderr, self._err if shown else None, worker.tail),
+        ):
             t = threading.Thread(
                 target=self._pump, args=(stream, prefix, out, tail), name=f"tdist-run-rank{rank}", daemon=True
             )
@@ -349,8 +353,9 @@ class LocalAgent:
             worker.readers.append(t)
         return worker
 
-    def _pump(self, stream: IO[bytes], prefix: bytes, out: BinaryIO, tail: deque[str] | None) -> None:
-        """Copy a worker's stream line by line, prefixed, flushing each line."""
+    def _pump(self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tail: deque[str] | None) -> None:
+        """Copy a worker's stream line by line, prefixed, flushing each line (``out`` None:
+        read and drop it, keeping only the tail)."""
         try:
             while True:
                 line = stream.readline(_READ_CHUNK)
@@ -360,7 +365,8 @@ class LocalAgent:
                     line += b"\n"
                 if tail is not None:
                     tail.append(line.decode(errors="replace"))
-                self._write(out, prefix + line)
+                if out is not None:
+                    self._write(out, prefix + line)
         except (OSError, ValueError):
             pass
         finally:

@@ -64,6 +64,9 @@ class LaunchConfig:
             (the node that can bind ``master_addr:master_port`` hosts the store and is node 0;
             the others get their ranks in the order they join; ``node_rank`` is not used).
         is_host: c10d only: whether this node hosts the store (None: it tries).
+        local_ranks_filter: the local ranks whose output is shown (None: every one); the
+            others' is read and dropped (a failure's report still quotes it).
+        role: ``ROLE_NAME``.
     """
 
     entrypoint: str
@@ -86,6 +89,7 @@ class LaunchConfig:
     python: str = field(default=sys.executable)
     rdzv_backend: str = "static"
     is_host: bool | None = None
+    local_ranks_filter: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
