@@ -487,18 +487,21 @@ def module_state(module_rref: Any) -> tuple[bool, torch.Tensor, torch.Tensor]:
     return m.training, m.lin.weight.detach().clone(), m.lin.bias.detach().clone()
 
 
-@torch.jit.interface
-class AffineInterface(torch.nn.Module):
-    """What ``Affine`` implements, as a TorchScript module interface."""
+# (torch.jit.interface is deprecated in torch 2.13, and says so once per definition)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
 
-    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        pass
+    @torch.jit.interface
+    class AffineInterface(torch.nn.Module):
+        """What ``Affine`` implements, as a TorchScript module interface."""
 
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            pass
 
-@torch.jit.interface
-class OtherInterface(torch.nn.Module):
-    def forward(self, x: torch.Tensor, word: str) -> str:
-        pass
+    @torch.jit.interface
+    class OtherInterface(torch.nn.Module):
+        def forward(self, x: torch.Tensor, word: str) -> str:
+            pass
 
 
 def scripted_affine() -> torch.jit.ScriptModule:
