@@ -5,9 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-# the multi-host tests make network namespaces with iproute2's `ip` (as root)
-if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null
+# the multi-host tests make network namespaces with iproute2's `ip` (as root); the etcd store
+# and rendezvous tests start a private etcd server (the etcd-server package; its own service is
+# not used)
+missing=""
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || missing="$missing etcd-server"
+if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv

@@ -10,3 +10,57 @@ set their own thread counts.
 import torch
 
 torch.set_num_threads(1)
+
+
+# -- an etcd server, for the etcd store and rendezvous (scripts/setup.sh installs etcd) --------
+import os  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """A private etcd on 127.0.0.1 for the session: (host, client port)."""
+    binary = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if binary is None:
+        pytest.fail("etcd is not installed: run scripts/setup.sh (it installs the etcd-server package)")
+    data: Path = tmp_path_factory.mktemp("etcd")
+    client, peer = _free_port(), _free_port()
+    with open(data / "log.txt", "wb") as log:
+        proc = subprocess.Popen(
+            [binary, "--data-dir", str(data / "d"), "--name", "tdist-test",
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"tdist-test=http://127.0.0.1:{peer}"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", client), timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"etcd did not start: {(data / 'log.txt').read_text()[-2000:]}")
+                time.sleep(0.05)
+        yield "127.0.0.1", client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

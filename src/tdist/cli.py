@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from collections.abc import Sequence
@@ -84,9 +85,9 @@ def _ranks(value: str) -> frozenset[int]:
 def _rdzv_backend(value: str) -> str:
     if value in ("static", "c10d"):
         return value
-    if value.startswith("etcd"):
-        raise argparse.ArgumentTypeError(f"the {value} rendezvous is not supported; use c10d (the store of the node at --rdzv-endpoint)")
-    raise argparse.ArgumentTypeError(f"unknown rendezvous backend {value!r}: static or c10d")
+    if value in ("etcd", "etcd-v2"):  # (torchrun's two etcd rendezvous: one here)
+        return "etcd"
+    raise argparse.ArgumentTypeError(f"unknown rendezvous backend {value!r}: static, c10d or etcd")
 
 
 def _rdzv_conf(value: str) -> dict[str, str]:
@@ -157,11 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the job id (TORCHELASTIC_RUN_ID; default: none)")
     run.add_argument(*_opt("--rdzv-backend"), type=_rdzv_backend, default="static", metavar="NAME",
                      help="'static' (every node is given --node-rank; node 0 hosts the store at "
-                     "--master-addr/--master-port) or 'c10d' (the nodes meet at --rdzv-endpoint, "
-                     "whose host hosts the store, and get their node ranks in turn) (default: static)")
+                     "--master-addr/--master-port), 'c10d' (the nodes meet at --rdzv-endpoint, "
+                     "whose host hosts the store, and get their node ranks in turn) or 'etcd' "
+                     "(the nodes meet in the etcd at --rdzv-endpoint, default port 2379; node 0 "
+                     "hosts the store) (default: static)")
     run.add_argument(*_opt("--rdzv-endpoint"), default="", metavar="HOST[:PORT]",
                      help="where the nodes meet: the store's address (c10d: port 29400 if not "
                      "given; static: instead of --master-addr/--master-port)")
+    run.add_argument(*_opt("--local-addr"), default="", metavar="HOST",
+                     help="this node's address, as the other nodes reach it (etcd: where node 0's "
+                     "store is reached; default: this host's fully qualified name)")
     run.add_argument(*_opt("--rdzv-conf"), type=_rdzv_conf, default={}, metavar="K=V,...",
                      help="rendezvous settings: join_timeout (seconds), is_host (true/false)")
     run.add_argument(*_opt("--max-restarts"), type=int, default=0, metavar="N",
@@ -202,9 +208,15 @@ def _run(ns: argparse.Namespace) -> int:
     master_addr, master_port, nnodes, run_id = ns.master_addr, ns.master_port, ns.nnodes, ns.run_id
     backend, conf = ns.rdzv_backend, dict(ns.rdzv_conf)
     join_timeout, is_host = ns.join_timeout, None
+    rdzv_host, rdzv_port = "", 2379
     try:
         if ns.standalone:  # (a run id of its own, as torchrun's --standalone makes one)
             master_addr, master_port, nnodes, run_id, backend = "127.0.0.1", 0, 1, str(uuid.uuid4()), "static"
+        elif backend == "etcd":  # etcd is where the nodes meet; node 0 hosts the store here
+            if not ns.rdzv_endpoint:
+                raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (etcd's client address)")
+            rdzv_host, rdzv_port = _endpoint(ns.rdzv_endpoint, 2379)
+            master_addr, master_port = ns.local_addr or socket.getfqdn(), 0
         elif ns.rdzv_endpoint:
             master_addr, master_port = _endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port)
         elif backend == "c10d":
@@ -231,6 +243,8 @@ def _run(ns: argparse.Namespace) -> int:
             monitor_interval=ns.monitor_interval,
             join_timeout=join_timeout,
             rdzv_backend=backend,
+            rdzv_host=rdzv_host,
+            rdzv_port=rdzv_port,
             is_host=is_host,
             local_ranks_filter=ns.local_ranks_filter,
             role=ns.role,

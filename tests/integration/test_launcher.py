@@ -354,7 +354,8 @@ def test_missing_script(work: Path) -> None:
         (["--nnodes", "1:4", "w.py"], "elastic node ranges (1:4) are not supported"),
         (["--master-port", "99999", "w.py"], "port must have value from 0 to 65535"),
         (["--nnodes", "2", "--master-port", "0", "w.py"], "works on one node only"),
-        (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:1", "w.py"], "the etcd-v2 rendezvous is not supported"),
+        (["--rdzv-backend", "etcd2", "w.py"], "unknown rendezvous backend 'etcd2'"),
+        (["--rdzv-backend", "etcd", "w.py"], "--rdzv-backend etcd needs --rdzv-endpoint"),
         (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
         (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
     ],
@@ -473,6 +474,40 @@ def test_c10d_rendezvous_numbers_the_nodes(two_nodes: tuple[Path, int]) -> None:
     assert {frozenset(line.split(" group ")[1][0] for line in o[0].splitlines()) for o in outs} == {
         frozenset("0"), frozenset("1")
     }
+
+
+def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
+    # torchrun's etcd form: the nodes meet in etcd, numbered as they come; node 0 hosts the store
+    from tdist.store._etcd import EtcdStore
+
+    host, port = etcd_endpoint
+    (work / "e.py").write_text(
+        "import os\nimport tdist as dist\nimport torch\n"
+        "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+        "print('rank', os.environ['RANK'], 'group', os.environ['GROUP_RANK'], 'sum', int(t.item()))\n"
+        "dist.destroy_process_group()\n"
+    )
+    nodes = [
+        subprocess.Popen(
+            tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
+                      "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "etcd-job", "--local-addr", "127.0.0.1",
+                      "--join-timeout", "20", "e.py"),
+            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=40) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == [f"[rank{r}]:rank {r} group {r // 2} sum 4" for r in range(4)]
+    assert EtcdStore(host, port, prefix="/tdist/etcd-job").num_keys() == 0  # the job left etcd clean
 
 
 def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:

@@ -47,6 +47,7 @@ from typing import IO, BinaryIO
 from .._core import auth
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
+from ..store._api import Store
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
 from ._policy import (
@@ -144,7 +145,7 @@ class LocalAgent:
         self._signal_count = 0
         self._wake_r = -1
         self._wake_w = -1
-        self._store: TCPStore | None = None
+        self._store: Store | None = None
         self._joined = False  # every node joined: the exit barrier can expect them all
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
@@ -173,7 +174,10 @@ class LocalAgent:
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
         self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
-            if cfg.rdzv_backend == "c10d":
+            if cfg.rdzv_backend == "etcd":
+                server = self._etcd_rendezvous(secret)
+                cfg = self.config
+            elif cfg.rdzv_backend == "c10d":
                 server = self._try_to_host(secret)
             elif cfg.node_rank == 0:
                 # one node binds the given address; several must be reachable from the others
@@ -198,14 +202,53 @@ class LocalAgent:
             try:
                 self._exit_barrier()
             finally:
-                if self._store is not None:
-                    self._store.close()
+                close = getattr(self._store, "close", None)
+                if close is not None:
+                    close()
                 if server is not None:
                     server.stop()
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 shutil.rmtree(self._error_dir, ignore_errors=True)
+
+    def _etcd_rendezvous(self, secret: str) -> StoreServer | None:
+        """etcd rendezvous: the nodes meet in etcd (under ``/tdist/<run id>``), numbered in the
+        order they come; node 0 hosts the workers' store on a free port and says where in etcd.
+        The etcd store stays the agents' own (failures, the exit barrier). Returns node 0's
+        server (bound, not started yet), else None."""
+        from ..store._etcd import EtcdStore
+
+        cfg = self.config
+        timeout = timedelta(seconds=cfg.join_timeout)
+        try:
+            etcd = EtcdStore(cfg.rdzv_host, cfg.rdzv_port, prefix=f"/tdist/{cfg.run_id}", timeout=timeout)
+        except DistError as exc:
+            raise LaunchError(f"cannot reach etcd at {cfg.rdzv_host}:{cfg.rdzv_port} (--rdzv-endpoint): {exc}") from exc
+        self._store = etcd
+        rank = etcd.add(f"{AGENT_PREFIX}/next_node_rank", 1) - 1
+        if rank >= cfg.nnodes:
+            raise LaunchError(
+                f"the job {cfg.run_id!r} in etcd at {cfg.rdzv_host}:{cfg.rdzv_port} has its {cfg.nnodes} nodes "
+                "already (--nnodes); this one is one too many (give every job its own --rdzv-id)"
+            )
+        server = None
+        if rank == 0:
+            try:
+                server = StoreServer(cfg.master_addr if cfg.nnodes == 1 else "", 0, secret=secret)
+            except DistError as exc:
+                raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
+            etcd.set(f"{AGENT_PREFIX}/master", f"{cfg.master_addr}:{server.port}")
+            addr, port = cfg.master_addr, server.port
+        else:
+            try:
+                addr, _, text = etcd.get(f"{AGENT_PREFIX}/master").decode().rpartition(":")
+            except DistStoreError as exc:
+                raise LaunchError(f"node {rank}: node 0 of job {cfg.run_id!r} did not say where its store is: {exc}") from exc
+            port = int(text)
+        self.config = dataclasses.replace(cfg, node_rank=rank, master_addr=addr, master_port=port)
+        log.info("node %d of %d (etcd rendezvous); the job's store is at %s:%d", rank, cfg.nnodes, addr, port)
+        return server
 
     def _try_to_host(self, secret: str) -> StoreServer | None:
         """c10d rendezvous: host the job's store at the endpoint if this node can bind it (it
@@ -491,13 +534,17 @@ class LocalAgent:
     def _join(self, port: int, secret: str) -> None:
         cfg = self.config
         timeout = timedelta(seconds=cfg.join_timeout)
-        try:
-            store = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
-        except DistError as exc:
-            raise LaunchError(
-                f"node {cfg.node_rank}: cannot reach the job store at {cfg.master_addr}:{port}: {exc}"
-            ) from exc
-        self._store = store
+        store: Store
+        if self._store is not None:  # (etcd's)
+            store = self._store
+        else:
+            try:
+                store = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
+            except DistError as exc:
+                raise LaunchError(
+                    f"node {cfg.node_rank}: cannot reach the job store at {cfg.master_addr}:{port}: {exc}"
+                ) from exc
+            self._store = store
         if cfg.rdzv_backend == "c10d" and self._hosting is False:
             # (the host is node 0; the others are numbered in the order they come)
             rank = store.add(f"{AGENT_PREFIX}/next_node_rank", 1)
@@ -568,6 +615,10 @@ class LocalAgent:
                     return
                 with contextlib.suppress(DistStoreError):
                     store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+            if cfg.rdzv_backend == "etcd":  # the job is over: its keys leave etcd
+                delete_all = getattr(store, "delete_all", None)
+                if delete_all is not None:
+                    delete_all()
         except DistError as exc:
             log.warning("node %d: exit barrier failed: %s", cfg.node_rank, exc)
 

@@ -60,9 +60,13 @@ class LaunchConfig:
         join_timeout: seconds to wait for every node to join (multi-node).
         exit_barrier_timeout: seconds node 0 keeps the store up for the other nodes to finish.
         tail_lines: lines of a failed worker's stderr quoted in the report.
-        rdzv_backend: ``"static"`` (``node_rank`` given; node 0 hosts the store) or ``"c10d"``
+        rdzv_backend: ``"static"`` (``node_rank`` given; node 0 hosts the store), ``"c10d"``
             (the node that can bind ``master_addr:master_port`` hosts the store and is node 0;
-            the others get their ranks in the order they join; ``node_rank`` is not used).
+            the others get their ranks in the order they join; ``node_rank`` is not used) or
+            ``"etcd"`` (the nodes meet in etcd at ``rdzv_host:rdzv_port`` and are numbered in
+            the order they come; node 0 hosts the store on a free port of ``master_addr``, this
+            node's address as the others reach it).
+        rdzv_host, rdzv_port: etcd's client address (etcd only).
         is_host: c10d only: whether this node hosts the store (None: it tries).
         local_ranks_filter: the local ranks whose output is shown (None: every one); the
             others' is read and dropped (a failure's report still quotes it).
@@ -89,6 +93,8 @@ class LaunchConfig:
     python: str = field(default=sys.executable)
     rdzv_backend: str = "static"
     is_host: bool | None = None
+    rdzv_host: str = ""
+    rdzv_port: int = 2379
     local_ranks_filter: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
@@ -102,7 +108,7 @@ class LaunchConfig:
             )
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"port must have value from 0 to 65535 but was {self.master_port}.")
-        if self.nnodes > 1 and self.master_port == 0:
+        if self.nnodes > 1 and self.master_port == 0 and self.rdzv_backend != "etcd":
             raise ValueError(
                 "--master-port 0 (pick a free port) works on one node only: with --nnodes > 1 "
                 "every node must be given the same port"
@@ -111,8 +117,10 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")
         if self.max_restarts > 0 and self.nnodes > 1:
             raise ValueError("--max-restarts with --nnodes > 1 is not supported yet")
-        if self.rdzv_backend not in ("static", "c10d"):
-            raise ValueError(f"unknown rendezvous backend {self.rdzv_backend!r}: static or c10d")
+        if self.rdzv_backend not in ("static", "c10d", "etcd"):
+            raise ValueError(f"unknown rendezvous backend {self.rdzv_backend!r}: static, c10d or etcd")
+        if self.rdzv_backend == "etcd" and not self.rdzv_host:
+            raise ValueError("the etcd rendezvous needs etcd's address (--rdzv-endpoint HOST[:PORT])")
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python cannot be used together")
 

@@ -5,9 +5,10 @@ sharing a file), ``PrefixStore`` (a namespace inside another store).
 """
 
 from ._api import Store
+from ._etcd import EtcdStore
 from ._file import FileStore
 from ._hash import HashStore
 from ._prefix import PrefixStore
 from ._tcp import TCPStore
 
-__all__ = ["FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
+__all__ = ["EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
