@@ -70,6 +70,7 @@ class EtcdStore(Store):
         self._prefix = prefix.rstrip("/").encode() + b"/"
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
+        self._last: dict[str, dict[str, Any]] = {}  # what this client last wrote, by key (_update)
         self._call("/v3/kv/range", {"key": _b64(self._prefix), "count_only": True})
 
     def __repr__(self) -> str:
@@ -115,29 +116,55 @@ class EtcdStore(Store):
         kvs = out.get("kvs") or []
         return (kvs[0] if kvs else None), int(out.get("header", {}).get("revision", 0))
 
-    def _txn_put(self, key: str, mod_revision: int | None, value: bytes) -> bool:
+    def _txn_put(self, key: str, mod_revision: int | None, value: bytes) -> tuple[int, dict[str, Any] | None]:
         """Put ``value`` if the key's modification revision is ``mod_revision`` (None: the key
-        is missing); whether it was put."""
+        is missing). Returns the key's new modification revision (0 if it was not put) and,
+        when it was not, the key's record (None if missing), read in the same transaction."""
         k = _b64(self._key(key))
         compare = (
             {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
             if mod_revision is None
             else {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
         )
-        out = self._call("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": {"key": k, "value": _b64(value)}}]})
-        return bool(out.get("succeeded", False))
+        out = self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [compare],
+                "success": [{"request_put": {"key": k, "value": _b64(value)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        if out.get("succeeded", False):
+            return int(out.get("header", {}).get("revision", 0)), None
+        responses = out.get("responses") or [{}]
+        kvs = (responses[0].get("response_range") or {}).get("kvs") or []
+        return 0, (kvs[0] if kvs else None)
 
     def _update(self, key: str, change: Any) -> bytes:
         """Set the key to ``change(current or None)`` atomically (``change`` returning None:
-        leave it); returns the value after the call."""
+        leave it); returns the value after the call.
+
+        One request when the guess holds: the key is first taken to be what this client last
+        wrote there (or missing); a transaction that finds otherwise returns what is there in
+        the same answer, and the change is tried again on that."""
+        record = self._last.get(key)
+        guessed = True
         while True:
-            record, _ = self._range(key)
             current = _unb64(record.get("value")) if record is not None else None
             new = change(current)
             if new is None:
+                if guessed:  # (a guess may be stale: decide on what is really there)
+                    record, _ = self._range(key)
+                    guessed = False
+                    continue
                 return current if current is not None else b""
-            if self._txn_put(key, int(record["mod_revision"]) if record is not None else None, new):
+            revision, record = self._txn_put(key, int(record["mod_revision"]) if record is not None else None, new)
+            if revision:
+                if len(self._last) >= 1024:
+                    self._last.clear()
+                self._last[key] = {"value": _b64(new), "mod_revision": str(revision)}
                 return new  # type: ignore[no-any-return]
+            guessed = False
 
     # -- the Store API ------------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -180,7 +207,19 @@ class EtcdStore(Store):
         self._update(key, lambda current: (current or b"") + data)
 
     def check(self, keys: Sequence[str]) -> bool:
-        return all(self._range(k)[0] is not None for k in keys)
+        return not self._missing(keys)[0]
+
+    def _missing(self, keys: Sequence[str]) -> tuple[list[str], int]:
+        """The keys not set, and the revision they were read at (one request for all)."""
+        keys = [check_key(k) for k in keys]
+        if len(keys) == 1:
+            record, revision = self._range(keys[0])
+            return ([] if record is not None else list(keys)), revision
+        ranges = [{"request_range": {"key": _b64(self._key(k)), "count_only": True}} for k in keys]
+        out = self._call("/v3/kv/txn", {"success": ranges})
+        counts = [int((r.get("response_range") or {}).get("count", 0)) for r in out.get("responses") or []]
+        missing = [k for k, n in zip(keys, counts + [0] * (len(keys) - len(counts)), strict=True) if not n]
+        return missing, int(out.get("header", {}).get("revision", 0))
 
     def delete_key(self, key: str) -> bool:
         out = self._call("/v3/kv/deleterange", {"key": _b64(self._key(key))})
@@ -214,12 +253,7 @@ class EtcdStore(Store):
         deadline = time.monotonic() + seconds
         keys = [check_key(k) for k in keys]
         while True:
-            revision = 0
-            missing = []
-            for k in keys:
-                record, revision = self._range(k)
-                if record is None:
-                    missing.append(k)
+            missing, revision = self._missing(keys)
             if not missing:
                 return
             remaining = deadline - time.monotonic()
