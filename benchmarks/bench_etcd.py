@@ -31,7 +31,6 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine_line, median, table
-
 from tdist.store import EtcdStore
 
 IMPLS = ("torch", "tdist")
