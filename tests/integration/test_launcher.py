@@ -510,6 +510,46 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
     assert EtcdStore(host, port, prefix="/tdist/etcd-job").num_keys() == 0  # the job left etcd clean
 
 
+def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) -> None:
+    # torchrun's fault-tolerant form: --max-restarts with several nodes; rank 3 (node 1) fails in
+    # the first attempt while the others wait; every node restarts its group, and the second
+    # attempt's workers form a group across the nodes
+    work, port = two_nodes
+    (work / "ft.py").write_text(
+        "import os, sys, time\n"
+        "attempt, rank = int(os.environ['TORCHELASTIC_RESTART_COUNT']), int(os.environ['RANK'])\n"
+        "if attempt == 0:\n"
+        "    if rank == 3:\n        time.sleep(0.5); sys.exit(9)\n"
+        "    time.sleep(60)\n"
+        "import tdist as dist, torch\n"
+        "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+        "print('rank', rank, 'attempt', attempt, 'sum', int(t.item()))\ndist.destroy_process_group()\n"
+    )
+    nodes = [
+        subprocess.Popen(
+            tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--monitor-interval", "0.1",
+                      "--stop-timeout", "2", "ft.py"),
+            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=40) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == [f"[rank{r}]:rank {r} attempt 1 sum 4" for r in range(4)]
+    said = outs[0][1] + outs[1][1]
+    assert "worker rank 3 failed (exit code 9); restarting the worker group (restart 1 of 1)" in said
+    assert "rank 3 exited with code 9; restarting the worker group (restart 1 of 1)" in said
+
+
 def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:
     # torchrun's "stacked single-node" form
     res = tdist_run(work, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",

@@ -58,6 +58,7 @@ def test_group_outcome() -> None:
     assert group_outcome(2, [ex(0, 0, 1.0), ex(1, 0, 2.0)]) is Outcome.SUCCEEDED
     assert group_outcome(2, [ex(1, 2, 1.0)]) is Outcome.FAILED
     assert group_outcome(2, [], peer_failure="node 1 failed") is Outcome.PEER_FAILED
+    assert group_outcome(2, [], peer_failure="node 1: interrupted", peer_stopped=True) is Outcome.PEER_STOPPED
     assert group_outcome(2, [ex(1, 2, 1.0)], peer_failure="x") is Outcome.FAILED  # ours first
     assert group_outcome(2, [ex(1, 2, 1.0)], signum=signal.SIGINT) is Outcome.INTERRUPTED
 
@@ -70,7 +71,10 @@ def test_next_action_restarts_while_restarts_are_left() -> None:
     assert next_action(Outcome.FAILED, 1, 2) is Action.RESTART
     assert next_action(Outcome.FAILED, 2, 2) is Action.STOP
     assert next_action(Outcome.INTERRUPTED, 0, 5) is Action.STOP  # never restart on a signal
-    assert next_action(Outcome.PEER_FAILED, 0, 5) is Action.STOP
+    # another node's failure restarts every node's group while restarts are left
+    assert next_action(Outcome.PEER_FAILED, 0, 5) is Action.RESTART
+    assert next_action(Outcome.PEER_FAILED, 5, 5) is Action.STOP
+    assert next_action(Outcome.PEER_STOPPED, 0, 5) is Action.STOP  # (a node stopped for good)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +87,7 @@ def test_next_action_restarts_while_restarts_are_left() -> None:
         (Outcome.INTERRUPTED, None, signal.SIGINT, 130),
         (Outcome.INTERRUPTED, ex(1, 3, 1.0), signal.SIGTERM, 143),
         (Outcome.PEER_FAILED, None, None, 1),
+        (Outcome.PEER_STOPPED, None, None, 1),
     ],
 )
 def test_exit_code(outcome: Outcome, root: WorkerExit | None, signum: int | None, code: int) -> None:

@@ -151,6 +151,7 @@ class LocalAgent:
         self._host = socket.gethostname()
         self._error_dir = ""  # made by run()
         self._hosting: bool | None = None  # whether this node hosts the job's store (run())
+        self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -274,17 +275,23 @@ class LocalAgent:
             action = next_action(outcome, restart_count, cfg.max_restarts)
             found = failures(exits)
             root = found[0] if found else None
-            if action is Action.RESTART:
+            if outcome is Outcome.FAILED:  # (the other nodes stop their groups: restart or end)
                 assert root is not None
-                self._say(
-                    f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)}); "
-                    f"restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})"
-                )
+                self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}")
+            if action is Action.RESTART:
+                if root is not None:
+                    why = f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)})"
+                else:
+                    why = self._peer_failure()[0] or "another node failed"
+                self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
                 restart_count += 1
+                self._attempt = restart_count
+                if cfg.nnodes > 1:
+                    self._rejoin(restart_count)
                 continue
             if outcome is Outcome.FAILED:
                 assert root is not None
-                self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}")
+                self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}", final=True)
                 report = format_failure_report(
                     self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
                     error_files=self._error_files(restart_count, found),
@@ -293,9 +300,9 @@ class LocalAgent:
             elif outcome is Outcome.INTERRUPTED:
                 assert self._signum is not None
                 self._say(f"stopped the workers on {signal.Signals(self._signum).name}")
-                self._post_failure(f"node {cfg.node_rank}: interrupted")
-            elif outcome is Outcome.PEER_FAILED:
-                self._say(f"stopped the workers: {self._peer_failure() or 'another node failed'}")
+                self._post_failure(f"node {cfg.node_rank}: interrupted", final=True)
+            elif outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
+                self._say(f"stopped the workers: {self._peer_failure()[0] or 'another node failed'}")
             return exit_code(outcome, root, self._signum)
 
     def _error_file(self, restart_count: int, local_rank: int) -> str:
@@ -344,9 +351,8 @@ class LocalAgent:
             )
             while True:
                 self._reap(workers, exits)
-                outcome = group_outcome(
-                    len(workers), exits, signum=self._signum, peer_failure=self._poll_peers()
-                )
+                peer, final = self._poll_peers()
+                outcome = group_outcome(len(workers), exits, signum=self._signum, peer_failure=peer, peer_stopped=final)
                 if outcome is not Outcome.RUNNING:
                     break
                 self._sleep(workers, self._poll_timeout())
@@ -576,28 +582,57 @@ class LocalAgent:
         self._joined = True
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
 
-    def _poll_peers(self) -> str | None:
+    def _poll_peers(self) -> tuple[str | None, bool]:
         if self._store is None or self._clock() < self._next_peer_check:
-            return None
+            return None, False
         self._next_peer_check = self._clock() + self.config.monitor_interval
         return self._peer_failure()
 
-    def _peer_failure(self) -> str | None:
+    def _peer_failure(self) -> tuple[str | None, bool]:
+        """Why another node's group stopped, and whether that ends the job (a node stopped
+        for good, or the store is gone) rather than this attempt (a worker failed: the job
+        restarts while restarts are left); (None, False) while none did."""
         if self._store is None:
-            return None
-        key = f"{AGENT_PREFIX}/failed"
+            return None, False
+        stopped, failed = f"{AGENT_PREFIX}/stopped", f"{AGENT_PREFIX}/attempt{self._attempt}/failed"
         try:
-            if self._store.check([key]):
-                return self._store.get(key).decode(errors="replace")
+            for key, final in ((stopped, True), (failed, False)):
+                if self._store.check([key]):
+                    return self._store.get(key).decode(errors="replace"), final
         except DistError as exc:
-            return f"the job store is gone ({exc})"
-        return None
+            return f"the job store is gone ({exc})", True
+        return None, False
 
-    def _post_failure(self, what: str) -> None:
+    def _post_failure(self, what: str, final: bool = False) -> None:
+        """Tell the other nodes: this attempt failed (they stop their groups, and restart
+        while restarts are left) or, ``final``, the job is over."""
         if self._store is None:
             return
+        key = f"{AGENT_PREFIX}/stopped" if final else f"{AGENT_PREFIX}/attempt{self._attempt}/failed"
         with contextlib.suppress(DistError):
-            self._store.compare_set(f"{AGENT_PREFIX}/failed", b"", what.encode())
+            self._store.compare_set(key, b"", what.encode())
+
+    def _rejoin(self, attempt: int) -> None:
+        """Before attempt ``attempt`` of several nodes: wait until every node is there (each
+        has stopped its previous group), within the join timeout."""
+        store, cfg = self._store, self.config
+        assert store is not None
+        keys = [f"{AGENT_PREFIX}/attempt{attempt}/node{k}" for k in range(cfg.nnodes)]
+        store.set(keys[cfg.node_rank], b"1")
+        deadline = self._clock() + cfg.join_timeout
+        while not store.check(keys):
+            peer, final = self._peer_failure()
+            if final or self._signum is not None:
+                raise LaunchError(f"node {cfg.node_rank}: the job stopped before restart {attempt}: {peer or 'interrupted'}")
+            if self._clock() >= deadline:
+                missing = [k for k in range(cfg.nnodes) if not store.check([keys[k]])]
+                raise LaunchError(
+                    f"node {cfg.node_rank}: nodes {missing} did not come back for restart {attempt} within "
+                    f"{cfg.join_timeout:g} s"
+                )
+            with contextlib.suppress(DistStoreError):
+                store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+        log.info("node %d: all %d nodes are back for restart %d", cfg.node_rank, cfg.nnodes, attempt)
 
     def _exit_barrier(self) -> None:
         store, cfg = self._store, self.config

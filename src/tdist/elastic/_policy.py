@@ -52,7 +52,8 @@ class LaunchConfig:
         master_addr: the store's host, as the workers and the other nodes reach it.
         master_port: the store's port; 0 picks a free one (single node only).
         run_id: ``TORCHELASTIC_RUN_ID``.
-        max_restarts: how many times a failed group is restarted (single node only).
+        max_restarts: how many times the job's worker groups are restarted after a failure
+            (on several nodes, every node restarts its group when any worker fails).
         module: run ``python -m entrypoint``.
         no_python: run ``entrypoint`` as a program, without the Python interpreter.
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping workers.
@@ -115,8 +116,6 @@ class LaunchConfig:
             )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must not be negative, got {self.max_restarts}")
-        if self.max_restarts > 0 and self.nnodes > 1:
-            raise ValueError("--max-restarts with --nnodes > 1 is not supported yet")
         if self.rdzv_backend not in ("static", "c10d", "etcd"):
             raise ValueError(f"unknown rendezvous backend {self.rdzv_backend!r}: static, c10d or etcd")
         if self.rdzv_backend == "etcd" and not self.rdzv_host:
@@ -233,7 +232,8 @@ class Outcome(enum.Enum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"  # every worker exited 0
     FAILED = "failed"  # a worker of ours failed
-    PEER_FAILED = "peer_failed"  # another node's group failed
+    PEER_FAILED = "peer_failed"  # another node's group failed (the job may restart)
+    PEER_STOPPED = "peer_stopped"  # another node stopped for good (a signal), or the store is gone
     INTERRUPTED = "interrupted"  # the launcher got a signal
 
 
@@ -243,15 +243,17 @@ def group_outcome(
     *,
     signum: int | None = None,
     peer_failure: str | None = None,
+    peer_stopped: bool = False,
 ) -> Outcome:
     """What the observations mean for the group, in order of precedence: a signal to the
-    launcher, a failure of ours, a failure on another node, all done, still running."""
+    launcher, a failure of ours, a failure on another node (``peer_stopped``: one that ends
+    the job), all done, still running."""
     if signum is not None:
         return Outcome.INTERRUPTED
     if any(e.failed for e in exits):
         return Outcome.FAILED
     if peer_failure is not None:
-        return Outcome.PEER_FAILED
+        return Outcome.PEER_STOPPED if peer_stopped else Outcome.PEER_FAILED
     if len(exits) >= nworkers:
         return Outcome.SUCCEEDED
     return Outcome.RUNNING
@@ -267,12 +269,13 @@ class Action(enum.Enum):
 
 
 def next_action(outcome: Outcome, restart_count: int, max_restarts: int) -> Action:
-    """The agent's move: restart a failed group while restarts are left (torchrun's policy)."""
+    """The agent's move: restart a failed group, ours or another node's, while restarts are
+    left (torchrun's policy; every node counts the same restarts)."""
     if outcome is Outcome.RUNNING:
         return Action.WAIT
     if outcome is Outcome.SUCCEEDED:
         return Action.FINISH
-    if outcome is Outcome.FAILED and restart_count < max_restarts:
+    if outcome in (Outcome.FAILED, Outcome.PEER_FAILED) and restart_count < max_restarts:
         return Action.RESTART
     return Action.STOP
 
@@ -286,7 +289,7 @@ def exit_code(outcome: Outcome, root: WorkerExit | None = None, signum: int | No
         if root is None:
             return 1
         return root.returncode if root.returncode > 0 else 128 - root.returncode
-    if outcome is Outcome.PEER_FAILED:
+    if outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
         return 1
     return 0
 
