@@ -23,6 +23,7 @@ import torch
 
 from .. import store as _store
 from ..autograd import _context as _autograd
+from ..store._rendezvous import rendezvous
 from . import _remote_profiling, backend_registry, functions
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
@@ -146,8 +147,6 @@ def init_rpc(
             if world_size is None:
                 store = _dynamic_store(rpc_backend_options.init_method, rank)
             else:
-                from ..store._rendezvous import rendezvous
-
                 store, rank, world_size = next(rendezvous(rpc_backend_options.init_method, rank=rank, world_size=world_size))
         agent = backend_registry.init_backend(
             backend, store=store, name=name, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options
