@@ -29,7 +29,7 @@ _SUBMODULES = ("autograd", "elastic", "optim", "rpc")
 def _load() -> None:
     public = importlib.import_module(f"{__name__}._public")
     names = globals()
-    for name in (*public.__all__, "__all__", "_all_gather_base", "_reduce_scatter_base"):
+    for name in (*public.__all__, "_all_gather_base", "_reduce_scatter_base", "__all__"):  # (__all__, the mark, last)
         names.setdefault(name, getattr(public, name))
 
 

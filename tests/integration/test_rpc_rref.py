@@ -278,6 +278,8 @@ def _slow_made(w: Worker) -> None:
             assert made[2].remote(timeout=5).get().to_here(5) == 2
             assert made[3].rpc_sync(timeout=0).get() == 3  # 0: no limit
             assert rpc.rpc_sync(p, f.local_get, args=(made[4],), timeout=5) == 4  # local_value()
+            with torch.autograd.profiler_legacy.profile():  # (a profiled proxy call waits as well)
+                assert rpc.remote(p, f.SlowCounter, args=(5, 0.6), timeout=5).rpc_sync(timeout=5).get() == 5
         w.barrier()
     finally:
         rpc._set_rpc_timeout(default)

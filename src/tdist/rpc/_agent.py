@@ -299,7 +299,13 @@ def _when_made(rref: Any, made: Any, name: str, args: tuple[Any, ...], kwargs: d
         else:
             result.add_done_callback(lambda f: _forward(f, out))
 
-    made.add_done_callback(lambda _f: rref._agent._to_pool(run))
+    def schedule(_f: Any) -> None:
+        try:
+            rref._agent._to_pool(run)
+        except BaseException as exc:  # (the agent is shutting down): the caller hears of it
+            out.set_exception(exc)
+
+    made.add_done_callback(schedule)
     return out
 
 
@@ -310,14 +316,23 @@ def _forward(src: Any, dst: Any) -> None:
         dst.set_exception(exc)
 
 
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """``run_user_function`` for a request as it arrived: an RRef proxy's call on a value not
+    made yet runs once it is, holding no thread meanwhile (``_when_made``). (Wrapped calls, under
+    a profiler or in a distributed autograd context, wait in ``local_value()`` instead.)"""
+    if func is invoke_rref_method:
+        rref, name, m_args, m_kwargs = args
+        pending = rref._pending_owned()
+        if pending is not None:
+            return True, _when_made(rref, pending, name, m_args, m_kwargs)
+    return run_user_function(func, args, kwargs)
+
+
 def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """Run ``func``; returns ``(is_async, result)`` (a future when ``func`` is
     ``async_execution``)."""
     if func is invoke_rref_method:
         rref, name, args, kwargs = args
-        pending = rref._pending_owned()
-        if pending is not None:  # not made yet: the method runs once it is, holding no thread
-            return True, _when_made(rref, pending, name, args, kwargs)
         func = getattr(rref.local_value(), name)
     if type(func) is types.BuiltinFunctionType:  # a torch operator: as torch's RPC runs it
         return False, _builtins.call(func, args, kwargs)
@@ -790,7 +805,7 @@ class RpcAgent:
 
     def _run_call(self, src: int, tag: int, func: Any, args: Any, kwargs: Any) -> None:
         try:
-            is_async, result = run_user_function(func, args or (), kwargs or {})
+            is_async, result = dispatch(func, args or (), kwargs or {})
         except BaseException as exc:
             self._reply_error(src, tag, _errors.capture(exc, self.label))
             return
@@ -861,7 +876,7 @@ class RpcAgent:
     def _run_remote(self, src: int, tag: int, func: Any, args: Any, kwargs: Any, rref_id: Any) -> None:
         fut = self._owner_future(rref_id)
         try:
-            is_async, result = run_user_function(func, args or (), kwargs or {})
+            is_async, result = dispatch(func, args or (), kwargs or {})
         except BaseException as exc:
             record = _errors.capture(exc, self.label)
             _set_owner_error(fut, record)

@@ -83,11 +83,19 @@ def unrecorded() -> Iterator[None]:
     """Torch ops run here are not recorded (this thread's record functions are off): the
     caller's profile shows the call's range, not the ops tdist's own serialization runs
     (``aten::detach``, ``aten::lift_fresh``...), which torch's C++ does without recording."""
-    torch._C._autograd._enable_record_function(False)
+    depth = getattr(_unrecorded, "depth", 0)
+    if depth == 0:
+        torch._C._autograd._enable_record_function(False)
+    _unrecorded.depth = depth + 1
     try:
         yield
     finally:
-        torch._C._autograd._enable_record_function(True)
+        _unrecorded.depth = depth
+        if depth == 0:  # (the outermost turns them back on)
+            torch._C._autograd._enable_record_function(True)
+
+
+_unrecorded = threading.local()  # how deep this thread is inside unrecorded()
 
 
 def keep(key: str, sent: float, result: Any) -> Any:
