@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from .elastic import LaunchConfig, LaunchError, launch
+    from ._core.errors import DistError
+    from .elastic import LaunchConfig, launch
 
     master_addr, master_port, nnodes, run_id = ns.master_addr, ns.master_port, ns.nnodes, ns.run_id
     backend, conf = ns.rdzv_backend, dict(ns.rdzv_conf)
@@ -223,8 +224,11 @@ def _run(ns: argparse.Namespace) -> int:
             raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
         if "join_timeout" in conf:
             join_timeout = _seconds(conf.pop("join_timeout"))
-        if "is_host" in conf:
-            is_host = conf.pop("is_host").lower() in ("1", "true", "yes", "y")
+        if "is_host" in conf:  # (torch's spellings of a boolean)
+            text = conf.pop("is_host").lower()
+            if text not in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):
+                raise ValueError(f"--rdzv-conf is_host={text!r}: expected true or false")
+            is_host = text in ("1", "true", "t", "yes", "y")
         for key in conf:
             log.warning("--rdzv-conf %s is not used by tdist run; ignored", key)
         config = LaunchConfig(
@@ -254,7 +258,7 @@ def _run(ns: argparse.Namespace) -> int:
         return 2
     try:
         return launch(config)
-    except LaunchError as exc:
+    except DistError as exc:  # (LaunchError, or a store or etcd that failed on the way)
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 1
 

@@ -102,3 +102,25 @@ def test_timeouts_and_an_unreachable_etcd(store: EtcdStore) -> None:
         store.get("never") if store.set_timeout(timedelta(seconds=0.2)) is None else None
     with pytest.raises(DistNetworkError, match="cannot be reached"):
         EtcdStore("127.0.0.1", 1)
+
+
+def test_many_keys_are_checked_in_chunks(store: EtcdStore) -> None:
+    keys = [f"k{i}" for i in range(300)]  # (more than etcd's 128 operations per transaction)
+    store.multi_set(keys[:299], ["v"] * 299)
+    assert not store.check(keys) and store.check(keys[:299])
+    store.set("k299", "v")
+    store.wait(keys, timedelta(seconds=2))
+
+
+def test_leased_keys_live_while_their_store_does(store: EtcdStore, etcd_endpoint: tuple[str, int]) -> None:
+    leased = store.clone()
+    leased.keep_alive(ttl=2)  # renewed every second
+    leased.set("mine", "1")
+    assert leased.add("counter", 1) == 1
+    time.sleep(2.5)
+    assert store.check(["mine", "counter"])  # (past the ttl: renewed)
+    leased.close()  # a launcher that stops: its keys leave etcd a ttl later
+    deadline = time.monotonic() + 6
+    while store.check(["mine"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not store.check(["mine"]) and not store.check(["counter"])

@@ -490,7 +490,7 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
     nodes = [
         subprocess.Popen(
             tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
-                      "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "etcd-job", "--local-addr", "127.0.0.1",
+                      "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "etcd/job", "--local-addr", "127.0.0.1",
                       "--join-timeout", "20", "e.py"),
             cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
@@ -507,7 +507,8 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
     assert lines == [f"[rank{r}]:rank {r} group {r // 2} sum 4" for r in range(4)]
-    assert EtcdStore(host, port, prefix="/tdist/etcd-job").num_keys() == 0  # the job left etcd clean
+    assert EtcdStore(host, port, prefix="/tdist/etcd%2Fjob").num_keys() == 0  # the job left etcd clean
+    assert EtcdStore(host, port, prefix="/tdist/etcd").num_keys() == 0  # (and nested no other job's)
 
 
 def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) -> None:

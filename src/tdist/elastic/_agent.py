@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
+_ETCD_TTL = 30.0  # seconds the rendezvous keys of a launcher that died stay in etcd
+_ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -91,6 +94,22 @@ class _Worker:
     readers: list[threading.Thread] = field(default_factory=list)
     signalled: bool = False
     exit: WorkerExit | None = None
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (one a socket can bind)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((sockaddr[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
 
 
 def job_secret(env: Mapping[str, str], nnodes: int) -> str:
@@ -152,6 +171,7 @@ class LocalAgent:
         self._error_dir = ""  # made by run()
         self._hosting: bool | None = None  # whether this node hosts the job's store (run())
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
+        self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -222,12 +242,16 @@ class LocalAgent:
 
         cfg = self.config
         timeout = timedelta(seconds=cfg.join_timeout)
+        prefix = "/tdist/" + urllib.parse.quote(cfg.run_id, safe="")  # (a / in the id nests no job)
         try:
-            etcd = EtcdStore(cfg.rdzv_host, cfg.rdzv_port, prefix=f"/tdist/{cfg.run_id}", timeout=timeout)
+            etcd = EtcdStore(cfg.rdzv_host, cfg.rdzv_port, prefix=prefix, timeout=timeout)
+            # (what a crashed launcher wrote leaves etcd a while after it; a finished job's keys
+            # are deleted by node 0)
+            etcd.keep_alive(_ETCD_TTL)
+            self._store = etcd
+            rank = etcd.add(f"{AGENT_PREFIX}/next_node_rank", 1) - 1
         except DistError as exc:
-            raise LaunchError(f"cannot reach etcd at {cfg.rdzv_host}:{cfg.rdzv_port} (--rdzv-endpoint): {exc}") from exc
-        self._store = etcd
-        rank = etcd.add(f"{AGENT_PREFIX}/next_node_rank", 1) - 1
+            raise LaunchError(f"etcd at {cfg.rdzv_host}:{cfg.rdzv_port} (--rdzv-endpoint): {exc}") from exc
         if rank >= cfg.nnodes:
             raise LaunchError(
                 f"the job {cfg.run_id!r} in etcd at {cfg.rdzv_host}:{cfg.rdzv_port} has its {cfg.nnodes} nodes "
@@ -239,14 +263,18 @@ class LocalAgent:
                 server = StoreServer(cfg.master_addr if cfg.nnodes == 1 else "", 0, secret=secret)
             except DistError as exc:
                 raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
-            etcd.set(f"{AGENT_PREFIX}/master", f"{cfg.master_addr}:{server.port}")
+            try:
+                etcd.set(f"{AGENT_PREFIX}/master", f"{cfg.master_addr}:{server.port}")
+            except DistError as exc:
+                server.stop()
+                raise LaunchError(f"etcd at {cfg.rdzv_host}:{cfg.rdzv_port}: {exc}") from exc
             addr, port = cfg.master_addr, server.port
         else:
             try:
                 addr, _, text = etcd.get(f"{AGENT_PREFIX}/master").decode().rpartition(":")
-            except DistStoreError as exc:
+                port = int(text)
+            except (DistError, ValueError) as exc:
                 raise LaunchError(f"node {rank}: node 0 of job {cfg.run_id!r} did not say where its store is: {exc}") from exc
-            port = int(text)
         self.config = dataclasses.replace(cfg, node_rank=rank, master_addr=addr, master_port=port)
         log.info("node %d of %d (etcd rendezvous); the job's store is at %s:%d", rank, cfg.nnodes, addr, port)
         return server
@@ -257,8 +285,15 @@ class LocalAgent:
         cfg = self.config
         if cfg.is_host is False:
             return None
+        bind = cfg.master_addr
+        if cfg.nnodes > 1:
+            # this node hosts if the endpoint's address is one of its own; the store then
+            # listens on every interface (the others may reach this host by another address)
+            if cfg.is_host is None and not _is_local_address(cfg.master_addr):
+                return None
+            bind = ""
         try:
-            return StoreServer(cfg.master_addr, cfg.master_port, secret=secret)
+            return StoreServer(bind, cfg.master_port, secret=secret)
         except DistError as exc:
             cause = exc.__cause__
             taken = isinstance(cause, OSError) and cause.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
@@ -600,7 +635,16 @@ class LocalAgent:
                 if self._store.check([key]):
                     return self._store.get(key).decode(errors="replace"), final
         except DistError as exc:
-            return f"the job store is gone ({exc})", True
+            if self.config.rdzv_backend != "etcd":  # (our own store: its host, node 0, is gone)
+                return f"the job store is gone ({exc})", True
+            # etcd is a service of its own: a leader election or a busy moment is ridden out
+            now = self._clock()
+            self._store_failing_since = self._store_failing_since or now
+            if now - self._store_failing_since < _ETCD_GRACE:
+                log.warning("node %d: etcd did not answer (%s); trying again", self.config.node_rank, exc)
+                return None, False
+            return f"etcd has not answered for {_ETCD_GRACE:g} s ({exc})", True
+        self._store_failing_since = 0.0
         return None, False
 
     def _post_failure(self, what: str, final: bool = False) -> None:

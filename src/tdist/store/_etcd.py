@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -31,6 +32,10 @@ from .._core.errors import DistNetworkError, DistStoreError, StoreTimeoutError, 
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
 
 __all__ = ["EtcdStore"]
+
+log = logging.getLogger(__name__)
+
+_MAX_TXN_OPS = 128
 
 
 def _b64(data: bytes) -> str:
@@ -71,6 +76,8 @@ class EtcdStore(Store):
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
         self._last: dict[str, dict[str, Any]] = {}  # what this client last wrote, by key (_update)
+        self._lease: str | None = None  # (keep_alive)
+        self._stop_renewing: threading.Event | None = None
         self._call("/v3/kv/range", {"key": _b64(self._prefix), "count_only": True})
 
     def __repr__(self) -> str:
@@ -93,7 +100,9 @@ class EtcdStore(Store):
                 except (OSError, http.client.HTTPException) as exc:
                     self._conn.close()
                     self._conn = None
-                    if attempt == 0 and isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
+                    # (an idle connection etcd closed: the request was not applied; a reset while
+                    # reading the reply may come after it was, so that is not retried)
+                    if attempt == 0 and isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError)):
                         continue
                     raise DistNetworkError(f"etcd at {self.host}:{self.port} cannot be reached: {exc}") from exc
                 break
@@ -130,7 +139,7 @@ class EtcdStore(Store):
             "/v3/kv/txn",
             {
                 "compare": [compare],
-                "success": [{"request_put": {"key": k, "value": _b64(value)}}],
+                "success": [{"request_put": self._put_body(k, value)}],
                 "failure": [{"request_range": {"key": k}}],
             },
         )
@@ -167,8 +176,38 @@ class EtcdStore(Store):
             guessed = False
 
     # -- the Store API ------------------------------------------------------------------------------
+    def _put_body(self, key_b64: str, value: bytes) -> dict[str, Any]:
+        body = {"key": key_b64, "value": _b64(value)}
+        if self._lease is not None:
+            body["lease"] = self._lease
+        return body
+
     def set(self, key: str, value: str | bytes) -> None:
-        self._call("/v3/kv/put", {"key": _b64(self._key(key)), "value": _b64(as_bytes(value))})
+        self._call("/v3/kv/put", self._put_body(_b64(self._key(key)), as_bytes(value)))
+
+    def keep_alive(self, ttl: float = 30.0) -> None:
+        """From now on, what this store writes lives only while it does: the keys are put under
+        an etcd lease of ``ttl`` seconds, renewed by a thread until ``close()``, so the keys of a
+        client that dies (a crashed launcher) leave etcd ``ttl`` seconds later."""
+        if self._lease is not None:
+            return
+        out = self._call("/v3/lease/grant", {"TTL": max(2, int(ttl))})
+        self._lease = str(out["ID"])
+        stop = self._stop_renewing = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(max(1.0, ttl / 3)):
+                try:
+                    answer = self._call("/v3/lease/keepalive", {"ID": self._lease})
+                    if not int((answer.get("result") or {}).get("TTL", 0)):
+                        log.error("%r: etcd lease %s expired; this store's keys are gone", self, self._lease)
+                        return
+                except DistStoreError as exc:  # (etcd busy or electing a leader: try again)
+                    log.warning("%r: could not renew etcd lease %s: %s", self, self._lease, exc)
+                except DistNetworkError as exc:
+                    log.warning("%r: could not renew etcd lease %s: %s", self, self._lease, exc)
+
+        threading.Thread(target=renew, name="tdist-etcd-lease", daemon=True).start()
 
     def get(self, key: str) -> bytes:
         record, _ = self._range(key)
@@ -215,11 +254,17 @@ class EtcdStore(Store):
         if len(keys) == 1:
             record, revision = self._range(keys[0])
             return ([] if record is not None else list(keys)), revision
-        ranges = [{"request_range": {"key": _b64(self._key(k)), "count_only": True}} for k in keys]
-        out = self._call("/v3/kv/txn", {"success": ranges})
-        counts = [int((r.get("response_range") or {}).get("count", 0)) for r in out.get("responses") or []]
-        missing = [k for k, n in zip(keys, counts + [0] * (len(keys) - len(counts)), strict=True) if not n]
-        return missing, int(out.get("header", {}).get("revision", 0))
+        missing: list[str] = []
+        revision = 0
+        for start in range(0, len(keys), _MAX_TXN_OPS):  # (etcd's default --max-txn-ops)
+            chunk = keys[start : start + _MAX_TXN_OPS]
+            ranges = [{"request_range": {"key": _b64(self._key(k)), "count_only": True}} for k in chunk]
+            out = self._call("/v3/kv/txn", {"success": ranges})
+            counts = [int((r.get("response_range") or {}).get("count", 0)) for r in out.get("responses") or []]
+            missing += [k for k, n in zip(chunk, counts + [0] * (len(chunk) - len(counts)), strict=True) if not n]
+            # (the first read's revision: a watch from there misses no change since)
+            revision = revision or int(out.get("header", {}).get("revision", 0))
+        return missing, revision
 
     def delete_key(self, key: str) -> bool:
         out = self._call("/v3/kv/deleterange", {"key": _b64(self._key(key))})
@@ -298,6 +343,10 @@ class EtcdStore(Store):
         return EtcdStore(self.host, self.port, self._prefix.decode().rstrip("/"), self._timeout)
 
     def close(self) -> None:
+        """Close the connection and stop renewing the lease (its keys expire ``ttl`` later:
+        others may still have to read them)."""
+        if self._stop_renewing is not None:
+            self._stop_renewing.set()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
