@@ -421,25 +421,33 @@ def two_nodes(work: Path) -> Iterator[tuple[Path, int]]:
 
 
 def start_node(work: Path, port: int, rank: int, *args: str) -> subprocess.Popen[str]:
+    return start_launcher(work, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                          "--master-port", str(port), "--monitor-interval", "0.1", "--stop-timeout", "2", *args)
+
+
+def start_launcher(work: Path, *args: str) -> subprocess.Popen[str]:
+    """``tdist run *args`` as one node of a multi-node job (they share the job's secret)."""
     return subprocess.Popen(
-        tdist_cmd("run", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-                  "--master-port", str(port), "--monitor-interval", "0.1", "--stop-timeout", "2",
-                  *args),
-        cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        tdist_cmd("run", *args), cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
-def test_two_nodes_share_one_store(two_nodes: tuple[Path, int]) -> None:
-    work, port = two_nodes
-    nodes = [start_node(work, port, k, "worker.py", "store") for k in (1, 0)]
+def outputs(nodes: list[subprocess.Popen[str]], timeout: float = 20) -> list[tuple[str, str]]:
+    """Each node's (stdout, stderr) once it exits; a node still running at the end is killed."""
     try:
-        outs = [p.communicate(timeout=20) for p in nodes]
+        return [p.communicate(timeout=timeout) for p in nodes]
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_two_nodes_share_one_store(two_nodes: tuple[Path, int]) -> None:
+    work, port = two_nodes
+    nodes = [start_node(work, port, k, "worker.py", "store") for k in (1, 0)]
+    outs = outputs(nodes)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
     assert lines == [f"[rank{r}]:rank {r} of 4 ok" for r in range(4)]
@@ -452,22 +460,12 @@ def test_c10d_rendezvous_numbers_the_nodes(two_nodes: tuple[Path, int]) -> None:
         "import os\nprint('rank', os.environ['RANK'], 'group', os.environ['GROUP_RANK'], os.environ['WORLD_SIZE'])\n"
     )
     nodes = [
-        subprocess.Popen(
-            tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf",
-                      "join_timeout=20", "c.py"),
-            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )
+                      "join_timeout=20", "c.py")
         for _ in range(2)
     ]
-    try:
-        outs = [p.communicate(timeout=20) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = outputs(nodes)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
     assert lines == [f"[rank{r}]:rank {r} group {r // 2} 4" for r in range(4)]
@@ -488,22 +486,12 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
         "dist.destroy_process_group()\n"
     )
     nodes = [
-        subprocess.Popen(
-            tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
+        start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
                       "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "etcd/job", "--local-addr", "127.0.0.1",
-                      "--join-timeout", "20", "e.py"),
-            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )
+                      "--join-timeout", "20", "e.py")
         for _ in range(2)
     ]
-    try:
-        outs = [p.communicate(timeout=40) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = outputs(nodes, timeout=40)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
     assert lines == [f"[rank{r}]:rank {r} group {r // 2} sum 4" for r in range(4)]
@@ -527,22 +515,12 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) 
         "print('rank', rank, 'attempt', attempt, 'sum', int(t.item()))\ndist.destroy_process_group()\n"
     )
     nodes = [
-        subprocess.Popen(
-            tdist_cmd("run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--monitor-interval", "0.1",
-                      "--stop-timeout", "2", "ft.py"),
-            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret"), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )
+                      "--stop-timeout", "2", "ft.py")
         for _ in range(2)
     ]
-    try:
-        outs = [p.communicate(timeout=40) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = outputs(nodes, timeout=40)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
     assert lines == [f"[rank{r}]:rank {r} attempt 1 sum 4" for r in range(4)]
@@ -569,13 +547,7 @@ def test_failure_on_one_node_stops_the_other(two_nodes: tuple[Path, int]) -> Non
         "time.sleep(60)\n"
     )
     nodes = [start_node(work, port, k, "n.py") for k in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=20) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = outputs(nodes)
     assert nodes[1].returncode == 9, outs[1][1]
     assert "rank      : 3 (local_rank: 1)" in outs[1][1]
     assert nodes[0].returncode == 1, outs[0][1]

@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
@@ -601,19 +601,17 @@ class LocalAgent:
                 f"node rank {cfg.node_rank} joined twice: give every node its own --node-rank"
             )
         keys = [f"{AGENT_PREFIX}/node{k}" for k in range(cfg.nnodes)]
-        deadline = self._clock() + cfg.join_timeout
-        while not store.check(keys):
-            if self._signum is not None:
-                raise LaunchError(f"node {cfg.node_rank}: interrupted while waiting for the other nodes")
-            if self._clock() >= deadline:
-                missing = [k for k in range(cfg.nnodes) if not store.check([keys[k]])]
-                raise LaunchError(
-                    f"node {cfg.node_rank}: nodes {missing} of {cfg.nnodes} did not join within "
-                    f"{cfg.join_timeout:g} s; start `tdist run` with the same --master-addr and "
-                    "--master-port on every node"
-                )
-            with contextlib.suppress(DistStoreError):
-                store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+
+        def stopped() -> str | None:
+            return "interrupted while waiting for the other nodes" if self._signum is not None else None
+
+        def late(missing: list[int]) -> str:
+            return (
+                f"nodes {missing} of {cfg.nnodes} did not join within {cfg.join_timeout:g} s; start "
+                "`tdist run` with the same --master-addr and --master-port on every node"
+            )
+
+        self._wait_for_nodes(store, keys, stopped, late)
         self._joined = True
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
 
@@ -663,20 +661,36 @@ class LocalAgent:
         assert store is not None
         keys = [f"{AGENT_PREFIX}/attempt{attempt}/node{k}" for k in range(cfg.nnodes)]
         store.set(keys[cfg.node_rank], b"1")
-        deadline = self._clock() + cfg.join_timeout
-        while not store.check(keys):
+
+        def stopped() -> str | None:
             peer, final = self._peer_failure()
             if final or self._signum is not None:
-                raise LaunchError(f"node {cfg.node_rank}: the job stopped before restart {attempt}: {peer or 'interrupted'}")
+                return f"the job stopped before restart {attempt}: {peer or 'interrupted'}"
+            return None
+
+        def late(missing: list[int]) -> str:
+            return f"nodes {missing} did not come back for restart {attempt} within {cfg.join_timeout:g} s"
+
+        self._wait_for_nodes(store, keys, stopped, late)
+        log.info("node %d: all %d nodes are back for restart %d", cfg.node_rank, cfg.nnodes, attempt)
+
+    def _wait_for_nodes(
+        self, store: Store, keys: list[str], stopped: Callable[[], str | None], late: Callable[[list[int]], str]
+    ) -> None:
+        """Wait until every node's key (``keys[k]`` for node ``k``) is set, within the join
+        timeout. Raises ``LaunchError`` with ``stopped()``'s reason when it gives one, or with
+        ``late(missing nodes)`` at the deadline."""
+        cfg = self.config
+        deadline = self._clock() + cfg.join_timeout
+        while not store.check(keys):
+            why = stopped()
+            if why is not None:
+                raise LaunchError(f"node {cfg.node_rank}: {why}")
             if self._clock() >= deadline:
-                missing = [k for k in range(cfg.nnodes) if not store.check([keys[k]])]
-                raise LaunchError(
-                    f"node {cfg.node_rank}: nodes {missing} did not come back for restart {attempt} within "
-                    f"{cfg.join_timeout:g} s"
-                )
+                missing = [k for k in range(len(keys)) if not store.check([keys[k]])]
+                raise LaunchError(f"node {cfg.node_rank}: {late(missing)}")
             with contextlib.suppress(DistStoreError):
                 store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
-        log.info("node %d: all %d nodes are back for restart %d", cfg.node_rank, cfg.nnodes, attempt)
 
     def _exit_barrier(self) -> None:
         store, cfg = self._store, self.config
