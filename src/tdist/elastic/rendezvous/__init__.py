@@ -1,0 +1,521 @@
+"""``tdist.elastic.rendezvous``: torchelastic's rendezvous API (``torch.distributed.elastic.rendezvous``).
+
+A rendezvous gathers the nodes of a job, agrees on who is in it and gives each a rank:
+``get_rendezvous_handler(RendezvousParameters(backend, endpoint, run_id, min_nodes, max_nodes))``
+then ``handler.next_rendezvous()`` -> ``RendezvousInfo(store, rank, world_size,
+bootstrap_store_info)``. The names, defaults and errors are torch's; the handlers are ours:
+
+- ``static``: every node is given its ``rank`` (``RendezvousParameters(..., rank=K)``); node 0
+  hosts a TCPStore at the endpoint; the world size is ``max_nodes``.
+- ``c10d``: the state lives in a TCPStore at the endpoint (port 29400 by default), hosted by the
+  node that can bind it; ``etcd`` and ``etcd-v2``: the state lives in etcd (``EtcdStore``; port
+  2379 by default). Both run the same store-backed protocol (``_StoreRendezvous``):
+
+  - a node joins the current round by adding itself to its counter (its rank is the count
+    before it); the round closes at ``max_nodes`` at once, or ``last_call_timeout`` seconds
+    (default 30) after ``min_nodes`` have joined; whoever closes it writes the final size with
+    a compare-and-set, so every node agrees on it;
+  - a node that comes after the round closed (or beyond ``max_nodes``) counts itself as waiting
+    (``num_nodes_waiting()``) and joins the next round, which the members open by calling
+    ``next_rendezvous()`` again (after a failure, or to admit the waiting nodes);
+  - ``join_timeout`` (default 600 s) bounds the wait for ``min_nodes``
+    (``RendezvousTimeoutError``); ``set_closed()`` ends the job's rendezvous for every node
+    (``RendezvousClosedError`` afterwards).
+
+  Rank 0 of each round publishes ``MASTER_ADDR``/``MASTER_PORT`` for the workers
+  (``RendezvousStoreInfo``): its ``local_addr`` (or fully qualified host name) and a free port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from ..._core.errors import DistError, DistStoreError
+from ...store._api import Store
+from ...store._prefix import PrefixStore
+
+__all__ = [
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousGracefulExitError",
+    "RendezvousHandler",
+    "RendezvousHandlerCreator",
+    "RendezvousHandlerRegistry",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "RendezvousStateError",
+    "RendezvousStoreInfo",
+    "RendezvousTimeoutError",
+    "get_rendezvous_handler",
+    "rendezvous_handler_registry",
+]
+
+log = logging.getLogger(__name__)
+
+
+# -- errors (torch's tree) --------------------------------------------------------------------
+class RendezvousError(Exception):
+    """The base of the rendezvous errors."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The rendezvous is closed (``set_closed``): the job is over."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """The rendezvous did not complete in time."""
+
+
+class RendezvousConnectionError(RendezvousError):
+    """The rendezvous backend cannot be reached."""
+
+
+class RendezvousStateError(RendezvousError):
+    """The rendezvous state is corrupt."""
+
+
+class RendezvousGracefulExitError(RendezvousError):
+    """The node was not admitted and should leave without an error."""
+
+
+# -- what a rendezvous gives ------------------------------------------------------------------
+@dataclass
+class RendezvousStoreInfo:
+    """Where the workers' store is: ``MASTER_ADDR`` and ``MASTER_PORT``."""
+
+    MASTER_ADDR_KEY: ClassVar[str] = "MASTER_ADDR"
+    MASTER_PORT_KEY: ClassVar[str] = "MASTER_PORT"
+    master_addr: str
+    master_port: int
+
+    @staticmethod
+    def build(rank: int, store: Store, local_addr: str | None, server_port: int | None = None) -> RendezvousStoreInfo:
+        """Rank 0 publishes its address (``local_addr``, else its fully qualified host name)
+        and ``server_port`` (else a free port) in ``store``; every rank reads them."""
+        if rank == 0:
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, (local_addr or socket.getfqdn()).encode())
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(server_port or _free_port()).encode())
+        addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+        port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
+        return RendezvousStoreInfo(addr, port)
+
+
+class RendezvousInfo:
+    """The result of ``next_rendezvous()``."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, bootstrap_store_info: RendezvousStoreInfo) -> None:
+        self._store = store
+        self._rank = rank
+        self._world_size = world_size
+        self._bootstrap_store_info = bootstrap_store_info
+
+    @property
+    def store(self) -> Store:
+        """A store the round's nodes share."""
+        return self._store
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def bootstrap_store_info(self) -> RendezvousStoreInfo | None:
+        return self._bootstrap_store_info
+
+    def __repr__(self) -> str:
+        return f"RendezvousInfo(rank={self._rank}, world_size={self._world_size}, {self._bootstrap_store_info})"
+
+
+class RendezvousHandler(ABC):
+    """One node's handle on a job's rendezvous."""
+
+    @abstractmethod
+    def get_backend(self) -> str:
+        """The backend's name."""
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Whether the store of ``next_rendezvous()`` is one the workers can share."""
+        return False
+
+    @abstractmethod
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round; returns once it is complete.
+
+        Raises:
+            RendezvousClosedError: the rendezvous is closed. RendezvousTimeoutError: it did not
+            complete in time. RendezvousConnectionError: the backend cannot be reached.
+        """
+
+    @abstractmethod
+    def is_closed(self) -> bool:
+        """Whether the rendezvous is closed (the job is over)."""
+
+    @abstractmethod
+    def set_closed(self) -> None:
+        """Close the rendezvous for every node."""
+
+    @abstractmethod
+    def num_nodes_waiting(self) -> int:
+        """How many nodes wait for the next round (came after the current one closed)."""
+
+    @abstractmethod
+    def get_run_id(self) -> str:
+        """The job's run id."""
+
+    def shutdown(self) -> bool:
+        """Release what the handler holds; True when it did."""
+        return True
+
+
+class RendezvousParameters:
+    """What a handler is made from (torch's names and checks); backend options go in ``**kwargs``
+    (``get``, ``get_as_bool``, ``get_as_int`` read them)."""
+
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not backend:
+            raise ValueError("The rendezvous backend name must be a non-empty string.")
+        if min_nodes < 1:
+            raise ValueError(f"The minimum number of rendezvous nodes ({min_nodes}) must be greater than zero.")
+        if max_nodes < min_nodes:
+            raise ValueError(
+                f"The maximum number of rendezvous nodes ({max_nodes}) must be greater than or equal to the "
+                f"minimum number of rendezvous nodes ({min_nodes})."
+            )
+        self.backend = backend
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.min_nodes = min_nodes
+        self.max_nodes = max_nodes
+        self.config = kwargs
+        self.local_addr = local_addr
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.config.get(key, default)
+
+    def get_as_bool(self, key: str, default: bool | None = None) -> bool | None:
+        value = self.get(key, default)
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "t", "yes", "y"):
+                return True
+            if value.lower() in ("0", "false", "f", "no", "n"):
+                return False
+        raise ValueError(f"The rendezvous configuration option '{key}' does not represent a valid boolean value.")
+
+    def get_as_int(self, key: str, default: int | None = None) -> int | None:
+        value = self.get(key, default)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError as exc:
+            raise ValueError(f"The rendezvous configuration option '{key}' does not represent a valid integer value.") from exc
+
+
+RendezvousHandlerCreator = Callable[[RendezvousParameters], RendezvousHandler]
+
+
+class RendezvousHandlerRegistry:
+    """Handler creators by backend name."""
+
+    def __init__(self) -> None:
+        self._registry: dict[str, RendezvousHandlerCreator] = {}
+
+    def register(self, backend: str, creator: RendezvousHandlerCreator) -> None:
+        """Register ``creator`` for ``backend`` (again with the same creator is fine).
+
+        Raises:
+            ValueError: an empty name, or a name registered with another creator.
+        """
+        if not backend:
+            raise ValueError("The rendezvous backend name must be a non-empty string.")
+        current = self._registry.get(backend)
+        if current is not None and current != creator:
+            raise ValueError(
+                f"The rendezvous backend '{backend}' cannot be registered with '{creator}' as it is already "
+                f"registered with '{current}'."
+            )
+        self._registry[backend] = creator
+
+    def create_handler(self, params: RendezvousParameters) -> RendezvousHandler:
+        """A handler for ``params.backend``.
+
+        Raises:
+            ValueError: the backend is not registered. RuntimeError: the handler made says it
+            is of another backend.
+        """
+        try:
+            creator = self._registry[params.backend]
+        except KeyError:
+            raise ValueError(
+                f"The rendezvous backend '{params.backend}' is not registered. Did you forget to call `register`?"
+            ) from None
+        handler = creator(params)
+        if handler.get_backend() != params.backend:
+            raise RuntimeError(
+                f"The rendezvous backend '{handler.get_backend()}' does not match the requested backend "
+                f"'{params.backend}'."
+            )
+        return handler
+
+
+rendezvous_handler_registry = RendezvousHandlerRegistry()
+
+
+def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler ``params`` asks for, from ``rendezvous_handler_registry``."""
+    return rendezvous_handler_registry.create_handler(params)
+
+
+# -- the handlers -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    text = endpoint.strip()
+    if not text:
+        raise ValueError("The rendezvous endpoint is empty: give <host>[:<port>]")
+    host, sep, port = text.rpartition(":")
+    if not sep or "]" in port:
+        host, port_number = text, default_port
+    else:
+        try:
+            port_number = int(port)
+        except ValueError:
+            raise ValueError(f"The port number of the rendezvous endpoint '{endpoint}' must be an integer.") from None
+    if port_number < 0:
+        raise ValueError(f"The rendezvous endpoint '{endpoint}' needs a port: <host>:<port>")
+    return host.strip("[]"), port_number
+
+
+class _StaticRendezvous(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters) -> None:
+        rank = params.get_as_int("rank")
+        if rank is None:
+            raise ValueError("rank is absent in RendezvousParameters. Try add --node-rank to the cmd request")
+        self._rank, self._run_id = rank, params.run_id
+        self._host, self._port = _endpoint(params.endpoint, -1)
+        self._world_size = params.max_nodes
+        self._timeout = timedelta(seconds=params.get_as_int("timeout", 60) or 60)
+        self._store: Store | None = None
+
+    def get_backend(self) -> str:
+        return "static"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        from ...store._tcp import TCPStore
+
+        if self._store is None:
+            try:
+                self._store = TCPStore(self._host, self._port, self._world_size, self._rank == 0, self._timeout, multi_tenant=True)
+            except DistError as exc:
+                raise RendezvousConnectionError(f"static rendezvous at {self._host}:{self._port}: {exc}") from exc
+        info = RendezvousStoreInfo(self._host, self._port)
+        return RendezvousInfo(PrefixStore(self._run_id, self._store), self._rank, self._world_size, info)
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+
+class _StoreRendezvous(RendezvousHandler):
+    """The c10d and etcd handlers: the protocol in the module's docstring, over ``state``."""
+
+    def __init__(self, backend: str, params: RendezvousParameters, state: Store, on_shutdown: Callable[[], None] | None = None) -> None:
+        self._backend, self._params, self._state = backend, params, state
+        self._on_shutdown = on_shutdown
+        self._round: int | None = None
+        self._join_timeout = float(params.get("join_timeout", 600))
+        self._last_call = float(params.get("last_call_timeout", 30))
+
+    def get_backend(self) -> str:
+        return self._backend
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._backend == "c10d"
+
+    def get_run_id(self) -> str:
+        return self._params.run_id
+
+    def is_closed(self) -> bool:
+        try:
+            return self._state.check(["closed"])
+        except DistError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    def set_closed(self) -> None:
+        try:
+            self._state.set("closed", b"1")
+        except DistError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    def num_nodes_waiting(self) -> int:
+        try:
+            return self._state.add(f"round{self._current_round()}/waiting", 0)
+        except DistError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+    def shutdown(self) -> bool:
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None
+        return True
+
+    def _current_round(self) -> int:
+        return self._state.add("round", 0)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except DistStoreError as exc:
+            raise RendezvousConnectionError(f"{self._backend} rendezvous of {self._params.run_id!r}: {exc}") from exc
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        params, state = self._params, self._state
+        deadline = time.monotonic() + self._join_timeout
+        if self._round is not None:  # a member asks for a new round: open it (once, whoever asks first)
+            state.compare_set("round", str(self._round).encode(), str(self._round + 1).encode())
+            state.set(f"round{self._round + 1}/open", b"1")  # (wakes the nodes waiting for it)
+        waiting_in: int | None = None
+        while True:
+            if self.is_closed():
+                raise RendezvousClosedError(f"the rendezvous of {params.run_id!r} is closed")
+            n = self._current_round()
+            if waiting_in is not None and n == waiting_in:  # (a late node: until the members move on)
+                self._pause(f"round{n + 1}/open", deadline)
+                continue
+            rank = state.add(f"round{n}/joined", 1) - 1
+            size = self._await_close(n, rank, deadline)
+            if rank < size:
+                break
+            state.add(f"round{n}/waiting", 1)  # too late for this round: wait for the next
+            log.info("%s rendezvous of %r: round %d closed with %d nodes; waiting for the next", self._backend, params.run_id, n, size)
+            waiting_in = n
+        self._round = n
+        round_store = PrefixStore(f"round{n}", state)
+        info = RendezvousStoreInfo.build(rank, round_store, params.local_addr)
+        return RendezvousInfo(PrefixStore(f"round{n}/user", state), rank, size, info)
+
+    def _await_close(self, n: int, rank: int, deadline: float) -> int:
+        """Wait for round ``n`` to close; returns its size (closing it when it is this node's
+        to close)."""
+        params, state = self._params, self._state
+        closed = f"round{n}/closed"
+        min_reached_at: float | None = None
+        while True:
+            if state.check([closed]):
+                return int(state.get(closed))
+            joined = state.add(f"round{n}/joined", 0)
+            now = time.monotonic()
+            if joined >= params.max_nodes:
+                state.compare_set(closed, b"", str(params.max_nodes).encode())
+                continue
+            if joined >= params.min_nodes:
+                min_reached_at = min_reached_at or now
+                if now - min_reached_at >= self._last_call:
+                    state.compare_set(closed, b"", str(joined).encode())
+                    continue
+            elif now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"{self._backend} rendezvous of {params.run_id!r}: {joined} of at least {params.min_nodes} nodes "
+                    f"joined within {self._join_timeout:g} s"
+                )
+            self._pause(closed, deadline, 0.05 if min_reached_at is not None else 1.0)
+
+    def _pause(self, key: str, deadline: float, longest: float = 1.0) -> None:
+        if time.monotonic() >= deadline:
+            raise RendezvousTimeoutError(f"{self._backend} rendezvous of {self._params.run_id!r} timed out")
+        with contextlib.suppress(DistStoreError):  # (a timeout here is a poll; a lost store is not)
+            self._state.wait([key], timedelta(seconds=max(0.01, min(longest, deadline - time.monotonic()))))
+
+
+def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from ...store._server import StoreServer
+    from ...store._tcp import TCPStore
+
+    host, port = _endpoint(params.endpoint, 29400)
+    timeout = timedelta(seconds=float(params.get("read_timeout", 60)))
+    server = None
+    if params.get_as_bool("is_host") is not False:
+        try:
+            server = StoreServer("" if params.max_nodes > 1 else host, port)
+            server.start("thread")
+            port = server.port
+        except DistError:
+            if params.get_as_bool("is_host"):
+                raise
+            server = None  # (another node hosts it)
+    try:
+        store = TCPStore(host, port, timeout=timeout)
+    except DistError as exc:
+        if server is not None:
+            server.stop()
+        raise RendezvousConnectionError(f"c10d rendezvous: the store at {host}:{port} cannot be reached: {exc}") from exc
+    state = PrefixStore(f"torch.rendezvous.{params.run_id}", store)
+    return _StoreRendezvous("c10d", params, state, on_shutdown=server.stop if server is not None else None)
+
+
+def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
+    def create(params: RendezvousParameters) -> RendezvousHandler:
+        import urllib.parse
+
+        from ...store._etcd import EtcdStore
+
+        host, port = _endpoint(params.endpoint, 2379)
+        prefix = "/torchelastic/" + urllib.parse.quote(params.run_id, safe="")
+        try:
+            store = EtcdStore(host, port, prefix=prefix, timeout=timedelta(seconds=float(params.get("timeout", 60))))
+        except DistError as exc:
+            raise RendezvousConnectionError(f"{backend} rendezvous: etcd at {host}:{port}: {exc}") from exc
+        store.keep_alive(float(params.get("ttl", 30)))
+        return _StoreRendezvous(backend, params, store, on_shutdown=store.close)
+
+    return create
+
+
+rendezvous_handler_registry.register("static", _StaticRendezvous)
+rendezvous_handler_registry.register("c10d", _create_c10d_handler)
+rendezvous_handler_registry.register("etcd", _etcd_creator("etcd"))
+rendezvous_handler_registry.register("etcd-v2", _etcd_creator("etcd-v2"))

@@ -1,0 +1,192 @@
+"""``tdist.elastic.rendezvous`` (torchelastic's rendezvous API): parameters and registry as
+torch's, and the static, c10d and etcd handlers with nodes as threads over the real stores."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tdist.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousHandlerRegistry,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    get_rendezvous_handler,
+)
+from tdist.testing import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_parameters_and_registry_as_torchs() -> None:
+    with pytest.raises(ValueError, match="must be a non-empty string"):
+        RendezvousParameters("", "h:1", "job", 1, 1)
+    with pytest.raises(ValueError, match=r"minimum number of rendezvous nodes \(0\) must be greater than zero"):
+        RendezvousParameters("c10d", "h:1", "job", 0, 1)
+    with pytest.raises(ValueError, match="must be greater than or equal to"):
+        RendezvousParameters("c10d", "h:1", "job", 3, 2)
+    p = RendezvousParameters("c10d", "h:1", "job", 1, 2, flag="yes", off=0, n="7", bad="maybe")
+    assert p.get("flag") == "yes" and p.get("missing", 5) == 5
+    assert p.get_as_bool("flag") is True and p.get_as_bool("off") is False and p.get_as_bool("missing") is None
+    assert p.get_as_int("n") == 7
+    with pytest.raises(ValueError, match="'bad' does not represent a valid boolean value"):
+        p.get_as_bool("bad")
+    with pytest.raises(ValueError, match="'flag' does not represent a valid integer value"):
+        p.get_as_int("flag")
+
+    registry = RendezvousHandlerRegistry()
+
+    def creator(params: RendezvousParameters) -> RendezvousHandler:
+        return get_rendezvous_handler(RendezvousParameters("static", "127.0.0.1:1", "x", 1, 1, rank=0))
+
+    registry.register("mine", creator)
+    registry.register("mine", creator)  # (again with the same creator: fine)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("mine", lambda p: creator(p))
+    with pytest.raises(ValueError, match="'nope' is not registered"):
+        registry.create_handler(RendezvousParameters("nope", "", "job", 1, 1))
+    with pytest.raises(RuntimeError, match="'static' does not match the requested backend 'mine'"):
+        registry.create_handler(RendezvousParameters("mine", "", "job", 1, 1))
+    with pytest.raises(ValueError, match="rank is absent"):
+        get_rendezvous_handler(RendezvousParameters("static", "127.0.0.1:1", "job", 1, 1))
+
+
+def nodes(n: int, make: Callable[[], RendezvousHandler], stagger: float = 0.0) -> list[Any]:
+    """``n`` nodes (threads) that each make a handler and join; their RendezvousInfo or error."""
+    out: list[Any] = [None] * n
+
+    def node(i: int) -> None:
+        time.sleep(stagger * i)
+        try:
+            h = make()
+            out[i] = (h, h.next_rendezvous())
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def check_round(results: list[Any], size: int) -> list[RendezvousInfo]:
+    infos = [r[1] for r in results]
+    assert sorted(i.rank for i in infos) == list(range(size))
+    assert {i.world_size for i in infos} == {size}
+    assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}) == 1
+    # the round's store is shared
+    by_rank = {i.rank: i for i in infos}
+    by_rank[0].store.set("hello", b"from 0")
+    assert all(i.store.get("hello") == b"from 0" for i in infos)
+    return infos
+
+
+def test_static_rendezvous() -> None:
+    port = free_port()
+    ranks = iter([0, 1])
+    lock = threading.Lock()
+
+    def make() -> RendezvousHandler:
+        with lock:
+            rank = next(ranks)
+        return get_rendezvous_handler(RendezvousParameters("static", f"127.0.0.1:{port}", "job", 2, 2, rank=rank))
+
+    results = nodes(2, make)
+    assert all(isinstance(r, tuple) for r in results), results
+    infos = check_round(results, 2)
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == {("127.0.0.1", port)}
+    h = results[0][0]
+    assert h.get_backend() == "static" and not h.is_closed() and h.num_nodes_waiting() == 0 and h.use_agent_store
+
+
+@pytest.fixture(params=["c10d", "etcd"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def endpoint(backend: str, request: pytest.FixtureRequest) -> str:
+    if backend == "etcd":
+        host, port = request.getfixturevalue("etcd_endpoint")
+        return f"{host}:{port}"
+    return f"127.0.0.1:{free_port()}"
+
+
+def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:
+    run_id = f"full-{request.node.name}-{time.time_ns()}"
+    make = lambda: get_rendezvous_handler(  # noqa: E731
+        RendezvousParameters(backend, endpoint, run_id, 2, 3, local_addr="127.0.0.1", last_call_timeout=30)
+    )
+    start = time.monotonic()
+    results = nodes(3, make)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert time.monotonic() - start < 10  # (max_nodes reached: no last call)
+    infos = check_round(results, 3)
+    assert {i.bootstrap_store_info.master_addr for i in infos} == {"127.0.0.1"}
+    for h, _ in results:
+        assert h.get_backend() == backend and h.get_run_id() == run_id
+    for h, _ in sorted(results, key=lambda r: r[1].rank, reverse=True):
+        h.shutdown()
+
+
+def test_last_call_late_nodes_and_the_next_round(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:
+    run_id = f"late-{request.node.name}-{time.time_ns()}"
+
+    def make() -> RendezvousHandler:
+        return get_rendezvous_handler(
+            RendezvousParameters(backend, endpoint, run_id, 2, 4, local_addr="127.0.0.1", last_call_timeout=0.3)
+        )
+
+    # 2 of at most 4 come: the round closes after the last call, with 2
+    first = nodes(2, make)
+    assert all(isinstance(r, tuple) for r in first), first
+    check_round(first, 2)
+    # a third comes late: it waits, and the members see it waiting
+    late: list[Any] = []
+    t = threading.Thread(target=lambda: late.extend(nodes(1, make)))
+    t.start()
+    members = [h for h, _ in first]
+    deadline = time.monotonic() + 10
+    while members[0].num_nodes_waiting() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert members[0].num_nodes_waiting() == 1
+    # the members start the next round, which admits it
+    again = [None, None]
+
+    def rejoin(i: int) -> None:
+        again[i] = (members[i], members[i].next_rendezvous())  # type: ignore[call-overload]
+
+    threads = [threading.Thread(target=rejoin, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    t.join(30)
+    assert isinstance(late[0], tuple), late
+    check_round([*again, late[0]], 3)
+    # closing ends it for everyone
+    members[0].set_closed()
+    assert members[1].is_closed()
+    with pytest.raises(RendezvousClosedError):
+        members[1].next_rendezvous()
+    for h in [*members, late[0][0]]:
+        h.shutdown()
+
+
+def test_too_few_nodes_time_out(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:
+    h = get_rendezvous_handler(
+        RendezvousParameters(backend, endpoint, f"alone-{time.time_ns()}", 2, 2, join_timeout=0.5)
+    )
+    start = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"1 of at least 2 nodes joined within 0\.5 s"):
+        h.next_rendezvous()
+    assert time.monotonic() - start < 5
+    h.shutdown()
