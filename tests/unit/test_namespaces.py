@@ -23,6 +23,8 @@ NOT_COVERED = {
     "torch.distributed.rpc": {"AllGatherStates", "method_factory", "new_method"},  # api internals
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.optim": {"as_functional_optim", "PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"},
+    # torchelastic's own launcher internals (tdist run reports failures itself)
+    "torch.distributed.elastic.multiprocessing.errors": {"ChildFailedError", "ProcessFailure"},
 }
 
 PAIRS = [
@@ -36,6 +38,9 @@ PAIRS = [
     ("torch.distributed.autograd", "tdist.autograd"),
     ("torch.distributed.optim", "tdist.optim"),
     ("torch.distributed.nn.api.remote_module", "tdist.nn.api.remote_module"),
+    ("torch.distributed.elastic.rendezvous", "tdist.elastic.rendezvous"),
+    ("torch.distributed.elastic.rendezvous.registry", "tdist.elastic.rendezvous.registry"),
+    ("torch.distributed.elastic.multiprocessing.errors", "tdist.elastic.multiprocessing.errors"),
 ]
 
 
