@@ -374,7 +374,8 @@ class _StoreRendezvous(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return self._backend == "c10d"
+        # (the workers get a store of their own: rank 0's MASTER_ADDR and a free MASTER_PORT)
+        return False
 
     def get_run_id(self) -> str:
         return self._params.run_id
