@@ -46,20 +46,19 @@ def _nproc(value: str) -> int:
     return n
 
 
-def _nnodes(value: str) -> int:
+def _nnodes(value: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (an elastic range) -> (MIN, MAX)."""
     low, sep, high = value.partition(":")
     try:
         lo = int(low)
         hi = int(high) if sep else lo
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of nodes, got {value!r}") from None
-    if lo != hi:
-        raise argparse.ArgumentTypeError(
-            f"elastic node ranges ({value}) are not supported yet: give a fixed number of nodes"
-        )
     if lo < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {lo}")
-    return lo
+    if hi < lo:
+        raise argparse.ArgumentTypeError(f"the most nodes ({hi}) must not be fewer than the least ({lo})")
+    return lo, hi
 
 
 def _port(value: str) -> int:
@@ -145,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(*_opt("--nproc-per-node"), type=_nproc, default=1, metavar="N",
                      help="workers on this node: a number, 'cpu' or 'auto' (default: 1)")
-    run.add_argument("--nnodes", type=_nnodes, default=1, metavar="N", help="nodes in the job (default: 1)")
+    run.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="N",
+                     help="nodes in the job, or MIN:MAX for an elastic range (c10d or etcd rendezvous; "
+                     "the membership is decided at the start) (default: 1)")
     run.add_argument(*_opt("--node-rank"), type=int, default=0, metavar="K",
                      help="this node's rank; node 0 hosts the store (default: 0)")
     run.add_argument(*_opt("--master-addr"), default="127.0.0.1", metavar="HOST",
@@ -206,13 +207,16 @@ def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
     from .elastic import LaunchConfig, launch
 
-    master_addr, master_port, nnodes, run_id = ns.master_addr, ns.master_port, ns.nnodes, ns.run_id
+    master_addr, master_port, run_id = ns.master_addr, ns.master_port, ns.run_id
+    min_nodes, nnodes = ns.nnodes
+    elastic = min_nodes != nnodes
     backend, conf = ns.rdzv_backend, dict(ns.rdzv_conf)
     join_timeout, is_host = ns.join_timeout, None
     rdzv_host, rdzv_port = "", 2379
     try:
         if ns.standalone:  # (a run id of its own, as torchrun's --standalone makes one)
             master_addr, master_port, nnodes, run_id, backend = "127.0.0.1", 0, 1, str(uuid.uuid4()), "static"
+            elastic = False
         elif backend == "etcd":  # etcd is where the nodes meet; node 0 hosts the store here
             if not ns.rdzv_endpoint:
                 raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (etcd's client address)")
@@ -224,6 +228,7 @@ def _run(ns: argparse.Namespace) -> int:
             raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
         if "join_timeout" in conf:
             join_timeout = _seconds(conf.pop("join_timeout"))
+        last_call = float(conf.pop("last_call_timeout", 30.0))
         if "is_host" in conf:  # (torch's spellings of a boolean)
             text = conf.pop("is_host").lower()
             if text not in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):
@@ -247,6 +252,9 @@ def _run(ns: argparse.Namespace) -> int:
             monitor_interval=ns.monitor_interval,
             join_timeout=join_timeout,
             rdzv_backend=backend,
+            min_nodes=min_nodes if elastic else None,
+            local_addr=ns.local_addr,
+            last_call_timeout=last_call,
             rdzv_host=rdzv_host,
             rdzv_port=rdzv_port,
             is_host=is_host,

@@ -351,10 +351,11 @@ def test_missing_script(work: Path) -> None:
     ("args", "message"),
     [
         (["--nproc-per-node", "0", "w.py"], "must be at least 1"),
-        (["--nnodes", "1:4", "w.py"], "elastic node ranges (1:4) are not supported"),
         (["--master-port", "99999", "w.py"], "port must have value from 0 to 65535"),
         (["--nnodes", "2", "--master-port", "0", "w.py"], "works on one node only"),
         (["--rdzv-backend", "etcd2", "w.py"], "unknown rendezvous backend 'etcd2'"),
+        (["--nnodes", "1:2", "w.py"], "elastic node ranges (--nnodes 1:2) need --rdzv-backend c10d or etcd"),
+        (["--nnodes", "3:2", "w.py"], "the most nodes (2) must not be fewer than the least (3)"),
         (["--rdzv-backend", "etcd", "w.py"], "--rdzv-backend etcd needs --rdzv-endpoint"),
         (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
         (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
@@ -527,6 +528,28 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) 
     said = outs[0][1] + outs[1][1]
     assert "worker rank 3 failed (exit code 9); restarting the worker group (restart 1 of 1)" in said
     assert "rank 3 exited with code 9; restarting the worker group (restart 1 of 1)" in said
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_elastic_node_range(work: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # --nnodes 1:3: two nodes come; after the last call they run as a job of two nodes
+    if backend == "etcd":
+        host, port = request.getfixturevalue("etcd_endpoint")
+    else:
+        host, port = "127.0.0.1", free_port()
+    (work / "el.py").write_text(
+        "import os\nimport tdist as dist\nimport torch\n"
+        "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'sum', int(t.item()))\n"
+        "dist.destroy_process_group()\n"
+    )
+    args = ["--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-backend", backend, "--rdzv-endpoint",
+            f"{host}:{port}", "--rdzv-id", f"elastic-{backend}", "--rdzv-conf", "last_call_timeout=1",
+            "--local-addr", "127.0.0.1", "el.py"]
+    outs = outputs([start_launcher(work, *args) for _ in range(2)], timeout=40)
+    assert all("rank" in o[0] for o in outs), [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == [f"[rank{r}]:rank {r} of 4 sum 4" for r in range(4)]
 
 
 def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from .._core import auth
 from .._core.deadline import Clock
@@ -172,6 +172,7 @@ class LocalAgent:
         self._hosting: bool | None = None  # whether this node hosts the job's store (run())
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
+        self._rendezvous: Any = None  # (--nnodes MIN:MAX: the rendezvous handler, kept for the run)
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -195,7 +196,10 @@ class LocalAgent:
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
         self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
-            if cfg.rdzv_backend == "etcd":
+            if cfg.min_nodes is not None:  # (--nnodes MIN:MAX: the rendezvous decides who is in)
+                server = self._elastic_rendezvous(secret)
+                cfg = self.config
+            elif cfg.rdzv_backend == "etcd":
                 server = self._etcd_rendezvous(secret)
                 cfg = self.config
             elif cfg.rdzv_backend == "c10d":
@@ -208,7 +212,7 @@ class LocalAgent:
                 except DistError as exc:
                     raise LaunchError(f"{exc} (--master-port)") from exc
             self._hosting = server is not None
-            if cfg.rdzv_backend == "c10d" and server is not None and cfg.node_rank != 0:
+            if cfg.rdzv_backend == "c10d" and cfg.min_nodes is None and server is not None and cfg.node_rank != 0:
                 cfg = self.config = dataclasses.replace(cfg, node_rank=0)  # (the host is node 0)
             if server is not None:
                 server.start("process")
@@ -216,7 +220,7 @@ class LocalAgent:
                 log.info("node 0: job store on %s:%d", cfg.master_addr, port)
             else:
                 port = cfg.master_port
-            if cfg.nnodes > 1:
+            if cfg.nnodes > 1 and not self._joined:
                 self._join(port, secret)
             return self._run_attempts(port, secret)
         finally:
@@ -226,12 +230,52 @@ class LocalAgent:
                 close = getattr(self._store, "close", None)
                 if close is not None:
                     close()
+                if self._rendezvous is not None:
+                    self._rendezvous.shutdown()
                 if server is not None:
                     server.stop()
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 shutil.rmtree(self._error_dir, ignore_errors=True)
+
+    def _elastic_rendezvous(self, secret: str) -> StoreServer | None:
+        """``--nnodes MIN:MAX``: the nodes meet through ``tdist.elastic.rendezvous`` (c10d or
+        etcd), which admits from MIN to MAX of them (a last call after MIN) and numbers them;
+        the round's store then carries the agents' own keys, and node 0 hosts the workers'
+        store at the address the round published. The membership holds for the whole run:
+        restarts keep it. Returns node 0's server (bound, not started), else None."""
+        from .rendezvous import RendezvousError, RendezvousParameters, get_rendezvous_handler
+
+        cfg = self.config
+        assert cfg.min_nodes is not None
+        endpoint = f"{cfg.rdzv_host}:{cfg.rdzv_port}" if cfg.rdzv_backend == "etcd" else f"{cfg.master_addr}:{cfg.master_port}"
+        params = RendezvousParameters(
+            cfg.rdzv_backend, endpoint, cfg.run_id, cfg.min_nodes, cfg.nnodes, local_addr=cfg.local_addr or None,
+            join_timeout=cfg.join_timeout, last_call_timeout=cfg.last_call_timeout,
+            **({} if cfg.is_host is None else {"is_host": cfg.is_host}),
+        )
+        try:
+            self._rendezvous = get_rendezvous_handler(params)
+            info = self._rendezvous.next_rendezvous()
+        except (RendezvousError, DistError, ValueError) as exc:
+            raise LaunchError(f"{cfg.rdzv_backend} rendezvous at {endpoint}: {exc}") from exc
+        boot = info.bootstrap_store_info
+        assert boot is not None
+        server = None
+        if info.rank == 0:
+            try:
+                server = StoreServer("", boot.master_port, secret=secret)
+            except DistError as exc:
+                raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
+        self.config = dataclasses.replace(
+            cfg, node_rank=info.rank, nnodes=info.world_size, min_nodes=None,
+            master_addr=boot.master_addr, master_port=boot.master_port,
+        )
+        self._store = info.store
+        self._joined = True
+        log.info("node %d of %d (%s rendezvous, %d to %d nodes)", info.rank, info.world_size, cfg.rdzv_backend, cfg.min_nodes, params.max_nodes)
+        return server
 
     def _etcd_rendezvous(self, secret: str) -> StoreServer | None:
         """etcd rendezvous: the nodes meet in etcd (under ``/tdist/<run id>``), numbered in the

@@ -68,6 +68,11 @@ class LaunchConfig:
             the order they come; node 0 hosts the store on a free port of ``master_addr``, this
             node's address as the others reach it).
         rdzv_host, rdzv_port: etcd's client address (etcd only).
+        min_nodes: with ``nnodes`` as the most, an elastic job (``--nnodes MIN:MAX``, c10d or
+            etcd): the rendezvous admits from ``min_nodes`` to ``nnodes`` nodes, waiting
+            ``last_call_timeout`` seconds after ``min_nodes`` came for more; None: exactly
+            ``nnodes``.
+        local_addr: this node's address as the others reach it (elastic: node 0's store).
         is_host: c10d only: whether this node hosts the store (None: it tries).
         local_ranks_filter: the local ranks whose output is shown (None: every one); the
             others' is read and dropped (a failure's report still quotes it).
@@ -96,6 +101,9 @@ class LaunchConfig:
     is_host: bool | None = None
     rdzv_host: str = ""
     rdzv_port: int = 2379
+    min_nodes: int | None = None
+    local_addr: str = ""
+    last_call_timeout: float = 30.0
     local_ranks_filter: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
@@ -107,6 +115,13 @@ class LaunchConfig:
             raise ValueError(
                 f"--node-rank must be from 0 to nnodes - 1 = {self.nnodes - 1}, got {self.node_rank}"
             )
+        if self.min_nodes is not None:
+            if not 1 <= self.min_nodes <= self.nnodes:
+                raise ValueError(f"--nnodes {self.min_nodes}:{self.nnodes}: expected 1 <= MIN <= MAX")
+            if self.rdzv_backend not in ("c10d", "etcd"):
+                raise ValueError(
+                    f"elastic node ranges (--nnodes {self.min_nodes}:{self.nnodes}) need --rdzv-backend c10d or etcd"
+                )
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"port must have value from 0 to 65535 but was {self.master_port}.")
         if self.nnodes > 1 and self.master_port == 0 and self.rdzv_backend != "etcd":
