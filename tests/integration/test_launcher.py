@@ -552,6 +552,32 @@ def test_elastic_node_range(work: Path, backend: str, request: pytest.FixtureReq
     assert lines == [f"[rank{r}]:rank {r} of 4 sum 4" for r in range(4)]
 
 
+def test_a_node_that_comes_later_joins_a_running_elastic_job(work: Path) -> None:
+    # --nnodes 1:2: the first node runs alone; when the second comes, the first's group stops
+    # and both start again as one job (a change of membership: no restart spent)
+    (work / "sc.py").write_text(
+        "import os, sys, time\n"
+        "ws = int(os.environ['WORLD_SIZE'])\n"
+        "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
+        "if ws == 2:\n    time.sleep(30); sys.exit(3)  # (alone: wait to be joined)\n"
+        "import tdist as dist, torch\n"
+        "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+        "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()))\ndist.destroy_process_group()\n"
+    )
+    args = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=0.5", "--monitor-interval", "0.2",
+            "--stop-timeout", "2", "sc.py"]
+    first = start_launcher(work, *args)
+    assert first.stdout is not None
+    assert first.stdout.readline().startswith("[rank")  # (running alone)
+    second = start_launcher(work, *args)
+    (out1, err1), (out2, err2) = outputs([first, second], timeout=40)
+    assert first.returncode == 0 and second.returncode == 0, (err1, err2)
+    assert "nodes wait to join the job: restarting the worker group with them" in err1
+    lines = sorted(line for line in (out1 + out2).splitlines() if " sum " in line)
+    assert lines == [f"[rank{r}]:rank {r} of 4 sum 4" for r in range(4)]
+
+
 def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:
     # torchrun's "stacked single-node" form
     res = tdist_run(work, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",

@@ -75,6 +75,7 @@ def test_next_action_restarts_while_restarts_are_left() -> None:
     assert next_action(Outcome.PEER_FAILED, 0, 5) is Action.RESTART
     assert next_action(Outcome.PEER_FAILED, 5, 5) is Action.STOP
     assert next_action(Outcome.PEER_STOPPED, 0, 5) is Action.STOP  # (a node stopped for good)
+    assert next_action(Outcome.RESCALE, 5, 5) is Action.RESTART  # (nodes join: no restart spent)
 
 
 @pytest.mark.parametrize(

@@ -173,6 +173,9 @@ class LocalAgent:
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
         self._rendezvous: Any = None  # (--nnodes MIN:MAX: the rendezvous handler, kept for the run)
+        self._round_server: StoreServer | None = None  # (elastic: the workers' store, on node 0)
+        self._max_nodes = 0
+        self._next_waiting_check = 0.0
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -197,7 +200,7 @@ class LocalAgent:
         self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
             if cfg.min_nodes is not None:  # (--nnodes MIN:MAX: the rendezvous decides who is in)
-                server = self._elastic_rendezvous(secret)
+                self._elastic_rendezvous(secret)
                 cfg = self.config
             elif cfg.rdzv_backend == "etcd":
                 server = self._etcd_rendezvous(secret)
@@ -230,6 +233,8 @@ class LocalAgent:
                 close = getattr(self._store, "close", None)
                 if close is not None:
                     close()
+                if self._round_server is not None:
+                    self._round_server.stop()
                 if self._rendezvous is not None:
                     self._rendezvous.shutdown()
                 if server is not None:
@@ -239,13 +244,13 @@ class LocalAgent:
                 os.close(self._wake_w)
                 shutil.rmtree(self._error_dir, ignore_errors=True)
 
-    def _elastic_rendezvous(self, secret: str) -> StoreServer | None:
+    def _elastic_rendezvous(self, secret: str) -> None:
         """``--nnodes MIN:MAX``: the nodes meet through ``tdist.elastic.rendezvous`` (c10d or
-        etcd), which admits from MIN to MAX of them (a last call after MIN) and numbers them;
-        the round's store then carries the agents' own keys, and node 0 hosts the workers'
-        store at the address the round published. The membership holds for the whole run:
-        restarts keep it. Returns node 0's server (bound, not started), else None."""
-        from .rendezvous import RendezvousError, RendezvousParameters, get_rendezvous_handler
+        etcd), which admits from MIN to MAX of them (a last call after MIN) and numbers them.
+        Each round's store carries the agents' own keys, and its node 0 hosts the workers'
+        store at the address the round published. A new round is held when nodes wait to join
+        (the groups restart with them) and after a failure while restarts are left."""
+        from .rendezvous import RendezvousParameters, get_rendezvous_handler
 
         cfg = self.config
         assert cfg.min_nodes is not None
@@ -255,27 +260,53 @@ class LocalAgent:
             join_timeout=cfg.join_timeout, last_call_timeout=cfg.last_call_timeout,
             **({} if cfg.is_host is None else {"is_host": cfg.is_host}),
         )
+        self._max_nodes = cfg.nnodes
         try:
             self._rendezvous = get_rendezvous_handler(params)
-            info = self._rendezvous.next_rendezvous()
-        except (RendezvousError, DistError, ValueError) as exc:
+        except (DistError, ValueError) as exc:
             raise LaunchError(f"{cfg.rdzv_backend} rendezvous at {endpoint}: {exc}") from exc
+        self._next_round(secret)
+
+    def _next_round(self, secret: str) -> None:
+        """Join the rendezvous's next round; this node's rank, the node count and the workers'
+        store come from it (node 0 starts that store)."""
+        from .rendezvous import RendezvousError
+
+        cfg = self.config
+        try:
+            info = self._rendezvous.next_rendezvous()
+        except (RendezvousError, DistError) as exc:
+            raise LaunchError(f"{cfg.rdzv_backend} rendezvous: {exc}") from exc
         boot = info.bootstrap_store_info
         assert boot is not None
-        server = None
+        if self._round_server is not None:
+            self._round_server.stop()
+            self._round_server = None
         if info.rank == 0:
             try:
-                server = StoreServer("", boot.master_port, secret=secret)
+                self._round_server = StoreServer("", boot.master_port, secret=secret)
             except DistError as exc:
                 raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
+            self._round_server.start("process")
         self.config = dataclasses.replace(
             cfg, node_rank=info.rank, nnodes=info.world_size, min_nodes=None,
             master_addr=boot.master_addr, master_port=boot.master_port,
         )
         self._store = info.store
         self._joined = True
-        log.info("node %d of %d (%s rendezvous, %d to %d nodes)", info.rank, info.world_size, cfg.rdzv_backend, cfg.min_nodes, params.max_nodes)
-        return server
+        self._next_waiting_check = self._clock() + cfg.monitor_interval
+        log.info("node %d of %d (%s rendezvous, up to %d nodes)", info.rank, info.world_size, cfg.rdzv_backend, self._max_nodes)
+
+    def _nodes_waiting(self) -> bool:
+        """Elastic: whether nodes wait to join (checked every monitor interval)."""
+        if self._rendezvous is None or self.config.nnodes >= self._max_nodes or self._clock() < self._next_waiting_check:
+            return False
+        self._next_waiting_check = self._clock() + self.config.monitor_interval
+        try:
+            return bool(self._rendezvous.num_nodes_waiting() > 0)
+        except Exception as exc:  # (the rendezvous's own errors: the next check tries again)
+            log.warning("node %d: could not ask the rendezvous for waiting nodes: %s", self.config.node_rank, exc)
+            return False
 
     def _etcd_rendezvous(self, secret: str) -> StoreServer | None:
         """etcd rendezvous: the nodes meet in etcd (under ``/tdist/<run id>``), numbered in the
@@ -358,14 +389,20 @@ class LocalAgent:
                 assert root is not None
                 self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}")
             if action is Action.RESTART:
-                if root is not None:
-                    why = f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)})"
+                if outcome is Outcome.RESCALE:
+                    self._say("nodes wait to join the job: restarting the worker group with them")
                 else:
-                    why = self._peer_failure()[0] or "another node failed"
-                self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
-                restart_count += 1
+                    if root is not None:
+                        why = f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)})"
+                    else:
+                        why = self._peer_failure()[0] or "another node failed"
+                    self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
+                    restart_count += 1
                 self._attempt = restart_count
-                if cfg.nnodes > 1:
+                if self._rendezvous is not None:  # (elastic: a new round, maybe with other nodes)
+                    self._next_round(secret)
+                    cfg, port = self.config, self.config.master_port
+                elif cfg.nnodes > 1:
                     self._rejoin(restart_count)
                 continue
             if outcome is Outcome.FAILED:
@@ -432,6 +469,8 @@ class LocalAgent:
                 self._reap(workers, exits)
                 peer, final = self._poll_peers()
                 outcome = group_outcome(len(workers), exits, signum=self._signum, peer_failure=peer, peer_stopped=final)
+                if outcome is Outcome.RUNNING and self._nodes_waiting():
+                    outcome = Outcome.RESCALE
                 if outcome is not Outcome.RUNNING:
                     break
                 self._sleep(workers, self._poll_timeout())

@@ -249,6 +249,7 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # a worker of ours failed
     PEER_FAILED = "peer_failed"  # another node's group failed (the job may restart)
     PEER_STOPPED = "peer_stopped"  # another node stopped for good (a signal), or the store is gone
+    RESCALE = "rescale"  # nodes wait to join (an elastic range): the group restarts with them
     INTERRUPTED = "interrupted"  # the launcher got a signal
 
 
@@ -290,6 +291,8 @@ def next_action(outcome: Outcome, restart_count: int, max_restarts: int) -> Acti
         return Action.WAIT
     if outcome is Outcome.SUCCEEDED:
         return Action.FINISH
+    if outcome is Outcome.RESCALE:  # (a change of membership is not a failure: no restart spent)
+        return Action.RESTART
     if outcome in (Outcome.FAILED, Outcome.PEER_FAILED) and restart_count < max_restarts:
         return Action.RESTART
     return Action.STOP
