@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(*_opt("--nproc-per-node"), type=_nproc, default=1, metavar="N",
                      help="workers on this node: a number, 'cpu' or 'auto' (default: 1)")
     run.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="N",
-                     help="nodes in the job, or MIN:MAX for an elastic range (c10d or etcd rendezvous; "
-                     "the membership is decided at the start) (default: 1)")
+                     help="nodes in the job, or MIN:MAX for an elastic range (c10d or etcd rendezvous: "
+                     "nodes that come later join while there is room) (default: 1)")
     run.add_argument(*_opt("--node-rank"), type=int, default=0, metavar="K",
                      help="this node's rank; node 0 hosts the store (default: 0)")
     run.add_argument(*_opt("--master-addr"), default="127.0.0.1", metavar="HOST",
