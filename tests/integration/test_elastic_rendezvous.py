@@ -165,8 +165,12 @@ def test_last_call_late_nodes_and_the_next_round(backend: str, endpoint: str, re
         again[i] = (members[i], members[i].next_rendezvous())  # type: ignore[call-overload]
 
     threads = [threading.Thread(target=rejoin, args=(i,)) for i in range(2)]
-    for th in threads:
-        th.start()
+    threads[0].start()  # one member opens the next round first
+    deadline = time.monotonic() + 10
+    while members[1]._current_round() == 0 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    assert members[1].num_nodes_waiting() >= 1  # (the other still sees that it must move on)
+    threads[1].start()
     for th in threads:
         th.join(30)
     t.join(30)

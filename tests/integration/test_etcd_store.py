@@ -124,3 +124,11 @@ def test_leased_keys_live_while_their_store_does(store: EtcdStore, etcd_endpoint
     while store.check(["mine"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not store.check(["mine"]) and not store.check(["counter"])
+
+
+def test_adding_zero_reads_without_writing(store: EtcdStore) -> None:
+    assert store.add("z", 0) == 0 and store.check(["z"])  # (created once, as torch's add)
+    _, before = store._range("z")
+    assert [store.add("z", 0) for _ in range(5)] == [0] * 5
+    _, after = store._range("z")
+    assert after == before  # no new revision: nothing was written

@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
-_ETCD_TTL = 30.0  # seconds the rendezvous keys of a launcher that died stay in etcd
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -250,7 +249,7 @@ class LocalAgent:
         Each round's store carries the agents' own keys, and its node 0 hosts the workers'
         store at the address the round published. A new round is held when nodes wait to join
         (the groups restart with them) and after a failure while restarts are left."""
-        from .rendezvous import RendezvousParameters, get_rendezvous_handler
+        from .rendezvous import RendezvousError, RendezvousParameters, get_rendezvous_handler
 
         cfg = self.config
         assert cfg.min_nodes is not None
@@ -263,8 +262,10 @@ class LocalAgent:
         self._max_nodes = cfg.nnodes
         try:
             self._rendezvous = get_rendezvous_handler(params)
-        except (DistError, ValueError) as exc:
+        except (RendezvousError, DistError, ValueError) as exc:
             raise LaunchError(f"{cfg.rdzv_backend} rendezvous at {endpoint}: {exc}") from exc
+        # a signal to the launcher ends a wait in the rendezvous
+        self._rendezvous._should_stop = lambda: self._signum is not None
         self._next_round(secret)
 
     def _next_round(self, secret: str) -> None:
@@ -276,7 +277,7 @@ class LocalAgent:
         try:
             info = self._rendezvous.next_rendezvous()
         except (RendezvousError, DistError) as exc:
-            raise LaunchError(f"{cfg.rdzv_backend} rendezvous: {exc}") from exc
+            raise LaunchError(str(exc)) from exc
         boot = info.bootstrap_store_info
         assert boot is not None
         if self._round_server is not None:
@@ -319,10 +320,10 @@ class LocalAgent:
         timeout = timedelta(seconds=cfg.join_timeout)
         prefix = "/tdist/" + urllib.parse.quote(cfg.run_id, safe="")  # (a / in the id nests no job)
         try:
+            # (no lease: the job's keys are shared, and a key's lease would be its last writer's,
+            # so one launcher's exit would take keys the others still use; a finished job's
+            # keys are deleted by node 0, a crashed one's stay: give every job its own run id)
             etcd = EtcdStore(cfg.rdzv_host, cfg.rdzv_port, prefix=prefix, timeout=timeout)
-            # (what a crashed launcher wrote leaves etcd a while after it; a finished job's keys
-            # are deleted by node 0)
-            etcd.keep_alive(_ETCD_TTL)
             self._store = etcd
             rank = etcd.add(f"{AGENT_PREFIX}/next_node_rank", 1) - 1
         except DistError as exc:
@@ -398,7 +399,9 @@ class LocalAgent:
                         why = self._peer_failure()[0] or "another node failed"
                     self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
                     restart_count += 1
-                self._attempt = restart_count
+                # (elastic: every round has keys of its own, and nodes that joined later count
+                # restarts from 0, so the failure keys are the round's, not the attempt's)
+                self._attempt = restart_count if self._rendezvous is None else 0
                 if self._rendezvous is not None:  # (elastic: a new round, maybe with other nodes)
                     self._next_round(secret)
                     cfg, port = self.config, self.config.master_port
@@ -781,7 +784,9 @@ class LocalAgent:
             return
         try:
             store.set(f"{AGENT_PREFIX}/finished/node{cfg.node_rank}", b"1")
-            if cfg.node_rank != 0:
+            # node 0 hosts the job's store and waits for the others before it goes; elastic,
+            # the rendezvous's store may be any node's, so every node waits
+            if cfg.node_rank != 0 and self._rendezvous is None:
                 return
             keys = [f"{AGENT_PREFIX}/finished/node{k}" for k in range(cfg.nnodes)]
             deadline = self._clock() + cfg.exit_barrier_timeout

@@ -219,6 +219,14 @@ class EtcdStore(Store):
         return _unb64(record.get("value"))
 
     def add(self, key: str, amount: int) -> int:
+        if int(amount) == 0:  # (a read: no write, no new revision, once the key exists)
+            record, _ = self._range(key)
+            if record is not None:
+                try:
+                    return int(_unb64(record.get("value")))
+                except ValueError:
+                    pass  # (the change below says what the key holds)
+
         def change(current: bytes | None) -> bytes:
             try:
                 base = int(current) if current else 0

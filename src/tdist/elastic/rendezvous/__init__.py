@@ -368,6 +368,8 @@ class _StoreRendezvous(RendezvousHandler):
         self._round: int | None = None
         self._join_timeout = float(params.get("join_timeout", 600))
         self._last_call = float(params.get("last_call_timeout", 30))
+        # (a launcher sets this to end a wait on a signal: checked at least once a second)
+        self._should_stop: Callable[[], bool] = lambda: False
 
     def get_backend(self) -> str:
         return self._backend
@@ -393,12 +395,22 @@ class _StoreRendezvous(RendezvousHandler):
             raise RendezvousConnectionError(str(exc)) from exc
 
     def num_nodes_waiting(self) -> int:
+        """The nodes waiting to join this node's round (at least 1 once other members have
+        opened the next round: this node must join it too)."""
         try:
-            return self._state.add(f"round{self._current_round()}/waiting", 0)
+            n = self._round if self._round is not None else self._current_round()
+            waiting = self._state.add(f"round{n}/waiting", 0)
+            if self._round is not None and self._current_round() > self._round:
+                waiting = max(waiting, 1)
+            return waiting
         except DistError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
 
     def shutdown(self) -> bool:
+        """Close the rendezvous (as torch's: nodes still waiting get RendezvousClosedError)
+        and release what the handler holds."""
+        with contextlib.suppress(DistError):
+            self._state.set("closed", b"1")
         if self._on_shutdown is not None:
             self._on_shutdown()
             self._on_shutdown = None
@@ -410,7 +422,7 @@ class _StoreRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         try:
             return self._next_rendezvous()
-        except DistStoreError as exc:
+        except DistError as exc:
             raise RendezvousConnectionError(f"{self._backend} rendezvous of {self._params.run_id!r}: {exc}") from exc
 
     def _next_rendezvous(self) -> RendezvousInfo:
@@ -419,21 +431,23 @@ class _StoreRendezvous(RendezvousHandler):
         if self._round is not None:  # a member asks for a new round: open it (once, whoever asks first)
             state.compare_set("round", str(self._round).encode(), str(self._round + 1).encode())
             state.set(f"round{self._round + 1}/open", b"1")  # (wakes the nodes waiting for it)
-        waiting_in: int | None = None
         while True:
             if self.is_closed():
                 raise RendezvousClosedError(f"the rendezvous of {params.run_id!r} is closed")
             n = self._current_round()
-            if waiting_in is not None and n == waiting_in:  # (a late node: until the members move on)
-                self._pause(f"round{n + 1}/open", deadline)
-                continue
             rank = state.add(f"round{n}/joined", 1) - 1
             size = self._await_close(n, rank, deadline)
             if rank < size:
                 break
             state.add(f"round{n}/waiting", 1)  # too late for this round: wait for the next
             log.info("%s rendezvous of %r: round %d closed with %d nodes; waiting for the next", self._backend, params.run_id, n, size)
-            waiting_in = n
+            try:  # (until the members open the next round)
+                while self._current_round() == n:
+                    self._pause(f"round{n + 1}/open", deadline)
+            except BaseException:  # (giving up: no longer waiting)
+                with contextlib.suppress(DistError):
+                    state.add(f"round{n}/waiting", -1)
+                raise
         self._round = n
         round_store = PrefixStore(f"round{n}", state)
         info = RendezvousStoreInfo.build(rank, round_store, params.local_addr)
@@ -466,6 +480,8 @@ class _StoreRendezvous(RendezvousHandler):
             self._pause(closed, deadline, 0.05 if min_reached_at is not None else 1.0)
 
     def _pause(self, key: str, deadline: float, longest: float = 1.0) -> None:
+        if self._should_stop():
+            raise RendezvousClosedError(f"{self._backend} rendezvous of {self._params.run_id!r}: interrupted")
         if time.monotonic() >= deadline:
             raise RendezvousTimeoutError(f"{self._backend} rendezvous of {self._params.run_id!r} timed out")
         with contextlib.suppress(DistStoreError):  # (a timeout here is a poll; a lost store is not)
@@ -475,27 +491,35 @@ class _StoreRendezvous(RendezvousHandler):
 def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     from ...store._server import StoreServer
     from ...store._tcp import TCPStore
+    from .._agent import _is_local_address
 
     host, port = _endpoint(params.endpoint, 29400)
-    timeout = timedelta(seconds=float(params.get("read_timeout", 60)))
+    timeout = timedelta(seconds=float(params.get("join_timeout", 600)))
+    is_host = params.get_as_bool("is_host")
     server = None
-    if params.get_as_bool("is_host") is not False:
+    if is_host or (is_host is None and _is_local_address(host)):
         try:
             server = StoreServer("" if params.max_nodes > 1 else host, port)
             server.start("thread")
             port = server.port
-        except DistError:
-            if params.get_as_bool("is_host"):
-                raise
-            server = None  # (another node hosts it)
+        except DistError as exc:
+            if is_host:
+                raise RendezvousConnectionError(f"c10d rendezvous: cannot host the store at {host}:{port}: {exc}") from exc
+            server = None  # (another node of this host hosts it)
     try:
         store = TCPStore(host, port, timeout=timeout)
     except DistError as exc:
         if server is not None:
             server.stop()
         raise RendezvousConnectionError(f"c10d rendezvous: the store at {host}:{port} cannot be reached: {exc}") from exc
+
+    def release() -> None:
+        store.close()
+        if server is not None:
+            server.stop()
+
     state = PrefixStore(f"torch.rendezvous.{params.run_id}", store)
-    return _StoreRendezvous("c10d", params, state, on_shutdown=server.stop if server is not None else None)
+    return _StoreRendezvous("c10d", params, state, on_shutdown=release)
 
 
 def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
@@ -510,7 +534,8 @@ def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
             store = EtcdStore(host, port, prefix=prefix, timeout=timedelta(seconds=float(params.get("timeout", 60))))
         except DistError as exc:
             raise RendezvousConnectionError(f"{backend} rendezvous: etcd at {host}:{port}: {exc}") from exc
-        store.keep_alive(float(params.get("ttl", 30)))
+        # (no lease: the round's keys are shared, and a key's lease is its last writer's, so
+        # one node's exit would take state the others still use)
         return _StoreRendezvous(backend, params, store, on_shutdown=store.close)
 
     return create
