@@ -262,7 +262,9 @@ class LocalAgent:
         self._max_nodes = cfg.nnodes
         try:
             self._rendezvous = get_rendezvous_handler(params)
-        except (RendezvousError, DistError, ValueError) as exc:
+        except RendezvousError as exc:  # (it names the backend and the endpoint)
+            raise LaunchError(str(exc)) from exc
+        except (DistError, ValueError) as exc:
             raise LaunchError(f"{cfg.rdzv_backend} rendezvous at {endpoint}: {exc}") from exc
         # a signal to the launcher ends a wait in the rendezvous
         self._rendezvous._should_stop = lambda: self._signum is not None

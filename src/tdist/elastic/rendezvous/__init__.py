@@ -533,7 +533,7 @@ def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
         try:
             store = EtcdStore(host, port, prefix=prefix, timeout=timedelta(seconds=float(params.get("timeout", 60))))
         except DistError as exc:
-            raise RendezvousConnectionError(f"{backend} rendezvous: etcd at {host}:{port}: {exc}") from exc
+            raise RendezvousConnectionError(f"{backend} rendezvous: {exc}") from exc
         # (no lease: the round's keys are shared, and a key's lease is its last writer's, so
         # one node's exit would take state the others still use)
         return _StoreRendezvous(backend, params, store, on_shutdown=store.close)
