@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2])  # (the README's command; odd world sizes: the c10d tests)
 def test_train_demo_converges_with_identical_parameters(nproc: int) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
     proc = subprocess.run(

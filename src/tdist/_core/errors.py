@@ -39,19 +39,19 @@ if TYPE_CHECKING or not _process.TORCHLESS or "torch" in sys.modules:
 else:  # the `tdist` command's own process: torch's tree, without importing torch (see _process)
 
     class _TorchDistError(RuntimeError):
-        pass
+        """Stands in for ``torch.distributed.DistError``."""
 
     class _TorchBackendError(_TorchDistError):
-        pass
+        """Stands in for ``torch.distributed.DistBackendError``."""
 
     class _TorchNetworkError(_TorchDistError):
-        pass
+        """Stands in for ``torch.distributed.DistNetworkError``."""
 
     class _TorchStoreError(_TorchDistError):
-        pass
+        """Stands in for ``torch.distributed.DistStoreError``."""
 
     class _TorchQueueEmptyError(_TorchStoreError):
-        pass
+        """Stands in for ``torch.distributed.QueueEmptyError``."""
 
 __all__ = [
     "AuthenticationError",

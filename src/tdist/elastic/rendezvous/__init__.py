@@ -350,7 +350,7 @@ class _StaticRendezvous(RendezvousHandler):
         return False
 
     def set_closed(self) -> None:
-        pass
+        """A static rendezvous has no state to close (as torch's)."""
 
     def num_nodes_waiting(self) -> int:
         return 0
