@@ -578,6 +578,18 @@ def test_a_node_that_comes_later_joins_a_running_elastic_job(work: Path) -> None
     assert lines == [f"[rank{r}]:rank {r} of 4 sum 4" for r in range(4)]
 
 
+def test_a_signal_ends_a_wait_in_the_elastic_rendezvous(work: Path) -> None:
+    # two nodes at least, one comes: it waits in the rendezvous until Ctrl-C, not for join_timeout
+    proc = start_launcher(work, "--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                          f"127.0.0.1:{free_port()}", "worker.py", "env")
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    _, err = outputs([proc])[0]
+    assert time.monotonic() - start < 5
+    assert proc.returncode != 0 and "c10d rendezvous of 'none': interrupted" in err, err
+
+
 def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:
     # torchrun's "stacked single-node" form
     res = tdist_run(work, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1",
