@@ -99,21 +99,6 @@ def _rdzv_conf(value: str) -> dict[str, str]:
     return conf
 
 
-def _endpoint(value: str, default_port: int) -> tuple[str, int]:
-    """``host``, ``host:port``, ``[v6]:port`` -> (host, port)."""
-    host, port = value, default_port
-    if value.startswith("["):
-        host, _, rest = value[1:].partition("]")
-        if rest.startswith(":"):
-            port = _port(rest[1:])
-    elif value.count(":") == 1:
-        host, _, text = value.partition(":")
-        port = _port(text)
-    if not host:
-        raise ValueError(f"--rdzv-endpoint {value!r} names no host")
-    return host, port
-
-
 def _seconds(value: str) -> float:
     try:
         seconds = float(value)
@@ -206,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
     from .elastic import LaunchConfig, launch
+    from .elastic.rendezvous import parse_rendezvous_endpoint
 
     master_addr, master_port, run_id = ns.master_addr, ns.master_port, ns.run_id
     min_nodes, nnodes = ns.nnodes
@@ -220,10 +206,10 @@ def _run(ns: argparse.Namespace) -> int:
         elif backend == "etcd":  # etcd is where the nodes meet; node 0 hosts the store here
             if not ns.rdzv_endpoint:
                 raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST[:PORT] (etcd's client address)")
-            rdzv_host, rdzv_port = _endpoint(ns.rdzv_endpoint, 2379)
+            rdzv_host, rdzv_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 2379)
             master_addr, master_port = ns.local_addr or socket.getfqdn(), 0
         elif ns.rdzv_endpoint:
-            master_addr, master_port = _endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port)
+            master_addr, master_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port)
         elif backend == "c10d":
             raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
         if "join_timeout" in conf:

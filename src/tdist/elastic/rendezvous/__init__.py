@@ -300,21 +300,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+def parse_rendezvous_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host``, ``host:port`` or ``[v6 address]:port`` -> (host, port); ``default_port`` when
+    none is given (a negative default: a port is required).
+
+    Raises:
+        ValueError: an empty endpoint, a port that is not a number from 0 to 65535, or a
+            missing port that is required.
+    """
     text = endpoint.strip()
     if not text:
         raise ValueError("The rendezvous endpoint is empty: give <host>[:<port>]")
-    host, sep, port = text.rpartition(":")
-    if not sep or "]" in port:
-        host, port_number = text, default_port
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:  # (a host name, or a bare IPv6 address)
+        host, port = text, ""
+    if not port:
+        port_number = default_port
     else:
         try:
             port_number = int(port)
         except ValueError:
             raise ValueError(f"The port number of the rendezvous endpoint '{endpoint}' must be an integer.") from None
+        if not 0 <= port_number < 65536:
+            raise ValueError(f"The port number of the rendezvous endpoint '{endpoint}' must be from 0 to 65535.")
+    if not host:
+        raise ValueError(f"The rendezvous endpoint '{endpoint}' names no host")
     if port_number < 0:
         raise ValueError(f"The rendezvous endpoint '{endpoint}' needs a port: <host>:<port>")
-    return host.strip("[]"), port_number
+    return host, port_number
 
 
 class _StaticRendezvous(RendezvousHandler):
@@ -323,7 +340,7 @@ class _StaticRendezvous(RendezvousHandler):
         if rank is None:
             raise ValueError("rank is absent in RendezvousParameters. Try add --node-rank to the cmd request")
         self._rank, self._run_id = rank, params.run_id
-        self._host, self._port = _endpoint(params.endpoint, -1)
+        self._host, self._port = parse_rendezvous_endpoint(params.endpoint, -1)
         self._world_size = params.max_nodes
         self._timeout = timedelta(seconds=params.get_as_int("timeout", 60) or 60)
         self._store: Store | None = None
@@ -493,7 +510,7 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     from ...store._tcp import TCPStore
     from .._agent import _is_local_address
 
-    host, port = _endpoint(params.endpoint, 29400)
+    host, port = parse_rendezvous_endpoint(params.endpoint, 29400)
     timeout = timedelta(seconds=float(params.get("join_timeout", 600)))
     is_host = params.get_as_bool("is_host")
     server = None
@@ -528,7 +545,7 @@ def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
 
         from ...store._etcd import EtcdStore
 
-        host, port = _endpoint(params.endpoint, 2379)
+        host, port = parse_rendezvous_endpoint(params.endpoint, 2379)
         prefix = "/torchelastic/" + urllib.parse.quote(params.run_id, safe="")
         try:
             store = EtcdStore(host, port, prefix=prefix, timeout=timedelta(seconds=float(params.get("timeout", 60))))
