@@ -524,3 +524,39 @@ def local_get(rref: Any) -> int:
 def parameter_rref() -> Any:
     """An RRef, owned here, to a parameter."""
     return rpc.RRef(torch.nn.Parameter(torch.ones(2)))
+
+
+# -- values at the call (no torn tensors) -------------------------------------------------------
+
+
+def value_range(t: torch.Tensor) -> tuple[float, float]:
+    """The smallest and largest element: both the value of the call for an intact tensor."""
+    return float(t.min()), float(t.max())
+
+
+class _Watched(torch.futures.Future):  # type: ignore[type-arg]
+    """A future that tells when someone (the agent's reply) waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched = threading.Event()
+
+    def add_done_callback(self, callback: Any) -> None:
+        super().add_done_callback(callback)
+        self.watched.set()
+
+
+@rpc.functions.async_execution
+def reply_then_overwrite(n: int, value: float) -> Any:
+    """Replies with a tensor of ``n`` times ``value`` from a thread of the callee, which fills
+    the tensor with -1 as soon as ``set_result`` (where the reply is sent) returns."""
+    state = torch.full((n,), value)
+    fut = _Watched()
+
+    def complete() -> None:
+        fut.watched.wait(30)
+        fut.set_result(state)
+        state.fill_(-1.0)
+
+    threading.Thread(target=complete, daemon=True).start()
+    return fut

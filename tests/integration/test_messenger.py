@@ -515,3 +515,14 @@ def test_reading_ahead_beside_a_thread_that_claimed_the_connection(monkeypatch: 
         a.m.close()
         b.m.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_send_returns_once_the_peer_has_copied_so_the_sender_may_overwrite_at_once(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    x = np.zeros(4 << 20, dtype=np.float32)  # 16 MiB: copied out of a's memory by b
+    for i in range(10):
+        x.fill(i)
+        a.send(1, i, torch.from_numpy(x))
+        x.fill(-1)  # the moment send returns
+        got = b.get()[3].numpy()
+        assert got.min() == got.max() == i

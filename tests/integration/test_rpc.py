@@ -346,6 +346,31 @@ def test_tensors_large_non_contiguous_requires_grad_dtypes_and_containers(backen
     run(_tensors, backend)
 
 
+def _values_at_the_call(w: Worker) -> list[tuple[float, float]]:
+    if w.rank != 0:
+        return []
+    seen = []
+    n = 4 << 20  # 16 MiB: a cross-memory copy between processes of one host
+    for i in range(10):
+        # the caller overwrites its argument as soon as the call returns
+        t = torch.full((n,), float(i))
+        fut = rpc.rpc_async(w.peer(), f.value_range, args=(t,))
+        t.fill_(-1.0)
+        rref = rpc.remote(w.peer(), f.value_range, args=(t.fill_(float(i)),))
+        t.fill_(-1.0)
+        seen += [fut.wait(), rref.to_here()]
+        # the callee overwrites its result as soon as its reply returns
+        got = rpc.rpc_sync(w.peer(), f.reply_then_overwrite, args=(n, float(i)))
+        seen.append(f.value_range(got))
+    return seen
+
+
+@better_than_torch
+def test_a_tensor_changed_right_after_the_call_returns_arrives_with_its_values_at_the_call(backend: str) -> None:
+    seen = run(_values_at_the_call, backend, world_size=2, timeout=50)[0]
+    assert seen == [(float(i), float(i)) for i in range(10) for _ in range(3)]
+
+
 def _nested(w: Worker) -> None:
     p, q = w.peer(1), w.peer(2)
     assert rpc.rpc_sync(p, f.nested_call, args=(q, f.whoami)) == q  # to a third worker

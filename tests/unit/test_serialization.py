@@ -103,7 +103,7 @@ class _Unpicklable:
         raise RuntimeError("no pickling")
 
 
-def test_reused_pickler_keeps_nothing_alive_and_survives_errors() -> None:
+def test_dumps_keeps_nothing_alive_and_survives_errors() -> None:
     import gc
     import weakref
 
@@ -112,7 +112,7 @@ def test_reused_pickler_keeps_nothing_alive_and_survives_errors() -> None:
     small, large = dumps([obj]), dumps([obj, b"x" * (1 << 17)])
     del obj
     gc.collect()
-    assert ref() is None  # the per-thread pickler's memo does not hold the message's objects
+    assert ref() is None  # no pickler's memo holds the message's objects
     assert loads(join(small))[0].__class__ is _Big
     assert loads(join(large))[1] == b"x" * (1 << 17)
     assert not large[1].readonly  # a large pickle is its own writable memory
@@ -226,3 +226,47 @@ def test_views_keep_their_storage_strides_and_sharing_as_torch_rpc_sends_them() 
     g = torch.arange(8.0, requires_grad=True)
     (back,) = loads(join(dumps((g[::2],))))  # (a non-leaf view that requires grad)
     assert back.requires_grad and torch.equal(back.detach(), g.detach()[::2])
+
+
+# Threads that pickle views of the same storages (an RPC server replying with its model to
+# several callers at once) while the garbage collector runs often. A pickler reused with
+# clear_memo() between messages crashed this with SIGSEGV within seconds: the collector visits
+# a pickler's memo, and clear_memo frees the memo's objects before it empties the table.
+_GC_STRESS = """
+import gc, sys, threading
+import torch
+from tdist.transport._serialization import dumps, loads
+
+base = torch.arange(4096.0)
+model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(40)])
+shared = [base[i::7] for i in range(7)] + [base[i * 64 : i * 64 + 100] for i in range(30)]
+gc.set_threshold(50, 5, 5)
+failed = []
+
+def reply():
+    try:
+        for _ in range(60):
+            parts = dumps((model, shared, list(model.parameters())))
+            back = loads(bytearray(b"".join(bytes(p) for p in parts)))
+            assert torch.equal(back[1][3], shared[3])
+    except BaseException as exc:
+        failed.append(exc)
+
+threads = [threading.Thread(target=reply) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not failed, failed
+print("done")
+"""
+
+
+def test_threads_pickling_views_of_shared_storages_survive_garbage_collection() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", _GC_STRESS], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", (proc.returncode, proc.stderr[-3000:])

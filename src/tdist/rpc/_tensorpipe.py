@@ -33,7 +33,7 @@ import torch
 from .._core import auth
 from .._core.errors import DistError, PeerError
 from ..transport import _serialization as ser
-from ..transport._endpoint import _advertised_address
+from ..transport._endpoint import _CMA_MIN, _advertised_address
 from ..transport._messenger import Messenger, Payload, PeerAddress
 from ._agent import RpcAgent, WorkerInfo, set_current_agent, validate_name
 from ._message import MsgKind, encode_meta
@@ -44,7 +44,7 @@ __all__ = ["TensorPipeAgent"]
 log = logging.getLogger(__name__)
 
 _INIT_TIMEOUT = float(os.environ.get("TDIST_RPC_INIT_TIMEOUT", "300"))
-_CLAIM_MAX = 1 << 20
+_CLAIM_MAX = min(1 << 20, _CMA_MIN) if _CMA_MIN > 0 else 1 << 20  # (below a cross-memory copy)
 
 
 class _ThreadState(threading.local):
@@ -222,8 +222,8 @@ class TensorPipeAgent(RpcAgent):
             return
         if self._tls.claim_for == dst and sum(p.nbytes for p in parts) < _CLAIM_MAX:
             # a blocking call takes the callee's connection before its request goes out (then
-            # no poller wakes for the reply); not for a large request, whose long write would
-            # leave the connection unread meanwhile
+            # no poller wakes for the reply); not for a large request, whose long write (or
+            # wait for the callee's copy) would leave the connection unread meanwhile
             self._tls.claim_for = None
             self._tls.claimed = self.messenger.claim(dst)
         self.messenger.send(dst, tag, encode_meta(kind), parts, deadline, answer)

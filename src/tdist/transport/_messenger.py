@@ -6,8 +6,9 @@ are authenticated (``_handshake``) before a frame is read. Frames are ``_protoco
 header, metadata, payload. A payload is a list of buffers written with scatter-gather
 ``sendmsg``; between processes of one host, a message whose out-of-band buffers are large
 travels as ``DATA_CMA``: the frame carries the buffers' addresses and the receiver copies them
-with ``process_vm_readv`` straight into fresh memory (one copy, no socket), then acks so the
-sender can let them go.
+with ``process_vm_readv`` straight into fresh memory (one copy, no socket), then acks; the
+sender's ``send`` returns only then, so a sender may change its tensors as soon as ``send``
+returns and the receiver still gets the values they had when it was called (no torn tensor).
 
 Reading. Poller threads wait on an ``epoll`` set (one-shot registrations) and drains ready
 connections. A thread that waits for a reply from one peer may read that peer's connection
@@ -178,6 +179,18 @@ def fresh_buffer(n: int) -> memoryview:
     return _pool.take(n)
 
 
+class _Copied:
+    """A cross-memory transfer the peer is copying out of our memory: ``done`` is set by its
+    ``CMA_ACK`` (``err``: its errno, 0 when copied) or when the connection is lost (``err``
+    -1)."""
+
+    __slots__ = ("done", "err")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.err = 0
+
+
 class _Conn:
     __slots__ = (
         "addr",
@@ -215,8 +228,8 @@ class _Conn:
         self.fd = sock.fileno()
         self.addr = addr
         self.same_host = same_host
-        self.cma_ok = same_host
-        self.cma_out: dict[int, tuple[int, bytes, list[memoryview]]] = {}
+        self.cma_ok = same_host and _CMA_MIN > 0
+        self.cma_out: dict[int, _Copied] = {}  # transfers the peer copies now, by id
         self.send_lock = threading.Lock()
         self.rlock = threading.Lock()
         self.closed = False
@@ -506,8 +519,15 @@ class Messenger:
     # -- sending -------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, meta: bytes, parts: list[memoryview], deadline: float | None, answer: bool = False) -> None:
         """Send one message: ``parts`` is ``serialization.dumps`` output (header, pickle,
-        out-of-band buffers). Large buffers to a process of this host go by cross-memory copy
-        and are referenced until the peer has copied them.
+        out-of-band buffers).
+
+        Returns when the peer no longer needs ``parts``: the caller may change the tensors
+        they view at once, and the peer still gets the values they had at the call. Small
+        messages are with the kernel by then; large buffers to a process of this host go by
+        cross-memory copy (the peer copies them straight out of our memory), so ``send`` waits
+        until the peer says it has copied them. That wait has no deadline once the message is
+        out (the peer may be copying): it ends with the peer's answer, or with the connection
+        (a peer that stops answering is lost within ``stall_timeout``).
 
         Raises:
             PeerError: the peer is gone.
@@ -521,19 +541,46 @@ class Messenger:
         bufs = parts[2:]
         if c.cma_ok and bufs and sum(b.nbytes for b in bufs) >= _CMA_MIN:
             addrs = [_address(b) for b in bufs]
-            if all(a is not None for a in addrs):
-                xfer = next(self._xfer)
-                prefix = parts[0].nbytes + parts[1].nbytes
-                desc = bytearray(_CMA_DESC.pack(xfer, self.pid, len(bufs), prefix))
-                for a, b in zip(addrs, bufs, strict=True):
-                    desc += _CMA_BUF.pack(a, b.nbytes)
-                c.cma_out[xfer] = (tag, meta, parts)
-                head = pack_header(Kind.DATA_CMA, tag, len(desc) + prefix, len(meta))
-                self._write(c, [memoryview(head), memoryview(meta), memoryview(desc), parts[0], parts[1]], deadline)
+            if all(a is not None for a in addrs) and self._send_cma(c, tag, meta, parts, addrs, deadline):
                 return
         total = sum(p.nbytes for p in parts)
         head = pack_header(Kind.DATA, tag, total, len(meta))
         self._write(c, [memoryview(head), memoryview(meta), *parts], deadline)
+
+    def _send_cma(self, c: _Conn, tag: int, meta: bytes, parts: list[memoryview], addrs: list[Any], deadline: float | None) -> bool:
+        """Send ``parts`` as ``DATA_CMA`` and wait until the peer has copied its buffers;
+        False when the peer may not read our memory (then nothing was delivered: send it
+        plainly, as every later message to it)."""
+        bufs = parts[2:]
+        xfer = next(self._xfer)
+        prefix = parts[0].nbytes + parts[1].nbytes
+        desc = bytearray(_CMA_DESC.pack(xfer, self.pid, len(bufs), prefix))
+        for a, b in zip(addrs, bufs, strict=True):
+            desc += _CMA_BUF.pack(a, b.nbytes)
+        copied = _Copied()
+        c.cma_out[xfer] = copied
+        try:
+            head = pack_header(Kind.DATA_CMA, tag, len(desc) + prefix, len(meta))
+            self._write(c, [memoryview(head), memoryview(meta), memoryview(desc), parts[0], parts[1]], deadline)
+            self._await_copy(c, copied)
+        finally:
+            c.cma_out.pop(xfer, None)
+        if copied.err:
+            c.cma_ok = False
+            log.info("%s: cross-memory copy to %s refused (%s); using the socket", self.label, self.describe(c.peer), os.strerror(copied.err))
+            return False
+        return True
+
+    def _await_copy(self, c: _Conn, copied: _Copied) -> None:
+        """Wait for the peer's ``CMA_ACK`` of ``copied``, reading ``c`` in this thread when
+        nobody else does (this thread may be the poller that would read it)."""
+        while not copied.done.is_set():
+            if c.closed:
+                raise self._error_for(c)
+            if not self.read_until(c.peer, copied.done.is_set, None):
+                copied.done.wait(0.05)  # another thread reads it, and sets ``done``
+        if copied.err < 0:  # the connection was lost first
+            raise self._error_for(c)
 
     def defer(self, send: Callable[[], None]) -> bool:
         """In a poller thread: call ``send`` (which sends a message) later, before this thread
@@ -1073,14 +1120,10 @@ class Messenger:
         elif kind == Kind.DATA_CMA:
             self._on_cma(c, tag, meta, payload)
         elif kind == Kind.CMA_ACK:
-            entry = c.cma_out.pop(tag, None)
-            err = _ERRNO.unpack(meta)[0] if len(meta) == _ERRNO.size else 0
-            if entry is not None and err:
-                # the peer may not read our memory: resend plainly, and never try again
-                c.cma_ok = False
-                log.info("%s: cross-memory copy to %s refused (errno %d); using the socket", self.label, self.describe(c.peer), err)
-                t, m, parts = entry
-                self._ctrl.put(lambda: self._resend(c.peer, t, m, parts))
+            copied = c.cma_out.pop(tag, None)
+            if copied is not None:
+                copied.err = _ERRNO.unpack(meta)[0] if len(meta) == _ERRNO.size else 0
+                copied.done.set()
         elif kind == Kind.GOODBYE:
             c.goodbye = True
         else:
@@ -1092,10 +1135,6 @@ class Messenger:
             batch.append((peer, tag, meta, payload))
         else:
             self.on_message(peer, tag, meta, payload)
-
-    def _resend(self, peer: int, tag: int, meta: bytes, parts: list[memoryview]) -> None:
-        with contextlib.suppress(PeerError, DistNetworkError, DistTimeoutError):
-            self.send(peer, tag, meta, parts, time.monotonic() + 60.0)
 
     def _on_cma(self, c: _Conn, tag: int, meta: bytes, payload: memoryview) -> None:
         xfer, pid, nbuf, prefix_len = _CMA_DESC.unpack_from(payload, 0)
@@ -1160,6 +1199,9 @@ class Messenger:
                 )
             if last and not self._closing:
                 self._lost[c.peer] = err
+            for copied in c.cma_out.values():  # their senders stop waiting (and raise)
+                copied.err = -1
+                copied.done.set()
             c.cma_out.clear()
         with contextlib.suppress(OSError):
             c.sock.close()
@@ -1231,6 +1273,9 @@ class Messenger:
             self._send_conn.clear()
         for c in conns:
             c.closed = True
+            for copied in list(c.cma_out.values()):
+                copied.err = -1
+                copied.done.set()
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
         self._hb_stop.set()

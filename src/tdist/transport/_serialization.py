@@ -32,7 +32,6 @@ __all__ = ["Placeholder", "dumps", "loads", "loads_parts"]
 _MAGIC = b"TDS1"
 _HEAD = struct.Struct("<4sIQ")
 _LEN = struct.Struct("<Q")
-_COPY_MAX = 1 << 16  # pickles up to this size are copied out of a reused stream
 
 
 # dtypes travel by name (a short string pickles faster than torch's dtype object, which pickle
@@ -102,7 +101,8 @@ def _rebuild_view(base: torch.Tensor, dtype: str, offset: int, shape: tuple[int,
 
 
 def _storage_of(storage: Any) -> _Storage:
-    storages = _pickling.storages
+    storages = _message.storages
+    assert storages is not None  # (only a reducer of dumps calls this)
     key = storage.data_ptr()
     entry = storages.get(key)
     if entry is None:
@@ -123,7 +123,7 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     whole = storage.nbytes()
     if (
         (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful)
-    ) or (_pickling.storages and storage.data_ptr() in _pickling.storages):
+    ) or (_message.storages and storage.data_ptr() in _message.storages):
         # a view (or a tensor whose storage a view in this message sent already): with its
         # storage, offset and strides, sharing the storage with the message's other views
         return (_rebuild_view, (_storage_of(storage), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
@@ -177,69 +177,51 @@ def _sync_dispatch() -> None:
 _sync_dispatch()
 
 
-class _Pickling(threading.local):
-    """A pickler per thread, kept: making one costs more than pickling a small call."""
+class _Message(threading.local):
+    """The storages of the views in the message this thread is pickling (``None`` outside
+    ``dumps``; a reducer that serializes something itself nests a table of its own)."""
 
-    def __init__(self) -> None:
-        self.buffers: list[pickle.PickleBuffer] = []
-        self.storages: dict[int, _Storage] = {}  # the storages of the views in the message
-        self.busy = False
-        self.renew()
-
-    def renew(self) -> None:
-        self.stream, self.pickler = _new_pickler(self.buffers)
+    storages: dict[int, _Storage] | None = None
 
 
-def _new_pickler(buffers: list[pickle.PickleBuffer]) -> tuple[io.BytesIO, pickle.Pickler]:
-    stream = io.BytesIO()
-    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _DISPATCH
-    return stream, pickler
-
-
-_pickling = _Pickling()
+_message = _Message()
 
 
 _SCALARS = frozenset((type(None), bool, int, float, str, bytes))  # nothing of ours to reduce
 
 
 def dumps(obj: Any) -> list[memoryview]:
-    """``obj`` as buffers to send back to back: a header, the pickle, the out-of-band payloads."""
+    """``obj`` as buffers to send back to back: a header, the pickle, the out-of-band payloads.
+
+    Every call pickles with a pickler of its own, dropped when it returns. A pickler kept and
+    reused (``clear_memo()`` between messages) crashes the interpreter: CPython's garbage
+    collector visits a pickler's memo (3.11.7 on), and ``clear_memo`` releases the memo's
+    objects one by one before it empties the table, so a collection that a deallocation starts
+    meanwhile (in this thread, or in another one while this one waits for the GIL) visits
+    objects already freed. Tensors made while pickling (a Parameter's ``.data``) live in the
+    memo only, and their deallocation is such a point. A pickler being deallocated is untracked
+    first, so nothing visits its memo while it is emptied.
+    """
     if type(obj) in _SCALARS:  # a reply such as None: one call does it
         plain = memoryview(pickle.dumps(obj, protocol=5))
         return [memoryview(_HEAD.pack(_MAGIC, 0, plain.nbytes)), plain]
     if len(copyreg.dispatch_table) != _synced[0]:
         _sync_dispatch()  # something registered with copyreg since
-    tl = _pickling
-    if tl.busy:  # a reducer that serializes something itself: a pickler of its own
-        buffers: list[pickle.PickleBuffer] = []
-        stream, pickler = _new_pickler(buffers)
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    pickler.dispatch_table = _DISPATCH
+    outer = _message.storages
+    _message.storages = {}
+    try:
         pickler.dump(obj)
-        body = memoryview(stream.getbuffer())
-    else:
-        tl.busy = True
-        stream, buffers, pickler = tl.stream, tl.buffers, tl.pickler
-        try:
-            pickler.dump(obj)
-            if stream.tell() <= _COPY_MAX:
-                body = memoryview(stream.getvalue())  # a copy: the stream is reused
-                stream.seek(0)
-                stream.truncate()
-                pickler.clear_memo()  # the memo would keep the message's objects alive
-            else:  # a large pickle: its own writable memory (cross-memory copies need that)
-                body = memoryview(stream.getbuffer())
-                tl.renew()
-        except BaseException:
-            buffers.clear()
-            tl.renew()
-            raise
-        finally:
-            tl.busy = False
-            tl.storages.clear()
+    finally:
+        _message.storages = outer
+    del pickler
+    body = stream.getbuffer()  # writable memory of its own (cross-memory copies need that)
     if not buffers:
         return [memoryview(_HEAD.pack(_MAGIC, 0, body.nbytes)), body]
     views = [b.raw() for b in buffers]
-    buffers.clear()
     head = _HEAD.pack(_MAGIC, len(views), body.nbytes) + b"".join(_LEN.pack(v.nbytes) for v in views)
     return [memoryview(head), body, *views]
 
