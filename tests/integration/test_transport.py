@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -230,3 +231,51 @@ def test_close_sends_pending_acks_first() -> None:
     finally:
         master.close()
     assert results[0][-1] == results[1][-1] == "cma"
+
+
+class _ShortOnce:
+    """A socket whose next ``send`` takes only part of what it is given, as a socket with
+    little room left does."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.cut = threading.Event()
+
+    def send(self, data: bytes, *flags: int) -> int:
+        if not self.cut.is_set():
+            self.cut.set()
+            return int(self._sock.send(data[:10], *flags))
+        return int(self._sock.send(data, *flags))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_a_heartbeat_written_in_part_is_finished_before_the_next_frame() -> None:
+    store = tdist.HashStore()
+    cut = threading.Event()
+
+    def body(rank: int, n: int) -> list[bytes]:
+        ep = Endpoint(tdist.PrefixStore("hb", store), rank, n, timeout=10, heartbeat_interval=0.2)
+        try:
+            got = []
+            if rank == 0:
+                short = _ShortOnce(ep._peers[1].sock)
+                ep._peers[1].sock = short  # type: ignore[assignment]
+                assert short.cut.wait(5)  # a heartbeat went out in part
+                cut.set()
+                for i in range(3):
+                    ep.send(1, i, [f"after {i}".encode()])
+            else:
+                assert cut.wait(10)
+                for i in range(3):
+                    h = ep.post_recv(0, i)
+                    ep.wait(h, time.monotonic() + 5)
+                    got.append(h.data)
+            ep.send(1 - rank, 9, [b"bye"])
+            ep.wait(ep.post_recv(1 - rank, 9), time.monotonic() + 5)
+            return got
+        finally:
+            ep.close()
+
+    assert run_threads(body, 2, timeout=30)[1] == [b"after 0", b"after 1", b"after 2"]

@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import secrets
+import select
 import socket
 import threading
 import time
@@ -272,6 +273,7 @@ class _Peer:
         self.reader: threading.Thread | None = None
         self.cma = False  # may this peer read our memory (same host, and not refused yet)?
         self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
+        self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.addr})"
@@ -676,8 +678,8 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    p.sock.sendall(pack_header(Kind.ABORT, 0, 0, len(meta)) + meta)
-                except OSError:
+                    self._sendmsg(p, [memoryview(pack_header(Kind.ABORT, 0, 0, len(meta)) + meta)], time.monotonic() + 1.0, "abort")
+                except (DistError, OSError):
                     pass
                 finally:
                     p.send_lock.release()
@@ -700,8 +702,8 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    p.sock.sendall(pack_header(Kind.GOODBYE, 0, 0))
-                except OSError:
+                    self._sendmsg(p, [memoryview(pack_header(Kind.GOODBYE, 0, 0))], time.monotonic() + 1.0, "close")
+                except (DistError, OSError):
                     pass
                 finally:
                     p.send_lock.release()
@@ -729,7 +731,11 @@ class Endpoint:
         return p
 
     def _sendmsg(self, p: _Peer, parts: list[memoryview], deadline: float | None, what: str) -> None:
+        """Write ``parts`` whole (send lock held)."""
         sock = p.sock
+        if p.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
+            parts = [memoryview(p.tail), *parts]
+            p.tail = b""
         while parts:
             try:
                 sent = sock.sendmsg(parts[:_IOV_MAX])
@@ -1015,12 +1021,8 @@ class Endpoint:
             if item is None:
                 return
             p, frame = item
-            try:
-                with p.send_lock:
-                    p.sock.sendall(frame)
-                    p.last_sent = time.monotonic()
-            except OSError as exc:
-                self._lost(p, exc, "acknowledging a cross-memory copy")
+            with p.send_lock, contextlib.suppress(DistError):  # (a loss is reported)
+                self._sendmsg(p, [memoryview(frame)], None, "acknowledging a cross-memory copy")
 
     def _cma_into(
         self,
@@ -1103,18 +1105,31 @@ class Endpoint:
         while not self._hb_stop.wait(interval / 2):
             now = time.monotonic()
             for p in list(self._peers.values()):
-                if p.error is not None or now - p.last_sent < interval / 2:
+                if p.error is not None or (not p.tail and now - p.last_sent < interval / 2):
                     continue
                 if p.send_lock.acquire(blocking=False):
                     try:
-                        p.sock.send(frame)  # 24 bytes: fits in any socket buffer at once
-                        p.last_sent = now
-                    except (TimeoutError, BlockingIOError):
-                        pass
-                    except OSError:
-                        pass  # the reader reports the loss
+                        self._heartbeat(p, frame, now)
                     finally:
                         p.send_lock.release()
+
+    def _heartbeat(self, p: _Peer, frame: bytes, now: float) -> None:
+        """Write a heartbeat to ``p`` without waiting (send lock held). A socket with room for
+        only part of it takes that part: the rest is kept in ``p.tail`` and leaves first, from
+        the next write or heartbeat, so the frames stay whole."""
+        out = p.tail or frame
+        room = select.poll()  # (the socket has a timeout: a plain send would wait for room)
+        room.register(p.sock, select.POLLOUT)
+        if not room.poll(0):  # full: data is moving, or the peer stalls
+            return
+        try:
+            sent = p.sock.send(out)
+        except (TimeoutError, BlockingIOError, InterruptedError):
+            return
+        except OSError:  # the reader reports the loss
+            return
+        p.tail = out[sent:]
+        p.last_sent = now
 
 
 def _tune_tcp(sock: socket.socket) -> None:

@@ -105,6 +105,7 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _CMA_DESC = struct.Struct("<QIIQ")
 _CMA_BUF = struct.Struct("<QQ")
 _ERRNO = struct.Struct("<i")
+_HEARTBEAT = pack_header(Kind.HEARTBEAT, 0, 0)
 
 PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "port": int, "pid": int}
 # a DATA payload (one buffer) or a DATA_CMA payload ([prefix, *buffers])
@@ -219,6 +220,7 @@ class _Conn:
         "sock",
         "spin_poll",
         "spinner",
+        "tail",
         "yield_req",
     )  # fmt: skip
 
@@ -246,6 +248,7 @@ class _Conn:
         self.gap1 = self.gap2 = 0.0  # how long the last two requests after an answer took
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.hold_off = 0.0  # not held before this time (the guard had to arm it)
+        self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
         self.rx_start = 0
         self.rx_end = 0
         self.dest: memoryview | None = None  # a large payload being read in place
@@ -612,6 +615,10 @@ class Messenger:
             sock = c.sock
             parts = [p for p in parts if p.nbytes]
             started = False
+            if c.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
+                parts.insert(0, memoryview(c.tail))
+                c.tail = b""
+                started = True
             while parts:
                 try:
                     sent = sock.sendmsg(parts[:_IOV_MAX])
@@ -1233,13 +1240,25 @@ class Messenger:
                 if now - c.last_rx > self.stall_timeout:
                     self._lose(c, None, stalled=now - c.last_rx)
                     continue
-                if now - c.last_tx >= self.heartbeat_interval and c.send_lock.acquire(blocking=False):
+                if (c.tail or now - c.last_tx >= self.heartbeat_interval) and c.send_lock.acquire(blocking=False):
                     try:
-                        with contextlib.suppress(OSError):
-                            c.sock.send(pack_header(Kind.HEARTBEAT, 0, 0))
-                            c.last_tx = now
+                        self._heartbeat(c, now)
                     finally:
                         c.send_lock.release()
+
+    def _heartbeat(self, c: _Conn, now: float) -> None:
+        """Write a heartbeat on ``c`` without waiting (send lock held). A socket with room for
+        only part of it takes that part: the rest is kept in ``c.tail`` and leaves first, from
+        the next write or heartbeat, so the frames stay whole."""
+        out = c.tail or _HEARTBEAT
+        try:
+            sent = c.sock.send(out)
+        except (BlockingIOError, InterruptedError):  # full: data is moving, or the peer stalls
+            return
+        except OSError:  # the reader reports the loss
+            return
+        c.tail = out[sent:]
+        c.last_tx = now
 
     def _ctrl_loop(self) -> None:
         while True:
