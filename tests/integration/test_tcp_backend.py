@@ -277,3 +277,30 @@ def test_killed_rank_fails_the_collective_everywhere_within_5s() -> None:
                 p.kill()
                 p.join(5)
         master.close()
+
+
+def test_no_arena_where_memory_order_is_weaker_than_x86s(path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # the arena's counters rely on x86's store order: on ARM a group of one host says so and
+    # runs its collectives over sockets, with the same results
+    import platform
+
+    from tdist.c10d import _tcp_backend
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(_tcp_backend, "_no_arena_logged", set())
+    store = tdist.HashStore()
+
+    def body(rank: int, size: int) -> tuple[bool, list[float]]:
+        pg = group(store, rank, size)
+        try:
+            t = torch.arange(70_000, dtype=torch.float32) + rank
+            pg.allreduce([t], AllreduceOptions()).wait()
+            return pg.uses_shared_memory, t[:3].tolist()
+        finally:
+            pg.shutdown()
+
+    with caplog.at_level("WARNING", logger="tdist"):
+        results = run_threads(body, 2, timeout=60)
+    assert results == [(False, [1.0, 3.0, 5.0])] * 2
+    if path == "shm":  # (asked for the arena: told why there is none)
+        assert any("aarch64" in r.getMessage() and "over sockets" in r.getMessage() for r in caplog.records)

@@ -48,9 +48,13 @@ layout::
         then          two operation descriptors (by parity of the operation number)
     data              one ring per rank: K frames of F bytes each (page aligned)
 
-Each word has one writer, so plain aligned 8-byte loads and stores are atomic enough; x86-64
-keeps stores in order and loads in order, so "write the data, then bump the counter" on one
-side and "see the counter, then read the data" on the other is safe.
+Each word has one writer, so plain aligned 8-byte loads and stores are atomic enough. The
+protocol relies on x86's total store order: x86 keeps stores in order and loads in order, so
+"write the data, then bump the counter" on one side and "see the counter, then read the data"
+on the other is safe without fences (Python has no way to issue one). Other architectures
+(ARM, POWER) reorder stores and loads, and the same code would read torn frames there, so the
+arena refuses them (``memory_order_ok``): the ``tcp`` backend logs why and runs collectives
+over its sockets instead.
 
 The segment never grows: every collective streams through the rings in frames of ``F`` bytes
 (``frame_bytes``: 1 MiB up to 4 ranks, less beyond), whatever its size. That bounds /dev/shm
@@ -172,6 +176,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import re
 import secrets
 import select
@@ -190,7 +195,7 @@ from .._core.errors import DistBackendError, DistError, DistTimeoutError, PeerEr
 from ..store._api import Store
 from ._types import RedOpType, as_red_op
 
-__all__ = ["CollectiveMismatchError", "ShmArena", "cleanup_stale", "default_frame_bytes"]
+__all__ = ["CollectiveMismatchError", "ShmArena", "cleanup_stale", "default_frame_bytes", "memory_order_ok"]
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +225,22 @@ _MAX_YIELDS = 2
 # torch runs an element-wise kernel on several threads above 32768 elements
 _PARALLEL_BYTES = 32 << 10
 _NULL_CONTEXT = contextlib.nullcontext()
+
+
+# machines whose memory model keeps stores and loads in order (total store order)
+_TSO_MACHINES = frozenset(("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"))
+
+
+def memory_order_ok() -> str | None:
+    """None when this machine keeps the store and load order the arena's counters rely on
+    (x86); else why the arena cannot run here."""
+    machine = platform.machine()
+    if machine.lower() in _TSO_MACHINES:
+        return None
+    return (
+        f"this host is {machine or 'an unknown architecture'}, whose memory model may reorder "
+        "stores and loads; the shared-memory arena relies on x86's total store order"
+    )
 
 
 class CollectiveMismatchError(DistBackendError, ValueError):
@@ -456,6 +477,8 @@ class ShmArena:
 
     Raises:
         ValueError: bad arguments.
+        DistBackendError: this machine's memory order is weaker than x86's
+            (``memory_order_ok``).
         DistTimeoutError, PeerError, DistStoreError: the other ranks did not all join in time.
 
     Thread-safety: call an arena's methods from one thread at a time.
@@ -486,6 +509,9 @@ class ShmArena:
     ) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"ShmArena: need 0 <= rank < size, got rank={rank}, size={size}")
+        refused = memory_order_ok()
+        if refused is not None:
+            raise DistBackendError(f"ShmArena: {refused}")
         if frame_bytes is None:
             frame_bytes = default_frame_bytes(size)
         if frame_bytes % 4096 or frame_bytes < max(65536, 4096 * size):

@@ -184,6 +184,16 @@ class _RecvWork(Work):
             pass
 
 
+_no_arena_logged: set[str] = set()
+
+
+def _log_no_arena(why: str) -> None:
+    """Say once per process why groups of one host run their collectives over sockets."""
+    if why not in _no_arena_logged:
+        _no_arena_logged.add(why)
+        log.warning("tdist: %s; process groups of one host run their collectives over sockets", why)
+
+
 class ProcessGroupTCP(Backend):
     """Our CPU backend over ``tdist.transport`` (Unix sockets on one host, TCP across hosts).
 
@@ -213,23 +223,28 @@ class ProcessGroupTCP(Backend):
             self._ep.same_host(p) for p in range(size) if p != rank
         ):
             # Every rank of the group is on this host (a symmetric fact, so all ranks agree):
-            # collectives go through the shared-memory arena, never through sockets.
-            from ._shm import ShmArena
+            # collectives go through the shared-memory arena, never through sockets, where the
+            # machine's memory order allows it (the same for every rank of a host)
+            from ._shm import ShmArena, memory_order_ok
 
-            try:
-                self._arena = ShmArena(
-                    PrefixStore("shm", store),
-                    rank,
-                    size,
-                    name=name or "pg",
-                    timeout=self._timeout,
-                    heartbeat_interval=self._ep.heartbeat_interval,
-                    stall_timeout=self._ep.stall_timeout,
-                    spin_us=float(os.environ.get("TDIST_SHM_SPIN_US", "150")),
-                )
-            except BaseException:
-                self._ep.close()
-                raise
+            refused = memory_order_ok()
+            if refused is not None:
+                _log_no_arena(refused)
+            else:
+                try:
+                    self._arena = ShmArena(
+                        PrefixStore("shm", store),
+                        rank,
+                        size,
+                        name=name or "pg",
+                        timeout=self._timeout,
+                        heartbeat_interval=self._ep.heartbeat_interval,
+                        stall_timeout=self._ep.stall_timeout,
+                        spin_us=float(os.environ.get("TDIST_SHM_SPIN_US", "150")),
+                    )
+                except BaseException:
+                    self._ep.close()
+                    raise
 
     @property
     def uses_shared_memory(self) -> bool:
