@@ -415,6 +415,39 @@ def test_signal_to_the_launcher_stops_the_workers(work: Path, sig: int, code: in
             proc.wait()
 
 
+def test_kill_9_of_the_launcher_takes_its_workers_along(work: Path) -> None:
+    # (it runs no cleanup: the kernel's parent-death signal stops them)
+    proc = start_hanging(work, 2)
+    worker_pids = pids(work, 2)
+    try:
+        proc.kill()
+        proc.wait(10)
+        for pid in worker_pids:
+            assert wait_gone(pid, 10), f"worker {pid} outlived the launcher"
+    finally:
+        for pid in worker_pids:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_9_of_the_job_store_ends_the_job_with_a_message(work: Path) -> None:
+    proc = start_hanging(work, 2)
+    worker_pids = pids(work, 2)
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            store_pid = next(int(p) for p in f.read().split() if int(p) not in worker_pids)
+        os.kill(store_pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 1, err
+        assert f"the job's store server (pid {store_pid}" in err and "SIGKILL" in err, err
+        for pid in worker_pids:
+            assert wait_gone(pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # -- several nodes on this host ----------------------------------------------------------------
 @pytest.fixture
 def two_nodes(work: Path) -> Iterator[tuple[Path, int]]:

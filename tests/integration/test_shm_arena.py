@@ -688,3 +688,29 @@ def test_files_are_unlinked_once_every_rank_has_mapped_them() -> None:
             a.close()
 
     assert run_threads(body, 3, HashStore(), timeout=30) == [[], [], []]
+
+
+def _wait_for_peers(port: int, name: str) -> None:
+    arena(0, 2, port, name)  # rank 1 never comes: waits in its construction
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_while_the_arena_forms_leaves_nothing_behind(server: LocalStore) -> None:
+    # The segment is a memfd and the wake-ups are pipes: nothing has a name in /dev/shm, even
+    # while the ranks meet (files there outlived a rank killed at that moment).
+    name = unique("formkill")
+    before = set(os.listdir(SHM_DIR))
+    p = multiprocessing.get_context("fork").Process(target=_wait_for_peers, args=(server.port, name))
+    p.start()
+    try:
+        client = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=30))
+        client.wait([f"shm/{name}/1/rank/0"])  # rank 0 made its segment and waits for rank 1
+        assert shm_files(name) == [] and set(os.listdir(SHM_DIR)) - before == set()
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert shm_files(name) == [] and set(os.listdir(SHM_DIR)) - before == set()
+        client.close()
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(5)

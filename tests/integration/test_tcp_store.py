@@ -498,3 +498,44 @@ def test_get_latency_while_parent_holds_the_gil(master: dist.TCPStore) -> None:
         spinner.join()
     other.close()
     assert elapsed < 5  # a hang or a lost wake-up would blow this by far
+
+
+def test_dropping_a_store_without_close_does_no_network_io_and_stops_its_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    s.set("last", "1")  # close() would confirm this set with a round trip; a finalizer must not
+    server = s._server
+    assert server is not None and server.pid is not None
+    port, pid = s.port, server.pid
+    calls: list[object] = []
+    monkeypatch.setattr(dist.TCPStore, "_call_frame", lambda self, *a, **k: calls.append(a))
+    del s
+    gc.collect()
+    assert calls == []
+    pidfd = os.pidfd_open(pid)  # the server's process ends: nothing listens on the port
+    try:
+        import select
+
+        assert select.select([pidfd], [], [], 10)[0], "the store server outlived the dropped store"
+    finally:
+        os.close(pidfd)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_the_server_is_a_fresh_process_not_a_fork_of_a_threaded_one() -> None:
+    # a fork of a process whose other threads hold locks (a logging handler's, OpenSSL's) can
+    # wait on them forever in the child; the server is started as a new interpreter instead
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    try:
+        assert s._server is not None and s._server.pid is not None
+        with open(f"/proc/{s._server.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"-S" in argv and any(b"_serve_spawned" in a for a in argv), argv
+        with open(f"/proc/{s._server.pid}/maps") as f:
+            assert "libtorch" not in f.read()  # (it imports the server, not torch)
+        s.set("k", "v")
+        assert s.get("k") == b"v"
+    finally:
+        s.close()

@@ -1,4 +1,4 @@
-"""What kind of process this is.
+"""What kind of process this is, and the processes tdist starts.
 
 ``TORCHLESS`` is set by the ``tdist`` command (``tdist.cli.console_main``) before it imports
 anything else of tdist: the launcher and the store server run no user code and handle no tensor,
@@ -7,8 +7,41 @@ any worker starts). In such a process, tdist's errors derive from stand-ins shap
 exception tree instead of torch's classes. Nothing else changes, and a process that imports
 torch anyway (``"torch" in sys.modules`` when ``tdist._core.errors`` is first imported) keeps
 torch's classes.
+
+``die_with_parent`` makes a child that tdist starts (a worker of ``tdist run``, a store
+server) die with the process that started it, even when that one is killed with SIGKILL and
+runs no cleanup: Linux's parent-death signal (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+from collections.abc import Callable
+
 TORCHLESS = False
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` that asks the kernel to SIGKILL the child when
+    the calling thread's process dies (the thread must live as long as the child: the signal
+    follows the thread that forked); None where the kernel has no such request."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # (here: the store server's process imports this module and needs no ctypes)
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def child() -> None:  # runs between fork and exec: nothing here may take a lock
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return child

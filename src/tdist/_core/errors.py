@@ -26,9 +26,10 @@ with ``from``.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 from . import _process
+
+TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
 
 if TYPE_CHECKING or not _process.TORCHLESS or "torch" in sys.modules:
     from torch.distributed import DistBackendError as _TorchBackendError

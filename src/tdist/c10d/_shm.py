@@ -35,9 +35,9 @@ the arena is broken and every later call raises ``DistBackendError`` at once.
 
 Segment
 -------
-Rank 0 creates one file under ``/dev/shm``, sizes it, and maps it pre-faulted
-(``MAP_POPULATE``); the others map it after reading its name from the group's store. Its
-layout::
+Rank 0 creates one anonymous shared-memory file (``memfd_create``), sizes it, and maps it
+pre-faulted (``MAP_POPULATE``); the others open it through ``/proc/<rank 0's pid>/fd/<n>``, as
+published in the group's store, and map it. Its layout::
 
     header line       magic, version, world size, frames K, frame bytes F, ...
     control blocks    one per rank, a whole number of 64-byte lines:
@@ -57,8 +57,8 @@ arena refuses them (``memory_order_ok``): the ``tcp`` backend logs why and runs 
 over its sockets instead.
 
 The segment never grows: every collective streams through the rings in frames of ``F`` bytes
-(``frame_bytes``: 1 MiB up to 4 ranks, less beyond), whatever its size. That bounds /dev/shm
-use (8 MiB for 2 ranks, about 16 MiB for more), needs no re-mapping (so no generation counter,
+(``frame_bytes``: 1 MiB up to 4 ranks, less beyond), whatever its size. That bounds the shared
+memory used (8 MiB for 2 ranks, about 16 MiB for more), needs no re-mapping (so no generation counter,
 no second exchange through the store, no growth while a peer reads), and keeps the working set
 in the last-level cache: the frames one rank writes are read by the others before they leave
 it, and are overwritten in place K frames later, mostly without a trip to DRAM. Measured
@@ -106,16 +106,16 @@ Waiting
 -------
 A waiter checks the counters; if they are not there yet it spins for ``spin_us`` (50 us),
 calling ``os.sched_yield()`` between checks so that a rank sharing its core with ours runs, then
-blocks in the kernel: it sets its SLEEP word and ``poll()``s its own FIFO (``/dev/shm``, opened
-read-write) together with a ``pidfd`` of every peer process. A publisher, after bumping a
-counter, writes one byte into the FIFO of every peer whose SLEEP word is set. The SLEEP store and
+blocks in the kernel: it sets its SLEEP word and ``poll()``s its own wake-up pipe together with a
+``pidfd`` of every peer process. A publisher, after bumping a counter, writes one byte into the
+pipe of every peer whose SLEEP word is set. The SLEEP store and
 the counter load (and the counter store and the SLEEP load on the other side) are separated by
 a full memory barrier: the acquire and release of an uncontended ``threading.Lock`` are locked
 read-modify-write instructions in CPython. Timeouts of ``poll`` are bounded besides, so the wait
-re-checks everything at least every ``heartbeat_interval``. A FIFO rather than an ``eventfd``:
-another process can open a FIFO by its name (an eventfd would have to be passed over a Unix
-socket), and it polls together with the pidfds. Writing one byte costs under a microsecond, and
-only a peer that has announced it sleeps is written to.
+re-checks everything at least every ``heartbeat_interval``. A pipe rather than an ``eventfd``:
+another process can open a pipe's end through ``/proc/<pid>/fd`` (an eventfd would have to be
+passed over a Unix socket), and it polls together with the pidfds. Writing one byte costs under a
+microsecond, and only a peer that has announced it sleeps is written to.
 
 While an operation runs, torch's intra-op threads are capped at the rank's share of the cores
 (``cores // world_size``): a rank is one busy thread already, and OpenMP threads beyond the free
@@ -151,10 +151,12 @@ out differently or waiting for frames that never come.
 
 Files
 -----
-Names are ``/dev/shm/tdist-<uid>-<pid>-<token>-<name>...``. The segment and the FIFOs are
-unlinked as soon as every rank has mapped and opened them (after an internal barrier at the end
-of ``__init__``), so a crash later leaves nothing behind. A crash during ``__init__`` can leave
-files: every new arena first removes this user's ``tdist-`` files whose creator pid is gone.
+None. The segment is a memfd and the wake-up channels are pipes: nothing has a name, and all of
+it goes away with the last process that holds it, however the processes end (``kill -9``
+during ``__init__`` included). Only processes that may inspect each other (same user) can open
+them through ``/proc``. (Arenas of earlier versions used files named
+``/dev/shm/tdist-<uid>-<pid>-...``: rank 0 of a new arena removes those whose creator pid is
+gone, ``cleanup_stale``.)
 
 Store keys are ``shm/<name>/<k>/...``, where ``k`` counts the arenas of that name each rank
 has made, so a group re-created over the same store never reads the keys of the last one.
@@ -178,7 +180,6 @@ import mmap
 import os
 import platform
 import re
-import secrets
 import select
 import threading
 import time
@@ -548,8 +549,8 @@ class ShmArena:
         self._head: list[int] = []
         self._closed = False
         self._fence_lock = threading.Lock()
-        self._unlink: list[str] = []
-        self._fifo_r = -1
+        self._fifo_r = -1  # our wake-up pipe: read end, write end
+        self._fifo_self = -1
         self._fifo_w: dict[int, int] = {}
         self._pidfds: dict[int, int] = {}  # fd -> rank
         self._dead: set[int] = set()
@@ -585,54 +586,48 @@ class ShmArena:
         # re-created over the same store does not read the keys of the one before
         gen = store.add(f"shm/{self.name}/generation/{self.rank}", 1)
         prefix = f"shm/{self.name}/{gen}/"
-        uid = os.getuid()
-        token = secrets.token_hex(4)
-        base = f"tdist-{uid}-{self._pid}-{token}-{_sanitize(self.name)}"
+        seg_fd = -1
         if self.rank == 0:
-            cleanup_stale()
-            seg_path = os.path.join(SHM_DIR, base + ".seg")
-            fd = os.open(seg_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            self._unlink.append(seg_path)
+            cleanup_stale()  # (files that arenas of earlier tdist versions may have left)
+            # a memfd: shared memory without a name, gone with the last process that holds it
+            seg_fd = os.memfd_create(f"tdist-arena-{_sanitize(self.name)}", os.MFD_CLOEXEC)
+            self._fds.append(seg_fd)
+            os.ftruncate(seg_fd, self._nbytes)
             try:
-                os.ftruncate(fd, self._nbytes)
-                try:
-                    # allocate now: a tmpfs out of space would otherwise SIGBUS on first touch
-                    os.posix_fallocate(fd, 0, self._nbytes)
-                except OSError as exc:
-                    raise DistError(
-                        f"rank 0: cannot allocate the {self._nbytes} bytes of shared-memory arena "
-                        f"{self.name!r} in {SHM_DIR} ({exc.strerror}); free space there (in Docker: "
-                        "--shm-size), or pass a smaller frame_bytes / frames"
-                    ) from exc
-                self._map(fd)
-            finally:
-                os.close(fd)
+                # allocate now: shared memory out of space would otherwise SIGBUS on first touch
+                os.posix_fallocate(seg_fd, 0, self._nbytes)
+            except OSError as exc:
+                raise DistError(
+                    f"rank 0: cannot allocate the {self._nbytes} bytes of shared-memory arena "
+                    f"{self.name!r} ({exc.strerror}); free memory, or pass a smaller frame_bytes / frames"
+                ) from exc
+            self._map(seg_fd)
             w = self._w
             for i, v in enumerate(
                 (_MAGIC, _VERSION, self.size, self._K, self._F, self._rank_words, self._data_off, self._small)
             ):
                 w[i] = v
-            store.set(prefix + "seg", seg_path)
-        fifo_path = os.path.join(SHM_DIR, f"{base}-r{self.rank}.fifo")
-        os.mkfifo(fifo_path, 0o600)
-        self._unlink.append(fifo_path)
-        # read-write: never blocks on open, never sees EOF when writers come and go
-        self._fifo_r = os.open(fifo_path, os.O_RDWR | os.O_NONBLOCK)
-        self._fds.append(self._fifo_r)
-        store.set(prefix + f"rank/{self.rank}", json.dumps({"pid": self._pid, "fifo": fifo_path}))
+            store.set(prefix + "seg", json.dumps({"pid": self._pid, "fd": seg_fd}))
+        # our wake-up pipe: peers open its read end as writers through /proc; we keep its write
+        # end open too (a pipe with no writer would read EOF, and abort() wakes us through it)
+        self._fifo_r, self._fifo_self = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fds += [self._fifo_r, self._fifo_self]
+        store.set(prefix + f"rank/{self.rank}", json.dumps({"pid": self._pid, "wake": self._fifo_r}))
 
         keys = [prefix + f"rank/{q}" for q in range(self.size)]
         if self.rank != 0:
             keys.append(prefix + "seg")
         store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
         if self.rank != 0:
-            seg_path = store.get(prefix + "seg").decode()
+            seg = json.loads(store.get(prefix + "seg").decode())
+            seg_path = f"/proc/{seg['pid']}/fd/{seg['fd']}"
             try:
-                fd = os.open(seg_path, os.O_RDWR)
+                fd = os.open(seg_path, os.O_RDWR | os.O_CLOEXEC)
             except OSError as exc:
                 raise DistError(
-                    f"rank {self.rank}: cannot open the shared-memory segment {seg_path} of "
-                    f"arena {self.name!r} (rank 0 on another host, or another mount of /dev/shm?): {exc}"
+                    f"rank {self.rank}: cannot open the shared-memory segment of arena {self.name!r} "
+                    f"through {seg_path} (rank 0 in another pid namespace, or a process that may not "
+                    f"be inspected?): {exc}"
                 ) from exc
             try:
                 if os.fstat(fd).st_size != self._nbytes:
@@ -660,11 +655,11 @@ class ShmArena:
             pid = int(info["pid"])
             self._peer_pids[q] = pid
             try:
-                self._fifo_w[q] = os.open(info["fifo"], os.O_WRONLY | os.O_NONBLOCK)
+                self._fifo_w[q] = os.open(f"/proc/{pid}/fd/{info['wake']}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
                 self._fds.append(self._fifo_w[q])
             except OSError as exc:
                 raise PeerError(
-                    f"rank {self.rank}: cannot open the wake-up FIFO of rank {q} (pid {pid}) in arena "
+                    f"rank {self.rank}: cannot open the wake-up pipe of rank {q} (pid {pid}) in arena "
                     f"{self.name!r}: {exc}",
                     peer=q,
                 ) from exc
@@ -697,14 +692,13 @@ class ShmArena:
         )
         self._hb_thread.start()
 
-        # every rank has mapped the segment and opened every FIFO once all have arrived here:
-        # the names can go, and a crash from now on leaves nothing in /dev/shm
+        # every rank has mapped the segment and opened every pipe once all have arrived here:
+        # rank 0's descriptor of the segment is needed no more (the mappings keep it)
         self._op = "init"
         self._sync(_Kind.INIT, deadline)
-        for path in self._unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._unlink.clear()
+        if seg_fd >= 0:
+            self._fds.remove(seg_fd)
+            os.close(seg_fd)
         log.debug(
             "rank %s: shared-memory arena %s ready: %s ranks, %s frames of %s bytes",
             self.rank, self.name, self.size, self._K, self._F,
@@ -1866,7 +1860,7 @@ class ShmArena:
         self._aborted = reason
         self._fail(DistBackendError(f"rank {self.rank}: aborted: {reason}"))
         with contextlib.suppress(OSError):
-            os.write(self._fifo_r, b"\x01")  # opened read-write: wakes our own waiter
+            os.write(self._fifo_self, b"\x01")  # wakes our own waiter
 
     def close(self) -> None:
         """Leave the arena: peers still waiting for this rank raise ``PeerError``. Idempotent."""
@@ -1887,13 +1881,9 @@ class ShmArena:
         if thread is not None and thread is not threading.current_thread():
             thread.join(5.0)
         _release(self._hb_stop, self._fds)
-        self._fifo_r = -1
+        self._fifo_r = self._fifo_self = -1
         self._fifo_w = {}
         self._pidfds = {}
-        for path in self._unlink:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self._unlink = []
         self._views = {}
         self._slot_cache = {}
         mm = self._mm

@@ -4,7 +4,8 @@ Theory of operation. The agent of node 0 starts the job's store server (a forked
 serves nothing else), so that workers find it at ``MASTER_ADDR:MASTER_PORT`` and every worker is
 a client (``TORCHELASTIC_USE_AGENT_STORE=True``). It then starts ``nproc_per_node`` workers,
 each in a session of its own (so that stopping a worker stops what it started too), with the
-environment torchrun sets, and one thread per output stream that copies lines to its own
+environment torchrun sets (and the kernel's parent-death signal, so that a launcher killed with
+SIGKILL takes its workers along), and one thread per output stream that copies lines to its own
 stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last stderr lines for the report.
 
 One loop, in the calling thread, watches: it sleeps in ``select`` on a pidfd per worker and on a
@@ -46,6 +47,7 @@ from types import FrameType
 from typing import IO, Any, BinaryIO
 
 from .._core import auth
+from .._core._process import die_with_parent
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
 from ..store._api import Store
@@ -173,6 +175,9 @@ class LocalAgent:
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
         self._rendezvous: Any = None  # (--nnodes MIN:MAX: the rendezvous handler, kept for the run)
         self._round_server: StoreServer | None = None  # (elastic: the workers' store, on node 0)
+        self._hosted: StoreServer | None = None  # the job's store server this node runs
+        self._hosted_pidfd: int | None = None  # (its process: the monitor loop wakes when it dies)
+        self._lost_store: str | None = None  # why the job ended: that store server died
         self._max_nodes = 0
         self._next_waiting_check = 0.0
 
@@ -218,6 +223,7 @@ class LocalAgent:
                 cfg = self.config = dataclasses.replace(cfg, node_rank=0)  # (the host is node 0)
             if server is not None:
                 server.start("process")
+                self._watch_store(server)
                 port = server.port
                 log.info("node 0: job store on %s:%d", cfg.master_addr, port)
             else:
@@ -234,6 +240,9 @@ class LocalAgent:
                     close()
                 if self._round_server is not None:
                     self._round_server.stop()
+                if self._hosted_pidfd is not None:
+                    os.close(self._hosted_pidfd)
+                    self._hosted_pidfd = None
                 if self._rendezvous is not None:
                     self._rendezvous.shutdown()
                 if server is not None:
@@ -291,6 +300,7 @@ class LocalAgent:
             except DistError as exc:
                 raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
             self._round_server.start("process")
+            self._watch_store(self._round_server)
         self.config = dataclasses.replace(
             cfg, node_rank=info.rank, nnodes=info.world_size, min_nodes=None,
             master_addr=boot.master_addr, master_port=boot.master_port,
@@ -423,7 +433,8 @@ class LocalAgent:
                 self._say(f"stopped the workers on {signal.Signals(self._signum).name}")
                 self._post_failure(f"node {cfg.node_rank}: interrupted", final=True)
             elif outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
-                self._say(f"stopped the workers: {self._peer_failure()[0] or 'another node failed'}")
+                why = self._lost_store or self._peer_failure()[0] or "another node failed"
+                self._say(f"stopped the workers: {why}")
             return exit_code(outcome, root, self._signum)
 
     def _error_file(self, restart_count: int, local_rank: int) -> str:
@@ -473,6 +484,10 @@ class LocalAgent:
             while True:
                 self._reap(workers, exits)
                 peer, final = self._poll_peers()
+                lost = self._store_lost()
+                if lost is not None:  # (ends the job: every worker and node depends on it)
+                    peer, final = lost, True
+                    self._lost_store = lost
                 outcome = group_outcome(len(workers), exits, signum=self._signum, peer_failure=peer, peer_stopped=final)
                 if outcome is Outcome.RUNNING and self._nodes_waiting():
                     outcome = Outcome.RESCALE
@@ -501,6 +516,7 @@ class LocalAgent:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
@@ -581,6 +597,8 @@ class LocalAgent:
     def _sleep(self, workers: list[_Worker], timeout: float | None) -> None:
         """Block until a worker exits, a signal arrives, or ``timeout`` seconds pass."""
         fds = [self._wake_r]
+        if self._hosted_pidfd is not None and self._hosted is not None and self._hosted.exit_status() is None:
+            fds.append(self._hosted_pidfd)
         polling = False
         for w in workers:
             if w.exit is None:
@@ -702,6 +720,28 @@ class LocalAgent:
         self._wait_for_nodes(store, keys, stopped, late)
         self._joined = True
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
+
+    def _watch_store(self, server: StoreServer) -> None:
+        if self._hosted_pidfd is not None:
+            os.close(self._hosted_pidfd)
+            self._hosted_pidfd = None
+        self._hosted = server
+        if server.pid is not None:
+            with contextlib.suppress(AttributeError, OSError):  # (old kernel: checked each wake-up)
+                self._hosted_pidfd = os.pidfd_open(server.pid)
+
+    def _store_lost(self) -> str | None:
+        """Why the job's store server that this node runs is gone (its process died), else
+        None. The workers and the other nodes depend on it: the job ends."""
+        server = self._hosted
+        status = None if server is None else server.exit_status()
+        if server is None or status is None:
+            return None
+        how = describe_returncode(status)
+        return (
+            f"the job's store server (pid {server.pid}, port {server.port}) died (exit code {how}); "
+            "the workers cannot meet without it"
+        )
 
     def _poll_peers(self) -> tuple[str | None, bool]:
         if self._store is None or self._clock() < self._next_peer_check:

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 import types
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from .. import store as _store
 from ..autograd import _context as _autograd
 from ..store._rendezvous import rendezvous
+from ..store._tcp import serving_in_a_thread
 from . import _remote_profiling, backend_registry, functions
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._message import MsgKind
@@ -57,22 +57,6 @@ _stores: list[Any] = []  # keep the rendezvous store (and a store server we host
 def is_available() -> bool:
     """RPC is always available in tdist."""
     return True
-
-
-@contextlib.contextmanager
-def _store_in_a_thread() -> Iterator[None]:
-    """RPC needs its store only to form the group and to leave it: a store server hosted here
-    runs in a thread, not in a forked process (forking a process that has torch loaded costs
-    15-40 ms of init_rpc). Graceful shutdown keeps the host until every worker is past its
-    last use of the store. ``TDIST_STORE_SERVER`` set by the user wins."""
-    if "TDIST_STORE_SERVER" in os.environ:
-        yield
-        return
-    os.environ["TDIST_STORE_SERVER"] = "thread"
-    try:
-        yield
-    finally:
-        os.environ.pop("TDIST_STORE_SERVER", None)
 
 
 def _dynamic_store(init_method: str, rank: int) -> Any:
@@ -143,14 +127,24 @@ def init_rpc(
     with _init_lock:
         if current_agent(required=False) is not None:
             raise RuntimeError("RPC is already initialized")
-        with _store_in_a_thread():
+        # RPC needs its store only to form the group and to leave it: a store server hosted
+        # here runs in a thread, not in a process of its own (whose start costs tens of ms of
+        # init_rpc); graceful shutdown keeps the host until every worker is past its last use
+        with serving_in_a_thread():
             if world_size is None:
                 store = _dynamic_store(rpc_backend_options.init_method, rank)
             else:
                 store, rank, world_size = next(rendezvous(rpc_backend_options.init_method, rank=rank, world_size=world_size))
-        agent = backend_registry.init_backend(
-            backend, store=store, name=name, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options
-        )
+        try:
+            agent = backend_registry.init_backend(
+                backend, store=store, name=name, rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options
+            )
+        except BaseException:
+            close = getattr(store, "close", None)  # (a server hosted here stops, freeing its port)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+            raise
         _stores.append(store)
         set_current_agent(agent)
         with contextlib.suppress(AttributeError, RuntimeError):  # profiler events carry the worker id, as torch's

@@ -1,14 +1,48 @@
 """Stores: the key-value services every process of a job meets at.
 
 ``TCPStore`` (client and server), ``HashStore`` (in one process), ``FileStore`` (processes
-sharing a file), ``PrefixStore`` (a namespace inside another store).
+sharing a file), ``PrefixStore`` (a namespace inside another store), ``EtcdStore`` (an etcd
+cluster).
+
+The names load on first use (PEP 562): a process that needs one part of the package (the store
+server, started as a fresh interpreter, imports ``_server`` alone) does not pay for the others
+(``EtcdStore`` brings ``http.client``).
 """
 
-from ._api import Store
-from ._etcd import EtcdStore
-from ._file import FileStore
-from ._hash import HashStore
-from ._prefix import PrefixStore
-from ._tcp import TCPStore
+from __future__ import annotations
+
+import importlib
+
+TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
+
+if TYPE_CHECKING:
+    from ._api import Store as Store
+    from ._etcd import EtcdStore as EtcdStore
+    from ._file import FileStore as FileStore
+    from ._hash import HashStore as HashStore
+    from ._prefix import PrefixStore as PrefixStore
+    from ._tcp import TCPStore as TCPStore
 
 __all__ = ["EtcdStore", "FileStore", "HashStore", "PrefixStore", "Store", "TCPStore"]
+
+_WHERE = {
+    "EtcdStore": "._etcd",
+    "FileStore": "._file",
+    "HashStore": "._hash",
+    "PrefixStore": "._prefix",
+    "Store": "._api",
+    "TCPStore": "._tcp",
+}
+
+
+def __getattr__(name: str) -> object:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

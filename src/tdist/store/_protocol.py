@@ -9,6 +9,9 @@ request and a ``Status`` for a reply; integers travel as 8-byte signed fields. A
 opens with the server's ``HELLO`` (protocol version, whether a secret is required, a nonce, the
 server's TCP port); when a secret is required the client's first frame must be ``AUTH`` and is
 limited to ``MAX_AUTH_FRAME`` bytes, so nothing larger is read before the peer is trusted.
+After ``AUTH_OK`` every frame in either direction is followed by a tag of ``auth.TAG_SIZE``
+bytes from the session's keys (``_core.auth``: derived from the secret and both nonces), which
+the receiver checks before it reads the frame.
 Requests on one connection are answered in order, one reply each, except ``SET_QUIET`` (a
 ``set`` that, as torch's, does not wait for a round trip): it is answered only if it fails, with
 an ``ASYNC_ERROR`` frame that the client reads before its next reply. A blocking request (``GET``,
@@ -21,8 +24,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import NamedTuple
 
+from .._core import auth
 from .._core.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -90,9 +93,23 @@ class ErrorKind:
     TOO_LARGE = b"too_large"
 
 
-class Frame(NamedTuple):
-    code: int
-    fields: list[bytes]
+class Frame(tuple[int, list[bytes]]):
+    """A decoded frame: ``(code, fields)``, also as ``.code`` and ``.fields``. (A plain tuple
+    class: ``typing.NamedTuple`` would cost the store server's own process the import of
+    ``typing``.)"""
+
+    __slots__ = ()
+
+    def __new__(cls, code: int, fields: list[bytes]) -> Frame:
+        return tuple.__new__(cls, (code, fields))
+
+    @property
+    def code(self) -> int:
+        return self[0]
+
+    @property
+    def fields(self) -> list[bytes]:
+        return self[1]
 
 
 def encode_int(value: int) -> bytes:
@@ -165,11 +182,14 @@ class FrameDecoder:
     """Accumulates received bytes and yields complete frames.
 
     ``max_frame`` bounds the body length a peer may announce; a larger announcement raises
-    ``RemoteProtocolError`` before any of it is buffered.
+    ``RemoteProtocolError`` before any of it is buffered. Once ``seal`` is set (the session's
+    receiving ``auth.Seal``), every frame must be followed by its tag, checked before the frame
+    is read; a frame that fails it raises ``RemoteProtocolError``.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
+        self.seal: auth.Seal | None = None
         self._buf = bytearray()
         self._pos = 0
 
@@ -191,6 +211,13 @@ class FrameDecoder:
         n = len(data)
         if self._pos != len(self._buf) or n < HEADER.size:
             return None
+        if self.seal is not None:
+            body_len = FIELD_LEN.unpack_from(data, 0)[0]
+            if body_len + 4 + auth.TAG_SIZE != n or body_len > self.max_frame:
+                return None
+            self._check(data, 0, n - auth.TAG_SIZE)
+            _, code, count = HEADER.unpack_from(data, 0)
+            return parse_body(code, count, data, HEADER.size, n - auth.TAG_SIZE)
         if n >= _LEN1.size:  # the common shapes (one or two fields) without the general loop
             body_len, code, count, n0 = _LEN1.unpack_from(data, 0)
             if body_len + 4 != n or body_len > self.max_frame:
@@ -205,6 +232,15 @@ class FrameDecoder:
         if body_len + 4 != n or body_len > self.max_frame:
             return None
         return parse_body(code, count, data, HEADER.size, n)
+
+    def _check(self, data: bytes | memoryview, start: int, end: int) -> None:
+        """The tag after ``data[start:end]`` (one frame) must be that frame's."""
+        assert self.seal is not None
+        if not self.seal.check(data[end : end + auth.TAG_SIZE], data[start:end]):
+            raise RemoteProtocolError(
+                "a frame failed its authentication tag: the connection was tampered with (or the "
+                "peer is not the one that proved the secret)"
+            )
 
     def pending_length(self) -> int | None:
         """The announced body length of the frame being received, if its header is in."""
@@ -233,11 +269,15 @@ class FrameDecoder:
             )
         if body_len < _BODY_FIXED:
             raise RemoteProtocolError(f"frame body of {body_len} bytes is shorter than its header")
-        if avail < 4 + body_len:
+        mac = 0 if self.seal is None else auth.TAG_SIZE
+        if avail < 4 + body_len + mac:
             return None
         end = pos + 4 + body_len
         with memoryview(buf) as view:
+            if mac:
+                self._check(view, pos, end)
             frame = parse_body(code, count, view, pos + HEADER.size, end)
+        end += mac
         self._pos = end
         if end == len(buf):
             buf.clear()

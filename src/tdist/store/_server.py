@@ -9,9 +9,10 @@ further request until the waiter is answered, so replies stay in order. Any writ
 a key re-checks the waiters parked on it. A connection that breaks the protocol gets an error
 frame and is closed; nothing a client sends can stop the loop or touch other clients' keys.
 
-The loop runs in a thread, or (the default for ``TCPStore``) in a forked child process that
-serves nothing else, so a busy Python parent holding the GIL cannot slow the store down. The
-child exits when its parent closes the control pipe or dies.
+The loop runs in a thread, or (the default for ``TCPStore``) in a process of its own that serves
+nothing else, so a busy Python parent holding the GIL cannot slow the store down. That process is
+a new interpreter, not a fork (see ``StoreServer.start``), and exits when its parent closes the
+control pipe or dies.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import gc
 import heapq
 import itertools
+import json
 import logging
 import os
 import select
@@ -35,8 +36,13 @@ from collections import deque
 from collections.abc import Callable
 
 from .._core import auth
-from .._core.deadline import Clock
-from .._core.errors import DistNetworkError, RemoteProtocolError, StoreValueError
+from .._core.errors import (
+    AuthenticationError,
+    DistNetworkError,
+    RemoteProtocolError,
+    StoreValueError,
+)
+from .._core.peercred import check_unix_peer, unix_peer
 from ._protocol import (
     DEFAULT_MAX_FRAME,
     MAX_AUTH_FRAME,
@@ -51,6 +57,12 @@ from ._protocol import (
     encode_int,
 )
 from ._state import KVState
+
+TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
+if TYPE_CHECKING:
+    import subprocess
+
+    from .._core.deadline import Clock
 
 __all__ = ["StoreServer", "unix_address"]
 
@@ -74,6 +86,20 @@ _INT = struct.Struct("<q")
 def unix_address(port: int) -> str:
     """The abstract Unix-socket name a server on TCP ``port`` also listens on."""
     return f"\0tdist-store-{port}"
+
+
+def _holder(name: str) -> str:
+    """Who holds the abstract Unix socket ``name``, as far as a connection can tell."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(name)
+        pid, uid = unix_peer(probe)
+        return f"by pid {pid} of user {uid}"
+    except OSError as exc:
+        return f"by a process we cannot reach: {exc}"
+    finally:
+        probe.close()
 
 
 def _decode_key(raw: bytes) -> str:
@@ -110,6 +136,7 @@ class _Conn:
         "decoder",
         "nonce",
         "out",
+        "seal",
         "sock",
         "writing",
     )
@@ -124,6 +151,7 @@ class _Conn:
         self.closed = False
         self.writing = False
         self.nonce = b""
+        self.seal: auth.Seal | None = None  # tags our frames once the client proved the secret
 
 
 class StoreServer:
@@ -157,6 +185,7 @@ class StoreServer:
         backlog: int = 2048,
         listen_fd: int | None = None,
         spin: float | None = None,
+        unix_fd: int | None = None,
     ) -> None:
         self.host = host
         if spin is None:
@@ -174,7 +203,7 @@ class StoreServer:
         self._conns: set[_Conn] = set()
         self._stop_requested = False
         self._thread: threading.Thread | None = None
-        self._pid: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._control_w: int | None = None
         self._listeners: list[socket.socket] = []
         self._fdmap: dict[int, object] = {}
@@ -186,7 +215,10 @@ class StoreServer:
         self.port: int = self._tcp.getsockname()[1]
         self._listeners.append(self._tcp)
         self._unix: socket.socket | None = None
-        if unix:
+        if unix_fd is not None:
+            self._unix = socket.socket(fileno=unix_fd)
+            self._listeners.append(self._unix)
+        elif unix:
             self._unix = self._bind_unix(self.port, backlog)
             if self._unix is not None:
                 self._listeners.append(self._unix)
@@ -259,21 +291,38 @@ class StoreServer:
 
     @staticmethod
     def _bind_unix(port: int, backlog: int) -> socket.socket | None:
+        """The abstract Unix socket beside TCP ``port``; a name that is taken is an error: the
+        clients of this host would reach whoever holds it first (which a stranger can do),
+        never silently this server."""
         if os.environ.get("TDIST_STORE_UNIX", "1") == "0":
             return None
+        name = unix_address(port)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.bind(unix_address(port))
+            sock.bind(name)
             sock.listen(backlog)
-        except OSError:
-            # another server with this port number in another address: TCP only for us
+        except OSError as exc:
             sock.close()
-            return None
+            raise DistNetworkError(
+                f"cannot start a store server on port {port}: its Unix socket @{name[1:]} is taken "
+                f"({_holder(name)}); another store with this port number runs on this host, or "
+                "someone else took the name: pick another port (or set TDIST_STORE_UNIX=0 on "
+                "every process of the job)"
+            ) from exc
         return sock
 
     # -- running -------------------------------------------------------------------------------
     def start(self, mode: str = "process") -> None:
-        """Serve in the background: ``"process"`` (a forked child) or ``"thread"``."""
+        """Serve in the background: ``"process"`` (a new interpreter of its own) or
+        ``"thread"``.
+
+        The process is started fresh (``sys.executable``), not forked: a fork of a process
+        with other threads (torch's, the caller's) copies locks that those threads may hold at
+        that moment, and a child that then logs, or allocates through a library that keeps
+        its own locks, waits on them forever. It inherits the listening sockets, so clients
+        can connect at once; their first request is answered once it runs (its start takes
+        some tens of milliseconds: it imports only the server, not torch).
+        """
         r, w = os.pipe()
         self._control_w = w
         if mode == "thread":
@@ -284,39 +333,46 @@ class StoreServer:
             return
         if mode != "process":
             raise ValueError(f"store server mode must be 'process' or 'thread', got {mode!r}")
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # the child: serve, then leave without running the parent's exit handlers
-            code = 0
-            try:
-                os.close(w)
-                self._prepare_child(r)
-                self._serve_and_close(r, parent_pid=parent)
-            except BaseException:
-                log.exception("store server on port %d failed", self.port)
-                code = 1
-            finally:
-                os._exit(code)
-        self._pid = pid
-        os.close(r)
+        try:
+            self._spawn(r)
+        finally:
+            os.close(r)
         for sock in self._listeners:
             sock.close()
 
-    def _prepare_child(self, control_r: int) -> None:
-        keep = {0, 1, 2, control_r, *(s.fileno() for s in self._listeners)}
-        with contextlib.suppress(OSError):
-            for name in os.listdir("/proc/self/fd"):
-                fd = int(name)
-                if fd not in keep:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # Every rank waits on the store: when the cores are oversubscribed, it should get the
-        # CPU first (lowering the nice value needs privileges; without them this is a no-op).
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, int(os.environ.get("TDIST_STORE_NICE", "-5")))
-        gc.freeze()  # the parent's heap is not ours to scan: keep its pages shared
+    def _spawn(self, control_r: int) -> None:
+        unix = self._unix.fileno() if self._unix is not None and self._unix in self._listeners else None
+        config = {
+            "host": self.host,
+            "tcp": self._tcp.fileno(),
+            "unix": unix,
+            "control": control_r,
+            "parent": os.getpid(),
+            "secret": None if self.secret is None else self.secret.hex(),
+            "max_frame": self.max_frame,
+            "auth_timeout": self.auth_timeout,
+            "spin": self.spin,
+        }
+        import subprocess  # (here: the server's own process does not need it)
+
+        boot_r, boot_w = os.pipe()
+        try:
+            os.write(boot_w, json.dumps(config).encode())  # (far below a pipe's capacity)
+            os.close(boot_w)
+            boot_w = -1
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            self._proc = subprocess.Popen(
+                [sys.executable or "python3", "-S", "-c", _BOOT.format(root=root), str(boot_r)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=[fd for fd in (boot_r, control_r, self._tcp.fileno(), unix) if fd is not None],
+            )
+        except OSError as exc:
+            raise DistNetworkError(f"cannot start the store server process for port {self.port}: {exc}") from exc
+        finally:
+            os.close(boot_r)
+            if boot_w >= 0:
+                os.close(boot_w)
 
     def _serve_and_close(self, control_r: int, parent_pid: int | None = None) -> None:
         try:
@@ -325,6 +381,16 @@ class StoreServer:
             os.close(control_r)
             for sock in self._listeners:
                 sock.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (``start("process")``), else None."""
+        return None if self._proc is None else self._proc.pid
+
+    def exit_status(self) -> int | None:
+        """The server process's exit status (negative: killed by that signal) once it has
+        exited; None while it serves, or when it serves in a thread."""
+        return None if self._proc is None else self._proc.poll()
 
     def stop_listening(self) -> None:
         """Accept no new connection from now on (clients connected already are served on, and
@@ -343,33 +409,27 @@ class StoreServer:
             sock.close()
         self._listeners = []
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving and release the port; waits up to ``timeout`` seconds."""
+    def stop(self, timeout: float = 5.0, wait: bool = True) -> None:
+        """Stop serving and release the port; waits up to ``timeout`` seconds (``wait=False``:
+        not at all, the server ends on its own moments later)."""
         if self._control_w is not None:
             with contextlib.suppress(OSError):
                 os.close(self._control_w)
             self._control_w = None
+        if not wait:
+            self._thread = self._proc = None
+            return
         if self._thread is not None:
             if not sys.is_finalizing():  # (at interpreter exit a daemon thread runs no more)
                 self._thread.join(timeout)
             self._thread = None
-        elif self._pid is not None:
-            pid, self._pid = self._pid, None
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    done, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(pid, 0)
-                    break
-                time.sleep(0.002)
+        elif self._proc is not None:
+            proc, self._proc = self._proc, None
+            try:
+                proc.wait(timeout)
+            except Exception:  # (subprocess.TimeoutExpired)
+                proc.kill()
+                proc.wait()
         else:
             for sock in self._listeners:
                 sock.close()
@@ -465,6 +525,12 @@ class StoreServer:
                 addr = f"{peer[0]}:{peer[1]}"
             else:
                 addr = "unix"
+                try:
+                    check_unix_peer(sock, f"store server on port {self.port}")
+                except (AuthenticationError, OSError) as exc:
+                    log.warning("%s", exc)
+                    sock.close()
+                    continue
             conn = _Conn(sock, addr, self.secret is None, self.max_frame)
             self._conns.add(conn)
             assert self._ep is not None
@@ -477,7 +543,7 @@ class StoreServer:
                 conn.nonce,
                 encode_int(self.port),
             ]
-            conn.out += encode_frame(Op.HELLO, hello)
+            self._out(conn, encode_frame(Op.HELLO, hello))
             self._flush(conn)
             if self.secret is not None:
                 self._add_timer(self._clock() + self.auth_timeout, functools.partial(self._auth_expired, conn))
@@ -614,9 +680,7 @@ class StoreServer:
             try:
                 self._op_set_quiet(fields)
             except (RemoteProtocolError, ValueError) as exc:
-                conn.out += encode_frame(
-                    Status.ASYNC_ERROR, [ErrorKind.PROTOCOL, f"malformed SET: {exc}".encode()]
-                )
+                self._out(conn, encode_frame(Status.ASYNC_ERROR, [ErrorKind.PROTOCOL, f"malformed SET: {exc}".encode()]))
             return
         if handler is None:
             self._reply_error(conn, ErrorKind.PROTOCOL, f"unknown store command {code}")
@@ -651,13 +715,24 @@ class StoreServer:
             return
         conn.authed = True
         conn.decoder.max_frame = self.max_frame
-        conn.out += encode_frame(Op.AUTH_OK, [auth.server_proof(self.secret, conn.nonce, fields[0])])
+        self._out(conn, encode_frame(Op.AUTH_OK, [auth.server_proof(self.secret, conn.nonce, fields[0])]))
+        # every frame from now on, both ways, carries the session's tag
+        c2s, s2c = auth.session_keys(self.secret, conn.nonce, fields[0])
+        conn.seal = auth.Seal(s2c)
+        conn.decoder.seal = auth.Seal(c2s)
+
+    @staticmethod
+    def _out(conn: _Conn, frame: bytes) -> None:
+        """Queue one frame for ``conn`` (tagged once the session is authenticated)."""
+        conn.out += frame
+        if conn.seal is not None:
+            conn.out += conn.seal.tag(frame)
 
     def _reply(self, conn: _Conn, fields: list[bytes] | tuple[bytes, ...] = ()) -> None:
-        conn.out += encode_frame(Status.OK, fields)
+        self._out(conn, encode_frame(Status.OK, fields))
 
     def _reply_error(self, conn: _Conn, kind: bytes, message: str, extra: list[bytes] | None = None) -> None:
-        conn.out += encode_frame(Status.ERROR, [kind, message.encode(), *(extra or [])])
+        self._out(conn, encode_frame(Status.ERROR, [kind, message.encode(), *(extra or [])]))
 
     @staticmethod
     def _nargs(fields: list[bytes], n: int, op: str) -> None:
@@ -685,7 +760,7 @@ class StoreServer:
         key = _decode_key(f[0])
         value = self._state.data.get(key)
         if value is not None:
-            conn.out += encode_frame(Status.OK, (value,))
+            self._out(conn, encode_frame(Status.OK, (value,)))
         else:
             self._park(conn, Op.GET, [key], _timeout_arg(f[1]))
 
@@ -699,9 +774,9 @@ class StoreServer:
         amount = f[1]
         value = self._state.add(key, _INT.unpack(amount)[0] if len(amount) == 8 else decode_int(amount))
         try:
-            conn.out += _OK_INT.pack(_OK_INT.size - 4, Status.OK, 1, 8, value)
+            self._out(conn, _OK_INT.pack(_OK_INT.size - 4, Status.OK, 1, 8, value))
         except struct.error:
-            conn.out += encode_frame(Status.OK, (encode_int(value),))  # raises the clear error
+            self._out(conn, encode_frame(Status.OK, (encode_int(value),)))  # raises the clear error
         if self._parked:
             self._changed(key)
 
@@ -728,7 +803,7 @@ class StoreServer:
             ok = present(_decode_key(f[0]))
         else:
             ok = all(present(_decode_key(k)) for k in f)
-        conn.out += _CHECK_TRUE if ok else _CHECK_FALSE
+        self._out(conn, _CHECK_TRUE if ok else _CHECK_FALSE)
 
     def _op_delete(self, conn: _Conn, f: list[bytes]) -> None:
         self._nargs(f, 1, "DELETE")
@@ -897,3 +972,50 @@ class StoreServer:
         while timers and timers[0][0] <= now:
             _, _, callback = heapq.heappop(timers)
             callback()
+
+
+# What the store server's own interpreter runs: tdist's errors without torch (``_process``),
+# the server module alone, then ``_serve_spawned`` with the descriptor of its configuration.
+_BOOT = (
+    "import sys; sys.path.insert(0, {root!r})\n"
+    "from tdist._core import _process; _process.TORCHLESS = True\n"
+    "from tdist.store import _server; _server._serve_spawned(int(sys.argv[1]))"
+)
+
+
+def _serve_spawned(boot_fd: int) -> None:
+    """The store server process (see ``StoreServer.start``): read the configuration its parent
+    wrote, serve on the inherited sockets until the parent closes the control pipe or dies."""
+    global _OPEN_WARNED
+    chunks = []
+    while True:
+        chunk = os.read(boot_fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(boot_fd)
+    cfg = json.loads(b"".join(chunks))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is for the parent, which stops us
+    # Every rank waits on the store: when the cores are oversubscribed, it should get the CPU
+    # first (lowering the nice value needs privileges; without them this is a no-op).
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, int(os.environ.get("TDIST_STORE_NICE", "-5")))
+    _OPEN_WARNED = True  # (the parent said it already)
+    server = StoreServer(
+        cfg["host"],
+        secret=bytes.fromhex(cfg["secret"]) if cfg["secret"] else b"",
+        max_frame=cfg["max_frame"],
+        auth_timeout=cfg["auth_timeout"],
+        listen_fd=cfg["tcp"],
+        unix_fd=cfg["unix"],
+        unix=cfg["unix"] is not None,
+        spin=cfg["spin"],
+    )
+    code = 0
+    try:
+        server._serve_and_close(cfg["control"], parent_pid=cfg["parent"])
+    except BaseException:
+        log.exception("store server on port %d failed", server.port)
+        code = 1
+    finally:
+        os._exit(code)

@@ -8,6 +8,7 @@ server's abstract Unix socket, which is several times faster than loopback TCP.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import ipaddress
 import logging
@@ -18,7 +19,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 from .._core import auth
@@ -31,6 +32,7 @@ from .._core.errors import (
     StoreTimeoutError,
     StoreValueError,
 )
+from .._core.peercred import check_unix_peer
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
 from ._protocol import (
     DEFAULT_MAX_FRAME,
@@ -94,6 +96,15 @@ def _is_local(host: str) -> bool:
     return False
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
 def _client_spin() -> float:
     """Seconds a client polls for a reply before sleeping; none while this process serves a
     store from a thread, which the spinning caller would starve of the GIL."""
@@ -102,9 +113,25 @@ def _client_spin() -> float:
     return float(os.environ.get("TDIST_STORE_SPIN_US", "200")) / 1e6
 
 
+# where a master started in this context serves (``serving_in_a_thread``); None: the default
+_mode_here: contextvars.ContextVar[str | None] = contextvars.ContextVar("tdist_store_server_mode", default=None)
+
+
 def _server_mode() -> str:
-    mode = os.environ.get("TDIST_STORE_SERVER", "process")
+    mode = os.environ.get("TDIST_STORE_SERVER") or _mode_here.get() or "process"
     return mode if mode in ("process", "thread") else "process"
+
+
+@contextlib.contextmanager
+def serving_in_a_thread() -> Iterator[None]:
+    """Masters started inside serve from a thread of this process, not a process of their
+    own (``TDIST_STORE_SERVER`` set by the user wins). For stores used only to form a group:
+    a thread costs nothing to start, a process tens of milliseconds."""
+    token = _mode_here.set("thread")
+    try:
+        yield
+    finally:
+        _mode_here.reset(token)
 
 
 class TCPStore(Store):
@@ -115,7 +142,7 @@ class TCPStore(Store):
         port: the server's port; the master may pass 0 for a free one (read ``port``).
         world_size: the number of store users; with ``wait_for_workers`` the master waits for
             all of them to connect.
-        is_master: start the server in this process (in a forked child by default, so that a
+        is_master: start the server (in a process of its own by default, so that a
             busy parent cannot slow it; ``TDIST_STORE_SERVER=thread`` keeps it in a thread).
         timeout: the default timeout of connecting and of blocking calls.
         wait_for_workers: see ``world_size``.
@@ -168,6 +195,8 @@ class TCPStore(Store):
         self._spin_poll = select.poll()  # readiness of _sock, for spinning
         self._add_prefix: tuple[str | None, bytes] = (None, b"")  # the last add's key and frame start
         self._decoder = FrameDecoder()
+        self._send_seal: auth.Seal | None = None  # the session's tags (a store with a secret)
+        self._recv_seal: auth.Seal | None = None
         self._transport = "tcp"
         self._pid = os.getpid()
         self._broken: DistError | None = None
@@ -264,6 +293,7 @@ class TCPStore(Store):
                 self._spin_poll = select.poll()
                 self._spin_poll.register(sock, select.POLLIN)
                 self._decoder = FrameDecoder()
+                self._decoder.seal = self._recv_seal
                 self._quiet_sent = False
                 self._pid = os.getpid()
                 return
@@ -290,6 +320,12 @@ class TCPStore(Store):
         try:
             sock.settimeout(max(0.05, deadline - time.monotonic()))
             sock.connect(unix_address(self._port))
+            try:  # (before a byte is read: a stranger holding the name can neither serve nor stall us)
+                check_unix_peer(sock, f"the store's Unix socket @{unix_address(self._port)[1:]}")
+            except AuthenticationError as exc:
+                _warn_once(f"TCPStore client for {self._addr}: {exc}; using TCP")
+                sock.close()
+                return None
             self._transport = "unix"
             port = self._handshake(sock, deadline)
         except (OSError, DistNetworkError) as exc:
@@ -317,6 +353,12 @@ class TCPStore(Store):
             )
         needs_auth = hello.fields[1] == b"\x01"
         port = decode_int(hello.fields[3])
+        self._send_seal = self._recv_seal = None
+        if self._secret is not None and not needs_auth:
+            raise AuthenticationError(
+                f"the store at {self._addr} does not ask for the secret this process holds: it is "
+                "not this job's store (or was started without the secret); refused"
+            )
         if needs_auth:
             if self._secret is None:
                 raise AuthenticationError(
@@ -333,6 +375,9 @@ class TCPStore(Store):
                     f"the store at {self._addr} rejected our secret (or could not prove its "
                     "own): every process of the job must use the same TDIST_SECRET"
                 )
+            # every frame from now on, both ways, carries the session's tag
+            c2s, s2c = auth.session_keys(self._secret, hello.fields[2], nonce)
+            self._send_seal, self._recv_seal = auth.Seal(c2s), auth.Seal(s2c)
         return port
 
     def _read_frame(self, sock: socket.socket, decoder: FrameDecoder, what: str) -> Frame:
@@ -360,6 +405,8 @@ class TCPStore(Store):
             sock = self._sock
             if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
                 sock = self._ready_socket()
+            if self._send_seal is not None:
+                frame_bytes += self._send_seal.tag(frame_bytes)
             try:
                 try:
                     sent = sock.send(frame_bytes)
@@ -394,6 +441,8 @@ class TCPStore(Store):
         io_timeout = self._timeout.total_seconds()
         with self._lock:
             sock = self._ready_socket()
+            if self._send_seal is not None:
+                frame_bytes += self._send_seal.tag(frame_bytes)
             try:
                 # Over a Unix socket a send to a closed peer fails at once (EPIPE); over TCP
                 # the first send after the server closed still succeeds, so look for its EOF.
@@ -749,8 +798,35 @@ class TCPStore(Store):
         server.stop()
 
     def __del__(self) -> None:
+        # A finalizer runs at whatever allocation the collector picks, in any thread: no network
+        # I/O, no waiting, no lock the interrupted code may hold. ``close()`` is the orderly way
+        # (it confirms the last sets); here the descriptors go, and a server this store alone
+        # hosts is told to stop (it ends on its own, with its process).
         with contextlib.suppress(Exception):
-            self.close()
+            self._closed = True
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
+            server, self._server = self._server, None
+            if server is None:
+                return
+            if self._tenant_key is not None:
+                if not _tenants_lock.acquire(blocking=False):
+                    return  # (shared, and busy: the process's end stops it)
+                try:
+                    entry = _tenants.get(self._tenant_key)
+                    if entry is not None and entry[1] > 1:
+                        for k, (s, refs) in list(_tenants.items()):
+                            if s is server:
+                                _tenants[k] = (s, refs - 1)
+                        return
+                    for k, (s, _) in list(_tenants.items()):
+                        if s is server:
+                            del _tenants[k]
+                finally:
+                    _tenants_lock.release()
+            _thread_servers.discard(id(server))
+            server.stop(wait=False)
 
     def __repr__(self) -> str:
         role = "master" if self._is_master else "client"

@@ -274,6 +274,7 @@ class _Peer:
         self.cma = False  # may this peer read our memory (same host, and not refused yet)?
         self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
         self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
+        self.session: _handshake.Session | None = None  # frame tags, when the group has a secret
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.addr})"
@@ -327,7 +328,7 @@ class Endpoint:
         self._xfer_ids = itertools.count(1)
         self._pool = _BufferPool()
         self._pid = os.getpid()
-        self._acks: queue.SimpleQueue[tuple[_Peer, bytes] | None] | None = None
+        self._acks: queue.SimpleQueue[tuple[_Peer, int, bytes] | None] | None = None
         self._ack_thread: threading.Thread | None = None
         self._copying = 0  # cross-memory copies whose ack is not queued yet
         self._copying_cv = threading.Condition()
@@ -352,13 +353,17 @@ class Endpoint:
         tcp.listen(max(16, self.size))
         port = tcp.getsockname()[1]
         unix_name = f"\0tdist-ep-{secrets.token_hex(8)}-{self.rank}"
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        assert unix is not None
         try:
             unix.bind(unix_name)
             unix.listen(max(16, self.size))
-        except OSError:
+        except OSError as exc:  # (a random name: taken means someone is in the way, never ours)
             unix.close()
-            unix = None  # type: ignore[assignment]
+            tcp.close()
+            raise DistNetworkError(
+                f"rank {self.rank}: cannot listen on the Unix socket @{unix_name[1:]}: {exc}"
+            ) from exc
         if self.rank == 0:
             token = secrets.token_bytes(TOKEN_SIZE)
             store.set("ep/token", token)
@@ -442,7 +447,9 @@ class Endpoint:
                 f"{info.get('port')}: {last}"
             )
         try:
-            their_rank = _handshake.connect(sock, self.rank, self._token, self.secret, f"rank {peer}")
+            their_rank, session = _handshake.connect(
+                sock, self.rank, self._token, self.secret, f"rank {peer}", pid=int(info["pid"]) if addr == "unix" else None
+            )
             if their_rank != peer:
                 raise DistNetworkError(f"expected rank {peer} at {addr}, found rank {their_rank}")
         except (OSError, RemoteProtocolError) as exc:
@@ -453,6 +460,7 @@ class Endpoint:
             raise
         with self._lock:
             self._peers[peer] = _Peer(peer, sock, addr)
+            self._peers[peer].session = session
 
     def _accept_all(self, listeners: list[socket.socket], expected: int, deadline: float, errors: list[BaseException]) -> None:
         import selectors
@@ -489,7 +497,7 @@ class Endpoint:
             sock.setblocking(True)
             if sock.family != socket.AF_UNIX:
                 _tune_tcp(sock)
-            peer, _ = _handshake.accept(
+            peer, _, session = _handshake.accept(
                 sock,
                 self.rank,
                 self.secret,
@@ -511,6 +519,7 @@ class Endpoint:
             return False
         with self._lock:
             self._peers[peer] = _Peer(peer, sock, addr)
+            self._peers[peer].session = session
         return True
 
     # -- public API ----------------------------------------------------------------------------
@@ -547,12 +556,8 @@ class Endpoint:
         nbytes = sum(v.nbytes for v in views)
         if p.cma and nbytes >= _CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
             return
-        parts: list[memoryview] = [memoryview(pack_header(Kind.DATA, tag, nbytes, len(meta)))]
-        if meta:
-            parts.append(memoryview(meta))
-        parts.extend(v for v in views if v.nbytes)
         with p.send_lock:
-            self._sendmsg(p, parts, deadline, what)
+            self._sendmsg(p, self._frame(p, Kind.DATA, tag, meta, views, nbytes), deadline, what)
 
     def _send_cma(
         self,
@@ -581,12 +586,8 @@ class Endpoint:
         with self._lock:
             p.acks[xfer] = ack
         try:
-            parts = [memoryview(pack_header(Kind.DATA_CMA, tag, len(desc), len(meta)))]
-            if meta:
-                parts.append(memoryview(meta))
-            parts.append(memoryview(desc))
             with p.send_lock:
-                self._sendmsg(p, parts, deadline, what)
+                self._sendmsg(p, self._frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc)), deadline, what)
             # the peer reads our buffers now: they must stay untouched until it says so
             event: threading.Event = ack[0]
             step = max(0.05, self.heartbeat_interval / 2)
@@ -678,7 +679,7 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    self._sendmsg(p, [memoryview(pack_header(Kind.ABORT, 0, 0, len(meta)) + meta)], time.monotonic() + 1.0, "abort")
+                    self._sendmsg(p, self._frame(p, Kind.ABORT, 0, meta), time.monotonic() + 1.0, "abort")
                 except (DistError, OSError):
                     pass
                 finally:
@@ -702,7 +703,7 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    self._sendmsg(p, [memoryview(pack_header(Kind.GOODBYE, 0, 0))], time.monotonic() + 1.0, "close")
+                    self._sendmsg(p, self._frame(p, Kind.GOODBYE, 0), time.monotonic() + 1.0, "close")
                 except (DistError, OSError):
                     pass
                 finally:
@@ -730,30 +731,63 @@ class Endpoint:
             raise p.error
         return p
 
+    def _frame(
+        self, p: _Peer, kind: Kind, tag: int, meta: bytes = b"", payload: Sequence[memoryview] = (), nbytes: int = 0
+    ) -> list[memoryview]:
+        """One frame as buffers to write, its tag last when the connection has a session
+        (send lock held: tags follow the order of the frames on the wire)."""
+        head = pack_header(kind, tag, nbytes, len(meta)) + meta
+        parts = [memoryview(head), *(v for v in payload if v.nbytes)]
+        if p.session is not None:
+            parts.append(memoryview(p.session.send.tag(head, parts[1:], nbytes)))
+        return parts
+
+    def _verify(self, p: _Peer, head: bytes, payload: Sequence[memoryview] = (), nbytes: int = 0) -> None:
+        """Read and check the tag of the frame just read (its reader's thread), when the
+        connection has a session.
+
+        Raises:
+            RemoteProtocolError: the frame was not sent by the peer as it is (tampered with,
+                injected, replayed): the connection must go.
+        """
+        if p.session is None:
+            return
+        tag = bytearray(auth.TAG_SIZE)
+        if not self._read_into(p, memoryview(tag)):
+            raise ConnectionResetError("connection closed inside a frame")
+        if not p.session.recv.check(tag, head, payload, nbytes):
+            raise RemoteProtocolError(
+                f"a frame from {p.describe()} failed its authentication tag: the connection was "
+                "tampered with (or the peer is not the process that proved the secret)"
+            )
+
     def _sendmsg(self, p: _Peer, parts: list[memoryview], deadline: float | None, what: str) -> None:
-        """Write ``parts`` whole (send lock held)."""
+        """Write the frame ``parts`` whole (send lock held). Once part of it is out only the
+        rest may follow, so the deadline stops a write only before its first byte (a stalled
+        peer still ends it); a frame that did not go out gives its tag's number back."""
         sock = p.sock
+        started = False
         if p.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
             parts = [memoryview(p.tail), *parts]
             p.tail = b""
+            started = True
         while parts:
             try:
                 sent = sock.sendmsg(parts[:_IOV_MAX])
             except TimeoutError:
                 now = time.monotonic()
-                if p.error is not None:
-                    raise p.error from None
-                if self._broken is not None:
-                    raise self._broken from None
-                stalled = self._stalled(p, what, now)
-                if stalled is not None:
-                    raise stalled from None
-                if deadline is not None and now >= deadline:
-                    raise DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out") from None
-                continue
+                failure: DistError | None = p.error or self._broken or self._stalled(p, what, now)
+                if failure is None and not started and deadline is not None and now >= deadline:
+                    failure = DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+                if failure is None:
+                    continue
+                if not started and p.session is not None:
+                    p.session.send.seq -= 1  # (this frame never left: its number is free again)
+                raise failure from None
             except OSError as exc:
                 err = self._lost(p, exc, what)
                 raise err from exc
+            started = True
             p.last_sent = time.monotonic()
             while sent and parts:
                 n = parts[0].nbytes
@@ -811,6 +845,8 @@ class Endpoint:
             p.error = err
             failed = [h for q in p.posted.values() for h in q]
             p.posted.clear()
+            # receives waiting on a message that was arriving when the connection went
+            failed += [m.handle for q in p.unexpected.values() for m in q if not m.done and m.handle is not None]
             if break_group:
                 # a group that lost a member cannot finish collectives: any-source receives go too
                 failed += [h for q in self._any_posted.values() for h in q]
@@ -842,6 +878,8 @@ class Endpoint:
             del p.unexpected[handle.tag]
         if pending.done:
             self._deliver_copy(p.rank, pending, handle)
+        elif p.error is not None:  # it was arriving when the connection went
+            handle._finish(p.rank, p.error)
         else:
             pending.handle = handle  # the reader completes it when the payload is in
         return True
@@ -890,13 +928,20 @@ class Endpoint:
                     if not self._read_into(p, memoryview(buf)):
                         raise ConnectionResetError("connection closed inside a frame")
                     meta = bytes(buf)
+                head = bytes(header) + meta  # (what the frame's tag covers, with the payload)
                 if h.kind == Kind.DATA:
-                    self._on_data(p, h.tag, meta, h.nbytes)
-                elif h.kind == Kind.DATA_CMA:
+                    self._on_data(p, h.tag, meta, h.nbytes, head)
+                    continue
+                if h.kind == Kind.DATA_CMA:
                     desc = bytearray(h.nbytes)
                     self._read_payload(p, memoryview(desc))
+                    self._verify(p, head, [memoryview(desc)], h.nbytes)
                     self._on_cma(p, h.tag, meta, bytes(desc))
-                elif h.kind == Kind.CMA_ACK:
+                    continue
+                if h.nbytes:
+                    raise RemoteProtocolError(f"frame kind {h.kind} carries no payload, got {h.nbytes} bytes")
+                self._verify(p, head)
+                if h.kind == Kind.CMA_ACK:
                     with self._lock:
                         ack = p.acks.get(h.tag)
                     if ack is not None:
@@ -937,7 +982,7 @@ class Endpoint:
         p.last_heard = time.monotonic()
         return True
 
-    def _on_data(self, p: _Peer, tag: int, meta: bytes, nbytes: int) -> None:
+    def _on_data(self, p: _Peer, tag: int, meta: bytes, nbytes: int, head: bytes) -> None:
         with self._lock:
             handle, _ = self._match(p, tag)
             pending: _Pending | None = None
@@ -948,18 +993,26 @@ class Endpoint:
             handle.meta = meta
             handle.nbytes = nbytes
             err = self._check(p.rank, handle, meta, nbytes)
-            if err is None and handle.buffer is not None:
-                self._read_payload(p, handle.buffer[:nbytes])
-            else:
-                data = bytearray(nbytes)
-                self._read_payload(p, memoryview(data))
-                if err is None:
-                    handle.data = data
+            try:
+                if err is None and handle.buffer is not None:
+                    payload = handle.buffer[:nbytes]
+                    self._read_payload(p, payload)
+                else:
+                    data = bytearray(nbytes)
+                    payload = memoryview(data)
+                    self._read_payload(p, payload)
+                    if err is None:
+                        handle.data = data
+                self._verify(p, head, [payload], nbytes)
+            except BaseException as exc:  # (the receive fails with its connection)
+                handle._finish(p.rank, self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, handle.what))
+                raise
             handle._finish(p.rank, err)
             return
         assert pending is not None
         data = self._pool.take(nbytes)
         self._read_payload(p, memoryview(data)[:nbytes])
+        self._verify(p, head, [memoryview(data)[:nbytes]], nbytes)
         with self._lock:
             pending.data = data
             pending.done = True
@@ -1003,9 +1056,9 @@ class Endpoint:
         # Never block the reader on a send: if both ranks stream large messages at each other,
         # a reader waiting for its send lock (held by a sender stuck on a full socket, because
         # the other reader waits the same way) deadlocks the pair. A small thread sends acks.
-        self._ack_queue().put((p, pack_header(Kind.CMA_ACK, xfer, 0, len(ack_meta)) + ack_meta))
+        self._ack_queue().put((p, xfer, ack_meta))
 
-    def _ack_queue(self) -> queue.SimpleQueue[tuple[_Peer, bytes] | None]:
+    def _ack_queue(self) -> queue.SimpleQueue[tuple[_Peer, int, bytes] | None]:
         with self._lock:
             if self._acks is None:
                 self._acks = queue.SimpleQueue()
@@ -1015,14 +1068,14 @@ class Endpoint:
                 self._ack_thread.start()
             return self._acks
 
-    def _ack_loop(self, acks: queue.SimpleQueue[tuple[_Peer, bytes] | None]) -> None:
+    def _ack_loop(self, acks: queue.SimpleQueue[tuple[_Peer, int, bytes] | None]) -> None:
         while True:
             item = acks.get()
             if item is None:
                 return
-            p, frame = item
+            p, xfer, ack_meta = item
             with p.send_lock, contextlib.suppress(DistError):  # (a loss is reported)
-                self._sendmsg(p, [memoryview(frame)], None, "acknowledging a cross-memory copy")
+                self._sendmsg(p, self._frame(p, Kind.CMA_ACK, xfer, ack_meta), None, "acknowledging a cross-memory copy")
 
     def _cma_into(
         self,
@@ -1101,7 +1154,6 @@ class Endpoint:
 
     def _heartbeats(self) -> None:
         interval = self.heartbeat_interval
-        frame = pack_header(Kind.HEARTBEAT, 0, 0)
         while not self._hb_stop.wait(interval / 2):
             now = time.monotonic()
             for p in list(self._peers.values()):
@@ -1109,27 +1161,28 @@ class Endpoint:
                     continue
                 if p.send_lock.acquire(blocking=False):
                     try:
-                        self._heartbeat(p, frame, now)
+                        self._heartbeat(p, now)
                     finally:
                         p.send_lock.release()
 
-    def _heartbeat(self, p: _Peer, frame: bytes, now: float) -> None:
+    def _heartbeat(self, p: _Peer, now: float) -> None:
         """Write a heartbeat to ``p`` without waiting (send lock held). A socket with room for
         only part of it takes that part: the rest is kept in ``p.tail`` and leaves first, from
         the next write or heartbeat, so the frames stay whole."""
-        out = p.tail or frame
         room = select.poll()  # (the socket has a timeout: a plain send would wait for room)
         room.register(p.sock, select.POLLOUT)
         if not room.poll(0):  # full: data is moving, or the peer stalls
             return
+        out = p.tail or b"".join(self._frame(p, Kind.HEARTBEAT, 0))
         try:
             sent = p.sock.send(out)
         except (TimeoutError, BlockingIOError, InterruptedError):
-            return
+            sent = 0  # (a sealed frame must leave all the same: it is kept whole)
         except OSError:  # the reader reports the loss
             return
         p.tail = out[sent:]
-        p.last_sent = now
+        if sent:
+            p.last_sent = now
 
 
 def _tune_tcp(sock: socket.socket) -> None:

@@ -4,7 +4,13 @@ The records are ``_protocol``'s HELLO / JOIN / WELCOME: the accepting side sends
 connecting side names itself (an id and a 16-byte token that ties the connection to one group
 or RPC job) and proves the shared secret, the accepting side proves it back. Nothing but these
 fixed-size records is read before the proof is checked, so a stranger's bytes never reach a
-decoder, let alone ``pickle``.
+decoder, let alone ``pickle``. With a secret, both sides then hold a ``Session``: the keys that
+tag every later frame in each direction (``_core.auth``), so a relay that passed the proofs
+through can neither read a key it lacks nor change or inject a frame.
+
+On a Unix socket both sides first check who the other end is (``SO_PEERCRED``): a process of
+another user is refused before a byte is read or written, so a name taken by a stranger can
+neither serve nor stall a job (the connecting side learns it at once, not at a timeout).
 """
 
 from __future__ import annotations
@@ -16,12 +22,24 @@ from collections.abc import Callable
 
 from .._core import auth
 from .._core.errors import AuthenticationError, RemoteProtocolError
+from .._core.peercred import check_unix_peer
 from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
 
-__all__ = ["REJECTED", "Refused", "accept", "connect", "recv_exact"]
+__all__ = ["REJECTED", "Refused", "Session", "accept", "connect", "recv_exact"]
 
 ZERO_PROOF = b"\0" * 32
 REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
+
+
+class Session:
+    """The frame tags of one authenticated connection: ``send`` seals what we write,
+    ``recv`` checks what we read."""
+
+    __slots__ = ("recv", "send")
+
+    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+        self.send = auth.Seal(send_key)
+        self.recv = auth.Seal(recv_key)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -41,19 +59,30 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def connect(sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str) -> int:
-    """Run the connecting side; returns the acceptor's id.
+def connect(
+    sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str, pid: int | None = None
+) -> tuple[int, Session | None]:
+    """Run the connecting side; returns the acceptor's id and, with a secret, the session.
+
+    ``pid``: the process expected at the other end of a Unix socket.
 
     Raises:
-        AuthenticationError: either side could not prove the secret.
+        AuthenticationError: either side could not prove the secret, or a Unix socket's other
+            end is not ours.
         RemoteProtocolError: the acceptor is not a tdist peer of this version.
         OSError: the connection failed.
     """
+    check_unix_peer(sock, what, pid)
     magic, version, auth_required, nonce_s = HELLO.unpack(recv_exact(sock, HELLO.size))
     check_magic(magic, version, what)
     nonce_c = auth.make_nonce()
     if auth_required and secret is None:
         raise AuthenticationError(f"{what} requires the job secret; set TDIST_SECRET on every process")
+    if secret is not None and not auth_required:
+        raise AuthenticationError(
+            f"{what} does not ask for the job secret that this process holds: it is not a member "
+            "of this job (or was started without TDIST_SECRET); refused"
+        )
     proof = auth.client_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
     sock.sendall(JOIN.pack(MAGIC, VERSION, my_id, token, nonce_c, proof))
     magic, version, their_id, their_proof = WELCOME.unpack(recv_exact(sock, WELCOME.size))
@@ -62,9 +91,12 @@ def connect(sock: socket.socket, my_id: int, token: bytes, secret: bytes | None,
         raise AuthenticationError(
             f"{what} rejected our proof of the job secret: every process must use the same TDIST_SECRET"
         )
-    if secret is not None and not auth.verify(auth.server_proof(secret, nonce_s, nonce_c), their_proof):
+    if secret is None:
+        return int(their_id), None
+    if not auth.verify(auth.server_proof(secret, nonce_s, nonce_c), their_proof):
         raise AuthenticationError(f"{what} could not prove the job secret")
-    return int(their_id)
+    c2s, s2c = auth.session_keys(secret, nonce_s, nonce_c)
+    return int(their_id), Session(c2s, s2c)
 
 
 class Refused(RemoteProtocolError):
@@ -82,24 +114,25 @@ def accept(
     timeout: float,
     what: str,
     admit: Callable[[int, bytes], bool] | None = None,
-) -> tuple[int, bytes]:
-    """Run the accepting side on a blocking socket; returns the connector's ``(id, token)``.
+) -> tuple[int, bytes, Session | None]:
+    """Run the accepting side on a blocking socket within ``timeout`` seconds in all; returns
+    the connector's ``(id, token, session)`` (the session with a secret only).
 
     ``admit(id, token)`` decides, once the secret is proven and before we answer, whether the
     connector may join; a refused one gets no answer.
 
     Raises:
-        AuthenticationError: the connector did not prove the secret (it has been told so).
+        AuthenticationError: the connector did not prove the secret (it has been told so), or
+            a Unix socket's other end is not ours.
         Refused: ``admit`` said no.
-        RemoteProtocolError, OSError: not a tdist peer, or the connection failed.
+        RemoteProtocolError, OSError: not a tdist peer, too slow, or the connection failed.
     """
-    sock.settimeout(timeout)
+    check_unix_peer(sock, what)
     deadline = time.monotonic() + timeout
+    sock.settimeout(timeout)
     nonce_s = auth.make_nonce()
     sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if secret else 0, nonce_s))
-    data = recv_exact(sock, JOIN.size)
-    if time.monotonic() > deadline:
-        raise RemoteProtocolError(f"{what}: handshake too slow")
+    data = _recv_by(sock, JOIN.size, deadline, what)
     magic, version, peer, token, nonce_c, proof = JOIN.unpack(data)
     check_magic(magic, version, what)
     if secret is not None and not auth.verify(auth.client_proof(secret, nonce_s, nonce_c), proof):
@@ -110,4 +143,28 @@ def accept(
         raise Refused(f"{what}: refused a connection claiming id {peer}", int(peer))
     server_proof = auth.server_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
     sock.sendall(WELCOME.pack(MAGIC, VERSION, my_id, server_proof))
-    return int(peer), bytes(token)
+    if secret is None:
+        return int(peer), bytes(token), None
+    c2s, s2c = auth.session_keys(secret, nonce_s, nonce_c)
+    return int(peer), bytes(token), Session(s2c, c2s)
+
+
+def _recv_by(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    """``recv_exact`` within an absolute deadline (a peer that trickles bytes cannot hold the
+    handshake past it)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RemoteProtocolError(f"{what}: handshake too slow")
+        sock.settimeout(remaining)
+        try:
+            k = sock.recv_into(view[got:])
+        except TimeoutError:
+            raise RemoteProtocolError(f"{what}: handshake too slow") from None
+        if k == 0:
+            raise ConnectionResetError("connection closed during the handshake")
+        got += k
+    return bytes(buf)

@@ -64,6 +64,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._core import auth
 from .._core.errors import (
     AuthenticationError,
     DistNetworkError,
@@ -217,6 +218,7 @@ class _Conn:
         "rxview",
         "same_host",
         "send_lock",
+        "session",
         "sock",
         "spin_poll",
         "spinner",
@@ -224,7 +226,8 @@ class _Conn:
         "yield_req",
     )  # fmt: skip
 
-    def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool) -> None:
+    def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool, session: _handshake.Session | None = None) -> None:
+        self.session = session  # frame tags, when the job has a secret
         self.peer = peer
         self.sock = sock
         self.fd = sock.fileno()
@@ -253,7 +256,7 @@ class _Conn:
         self.rx_end = 0
         self.dest: memoryview | None = None  # a large payload being read in place
         self.dest_got = 0
-        self.dest_head: tuple[int, int, bytes] = (0, 0, b"")
+        self.dest_head: tuple[int, int, bytes, bytes] = (0, 0, b"", b"")  # kind, tag, meta, head
 
 
 class _ThreadState(threading.local):
@@ -358,7 +361,12 @@ class Messenger:
         self._tcp.listen(128)
         self._unix_name = f"tdist-rpc-{self.pid}-{secrets.token_hex(6)}"
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._unix.bind("\0" + self._unix_name)
+        try:  # (a random name: taken means someone is in the way, never ours)
+            self._unix.bind("\0" + self._unix_name)
+        except OSError as exc:
+            self._unix.close()
+            self._tcp.close()
+            raise DistNetworkError(f"{label}: cannot listen on the Unix socket @{self._unix_name}: {exc}") from exc
         self._unix.listen(128)
         for s in (self._tcp, self._unix):
             s.setblocking(False)
@@ -455,7 +463,9 @@ class Messenger:
         if sock is None:
             raise DistNetworkError(f"{self.label}: could not connect to {what} at {_where(info, same)}: {last}")
         try:
-            their = _handshake.connect(sock, self.my_id, self.token, self.secret, what)
+            their, session = _handshake.connect(
+                sock, self.my_id, self.token, self.secret, what, pid=int(info["pid"]) if same and info.get("pid") else None
+            )
             if their != peer:
                 raise DistNetworkError(f"{self.label}: expected {what} at {_where(info, same)}, found id {their}")
         except (OSError, RemoteProtocolError) as exc:
@@ -464,11 +474,13 @@ class Messenger:
         except BaseException:
             sock.close()
             raise
-        return self._register(peer, sock, _where(info, same), same, outbound=True)
+        return self._register(peer, sock, _where(info, same), same, outbound=True, session=session)
 
-    def _register(self, peer: int, sock: socket.socket, addr: str, same: bool, outbound: bool) -> _Conn:
+    def _register(
+        self, peer: int, sock: socket.socket, addr: str, same: bool, outbound: bool, session: _handshake.Session | None
+    ) -> _Conn:
         sock.setblocking(False)
-        c = _Conn(peer, sock, addr, same)
+        c = _Conn(peer, sock, addr, same, session)
         with self._lock:
             if self._closing:
                 sock.close()
@@ -499,10 +511,10 @@ class Messenger:
             sock.setblocking(True)
             if sock.family != socket.AF_UNIX:
                 _tune_tcp(sock)
-            peer, _ = _handshake.accept(
+            peer, _, session = _handshake.accept(
                 sock, self.my_id, self.secret, 10.0, f"connection from {where}", admit=lambda _peer, token: token == self.token
             )
-            self._register(peer, sock, where, sock.family == socket.AF_UNIX, outbound=False)
+            self._register(peer, sock, where, sock.family == socket.AF_UNIX, outbound=False, session=session)
         except _handshake.Refused:
             log.warning("%s: refused a connection from %s: it belongs to another RPC job", self.label, where)
             sock.close()
@@ -546,9 +558,7 @@ class Messenger:
             addrs = [_address(b) for b in bufs]
             if all(a is not None for a in addrs) and self._send_cma(c, tag, meta, parts, addrs, deadline):
                 return
-        total = sum(p.nbytes for p in parts)
-        head = pack_header(Kind.DATA, tag, total, len(meta))
-        self._write(c, [memoryview(head), memoryview(meta), *parts], deadline)
+        self._write(c, Kind.DATA, tag, meta, parts, deadline)
 
     def _send_cma(self, c: _Conn, tag: int, meta: bytes, parts: list[memoryview], addrs: list[Any], deadline: float | None) -> bool:
         """Send ``parts`` as ``DATA_CMA`` and wait until the peer has copied its buffers;
@@ -563,8 +573,7 @@ class Messenger:
         copied = _Copied()
         c.cma_out[xfer] = copied
         try:
-            head = pack_header(Kind.DATA_CMA, tag, len(desc) + prefix, len(meta))
-            self._write(c, [memoryview(head), memoryview(meta), memoryview(desc), parts[0], parts[1]], deadline)
+            self._write(c, Kind.DATA_CMA, tag, meta, [memoryview(desc), parts[0], parts[1]], deadline)
             self._await_copy(c, copied)
         finally:
             c.cma_out.pop(xfer, None)
@@ -608,12 +617,20 @@ class Messenger:
             except Exception:
                 log.exception("%s: sending a deferred message failed", self.label)
 
-    def _write(self, c: _Conn, parts: list[memoryview], deadline: float | None) -> None:
+    def _write(self, c: _Conn, kind: Kind, tag: int, meta: bytes, payload: list[memoryview], deadline: float | None) -> None:
+        """Write one frame whole, tagged when the connection has a session. Once part of it
+        is out only the rest may follow (no deadline cuts a frame; a stalled peer still ends
+        the connection); a frame that did not go out gives its tag's number back."""
         with c.send_lock:
             if c.closed:
                 raise self._error_for(c)
             sock = c.sock
-            parts = [p for p in parts if p.nbytes]
+            parts = [p for p in payload if p.nbytes]
+            nbytes = sum(p.nbytes for p in parts)
+            head = pack_header(kind, tag, nbytes, len(meta)) + meta
+            if c.session is not None:
+                parts.append(memoryview(c.session.send.tag(head, parts, nbytes)))
+            parts.insert(0, memoryview(head))
             started = False
             if c.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
                 parts.insert(0, memoryview(c.tail))
@@ -623,9 +640,12 @@ class Messenger:
                 try:
                     sent = sock.sendmsg(parts[:_IOV_MAX])
                 except (BlockingIOError, InterruptedError):
-                    # once part of a frame is out, only the rest of it may follow: no deadline
-                    # cuts a frame (a stalled peer still ends the connection)
-                    self._wait_writable(c, None if started else deadline)
+                    try:
+                        self._wait_writable(c, None if started else deadline)
+                    except BaseException:
+                        if not started and c.session is not None:
+                            c.session.send.seq -= 1  # (this frame never left: its number is free)
+                        raise
                     continue
                 except OSError as exc:
                     self._lose(c, exc)
@@ -662,9 +682,8 @@ class Messenger:
         return PeerError(str(lost) if lost else f"{self.label}: connection to {self.describe(c.peer)} is closed", peer=c.peer)
 
     def _send_ctrl(self, c: _Conn, kind: Kind, tag: int, meta: bytes = b"") -> None:
-        head = pack_header(kind, tag, 0, len(meta))
         with contextlib.suppress(PeerError, DistNetworkError, DistTimeoutError):
-            self._write(c, [memoryview(head), memoryview(meta)], time.monotonic() + self.stall_timeout)
+            self._write(c, kind, tag, meta, [], time.monotonic() + self.stall_timeout)
 
     # -- reading -------------------------------------------------------------------------------
     def claim(self, peer: int) -> Any:
@@ -1033,9 +1052,13 @@ class Messenger:
                     return n == 0
                 c.dest_got += n
                 if c.dest_got == c.dest.nbytes:
-                    kind, tag, meta = c.dest_head
+                    kind, tag, meta, head = c.dest_head
                     payload = c.dest
                     c.dest = None
+                    if c.session is not None:  # (the frame's tag came in place with it)
+                        payload, mac = payload[: -auth.TAG_SIZE], payload[-auth.TAG_SIZE :]
+                        if not self._verified(c, mac, head, payload):
+                            return False
                     self._frame(c, kind, tag, meta, payload)
                 continue
             if c.rx_start == c.rx_end:
@@ -1090,10 +1113,13 @@ class Messenger:
                 return False
             avail = c.rx_end - start
             body = start + hs + meta_len
-            if avail >= hs + meta_len + nbytes:
+            mac_len = 0 if c.session is None else auth.TAG_SIZE  # (a session's frames end with a tag)
+            if avail >= hs + meta_len + nbytes + mac_len:
                 meta = bytes(view[start + hs : body])
                 payload = view[body : body + nbytes]
-                c.rx_start = body + nbytes
+                c.rx_start = body + nbytes + mac_len
+                if mac_len and not self._verified(c, view[body + nbytes : c.rx_start], view[start:body], payload):
+                    return False
                 if kind == _DATA:
                     # owned (tensors will view it), and straight to its reader
                     self._deliver(c.peer, tag, meta, memoryview(bytearray(payload)))
@@ -1107,17 +1133,27 @@ class Messenger:
                     self._lose(c, RemoteProtocolError("frame metadata too large"))
                     return False
                 return True
-            if hs + meta_len + nbytes <= _RX_SIZE:
+            if hs + meta_len + nbytes + mac_len <= _RX_SIZE:
                 return True  # the rest comes with the next read
-            # a large payload: read it in place
+            # a large payload: read it in place (with the tag that follows it, if any)
             meta = bytes(view[c.rx_start + hs : body])
-            dest = fresh_buffer(nbytes)
+            dest = fresh_buffer(nbytes + mac_len)
             have = c.rx_end - body
             dest[:have] = view[body : c.rx_end]
-            c.dest, c.dest_got, c.dest_head = dest, have, (kind, tag, meta)
+            c.dest, c.dest_got, c.dest_head = dest, have, (kind, tag, meta, bytes(view[start:body]))
             c.rx_start = c.rx_end = 0
             return True
         return True
+
+    def _verified(self, c: _Conn, mac: memoryview, head: memoryview | bytes, payload: memoryview) -> bool:
+        """Check a frame's tag; a frame that fails it loses the connection (False)."""
+        assert c.session is not None
+        if c.session.recv.check(mac, head, [payload], payload.nbytes):
+            return True
+        exc = RemoteProtocolError("a frame failed its authentication tag: the connection was tampered with")
+        log.warning("%s: a frame from %s failed its authentication tag; dropping the connection", self.label, self.describe(c.peer))
+        self._lose(c, exc)
+        return False
 
     def _frame(self, c: _Conn, kind: int, tag: int, meta: bytes, payload: memoryview) -> None:
         if kind == Kind.DATA:
@@ -1250,15 +1286,21 @@ class Messenger:
         """Write a heartbeat on ``c`` without waiting (send lock held). A socket with room for
         only part of it takes that part: the rest is kept in ``c.tail`` and leaves first, from
         the next write or heartbeat, so the frames stay whole."""
-        out = c.tail or _HEARTBEAT
+        if c.tail:
+            out = c.tail
+        elif c.session is not None:
+            out = _HEARTBEAT + c.session.send.tag(_HEARTBEAT)
+        else:
+            out = _HEARTBEAT
         try:
             sent = c.sock.send(out)
         except (BlockingIOError, InterruptedError):  # full: data is moving, or the peer stalls
-            return
+            sent = 0  # (a sealed frame must leave all the same: kept whole)
         except OSError:  # the reader reports the loss
             return
-        c.tail = out[sent:]
-        c.last_tx = now
+        c.tail = out[sent:] if (sent or out is not _HEARTBEAT) else b""
+        if sent:
+            c.last_tx = now
 
     def _ctrl_loop(self) -> None:
         while True:
