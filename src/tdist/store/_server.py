@@ -42,6 +42,7 @@ from .._core.errors import (
     RemoteProtocolError,
     StoreValueError,
 )
+from .._core.floods import Starvation
 from .._core.peercred import check_unix_peer, unix_peer
 from ._protocol import (
     DEFAULT_MAX_FRAME,
@@ -73,6 +74,7 @@ log = logging.getLogger(__name__)
 _RECV_SIZE = 1 << 16
 _RECV_MAX = 1 << 24
 _MAX_BACKLOG_FRAMES = 4  # bytes buffered behind a blocked request, in units of max_frame
+_MAX_UNAUTHED = 256  # connections waiting to authenticate; beyond, the oldest goes
 _OPEN_WARNED = False
 
 
@@ -181,7 +183,7 @@ class StoreServer:
         max_frame: int = DEFAULT_MAX_FRAME,
         unix: bool = True,
         clock: Clock = time.monotonic,
-        auth_timeout: float = 30.0,
+        auth_timeout: float = 10.0,
         backlog: int = 2048,
         listen_fd: int | None = None,
         spin: float | None = None,
@@ -201,6 +203,10 @@ class StoreServer:
         self._seq = itertools.count()
         self._ready: deque[_Conn] = deque()
         self._conns: set[_Conn] = set()
+        # connections that have not proved the secret yet, oldest first: the first to go when
+        # descriptors run out or too many strangers wait (``_core.floods``)
+        self._unauthed: dict[_Conn, None] = {}
+        self._starvation = Starvation(f"store server on port {port}")
         self._stop_requested = False
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -213,6 +219,7 @@ class StoreServer:
         else:
             self._tcp = self._bind_tcp(host, port, backlog)
         self.port: int = self._tcp.getsockname()[1]
+        self._starvation.label = f"store server on port {self.port}"
         self._listeners.append(self._tcp)
         self._unix: socket.socket | None = None
         if unix_fd is not None:
@@ -516,9 +523,16 @@ class StoreServer:
                 sock, peer = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: log, keep serving the others
-                log.warning("store server on port %d: accept failed: %s", self.port, exc)
+            except OSError as exc:
+                delay = self._starvation.backoff(exc)
+                if delay is None:
+                    log.warning("store server on port %d: accept failed: %s", self.port, exc)
+                    return
+                # out of descriptors: free one (a stranger's), leave the listeners alone a while
+                self._shed_unauthed()
+                self._rest_listeners(delay)
                 return
+            self._starvation.accepted()
             sock.setblocking(False)
             if sock.family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -537,6 +551,10 @@ class StoreServer:
             self._ep.register(sock.fileno(), select.EPOLLIN)
             self._fdmap[sock.fileno()] = conn
             conn.nonce = auth.make_nonce()
+            if not conn.authed:
+                self._unauthed[conn] = None
+                if len(self._unauthed) > _MAX_UNAUTHED:
+                    self._shed_unauthed()
             hello = [
                 encode_int(PROTOCOL_VERSION),
                 b"\x01" if self.secret is not None else b"\x00",
@@ -547,6 +565,27 @@ class StoreServer:
             self._flush(conn)
             if self.secret is not None:
                 self._add_timer(self._clock() + self.auth_timeout, functools.partial(self._auth_expired, conn))
+
+    def _shed_unauthed(self) -> None:
+        """Close the oldest connection that has not authenticated yet (if any)."""
+        for conn in self._unauthed:
+            self._close(conn, "shed: too many connections waiting to authenticate, or no descriptors left")
+            return
+
+    def _rest_listeners(self, seconds: float) -> None:
+        """Stop watching the listeners for ``seconds`` (they stay readable while connections
+        wait in their backlog, and would spin the loop)."""
+        assert self._ep is not None
+        for sock in self._listeners:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.modify(sock.fileno(), 0)
+        self._add_timer(self._clock() + seconds, self._watch_listeners)
+
+    def _watch_listeners(self) -> None:
+        assert self._ep is not None
+        for sock in self._listeners:
+            with contextlib.suppress(OSError, ValueError):
+                self._ep.modify(sock.fileno(), select.EPOLLIN)
 
     def _auth_expired(self, conn: _Conn) -> None:
         if not conn.closed and not conn.authed:
@@ -564,6 +603,10 @@ class StoreServer:
             self._unpark(waiter)
             conn.blocked = None
         self._conns.discard(conn)
+        self._unauthed.pop(conn, None)
+        # its buffers go now, not when a timer that still names the connection fires
+        conn.decoder = FrameDecoder(0)
+        conn.out = bytearray()
         fd = conn.sock.fileno()
         if self._fdmap.get(fd) is conn and self._ep is not None:
             del self._fdmap[fd]
@@ -714,6 +757,7 @@ class StoreServer:
             self._close(conn, None)
             return
         conn.authed = True
+        self._unauthed.pop(conn, None)
         conn.decoder.max_frame = self.max_frame
         self._out(conn, encode_frame(Op.AUTH_OK, [auth.server_proof(self.secret, conn.nonce, fields[0])]))
         # every frame from now on, both ways, carries the session's tag

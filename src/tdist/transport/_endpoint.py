@@ -51,6 +51,7 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
+from .._core.floods import Admission, Starvation
 from . import _handshake
 from ._protocol import (
     CMA_HEAD,
@@ -463,35 +464,50 @@ class Endpoint:
             self._peers[peer].session = session
 
     def _accept_all(self, listeners: list[socket.socket], expected: int, deadline: float, errors: list[BaseException]) -> None:
+        """Accept the higher ranks' connections until all ``expected`` have joined. Their
+        handshakes run side by side (``_core.floods.Admission``): a silent or slow stranger on
+        the port delays nobody, and costs a thread for at most the handshake's deadline."""
         import selectors
 
         sel = selectors.DefaultSelector()
-        accepted = 0
+        admission = Admission(f"rank {self.rank} ({self.name})", lambda sock, addr: self._accept_one(sock, addr, deadline))
+        starvation = Starvation(f"rank {self.rank} ({self.name})")
         try:
             # (inside the try: the endpoint may be closed, its listeners with it, before this
             # thread gets to run; that ends accepting like any other failure)
             for s in listeners:
                 s.setblocking(False)
                 sel.register(s, selectors.EVENT_READ)
-            while accepted < expected and not self._closing:
+            while not self._closing:
+                with self._lock:
+                    if sum(1 for r in self._peers if r > self.rank) >= expected:
+                        return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                for key, _ in sel.select(min(remaining, 0.5)):
+                for key, _ in sel.select(min(remaining, 0.05)):
                     listener = key.fileobj
                     assert isinstance(listener, socket.socket)
                     try:
                         sock, peer_addr = listener.accept()
                     except BlockingIOError:
                         continue
-                    if self._accept_one(sock, peer_addr, deadline):
-                        accepted += 1
+                    except OSError as exc:
+                        delay = starvation.backoff(exc)
+                        if delay is None:
+                            raise
+                        admission.shed_one()
+                        time.sleep(delay)
+                        continue
+                    starvation.accepted()
+                    admission.admit(sock, peer_addr)
         except BaseException as exc:
             errors.append(exc)
         finally:
+            admission.close()
             sel.close()
 
-    def _accept_one(self, sock: socket.socket, peer_addr: Any, deadline: float) -> bool:
+    def _accept_one(self, sock: socket.socket, peer_addr: Any, deadline: float) -> None:
         addr = "unix" if sock.family == socket.AF_UNIX else f"{peer_addr[0]}:{peer_addr[1]}"
         try:
             sock.setblocking(True)
@@ -508,19 +524,22 @@ class Endpoint:
         except AuthenticationError:
             log.warning("rank %d (%s): connection from %s failed authentication", self.rank, self.name, addr)
             sock.close()
-            return False
+            return
         except _handshake.Refused as exc:
             log.warning("rank %d (%s): rejected a connection from %s claiming rank %d", self.rank, self.name, addr, exc.peer)
             sock.close()
-            return False
+            return
         except (OSError, RemoteProtocolError) as exc:
             log.warning("rank %d (%s): handshake with %s failed: %s", self.rank, self.name, addr, exc)
             sock.close()
-            return False
+            return
         with self._lock:
-            self._peers[peer] = _Peer(peer, sock, addr)
-            self._peers[peer].session = session
-        return True
+            if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
+                self._peers[peer] = _Peer(peer, sock, addr)
+                self._peers[peer].session = session
+                return
+        log.warning("rank %d (%s): a second connection claimed rank %d; dropped", self.rank, self.name, peer)
+        sock.close()
 
     # -- public API ----------------------------------------------------------------------------
     def same_host(self, peer: int) -> bool:

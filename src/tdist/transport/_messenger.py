@@ -72,6 +72,7 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
+from .._core.floods import Admission, Starvation
 from . import _handshake
 from ._endpoint import _CMA_MIN, _address, _cma_read, _tune_tcp, host_id
 from ._protocol import FRAME_HEADER, KINDS, TOKEN_SIZE, Kind, pack_header, unpack_header
@@ -353,6 +354,10 @@ class Messenger:
         self._holds = 0  # holds so far (the guard idles when it stops growing)
         self._guard_on = False
         self._guard_wake = threading.Event()
+        # handshakes side by side, each within its deadline, a bounded number at once
+        self._admission = Admission(f"{label} (RPC listener)", self._admit)
+        self._starvation = Starvation(f"{label} (RPC listener)")
+        self._accept_lock = threading.Lock()
 
         family = socket.AF_INET6 if ":" in advertise else socket.AF_INET
         self._tcp = socket.socket(family, socket.SOCK_STREAM)
@@ -496,14 +501,39 @@ class Messenger:
         return c
 
     def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock, addr), name="tdist-rpc-admit", daemon=True).start()
+        # (several pollers may wake for a listener: one accepts, the others go back)
+        if not self._accept_lock.acquire(blocking=False):
+            return
+        try:
+            while True:
+                try:
+                    sock, addr = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as exc:
+                    delay = self._starvation.backoff(exc)
+                    if delay is not None:  # out of descriptors: free one, leave the listener be
+                        self._admission.shed_one()
+                        self._rest_listener(listener, delay)
+                    return
+                self._starvation.accepted()
+                self._admission.admit(sock, addr)
+        finally:
+            self._accept_lock.release()
+
+    def _rest_listener(self, listener: socket.socket, seconds: float) -> None:
+        """Stop watching ``listener`` for ``seconds`` (it would wake the pollers in a loop)."""
+        with contextlib.suppress(OSError, ValueError):
+            self._ep.modify(listener.fileno(), 0)
+
+        def watch_again() -> None:
+            if not self._closing:
+                with contextlib.suppress(OSError, ValueError):
+                    self._ep.modify(listener.fileno(), select.EPOLLIN)
+
+        timer = threading.Timer(seconds, watch_again)
+        timer.daemon = True
+        timer.start()
 
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         where = "unix" if sock.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
@@ -1341,6 +1371,7 @@ class Messenger:
                 c.sock.shutdown(socket.SHUT_RDWR)
         self._hb_stop.set()
         self._guard_wake.set()
+        self._admission.close()
         self._ctrl.put(None)
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")  # never read: wakes every poller
