@@ -164,6 +164,16 @@ class ThreeArgError(Exception):
         return f"code {self.code} at {self.where}: {self.detail}"
 
 
+class FormattedError(Exception):
+    """An exception whose constructor takes several arguments and passes one formatted text
+    on (so plain pickling, which calls ``FormattedError(text)``, cannot rebuild it)."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"E{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
 def raise_error(kind: str, message: str = "expected error") -> None:
     """Raise the exception named ``kind`` with ``message`` in it."""
     if kind == "ZeroDivisionError":
@@ -172,6 +182,8 @@ def raise_error(kind: str, message: str = "expected error") -> None:
         raise ThreeArgError(7, "callee", message)
     if kind == "CustomError":
         raise CustomError(message)
+    if kind == "FormattedError":
+        raise FormattedError(42, message)
     raise {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
            "KeyError": KeyError}[kind](message)
 

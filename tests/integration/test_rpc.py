@@ -602,7 +602,7 @@ def test_remote_of_a_function_the_callee_cannot_import_fails_on_to_here(backend:
 # -- errors ------------------------------------------------------------------------------------
 
 BUILTIN_KINDS = ("ValueError", "TypeError", "RuntimeError")
-OTHER_KINDS = ("KeyError", "ZeroDivisionError", "CustomError", "ThreeArgError")
+OTHER_KINDS = ("KeyError", "ZeroDivisionError", "CustomError", "ThreeArgError", "FormattedError")
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
@@ -677,6 +677,11 @@ def test_remote_errors_of_any_type_keep_their_type(backend: str) -> None:
                     attrs = got["attrs"]
                     assert (attrs["code"], attrs["where"]) == (7, "callee"), got
                     assert str(attrs["detail"]).startswith(f"boom-{kind}-{mode}"), got
+                elif kind == "FormattedError":  # rebuilt without its constructor, fields and all
+                    attrs = got["attrs"]
+                    assert attrs["code"] == 42 and str(attrs["detail"]).startswith(f"boom-{kind}-{mode}"), got
+                    assert got["str"].startswith(f"E42: boom-{kind}-{mode}"), got
+                    assert "Traceback" in got["text"] and "raise_error" in got["text"], got
                 elif kind != "ZeroDivisionError":
                     assert f"boom-{kind}-{mode}" in got["str"]
 
@@ -694,6 +699,16 @@ def test_errors_in_async_execution_functions_and_their_callbacks(backend: str) -
             assert got is not None and f"async-nested-{mode}" in got["str"], got
             assert obs["third"] in got["str"], got
             assert {"ValueError", "RuntimeError"} & set(got["mro"]), got
+
+
+@better_than_torch  # torch's Future.then turns it into RuntimeError("Got the following error ...")
+def test_an_error_raised_in_an_async_execution_callback_keeps_its_type(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for mode in MODES:
+            got = obs[f"async_callback/{mode}"]
+            assert got is not None and got["type"] == "ValueError", got
+            assert got["str"].startswith(f"async-callback-{mode}"), got
+            assert "Traceback" in got["text"] and "in fail" in got["text"], got  # the callback's frame
 
 
 @better_than_torch  # torch hands back the exception as the future's *value*

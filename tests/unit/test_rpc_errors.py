@@ -408,14 +408,20 @@ def test_bad_reduce_rebuilt_from_message() -> None:
     assert type(exc) is BadReduce and str(exc).startswith("no pickle\n\n")
 
 
-def test_pickles_but_does_not_load_is_detected_on_the_callee() -> None:
-    record = over_the_wire(raised(FieldsNotInArgs("h", 1, "why")))
-    assert record.pickled is None  # dumps worked, loads would not
-    exc = rebuild(record, call=CALL)
-    assert type(exc) is RemoteError and isinstance(exc, RuntimeError)
-    assert exc.remote_type == f"{__name__}.FieldsNotInArgs"
-    assert str(exc).startswith(f"{__name__}.FieldsNotInArgs: h:1: why\n")
-    assert "cannot be rebuilt from its message alone" in str(exc)
+def test_a_constructor_of_other_arguments_than_its_args_keeps_type_and_fields() -> None:
+    # plain pickling would call FieldsNotInArgs("h:1: why") on the caller, which fails: the
+    # exception travels as its type, args and attributes, rebuilt without its constructor
+    exc = rebuild(over_the_wire(raised(FieldsNotInArgs("h", 1, "why"))), call=CALL)
+    assert type(exc) is FieldsNotInArgs and exc.args == ("h:1: why",)
+    assert (exc.host, exc.port, exc.why) == ("h", 1, "why")
+    assert str(exc).startswith("h:1: why")
+    assert WORKER in "".join(exc.__notes__) and "Traceback" in "".join(exc.__notes__)
+    assert isinstance(exc.__cause__, RemoteTraceback)
+
+
+def test_a_class_that_says_how_to_pickle_it_is_not_rebuilt_without_its_constructor() -> None:
+    exc = rebuild(over_the_wire(raised(BadReduce("no pickle"))))
+    assert type(exc) is BadReduce  # (from its message: its __reduce__ is not bypassed)
 
 
 def test_non_string_argument_is_not_rebuilt_as_its_str() -> None:

@@ -40,6 +40,7 @@ import torch
 from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
 from . import _builtins, _errors, _remote_profiling
+from ._future import Future
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
 from .constants import UNSET_RPC_TIMEOUT
@@ -284,7 +285,7 @@ def _not_a_future(func: Any, result: Any) -> RuntimeError:
 def _when_made(rref: Any, made: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A future of an RRef proxy's method call, run (on the worker pool) once the value it
     calls is made, however long that takes: the caller's deadline bounds the wait, as torch's."""
-    out: Any = torch.futures.Future()
+    out: Any = Future()
 
     def run() -> None:
         try:
@@ -557,7 +558,7 @@ class RpcAgent:
         object with ``done``/``wait``/``add_done_callback``, where no user holds the future)."""
         seconds = self.timeout_seconds(timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
-        fut: Any = _SyncReply() if sync else torch.futures.Future()
+        fut: Any = _SyncReply() if sync else Future()
         tag = next(self._ids)
         # (a negative timeout, spent already, is named as given in the timeout error, as torch's)
         shown = seconds if seconds != _EXPIRED or timeout is None else float(timeout)

@@ -26,6 +26,7 @@ from ..store._rendezvous import rendezvous
 from ..store._tcp import serving_in_a_thread
 from . import _remote_profiling, backend_registry, functions
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
+from ._future import Future
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
 from ._rref import RRef, owner_leaks
@@ -313,7 +314,7 @@ def _rpc_async(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown
 def _mapped(fut: Any, fn: Any) -> Any:
     """A future of ``fn(fut's value)`` that fails with ``fut``'s own error (``then`` would wrap it
     in a RuntimeError)."""
-    out: Any = torch.futures.Future()
+    out: Any = Future()
 
     def done(f: Any) -> None:
         try:

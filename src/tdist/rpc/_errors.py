@@ -46,6 +46,10 @@ Rebuilding, in order (first match wins):
       ``concurrent.futures`` does. An uncaught exception therefore prints the remote traceback
       twice (once in the cause, once in the note); that is the price of each being complete on
       its own for code that reads only one of them.
+   An exception whose constructor takes other arguments than its ``args`` (``MyError(code,
+   detail)`` calling ``super().__init__(text)``) does not survive plain pickling, which calls
+   ``MyError(text)`` on the caller; it travels as its type, ``args`` and ``__dict__``, and is
+   rebuilt without its constructor (``_Bare``), attributes and all.
 3. No usable pickle, but the type is importable on the caller and message-shaped (as in 2a,
    tested against ``type(message)``), and ``repr(type(message))`` equals the remote repr (so
    the one argument was that string): it is rebuilt in message form from the message alone.
@@ -276,11 +280,19 @@ def _capture(exc: BaseException, worker: str) -> RemoteExceptionRecord:
 
 
 def _pickle_round_trip(exc: BaseException) -> bytes | None:
-    """``pickle.dumps(exc)`` if it loads back to the same type, else ``None``."""
+    """``pickle.dumps(exc)`` if it loads back to the same type, else the exception without its
+    constructor (``_Bare``) if that does, else ``None``."""
     # dumps succeeding proves little: an exception whose constructor needs arguments that are
     # not in self.args pickles fine and fails in loads, on the caller, too late to fall back.
+    data = _round_trip(exc, exc)
+    if data is None and _plain_reduce(exc):
+        data = _round_trip(_Bare(exc), exc)
+    return data
+
+
+def _round_trip(obj: object, exc: BaseException) -> bytes | None:
     try:
-        data = pickle.dumps(exc, protocol=_PICKLE_PROTOCOL)
+        data = pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
         if len(data) > MAX_PICKLED_BYTES:
             logger.debug("%s pickles to %d bytes; sending its text only", type(exc), len(data))
             return None
@@ -291,6 +303,36 @@ def _pickle_round_trip(exc: BaseException) -> bytes | None:
     if type(back) is not type(exc):
         return None
     return data
+
+
+def _plain_reduce(exc: BaseException) -> bool:
+    """Whether ``exc`` pickles through ``BaseException``'s own reduction (its class does not
+    say how to pickle it; one that does is not second-guessed)."""
+    cls = type(exc)
+    return all(getattr(cls, name) is getattr(BaseException, name) for name in ("__reduce__", "__reduce_ex__", "__getstate__"))
+
+
+class _Bare:
+    """An exception as its type, ``args`` and ``__dict__``, rebuilt without calling its
+    constructor (``_rebuild_bare``): for the classes whose constructor takes other arguments
+    than ``self.args`` (``MyError(code, detail)`` calling ``super().__init__(text)``), which
+    plain pickling calls with the wrong ones on the caller."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        exc = self.exc
+        return (_rebuild_bare, (type(exc), exc.args, dict(getattr(exc, "__dict__", {}))))
+
+
+def _rebuild_bare(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 def _format_traceback(exc: BaseException) -> str:

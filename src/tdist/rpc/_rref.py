@@ -41,6 +41,7 @@ from ._agent import (
     run_user_function,
     serialization_peer,
 )
+from ._future import Future
 from ._message import MsgKind
 from ._rref_protocol import (
     Confirmed,
@@ -303,7 +304,7 @@ class RRef:
         """A future that completes when the owner has created the value (``remote()``)."""
         cf = self._create_fut
         if cf is None:
-            fut: Any = torch.futures.Future()
+            fut: Any = Future()
             fut.set_result(None)
             return fut
         if isinstance(cf, torch.futures.Future):
@@ -312,7 +313,7 @@ class RRef:
         # future a user asks for follows it, and is the one returned from now on. As torch's, it
         # fails when the request did (a timeout, a lost owner), not when the function raised:
         # the value is then that error, which to_here() raises
-        fut = torch.futures.Future()
+        fut = Future()
 
         def follow(f: Any) -> None:
             exc = _future_error(f)
@@ -445,7 +446,7 @@ class RRef:
 
                 self._type = rpc_sync(self._owner, _value_type, args=(self,), timeout=timeout)
         if not blocking:
-            fut: Any = torch.futures.Future()
+            fut: Any = Future()
             fut.set_result(self._type)
             return fut
         return self._type
@@ -623,7 +624,7 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
         obj = RRef.__new__(RRef)
         obj._set_owner(agent, rref_id)
         value_fut = agent._owner_future(rref_id)
-        created: Any = torch.futures.Future()
+        created: Any = Future()
         obj._create_fut = created
         agent._to_pool(lambda: _run_local(agent, func, args, kwargs, value_fut, created))
         return obj
