@@ -9,6 +9,7 @@ tensor) starts without importing torch. Once loaded they are plain module attrib
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 TYPE_CHECKING = False  # (not typing's: importing typing costs the store server process 15 ms)
 
@@ -37,6 +38,10 @@ def _load() -> None:
 def __getattr__(name: str) -> object:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # ``from tdist import cli``: the import system asks us first; a submodule is its to
+        # import (not a reason to load every public name, and torch with them)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if "__all__" not in globals():
         _load()
         if name in globals():

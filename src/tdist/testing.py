@@ -134,6 +134,9 @@ def run_threads(
     done: queue.Queue[tuple[int, BaseException | None, Any]] = queue.Queue()
 
     def body(rank: int) -> None:
+        from .c10d._group import isolate_thread
+
+        isolate_thread()  # (a rank of its own: its own world, as a process would have)
         try:
             value = fn(rank, world_size, *args)
         except BaseException as exc:

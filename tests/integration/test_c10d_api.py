@@ -780,3 +780,51 @@ def test_init_method_urls(server: LocalStore, monkeypatch: pytest.MonkeyPatch) -
         2, timeout=30,
     )
     assert res == [(3, 0, 2), (3, 1, 2)]
+
+
+def _reinit_cycles(rank: int, world_size: int, port: int, cycles: int, host_lags: bool = False) -> int:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    done = 0
+    for c in range(cycles):
+        if not host_lags:
+            time.sleep(0.05 * rank)  # the ranks come 50 ms apart
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert t[0].item() == world_size
+        if host_lags and rank == 0 and c % 2:
+            time.sleep(0.3)  # the others are in the next group's rendezvous, on this store
+        dist.destroy_process_group()
+        done += 1
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_ranks_quicker_than_the_store_host_to_init_again_find_the_next_group() -> None:
+    from tdist.testing import run_processes
+
+    done = run_processes(_reinit_cycles, 3, free_port(), 6, True, timeout=100, start_method="spawn")
+    assert done == [6, 6, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_hundred_destroy_and_init_again_cycles_on_one_address_on_a_busy_machine() -> None:
+    # A rank quicker than rank 0 starts the next group while rank 0's store still serves the
+    # last one: that store serves on for it (retired, not stopped) and rank 0 takes it back,
+    # where it used to vanish under that rank ("lost the connection to the store ... during GET").
+    import subprocess
+    import sys
+
+    from tdist.testing import run_processes
+
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        done = run_processes(_reinit_cycles, 3, free_port(), 100, timeout=220, start_method="spawn")
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert done == [100, 100, 100]

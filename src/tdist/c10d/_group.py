@@ -9,12 +9,11 @@ calls (``_debug.CollectiveChecker``).
 
 The world: everything ``init_process_group`` creates (the default group, every ``new_group``,
 their global-to-group rank maps, stores and backend names) lives in one ``World`` object. A
-process normally has one. So that N ranks can run as N threads of one process (as the tests
-do), a thread that calls ``init_process_group`` while another thread's world is live gets a
-world of its own, bound to that thread. A thread that made a world sees only the last one it
-made (none once it is destroyed); a thread that never called ``init_process_group`` (a helper
-thread of a normal program) sees the process's first live world. Consequence: within one
-thread, initializing twice raises as in torch; across threads it makes a second world instead.
+process has one, as in torch: ``init_process_group`` while it is live raises, from whatever
+thread. So that N ranks can run as N threads of one process (as the tests do), a thread that
+says it is a rank of its own (``isolate_thread``; ``tdist.testing.run_threads`` does it for its
+ranks) gets a world of its own instead, bound to it: it sees only the last one it made (none
+once it is destroyed). Every other thread sees the process's world.
 
 The rank-mapping helpers at the bottom are pure functions of a ``{global: group}`` map.
 
@@ -68,6 +67,7 @@ __all__ = [
     "global_rank_of",
     "group",
     "group_rank_of",
+    "isolate_thread",
     "new_world",
     "release_world",
 ]
@@ -727,12 +727,19 @@ _primary: World | None = None
 _local = threading.local()
 
 
+def isolate_thread() -> None:
+    """Make this thread a rank of its own: its ``init_process_group`` makes a world for this
+    thread alone, beside the process's (ranks run as threads of one process, as in tests)."""
+    _local.isolated = True
+
+
 def current_world() -> World | None:
-    """The world this thread sees: the last one it made (``None`` once destroyed); in a thread
-    that never called ``init_process_group``, the process's first live world."""
-    if getattr(_local, "made_one", False):
+    """The world this thread sees: an isolated thread's own (``None`` once destroyed), else the
+    process's."""
+    if getattr(_local, "isolated", False):
         mine: World | None = getattr(_local, "world", None)
-        return mine if mine is not None and mine.alive else None
+        if mine is not None or getattr(_local, "made_one", False):
+            return mine if mine is not None and mine.alive else None
     primary = _primary
     if primary is not None and primary.alive:
         return primary
@@ -740,18 +747,23 @@ def current_world() -> World | None:
 
 
 def thread_has_world() -> bool:
-    """Whether this thread made a world that is still live."""
-    mine: World | None = getattr(_local, "world", None)
-    return mine is not None and mine.alive
+    """Whether ``init_process_group`` here would make a second live world: this isolated
+    thread's own is live, or (any other thread) the process's is."""
+    world = getattr(_local, "world", None) if getattr(_local, "isolated", False) else _primary
+    return world is not None and world.alive
 
 
 def new_world() -> World:
-    """A fresh world, bound to this thread (and the process's, if it has none live)."""
+    """A fresh world: the process's, or an isolated thread's own (and the process's too, if it
+    has none live)."""
     global _primary
     world = World()
     with _registry_lock:
-        _local.world = world
-        _local.made_one = True
+        if getattr(_local, "isolated", False):
+            _local.world = world
+            _local.made_one = True
+        elif _primary is not None and _primary.alive:  # (a race with another thread)
+            raise ValueError("trying to initialize the default process group twice!")
         if _primary is None or not _primary.alive:
             _primary = world
     return world

@@ -117,8 +117,9 @@ another process can open a pipe's end through ``/proc/<pid>/fd`` (an eventfd wou
 passed over a Unix socket), and it polls together with the pidfds. Writing one byte costs under a
 microsecond, and only a peer that has announced it sleeps is written to.
 
-While an operation runs, torch's intra-op threads are capped at the rank's share of the cores
-(``cores // world_size``): a rank is one busy thread already, and OpenMP threads beyond the free
+While an operation runs, torch's intra-op threads of the thread that runs it are capped at the
+rank's share of the cores (``cores // world_size``; ``_threads.capped``: no process-wide setting
+changes): a rank is one busy thread already, and OpenMP threads beyond the free
 cores wait for each other to be scheduled (64 MiB all_reduce of 2 processes on 2 cores: 650 ms
 with torch's default 2 threads each, 12 ms with 1).
 
@@ -194,6 +195,7 @@ import torch
 from .._core.deadline import to_seconds
 from .._core.errors import DistBackendError, DistError, DistTimeoutError, PeerError
 from ..store._api import Store
+from ._threads import capped
 from ._types import RedOpType, as_red_op
 
 __all__ = ["CollectiveMismatchError", "ShmArena", "cleanup_stale", "default_frame_bytes", "memory_order_ok"]
@@ -1812,15 +1814,8 @@ class ShmArena:
         # Each rank is one busy thread already: with more OpenMP threads than free cores the
         # threads of one parallel region wait for each other to be scheduled (measured here:
         # 64 MiB all_reduce 50x slower with torch's default 2 threads per rank on 2 cores).
-        prev = torch.get_num_threads()
-        if cap:
-            torch.set_num_threads(self._threads)
-        try:
-            with torch.no_grad() if grad else _NULL_CONTEXT:
-                yield
-        finally:
-            if cap:
-                torch.set_num_threads(prev)
+        with capped(self._threads) if cap else _NULL_CONTEXT, torch.no_grad() if grad else _NULL_CONTEXT:
+            yield
 
     # -- argument checks -------------------------------------------------------------------------
     def _sub_elems(self, itemsize: int) -> int:

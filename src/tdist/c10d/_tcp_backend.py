@@ -38,6 +38,7 @@ from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
 from ._reduce import reduce_into
+from ._threads import capped
 from ._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -381,17 +382,10 @@ class ProcessGroupTCP(Backend):
         """Run ``sched`` over the transport. A large single-chunk transfer travels as pieces of
         about ``_PIECE`` bytes, so that reducing what has arrived overlaps with the rest."""
         nbytes = sum(c.numel() * c.element_size() for c in chunks)
-        threads = torch.get_num_threads()
         # The reductions here are piece-sized; torch's spinning intra-op threads would only
         # take the cores that the sending and receiving threads (and the kernel) need.
-        cap = threads > 1 and nbytes > _PIECE
-        if cap:
-            torch.set_num_threads(1)
-        try:
+        with capped(1 if nbytes > _PIECE else 1 << 30):
             self._run_steps(sched, chunks, tagbase, meta, what, deadline, op)
-        finally:
-            if cap:
-                torch.set_num_threads(threads)
 
     def _run_steps(
         self,

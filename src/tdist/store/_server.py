@@ -210,6 +210,11 @@ class StoreServer:
         self._stop_requested = False
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._retired: float | None = None  # since when nobody is connected to a retired server
+        self.retire_grace = 2.0
+        self.listening = True  # (until stop_listening)
+        self._status_r: int | None = None  # the server's answers to the control pipe
+        self._status_w: int | None = None
         self._control_w: int | None = None
         self._listeners: list[socket.socket] = []
         self._fdmap: dict[int, object] = {}
@@ -332,6 +337,7 @@ class StoreServer:
         """
         r, w = os.pipe()
         self._control_w = w
+        self._status_r, self._status_w = os.pipe()
         if mode == "thread":
             self._thread = threading.Thread(
                 target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
@@ -341,19 +347,22 @@ class StoreServer:
         if mode != "process":
             raise ValueError(f"store server mode must be 'process' or 'thread', got {mode!r}")
         try:
-            self._spawn(r)
+            self._spawn(r, self._status_w)
         finally:
             os.close(r)
+            os.close(self._status_w)
+            self._status_w = None
         for sock in self._listeners:
             sock.close()
 
-    def _spawn(self, control_r: int) -> None:
+    def _spawn(self, control_r: int, status_w: int) -> None:
         unix = self._unix.fileno() if self._unix is not None and self._unix in self._listeners else None
         config = {
             "host": self.host,
             "tcp": self._tcp.fileno(),
             "unix": unix,
             "control": control_r,
+            "status": status_w,
             "parent": os.getpid(),
             "secret": None if self.secret is None else self.secret.hex(),
             "max_frame": self.max_frame,
@@ -372,7 +381,7 @@ class StoreServer:
                 [sys.executable or "python3", "-S", "-c", _BOOT.format(root=root), str(boot_r)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                pass_fds=[fd for fd in (boot_r, control_r, self._tcp.fileno(), unix) if fd is not None],
+                pass_fds=[fd for fd in (boot_r, control_r, status_w, self._tcp.fileno(), unix) if fd is not None],
             )
         except OSError as exc:
             raise DistNetworkError(f"cannot start the store server process for port {self.port}: {exc}") from exc
@@ -399,9 +408,54 @@ class StoreServer:
         exited; None while it serves, or when it serves in a thread."""
         return None if self._proc is None else self._proc.poll()
 
+    def _command(self, command: bytes, now: float) -> None:
+        """What the control pipe says (one byte a command)."""
+        for c in command:
+            if c == ord("L") and self._listeners:  # stop listening
+                self._unlisten()
+            elif c == ord("R"):  # retired: stop once idle (see ``retire``)
+                self._retired = now
+            elif c == ord("A"):  # taken back: serve on, and say so
+                self._retired = None
+                if self._status_w is not None:
+                    with contextlib.suppress(OSError):
+                        os.write(self._status_w, b"a")
+
+    def retire(self) -> None:
+        """Serve on while anyone is connected, and stop (listeners first) once nobody has been
+        for ``retire_grace`` seconds; ``reactivate`` takes it back meanwhile. What a store made
+        for a process group does when the group is destroyed: a rank of the group that is
+        quicker than its host to re-initialize may already be connected for the next one, and
+        the host takes the same server back when it re-initializes."""
+        self._send(b"R")
+
+    def reactivate(self, timeout: float = 5.0) -> bool:
+        """Take back a retired server; False when it has stopped already (or is stopping, or
+        was told to stop listening)."""
+        if self._status_r is None or not self.listening or not self._send(b"A"):
+            return False
+        ready = select.poll()
+        ready.register(self._status_r, select.POLLIN)
+        if not ready.poll(timeout * 1000):
+            return False
+        try:
+            return os.read(self._status_r, 1) == b"a"
+        except OSError:
+            return False
+
+    def _send(self, command: bytes) -> bool:
+        if self._control_w is None:
+            return False
+        try:
+            os.write(self._control_w, command)
+        except OSError:
+            return False
+        return True
+
     def stop_listening(self) -> None:
         """Accept no new connection from now on (clients connected already are served on, and
         a new one is refused rather than served by a store about to stop)."""
+        self.listening = False
         if self._control_w is not None:
             with contextlib.suppress(OSError):
                 os.write(self._control_w, b"L")
@@ -440,6 +494,11 @@ class StoreServer:
         else:
             for sock in self._listeners:
                 sock.close()
+        for fd in (self._status_r, self._status_w):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._status_r = self._status_w = None
 
     def serve_forever(self, control_fd: int | None = None, parent_pid: int | None = None) -> None:
         """Run the loop in this thread until ``control_fd`` reads EOF (or the parent dies).
@@ -498,14 +557,23 @@ class StoreServer:
                                 command = None  # nothing to read after all
                             if command == b"":  # EOF: stop
                                 self._stop_requested = True
-                            elif command and self._listeners:  # b"L": stop listening
-                                self._unlisten()
+                            elif command:
+                                self._command(command, now)
                     elif isinstance(data, socket.socket):
                         self._accept(data)
                 if self._timers:
                     self._run_timers()
                 if self._ready:
                     self._drain_ready()
+                if self._retired is not None:
+                    if self._conns:
+                        self._retired = now
+                    elif now - self._retired >= self.retire_grace:
+                        # nobody has used it for a while: the listeners go first (a connection
+                        # in their backlog is refused, never accepted and then dropped)
+                        log.debug("store server on port %d: retired and idle: stopping", self.port)
+                        self._unlisten()
+                        break
                 if parent_pid is not None and now >= next_ppid_check:
                     next_ppid_check = now + 1.0
                     if os.getppid() != parent_pid:
@@ -1055,6 +1123,7 @@ def _serve_spawned(boot_fd: int) -> None:
         unix=cfg["unix"] is not None,
         spin=cfg["spin"],
     )
+    server._status_w = cfg["status"]
     code = 0
     try:
         server._serve_and_close(cfg["control"], parent_pid=cfg["parent"])

@@ -71,6 +71,8 @@ _SPIN_RETRY_AFTER = 256  # requests to sleep through before spinning again
 _thread_servers: set[int] = set()  # ids of servers running in a thread of this process
 _tenants_lock = threading.Lock()
 _tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
+# multi-tenant servers whose last store was closed: serving on until idle (``StoreServer.retire``)
+_retired: dict[tuple[str, int], StoreServer] = {}
 
 
 @functools.lru_cache(maxsize=64)
@@ -232,6 +234,20 @@ class TCPStore(Store):
                 _tenants[key] = (server, refs + 1)
                 self._server, self._tenant_key, self._port = server, key, server.port
                 return
+            for k, s in list(_retired.items()):  # (those that stopped on their own: reaped)
+                if s.exit_status() is not None:
+                    del _retired[k]
+                    s.stop()
+            retired = _retired.pop(key, None) if multi_tenant else None
+            if retired is not None:
+                # the store of a group destroyed here: take it back (a quicker rank may be
+                # connected to it for this very group already) unless it has stopped
+                if retired.secret == self._secret and retired.reactivate():
+                    _tenants[key] = (retired, 1)
+                    self._server, self._tenant_key, self._port = retired, key, retired.port
+                    return
+                _thread_servers.discard(id(retired))
+                retired.stop()  # (its port is free once it has)
             server = StoreServer(
                 host,
                 port,
@@ -780,11 +796,20 @@ class TCPStore(Store):
         finally:
             if locked:
                 self._lock.release()
+        self._release_server(wait=True)
+
+    def _release_server(self, wait: bool) -> None:
+        """Give up the server this master started or shares: the last of a multi-tenant
+        server's stores retires it (it serves on while anyone is connected, and the next
+        master of the same address in this process takes it back); any other stops it
+        (``wait``: until its port is free)."""
         server, self._server = self._server, None
         if server is None:
             return
         if self._tenant_key is not None:
-            with _tenants_lock:
+            if not _tenants_lock.acquire(blocking=wait):
+                return  # (a finalizer that would wait: the process's end stops it)
+            try:
                 entry = _tenants.get(self._tenant_key)
                 if entry is not None and entry[1] > 1:
                     for k, (s, refs) in list(_tenants.items()):
@@ -794,8 +819,13 @@ class TCPStore(Store):
                 for k, (s, _) in list(_tenants.items()):
                     if s is server:
                         del _tenants[k]
+                        _retired[k] = server
+                server.retire()
+                return
+            finally:
+                _tenants_lock.release()
         _thread_servers.discard(id(server))
-        server.stop()
+        server.stop(wait=wait)
 
     def __del__(self) -> None:
         # A finalizer runs at whatever allocation the collector picks, in any thread: no network
@@ -807,26 +837,7 @@ class TCPStore(Store):
             sock, self._sock = self._sock, None
             if sock is not None:
                 sock.close()
-            server, self._server = self._server, None
-            if server is None:
-                return
-            if self._tenant_key is not None:
-                if not _tenants_lock.acquire(blocking=False):
-                    return  # (shared, and busy: the process's end stops it)
-                try:
-                    entry = _tenants.get(self._tenant_key)
-                    if entry is not None and entry[1] > 1:
-                        for k, (s, refs) in list(_tenants.items()):
-                            if s is server:
-                                _tenants[k] = (s, refs - 1)
-                        return
-                    for k, (s, _) in list(_tenants.items()):
-                        if s is server:
-                            del _tenants[k]
-                finally:
-                    _tenants_lock.release()
-            _thread_servers.discard(id(server))
-            server.stop(wait=False)
+            self._release_server(wait=False)
 
     def __repr__(self) -> str:
         role = "master" if self._is_master else "client"
