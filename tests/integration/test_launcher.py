@@ -67,6 +67,17 @@ WORKER = textwrap.dedent(
     elif action == "hang":
         print(f"rank {rank} ready", flush=True)
         time.sleep(60)
+    elif action in ("stall", "silent"):  # rank 1 stops (or hangs); rank 0 says so and fails
+        if rank == 1:
+            if action == "stall":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(60)
+        if rank == 0:
+            time.sleep(0.5)
+            print("tdist._core.errors.PeerError: rank 0: peer rank 1 (pid 1) stalled during "
+                  "all_reduce: no heartbeat for 10.0 s", file=sys.stderr)
+            sys.exit(1)
+        time.sleep(60)
     elif action == "restart":  # fail on the first attempt only
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         print(f"rank {rank} attempt {attempt}")
@@ -300,6 +311,17 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert not Path(error_file).exists()  # the launcher's run directory is gone with it
     assert "Traceback (most recent call last):" in root
     assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
+
+
+@pytest.mark.parametrize("how", ["stall", "silent"])
+def test_a_stalled_worker_is_the_root_cause_and_every_failure_is_listed(work: Path, how: str) -> None:
+    # stall: stopped (SIGSTOP), seen in its process state; silent: hung, named by the others
+    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", how, timeout=25)
+    assert res.returncode == 1, res.stderr
+    failures, root = res.stderr.split("Failures:")[1].split("Root Cause")
+    assert "rank      : 1 (local_rank: 1)" in root and "stalled" in root, res.stderr
+    assert "rank      : 0 (local_rank: 0)" in failures, res.stderr  # (not <NO_OTHER_FAILURES>)
+    assert "did not stop within" not in res.stderr or how == "silent", res.stderr
 
 
 def test_exit_code_of_a_killed_worker(work: Path) -> None:

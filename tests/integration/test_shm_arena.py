@@ -449,6 +449,18 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(call: str) -> None:
     for rank, msg in enumerate(messages):
         assert "collective mismatch" in msg and f"rank {rank} called" in msg, msg
         assert ("but rank 2 called" if rank < 2 else "but rank 0 called") in msg, msg
+        if call == "dtype":
+            assert "float64" in msg and "float32" in msg, msg
+
+
+def test_a_peers_dtype_is_named_even_if_this_process_never_used_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.c10d import _shm
+
+    code = _shm._dtype_code(torch.int16)
+    monkeypatch.setattr(_shm, "_dtype_names", {})  # (a process that used float32 only, so far)
+    monkeypatch.setattr(_shm, "_dtype_codes", {})
+    _shm._dtype_code(torch.float32)
+    assert _shm._dtype_name(code) == "int16"  # (was "dtype#<crc>")
 
 
 def test_timeout_names_the_missing_rank_and_breaks_the_arena() -> None:

@@ -13,6 +13,7 @@ from tdist.elastic._policy import (
     LaunchConfig,
     Outcome,
     WorkerExit,
+    blamed_as_stalled,
     describe_returncode,
     exit_code,
     failures,
@@ -28,9 +29,9 @@ from tdist.elastic._policy import (
 pytestmark = pytest.mark.timeout(10)
 
 
-def ex(rank: int, rc: int, at: float, *, stopped: bool = False) -> WorkerExit:
+def ex(rank: int, rc: int, at: float, *, stopped: bool = False, stalled: bool = False) -> WorkerExit:
     return WorkerExit(local_rank=rank, rank=rank, pid=1000 + rank, returncode=rc, observed_at=at,
-                      timestamp=1.7e9, stopped_by_agent=stopped)
+                      timestamp=1.7e9, stopped_by_agent=stopped, stalled=stalled)
 
 
 # -- root cause --------------------------------------------------------------------------------
@@ -49,6 +50,28 @@ def test_workers_stopped_by_the_agent_are_not_failures() -> None:
     assert first_failure(exits) is None
     assert first_failure([ex(0, 0, 1.0)]) is None
     assert first_failure([]) is None
+
+
+def test_a_stalled_rank_is_the_root_cause_and_every_failure_is_listed() -> None:
+    # rank 1 stopped; ranks 0 and 2 failed because of it; the launcher then ended rank 1
+    exits = [ex(0, 1, 1.0), ex(2, 1, 1.1), ex(1, -9, 2.0, stopped=True, stalled=True), ex(3, -15, 2.0, stopped=True)]
+    assert [e.rank for e in failures(exits)] == [1, 0, 2]
+    report = format_failure_report("train.py", failures(exits), host="h", tails={})
+    assert "<NO_OTHER_FAILURES>" not in report
+    root = report.split("Root Cause")[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "stalled" in root and "SIGKILL" in root
+    others = report.split("Root Cause")[0]
+    assert "rank      : 0 (local_rank: 0)" in others and "rank      : 2 (local_rank: 2)" in others
+    assert "rank      : 3" not in report  # (ended by the launcher: a consequence)
+
+
+def test_the_ranks_tdists_errors_call_stalled() -> None:
+    tail = [
+        "tdist._core.errors.PeerError: rank 0: peer rank 1 (pid 3124) stalled during all_reduce: no heartbeat\n",
+        "PeerError: rank 2: rank 3 (unix) has sent nothing for 10.2 s (no heartbeat) during recv: it is stalled\n",
+        "ValueError: rank 5 is fine\n",
+    ]
+    assert blamed_as_stalled(tail) == {1, 3}
 
 
 # -- outcome and action ------------------------------------------------------------------------

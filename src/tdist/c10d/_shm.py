@@ -350,7 +350,8 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _dtype_name(code: int) -> str:
-    if not _dtype_names:
+    """The name of a dtype code a peer published (one this process may never have used)."""
+    if code not in _dtype_names:
         for value in vars(torch).values():
             if isinstance(value, torch.dtype):
                 _dtype_code(value)

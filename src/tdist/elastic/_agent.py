@@ -60,6 +60,7 @@ from ._policy import (
     LaunchConfig,
     Outcome,
     WorkerExit,
+    blamed_as_stalled,
     describe_returncode,
     exit_code,
     failures,
@@ -94,7 +95,17 @@ class _Worker:
     tail: deque[str]
     readers: list[threading.Thread] = field(default_factory=list)
     signalled: bool = False
+    stalled: bool = False  # stopped (not running) when the group failed
     exit: WorkerExit | None = None
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``T``: stopped), or ``""``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _is_local_address(host: str) -> bool:
@@ -499,13 +510,22 @@ class LocalAgent:
                     "worker rank %d (local rank %d, pid %d) failed with exit code %d",
                     e.rank, e.local_rank, e.pid, e.returncode,
                 )
+            if outcome is Outcome.FAILED:
+                for w in workers:  # a stopped process did not fail: it made the others fail
+                    if w.exit is None and _process_state(w.proc.pid) in ("T", "t"):
+                        w.stalled = True
         finally:
             self._stop(workers, exits)
             deadline = self._clock() + _READER_JOIN
             for w in workers:
                 for t in w.readers:
                     t.join(max(0.0, deadline - self._clock()))
-        return outcome, exits, {w.local_rank: list(w.tail) for w in workers}
+        tails = {w.local_rank: list(w.tail) for w in workers}
+        if outcome is Outcome.FAILED and not any(e.stalled for e in exits):
+            # a rank that hung without being stopped: the others' errors name it
+            blamed = set().union(*(blamed_as_stalled(tails.get(e.local_rank, ())) for e in exits if e.failed))
+            exits[:] = [dataclasses.replace(e, stalled=True) if e.stopped_by_agent and e.rank in blamed else e for e in exits]
+        return outcome, exits, tails
 
     def _start_worker(self, local_rank: int, env: dict[str, str]) -> _Worker:
         cfg = self.config
@@ -586,7 +606,10 @@ class LocalAgent:
                 returncode=rc,
                 observed_at=self._clock(),
                 timestamp=time.time(),
-                stopped_by_agent=w.signalled,
+                # (one that failed on its own while being stopped still failed: only our
+                # signals' own ends are consequences)
+                stopped_by_agent=w.signalled and rc in (-signal.SIGTERM, -signal.SIGKILL),
+                stalled=w.stalled,
             )
             exits.append(w.exit)
             if w.pidfd is not None:
@@ -636,7 +659,8 @@ class LocalAgent:
         log.info("stopping %d workers: %s", len(alive), [w.rank for w in alive])
         for w in alive:
             w.signalled = True
-            self._signal_group(w, signal.SIGTERM)
+            # (a stopped process would not act on SIGTERM: it goes at once)
+            self._signal_group(w, signal.SIGKILL if w.stalled else signal.SIGTERM)
         signals_before = self._signal_count
         deadline = self._clock() + self.config.stop_timeout
         while any(w.exit is None for w in alive):

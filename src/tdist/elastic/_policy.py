@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import re
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -213,8 +214,10 @@ class WorkerExit:
         returncode: its exit status (negative: killed by that signal).
         observed_at: when the agent saw it exit (monotonic seconds; orders the failures).
         timestamp: the same moment in wall-clock seconds (for the report only).
-        stopped_by_agent: the agent had signalled it to stop before it exited, so its exit is
-            a consequence, not a failure.
+        stopped_by_agent: the agent's signal ended it (it was still running when the group
+            was stopped), so its exit is a consequence, not a failure.
+        stalled: it had stopped making progress when the others failed (a stopped process, or
+            the one the others' errors name as stalled): the failure that caused theirs.
     """
 
     local_rank: int
@@ -224,15 +227,30 @@ class WorkerExit:
     observed_at: float
     timestamp: float = 0.0
     stopped_by_agent: bool = False
+    stalled: bool = False
 
     @property
     def failed(self) -> bool:
-        return self.returncode != 0 and not self.stopped_by_agent
+        return self.stalled or (self.returncode != 0 and not self.stopped_by_agent)
 
 
 def failures(exits: Sequence[WorkerExit]) -> list[WorkerExit]:
-    """The workers that failed on their own, first observed first (ties: lowest rank)."""
-    return sorted((e for e in exits if e.failed), key=lambda e: (e.observed_at, e.rank))
+    """The workers that failed: a stalled one first (the others failed because of it), then
+    those that failed on their own, first observed first (ties: lowest rank)."""
+    return sorted((e for e in exits if e.failed), key=lambda e: (not e.stalled, e.observed_at, e.rank))
+
+
+# what tdist's process groups say of a peer that stopped making progress (its group rank, which
+# is its global rank in the default group)
+_STALLED = re.compile(r"(?:peer )?rank (\d+) \([^)]*\) (?:stalled|has sent nothing)")
+
+
+def blamed_as_stalled(tail: Sequence[str]) -> set[int]:
+    """The ranks a failed worker's last stderr lines call stalled (tdist's own messages)."""
+    found: set[int] = set()
+    for line in tail:
+        found.update(int(m) for m in _STALLED.findall(line))
+    return found
 
 
 def first_failure(exits: Sequence[WorkerExit]) -> WorkerExit | None:
@@ -299,12 +317,13 @@ def next_action(outcome: Outcome, restart_count: int, max_restarts: int) -> Acti
 
 
 def exit_code(outcome: Outcome, root: WorkerExit | None = None, signum: int | None = None) -> int:
-    """The launcher's exit status: the first failed worker's (``128 + n`` for signal ``n``),
-    ``128 + signum`` when the launcher was interrupted, 1 when another node failed, else 0."""
+    """The launcher's exit status: the first failed worker's (``128 + n`` for signal ``n``; 1
+    when that is a stalled worker the launcher ended), ``128 + signum`` when the launcher was
+    interrupted, 1 when another node failed, else 0."""
     if outcome is Outcome.INTERRUPTED:
         return 128 + (signum if signum is not None else signal.SIGTERM)
     if outcome is Outcome.FAILED:
-        if root is None:
+        if root is None or (root.stalled and root.stopped_by_agent):  # (its end was our signal)
             return 1
         return root.returncode if root.returncode > 0 else 128 - root.returncode
     if outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
@@ -375,7 +394,12 @@ def _format_failure(
     idx: int, e: WorkerExit, host: str, tail: Sequence[str], max_lines: int, error: ErrorFile | None
 ) -> str:
     when = datetime.datetime.fromtimestamp(e.timestamp).isoformat(sep="_", timespec="seconds")
-    if error is not None and error.traceback.strip():  # the exception @record wrote, as torchrun
+    if e.stalled and e.stopped_by_agent:
+        text = (
+            "<stalled: it had stopped making progress when the others failed (stopped, or named "
+            f"stalled in their errors); the launcher ended it ({describe_returncode(e.returncode)})>"
+        )
+    elif error is not None and error.traceback.strip():  # the exception @record wrote, as torchrun
         text = traceback_tail(error.traceback.splitlines(), max_lines)
     else:
         text = traceback_tail(tail, max_lines)
@@ -432,7 +456,7 @@ def format_failure_report(
             "Failures:",
             other_text or "  <NO_OTHER_FAILURES>",
             "-" * width,
-            "Root Cause (first observed failure):",
+            "Root Cause (a stalled rank, else the first observed failure):" if root.stalled else "Root Cause (first observed failure):",
             root_text,
             "=" * width,
         ]
