@@ -828,3 +828,35 @@ def test_a_hundred_destroy_and_init_again_cycles_on_one_address_on_a_busy_machin
             p.kill()
             p.wait()
     assert done == [100, 100, 100]
+
+
+def _misconfigured(index: int, n: int, port: int, ranks: list[int], sizes: list[int]) -> tuple[str, float]:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("gloo", rank=ranks[index], world_size=sizes[index], timeout=timedelta(seconds=60))
+    except ValueError as exc:
+        return str(exc), time.monotonic() - t0
+    dist.destroy_process_group()
+    return "joined", time.monotonic() - t0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("ranks", "sizes", "words"),
+    [
+        ([0, 1], [2, 3], "disagree on the world size"),
+        ([0, 1, 1], [3, 3, 3], "rank 1 is claimed by two processes"),
+    ],
+    ids=["world_size", "same_rank"],
+)
+def test_misconfigured_ranks_fail_at_the_rendezvous_naming_the_problem(ranks: list[int], sizes: list[int], words: str) -> None:
+    # torch (and tdist before) waited for the whole timeout (30 minutes by default)
+    from tdist.testing import run_processes
+
+    results = run_processes(_misconfigured, len(ranks), free_port(), ranks, sizes, timeout=80, start_method="spawn")
+    for text, took in results:
+        assert words in text, results
+        assert took < 20, results

@@ -33,7 +33,7 @@ import torch
 
 from .._core.errors import DistBackendError
 from ..store import PrefixStore, Store
-from ..store._rendezvous import rendezvous
+from ..store._rendezvous import release_claim, rendezvous
 from . import _checks as C
 from ._backend import Backend as BackendImpl
 from ._backend import backend_creator
@@ -521,6 +521,7 @@ def init_process_group(
             assert init_method is not None
             store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
             store.set_timeout(timeout)
+            world.owned_store = store  # (its claim of this rank goes with the group)
             store = PrefixStore("default_pg", store)
         if not 0 <= rank < world_size:
             raise ValueError(
@@ -578,6 +579,8 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
             groups = sorted(world.groups, key=lambda g: world.groups[g].name, reverse=True)
         for g in groups:
             _shutdown_quietly(g)
+        if world.owned_store is not None:
+            release_claim(world.owned_store)
         release_world(world)
         log.info("default process group destroyed")
         return

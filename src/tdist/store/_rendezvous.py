@@ -24,10 +24,14 @@ Thread-safety: the handler registry may be used from several threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import os
+import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -209,15 +213,137 @@ def _create_c10d_store(
 
         return PrefixStore(f"/worker/attempt_{attempt}", tcp_store)
     log.debug("rank %d: %s the store at %s:%d", rank, "hosting" if rank == 0 else "joining", hostname, port)
-    return TCPStore(
+    store = TCPStore(
         host_name=hostname,
         port=port,
         world_size=size,
         is_master=rank == 0,
         timeout=timeout,
+        wait_for_workers=False,  # (the checked join below waits, and says what is wrong)
         multi_tenant=True,
         use_libuv=use_libuv,
     )
+    if size is not None:
+        try:
+            _checked_join(store, rank, size, timeout, f"{hostname}:{port}")
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+# -- the checked join ------------------------------------------------------------------------------
+# Every rank of a rendezvous with given ranks (env://, tcp://) joins a round of the store: it
+# claims its rank and the world size, then waits until all have joined. Ranks that disagree on
+# the world size, or two processes that claim one rank, fail at once on every rank that waits
+# in that round (its "abort" key), naming both sides, where they would otherwise wait for the
+# whole timeout (30 minutes, as in torch). A rank's round is its own count of joins on the store
+# (the same store may host several groups in turn: a store retired by a destroyed group is taken
+# back by the next one); a process's claim is released when its group is destroyed
+# (``release_claim``), so that a process that claims a rank held by a live process elsewhere is a
+# second process given that rank.
+_RDZV = "tdist_rdzv"
+
+
+def _holder_id() -> str:
+    return f"{socket.gethostname()}|{os.getpid()}|{uuid.uuid4().hex[:8]}"
+
+
+def _describe_holder(value: str) -> str:
+    host, _, rest = value.partition("|")
+    pid = rest.partition("|")[0]
+    return f"pid {pid} on {host}"
+
+
+def _holder_gone(value: str) -> bool:
+    """Whether the process that holds a claim is gone, or is this one (a group of ours that
+    was not destroyed: an init that failed after its rendezvous); only known on this host."""
+    host, _, rest = value.partition("|")
+    if host != socket.gethostname():
+        return False
+    try:
+        pid = int(rest.partition("|")[0])
+        if pid == os.getpid():
+            return True
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        return False
+    return False
+
+
+def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, where: str) -> None:
+    """Join this rendezvous's round on ``store`` (see above).
+
+    Raises:
+        ValueError: ranks disagree on the world size, another process holds this rank, or the
+            round was aborted by a rank that found one of those.
+        DistTimeoutError: not every rank joined within ``timeout``.
+    """
+    from .._core.errors import DistTimeoutError, StoreTimeoutError
+
+    me = _holder_id()
+    n = int(store.add(f"{_RDZV}/rank_{rank}", 1))
+    base = f"{_RDZV}/{n}/"
+
+    def abort(round_base: str, message: str) -> ValueError:
+        message = f"the rendezvous at {where}: {message}"
+        with contextlib.suppress(Exception):
+            if not store.check([round_base + "full"]):
+                store.compare_set(round_base + "abort", "", message)
+        return _rendezvous_error(message)
+
+    if n > 1:  # this rank joined this store before: was the one before released?
+        previous = f"{_RDZV}/{n - 1}/"
+        with contextlib.suppress(StoreTimeoutError):
+            store.wait([previous + f"rank_{rank}"], timedelta(seconds=5))
+        held = store.get(previous + f"rank_{rank}").decode() if store.check([previous + f"rank_{rank}"]) else ""
+        if held and not held.startswith("released|") and not _holder_gone(held):
+            raise abort(
+                previous,
+                f"rank {rank} is claimed by two processes: {_describe_holder(held)} holds it, and "
+                f"{_describe_holder(me)} claims it again; give every process its own rank (RANK / "
+                "rank=)",
+            )
+    store.set(base + f"rank_{rank}", me)
+    said = store.compare_set(base + "world_size", "", str(world_size)).decode()
+    if said != str(world_size):
+        raise abort(
+            base,
+            f"the ranks disagree on the world size: rank {rank} ({_describe_holder(me)}) says "
+            f"{world_size}, an earlier rank said {said}; give every process the same world size "
+            "(WORLD_SIZE / world_size=)",
+        )
+    if int(store.add(base + "joined", 1)) >= world_size:
+        store.set(base + "full", "1")
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check([base + "full"]):
+        if store.check([base + "abort"]):
+            raise _rendezvous_error(store.get(base + "abort").decode())
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
+            raise DistTimeoutError(
+                f"rank {rank}: the rendezvous at {where} timed out after {timeout.total_seconds():g} s: "
+                f"rank(s) {missing} of {world_size} never joined; are they running, with this "
+                "address and world size?"
+            )
+        with contextlib.suppress(StoreTimeoutError):
+            store.wait([base + "full"], timedelta(seconds=min(0.2, remaining)))
+    store._rdzv_claim = (base + f"rank_{rank}", me)
+
+
+def release_claim(store: Any) -> None:
+    """Release the rank this process claimed on ``store`` by ``_checked_join`` (its group is
+    destroyed; a process that comes for the rank next is not a second one). Never raises."""
+    claim = getattr(store, "_rdzv_claim", None)
+    if claim is None:
+        return
+    store._rdzv_claim = None
+    key, me = claim
+    with contextlib.suppress(Exception):
+        store.compare_set(key, me, "released|" + me)
 
 
 # -- the built-in handlers ---------------------------------------------------------------------

@@ -785,6 +785,10 @@ class TCPStore(Store):
                 self._call_frame(Op.PING, encode_frame(Op.PING, ()), io_timeout=min(self._timeout.total_seconds(), _CLOSE_PING))
             except DistError as exc:
                 log.warning("TCPStore client for %s: while closing: %s", self._addr, exc)
+        if getattr(self, "_rdzv_claim", None) is not None and not sys.is_finalizing():
+            from ._rendezvous import release_claim  # (its rank goes with it)
+
+            release_claim(self)
         self._closed = True
         # wait (briefly) for a call in flight on another thread rather than close under it
         locked = self._lock.acquire(timeout=5.0)
