@@ -85,10 +85,13 @@ class Admission:
     (with its own deadline) and registers the connection or closes it.
     """
 
-    def __init__(self, label: str, run: Callable[[socket.socket, object], None], limit: int = 64) -> None:
+    def __init__(
+        self, label: str, run: Callable[[socket.socket, object], None], limit: int = 64, done: Callable[[], None] | None = None
+    ) -> None:
         self.label = label
         self.limit = limit
         self._run = run
+        self._done = done  # called after each handshake has ended and left the pending set
         self._lock = threading.Lock()
         self._pending: OrderedDict[socket.socket, None] = OrderedDict()
         self._shed = 0
@@ -127,6 +130,14 @@ class Admission:
                 if not self._pending and self._shed:
                     log.warning("%s: handshakes back to normal (%d connections dropped)", self.label, self._shed)
                     self._shed = 0
+            if self._done is not None:
+                self._done()
+
+    def keep(self, sock: socket.socket) -> None:
+        """``sock``'s handshake succeeded: it is no longer pending (never shed or dropped by
+        ``close``). Call it before the connection is published."""
+        with self._lock:
+            self._pending.pop(sock, None)
 
     def shed_one(self) -> bool:
         """Drop the oldest pending handshake (to free its descriptor); False if none."""

@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._core import auth
@@ -470,11 +470,25 @@ class Endpoint:
         import selectors
 
         sel = selectors.DefaultSelector()
-        admission = Admission(f"rank {self.rank} ({self.name})", lambda sock, addr: self._accept_one(sock, addr, deadline))
+        wake_r, wake_w = os.pipe()  # (a handshake that ended wakes the loop to count again)
+        wake_lock = threading.Lock()
+        woke: list[bool] = [True]  # (False once the pipe is closed: a late handshake is quiet)
+
+        def wake() -> None:
+            with wake_lock, contextlib.suppress(OSError):
+                if woke[0]:
+                    os.write(wake_w, b"x")
+
+        admission = Admission(
+            f"rank {self.rank} ({self.name})",
+            lambda sock, addr: self._accept_one(sock, addr, deadline, admission.keep),
+            done=wake,
+        )
         starvation = Starvation(f"rank {self.rank} ({self.name})")
         try:
             # (inside the try: the endpoint may be closed, its listeners with it, before this
             # thread gets to run; that ends accepting like any other failure)
+            sel.register(wake_r, selectors.EVENT_READ)
             for s in listeners:
                 s.setblocking(False)
                 sel.register(s, selectors.EVENT_READ)
@@ -485,8 +499,11 @@ class Endpoint:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                for key, _ in sel.select(min(remaining, 0.05)):
+                for key, _ in sel.select(min(remaining, 0.5)):
                     listener = key.fileobj
+                    if listener == wake_r:
+                        os.read(wake_r, 4096)
+                        continue
                     assert isinstance(listener, socket.socket)
                     try:
                         sock, peer_addr = listener.accept()
@@ -506,8 +523,15 @@ class Endpoint:
         finally:
             admission.close()
             sel.close()
+            with wake_lock:
+                woke[0] = False
+                for fd in (wake_r, wake_w):
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
-    def _accept_one(self, sock: socket.socket, peer_addr: Any, deadline: float) -> None:
+    def _accept_one(
+        self, sock: socket.socket, peer_addr: Any, deadline: float, keep: Callable[[socket.socket], None] | None = None
+    ) -> None:
         addr = "unix" if sock.family == socket.AF_UNIX else f"{peer_addr[0]}:{peer_addr[1]}"
         try:
             sock.setblocking(True)
@@ -533,6 +557,8 @@ class Endpoint:
             log.warning("rank %d (%s): handshake with %s failed: %s", self.rank, self.name, addr, exc)
             sock.close()
             return
+        if keep is not None:
+            keep(sock)  # (before it counts: the accept loop may end, and drop what is pending)
         with self._lock:
             if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
                 self._peers[peer] = _Peer(peer, sock, addr)

@@ -544,6 +544,7 @@ class Messenger:
             peer, _, session = _handshake.accept(
                 sock, self.my_id, self.secret, 10.0, f"connection from {where}", admit=lambda _peer, token: token == self.token
             )
+            self._admission.keep(sock)
             self._register(peer, sock, where, sock.family == socket.AF_UNIX, outbound=False, session=session)
         except _handshake.Refused:
             log.warning("%s: refused a connection from %s: it belongs to another RPC job", self.label, where)
