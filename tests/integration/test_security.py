@@ -87,6 +87,12 @@ def flip_last_byte(data: bytes) -> bytes:
     return data[:-1] + bytes([data[-1] ^ 1])
 
 
+def flip_middle_byte(data: bytes) -> bytes:
+    """(Hits the frame that the chunk starts with, even if a heartbeat follows it.)"""
+    i = len(data) // 2
+    return data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
+
+
 # -- the store -----------------------------------------------------------------------------------
 @pytest.fixture
 def server() -> Iterator[tdist.TCPStore]:
@@ -350,8 +356,11 @@ def test_a_relay_cannot_change_an_rpc_message(size: int) -> None:
         b.m.close()
 
 
-def test_a_relay_cannot_change_a_process_group_message() -> None:
+@pytest.mark.parametrize("size", [1000, 3 << 20])  # (a large payload is tagged in pieces)
+@pytest.mark.parametrize("honest", [False, True])
+def test_a_relay_cannot_change_a_process_group_message(size: int, honest: bool) -> None:
     store = tdist.HashStore()
+    payload = os.urandom(size)
     relays: list[Relay] = []
 
     class Rewriting(tdist.PrefixStore):
@@ -363,7 +372,7 @@ def test_a_relay_cannot_change_a_process_group_message() -> None:
                 import json
 
                 info = json.loads(value)
-                relay = Relay((info["addr"], info["port"]), 1 << 40, flip_last_byte)
+                relay = Relay((info["addr"], info["port"]), 1 << 40, (lambda d: d) if honest else flip_middle_byte)
                 relays.append(relay)
                 value = json.dumps({**info, "host": "elsewhere", "port": relay.port}).encode()
             return value
@@ -375,14 +384,14 @@ def test_a_relay_cannot_change_a_process_group_message() -> None:
             if rank == 1:
                 relays[0].after = relays[0].sent_up  # (the handshake went through untouched)
                 with contextlib.suppress(DistError):
-                    ep.send(0, 7, [b"x" * 1000])
+                    ep.send(0, 7, [payload])
                 return "sent"
-            out = bytearray(1000)
+            out = bytearray(size)
             try:
                 ep.wait(ep.post_recv(1, 7, memoryview(out)), time.monotonic() + 10)
             except PeerError as exc:
                 return str(exc)
-            return "received"
+            return "received intact" if out == payload else "received changed"
         finally:
             ep.close()
 
@@ -391,7 +400,10 @@ def test_a_relay_cannot_change_a_process_group_message() -> None:
     finally:
         for r in relays:
             r.close()
-    assert "authentication tag" in results[0], results
+    if honest:
+        assert results[0] == "received intact", results
+    else:
+        assert "authentication tag" in results[0], results
 
 
 def test_launcher_job_with_a_secret_runs_rpc_and_collectives(tmp_path: Any) -> None:

@@ -279,3 +279,97 @@ def test_a_heartbeat_written_in_part_is_finished_before_the_next_frame() -> None
             ep.close()
 
     assert run_threads(body, 2, timeout=30)[1] == [b"after 0", b"after 1", b"after 2"]
+
+
+class _CuttingRelay:
+    """Between rank 1 and rank 0 (TCP): once ``hold`` is set, forwards ``limit`` more bytes
+    from rank 1, then holds the rest until ``cut``, and then closes both connections."""
+
+    def __init__(self, target: tuple[str, int], limit: int) -> None:
+        import socket
+
+        self.target = target
+        self.limit = limit
+        self.hold = threading.Event()
+        self.cut = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.socks: list[Any] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+
+        with contextlib.suppress(OSError):
+            client, _ = self.listener.accept()
+            server = socket.create_connection(self.target)
+            self.socks = [client, server]
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+            self._pump(client, server, True)
+
+    def _pump(self, src: Any, dst: Any, up: bool) -> None:
+        left = self.limit
+        with contextlib.suppress(OSError):
+            while True:
+                data = src.recv(65536 if not (up and self.hold.is_set()) else max(1, left))
+                if not data:
+                    break
+                if up and self.hold.is_set():
+                    left -= len(data)
+                    if left <= 0:
+                        dst.sendall(data)
+                        self.cut.wait(30)
+                        for s in self.socks:
+                            with contextlib.suppress(OSError):
+                                s.shutdown(2)
+                        return
+                dst.sendall(data)
+
+
+def test_a_receive_matched_to_a_message_still_arriving_fails_with_its_connection() -> None:
+    # A receive posted while its message is coming in takes that message over; the connection
+    # then goes mid-message: the receive fails at once, naming the peer (it used to wait for
+    # its deadline: the message had left the list of early arrivals that a failure empties).
+    store = tdist.HashStore()
+    relays: list[_CuttingRelay] = []
+    size = 1 << 20
+
+    class Rewriting(tdist.PrefixStore):
+        def get(self, key: str) -> bytes:
+            value = super().get(key)
+            if key == "ep/0":
+                info = json.loads(value)
+                relays.append(_CuttingRelay((info["addr"], info["port"]), 100_000))
+                value = json.dumps({**info, "host": "elsewhere", "port": relays[0].port}).encode()
+            return value
+
+    def body(rank: int, n: int) -> str:
+        s = Rewriting("g", store) if rank == 1 else tdist.PrefixStore("g", store)
+        ep = Endpoint(s, rank, n, timeout=10, heartbeat_interval=0.2, stall_timeout=20)
+        try:
+            if rank == 1:
+                relays[0].hold.set()
+                with contextlib.suppress(DistError):
+                    ep.send(0, 7, [bytes(size)], deadline=time.monotonic() + 30)
+                return "sent"
+            peer = ep._peers[1]
+            deadline = time.monotonic() + 20
+            while 7 not in peer.unexpected:  # the message is arriving, held by the relay
+                assert time.monotonic() < deadline, "the message never started to arrive"
+                time.sleep(0.005)
+            handle = ep.post_recv(1, 7, memoryview(bytearray(size)))
+            relays[0].cut.set()
+            t0 = time.monotonic()
+            try:
+                ep.wait(handle, t0 + 25)
+            except PeerError as exc:
+                return f"PeerError after {time.monotonic() - t0:.1f} s: {exc}"
+            except DistError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "received"
+        finally:
+            ep.close()
+
+    results = run_threads(body, 2, timeout=50)
+    assert results[0].startswith("PeerError"), results
+    assert "rank 1" in results[0]

@@ -14,8 +14,12 @@ it likes. So both sides derive keys from the secret and both nonces (``session_k
 direction), which the relay cannot, and every frame after the handshake carries a tag
 (``Seal``): a keyed BLAKE2b of the frame and of its sequence number in that direction, so a
 frame that was changed, injected, dropped, replayed or reflected fails the check and ends the
-connection. Payloads of ``BULK`` bytes or more are hashed with SHA-256 first (twice BLAKE2b's
-speed on CPUs with SHA instructions) and their digest is tagged.
+connection. A payload of ``BULK`` bytes or more is tagged by Poly1305 first (through the
+``cryptography`` package: about 12 GB/s on one core here, against 1.8 GB/s for SHA-256 and
+0.9 GB/s for BLAKE2b, the fastest that ``hashlib`` offers), under a key used for that frame
+only (BLAKE2b of the direction's key and the frame's sequence number), and that tag goes into
+the frame's tag. Poly1305 is a one-time MAC: secure as long as no key is used twice, which the
+per-frame key guarantees.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "NONCE_SIZE",
     "TAG_SIZE",
     "Seal",
+    "Tagging",
     "client_proof",
     "make_nonce",
     "new_secret",
@@ -106,28 +111,82 @@ class Seal:
     of buffers, hashed as their concatenation).
     """
 
-    __slots__ = ("_base", "seq")
+    __slots__ = ("_base", "_key", "seq")
 
     def __init__(self, key: bytes) -> None:
         self._base = hashlib.blake2b(key=key, digest_size=TAG_SIZE)
+        self._key = key
         self.seq = 0
+
+    def start(self, head: Any, nbytes: int) -> Tagging:
+        """The tag of the next frame, to be fed its payload as it goes (``nbytes``: the
+        payload's length): a large payload is tagged piece by piece as it is written or read,
+        while the piece is still in the cache."""
+        seq = _SEQ.pack(self.seq)
+        self.seq += 1
+        h = self._base.copy()
+        h.update(seq)
+        h.update(head)
+        if nbytes < BULK:
+            return Tagging(h, None)
+        once = hashlib.blake2b(b"tdist bulk" + seq, key=self._key, digest_size=32).digest()
+        return Tagging(h, _poly1305()(once))
 
     def tag(self, head: Any, payload: Sequence[Any] = (), nbytes: int = 0) -> bytes:
         """The tag of the next frame (``nbytes``: the payload's length)."""
-        h = self._base.copy()
-        h.update(_SEQ.pack(self.seq))
-        self.seq += 1
-        h.update(head)
-        if nbytes >= BULK:
-            bulk = hashlib.sha256()
-            for part in payload:
-                bulk.update(part)
-            h.update(bulk.digest())
-        else:
+        if nbytes < BULK:  # (the common small frame, without the detour)
+            h = self._base.copy()
+            h.update(_SEQ.pack(self.seq))
+            self.seq += 1
+            h.update(head)
             for part in payload:
                 h.update(part)
-        return h.digest()
+            return bytes(h.digest())
+        tagging = self.start(head, nbytes)
+        for part in payload:
+            tagging.update(part)
+        return tagging.digest()
 
     def check(self, tag: Any, head: Any, payload: Sequence[Any] = (), nbytes: int = 0) -> bool:
         """Whether ``tag`` is the next frame's."""
-        return hmac.compare_digest(self.tag(head, payload, nbytes), bytes(tag))
+        return hmac.compare_digest(self.tag(head, payload, nbytes), tag)
+
+
+class Tagging:
+    """The tag of one frame in the making (``Seal.start``)."""
+
+    __slots__ = ("_bulk", "_h")
+
+    def __init__(self, h: Any, bulk: Any) -> None:
+        self._h = h
+        self._bulk = bulk
+
+    def update(self, part: Any) -> None:
+        """The next bytes of the payload."""
+        if self._bulk is None:
+            self._h.update(part)
+        else:
+            self._bulk.update(part if isinstance(part, bytes) else memoryview(part).cast("B"))
+
+    def digest(self) -> bytes:
+        if self._bulk is not None:
+            self._h.update(self._bulk.finalize())
+            self._bulk = None
+        return bytes(self._h.digest())
+
+    def matches(self, tag: Any) -> bool:
+        """Whether ``tag`` is this frame's (its payload fed whole)."""
+        return hmac.compare_digest(self.digest(), tag)
+
+
+_POLY1305: Any = None
+
+
+def _poly1305() -> Any:
+    """``cryptography``'s Poly1305 class, imported at the first large frame (4 ms)."""
+    global _POLY1305
+    if _POLY1305 is None:
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+        _POLY1305 = Poly1305
+    return _POLY1305

@@ -368,6 +368,9 @@ class StoreServer:
             "max_frame": self.max_frame,
             "auth_timeout": self.auth_timeout,
             "spin": self.spin,
+            # (the server starts without site: it finds what it imports late, such as the
+            # library behind the tags of large frames, where its parent did)
+            "path": [p for p in sys.path if p],
         }
         import subprocess  # (here: the server's own process does not need it)
 
@@ -1107,6 +1110,7 @@ def _serve_spawned(boot_fd: int) -> None:
         chunks.append(chunk)
     os.close(boot_fd)
     cfg = json.loads(b"".join(chunks))
+    sys.path.extend(p for p in cfg["path"] if p not in sys.path)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is for the parent, which stops us
     # Every rank waits on the store: when the cores are oversubscribed, it should get the CPU
     # first (lowering the nice value needs privileges; without them this is a no-op).

@@ -68,6 +68,7 @@ __all__ = ["Endpoint", "RecvHandle", "host_id"]
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
+_SEAL_PIECE = 1 << 20  # (a large payload is tagged in pieces of this size as it arrives)
 _MAX_PAYLOAD = 1 << 40
 
 
@@ -602,7 +603,7 @@ class Endpoint:
         if p.cma and nbytes >= _CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
             return
         with p.send_lock:
-            self._sendmsg(p, self._frame(p, Kind.DATA, tag, meta, views, nbytes), deadline, what)
+            self._sendmsg(p, *self._frame(p, Kind.DATA, tag, meta, views, nbytes), deadline, what)
 
     def _send_cma(
         self,
@@ -632,7 +633,7 @@ class Endpoint:
             p.acks[xfer] = ack
         try:
             with p.send_lock:
-                self._sendmsg(p, self._frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc)), deadline, what)
+                self._sendmsg(p, *self._frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc)), deadline, what)
             # the peer reads our buffers now: they must stay untouched until it says so
             event: threading.Event = ack[0]
             step = max(0.05, self.heartbeat_interval / 2)
@@ -724,7 +725,7 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    self._sendmsg(p, self._frame(p, Kind.ABORT, 0, meta), time.monotonic() + 1.0, "abort")
+                    self._sendmsg(p, *self._frame(p, Kind.ABORT, 0, meta), time.monotonic() + 1.0, "abort")
                 except (DistError, OSError):
                     pass
                 finally:
@@ -748,7 +749,7 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    self._sendmsg(p, self._frame(p, Kind.GOODBYE, 0), time.monotonic() + 1.0, "close")
+                    self._sendmsg(p, *self._frame(p, Kind.GOODBYE, 0), time.monotonic() + 1.0, "close")
                 except (DistError, OSError):
                     pass
                 finally:
@@ -778,42 +779,76 @@ class Endpoint:
 
     def _frame(
         self, p: _Peer, kind: Kind, tag: int, meta: bytes = b"", payload: Sequence[memoryview] = (), nbytes: int = 0
-    ) -> list[memoryview]:
-        """One frame as buffers to write, its tag last when the connection has a session
-        (send lock held: tags follow the order of the frames on the wire)."""
+    ) -> tuple[list[memoryview], auth.Tagging | None]:
+        """One frame as buffers to write, and its tag when the connection has a session (send
+        lock held: tags follow the order of the frames on the wire): the tag is the last
+        buffer, or, for a large payload, still to be made as the payload is written."""
         head = pack_header(kind, tag, nbytes, len(meta)) + meta
         parts = [memoryview(head), *(v for v in payload if v.nbytes)]
-        if p.session is not None:
-            parts.append(memoryview(p.session.send.tag(head, parts[1:], nbytes)))
-        return parts
+        if p.session is None:
+            return parts, None
+        if nbytes >= auth.BULK:
+            return parts, p.session.send.start(head, nbytes)
+        parts.append(memoryview(p.session.send.tag(head, parts[1:], nbytes)))
+        return parts, None
 
-    def _verify(self, p: _Peer, head: bytes, payload: Sequence[memoryview] = (), nbytes: int = 0) -> None:
-        """Read and check the tag of the frame just read (its reader's thread), when the
-        connection has a session.
+    def _read_sealed(self, p: _Peer, head: bytes, payload: memoryview | None = None) -> None:
+        """Read the payload of the frame whose ``head`` was just read into ``payload``, then
+        its tag, and check it, when the connection has a session (its reader's thread). A
+        large payload is tagged piece by piece as it arrives (in the cache, and while the rest
+        is still on its way).
 
         Raises:
             RemoteProtocolError: the frame was not sent by the peer as it is (tampered with,
                 injected, replayed): the connection must go.
+            ConnectionResetError: the connection closed inside the frame.
         """
+        n = 0 if payload is None else payload.nbytes
         if p.session is None:
+            if n:
+                self._read_payload(p, payload)  # type: ignore[arg-type]
             return
+        tagging = p.session.recv.start(head, n)
+        if n < auth.BULK:  # (payload and tag in one read: a system call less per small frame)
+            both = bytearray(n + auth.TAG_SIZE)
+            self._read_payload(p, memoryview(both))
+            if n:
+                payload[:] = both[:n]  # type: ignore[index]
+                tagging.update(payload)
+            if not tagging.matches(memoryview(both)[n:]):
+                raise self._tampered(p)
+            return
+        for at in range(0, n, _SEAL_PIECE):
+            piece = payload[at : at + _SEAL_PIECE]  # type: ignore[index]
+            self._read_payload(p, piece)
+            tagging.update(piece)
         tag = bytearray(auth.TAG_SIZE)
         if not self._read_into(p, memoryview(tag)):
             raise ConnectionResetError("connection closed inside a frame")
-        if not p.session.recv.check(tag, head, payload, nbytes):
-            raise RemoteProtocolError(
-                f"a frame from {p.describe()} failed its authentication tag: the connection was "
-                "tampered with (or the peer is not the process that proved the secret)"
-            )
+        if not tagging.matches(tag):
+            raise self._tampered(p)
 
-    def _sendmsg(self, p: _Peer, parts: list[memoryview], deadline: float | None, what: str) -> None:
-        """Write the frame ``parts`` whole (send lock held). Once part of it is out only the
-        rest may follow, so the deadline stops a write only before its first byte (a stalled
-        peer still ends it); a frame that did not go out gives its tag's number back."""
+    @staticmethod
+    def _tampered(p: _Peer) -> RemoteProtocolError:
+        return RemoteProtocolError(
+            f"a frame from {p.describe()} failed its authentication tag: the connection was "
+            "tampered with (or the peer is not the process that proved the secret)"
+        )
+
+    def _sendmsg(
+        self, p: _Peer, parts: list[memoryview], tagging: auth.Tagging | None, deadline: float | None, what: str
+    ) -> None:
+        """Write the frame ``parts`` whole (send lock held), and, with a ``tagging`` (see
+        ``_frame``), the tag of the payload that follows the head, made piece by piece as the
+        kernel takes it. Once part of the frame is out only the rest may follow, so the
+        deadline stops a write only before its first byte (a stalled peer still ends it); a
+        frame that did not go out gives its tag's number back."""
         sock = p.sock
         started = False
+        untagged = parts[0].nbytes if tagging is not None else 0  # (the head: in the tag already)
         if p.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
             parts = [memoryview(p.tail), *parts]
+            untagged += len(p.tail)
             p.tail = b""
             started = True
         while parts:
@@ -837,11 +872,21 @@ class Endpoint:
             while sent and parts:
                 n = parts[0].nbytes
                 if sent >= n:
+                    out = parts.pop(0)
                     sent -= n
-                    parts.pop(0)
                 else:
+                    out = parts[0][:sent]
                     parts[0] = parts[0][sent:]
                     sent = 0
+                if tagging is not None:
+                    if untagged >= out.nbytes:
+                        untagged -= out.nbytes
+                    else:
+                        tagging.update(out[untagged:])
+                        untagged = 0
+            if not parts and tagging is not None:
+                parts = [memoryview(tagging.digest())]
+                tagging = None
 
     def _stalled(self, p: _Peer, what: str, now: float) -> DistError | None:
         """If nothing has come from ``p`` for ``stall_timeout``: fail it (every waiter on it
@@ -979,13 +1024,12 @@ class Endpoint:
                     continue
                 if h.kind == Kind.DATA_CMA:
                     desc = bytearray(h.nbytes)
-                    self._read_payload(p, memoryview(desc))
-                    self._verify(p, head, [memoryview(desc)], h.nbytes)
+                    self._read_sealed(p, head, memoryview(desc))
                     self._on_cma(p, h.tag, meta, bytes(desc))
                     continue
                 if h.nbytes:
                     raise RemoteProtocolError(f"frame kind {h.kind} carries no payload, got {h.nbytes} bytes")
-                self._verify(p, head)
+                self._read_sealed(p, head)
                 if h.kind == Kind.CMA_ACK:
                     with self._lock:
                         ack = p.acks.get(h.tag)
@@ -1040,15 +1084,12 @@ class Endpoint:
             err = self._check(p.rank, handle, meta, nbytes)
             try:
                 if err is None and handle.buffer is not None:
-                    payload = handle.buffer[:nbytes]
-                    self._read_payload(p, payload)
+                    self._read_sealed(p, head, handle.buffer[:nbytes])
                 else:
                     data = bytearray(nbytes)
-                    payload = memoryview(data)
-                    self._read_payload(p, payload)
+                    self._read_sealed(p, head, memoryview(data))
                     if err is None:
                         handle.data = data
-                self._verify(p, head, [payload], nbytes)
             except BaseException as exc:  # (the receive fails with its connection)
                 handle._finish(p.rank, self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, handle.what))
                 raise
@@ -1056,8 +1097,17 @@ class Endpoint:
             return
         assert pending is not None
         data = self._pool.take(nbytes)
-        self._read_payload(p, memoryview(data)[:nbytes])
-        self._verify(p, head, [memoryview(data)[:nbytes]], nbytes)
+        try:
+            self._read_sealed(p, head, memoryview(data)[:nbytes])
+        except BaseException as exc:
+            # a receive posted meanwhile took this message (it left the early ones): it fails
+            # here with the connection, not at its deadline
+            err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, "recv")
+            with self._lock:
+                waiting = pending.handle
+            if waiting is not None:
+                waiting._finish(p.rank, err)
+            raise
         with self._lock:
             pending.data = data
             pending.done = True
@@ -1120,7 +1170,7 @@ class Endpoint:
                 return
             p, xfer, ack_meta = item
             with p.send_lock, contextlib.suppress(DistError):  # (a loss is reported)
-                self._sendmsg(p, self._frame(p, Kind.CMA_ACK, xfer, ack_meta), None, "acknowledging a cross-memory copy")
+                self._sendmsg(p, *self._frame(p, Kind.CMA_ACK, xfer, ack_meta), None, "acknowledging a cross-memory copy")
 
     def _cma_into(
         self,
@@ -1218,7 +1268,7 @@ class Endpoint:
         room.register(p.sock, select.POLLOUT)
         if not room.poll(0):  # full: data is moving, or the peer stalls
             return
-        out = p.tail or b"".join(self._frame(p, Kind.HEARTBEAT, 0))
+        out = p.tail or b"".join(self._frame(p, Kind.HEARTBEAT, 0)[0])
         try:
             sent = p.sock.send(out)
         except (TimeoutError, BlockingIOError, InterruptedError):
