@@ -211,22 +211,23 @@ class FrameDecoder:
         n = len(data)
         if self._pos != len(self._buf) or n < HEADER.size:
             return None
-        if self.seal is not None:
-            body_len = FIELD_LEN.unpack_from(data, 0)[0]
-            if body_len + 4 + auth.TAG_SIZE != n or body_len > self.max_frame:
+        if self.seal is not None:  # (the frame, then its tag)
+            n -= auth.TAG_SIZE
+            if n < HEADER.size:
                 return None
-            self._check(data, 0, n - auth.TAG_SIZE)
-            _, code, count = HEADER.unpack_from(data, 0)
-            return parse_body(code, count, data, HEADER.size, n - auth.TAG_SIZE)
+            body_len = FIELD_LEN.unpack_from(data, 0)[0]
+            if body_len + 4 != n or body_len > self.max_frame:
+                return None
+            self._check(data, 0, n)
         if n >= _LEN1.size:  # the common shapes (one or two fields) without the general loop
             body_len, code, count, n0 = _LEN1.unpack_from(data, 0)
             if body_len + 4 != n or body_len > self.max_frame:
                 return None
             if count == 1 and n0 + _LEN1.size == n:
-                return Frame(code, [data[_LEN1.size :]])
+                return Frame(code, [data[_LEN1.size : n]])
             end0 = _LEN1.size + n0
             if count == 2 and end0 + 4 <= n and _LEN2.unpack_from(data, end0)[0] + end0 + 4 == n:
-                return Frame(code, [data[_LEN1.size : end0], data[end0 + 4 :]])
+                return Frame(code, [data[_LEN1.size : end0], data[end0 + 4 : n]])
             return parse_body(code, count, data, HEADER.size, n)
         body_len, code, count = HEADER.unpack_from(data, 0)
         if body_len + 4 != n or body_len > self.max_frame:
@@ -235,8 +236,7 @@ class FrameDecoder:
 
     def _check(self, data: bytes | memoryview, start: int, end: int) -> None:
         """The tag after ``data[start:end]`` (one frame) must be that frame's."""
-        assert self.seal is not None
-        if not self.seal.check(data[end : end + auth.TAG_SIZE], data[start:end]):
+        if not self.seal.check_trailed(data, start, end):  # type: ignore[union-attr]
             raise RemoteProtocolError(
                 "a frame failed its authentication tag: the connection was tampered with (or the "
                 "peer is not the one that proved the secret)"
