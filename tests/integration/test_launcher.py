@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import contextlib
 import json
 import os
 import signal
@@ -67,6 +68,16 @@ WORKER = textwrap.dedent(
     elif action == "hang":
         print(f"rank {rank} ready", flush=True)
         time.sleep(60)
+    elif action == "group":  # a process group (the shared-memory arena) at work
+        import torch, tdist
+        tdist.init_process_group("gloo")
+        t = torch.ones(4)
+        tdist.all_reduce(t)
+        print(f"rank {rank} ready", flush=True)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            tdist.all_reduce(t)
+            time.sleep(0.02)
     elif action in ("stall", "silent"):  # rank 1 stops (or hangs); rank 0 says so and fails
         if rank == 1:
             if action == "stall":
@@ -400,9 +411,9 @@ def test_port_in_use(work: Path) -> None:
 
 
 # -- signals -----------------------------------------------------------------------------------
-def start_hanging(work: Path, n: int) -> subprocess.Popen[str]:
+def start_hanging(work: Path, n: int, action: str = "hang") -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        tdist_cmd("run", "--nproc-per-node", str(n), "--master-port", "0", "worker.py", "hang"),
+        tdist_cmd("run", "--nproc-per-node", str(n), "--master-port", "0", "worker.py", action),
         cwd=work, env=launcher_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
@@ -468,6 +479,63 @@ def test_kill_9_of_the_job_store_ends_the_job_with_a_message(work: Path) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except FileNotFoundError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
+def _listening_ports() -> set[int]:
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.parametrize("victim", ["launcher", "store", "worker"])
+def test_kill_9_of_any_process_of_a_job_leaves_nothing_behind(work: Path, victim: str) -> None:
+    # a job whose workers run collectives (shared-memory arena, TCP store, mesh listeners):
+    # after kill -9 of any one of its processes the rest ends within seconds, and no process,
+    # no /dev/shm entry and no listening socket of it remains
+    shm_before = set(os.listdir("/dev/shm"))
+    ports_before = _listening_ports()
+    proc = start_hanging(work, 2, "group")
+    try:
+        job = _descendants(proc.pid)
+        worker_pids = pids(work, 2)
+        store_pid = next(p for p in job if p not in worker_pids)
+        job_ports = _listening_ports() - ports_before
+        assert job_ports, "the job listens on nothing?"
+        target = {"launcher": proc.pid, "store": store_pid, "worker": worker_pids[1]}[victim]
+        os.kill(target, signal.SIGKILL)
+        proc.communicate(timeout=20)
+        if victim != "launcher":
+            assert proc.returncode != 0
+        for pid in job:
+            assert wait_gone(pid, 10), f"process {pid} of the job outlived the kill -9 of its {victim}"
+        assert not (set(os.listdir("/dev/shm")) - shm_before)
+        assert not (_listening_ports() & job_ports), "a socket of the job still listens"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _descendants(proc.pid) + pids(work, 2):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # -- several nodes on this host ----------------------------------------------------------------
