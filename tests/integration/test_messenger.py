@@ -22,6 +22,8 @@ from tdist.transport import _handshake
 from tdist.transport import _serialization as ser
 from tdist.transport._messenger import Messenger
 
+from ._faults import ShortOnce
+
 TOKEN = b"t" * 16
 
 
@@ -526,24 +528,6 @@ def test_send_returns_once_the_peer_has_copied_so_the_sender_may_overwrite_at_on
         x.fill(-1)  # the moment send returns
         got = b.get()[3].numpy()
         assert got.min() == got.max() == i
-
-
-class ShortOnce:
-    """A socket whose next ``send`` takes only part of what it is given, as a socket with
-    little room left does."""
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self.cut = threading.Event()
-
-    def send(self, data: bytes, *flags: int) -> int:
-        if not self.cut.is_set():
-            self.cut.set()
-            return int(self._sock.send(data[:10], *flags))
-        return int(self._sock.send(data, *flags))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
 
 
 def test_a_heartbeat_written_in_part_is_finished_before_the_next_frame(pair: tuple[Node, Node]) -> None:

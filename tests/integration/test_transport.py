@@ -22,6 +22,8 @@ from tdist._core.errors import DistError, PeerError
 from tdist.testing import run_processes, run_threads
 from tdist.transport import Endpoint
 
+from ._faults import ShortOnce
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -233,24 +235,6 @@ def test_close_sends_pending_acks_first() -> None:
     assert results[0][-1] == results[1][-1] == "cma"
 
 
-class _ShortOnce:
-    """A socket whose next ``send`` takes only part of what it is given, as a socket with
-    little room left does."""
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self.cut = threading.Event()
-
-    def send(self, data: bytes, *flags: int) -> int:
-        if not self.cut.is_set():
-            self.cut.set()
-            return int(self._sock.send(data[:10], *flags))
-        return int(self._sock.send(data, *flags))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
 def test_a_heartbeat_written_in_part_is_finished_before_the_next_frame() -> None:
     store = tdist.HashStore()
     cut = threading.Event()
@@ -260,7 +244,7 @@ def test_a_heartbeat_written_in_part_is_finished_before_the_next_frame() -> None
         try:
             got = []
             if rank == 0:
-                short = _ShortOnce(ep._peers[1].sock)
+                short = ShortOnce(ep._peers[1].sock)
                 ep._peers[1].sock = short  # type: ignore[assignment]
                 assert short.cut.wait(5)  # a heartbeat went out in part
                 cut.set()
