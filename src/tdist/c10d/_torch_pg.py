@@ -1,0 +1,359 @@
+"""tdist as a backend of ``torch.distributed``: ``init_process_group(backend="tdist")``.
+
+torch's plug-in point for backends (``torch.distributed.Backend.register_backend``) takes a
+function ``(store, rank, world_size, timeout)`` that returns a process group; torch then routes
+every collective and point-to-point call of that group, its own modules' (DDP, FSDP, DTensor)
+included, to the group's methods: ``allreduce(tensors, opts)``, ``broadcast(tensors, opts)``,
+and so on. Those are the methods of tdist's own backends (``c10d._backend.Backend`` was drawn
+after torch's), so ``TorchProcessGroup`` is a thin shell: it builds tdist's tcp backend on
+torch's store (``TorchStore`` adapts it), converts torch's option objects into tdist's, and
+hands back each tdist ``Work`` wrapped as a torch ``Work`` (``wait``, ``is_completed``,
+``get_future``, ``exception``), whose future torch's DDP chains its bucket hooks on.
+
+Registered by ``import tdist`` (see ``tdist/__init__``) once ``torch.distributed`` is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdc
+from torch._C._distributed_c10d import Work as _Work
+
+from ..store._api import Store
+from . import _types as T
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._tcp_backend import ProcessGroupTCP
+
+__all__ = ["BACKEND_NAME", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
+
+BACKEND_NAME = "tdist"
+
+# (torch's stubs type the overloads of its C++ classes; our overrides follow what torch calls)
+_TorchWork: Any = _Work
+_TorchProcessGroup: Any = tdc.ProcessGroup
+
+
+class TorchStore(Store):
+    """A torch ``Store`` (the one ``init_process_group`` made for the group) as a tdist one."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store.timeout)
+        self._s = store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._s.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._s.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._s.add(key, amount))
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return bytes(self._s.compare_set(key, expected_value, desired_value))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._s.wait(list(keys))
+        else:
+            self._s.wait(list(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self._s.check(list(keys)))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._s.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._s.num_keys())
+
+
+class TorchWork(_TorchWork):  # type: ignore[misc]
+    """A tdist ``Work`` as torch's: what torch's functions and modules wait on."""
+
+    def __init__(self, work: T.Work, outputs: Any) -> None:
+        super().__init__()
+        self._work = work
+        self._outputs = outputs
+        self._fut: Any = None
+        self._lock = threading.Lock()
+        self._settler: int | None = None  # the thread completing the future
+        self._settled = threading.Event()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._work.wait(timeout if timeout else None)
+        self._settle()  # (the future is done when wait returns, not a moment later)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def _source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> Any:
+        """Completed with the output tensors (torch's DDP reads ``value()[0]``), or the error."""
+        with self._lock:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+                # (completed from a thread of its own: the future's callbacks, DDP's next
+                # bucket among them, must not run in the backend's thread that finished it)
+                self._work.add_done_callback(lambda _w: _completer().put(self))
+            return self._fut
+
+    def _settle(self) -> None:
+        """Complete the future once the work is done (once; outside the lock: the future's
+        callbacks, DDP's bucket hooks among them, run in this call and may come back here).
+        A second caller waits until the first one has completed it, unless it is that one."""
+        with self._lock:
+            fut = self._fut
+            if fut is None or not self._work.is_completed():
+                return
+            if self._settler is not None:
+                settled, mine = self._settled, self._settler == threading.get_ident()
+            else:
+                self._settler = threading.get_ident()
+                settled = None
+        if settled is not None:
+            if not mine:
+                settled.wait()
+            return
+        try:
+            exc = self._work.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(self._outputs)
+        finally:
+            self._settled.set()
+
+
+_queue: queue.SimpleQueue[TorchWork] | None = None
+_queue_lock = threading.Lock()
+
+
+def _completer() -> queue.SimpleQueue[TorchWork]:
+    """The queue of the thread that completes the futures of finished works."""
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            q: queue.SimpleQueue[TorchWork] = queue.SimpleQueue()
+
+            def run() -> None:
+                while True:
+                    q.get()._settle()
+
+            threading.Thread(target=run, name="tdist-torch-futures", daemon=True).start()
+            _queue = q
+        return _queue
+
+
+def _forget_completer() -> None:
+    global _queue
+    _queue = None  # (a forked child has no such thread: it starts its own)
+
+
+os.register_at_fork(after_in_child=_forget_completer)
+
+
+def _opts(cls: type[T._Options], torch_opts: Any) -> Any:
+    """tdist's options of class ``cls`` from torch's option object (same camelCase names)."""
+    out = cls()
+    if torch_opts is None:
+        return out
+    for name in ("reduceOp", "rootRank", "rootTensor", "timeout", "asyncOp"):
+        if not hasattr(cls, name) or not hasattr(torch_opts, name):
+            continue
+        value = getattr(torch_opts, name)
+        if name == "reduceOp":
+            op = getattr(value, "op", value)
+            value = T.RedOpType(int(op))
+        elif name == "timeout" and (value is None or value <= timedelta(0)):
+            continue  # (torch's "unset")
+        setattr(out, name, value)
+    return out
+
+
+class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
+    """One rank of a ``torch.distributed`` process group whose work runs on tdist."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        from ._tcp_backend import ProcessGroupTCP  # (here: registering costs no transport import)
+
+        self._b = ProcessGroupTCP(TorchStore(store), rank, size, timeout)
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def backend(self) -> ProcessGroupTCP:
+        """tdist's backend under this group."""
+        return self._b
+
+    def __repr__(self) -> str:
+        return f"TorchProcessGroup(tdist, rank={self.rank()}, size={self.size()})"
+
+    # -- collectives ---------------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.broadcast(tensors, _opts(T.BroadcastOptions, opts)), tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        if opts is not None and not hasattr(opts, "reduceOp"):  # allreduce(tensors, op)
+            opts = _with_op(opts)
+        return TorchWork(self._b.allreduce(tensors, _opts(T.AllreduceOptions, opts)), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        o = _opts(T.AllreduceOptions, opts)
+        works = [self._b.allreduce([t], o) for t in tensors]
+        return TorchWork(_last_after_all(works), tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.reduce(tensors, _opts(T.ReduceOptions, opts)), tensors)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.allgather(outputs, inputs, _opts(T.AllgatherOptions, opts)), outputs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
+        return TorchWork(self._b._allgather_base(output, input, _opts(T.AllgatherOptions, opts)), [output])
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        o = _opts(T.AllgatherOptions, opts)
+        works = [self._b._allgather_base(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)]
+        return TorchWork(_last_after_all(works), outputs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.gather(outputs, inputs, _opts(T.GatherOptions, opts)), outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.scatter(outputs, inputs, _opts(T.ScatterOptions, opts)), outputs)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> TorchWork:
+        return TorchWork(self._b.reduce_scatter(outputs, inputs, _opts(T.ReduceScatterOptions, opts)), outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
+        o = _opts(T.ReduceScatterOptions, opts)
+        return TorchWork(self._b._reduce_scatter_base(output, input, o), [output])
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        o = _opts(T.ReduceScatterOptions, opts)
+        works = [self._b._reduce_scatter_base(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)]
+        return TorchWork(_last_after_all(works), outputs)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.alltoall(outputs, inputs, _opts(T.AllToAllOptions, opts)), outputs)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> TorchWork:
+        o = _opts(T.AllToAllOptions, opts)
+        return TorchWork(self._b.alltoall_base(output, input, output_split_sizes, input_split_sizes, o), [output])
+
+    def barrier(self, opts: Any = None) -> TorchWork:
+        return TorchWork(self._b.barrier(_opts(T.BarrierOptions, opts)), [])
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        o = T.BarrierOptions()
+        if isinstance(timeout, timedelta) and timeout > timedelta(0):
+            o.timeout = timeout
+        self._b.monitored_barrier(o, wait_all_ranks)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> TorchWork:
+        o = _opts(T.AllgatherOptions, opts)
+        works = [self._b.allgather([out], [inp], o) for out, inp in zip(outputs, inputs, strict=True)]
+        return TorchWork(_last_after_all(works), outputs)
+
+    # torch's Python-facing names of the same operations (``all_gather_into_tensor``,
+    # ``reduce_scatter_tensor``, ``all_to_all_single`` and the coalescing manager call these)
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    all_to_all_single = alltoall_base
+
+    # -- point to point ------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
+        return TorchWork(self._b.send(tensors, dst, tag), tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
+        return TorchWork(self._b.recv(tensors, src, tag), tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
+        return TorchWork(self._b.recv_anysource(tensors, tag), tensors)
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._b.shutdown()
+
+    def abort(self) -> None:
+        self._b.abort()
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        self._b.set_timeout(timeout)
+
+
+def _with_op(op: Any) -> Any:
+    o = tdc.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def _last_after_all(works: list[T.Work]) -> T.Work:
+    """One Work for several: done when all are (the backend runs them in order)."""
+    if not works:
+        return T.Work.completed([])
+    for w in works[:-1]:
+        w.wait()
+    return works[-1]
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> TorchProcessGroup:
+    return TorchProcessGroup(store, rank, size, timeout)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``"tdist"`` a backend of ``torch.distributed`` (for CPU tensors); idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if BACKEND_NAME not in tdc.Backend.backend_list:
+        creator: Callable[..., Any] = _create
+        tdc.Backend.register_backend(BACKEND_NAME, creator, devices=["cpu"])
