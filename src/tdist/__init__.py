@@ -49,44 +49,6 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _register_with_torch() -> None:
-    """``torch.distributed.init_process_group(backend="tdist")`` works once tdist is imported:
-    the backend is registered with torch now if torch is loaded, else the moment its import
-    ends (``import tdist`` itself imports no torch: the launcher never needs it)."""
-    import sys
-    import types
-
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "distributed") and hasattr(torch, "jit"):  # (whole)
-        importlib.import_module(f"{__name__}.c10d._torch_pg").register()
-        return
-
-    class _WhenTorch:
-        """A finder that finds nothing of its own: it waits for torch's import to end."""
-
-        @staticmethod
-        def find_spec(name: str, path: object = None, target: object = None) -> None:
-            if name != "torch":
-                return None
-            sys.meta_path.remove(_WhenTorch)
-            spec = importlib.util.find_spec(name)
-            if spec is None or spec.loader is None:
-                return None
-            exec_module = spec.loader.exec_module
-
-            def exec_then_register(module: types.ModuleType) -> None:
-                exec_module(module)
-                importlib.import_module(f"{__name__}.c10d._torch_pg").register()
-
-            spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
-            return spec  # type: ignore[return-value]
-
-    sys.meta_path.insert(0, _WhenTorch)
-
-
-_register_with_torch()
-
-
 def __dir__() -> list[str]:
     if "__all__" not in globals():
         _load()
