@@ -276,6 +276,9 @@ class _Peer:
         self.cma = False  # may this peer read our memory (same host, and not refused yet)?
         self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
         self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
+        # the message whose payload the reader is reading (its receive, or the early arrival a
+        # receive may take over meanwhile): if the connection goes, that receive fails with it
+        self.arriving: RecvHandle | _Pending | None = None
         self.session: _handshake.Session | None = None  # frame tags, when the group has a secret
 
     def describe(self) -> str:
@@ -935,8 +938,12 @@ class Endpoint:
             p.error = err
             failed = [h for q in p.posted.values() for h in q]
             p.posted.clear()
-            # receives waiting on a message that was arriving when the connection went
-            failed += [m.handle for q in p.unexpected.values() for m in q if not m.done and m.handle is not None]
+            # the receive of the message that was arriving when the connection went
+            arriving, p.arriving = p.arriving, None
+            if isinstance(arriving, _Pending):
+                arriving = arriving.handle
+            if arriving is not None:
+                failed.append(arriving)
             if break_group:
                 # a group that lost a member cannot finish collectives: any-source receives go too
                 failed += [h for q in self._any_posted.values() for h in q]
@@ -1045,7 +1052,9 @@ class Endpoint:
                     p.said_goodbye = True
         except (OSError, RemoteProtocolError) as exc:
             if not self._closing:
-                err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, "a pending operation")
+                arriving = p.arriving
+                what = arriving.what if isinstance(arriving, RecvHandle) else "a pending operation"
+                err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, what)
                 log.debug("rank %d: %s", self.rank, err)
             else:
                 self._fail_peer(p, DistError(f"rank {self.rank}: process group {self.name!r} is closed"))
@@ -1078,37 +1087,27 @@ class Endpoint:
             if handle is None:
                 pending = _Pending(meta, nbytes)
                 p.unexpected.setdefault(tag, deque()).append(pending)
+            p.arriving = handle or pending
         if handle is not None:
             handle.meta = meta
             handle.nbytes = nbytes
             err = self._check(p.rank, handle, meta, nbytes)
-            try:
-                if err is None and handle.buffer is not None:
-                    self._read_sealed(p, head, handle.buffer[:nbytes])
-                else:
-                    data = bytearray(nbytes)
-                    self._read_sealed(p, head, memoryview(data))
-                    if err is None:
-                        handle.data = data
-            except BaseException as exc:  # (the receive fails with its connection)
-                handle._finish(p.rank, self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, handle.what))
-                raise
+            if err is None and handle.buffer is not None:
+                self._read_sealed(p, head, handle.buffer[:nbytes])
+            else:
+                data = bytearray(nbytes)
+                self._read_sealed(p, head, memoryview(data))
+                if err is None:
+                    handle.data = data
+            with self._lock:
+                p.arriving = None
             handle._finish(p.rank, err)
             return
         assert pending is not None
         data = self._pool.take(nbytes)
-        try:
-            self._read_sealed(p, head, memoryview(data)[:nbytes])
-        except BaseException as exc:
-            # a receive posted meanwhile took this message (it left the early ones): it fails
-            # here with the connection, not at its deadline
-            err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, "recv")
-            with self._lock:
-                waiting = pending.handle
-            if waiting is not None:
-                waiting._finish(p.rank, err)
-            raise
+        self._read_sealed(p, head, memoryview(data)[:nbytes])
         with self._lock:
+            p.arriving = None
             pending.data = data
             pending.done = True
             waiting = pending.handle
