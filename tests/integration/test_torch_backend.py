@@ -68,6 +68,12 @@ def _collectives(rank: int, n: int, port: int) -> dict[str, Any]:
             tdc.recv(got, src=0)
             tdc.isend(got + 1, dst=0).wait()
             out["recv"] = got.item()
+        a, b = torch.ones(3) * (rank + 1), torch.ones(2) * (rank + 1)
+        with tdc._coalescing_manager(async_ops=True) as cm:
+            tdc.all_reduce(a)
+            tdc.all_reduce(b)
+        cm.wait()
+        out["coalesced"] = [a.tolist(), b.tolist()]
         objs: list[Any] = [None] * n
         tdc.all_gather_object(objs, {"rank": rank})
         out["all_gather_object"] = objs
@@ -93,6 +99,7 @@ def test_torch_collectives_run_on_the_tdist_backend(n: int) -> None:
         assert r["all_to_all_single"] == [float(rank + 10 * k) for k in range(n)]
         assert r["async"] == [float(total)] * 2
         assert r["all_gather_object"] == [{"rank": k} for k in range(n)]
+        assert r["coalesced"] == [[float(total)] * 3, [float(total)] * 2]
     assert results[0]["reduce"] == [float(s)] * 2
     assert results[1]["recv"] == 42.0
 

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import Work as _Work
 
 from ..store._api import Store
 from . import _types as T
+from ._group import chain_work
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         return self._work.source_rank()
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to do: the tensors are CPU tensors, written when the work completes."""
 
     def get_future(self) -> Any:
         """Completed with the output tensors (torch's DDP reads ``value()[0]``), or the error."""
@@ -226,8 +227,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         o = _opts(T.AllreduceOptions, opts)
-        works = [self._b.allreduce([t], o) for t in tensors]
-        return TorchWork(_last_after_all(works), tensors)
+        return _all(tensors, [self._b.allreduce([t], o) for t in tensors])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         return TorchWork(self._b.reduce(tensors, _opts(T.ReduceOptions, opts)), tensors)
@@ -241,9 +241,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
-        o = _opts(T.AllgatherOptions, opts)
-        works = [self._b._allgather_base(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)]
-        return TorchWork(_last_after_all(works), outputs)
+        return _pairwise(self._b._allgather_base, outputs, inputs, _opts(T.AllgatherOptions, opts))
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         return TorchWork(self._b.gather(outputs, inputs, _opts(T.GatherOptions, opts)), outputs)
@@ -263,9 +261,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
-        o = _opts(T.ReduceScatterOptions, opts)
-        works = [self._b._reduce_scatter_base(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)]
-        return TorchWork(_last_after_all(works), outputs)
+        return _pairwise(self._b._reduce_scatter_base, outputs, inputs, _opts(T.ReduceScatterOptions, opts))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         return TorchWork(self._b.alltoall(outputs, inputs, _opts(T.AllToAllOptions, opts)), outputs)
@@ -294,8 +290,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         o = _opts(T.AllgatherOptions, opts)
-        works = [self._b.allgather([out], [inp], o) for out, inp in zip(outputs, inputs, strict=True)]
-        return TorchWork(_last_after_all(works), outputs)
+        return _all(outputs, [self._b.allgather([out], [inp], o) for out, inp in zip(outputs, inputs, strict=True)])
 
     # torch's Python-facing names of the same operations (``all_gather_into_tensor``,
     # ``reduce_scatter_tensor``, ``all_to_all_single`` and the coalescing manager call these)
@@ -332,13 +327,15 @@ def _with_op(op: Any) -> Any:
     return o
 
 
-def _last_after_all(works: list[T.Work]) -> T.Work:
-    """One Work for several: done when all are (the backend runs them in order)."""
-    if not works:
-        return T.Work.completed([])
-    for w in works[:-1]:
-        w.wait()
-    return works[-1]
+def _all(outputs: Any, works: list[T.Work]) -> TorchWork:
+    """One torch Work for several of ours (a coalesced call): done when all are, without
+    waiting in the caller."""
+    return TorchWork(chain_work(works, "coalesced", lambda: []), outputs)
+
+
+def _pairwise(op: Callable[..., T.Work], outputs: list[torch.Tensor], inputs: list[torch.Tensor], o: Any) -> TorchWork:
+    """``op(output, input, options)`` for each pair, as one Work."""
+    return _all(outputs, [op(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)])
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> TorchProcessGroup:

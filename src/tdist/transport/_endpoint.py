@@ -813,12 +813,12 @@ class Endpoint:
             return
         tagging = p.session.recv.start(head, n)
         if n < auth.BULK:  # (payload and tag in one read: a system call less per small frame)
-            both = bytearray(n + auth.TAG_SIZE)
-            self._read_payload(p, memoryview(both))
+            both = memoryview(bytearray(n + auth.TAG_SIZE))
+            self._read_payload(p, both)
             if n:
                 payload[:] = both[:n]  # type: ignore[index]
-                tagging.update(payload)
-            if not tagging.matches(memoryview(both)[n:]):
+                tagging.update(both[:n])
+            if not tagging.matches(both[n:]):
                 raise self._tampered(p)
             return
         for at in range(0, n, _SEAL_PIECE):

@@ -194,6 +194,13 @@ class _Copied:
         self.err = 0
 
 
+def _release_copies(c: _Conn) -> None:
+    """The connection is gone: the senders waiting for the peer's copies stop (and raise)."""
+    for copied in list(c.cma_out.values()):
+        copied.err = -1
+        copied.done.set()
+
+
 class _Conn:
     __slots__ = (
         "addr",
@@ -1273,9 +1280,7 @@ class Messenger:
                 )
             if last and not self._closing:
                 self._lost[c.peer] = err
-            for copied in c.cma_out.values():  # their senders stop waiting (and raise)
-                copied.err = -1
-                copied.done.set()
+            _release_copies(c)
             c.cma_out.clear()
         with contextlib.suppress(OSError):
             c.sock.close()
@@ -1365,9 +1370,7 @@ class Messenger:
             self._send_conn.clear()
         for c in conns:
             c.closed = True
-            for copied in list(c.cma_out.values()):
-                copied.err = -1
-                copied.done.set()
+            _release_copies(c)
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
         self._hb_stop.set()
