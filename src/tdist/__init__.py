@@ -49,6 +49,59 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _torch_backend(store: object, rank: int, size: int, timeout: object) -> object:
+    """torch's creator for ``backend="tdist"``: builds a torch ProcessGroup on tdist's transport."""
+    return importlib.import_module(f"{__name__}.c10d._torch_pg")._create(store, rank, size, timeout)
+
+
+def _register_with_torch() -> None:
+    """``torch.distributed.init_process_group(backend="tdist")`` works once tdist is imported.
+
+    The name is registered through torch's plug-in point (``Backend.register_backend``) now if
+    torch is loaded, else the moment its import ends. ``import tdist`` itself imports no torch
+    (the launcher never needs it), and registering imports nothing of tdist's: the process
+    group's own module loads when torch first asks for a group.
+    """
+    import sys
+
+    def register(torch: object) -> None:
+        backend = getattr(getattr(torch, "distributed", None), "Backend", None)
+        if backend is not None and "tdist" not in backend.backend_list:
+            backend.register_backend("tdist", _torch_backend, devices=["cpu"])
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        register(torch)
+        return
+
+    class _WhenTorchLoaded:
+        """A finder that finds nothing of its own: when ``import torch`` starts, it hands the
+        import system torch's own spec with a loader that registers once torch has loaded."""
+
+        @staticmethod
+        def find_spec(name: str, path: object = None, target: object = None) -> object:
+            if name != "torch":
+                return None
+            sys.meta_path.remove(_WhenTorchLoaded)
+            spec = importlib.util.find_spec(name)
+            loader = None if spec is None else spec.loader
+            if spec is None or loader is None:
+                return spec
+            inner = loader.exec_module
+
+            def exec_module(module: object) -> None:
+                inner(module)  # type: ignore[arg-type]
+                register(module)
+
+            loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, _WhenTorchLoaded)  # type: ignore[arg-type]
+
+
+_register_with_torch()
+
+
 def __dir__() -> list[str]:
     if "__all__" not in globals():
         _load()

@@ -12,10 +12,8 @@ import pytest
 import torch
 import torch.distributed as tdc
 
-from tdist.c10d import _torch_pg
+import tdist  # noqa: F401  (registers the backend)
 from tdist.testing import free_port, run_processes
-
-_torch_pg.register()  # (registration by ``import tdist`` itself: not yet, see the note)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -148,5 +146,22 @@ def test_torch_ddp_trains_on_tdist_as_one_process_on_the_global_batch() -> None:
         torch.testing.assert_close(torch.tensor(got), want.detach().flatten(), rtol=1e-5, atol=1e-6)
 
 
-def test_the_backend_is_registered() -> None:
-    assert "tdist" in tdc.Backend.backend_list
+@pytest.mark.parametrize("order", ["import torch; import tdist", "import tdist; import torch"])
+def test_import_tdist_registers_the_backend_with_torch_whichever_comes_first(order: str) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        f"{order}; import sys; import torch.distributed as d; "
+        "assert 'tdist' in d.Backend.backend_list, d.Backend.backend_list; "
+        "assert 'tdist.c10d' not in sys.modules  # (nothing of tdist's loads until a group is made)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_import_tdist_alone_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, tdist; from tdist import cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
