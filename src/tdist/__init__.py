@@ -82,7 +82,7 @@ def _register_with_torch() -> None:
         def find_spec(name: str, path: object = None, target: object = None) -> object:
             if name != "torch":
                 return None
-            sys.meta_path.remove(_WhenTorchLoaded)
+            sys.meta_path.remove(_WhenTorchLoaded)  # type: ignore[arg-type]
             spec = importlib.util.find_spec(name)
             loader = None if spec is None else spec.loader
             if spec is None or loader is None:
