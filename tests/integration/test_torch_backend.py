@@ -5,14 +5,16 @@ Real processes (forked), torch's ``init_process_group(backend="tdist")`` after `
 
 from __future__ import annotations
 
+import gc
 import os
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as tdc
 
-import tdist  # noqa: F401  (registers the backend)
+import tdist  # (registers the backend)
 from tdist.testing import free_port, run_processes
 
 pytestmark = pytest.mark.timeout(90)
@@ -107,6 +109,22 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
+class _Branchy(torch.nn.Module):
+    """A model with a branch some steps leave unused, and a buffer (running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 32)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.b = torch.nn.Linear(32, 4)
+        self.unused = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = torch.relu(self.bn(self.a(x)))
+        return self.b(h) + (self.unused(h) if use_branch else 0)
+
+
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -115,26 +133,94 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 STEPS = 4
 
 
-def _ddp(rank: int, n: int, port: int) -> list[list[float]]:
-    _init(rank, n, port)
+def _hook(ddp: Any, feature: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if feature == "allreduce_hook":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif feature == "fp16_compress_hook":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif feature == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _train(rank: int, n: int, port: int, backend: str, feature: str) -> dict[str, Any]:
+    """``STEPS`` steps of DDP with ``feature``, on torch's ``backend`` (or, with "tdist-api",
+    a program ported by its imports: ``tdist.init_process_group("gloo")``, no process group
+    given to DDP, torch's DistributedSampler)."""
+    if backend == "tdist-api":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+        tdist.init_process_group("gloo")
+        destroy: Any = tdist.destroy_process_group
+    else:
+        _init(rank, n, port, backend)
+        destroy = tdc.destroy_process_group
     try:
-        model = _model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        out: dict[str, Any] = {}
+        model = _Branchy() if feature in ("find_unused", "broadcast_buffers", "static_graph") else _model()
+        kw: dict[str, Any] = {}
+        if feature == "find_unused":
+            kw["find_unused_parameters"] = True
+        elif feature == "gradient_as_bucket_view":
+            kw["gradient_as_bucket_view"] = True
+        elif feature == "static_graph":
+            kw["static_graph"] = True
+        elif feature == "broadcast_buffers":
+            kw["broadcast_buffers"] = True
+        if feature == "broadcast_buffers" and rank > 0:  # (rank 0's running statistics win)
+            with torch.no_grad():
+                model.bn.running_mean.fill_(float(rank))
+        ddp = DDP(model, bucket_cap_mb=0.001 if feature == "small_buckets" else 25, **kw)
+        _hook(ddp, feature)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(STEPS):
-            x, y = _batch(step, rank)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
-        return [p.detach().flatten().tolist() for p in model.parameters()]
+        if feature == "sampler":
+            from torch.utils.data import DistributedSampler, TensorDataset
+
+            sampler = DistributedSampler(TensorDataset(torch.arange(20)), shuffle=False)
+            out["sampler"] = [len(sampler), list(sampler)]
+        steps = STEPS + rank if feature == "join" else STEPS  # (uneven inputs)
+        with ddp.join() if feature == "join" else _nothing():
+            for step in range(steps):
+                x, y = _batch(step, rank)
+                opt.zero_grad()
+                if feature == "no_sync":  # two micro-batches, the first without a sync
+                    with ddp.no_sync():
+                        torch.nn.functional.mse_loss(ddp(x[:4]), y[:4]).backward()
+                    torch.nn.functional.mse_loss(ddp(x[4:]), y[4:]).backward()
+                elif feature == "find_unused":
+                    torch.nn.functional.mse_loss(ddp(x, use_branch=step % 2 == 1), y).backward()
+                elif feature == "broadcast_buffers":
+                    torch.nn.functional.mse_loss(ddp(x, use_branch=True), y).backward()
+                else:
+                    torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+        out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        out["buffers"] = [b.detach().flatten().tolist() for b in model.buffers()]
+        out["torch_rank"] = [tdc.get_rank(), tdc.get_world_size()]
+        # (gloo's group, held by DDP's reducer, joins its threads when freed, and hangs if a
+        # peer has gone: free it while every rank is still there)
+        del ddp, opt
+        gc.collect()
+        tdc.barrier()
+        return out
     finally:
-        tdc.destroy_process_group()
+        destroy()
 
 
-def test_torch_ddp_trains_on_tdist_as_one_process_on_the_global_batch() -> None:
-    n = 2
-    results = run_processes(_ddp, n, free_port(), timeout=80)
-    assert results[0] == results[1]  # identical on every rank
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _single_process(n: int) -> list[torch.Tensor]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
@@ -142,8 +228,104 @@ def test_torch_ddp_trains_on_tdist_as_one_process_on_the_global_batch() -> None:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
-    for got, want in zip(results[0], model.parameters(), strict=True):
-        torch.testing.assert_close(torch.tensor(got), want.detach().flatten(), rtol=1e-5, atol=1e-6)
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["tdist", "tdist-api"])
+def test_torch_ddp_trains_on_tdist_as_one_process_on_the_global_batch(backend: str) -> None:
+    n = 2
+    results = run_processes(_train, n, free_port(), backend, "sampler", timeout=80)
+    assert results[0]["params"] == results[1]["params"]  # identical on every rank
+    for got, want in zip(results[0]["params"], _single_process(n), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+    # torch's own functions (DistributedSampler's among them) see the group
+    assert [r["torch_rank"] for r in results] == [[0, 2], [1, 2]]
+    assert results[0]["sampler"] == [10, list(range(0, 20, 2))]
+    assert results[1]["sampler"] == [10, list(range(1, 20, 2))]
+
+
+FEATURES = [
+    "no_sync", "find_unused", "gradient_as_bucket_view", "static_graph", "small_buckets",
+    "allreduce_hook", "fp16_compress_hook", "powersgd", "join", "broadcast_buffers",
+]
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_ddp_feature_on_tdist_trains_as_on_gloo(feature: str) -> None:
+    """The same training under torch's gloo and under tdist: every parameter and buffer equal."""
+    n = 3 if feature in ("join", "find_unused") else 2
+    got = run_processes(_train, n, free_port(), "tdist", feature, timeout=80)
+    want = run_processes(_train, n, free_port(), "gloo", feature, timeout=80)
+    for rank in range(n):
+        assert got[rank]["params"] == got[0]["params"]  # identical on every rank
+        for key in ("params", "buffers"):
+            for g, w in zip(got[rank][key], want[rank][key], strict=True):
+                torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-6, atol=1e-7)
+    # (broadcast_buffers: rank 1 starts with other running statistics than rank 0; matching
+    # gloo's rank by rank means rank 0's reached it)
+
+
+def _init_form(rank: int, n: int, port: int, form: str, where: str) -> None:
+    if form == "env":
+        _init(rank, n, port, "cpu:tdist")
+    elif form == "tcp":
+        tdc.init_process_group("tdist", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    elif form == "file":
+        tdc.init_process_group("tdist", init_method=f"file://{where}/rdzv", rank=rank, world_size=n)
+    else:  # a store of torch's own
+        store = tdc.TCPStore("127.0.0.1", port, n, is_master=rank == 0, timeout=timedelta(seconds=30))
+        tdc.init_process_group("tdist", store=store, rank=rank, world_size=n)
+
+
+def _forms(rank: int, n: int, port: int, form: str, where: str) -> dict[str, Any]:
+    _init_form(rank, n, port, form, where)
+    try:
+        out: dict[str, Any] = {"backend": tdc.get_backend()}
+        t = torch.ones(4) * (rank + 1)
+        tdc.all_reduce(t)
+        out["all_reduce"] = t.tolist()
+        # a sub-group of ranks 1.. on the tdist backend, and its collectives
+        sub = tdc.new_group(list(range(1, n)), backend="tdist")
+        if rank >= 1:
+            out["sub_backend"] = tdc.get_backend(sub)
+            t = torch.ones(2) * rank
+            tdc.all_reduce(t, group=sub)
+            out["sub"] = t.tolist()
+        # (torch's function refuses every backend but gloo by name; tdist's serves torch's groups)
+        tdist.monitored_barrier(tdc.group.WORLD, timeout=timedelta(seconds=20), wait_all_ranks=True)
+        # a ring of batched sends and receives
+        right, left = (rank + 1) % n, (rank - 1) % n
+        got = torch.empty(3)
+        ops = [tdc.P2POp(tdc.isend, torch.full((3,), float(rank)), right), tdc.P2POp(tdc.irecv, got, left)]
+        for w in tdc.batch_isend_irecv(ops):
+            w.wait()
+        out["ring"] = got.tolist()
+        objs: list[Any] = [{"from": rank}] if rank == 0 else [None]
+        tdc.broadcast_object_list(objs, src=0)
+        out["object"] = objs[0]
+        if rank == 0:
+            tdc.send(torch.tensor([7.0]), dst=n - 1)
+        elif rank == n - 1:
+            t = torch.empty(1)
+            out["any_source"] = tdc.recv(t)  # (src=None: from anyone)
+        return out
+    finally:
+        tdc.destroy_process_group()
+
+
+@pytest.mark.parametrize("form", ["env", "tcp", "file", "store"])
+def test_every_init_form_and_group_op_on_the_tdist_backend(form: str, tmp_path: Any) -> None:
+    n = 3
+    results = run_processes(_forms, n, free_port(), form, str(tmp_path), timeout=80)
+    for rank, r in enumerate(results):
+        assert r["backend"] == ("cpu:tdist" if form == "env" else "tdist")  # (torch's echo of the string)
+        assert r["all_reduce"] == [6.0] * 4
+        if rank >= 1:
+            assert r["sub_backend"] == "tdist"
+            assert r["sub"] == [float(sum(range(1, n)))] * 2
+        assert r["ring"] == [float((rank - 1) % n)] * 3
+        assert r["object"] == {"from": 0}
+    assert results[n - 1]["any_source"] == 0
 
 
 @pytest.mark.parametrize("order", ["import torch; import tdist", "import tdist; import torch"])

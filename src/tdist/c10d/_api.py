@@ -56,6 +56,7 @@ from ._group import (
     release_world,
     subgroup_rank_lists,
     thread_has_world,
+    thread_isolated,
     warn_not_in_group,
 )
 from ._objects import object_to_tensor, objects_to_tensor, tensor_to_object, tensor_to_objects
@@ -538,6 +539,10 @@ def init_process_group(
         )
         world.init_method = init_method
         publish_world(world, pg)
+        if not thread_isolated():  # (torch's default group is the process's: one per process)
+            from ._torch_pg import mirror_default_group
+
+            mirror_default_group(pg, PrefixStore("torch", store), timeout)
     except BaseException:
         for g in list(world.groups):
             _shutdown_quietly(g)
@@ -575,6 +580,9 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
     if not isinstance(pg, ProcessGroup) or pg not in world.groups:
         raise ValueError("Invalid process group specified")
     if pg is world.default_pg:
+        from ._torch_pg import forget_default_group
+
+        forget_default_group(pg)
         with world.lock:
             groups = sorted(world.groups, key=lambda g: world.groups[g].name, reverse=True)
         for g in groups:
@@ -1515,10 +1523,18 @@ def monitored_barrier(
             the group's timeout.
         wait_all_ranks: collect every missing rank instead of failing at the first.
 
+    A group of ``torch.distributed`` on the ``tdist`` backend is served too: torch's own
+    ``monitored_barrier`` refuses every backend but gloo by name.
+
     Raises:
         DistBackendError: ranks did not arrive in time.
         TypeError: ``timeout`` is neither a ``timedelta`` nor a float.
     """
+    if isinstance(group, torch.distributed.ProcessGroup) and not isinstance(group, ProcessGroup):
+        if isinstance(timeout, float | int):
+            timeout = timedelta(seconds=timeout)
+        group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)  # (None: the group's own)
+        return
     if _not_member(group):
         warn_not_in_group("monitored_barrier", _global_rank_or_minus_one())
         return

@@ -746,6 +746,11 @@ def current_world() -> World | None:
     return None
 
 
+def thread_isolated() -> bool:
+    """Whether this thread has a world of its own (a rank run as a thread), not the process's."""
+    return bool(getattr(_local, "isolated", False))
+
+
 def thread_has_world() -> bool:
     """Whether ``init_process_group`` here would make a second live world: this isolated
     thread's own is live, or (any other thread) the process's is."""

@@ -30,17 +30,14 @@ from ..store._api import Store
 from . import _types as T
 from ._group import chain_work
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from ._tcp_backend import ProcessGroupTCP
-
-__all__ = ["BACKEND_NAME", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
+__all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
 
 BACKEND_NAME = "tdist"
 
 # (torch's stubs type the overloads of its C++ classes; our overrides follow what torch calls)
 _TorchWork: Any = _Work
 _TorchProcessGroup: Any = tdc.ProcessGroup
+_TorchStore: Any = tdc.Store  # type: ignore[attr-defined]
 
 
 class TorchStore(Store):
@@ -76,6 +73,45 @@ class TorchStore(Store):
 
     def num_keys(self) -> int:
         return int(self._s.num_keys())
+
+
+class StoreForTorch(_TorchStore):  # type: ignore[misc]
+    """A tdist ``Store`` as a torch one (what torch's default group gets when tdist made it)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self._s = store
+
+    def set(self, key: str, value: Any) -> None:
+        self._s.set(key, bytes(value) if not isinstance(value, str) else value)
+
+    def get(self, key: str) -> bytes:
+        return self._s.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._s.add(key, amount)
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        return self._s.compare_set(key, _bytes(expected_value), _bytes(desired_value))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._s.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._s.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._s.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._s.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._s.set_timeout(timeout)
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class TorchWork(_TorchWork):  # type: ignore[misc]
@@ -120,7 +156,7 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
                 self._fut = torch.futures.Future()
                 # (completed from a thread of its own: the future's callbacks, DDP's next
                 # bucket among them, must not run in the backend's thread that finished it)
-                self._work.add_done_callback(lambda _w: _completer().put(self))
+                self._work.add_done_callback(lambda _w: _completers.complete(self))
             return self._fut
 
     def _settle(self) -> None:
@@ -150,29 +186,43 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
             self._settled.set()
 
 
-_queue: queue.SimpleQueue[TorchWork] | None = None
-_queue_lock = threading.Lock()
+class _Completers:
+    """Threads that complete the futures of finished works, one free thread for each future.
+
+    A future's callbacks run in the thread that completes it, and some block on another
+    future (PowerSGD's hook waits, inside a callback, for the all-reduce it has just started):
+    a future must never queue behind a callback that waits for it. So a finished work takes
+    an idle thread if there is one and starts a new one if not; a thread goes back to idle
+    once its callbacks return (as many threads as callbacks ever blocked at once).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[TorchWork] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting on the queue and not yet promised to a work
+
+    def complete(self, work: TorchWork) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # (promised to this work)
+        self._queue.put(work)
+        if start:
+            threading.Thread(target=self._run, name="tdist-torch-futures", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get()._settle()
+            with self._lock:
+                self._idle += 1
 
 
-def _completer() -> queue.SimpleQueue[TorchWork]:
-    """The queue of the thread that completes the futures of finished works."""
-    global _queue
-    with _queue_lock:
-        if _queue is None:
-            q: queue.SimpleQueue[TorchWork] = queue.SimpleQueue()
-
-            def run() -> None:
-                while True:
-                    q.get()._settle()
-
-            threading.Thread(target=run, name="tdist-torch-futures", daemon=True).start()
-            _queue = q
-        return _queue
+_completers = _Completers()
 
 
 def _forget_completer() -> None:
-    global _queue
-    _queue = None  # (a forked child has no such thread: it starts its own)
+    global _completers
+    _completers = _Completers()  # (a forked child has none of its parent's threads)
 
 
 os.register_at_fork(after_in_child=_forget_completer)
@@ -199,17 +249,22 @@ def _opts(cls: type[T._Options], torch_opts: Any) -> Any:
 class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     """One rank of a ``torch.distributed`` process group whose work runs on tdist."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, backend: Any = None) -> None:
         super().__init__(rank, size)
-        from ._tcp_backend import ProcessGroupTCP  # (here: registering costs no transport import)
+        self._owned = backend is None  # (else tdist's own group: tdist stops it)
+        if backend is None:
+            from ._tcp_backend import (
+                ProcessGroupTCP,  # (here: registering costs no transport import)
+            )
 
-        self._b = ProcessGroupTCP(TorchStore(store), rank, size, timeout)
+            backend = ProcessGroupTCP(TorchStore(store), rank, size, timeout)
+        self._b = backend
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
     @property
-    def backend(self) -> ProcessGroupTCP:
+    def backend(self) -> Any:
         """tdist's backend under this group."""
         return self._b
 
@@ -312,7 +367,8 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- lifetime ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self._b.shutdown()
+        if self._owned:
+            self._b.shutdown()
 
     def abort(self) -> None:
         self._b.abort()
@@ -338,8 +394,45 @@ def _pairwise(op: Callable[..., T.Work], outputs: list[torch.Tensor], inputs: li
     return _all(outputs, [op(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)])
 
 
+_adopting: Any = None  # a tdist backend the next group torch asks for is to run on
+
+
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> TorchProcessGroup:
-    return TorchProcessGroup(store, rank, size, timeout)
+    global _adopting
+    backend, _adopting = _adopting, None
+    return TorchProcessGroup(store, rank, size, timeout, backend)
+
+
+_mirrored: Any = None  # (tdist's default group, torch's default group that runs on it)
+
+
+def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> None:
+    """Make torch's default group run on tdist's default group ``pg`` (same ranks, same
+    transport, no new connection), so that ``torch.distributed``'s functions, and torch's own
+    modules that call them (DDP, ``DistributedSampler``), reach the group a program made with
+    ``tdist.init_process_group``. Nothing is done if torch has a default group already."""
+    global _mirrored, _adopting
+    register()
+    if tdc.is_initialized():
+        return
+    _adopting = pg._get_backend()
+    try:
+        tdc.init_process_group(
+            BACKEND_NAME, store=StoreForTorch(store), rank=pg.rank(), world_size=pg.size(), timeout=timeout
+        )
+    finally:
+        _adopting = None
+    _mirrored = (pg, tdc.distributed_c10d._get_default_group())
+
+
+def forget_default_group(pg: Any) -> None:
+    """``pg``, tdist's default group, is being destroyed: so is torch's, if it runs on it."""
+    global _mirrored
+    if _mirrored is None or _mirrored[0] is not pg:
+        return
+    torch_pg, _mirrored = _mirrored[1], None
+    if tdc.is_initialized() and tdc.distributed_c10d._get_default_group() is torch_pg:
+        tdc.destroy_process_group()
 
 
 _registered = False
