@@ -251,6 +251,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, backend: Any = None) -> None:
         super().__init__(rank, size)
+        self._group_name = self._group_desc = ""
         self._owned = backend is None  # (else tdist's own group: tdist stops it)
         if backend is None:
             from ._tcp_backend import (
@@ -262,6 +263,20 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    # (torch keeps a group's name and description on its backend; a group written in Python
+    # keeps its own, and torch's DeviceMesh, DTensor and functional collectives look it up)
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
 
     @property
     def backend(self) -> Any:

@@ -1,0 +1,194 @@
+"""torch's stack above the process group on the tdist backend: FSDP2, DTensor and DeviceMesh,
+distributed checkpoints, pipelining. Each runs the same program on torch's gloo and on tdist
+(real processes) and compares every result.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdc
+
+import tdist  # (registers the backend)
+from tdist.testing import free_port, run_processes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(body: Any, n: int, backend: str, *args: Any) -> list[Any]:
+    return run_processes(_main, n, free_port(), backend, body, *args, timeout=100)
+
+
+def _main(rank: int, n: int, port: int, backend: str, body: Any, *args: Any) -> Any:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    if backend == "tdist-api":  # a program ported by its imports: ``import tdist as dist``
+        tdist.init_process_group("gloo")
+    else:
+        tdc.init_process_group(backend)
+    try:
+        out = body(rank, n, *args)
+        tdc.barrier()  # (nobody leaves while a peer still needs it)
+        return out
+    finally:
+        (tdist.destroy_process_group if backend == "tdist-api" else tdc.destroy_process_group)()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
+
+
+def _fsdp2(rank: int, n: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, reshard_after_forward=True)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {
+        "full": [p.full_tensor().flatten().tolist() for p in model.parameters()],
+        "local": [p.to_local().flatten().tolist() for p in model.parameters()],
+        "losses": losses,
+    }
+
+
+@pytest.mark.parametrize(("n", "backend"), [(2, "tdist"), (3, "tdist"), (2, "tdist-api")])
+def test_fsdp2_trains_on_tdist_as_on_gloo(n: int, backend: str) -> None:
+    got, want = _run(_fsdp2, n, backend), _run(_fsdp2, n, "gloo")
+    for rank in range(n):
+        assert got[rank]["full"] == got[0]["full"]  # every rank holds the same model
+        for key in ("full", "local", "losses"):
+            for g, w in zip(got[rank][key], want[rank][key], strict=True):
+                torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-6, atol=1e-7)
+    assert any(got[0]["local"][i] != got[1]["local"][i] for i in range(len(got[0]["local"])))  # (sharded)
+
+
+def _dtensor(rank: int, n: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (n,))
+    a = torch.arange(24.0).reshape(6, 4)
+    b = torch.arange(8.0).reshape(4, 2) - 3
+    da = distribute_tensor(a, mesh, [Shard(0)])
+    db = distribute_tensor(b, mesh, [Replicate()])
+    prod = (da @ db).redistribute(mesh, [Replicate()]).to_local()
+    col = distribute_tensor(a, mesh, [Shard(1)]).redistribute(mesh, [Shard(0)]).full_tensor()
+    total = da.sum().full_tensor()
+    return {"prod": prod.tolist(), "col": col.tolist(), "sum": total.item(), "local": da.to_local().tolist()}
+
+
+def test_device_mesh_and_dtensor_on_tdist() -> None:
+    n = 2
+    got = _run(_dtensor, n, "tdist")
+    a = torch.arange(24.0).reshape(6, 4)
+    b = torch.arange(8.0).reshape(4, 2) - 3
+    for rank, r in enumerate(got):
+        assert r["prod"] == (a @ b).tolist()
+        assert r["col"] == a.tolist()
+        assert r["sum"] == a.sum().item()
+        assert r["local"] == a.chunk(n)[rank].tolist()
+
+
+def _checkpoint(rank: int, n: int, path: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    opt.step()
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
+    saved = [p.full_tensor().flatten().tolist() for p in model.parameters()]
+    # a fresh model and optimizer, different weights: loading brings the saved ones back
+    torch.manual_seed(123)
+    fresh = _model()
+    for p in fresh.parameters():
+        torch.nn.init.normal_(p)
+    fully_shard(fresh)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    fresh(x).sum().backward()
+    fresh_opt.step()  # (so that the optimizer has state to overwrite)
+    model_sd, opt_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": opt_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = [p.full_tensor().flatten().tolist() for p in fresh.parameters()]
+    exp_avg = [
+        s["exp_avg"].full_tensor().flatten().tolist() for s in fresh_opt.state.values()
+    ]
+    orig_avg = [s["exp_avg"].full_tensor().flatten().tolist() for s in opt.state.values()]
+    return {"saved": saved, "loaded": loaded, "exp_avg": exp_avg, "orig_avg": orig_avg}
+
+
+def test_distributed_checkpoint_saves_and_loads_sharded_state_on_tdist(tmp_path: Path) -> None:
+    n = 2
+    got = _run(_checkpoint, n, "tdist", str(tmp_path / "ck"))
+    for r in got:
+        assert r["loaded"] == r["saved"] == got[0]["saved"]
+        assert r["exp_avg"] == r["orig_avg"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def _pipeline(rank: int, n: int) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    out: dict[str, Any] = {}
+    for name, schedule in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 8) for _ in range(n)]
+        stage = PipelineStage(layers[rank], rank, n, torch.device("cpu"))
+        sched = schedule(stage, n_microbatches=4, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            sched.step(x)
+        elif rank == n - 1:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+        out[name] = {
+            "grads": [p.grad.flatten().tolist() for p in layers[rank].parameters()],  # type: ignore[union-attr]
+            "loss": sum(loss.item() for loss in losses),
+        }
+    return out
+
+
+def test_pipelining_schedules_on_tdist_match_one_process() -> None:
+    n = 2
+    got = _run(_pipeline, n, "tdist")
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(n)))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    loss = ((layers(x) - y) ** 2).sum()
+    loss.backward()
+    for name in ("gpipe", "1f1b"):
+        torch.testing.assert_close(torch.tensor(got[n - 1][name]["loss"]), loss.detach(), rtol=1e-5, atol=1e-5)
+        for rank in range(n):
+            # (torch's schedules divide the gradients by the number of micro-batches)
+            want = [p.grad.flatten() / 4 for p in layers[rank].parameters()]  # type: ignore[union-attr]
+            for g_, w in zip(got[rank][name]["grads"], want, strict=True):
+                torch.testing.assert_close(torch.tensor(g_), w, rtol=1e-5, atol=1e-5)
