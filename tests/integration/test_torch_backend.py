@@ -125,6 +125,19 @@ class _Branchy(torch.nn.Module):
         return self.b(h) + (self.unused(h) if use_branch else 0)
 
 
+class _Sparse(torch.nn.Module):
+    """An embedding with sparse gradients (DDP all-reduces them as sparse tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16, sparse=True)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb((x.abs() * 10).long() % 50).mean(dim=1))
+
+
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -163,6 +176,8 @@ def _train(rank: int, n: int, port: int, backend: str, feature: str) -> dict[str
 
         out: dict[str, Any] = {}
         model = _Branchy() if feature in ("find_unused", "broadcast_buffers", "static_graph") else _model()
+        if feature == "sparse_gradients":
+            model = _Sparse()
         kw: dict[str, Any] = {}
         if feature == "find_unused":
             kw["find_unused_parameters"] = True
@@ -246,7 +261,7 @@ def test_torch_ddp_trains_on_tdist_as_one_process_on_the_global_batch(backend: s
 
 FEATURES = [
     "no_sync", "find_unused", "gradient_as_bucket_view", "static_graph", "small_buckets",
-    "allreduce_hook", "fp16_compress_hook", "powersgd", "join", "broadcast_buffers",
+    "allreduce_hook", "fp16_compress_hook", "powersgd", "join", "broadcast_buffers", "sparse_gradients",
 ]
 
 
@@ -326,6 +341,47 @@ def test_every_init_form_and_group_op_on_the_tdist_backend(form: str, tmp_path: 
         assert r["ring"] == [float((rank - 1) % n)] * 3
         assert r["object"] == {"from": 0}
     assert results[n - 1]["any_source"] == 0
+
+
+def _bad_input(rank: int, n: int, port: int) -> dict[str, Any]:
+    _init(rank, n, port)
+    try:
+        out: dict[str, Any] = {}
+        off_cpu = torch.ones(2, device="meta")  # (no CUDA here: any device but the CPU)
+        for name, call in {
+            "all_reduce": lambda: tdc.all_reduce(off_cpu),
+            "broadcast": lambda: tdc.broadcast(off_cpu, src=0),
+            "all_gather": lambda: tdc.all_gather([torch.empty(2) for _ in range(n)], off_cpu),
+            "send": lambda: tdc.send(off_cpu, dst=(rank + 1) % n),
+        }.items():
+            with pytest.raises(RuntimeError, match=r"tdist: \w+ got a tensor on meta.*\.cpu\(\)"):
+                call()
+            out[name] = "refused"
+        sparse = torch.eye(3).to_sparse()
+        with pytest.raises(NotImplementedError, match=r"broadcast does not take torch\.sparse_coo"):
+            tdc.broadcast(sparse, src=0)
+        # the one sparse collective gloo has: a sum of every rank's entries
+        t = torch.sparse_coo_tensor([[0, rank + 1], [rank, 2]], [1.0 + rank, 5.0], (n + 1, 3))
+        tdc.all_reduce(t)
+        out["sparse"] = [t.is_sparse, t.to_dense().tolist()]
+        t = torch.ones(2)
+        tdc.all_reduce(t)  # (nobody sent anything for a refused call: the group is in step)
+        out["after"] = t.tolist()
+        return out
+    finally:
+        tdc.destroy_process_group()
+
+
+def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on() -> None:
+    n = 2
+    results = run_processes(_bad_input, n, free_port(), timeout=60)
+    want = torch.zeros(n + 1, 3)
+    for r in range(n):
+        want[0, r] += 1.0 + r
+        want[r + 1, 2] += 5.0
+    for r in results:
+        assert r["sparse"] == [True, want.tolist()]
+        assert r["after"] == [float(n)] * 2
 
 
 @pytest.mark.parametrize("order", ["import torch; import tdist", "import tdist; import torch"])

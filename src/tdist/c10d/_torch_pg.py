@@ -254,9 +254,8 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         self._group_name = self._group_desc = ""
         self._owned = backend is None  # (else tdist's own group: tdist stops it)
         if backend is None:
-            from ._tcp_backend import (
-                ProcessGroupTCP,  # (here: registering costs no transport import)
-            )
+            # (imported here: registering the backend costs no transport import)
+            from ._tcp_backend import ProcessGroupTCP
 
             backend = ProcessGroupTCP(TorchStore(store), rank, size, timeout)
         self._b = backend
@@ -288,24 +287,62 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- collectives ---------------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        _check("broadcast", tensors)
         return TorchWork(self._b.broadcast(tensors, _opts(T.BroadcastOptions, opts)), tensors)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         if opts is not None and not hasattr(opts, "reduceOp"):  # allreduce(tensors, op)
             opts = _with_op(opts)
+        if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:  # (as gloo)
+            return self._sparse_allreduce(tensors[0], _opts(T.AllreduceOptions, opts))
+        _check("allreduce", tensors)
         return TorchWork(self._b.allreduce(tensors, _opts(T.AllreduceOptions, opts)), tensors)
 
+    def _sparse_allreduce(self, t: torch.Tensor, o: Any) -> TorchWork:
+        """The sum of every rank's sparse COO tensor, into ``t`` (gloo's one sparse collective):
+        the ranks exchange their entries (indices and values, padded to the largest count) and
+        each adds them up. Done before this returns."""
+        if o.reduceOp != T.RedOpType.SUM:
+            raise RuntimeError(f"tdist: all_reduce of a sparse tensor supports ReduceOp.SUM only, got {o.reduceOp}")
+        mine = t.coalesce()
+        _check("allreduce", [mine.values()])
+        idx, val = mine.indices(), mine.values()
+        n = self.size()
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        self._b.allgather([counts], [torch.tensor([idx.shape[1]])], T.AllgatherOptions()).wait()
+        most = max(int(c) for c in counts)
+        pad_i = torch.zeros(idx.shape[0], most, dtype=idx.dtype)
+        pad_v = torch.zeros((most, *val.shape[1:]), dtype=val.dtype)
+        pad_i[:, : idx.shape[1]] = idx
+        pad_v[: val.shape[0]] = val
+        all_i = [torch.empty_like(pad_i) for _ in range(n)]
+        all_v = [torch.empty_like(pad_v) for _ in range(n)]
+        self._b.allgather([all_i], [pad_i], T.AllgatherOptions()).wait()
+        self._b.allgather([all_v], [pad_v], T.AllgatherOptions()).wait()
+        k = [int(c) for c in counts]
+        total = torch.sparse_coo_tensor(
+            torch.cat([i[:, :c] for i, c in zip(all_i, k, strict=True)], dim=1),
+            torch.cat([v[:c] for v, c in zip(all_v, k, strict=True)]),
+            t.shape,
+        ).coalesce()
+        t.copy_(total)
+        return TorchWork(T.Work.completed([t], "allreduce"), [t])
+
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        _check("allreduce_coalesced", tensors)
         o = _opts(T.AllreduceOptions, opts)
         return _all(tensors, [self._b.allreduce([t], o) for t in tensors])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        _check("reduce", tensors)
         return TorchWork(self._b.reduce(tensors, _opts(T.ReduceOptions, opts)), tensors)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        _check("allgather", inputs, *outputs)
         return TorchWork(self._b.allgather(outputs, inputs, _opts(T.AllgatherOptions, opts)), outputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
+        _check("all_gather_into_tensor", [output, input])
         return TorchWork(self._b._allgather_base(output, input, _opts(T.AllgatherOptions, opts)), [output])
 
     def allgather_into_tensor_coalesced(
@@ -314,17 +351,21 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         return _pairwise(self._b._allgather_base, outputs, inputs, _opts(T.AllgatherOptions, opts))
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        _check("gather", inputs, *outputs)
         return TorchWork(self._b.gather(outputs, inputs, _opts(T.GatherOptions, opts)), outputs)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
+        _check("scatter", outputs, *inputs)
         return TorchWork(self._b.scatter(outputs, inputs, _opts(T.ScatterOptions, opts)), outputs)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> TorchWork:
+        _check("reduce_scatter", outputs, *inputs)
         return TorchWork(self._b.reduce_scatter(outputs, inputs, _opts(T.ReduceScatterOptions, opts)), outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
+        _check("reduce_scatter_tensor", [output, input])
         o = _opts(T.ReduceScatterOptions, opts)
         return TorchWork(self._b._reduce_scatter_base(output, input, o), [output])
 
@@ -334,6 +375,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         return _pairwise(self._b._reduce_scatter_base, outputs, inputs, _opts(T.ReduceScatterOptions, opts))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        _check("all_to_all", outputs, inputs)
         return TorchWork(self._b.alltoall(outputs, inputs, _opts(T.AllToAllOptions, opts)), outputs)
 
     def alltoall_base(
@@ -344,6 +386,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> TorchWork:
+        _check("all_to_all_single", [output, input])
         o = _opts(T.AllToAllOptions, opts)
         return TorchWork(self._b.alltoall_base(output, input, output_split_sizes, input_split_sizes, o), [output])
 
@@ -372,12 +415,15 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
+        _check("send", tensors)
         return TorchWork(self._b.send(tensors, dst, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
+        _check("recv", tensors)
         return TorchWork(self._b.recv(tensors, src, tag), tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
+        _check("recv", tensors)
         return TorchWork(self._b.recv_anysource(tensors, tag), tensors)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -390,6 +436,25 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
         self._b.set_timeout(timeout)
+
+
+def _check(op: str, *tensor_lists: Sequence[torch.Tensor]) -> None:
+    """Refuse, before any rank sends a byte, what the tdist backend cannot serve: a tensor off
+    the CPU (``RuntimeError``, torch's type for a device with no backend), or a sparse one
+    (``NotImplementedError``, as gloo, which reduces sparse tensors in ``all_reduce`` only)."""
+    for tensors in tensor_lists:
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise RuntimeError(
+                    f"tdist: {op} got a tensor on {t.device}; the tdist backend serves CPU tensors "
+                    "only. Move it with .cpu(), or give that device a backend of its own "
+                    '(backend="cpu:tdist,cuda:nccl")'
+                )
+            if t.layout != torch.strided:
+                raise NotImplementedError(  # (torch's type for gloo's refusal)
+                    f"tdist: {op} does not take {t.layout} tensors (as gloo, only all_reduce "
+                    "does, with ReduceOp.SUM); send .to_dense(), or the indices() and values()"
+                )
 
 
 def _with_op(op: Any) -> Any:
