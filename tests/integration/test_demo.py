@@ -31,3 +31,26 @@ def test_train_demo_converges_with_identical_parameters(nproc: int) -> None:
     accuracy = float(lines[-2].rsplit(" ", 1)[-1])
     assert accuracy > 0.7, lines
     assert lines[-1].endswith("parameters identical on every rank: True"), lines
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("backend", "epochs"), [("tdist", 2), ("gloo", 1)])
+def test_ddp_demo_trains_torchs_ddp_under_tdist_run(backend: str, epochs: int) -> None:
+    """The README's first command: torch's DDP on the tdist backend, a program that calls
+    ``torch.distributed.init_process_group`` itself (torch's own store at MASTER_PORT, as
+    under torchrun); with ``--backend gloo`` the same program on torch's own backend."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tdist.cli", "run", "--nproc-per-node", "2", "--master-port", "0",
+         str(ROOT / "examples" / "ddp_demo.py"), "--epochs", str(epochs), "--backend", backend],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:")]
+    assert lines[0].startswith(f"[rank0]:DDP on {backend}: 2 workers, 33.9 M parameters"), lines
+    assert sum(line.startswith("[rank0]:epoch ") for line in lines) == epochs
+    assert "all 2 workers hold identical parameters" in lines[-1], lines

@@ -41,7 +41,7 @@ WORKER = textwrap.dedent(
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
-                "TDIST_SECRET", "TORCHELASTIC_ERROR_FILE"]
+                "TDIST_SECRET", "TORCHELASTIC_ERROR_FILE", "TDIST_AGENT_STORE"]
         with open(os.path.join(out, f"env{rank}.json"), "w") as f:
             json.dump({k: os.environ.get(k) for k in keys}, f)
         with open(f"/proc/{os.getppid()}/maps") as f:  # the launcher's memory map
@@ -169,16 +169,21 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     envs = [json.loads((work / f"env{r}.json").read_text()) for r in range(2)]
     port = envs[0]["MASTER_PORT"]
     assert port != "0" and envs[1]["MASTER_PORT"] == port
+    # tdist's env:// finds the job's store by TDIST_AGENT_STORE; MASTER_PORT is another port,
+    # free for the torch store that a program calling torch's init_process_group hosts itself
+    agent = envs[0]["TDIST_AGENT_STORE"]
+    assert agent.startswith("127.0.0.1:") and agent != f"127.0.0.1:{port}" and envs[1]["TDIST_AGENT_STORE"] == agent
     secret = envs[0]["TDIST_SECRET"]
     assert secret and len(secret) >= 32 and envs[1]["TDIST_SECRET"] == secret
     for r, env in enumerate(envs):
         assert env.pop("TORCHELASTIC_ERROR_FILE").endswith(f"attempt_0/{r}/error.json")
+        assert env.pop("TDIST_AGENT_STORE") == agent
         assert env == {
             "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
             "ROLE_NAME": "default", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": None,
             "OMP_NUM_THREADS": "1", "TDIST_SECRET": secret,
         }
     assert sorted(res.stdout.splitlines()) == ["[rank0]:out from 0", "[rank1]:out from 1"]

@@ -141,9 +141,14 @@ def test_worker_env_matches_torchrun() -> None:
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": "job7",
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TDIST_AGENT_STORE": "10.0.0.1:1234",
         "TDIST_SECRET": "s3cret",
         "OMP_NUM_THREADS": "1",
     }
+    # with a port for torch's own store: MASTER_PORT is that one, and nobody is the agent's client
+    env = worker_env({}, cfg, 2, master_port=1234, restart_count=0, secret="s", torch_port=4321)
+    assert env["MASTER_PORT"] == "4321" and env["TDIST_AGENT_STORE"] == "10.0.0.1:1234"
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in env
 
 
 def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:

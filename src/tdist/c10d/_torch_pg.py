@@ -33,6 +33,7 @@ from ._group import chain_work
 __all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
 
 BACKEND_NAME = "tdist"
+_UNSET = timedelta(0)  # (torch's "no timeout given")
 
 # (torch's stubs type the overloads of its C++ classes; our overrides follow what torch calls)
 _TorchWork: Any = _Work
@@ -124,11 +125,12 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         self._fut: Any = None
         self._lock = threading.Lock()
         self._settler: int | None = None  # the thread completing the future
-        self._settled = threading.Event()
+        self._settled: threading.Event | None = None  # (made with the future)
 
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+    def wait(self, timeout: timedelta = _UNSET) -> bool:
         self._work.wait(timeout if timeout else None)
-        self._settle()  # (the future is done when wait returns, not a moment later)
+        if self._fut is not None:
+            self._settle()  # (the future is done when wait returns, not a moment later)
         return True
 
     def is_completed(self) -> bool:
@@ -153,6 +155,7 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         """Completed with the output tensors (torch's DDP reads ``value()[0]``), or the error."""
         with self._lock:
             if self._fut is None:
+                self._settled = threading.Event()
                 self._fut = torch.futures.Future()
                 # (completed from a thread of its own: the future's callbacks, DDP's next
                 # bucket among them, must not run in the backend's thread that finished it)
@@ -176,6 +179,7 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
             if not mine:
                 settled.wait()
             return
+        assert self._settled is not None
         try:
             exc = self._work.exception()
             if exc is not None:
@@ -228,19 +232,30 @@ def _forget_completer() -> None:
 os.register_at_fork(after_in_child=_forget_completer)
 
 
+_FIELDS: dict[tuple[type, type], tuple[str, ...]] = {}
+_RED_OPS = {int(op): op for op in T.RedOpType}
+
+
 def _opts(cls: type[T._Options], torch_opts: Any) -> Any:
-    """tdist's options of class ``cls`` from torch's option object (same camelCase names)."""
+    """tdist's options of class ``cls`` from torch's option object (same camelCase names).
+
+    On every call's path (the 4-byte all-reduce pays it): the fields both classes have are
+    found once per pair of classes, and a reduce op is looked up, not constructed."""
     out = cls()
     if torch_opts is None:
         return out
-    for name in ("reduceOp", "rootRank", "rootTensor", "timeout", "asyncOp"):
-        if not hasattr(cls, name) or not hasattr(torch_opts, name):
-            continue
+    kinds = (cls, type(torch_opts))
+    names = _FIELDS.get(kinds)
+    if names is None:
+        names = _FIELDS[kinds] = tuple(
+            n for n in ("reduceOp", "rootRank", "rootTensor", "timeout", "asyncOp")
+            if hasattr(cls, n) and hasattr(torch_opts, n)
+        )
+    for name in names:
         value = getattr(torch_opts, name)
         if name == "reduceOp":
-            op = getattr(value, "op", value)
-            value = T.RedOpType(int(op))
-        elif name == "timeout" and (value is None or value <= timedelta(0)):
+            value = _RED_OPS[int(getattr(value, "op", value))]
+        elif name == "timeout" and (value is None or value <= _UNSET):
             continue  # (torch's "unset")
         setattr(out, name, value)
     return out

@@ -482,10 +482,11 @@ class LocalAgent:
         exits: list[WorkerExit] = []
         outcome = Outcome.RUNNING
         try:
+            torch_port = self._torch_port(port)
             for local_rank in range(cfg.nproc_per_node):
                 env = worker_env(
                     self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
-                    error_file=self._error_file(restart_count, local_rank),
+                    error_file=self._error_file(restart_count, local_rank), torch_port=torch_port,
                 )
                 workers.append(self._start_worker(local_rank, env))
             log.info(
@@ -701,6 +702,20 @@ class LocalAgent:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
+    def _torch_port(self, port: int) -> int:
+        """``MASTER_PORT`` for this group: a free port of node 0 where the rank 0 of a program
+        that calls ``torch.distributed.init_process_group`` itself hosts torch's own store
+        (torch's client cannot talk to the job's store). Node 0 picks it and posts it in the
+        job's store for this attempt; the other nodes read it there."""
+        cfg = self.config
+        if cfg.nnodes == 1 or self._store is None:
+            return _free_port(cfg.master_addr)
+        key = f"{AGENT_PREFIX}/attempt{self._attempt}/torch_port/{port}"
+        if cfg.node_rank == 0:
+            self._store.set(key, str(_free_port("")).encode())
+        self._store.wait([key], timedelta(seconds=cfg.join_timeout))
+        return int(self._store.get(key))
+
     # -- several nodes -------------------------------------------------------------------------
     def _join(self, port: int, secret: str) -> None:
         cfg = self.config
@@ -888,3 +903,10 @@ def launch(
     """
     agent = LocalAgent(config, stdout=stdout, stderr=stderr, env=env, handle_signals=handle_signals)
     return agent.run()
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (the OS's pick; bound again by the worker moments later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

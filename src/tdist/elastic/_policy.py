@@ -166,8 +166,17 @@ def worker_env(
     restart_count: int,
     secret: str,
     error_file: str | None = None,
+    torch_port: int | None = None,
 ) -> dict[str, str]:
     """The environment of worker ``local_rank``: ``base`` plus what torchrun sets.
+
+    The job's store (``master_port``, which speaks tdist's authenticated protocol) is named by
+    ``TDIST_AGENT_STORE``, where tdist's ``env://`` finds it. ``MASTER_PORT`` is
+    ``torch_port``, free for a program that calls ``torch.distributed.init_process_group``
+    itself: its rank 0 hosts torch's own store there, as without an agent store under
+    torchrun. Without ``torch_port`` the workers are clients of the job's store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's way), which torch's own client cannot
+    talk to.
 
     ``OMP_NUM_THREADS`` is set to 1 when unset and several workers share the node (as torchrun
     does), ``TDIST_SECRET`` carries the job's secret, and ``TORCHELASTIC_ERROR_FILE`` (when
@@ -187,14 +196,16 @@ def worker_env(
             "GROUP_WORLD_SIZE": str(config.nnodes),
             "ROLE_WORLD_SIZE": str(config.world_size),
             "MASTER_ADDR": config.master_addr,
-            "MASTER_PORT": str(master_port),
+            "MASTER_PORT": str(master_port if torch_port is None else torch_port),
+            "TDIST_AGENT_STORE": f"{config.master_addr}:{master_port}",
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
             "TORCHELASTIC_RUN_ID": config.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": str(True),
             "TDIST_SECRET": secret,
         }
     )
+    if torch_port is None:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if "OMP_NUM_THREADS" not in base and config.nproc_per_node > 1:

@@ -182,8 +182,21 @@ def _check_port(port: int) -> int:
     return port
 
 
-def _torchelastic_use_agent_store() -> bool:
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", None) == str(True)
+def _agent_store(hostname: str, port: int) -> tuple[str, int] | None:
+    """The launcher's store, if one hosts this job's: ``TDIST_AGENT_STORE`` (``tdist run``:
+    ``host:port``), or ``MASTER_ADDR:MASTER_PORT`` under ``TORCHELASTIC_USE_AGENT_STORE=True``."""
+    named = os.environ.get("TDIST_AGENT_STORE")
+    if named:
+        host, _, raw = named.rpartition(":")
+        try:
+            return host.strip("[]"), _check_port(int(raw))
+        except ValueError:
+            raise _rendezvous_error(
+                f"environment variable TDIST_AGENT_STORE must be HOST:PORT, but was {named!r}"
+            ) from None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", None) == str(True):
+        return hostname, port
+    return None
 
 
 def _use_libuv(query: dict[str, str]) -> bool:
@@ -195,14 +208,17 @@ def _create_c10d_store(
 ) -> Store:
     """The store for ``rank``: rank 0 hosts the server unless the launcher's agent does.
 
-    Under an agent (``TORCHELASTIC_USE_AGENT_STORE=True``) every rank is a client and the store
+    Under an agent (``tdist run``'s ``TDIST_AGENT_STORE``, or ``TORCHELASTIC_USE_AGENT_STORE=True``
+    with ``MASTER_ADDR:MASTER_PORT``) every rank is a client and the store
     is namespaced by the restart attempt, so a restarted group never sees its predecessor's keys.
     """
     from ._tcp import TCPStore
 
     _check_port(port)
     size: int | None = world_size if world_size > 0 else None
-    if _torchelastic_use_agent_store():
+    agent = _agent_store(hostname, port)
+    if agent is not None:
+        hostname, port = agent
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         log.debug("rank %d: client of the agent's store at %s:%d (attempt %s)", rank, hostname, port, attempt)
         tcp_store = TCPStore(
