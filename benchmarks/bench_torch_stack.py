@@ -5,8 +5,9 @@ Run: .venv/bin/python benchmarks/bench_torch_stack.py [--rounds 3] [--world 2] [
 Every case runs torch's own code (``DistributedDataParallel``, ``fully_shard``,
 ``torch.distributed.checkpoint``) on ``init_process_group("gloo")`` and on
 ``init_process_group("tdist")``: same model, same batch, fresh processes for each, the order
-alternating between rounds; the table shows medians over rounds. Each rank computes on one
-thread, as under torchrun (``OMP_NUM_THREADS=1`` when it starts several processes).
+alternating between rounds; each figure is the slowest rank's, and the table shows medians
+over rounds. Each rank computes on one thread, as under torchrun (``OMP_NUM_THREADS=1`` when
+it starts several processes).
 
 - ddp comm-bound: 4 Linear 2048x2048 (64 MiB of gradients), batch 8, SGD: one step.
 - ddp compute-bound: 4 Linear 1024x1024, batch 2048. "hidden" is the part of the gradient
@@ -194,7 +195,10 @@ def main() -> None:
             impls = ["tdist"] if case == "route" else (["gloo", "tdist"] if r % 2 == 0 else ["tdist", "gloo"])
             for impl in impls:
                 before_fork()
-                res = run_processes(rank_main, args.world, free_port(), impl, case, args.quick, timeout=600)[0]
+                per_rank = run_processes(rank_main, args.world, free_port(), impl, case, args.quick, timeout=600)
+                # (the job moves at its slowest rank's pace; which rank gets the slower core
+                # here changes from run to run by 20%)
+                res = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
                 for key, value in res.items():
                     samples.setdefault((case, impl, key), []).append(value)
         print(f"  round {r + 1}/{args.rounds} done", flush=True)

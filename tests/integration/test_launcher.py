@@ -582,6 +582,30 @@ def test_two_nodes_share_one_store(two_nodes: tuple[Path, int]) -> None:
     assert lines == [f"[rank{r}]:rank {r} of 4 ok" for r in range(4)]
 
 
+TORCH_PROGRAM = """
+import sys, torch, torch.distributed as dist
+import tdist  # (registers the "tdist" backend)
+dist.init_process_group(sys.argv[1])
+t = torch.ones(3) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("rank", dist.get_rank(), "of", dist.get_world_size(), dist.get_backend(), t.tolist())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("backend", ["tdist", "gloo"])
+def test_two_nodes_run_a_program_that_calls_torchs_init_process_group(two_nodes: tuple[Path, int], backend: str) -> None:
+    # as under torchrun: MASTER_ADDR:MASTER_PORT is free for torch's own store, which the
+    # program's rank 0 hosts; node 0 picks the port and the other node learns it from the job
+    work, port = two_nodes
+    (work / "t.py").write_text(TORCH_PROGRAM)
+    nodes = [start_node(work, port, k, "t.py", backend) for k in (1, 0)]
+    outs = outputs(nodes, timeout=60)
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == [f"[rank{r}]:rank {r} of 4 {backend} [10.0, 10.0, 10.0]" for r in range(4)]
+
+
 def test_c10d_rendezvous_numbers_the_nodes(two_nodes: tuple[Path, int]) -> None:
     # torchrun's multi-node form: no --node-rank; the node that hosts the endpoint is node 0
     work, port = two_nodes
