@@ -343,38 +343,45 @@ def test_every_init_form_and_group_op_on_the_tdist_backend(form: str, tmp_path: 
     assert results[n - 1]["any_source"] == 0
 
 
-def _bad_input(rank: int, n: int, port: int) -> dict[str, Any]:
-    _init(rank, n, port)
+def _bad_input(rank: int, n: int, port: int, api: str) -> dict[str, Any]:
+    d: Any = tdc
+    if api == "tdist":  # tdist's own functions refuse the same, with the same types
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+        tdist.init_process_group("gloo")
+        d = tdist
+    else:
+        _init(rank, n, port)
     try:
         out: dict[str, Any] = {}
         off_cpu = torch.ones(2, device="meta")  # (no CUDA here: any device but the CPU)
         for name, call in {
-            "all_reduce": lambda: tdc.all_reduce(off_cpu),
-            "broadcast": lambda: tdc.broadcast(off_cpu, src=0),
-            "all_gather": lambda: tdc.all_gather([torch.empty(2) for _ in range(n)], off_cpu),
-            "send": lambda: tdc.send(off_cpu, dst=(rank + 1) % n),
+            "all_reduce": lambda: d.all_reduce(off_cpu),
+            "broadcast": lambda: d.broadcast(off_cpu, src=0),
+            "all_gather": lambda: d.all_gather([torch.empty(2) for _ in range(n)], off_cpu),
+            "send": lambda: d.send(off_cpu, dst=(rank + 1) % n),
         }.items():
             with pytest.raises(RuntimeError, match=r"tdist: \w+ got a tensor on meta.*\.cpu\(\)"):
                 call()
             out[name] = "refused"
         sparse = torch.eye(3).to_sparse()
         with pytest.raises(NotImplementedError, match=r"broadcast does not take torch\.sparse_coo"):
-            tdc.broadcast(sparse, src=0)
+            d.broadcast(sparse, src=0)
         # the one sparse collective gloo has: a sum of every rank's entries
         t = torch.sparse_coo_tensor([[0, rank + 1], [rank, 2]], [1.0 + rank, 5.0], (n + 1, 3))
-        tdc.all_reduce(t)
+        d.all_reduce(t)
         out["sparse"] = [t.is_sparse, t.to_dense().tolist()]
         t = torch.ones(2)
-        tdc.all_reduce(t)  # (nobody sent anything for a refused call: the group is in step)
+        d.all_reduce(t)  # (nobody sent anything for a refused call: the group is in step)
         out["after"] = t.tolist()
         return out
     finally:
-        tdc.destroy_process_group()
+        d.destroy_process_group()
 
 
-def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on() -> None:
+@pytest.mark.parametrize("api", ["torch", "tdist"])
+def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on(api: str) -> None:
     n = 2
-    results = run_processes(_bad_input, n, free_port(), timeout=60)
+    results = run_processes(_bad_input, n, free_port(), api, timeout=60)
     want = torch.zeros(n + 1, 3)
     for r in range(n):
         want[0, r] += 1.0 + r

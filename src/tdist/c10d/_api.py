@@ -60,7 +60,7 @@ from ._group import (
     warn_not_in_group,
 )
 from ._objects import object_to_tensor, objects_to_tensor, tensor_to_object, tensor_to_objects
-from ._reduce import reduce_into
+from ._reduce import reduce_into, sparse_all_reduce
 from ._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -1116,6 +1116,8 @@ def all_reduce(
         ValueError: an op that is meaningless on complex tensors (torch's message).
         CollectiveArgumentError: BAND/BOR/BXOR on a floating-point tensor.
     """
+    if isinstance(tensor, torch.Tensor) and tensor.layout == torch.sparse_coo:  # (as gloo)
+        return _sparse_all_reduce(tensor, op, group, async_op)
     t = C.as_tensor(tensor, "tensor")
     if _not_member(group):
         warn_not_in_group("all_reduce", _global_rank_or_minus_one())
@@ -1131,6 +1133,17 @@ def all_reduce(
     opts.reduceOp = red
     opts.asyncOp = async_op
     return _finish(pg.allreduce([t], opts), async_op)
+
+
+def _sparse_all_reduce(tensor: torch.Tensor, op: ReduceOp | RedOpType, group: GroupArg, async_op: bool) -> Work | None:
+    """``all_reduce`` of a sparse COO tensor: the sum of every rank's entries (SUM only, as gloo);
+    done before this returns (a completed Work if ``async_op``)."""
+    if _not_member(group):
+        warn_not_in_group("all_reduce", _global_rank_or_minus_one())
+        return None
+    pg = _resolve(group)
+    sparse_all_reduce(tensor, _red_op(op), pg.size(), lambda outs, inp: pg.allgather([outs], [inp]).wait())
+    return Work.completed([tensor], "all_reduce") if async_op else None
 
 
 def reduce(

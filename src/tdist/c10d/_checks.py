@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ def as_tensor(param: object, param_name: str) -> torch.Tensor:
         ValueError: a numpy array torch cannot view (negative strides, read-only).
     """
     if isinstance(param, torch.Tensor):
+        if param.layout != torch.strided or param.device.type != "cpu":
+            dense_cpu(_caller(), [param])
         return param
     if _is_numpy(param):
         arr: Any = param
@@ -100,6 +103,14 @@ def as_tensor_list(param: object, param_name: str) -> list[torch.Tensor]:
             f"{[type(p) for p in param]}."
         )
     return [as_tensor(p, param_name) for p in param]
+
+
+def _caller() -> str:
+    """The public function (``all_reduce``...) that called ``as_tensor``, for an error."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_name in ("as_tensor", "as_tensor_list", "<listcomp>", "_caller"):
+        frame = frame.f_back
+    return frame.f_code.co_name
 
 
 def _as_iterable(obj: torch.Tensor | Sequence[torch.Tensor]) -> Iterable[torch.Tensor]:
@@ -327,3 +338,22 @@ def check_split_sizes(
             f"add up to {sum(sizes)}, but dim 0 of {name} is {rows}"
         )
     return sizes
+
+
+def dense_cpu(op: str, *tensor_lists: Sequence[torch.Tensor]) -> None:
+    """Refuse, before any rank sends a byte, what tdist's backends cannot serve: a tensor off
+    the CPU (``RuntimeError``, torch's type for a device with no backend), or a sparse one
+    (``NotImplementedError``, as gloo, which reduces sparse tensors in ``all_reduce`` only)."""
+    for tensors in tensor_lists:
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise RuntimeError(
+                    f"tdist: {op} got a tensor on {t.device}; tdist serves CPU tensors only. Move "
+                    "it with .cpu(), or give that device a backend of its own "
+                    '(backend="cpu:tdist,cuda:nccl")'
+                )
+            if t.layout != torch.strided:
+                raise NotImplementedError(
+                    f"tdist: {op} does not take {t.layout} tensors (as gloo, only all_reduce "
+                    "does, with ReduceOp.SUM); send .to_dense(), or the indices() and values()"
+                )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ._checks import dense_cpu
 from ._types import RedOpType
 
-__all__ = ["reduce_into"]
+__all__ = ["reduce_into", "sparse_all_reduce"]
 
 
 def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
@@ -33,3 +36,35 @@ def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
         dst.bitwise_xor_(src)
     else:
         raise ValueError(f"unsupported reduction {op!r}")
+
+
+def sparse_all_reduce(
+    t: torch.Tensor, op: object, size: int, all_gather: Callable[[list[torch.Tensor], torch.Tensor], object]
+) -> None:
+    """The sum of every rank's sparse COO tensor, into ``t`` (gloo's one sparse collective).
+
+    The ranks exchange their entries (the counts, then indices and values padded to the
+    largest count) through ``all_gather(outputs, input)`` and each adds them up.
+    """
+    if op != RedOpType.SUM:
+        raise RuntimeError(f"tdist: all_reduce of a sparse tensor supports ReduceOp.SUM only, got {op}")
+    mine = t.coalesce()
+    dense_cpu("all_reduce", [mine.values()])
+    idx, val = mine.indices(), mine.values()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    all_gather(counts, torch.tensor([idx.shape[1]]))
+    k = [int(c) for c in counts]
+    pad_i = torch.zeros(idx.shape[0], max(k), dtype=idx.dtype)
+    pad_v = torch.zeros((max(k), *val.shape[1:]), dtype=val.dtype)
+    pad_i[:, : idx.shape[1]] = idx
+    pad_v[: val.shape[0]] = val
+    all_i = [torch.empty_like(pad_i) for _ in range(size)]
+    all_v = [torch.empty_like(pad_v) for _ in range(size)]
+    all_gather(all_i, pad_i)
+    all_gather(all_v, pad_v)
+    total = torch.sparse_coo_tensor(
+        torch.cat([i[:, :c] for i, c in zip(all_i, k, strict=True)], dim=1),
+        torch.cat([v[:c] for v, c in zip(all_v, k, strict=True)]),
+        t.shape,
+    ).coalesce()
+    t.copy_(total)

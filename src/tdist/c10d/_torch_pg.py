@@ -28,7 +28,9 @@ from torch._C._distributed_c10d import Work as _Work
 
 from ..store._api import Store
 from . import _types as T
+from ._checks import dense_cpu as _check
 from ._group import chain_work
+from ._reduce import sparse_all_reduce
 
 __all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
 
@@ -309,39 +311,11 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         if opts is not None and not hasattr(opts, "reduceOp"):  # allreduce(tensors, op)
             opts = _with_op(opts)
         if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:  # (as gloo)
-            return self._sparse_allreduce(tensors[0], _opts(T.AllreduceOptions, opts))
+            o = _opts(T.AllreduceOptions, opts)
+            sparse_all_reduce(tensors[0], o.reduceOp, self.size(), lambda outs, inp: self._b.allgather([outs], [inp]).wait())
+            return TorchWork(T.Work.completed(tensors, "allreduce"), tensors)
         _check("allreduce", tensors)
         return TorchWork(self._b.allreduce(tensors, _opts(T.AllreduceOptions, opts)), tensors)
-
-    def _sparse_allreduce(self, t: torch.Tensor, o: Any) -> TorchWork:
-        """The sum of every rank's sparse COO tensor, into ``t`` (gloo's one sparse collective):
-        the ranks exchange their entries (indices and values, padded to the largest count) and
-        each adds them up. Done before this returns."""
-        if o.reduceOp != T.RedOpType.SUM:
-            raise RuntimeError(f"tdist: all_reduce of a sparse tensor supports ReduceOp.SUM only, got {o.reduceOp}")
-        mine = t.coalesce()
-        _check("allreduce", [mine.values()])
-        idx, val = mine.indices(), mine.values()
-        n = self.size()
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        self._b.allgather([counts], [torch.tensor([idx.shape[1]])], T.AllgatherOptions()).wait()
-        most = max(int(c) for c in counts)
-        pad_i = torch.zeros(idx.shape[0], most, dtype=idx.dtype)
-        pad_v = torch.zeros((most, *val.shape[1:]), dtype=val.dtype)
-        pad_i[:, : idx.shape[1]] = idx
-        pad_v[: val.shape[0]] = val
-        all_i = [torch.empty_like(pad_i) for _ in range(n)]
-        all_v = [torch.empty_like(pad_v) for _ in range(n)]
-        self._b.allgather([all_i], [pad_i], T.AllgatherOptions()).wait()
-        self._b.allgather([all_v], [pad_v], T.AllgatherOptions()).wait()
-        k = [int(c) for c in counts]
-        total = torch.sparse_coo_tensor(
-            torch.cat([i[:, :c] for i, c in zip(all_i, k, strict=True)], dim=1),
-            torch.cat([v[:c] for v, c in zip(all_v, k, strict=True)]),
-            t.shape,
-        ).coalesce()
-        t.copy_(total)
-        return TorchWork(T.Work.completed([t], "allreduce"), [t])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allreduce_coalesced", tensors)
@@ -451,25 +425,6 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
         self._b.set_timeout(timeout)
-
-
-def _check(op: str, *tensor_lists: Sequence[torch.Tensor]) -> None:
-    """Refuse, before any rank sends a byte, what the tdist backend cannot serve: a tensor off
-    the CPU (``RuntimeError``, torch's type for a device with no backend), or a sparse one
-    (``NotImplementedError``, as gloo, which reduces sparse tensors in ``all_reduce`` only)."""
-    for tensors in tensor_lists:
-        for t in tensors:
-            if t.device.type != "cpu":
-                raise RuntimeError(
-                    f"tdist: {op} got a tensor on {t.device}; the tdist backend serves CPU tensors "
-                    "only. Move it with .cpu(), or give that device a backend of its own "
-                    '(backend="cpu:tdist,cuda:nccl")'
-                )
-            if t.layout != torch.strided:
-                raise NotImplementedError(  # (torch's type for gloo's refusal)
-                    f"tdist: {op} does not take {t.layout} tensors (as gloo, only all_reduce "
-                    "does, with ReduceOp.SUM); send .to_dense(), or the indices() and values()"
-                )
 
 
 def _with_op(op: Any) -> Any:
