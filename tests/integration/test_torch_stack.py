@@ -192,3 +192,36 @@ def test_pipelining_schedules_on_tdist_match_one_process() -> None:
             want = [p.grad.flatten() / 4 for p in layers[rank].parameters()]  # type: ignore[union-attr]
             for g_, w in zip(got[rank][name]["grads"], want, strict=True):
                 torch.testing.assert_close(torch.tensor(g_), w, rtol=1e-5, atol=1e-5)
+
+
+def _zero(rank: int, n: int) -> dict[str, Any]:
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    with Join([model, opt]):  # (uneven inputs: rank r has 3 + r batches)
+        for step in range(3 + rank):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            opt.zero_grad()
+            model(torch.randn(4, 16, generator=g)).sum().backward()
+            opt.step()
+    opt.consolidate_state_dict(to=0)
+    state = opt.state_dict() if rank == 0 else None
+    return {
+        "params": [p.detach().flatten().tolist() for p in model.parameters()],
+        "state": None if state is None else [s["exp_avg"].flatten().tolist() for s in state["state"].values()],
+    }
+
+
+def test_zero_redundancy_optimizer_with_join_on_tdist_as_on_gloo() -> None:
+    n = 3
+    got, want = _run(_zero, n, "tdist"), _run(_zero, n, "gloo")
+    for rank in range(n):
+        assert got[rank]["params"] == got[0]["params"]
+        for g, w in zip(got[rank]["params"], want[rank]["params"], strict=True):
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-6, atol=1e-7)
+    assert got[0]["state"] is not None and len(got[0]["state"]) == len(want[0]["state"])
+    for g, w in zip(got[0]["state"], want[0]["state"], strict=True):
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-6, atol=1e-7)
