@@ -11,6 +11,16 @@ hands back each tdist ``Work`` wrapped as a torch ``Work`` (``wait``, ``is_compl
 ``get_future``, ``exception``), whose future torch's DDP chains its bucket hooks on.
 
 Registered by ``import tdist`` (see ``tdist/__init__``) once ``torch.distributed`` is imported.
+
+A program ported by its imports (``import tdist as dist; dist.init_process_group("gloo")``)
+never calls torch's ``init_process_group``, yet torch's modules (DDP, ``DistributedSampler``,
+FSDP) look for torch's default group: ``mirror_default_group`` makes it, on the very backend
+of tdist's default group (``_adopting`` hands that backend to the creator; no new
+connection), and ``forget_default_group`` destroys it with tdist's.
+
+A Work's future is completed by a thread of ``_Completers``, never by the backend's thread
+that finished the work: the future's callbacks (DDP's bucket hooks) issue and wait for more
+work on that backend.
 """
 
 from __future__ import annotations
