@@ -391,6 +391,38 @@ def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on(api:
         assert r["after"] == [float(n)] * 2
 
 
+def _ddp_peer_dies(rank: int, n: int, port: int, where: str) -> None:
+    import time
+
+    _init(rank, n, port)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(torch.nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        for step in range(10_000):
+            if rank == 1 and step == 5:
+                os._exit(3)  # (dies between two steps; rank 0 is in, or soon in, an all-reduce)
+            opt.zero_grad()
+            model(torch.randn(8, 64)).sum().backward()
+            opt.step()
+    except Exception as exc:
+        with open(os.path.join(where, "rank0.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}")
+        raise
+
+
+def test_a_rank_that_dies_under_ddp_fails_the_others_naming_it(tmp_path: Any) -> None:
+    from tdist.testing import RankFailedError
+
+    with pytest.raises(RankFailedError, match="rank 1 of 2"):
+        run_processes(_ddp_peer_dies, 2, free_port(), str(tmp_path), timeout=80, grace=30)
+    seconds, said = (tmp_path / "rank0.txt").read_text().split(" ", 1)
+    assert "rank 1" in said and "died" in said, said
+    assert float(seconds) < 30  # (in seconds, not the 30-minute group timeout)
+
+
 @pytest.mark.parametrize("order", ["import torch; import tdist", "import tdist; import torch"])
 def test_import_tdist_registers_the_backend_with_torch_whichever_comes_first(order: str) -> None:
     import subprocess

@@ -134,7 +134,8 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         super().__init__()
         self._work = work
         self._outputs = outputs
-        self._fut: Any = None
+        self._fut: Any = None  # completed with the outputs, or a _Failed
+        self._out: Any = None  # the future handed out: the outputs, or the failure as its error
         self._lock = threading.Lock()
         self._settler: int | None = None  # the thread completing the future
         self._settled: threading.Event | None = None  # (made with the future)
@@ -169,10 +170,15 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
             if self._fut is None:
                 self._settled = threading.Event()
                 self._fut = torch.futures.Future()
+                # (a failure must reach torch's C++ side as the future's error: DDP's reducer
+                # reads the value of a future that ``set_exception`` completed as a tensor
+                # list, and crashes. An exception raised in a ``then`` callback is such an
+                # error, so the future handed out is this one's continuation.)
+                self._out = self._fut.then(_unwrap)
                 # (completed from a thread of its own: the future's callbacks, DDP's next
                 # bucket among them, must not run in the backend's thread that finished it)
                 self._work.add_done_callback(lambda _w: _completers.complete(self))
-            return self._fut
+            return self._out
 
     def _settle(self) -> None:
         """Complete the future once the work is done (once; outside the lock: the future's
@@ -194,12 +200,25 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         assert self._settled is not None
         try:
             exc = self._work.exception()
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(self._outputs)
+            fut.set_result(self._outputs if exc is None else _Failed(exc))
         finally:
             self._settled.set()
+
+
+class _Failed:
+    """A failed work's exception, as the value of the inner future (see ``get_future``)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _unwrap(fut: Any) -> Any:
+    value = fut.value()
+    if isinstance(value, _Failed):
+        raise value.exc
+    return value
 
 
 class _Completers:
