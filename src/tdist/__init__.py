@@ -62,7 +62,9 @@ def _register_with_torch() -> None:
     (the launcher never needs it), and registering imports nothing of tdist's: the process
     group's own module loads when torch first asks for a group.
     """
+    import contextlib
     import sys
+    import threading
 
     def register(torch: object) -> None:
         backend = getattr(getattr(torch, "distributed", None), "Backend", None)
@@ -74,16 +76,23 @@ def _register_with_torch() -> None:
         register(torch)
         return
 
+    lookup = threading.local()
+
     class _WhenTorchLoaded:
-        """A finder that finds nothing of its own: when ``import torch`` starts, it hands the
-        import system torch's own spec with a loader that registers once torch has loaded."""
+        """A finder that finds nothing of its own: when torch is looked up, it hands the
+        import system torch's own spec with a loader that registers once torch has loaded.
+        It stays until then (a ``find_spec("torch")`` probe that imports nothing, as some
+        libraries make, must not use it up), and leaves once torch is in."""
 
         @staticmethod
         def find_spec(name: str, path: object = None, target: object = None) -> object:
-            if name != "torch":
+            if name != "torch" or getattr(lookup, "busy", False):
                 return None
-            sys.meta_path.remove(_WhenTorchLoaded)  # type: ignore[arg-type]
-            spec = importlib.util.find_spec(name)
+            lookup.busy = True  # (the lookup below, in this thread, finds torch's own spec)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                lookup.busy = False
             loader = None if spec is None else spec.loader
             if spec is None or loader is None:
                 return spec
@@ -91,12 +100,15 @@ def _register_with_torch() -> None:
 
             def exec_module(module: object) -> None:
                 inner(module)  # type: ignore[arg-type]
+                with contextlib.suppress(ValueError):  # (another thread's import took it out)
+                    sys.meta_path.remove(_WhenTorchLoaded)  # type: ignore[arg-type]
                 register(module)
 
             loader.exec_module = exec_module  # type: ignore[method-assign]
             return spec
 
-    sys.meta_path.insert(0, _WhenTorchLoaded)  # type: ignore[arg-type]
+    if not any(getattr(f, "__name__", "") == "_WhenTorchLoaded" for f in sys.meta_path):  # (a reload)
+        sys.meta_path.insert(0, _WhenTorchLoaded)  # type: ignore[arg-type]
 
 
 _register_with_torch()

@@ -17,7 +17,7 @@ from tdist.testing import free_port, local_store, run_threads
 pytestmark = pytest.mark.timeout(30)
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
-            "TORCHELASTIC_RESTART_COUNT")
+            "TORCHELASTIC_RESTART_COUNT", "TDIST_AGENT_STORE")
 SHORT = timedelta(seconds=10)
 
 
@@ -277,3 +277,20 @@ def test_file_two_ranks_as_threads(tmp_path: Path) -> None:
         return store.get(f"k{1 - rank}")
 
     assert run_threads(body, 2, timeout=20) == [b"1", b"0"]
+
+
+def test_the_launchers_store_is_used_for_the_jobs_own_address_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tdist run: MASTER_ADDR:MASTER_PORT is torch's store; tdist's env:// goes to TDIST_AGENT_STORE
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "4000")
+    monkeypatch.setenv("TDIST_AGENT_STORE", "127.0.0.1:5000")
+    assert _rendezvous._agent_store("127.0.0.1", 4000) == ("127.0.0.1", 5000)
+    # a job of the worker's own (another address) is left alone
+    assert _rendezvous._agent_store("127.0.0.1", 4001) is None
+    monkeypatch.setenv("TDIST_AGENT_STORE", "nonsense")
+    with pytest.raises(ValueError, match="TDIST_AGENT_STORE must be HOST:PORT"):
+        _rendezvous._agent_store("127.0.0.1", 4000)
+    # torchrun's way: every rank a client of MASTER_ADDR:MASTER_PORT
+    monkeypatch.delenv("TDIST_AGENT_STORE")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert _rendezvous._agent_store("127.0.0.1", 4000) == ("127.0.0.1", 4000)

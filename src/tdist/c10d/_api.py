@@ -539,7 +539,7 @@ def init_process_group(
         )
         world.init_method = init_method
         publish_world(world, pg)
-        if not thread_isolated():  # (torch's default group is the process's: one per process)
+        if not thread_isolated() and torch.distributed.is_available():  # (torch's: one per process)
             from ._torch_pg import mirror_default_group
 
             mirror_default_group(pg, PrefixStore("torch", store), timeout)

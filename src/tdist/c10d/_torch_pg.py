@@ -175,10 +175,17 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
                 # list, and crashes. An exception raised in a ``then`` callback is such an
                 # error, so the future handed out is this one's continuation.)
                 self._out = self._fut.then(_unwrap)
-                # (completed from a thread of its own: the future's callbacks, DDP's next
-                # bucket among them, must not run in the backend's thread that finished it)
-                self._work.add_done_callback(lambda _w: _completers.complete(self))
-            return self._out
+                done = self._work.is_completed()
+                if not done:
+                    # (completed from a thread of its own: the future's callbacks, DDP's next
+                    # bucket among them, must not run in the backend's thread that finished it)
+                    self._work.add_done_callback(lambda _w: _completers.complete(self))
+            else:
+                done = False
+            out = self._out
+        if done:  # (as torch's: after wait(), the future is done; no callback of the user's yet)
+            self._settle()
+        return out
 
     def _settle(self) -> None:
         """Complete the future once the work is done (once; outside the lock: the future's
@@ -241,15 +248,20 @@ class _Completers:
             start = self._idle == 0
             if not start:
                 self._idle -= 1  # (promised to this work)
-        self._queue.put(work)
-        if start:
-            threading.Thread(target=self._run, name="tdist-torch-futures", daemon=True).start()
+        if not start:
+            self._queue.put(work)
+            return
+        try:
+            threading.Thread(target=self._run, args=(work,), name="tdist-torch-futures", daemon=True).start()
+        except RuntimeError:  # (no thread to be had: at interpreter exit, or at the thread limit)
+            work._settle()
 
-    def _run(self) -> None:
+    def _run(self, first: TorchWork) -> None:
+        first._settle()
         while True:
-            self._queue.get()._settle()
             with self._lock:
                 self._idle += 1
+            self._queue.get()._settle()
 
 
 _completers = _Completers()

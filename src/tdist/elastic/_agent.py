@@ -710,11 +710,18 @@ class LocalAgent:
         cfg = self.config
         if cfg.nnodes == 1 or self._store is None:
             return _free_port(cfg.master_addr)
-        key = f"{AGENT_PREFIX}/attempt{self._attempt}/torch_port/{port}"
+        store, key = self._store, f"{AGENT_PREFIX}/attempt{self._attempt}/torch_port/{port}"
         if cfg.node_rank == 0:
-            self._store.set(key, str(_free_port("")).encode())
-        self._store.wait([key], timedelta(seconds=cfg.join_timeout))
-        return int(self._store.get(key))
+            store.set(key, str(_free_port("")).encode())
+        deadline = self._clock() + cfg.join_timeout
+        while not store.check([key]):  # (in short waits: a stop or a failed node ends it)
+            peer, final = self._peer_failure()
+            if self._signum is not None or final or self._clock() > deadline:
+                why = peer or ("interrupted" if self._signum is not None else f"not within {cfg.join_timeout:g} s")
+                raise LaunchError(f"node {cfg.node_rank}: node 0 did not post the workers' MASTER_PORT: {why}")
+            with contextlib.suppress(DistStoreError):
+                store.wait([key], timedelta(seconds=0.5))
+        return int(store.get(key))
 
     # -- several nodes -------------------------------------------------------------------------
     def _join(self, port: int, secret: str) -> None:

@@ -184,9 +184,11 @@ def _check_port(port: int) -> int:
 
 def _agent_store(hostname: str, port: int) -> tuple[str, int] | None:
     """The launcher's store, if one hosts this job's: ``TDIST_AGENT_STORE`` (``tdist run``:
-    ``host:port``), or ``MASTER_ADDR:MASTER_PORT`` under ``TORCHELASTIC_USE_AGENT_STORE=True``."""
+    ``host:port``) when asked for the job's own ``MASTER_ADDR:MASTER_PORT`` (another address, a
+    job of the worker's own, is left alone), or ``MASTER_ADDR:MASTER_PORT`` under
+    ``TORCHELASTIC_USE_AGENT_STORE=True``."""
     named = os.environ.get("TDIST_AGENT_STORE")
-    if named:
+    if named and (hostname, str(port)) == (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")):
         host, _, raw = named.rpartition(":")
         try:
             return host.strip("[]"), _check_port(int(raw))
