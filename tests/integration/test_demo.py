@@ -12,21 +12,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("nproc", [2])  # (the README's command; odd world sizes: the c10d tests)
-def test_train_demo_converges_with_identical_parameters(nproc: int) -> None:
+def _rank0_lines(nproc: int, example: str, *args: str, timeout: float) -> list[str]:
+    """``tdist run --nproc-per-node nproc examples/<example> args...`` from a clean environment:
+    rank 0's output lines (the run must succeed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
     proc = subprocess.run(
         [sys.executable, "-m", "tdist.cli", "run", "--nproc-per-node", str(nproc), "--master-port", "0",
-         str(ROOT / "examples" / "train.py"), "--epochs", "4"],
+         str(ROOT / "examples" / example), *args],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=timeout,
         env=env,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:")]
+    return [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", [2])  # (the README's command; odd world sizes: the c10d tests)
+def test_train_demo_converges_with_identical_parameters(nproc: int) -> None:
+    lines = _rank0_lines(nproc, "train.py", "--epochs", "4", timeout=100)
     assert sum(line.startswith("[rank0]:epoch ") for line in lines) == 4
     accuracy = float(lines[-2].rsplit(" ", 1)[-1])
     assert accuracy > 0.7, lines
@@ -39,18 +45,7 @@ def test_ddp_demo_trains_torchs_ddp_under_tdist_run(backend: str, epochs: int) -
     """The README's first command: torch's DDP on the tdist backend, a program that calls
     ``torch.distributed.init_process_group`` itself (torch's own store at MASTER_PORT, as
     under torchrun); with ``--backend gloo`` the same program on torch's own backend."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tdist.cli", "run", "--nproc-per-node", "2", "--master-port", "0",
-         str(ROOT / "examples" / "ddp_demo.py"), "--epochs", str(epochs), "--backend", backend],
-        capture_output=True,
-        text=True,
-        timeout=140,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:")]
+    lines = _rank0_lines(2, "ddp_demo.py", "--epochs", str(epochs), "--backend", backend, timeout=140)
     assert lines[0].startswith(f"[rank0]:DDP on {backend}: 2 workers, 33.9 M parameters"), lines
     assert sum(line.startswith("[rank0]:epoch ") for line in lines) == epochs
     assert "all 2 workers hold identical parameters" in lines[-1], lines
