@@ -96,7 +96,7 @@ class StoreForTorch(_TorchStore):  # type: ignore[misc]
         self._s = store
 
     def set(self, key: str, value: Any) -> None:
-        self._s.set(key, bytes(value) if not isinstance(value, str) else value)
+        self._s.set(key, _bytes(value))
 
     def get(self, key: str) -> bytes:
         return self._s.get(key)
@@ -526,15 +526,9 @@ def forget_default_group(pg: Any) -> None:
         tdc.destroy_process_group()
 
 
-_registered = False
-
-
 def register() -> None:
-    """Make ``"tdist"`` a backend of ``torch.distributed`` (for CPU tensors); idempotent."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
-    if BACKEND_NAME not in tdc.Backend.backend_list:
-        creator: Callable[..., Any] = _create
-        tdc.Backend.register_backend(BACKEND_NAME, creator, devices=["cpu"])
+    """Make ``"tdist"`` a backend of ``torch.distributed`` (for CPU tensors); idempotent. The
+    one registration is ``import tdist``'s; this makes sure it has happened."""
+    import tdist
+
+    tdist._register_with_torch()

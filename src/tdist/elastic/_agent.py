@@ -707,20 +707,22 @@ class LocalAgent:
         that calls ``torch.distributed.init_process_group`` itself hosts torch's own store
         (torch's client cannot talk to the job's store). Node 0 picks it and posts it in the
         job's store for this attempt; the other nodes read it there."""
+        from .rendezvous import _free_port
+
         cfg = self.config
         if cfg.nnodes == 1 or self._store is None:
             return _free_port(cfg.master_addr)
         store, key = self._store, f"{AGENT_PREFIX}/attempt{self._attempt}/torch_port/{port}"
         if cfg.node_rank == 0:
-            store.set(key, str(_free_port("")).encode())
-        deadline = self._clock() + cfg.join_timeout
-        while not store.check([key]):  # (in short waits: a stop or a failed node ends it)
+            store.set(key, str(_free_port()).encode())
+
+        def stopped() -> str | None:
             peer, final = self._peer_failure()
-            if self._signum is not None or final or self._clock() > deadline:
-                why = peer or ("interrupted" if self._signum is not None else f"not within {cfg.join_timeout:g} s")
-                raise LaunchError(f"node {cfg.node_rank}: node 0 did not post the workers' MASTER_PORT: {why}")
-            with contextlib.suppress(DistStoreError):
-                store.wait([key], timedelta(seconds=0.5))
+            if final or self._signum is not None:
+                return f"node 0 did not post the workers' MASTER_PORT: {peer or 'interrupted'}"
+            return None
+
+        self._wait_for_nodes(store, [key], stopped, lambda _: "node 0 did not post the workers' MASTER_PORT in time")
         return int(store.get(key))
 
     # -- several nodes -------------------------------------------------------------------------
@@ -911,9 +913,3 @@ def launch(
     agent = LocalAgent(config, stdout=stdout, stderr=stderr, env=env, handle_signals=handle_signals)
     return agent.run()
 
-
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now (the OS's pick; bound again by the worker moments later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

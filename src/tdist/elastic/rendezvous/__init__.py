@@ -294,9 +294,10 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 # -- the handlers -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+def _free_port(host: str = "") -> int:
+    """A port free on ``host`` now (the OS's pick; whoever binds it next has it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
