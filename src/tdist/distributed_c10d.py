@@ -7,21 +7,24 @@ name. The names are the same objects as ``tdist``'s.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._public import *  # noqa: F403  (the module-level c10d API, by design)
 from ._public import __all__ as _public
 from .c10d._api import _all_gather_base, _default_group, _not_member, _reduce_scatter_base
-from .c10d._group import ProcessGroup
+from .c10d._group import GroupMember
 
 __all__ = list(_public)
 
 
-def _get_default_group() -> ProcessGroup:
-    """The default process group (torch's private helper, widely used).
+def _get_default_group() -> Any:
+    """The default process group (torch's private helper, widely used): ``group.WORLD``.
 
     Raises:
         ValueError: the default group is not initialized (torch's error type).
     """
-    return _default_group()
+    _default_group()
+    return GroupMember.WORLD
 
 
 def _rank_not_in_group(group: object) -> bool:

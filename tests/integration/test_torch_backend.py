@@ -288,6 +288,74 @@ def test_ddp_feature_on_tdist_trains_as_on_gloo(feature: str) -> None:
     # gloo's rank by rank means rank 0's reached it)
 
 
+def _ported_groups(rank: int, n: int, port: int) -> dict[str, Any]:
+    """A program ported by its imports hands tdist's groups to torch's modules: a sub-group to
+    DDP, ``group.WORLD`` to PowerSGD's state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    tdist.init_process_group("gloo")
+    try:
+        out: dict[str, Any] = {}
+        sub = tdist.new_group([0, 1])
+        world = tdist.group.WORLD
+        out["world"] = [world is tdc.group.WORLD, tdist.get_rank(world), tdist.get_world_size(world)]
+        if rank < 2:
+            t = torch.ones(2) * (rank + 1)
+            tdist.all_reduce(t, group=sub)
+            tdc.all_reduce(t, group=sub)  # (torch's function, on the same group)
+            out["sub"] = [t.tolist(), tdist.get_rank(sub), tdist.get_process_group_ranks(sub)]
+            ddp = DDP(_model(), process_group=sub)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(STEPS):
+                x, y = _batch(step, rank)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            out["params"] = [p.detach().flatten().tolist() for p in ddp.parameters()]
+            del ddp, opt
+            tdist.barrier(group=sub)
+            tdist.destroy_process_group(sub)
+            try:
+                tdist.get_rank(sub)
+            except ValueError as exc:
+                out["destroyed"] = str(exc)
+        else:
+            out["sub"] = sub
+        state = powerSGD_hook.PowerSGDState(process_group=world, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp = DDP(_model(), process_group=world)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        for step in range(3):
+            x, y = _batch(step, rank)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        out["world_grads"] = [p.grad.flatten().tolist() for p in ddp.parameters()]
+        del ddp
+        gc.collect()
+        tdist.barrier()
+        return out
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_tdist_groups_and_group_world_are_taken_by_torchs_modules() -> None:
+    """tdist's ``new_group`` and ``group.WORLD`` hand out torch's twin of the group (same
+    backend, no new connection): torch's DDP and PowerSGD take them, tdist's and torch's
+    functions both run on them, and destroying one destroys the twin."""
+    n = 3
+    res = run_processes(_ported_groups, n, free_port(), timeout=80)
+    for rank, r in enumerate(res):
+        assert r["world"] == [True, rank, n]
+        assert r["world_grads"] == res[0]["world_grads"]
+    assert res[2]["sub"] == tdist.GroupMember.NON_GROUP_MEMBER
+    for rank in range(2):
+        assert res[rank]["sub"] == [[6.0, 6.0], rank, [0, 1]]
+        assert "not registered" in res[rank]["destroyed"]
+    assert res[0]["params"] == res[1]["params"]
+    for got, want in zip(res[0]["params"], _single_process(2), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
 def _init_form(rank: int, n: int, port: int, form: str, where: str) -> None:
     if form == "env":
         _init(rank, n, port, "cpu:tdist")

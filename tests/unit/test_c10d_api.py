@@ -21,7 +21,7 @@ import torch.distributed as tdd
 import tdist as dist
 from tdist.c10d import _checks as C
 from tdist.c10d import _group as G
-from tdist.c10d._api import _destroy_all_worlds_for_tests
+from tdist.c10d._api import _default_group, _destroy_all_worlds_for_tests
 from tdist.c10d._backend import Backend as BackendImpl
 from tdist.c10d._backend_config import implementation_for, parse_device_backend_string
 from tdist.c10d._debug import (
@@ -596,8 +596,14 @@ def test_init_twice_destroy_and_again() -> None:
     assert dist.is_initialized()
     assert dist.get_rank() == 0 and dist.get_world_size() == 1
     assert dist.get_backend() == "fake1" and dist.get_pg_count() == 1
-    pg = dist.group.WORLD
-    assert isinstance(pg, dist.ProcessGroup) and pg is dist.GroupMember.WORLD
+    world = dist.group.WORLD
+    assert world is dist.GroupMember.WORLD and world is dist.distributed_c10d._get_default_group()
+    # a process's own world: torch's default group runs on ours, and group.WORLD is that twin,
+    # which torch's modules take (DDP, FSDP, PowerSGDState(process_group=dist.group.WORLD))
+    assert isinstance(world, torch.distributed.ProcessGroup) and world.rank() == 0 and world.size() == 1
+    assert torch.distributed.distributed_c10d._get_default_group() is world
+    pg = _default_group()
+    assert isinstance(pg, dist.ProcessGroup) and not isinstance(world, dist.ProcessGroup)
     assert pg.group_name == "0" and pg.group_desc == "default_pg" and pg.name() == "fake1"
     assert pg.rank() == 0 and pg.size() == 1
     with pytest.raises(ValueError, match=r"^trying to initialize the default process group twice!$"):
@@ -619,7 +625,9 @@ def test_store_layout_follows_torch() -> None:
     sub = dist.new_group([0])
     FakeBackend.created[-1].store.set("k", "w")
     assert store.get("0//1//cpu//k") == b"w"
-    assert isinstance(sub, dist.ProcessGroup) and sub.group_name == "1"
+    # a process's own world hands out torch's twin of the group (see test_init_twice...)
+    assert isinstance(sub, torch.distributed.ProcessGroup) and sub.group_name == "1"
+    assert _default_group().group_name == "0"
 
 
 def test_backend_name_as_asked() -> None:
@@ -634,7 +642,7 @@ def test_backend_name_as_asked() -> None:
 def test_groups_of_one_rank() -> None:
     _init1()
     sub = dist.new_group([0], timeout=timedelta(seconds=3), group_desc="mine")
-    assert isinstance(sub, dist.ProcessGroup)
+    assert isinstance(sub, torch.distributed.ProcessGroup)  # torch's twin of ours
     sub_backend = FakeBackend.created[-1]
     assert sub.group_desc == "mine" and sub_backend.timeout == timedelta(seconds=3)
     assert dist.get_rank(sub) == 0 and dist.get_world_size(sub) == 1
@@ -654,7 +662,7 @@ def test_groups_of_one_rank() -> None:
     mine2, subs2 = dist.new_subgroups_by_enumeration([[0]])
     assert mine2 is subs2[0]
     local = dist.new_group([0], use_local_synchronization=True)
-    assert isinstance(local, dist.ProcessGroup) and len(local.group_name) == 40  # a hash, as torch
+    assert isinstance(local, torch.distributed.ProcessGroup) and len(local.group_name) == 40  # a hash
     dist.destroy_process_group(sub)
     assert sub_backend.closed
     with pytest.raises(ValueError, match=r"^Invalid process group specified$"):

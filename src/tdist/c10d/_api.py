@@ -42,6 +42,7 @@ from ._debug import CollectiveChecker, DebugLevel, get_debug_level
 from ._group import (
     NON_GROUP_MEMBER,
     GroupInfo,
+    GroupMember,
     ProcessGroup,
     World,
     canonical_rank,
@@ -196,17 +197,35 @@ def _resolve(group: object) -> ProcessGroup:
     """``group`` as a ``ProcessGroup`` (``None`` and ``group.WORLD``: the default group).
 
     Raises:
-        ValueError: not initialized.
+        ValueError: not initialized, or a torch group that is not (or no longer) the twin of
+            one of ours.
         TypeError: not a process group.
     """
     if group is None:
         return _default_group()
     if isinstance(group, ProcessGroup):
         return group
+    if isinstance(group, torch.distributed.ProcessGroup):
+        twin = _from_torch(group)
+        if twin is None:  # (torch's own, or the twin of a group destroyed since)
+            raise ValueError(
+                f"Group {group} is not registered, please create group with "
+                "torch.distributed.new_group API"
+            )
+        return twin
     raise TypeError(
         f"group must be a ProcessGroup (from init_process_group or new_group), None or "
         f"group.WORLD, got {type(group).__name__}: {group!r}"
     )
+
+
+def _from_torch(group: object) -> ProcessGroup | None:
+    """Our group that torch's group ``group`` runs on, if it is the twin of one of ours (the
+    default group, or one ``new_group`` handed out): ``None`` otherwise."""
+    world = current_world()
+    if world is None or not isinstance(group, torch.distributed.ProcessGroup):
+        return None
+    return world.torch_twins.get(group)
 
 
 def _rank_map(pg: ProcessGroup) -> dict[int, int] | None:
@@ -542,7 +561,9 @@ def init_process_group(
         if not thread_isolated() and torch.distributed.is_available():  # (torch's: one per process)
             from ._torch_pg import mirror_default_group
 
-            mirror_default_group(pg, PrefixStore("torch", store), timeout)
+            twin = mirror_default_group(pg, PrefixStore("torch", store), timeout)
+            if twin is not None:
+                world.torch_twins[twin] = pg
     except BaseException:
         for g in list(world.groups):
             _shutdown_quietly(g)
@@ -576,7 +597,7 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
             "Process group cannot be None: the default process group has not been initialized "
             "(or was destroyed already)"
         )
-    pg = world.default_pg if group is None else group
+    pg = world.default_pg if group is None else _from_torch(group) or group
     if not isinstance(pg, ProcessGroup) or pg not in world.groups:
         raise ValueError("Invalid process group specified")
     if pg is world.default_pg:
@@ -595,6 +616,12 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
     _shutdown_quietly(pg)
     with world.lock:
         del world.groups[pg]
+        twins = [t for t, ours in world.torch_twins.items() if ours is pg]
+        for twin in twins:
+            del world.torch_twins[twin]
+    for twin in twins:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(twin)
 
 
 def get_rank(group: GroupArg = None) -> int:
@@ -787,20 +814,39 @@ def new_group(
         else:
             name = str(world.group_count)
             world.group_count += 1
-    if global_rank not in members:
+    member = global_rank in members
+    pg = None
+    if member:
+        pg = _make_group(
+            world, dinfo.store, members.index(global_rank), members, backend_name, creator, name,
+            timeout, "undefined" if group_desc is None else group_desc,
+        )
+    if _twins_wanted(default, members):
+        from ._torch_pg import mirror_group
+
+        twin = mirror_group(pg, members, timeout, group_desc, use_local_synchronization)
+        if pg is not None:
+            with world.lock:
+                world.torch_twins[twin] = pg
+            pg = twin
+    if pg is None:
         with world.lock:
             world.non_member_ranks = {g: i for i, g in enumerate(members)}
         return NON_GROUP_MEMBER
-    pg = _make_group(
-        world, dinfo.store, members.index(global_rank), members, backend_name, creator, name,
-        timeout, "undefined" if group_desc is None else group_desc,
-    )
     if os.getenv("TORCH_DIST_INIT_BARRIER", "0") == "1":
         if use_local_synchronization:
             _store_based_barrier(world.groups[pg].store, name, global_rank, len(members), timeout)
         else:
             _store_based_barrier(dinfo.store, name, global_rank, default.size(), timeout)
     return pg
+
+
+def _twins_wanted(default: ProcessGroup, members: list[int]) -> bool:
+    """Whether ``new_group`` hands out torch's twin of the group (torch's default group runs on
+    ours, and torch's ``new_group``, which sorts, gives the same rank order)."""
+    from ._torch_pg import mirrors
+
+    return mirrors(default) and members == sorted(members)
 
 
 def new_subgroups(
@@ -1019,16 +1065,16 @@ class P2POp:
         self.tensor = C.as_tensor(tensor, "tensor")
         # on a non-member, as torch: peers map through the latest group it was left out of,
         # and batch_isend_irecv skips the op
-        self.group: ProcessGroup | int = NON_GROUP_MEMBER if _not_member(group) else _resolve(group)
-        ranks = (
-            _non_member_ranks("P2POp") if isinstance(self.group, int) else _rank_map(self.group)
-        )
-        self.peer = canonical_rank(ranks, peer, group_peer, True, self.group)
+        # (the group as the caller knows it: group.WORLD for None, as torch)
+        self.group: Any = group if group is not None else GroupMember.WORLD
+        pg = NON_GROUP_MEMBER if _not_member(group) else _resolve(group)
+        ranks = _non_member_ranks("P2POp") if isinstance(pg, int) else _rank_map(pg)
+        self.peer = canonical_rank(ranks, peer, group_peer, True, pg)
         self.tag = tag
-        self.group_peer = canonical_rank(ranks, peer, group_peer, False, self.group)
+        self.group_peer = canonical_rank(ranks, peer, group_peer, False, pg)
 
     def __repr__(self) -> str:
-        me, pg_name = (-1, str(self.group)) if isinstance(self.group, int) else (
+        me, pg_name = (-1, str(self.group)) if _not_member(self.group) else (
             self.group.rank(), self.group.group_name
         )
         name = getattr(self.op, "__name__", "op")
@@ -1543,7 +1589,7 @@ def monitored_barrier(
         DistBackendError: ranks did not arrive in time.
         TypeError: ``timeout`` is neither a ``timedelta`` nor a float.
     """
-    if isinstance(group, torch.distributed.ProcessGroup) and not isinstance(group, ProcessGroup):
+    if _from_torch(group) is None and isinstance(group, torch.distributed.ProcessGroup):
         if isinstance(timeout, float | int):
             timeout = timedelta(seconds=timeout)
         group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)  # (None: the group's own)

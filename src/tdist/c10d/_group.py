@@ -712,6 +712,8 @@ class World:
     non_member_ranks: dict[int, int] | None = None
     owned_store: Store | None = None
     init_method: str | None = None
+    # torch's group that runs on each of our groups (see _torch_pg.mirror_group), and back
+    torch_twins: dict[Any, ProcessGroup] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -786,6 +788,7 @@ def release_world(world: World) -> None:
     with _registry_lock:
         world.default_pg = None
         world.groups.clear()
+        world.torch_twins.clear()
         if _primary is world:
             _primary = None
         if getattr(_local, "world", None) is world:
@@ -796,9 +799,16 @@ class _WorldMeta(type):
     """Gives ``group`` and ``GroupMember`` the class property ``WORLD``."""
 
     @property
-    def WORLD(cls) -> ProcessGroup | None:
+    def WORLD(cls) -> Any:
+        """The default group; torch's twin of it where torch's default group runs on it (so that
+        torch's modules take it too)."""
         world = current_world()
-        return None if world is None else world.default_pg
+        if world is None or world.default_pg is None:
+            return None
+        for twin, pg in world.torch_twins.items():
+            if pg is world.default_pg:
+                return twin
+        return world.default_pg
 
 
 class group(metaclass=_WorldMeta):

@@ -497,15 +497,19 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> TorchProces
 _mirrored: Any = None  # (tdist's default group, torch's default group that runs on it)
 
 
-def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> None:
+def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> Any:
     """Make torch's default group run on tdist's default group ``pg`` (same ranks, same
     transport, no new connection), so that ``torch.distributed``'s functions, and torch's own
     modules that call them (DDP, ``DistributedSampler``), reach the group a program made with
-    ``tdist.init_process_group``. Nothing is done if torch has a default group already."""
+    ``tdist.init_process_group``. Nothing is done if torch has a default group already.
+
+    Returns:
+        torch's default group, or ``None`` if torch had one already.
+    """
     global _mirrored, _adopting
     register()
     if tdc.is_initialized():
-        return
+        return None
     _adopting = pg._get_backend()
     try:
         tdc.init_process_group(
@@ -514,6 +518,32 @@ def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> None:
     finally:
         _adopting = None
     _mirrored = (pg, tdc.distributed_c10d._get_default_group())
+    return _mirrored[1]
+
+
+def mirrors(default_pg: Any) -> bool:
+    """Whether torch's default group runs on tdist's ``default_pg``."""
+    return _mirrored is not None and _mirrored[0] is default_pg
+
+
+def mirror_group(pg: Any, members: list[int], timeout: timedelta, desc: str | None, local: bool) -> Any:
+    """torch's twin of the sub-group tdist's ``new_group(members)`` just made, running on the
+    same backend (``pg``; ``None`` on a rank outside it): what tdist's ``new_group`` hands out,
+    so that torch's modules (``DistributedDataParallel(process_group=...)``, FSDP) take it.
+    Every rank calls it in the same order, as torch's ``new_group`` (only the members, if
+    ``local``).
+
+    Returns:
+        The twin; torch's non-member value on a rank outside the group.
+    """
+    global _adopting
+    _adopting = None if pg is None else pg._get_backend()
+    try:
+        return tdc.new_group(
+            members, timeout=timeout, backend=BACKEND_NAME, use_local_synchronization=local, group_desc=desc
+        )
+    finally:
+        _adopting = None
 
 
 def forget_default_group(pg: Any) -> None:
