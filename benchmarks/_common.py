@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 def median(values: Sequence[float]) -> float:
@@ -19,6 +23,33 @@ def machine_line() -> str:
         f"{platform.node()} | {os.cpu_count()} cores | Python {platform.python_version()} | "
         f"{time.strftime('%Y-%m-%d %H:%M')}"
     )
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def busy_host(enabled: bool = True) -> Iterator[None]:
+    """The "busy host" mode of the benchmarks: one busy loop per core, at the lowest priority
+    (nice 19), for as long as the block runs, as a training job's other work leaves the host.
+    Code that gets its speed from spinning on idle cores loses it here; the measured processes
+    still get the CPU first when they want it."""
+    if not enabled:
+        yield
+        return
+    loop = "import os\nos.nice(19)\nwhile True:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-S", "-c", loop]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
 
 
 def before_fork() -> None:

@@ -118,3 +118,22 @@ def __dir__() -> list[str]:
     if "__all__" not in globals():
         _load()
     return sorted({*globals(), *_SUBMODULES})
+
+
+def _load_with_torch() -> None:
+    """Where torch is loaded already (a training program's ``import torch`` came first), load
+    the process-group machinery now, as ``import torch`` loads torch.distributed: its 20 ms of
+    imports are not paid inside ``init_process_group``. Without torch (the launcher, the store
+    server), nothing more is imported."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", True):
+        return
+    if getattr(getattr(torch, "distributed", None), "is_available", lambda: False)():
+        _load()
+        for name in ("c10d._tcp_backend", "c10d._shm", "c10d._torch_pg"):
+            importlib.import_module(f"{__name__}.{name}")
+
+
+_load_with_torch()

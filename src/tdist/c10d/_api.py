@@ -34,6 +34,7 @@ import torch
 from .._core.errors import DistBackendError
 from ..store import PrefixStore, Store
 from ..store._rendezvous import release_claim, rendezvous
+from ..store._tcp import serving_in_a_thread
 from . import _checks as C
 from ._backend import Backend as BackendImpl
 from ._backend import backend_creator
@@ -539,7 +540,11 @@ def init_process_group(
     try:
         if store is None:
             assert init_method is not None
-            store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+            # rank 0 hosts the group's store in a thread, as torch does: a process of its own
+            # costs tens of milliseconds to start, and a group's store is busy only while
+            # groups form (under ``tdist run`` the launcher's store serves instead)
+            with serving_in_a_thread():
+                store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
             store.set_timeout(timeout)
             world.owned_store = store  # (its claim of this rank goes with the group)
             store = PrefixStore("default_pg", store)

@@ -35,9 +35,12 @@ the arena is broken and every later call raises ``DistBackendError`` at once.
 
 Segment
 -------
-Rank 0 creates one anonymous shared-memory file (``memfd_create``), sizes it, and maps it
-pre-faulted (``MAP_POPULATE``); the others open it through ``/proc/<rank 0's pid>/fd/<n>``, as
-published in the group's store, and map it. Its layout::
+Rank 0 creates one anonymous shared-memory file (``memfd_create``), sizes it, maps it and
+publishes it in the group's store, then allocates its pages (``posix_fallocate``, so that memory
+that runs out is an error now, not a SIGBUS later) while the others open it through
+``/proc/<rank 0's pid>/fd/<n>`` and map it. Each rank's heartbeat thread faults its mapping in after
+its first beat, in the background (collectives soon find it mapped; forming the group does not
+wait for it). Its layout::
 
     header line       magic, version, world size, frames K, frame bytes F, ...
     control blocks    one per rank, a whole number of 64-byte lines:
@@ -447,12 +450,33 @@ def _release(stop: threading.Event, fds: list[int]) -> None:
             os.close(fds.pop())
 
 
-def _heartbeat_loop(words: memoryview[float], index: int, interval: float, stop: threading.Event) -> None:
+def _heartbeat_loop(
+    words: memoryview[float], index: int, interval: float, stop: threading.Event, mm: mmap.mmap | None = None
+) -> None:
     # references no arena, so that a forgotten arena can still be collected
     while True:
         words[index] = time.monotonic()
         if stop.wait(interval):
             return
+        if mm is not None:  # (after the first beat: the group forms without waiting for it)
+            _prefault(mm, stop)
+            mm = None
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # (Linux 5.14; Python 3.13 names it)
+_PREFAULT_CHUNK = 256 << 10  # (about 0.1 ms with the GIL held, then the others' turn)
+
+
+def _prefault(mm: mmap.mmap, stop: threading.Event) -> None:
+    """Fault every page of ``mm`` in for writing, a chunk at a time (each madvise holds the
+    GIL for a fraction of a millisecond), unless ``stop`` is set; where the kernel has no
+    MADV_POPULATE_WRITE, pages fault in on first use instead."""
+    with contextlib.suppress(OSError, ValueError):
+        for start in range(0, len(mm), _PREFAULT_CHUNK):
+            if stop.is_set():
+                return
+            mm.madvise(_MADV_POPULATE_WRITE, start, min(_PREFAULT_CHUNK, len(mm) - start))
+            time.sleep(0)
 
 
 class ShmArena:
@@ -596,14 +620,6 @@ class ShmArena:
             seg_fd = os.memfd_create(f"tdist-arena-{_sanitize(self.name)}", os.MFD_CLOEXEC)
             self._fds.append(seg_fd)
             os.ftruncate(seg_fd, self._nbytes)
-            try:
-                # allocate now: shared memory out of space would otherwise SIGBUS on first touch
-                os.posix_fallocate(seg_fd, 0, self._nbytes)
-            except OSError as exc:
-                raise DistError(
-                    f"rank 0: cannot allocate the {self._nbytes} bytes of shared-memory arena "
-                    f"{self.name!r} ({exc.strerror}); free memory, or pass a smaller frame_bytes / frames"
-                ) from exc
             self._map(seg_fd)
             w = self._w
             for i, v in enumerate(
@@ -611,6 +627,16 @@ class ShmArena:
             ):
                 w[i] = v
             store.set(prefix + "seg", json.dumps({"pid": self._pid, "fd": seg_fd}))
+            try:
+                # allocate every page now (the peers map it meanwhile; nobody touches the data
+                # before the INIT sync below): shared memory out of space would otherwise
+                # SIGBUS on first touch
+                os.posix_fallocate(seg_fd, 0, self._nbytes)
+            except OSError as exc:
+                raise DistError(
+                    f"rank 0: cannot allocate the {self._nbytes} bytes of shared-memory arena "
+                    f"{self.name!r} ({exc.strerror}); free memory, or pass a smaller frame_bytes / frames"
+                ) from exc
         # our wake-up pipe: peers open its read end as writers through /proc; we keep its write
         # end open too (a pipe with no writer would read EOF, and abort() wakes us through it)
         self._fifo_r, self._fifo_self = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -689,7 +715,7 @@ class ShmArena:
         w[self._my + _STATE] = _READY
         self._hb_thread = threading.Thread(
             target=_heartbeat_loop,
-            args=(fw, self._my + _HB, self._hb_interval / 3.0, self._hb_stop),
+            args=(fw, self._my + _HB, self._hb_interval / 3.0, self._hb_stop, self._mm),
             name=f"tdist-shm-heartbeat-{self.name}-r{self.rank}",
             daemon=True,
         )
@@ -708,8 +734,9 @@ class ShmArena:
         )
 
     def _map(self, fd: int) -> None:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(fd, self._nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # (not pre-faulted here: MAP_POPULATE costs 3 ms for the default 8 MiB, on every rank,
+        # before the group exists; the heartbeat thread faults it in instead)
+        self._mm = mmap.mmap(fd, self._nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._w = memoryview(self._mm).cast("Q")
         self._fw = memoryview(self._mm).cast("d")
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)

@@ -212,6 +212,7 @@ class StoreServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._retired: float | None = None  # since when nobody is connected to a retired server
         self.retire_grace = 2.0
+        self._idle = threading.Event()  # retired and nobody connected (or stopped): wait_idle
         self.listening = True  # (until stop_listening)
         self._status_r: int | None = None  # the server's answers to the control pipe
         self._status_w: int | None = None
@@ -420,6 +421,7 @@ class StoreServer:
                 self._retired = now
             elif c == ord("A"):  # taken back: serve on, and say so
                 self._retired = None
+                self._idle.clear()
                 if self._status_w is not None:
                     with contextlib.suppress(OSError):
                         os.write(self._status_w, b"a")
@@ -431,6 +433,16 @@ class StoreServer:
         quicker than its host to re-initialize may already be connected for the next one, and
         the host takes the same server back when it re-initializes."""
         self._send(b"R")
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until this retired server has nobody connected (or
+        has stopped); whether it has. A process that hosts a group's store in a thread calls it
+        as it exits: the group's other ranks, leaving the group themselves, are still answered
+        (a thread serves no more once the interpreter finalizes)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        return self._idle.wait(timeout)
 
     def reactivate(self, timeout: float = 5.0) -> bool:
         """Take back a retired server; False when it has stopped already (or is stopping, or
@@ -571,7 +583,9 @@ class StoreServer:
                 if self._retired is not None:
                     if self._conns:
                         self._retired = now
-                    elif now - self._retired >= self.retire_grace:
+                    else:
+                        self._idle.set()
+                    if not self._conns and now - self._retired >= self.retire_grace:
                         # nobody has used it for a while: the listeners go first (a connection
                         # in their backlog is refused, never accepted and then dropped)
                         log.debug("store server on port %d: retired and idle: stopping", self.port)
@@ -586,6 +600,7 @@ class StoreServer:
             for conn in list(self._conns):
                 self._close(conn, None)
             ep.close()
+            self._idle.set()
 
     # -- connections ---------------------------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:

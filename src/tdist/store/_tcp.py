@@ -7,6 +7,7 @@ server's abstract Unix socket, which is several times faster than loopback TCP.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import functools
@@ -73,6 +74,18 @@ _tenants_lock = threading.Lock()
 _tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
 # multi-tenant servers whose last store was closed: serving on until idle (``StoreServer.retire``)
 _retired: dict[tuple[str, int], StoreServer] = {}
+_EXIT_DRAIN = 2.0  # the most seconds an exiting process waits for its retired servers' clients
+
+
+@atexit.register
+def _drain_retired_servers() -> None:
+    """At exit, a group's store served from a thread here answers the group's other ranks until
+    they have left it too (their ``destroy_process_group`` releases their rank through it), for
+    at most ``_EXIT_DRAIN`` seconds in all; else they would wait for this process to be gone."""
+    deadline = time.monotonic() + _EXIT_DRAIN
+    for server in list(_retired.values()):
+        if id(server) in _thread_servers:
+            server.wait_idle(max(0.0, deadline - time.monotonic()))
 
 
 @functools.lru_cache(maxsize=64)
@@ -290,7 +303,7 @@ class TCPStore(Store):
 
     def _connect(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        delay = 0.01
+        delay = 0.001  # (a master started a moment later is found at once; doubling to 0.5 s)
         last_exc: BaseException | None = None
         try_unix = _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
         while True:
