@@ -134,6 +134,7 @@ def _load_with_torch() -> None:
         _load()
         for name in ("c10d._tcp_backend", "c10d._shm", "c10d._torch_pg"):
             importlib.import_module(f"{__name__}.{name}")
+        importlib.import_module("encodings.idna")  # (the first name lookup's, 1 ms)
 
 
 _load_with_torch()

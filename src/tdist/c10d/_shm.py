@@ -36,9 +36,8 @@ the arena is broken and every later call raises ``DistBackendError`` at once.
 Segment
 -------
 Rank 0 creates one anonymous shared-memory file (``memfd_create``), sizes it, maps it and
-publishes it in the group's store, then allocates its pages (``posix_fallocate``, so that memory
-that runs out is an error now, not a SIGBUS later) while the others open it through
-``/proc/<rank 0's pid>/fd/<n>`` and map it. Each rank's heartbeat thread faults its mapping in after
+publishes it in the group's store; the others open it through ``/proc/<rank 0's pid>/fd/<n>``
+and map it. Each rank's heartbeat thread faults its mapping in after
 its first beat, in the background (collectives soon find it mapped; forming the group does not
 wait for it). Its layout::
 
@@ -626,17 +625,10 @@ class ShmArena:
                 (_MAGIC, _VERSION, self.size, self._K, self._F, self._rank_words, self._data_off, self._small)
             ):
                 w[i] = v
+            # (no posix_fallocate: a memfd lives on the kernel's own shmem mount, which has no
+            # size limit, so a page that cannot be had is the memory controller's business, as
+            # for any tensor's page; allocating 8 MiB up front cost every group 1.6 ms of CPU)
             store.set(prefix + "seg", json.dumps({"pid": self._pid, "fd": seg_fd}))
-            try:
-                # allocate every page now (the peers map it meanwhile; nobody touches the data
-                # before the INIT sync below): shared memory out of space would otherwise
-                # SIGBUS on first touch
-                os.posix_fallocate(seg_fd, 0, self._nbytes)
-            except OSError as exc:
-                raise DistError(
-                    f"rank 0: cannot allocate the {self._nbytes} bytes of shared-memory arena "
-                    f"{self.name!r} ({exc.strerror}); free memory, or pass a smaller frame_bytes / frames"
-                ) from exc
         # our wake-up pipe: peers open its read end as writers through /proc; we keep its write
         # end open too (a pipe with no writer would read EOF, and abort() wakes us through it)
         self._fifo_r, self._fifo_self = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
