@@ -21,13 +21,14 @@ import torch
 import torch.distributed as tdc
 
 import tdist
-from _common import before_fork, machine_line, median, memcpy_gbps, table
+from _common import before_fork, busy_host, machine_line, median, memcpy_gbps, table
 from tdist.testing import free_port, run_processes
 
 MiB = 1 << 20
 CASES_FULL = [
     ("all_reduce", 4), ("barrier", 0), ("all_reduce", 1 * MiB), ("all_reduce", 64 * MiB),
-    ("all_reduce", 256 * MiB), ("broadcast", 64 * MiB), ("send_recv", 64 * MiB), ("all_gather", 64 * MiB),
+    ("all_reduce", 256 * MiB), ("broadcast", 64 * MiB), ("send_recv", 4), ("send_recv", 64 * MiB),
+    ("all_gather", 64 * MiB),
 ]
 CASES_QUICK = [("all_reduce", 4), ("barrier", 0), ("all_reduce", 1 * MiB), ("all_reduce", 64 * MiB)]
 
@@ -100,21 +101,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
+    ap.add_argument("--only", help="only this operation (e.g. send_recv)")
     args = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     cases = CASES_QUICK if args.quick or args.world > 2 else CASES_FULL
+    if args.only:
+        cases = [c for c in CASES_FULL if c[0] == args.only]
     # no torch work in this process before the forks below: a forked child of a process whose
     # OpenMP pool is running can deadlock in its first parallel torch op
-    print(f"# c10d benchmark: {machine_line()} | world {args.world}")
+    print(f"# c10d benchmark: {machine_line()} | world {args.world}" + (" | busy host" if args.busy else ""))
     samples: dict[tuple[str, str], list[float]] = {}
-    for r in range(args.rounds):
-        order = ("gloo", "tdist") if r % 2 == 0 else ("tdist", "gloo")
-        for impl in order:
-            before_fork()
-            res = run_processes(bench_rank, args.world, impl, free_port(), cases, timeout=600)[0]
-            for key, value in res.items():
-                samples.setdefault((impl, key), []).append(value)
-        print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    with busy_host(args.busy):
+        _rounds(args, cases, samples)
     rows = []
     for op, nbytes in cases:
         key = f"{op}:{nbytes}"
@@ -133,6 +132,17 @@ def main() -> None:
     print(table(["operation", "size", "gloo", "tdist", "speed-up"], rows))
     print(f"\nspeed-up = gloo time / tdist time; median of {args.rounds} rounds; float32; {args.world} processes")
     print(f"memcpy on this machine: {memcpy_gbps():.1f} GB/s")
+
+
+def _rounds(args: argparse.Namespace, cases: list[tuple[str, int]], samples: dict[tuple[str, str], list[float]]) -> None:
+    for r in range(args.rounds):
+        order = ("gloo", "tdist") if r % 2 == 0 else ("tdist", "gloo")
+        for impl in order:
+            before_fork()
+            res = run_processes(bench_rank, args.world, impl, free_port(), cases, timeout=600)[0]
+            for key, value in res.items():
+                samples.setdefault((impl, key), []).append(value)
+        print(f"  round {r + 1}/{args.rounds} done", flush=True)
 
 
 if __name__ == "__main__":
