@@ -260,6 +260,9 @@ class _Pending:
         self.handle: RecvHandle | None = None
 
 
+_READ_AHEAD = 64 << 10  # the most a reader takes from its socket ahead of what it parses
+
+
 class _Peer:
     def __init__(self, rank: int, sock: socket.socket, addr: str) -> None:
         self.rank = rank
@@ -280,6 +283,10 @@ class _Peer:
         # receive may take over meanwhile): if the connection goes, that receive fails with it
         self.arriving: RecvHandle | _Pending | None = None
         self.session: _handshake.Session | None = None  # frame tags, when the group has a secret
+        # what the reader read ahead: ``ahead[at : at + left]`` (see ``Endpoint._read_into``)
+        self.ahead = memoryview(bytearray(_READ_AHEAD))
+        self.at = 0
+        self.left = 0
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.addr})"
@@ -1060,13 +1067,25 @@ class Endpoint:
                 self._fail_peer(p, DistError(f"rank {self.rank}: process group {self.name!r} is closed"))
 
     def _read_into(self, p: _Peer, view: memoryview) -> bool:
-        """Fill ``view`` from the peer; False on a clean EOF at the start."""
+        """Fill ``view`` from the peer; False on a clean EOF at the start.
+
+        A short read takes whatever the socket holds, up to ``_READ_AHEAD`` bytes, and keeps
+        the rest for the next reads: a small frame (header, meta, payload, tag) costs one
+        system call, not four. A long one is read straight into ``view``.
+        """
         got = 0
         n = view.nbytes
+        if p.left:
+            got = min(n, p.left)
+            view[:got] = p.ahead[p.at : p.at + got]
+            p.at += got
+            p.left -= got
         sock = p.sock
         while got < n:
+            want = n - got
+            short = want < _READ_AHEAD
             try:
-                k = sock.recv_into(view[got:], n - got)
+                k = sock.recv_into(p.ahead if short else view[got:], _READ_AHEAD if short else want)
             except TimeoutError:
                 if self._closing:
                     raise ConnectionResetError("closing") from None
@@ -1075,6 +1094,11 @@ class Endpoint:
                 if got == 0:
                     return False
                 raise ConnectionResetError("connection closed inside a frame")
+            if short:
+                take = min(k, want)
+                view[got : got + take] = p.ahead[:take]
+                p.at, p.left = take, k - take
+                k = take
             got += k
             p.last_heard = time.monotonic()
         p.last_heard = time.monotonic()
