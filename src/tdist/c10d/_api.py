@@ -621,12 +621,11 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
     _shutdown_quietly(pg)
     with world.lock:
         del world.groups[pg]
-        twins = [t for t, ours in world.torch_twins.items() if ours is pg]
-        for twin in twins:
+        twin = world.twin_of(pg)
+        if twin is not None:
             del world.torch_twins[twin]
-    for twin in twins:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group(twin)
+    if twin is not None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group(twin)
 
 
 def get_rank(group: GroupArg = None) -> int:
@@ -826,7 +825,9 @@ def new_group(
             world, dinfo.store, members.index(global_rank), members, backend_name, creator, name,
             timeout, "undefined" if group_desc is None else group_desc,
         )
-    if _twins_wanted(default, members):
+    # torch's default group runs on ours: hand out torch's twin, unless torch's new_group,
+    # which sorts, would order the ranks otherwise
+    if world.twin_of(default) is not None and members == sorted(members):
         from ._torch_pg import mirror_group
 
         twin = mirror_group(pg, members, timeout, group_desc, use_local_synchronization)
@@ -844,14 +845,6 @@ def new_group(
         else:
             _store_based_barrier(dinfo.store, name, global_rank, default.size(), timeout)
     return pg
-
-
-def _twins_wanted(default: ProcessGroup, members: list[int]) -> bool:
-    """Whether ``new_group`` hands out torch's twin of the group (torch's default group runs on
-    ours, and torch's ``new_group``, which sorts, gives the same rank order)."""
-    from ._torch_pg import mirrors
-
-    return mirrors(default) and members == sorted(members)
 
 
 def new_subgroups(

@@ -723,6 +723,13 @@ class World:
     def info(self, pg: ProcessGroup) -> GroupInfo | None:
         return self.groups.get(pg)
 
+    def twin_of(self, pg: ProcessGroup) -> Any:
+        """torch's group that runs on our ``pg`` (``torch_twins``), or ``None``."""
+        for twin, ours in self.torch_twins.items():
+            if ours is pg:
+                return twin
+        return None
+
 
 _registry_lock = threading.Lock()
 _primary: World | None = None
@@ -805,10 +812,8 @@ class _WorldMeta(type):
         world = current_world()
         if world is None or world.default_pg is None:
             return None
-        for twin, pg in world.torch_twins.items():
-            if pg is world.default_pg:
-                return twin
-        return world.default_pg
+        twin = world.twin_of(world.default_pg)
+        return world.default_pg if twin is None else twin
 
 
 class group(metaclass=_WorldMeta):

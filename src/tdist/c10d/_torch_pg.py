@@ -521,11 +521,6 @@ def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> Any:
     return _mirrored[1]
 
 
-def mirrors(default_pg: Any) -> bool:
-    """Whether torch's default group runs on tdist's ``default_pg``."""
-    return _mirrored is not None and _mirrored[0] is default_pg
-
-
 def mirror_group(pg: Any, members: list[int], timeout: timedelta, desc: str | None, local: bool) -> Any:
     """torch's twin of the sub-group tdist's ``new_group(members)`` just made, running on the
     same backend (``pg``; ``None`` on a rank outside it): what tdist's ``new_group`` hands out,
