@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .._core import auth
 from .._core.errors import (
@@ -54,13 +54,17 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake
 from ._protocol import (
-    CMA_HEAD,
-    CMA_SEG,
-    FRAME_HEADER,
+    NEED_DATA,
     TOKEN_SIZE,
+    Arriving,
+    Frame,
+    FrameDecoder,
     Kind,
+    pack_ack,
+    pack_cma,
     pack_header,
-    unpack_header,
+    unpack_ack,
+    unpack_cma,
 )
 
 __all__ = ["Endpoint", "RecvHandle", "host_id"]
@@ -68,8 +72,6 @@ __all__ = ["Endpoint", "RecvHandle", "host_id"]
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
-_SEAL_PIECE = 1 << 20  # (a large payload is tagged in pieces of this size as it arrives)
-_MAX_PAYLOAD = 1 << 40
 
 
 def host_id() -> str:
@@ -260,11 +262,8 @@ class _Pending:
         self.handle: RecvHandle | None = None
 
 
-_READ_AHEAD = 64 << 10  # the most a reader takes from its socket ahead of what it parses
-
-
 class _Peer:
-    def __init__(self, rank: int, sock: socket.socket, addr: str) -> None:
+    def __init__(self, rank: int, sock: socket.socket, addr: str, session: _handshake.Session | None) -> None:
         self.rank = rank
         self.sock = sock
         self.addr = addr
@@ -282,11 +281,10 @@ class _Peer:
         # the message whose payload the reader is reading (its receive, or the early arrival a
         # receive may take over meanwhile): if the connection goes, that receive fails with it
         self.arriving: RecvHandle | _Pending | None = None
-        self.session: _handshake.Session | None = None  # frame tags, when the group has a secret
-        # what the reader read ahead: ``ahead[at : at + left]`` (see ``Endpoint._read_into``)
-        self.ahead = memoryview(bytearray(_READ_AHEAD))
-        self.at = 0
-        self.left = 0
+        self.arriving_error: DistError | None = None  # (why that receive fails once it is in)
+        self.session = session  # frame tags, when the group has a secret
+        # the frames of the connection, as its reader reads them
+        self.decoder = FrameDecoder(None if session is None else session.recv)
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.addr})"
@@ -471,8 +469,7 @@ class Endpoint:
             sock.close()
             raise
         with self._lock:
-            self._peers[peer] = _Peer(peer, sock, addr)
-            self._peers[peer].session = session
+            self._peers[peer] = _Peer(peer, sock, addr, session)
 
     def _accept_all(self, listeners: list[socket.socket], expected: int, deadline: float, errors: list[BaseException]) -> None:
         """Accept the higher ranks' connections until all ``expected`` have joined. Their
@@ -572,8 +569,7 @@ class Endpoint:
             keep(sock)  # (before it counts: the accept loop may end, and drop what is pending)
         with self._lock:
             if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
-                self._peers[peer] = _Peer(peer, sock, addr)
-                self._peers[peer].session = session
+                self._peers[peer] = _Peer(peer, sock, addr, session)
                 return
         log.warning("rank %d (%s): a second connection claimed rank %d; dropped", self.rank, self.name, peer)
         sock.close()
@@ -635,9 +631,7 @@ class Endpoint:
                 return False
             segments.append((addr, v.nbytes))
         xfer = next(self._xfer_ids)
-        desc = CMA_HEAD.pack(xfer, self._pid, len(segments), nbytes) + b"".join(
-            CMA_SEG.pack(a, n) for a, n in segments
-        )
+        desc = pack_cma(xfer, self._pid, segments)
         ack: list[Any] = [threading.Event(), 0]
         with self._lock:
             p.acks[xfer] = ack
@@ -801,49 +795,6 @@ class Endpoint:
             return parts, p.session.send.start(head, nbytes)
         parts.append(memoryview(p.session.send.tag(head, parts[1:], nbytes)))
         return parts, None
-
-    def _read_sealed(self, p: _Peer, head: bytes, payload: memoryview | None = None) -> None:
-        """Read the payload of the frame whose ``head`` was just read into ``payload``, then
-        its tag, and check it, when the connection has a session (its reader's thread). A
-        large payload is tagged piece by piece as it arrives (in the cache, and while the rest
-        is still on its way).
-
-        Raises:
-            RemoteProtocolError: the frame was not sent by the peer as it is (tampered with,
-                injected, replayed): the connection must go.
-            ConnectionResetError: the connection closed inside the frame.
-        """
-        n = 0 if payload is None else payload.nbytes
-        if p.session is None:
-            if n:
-                self._read_payload(p, payload)  # type: ignore[arg-type]
-            return
-        tagging = p.session.recv.start(head, n)
-        if n < auth.BULK:  # (payload and tag in one read: a system call less per small frame)
-            both = memoryview(bytearray(n + auth.TAG_SIZE))
-            self._read_payload(p, both)
-            if n:
-                payload[:] = both[:n]  # type: ignore[index]
-                tagging.update(both[:n])
-            if not tagging.matches(both[n:]):
-                raise self._tampered(p)
-            return
-        for at in range(0, n, _SEAL_PIECE):
-            piece = payload[at : at + _SEAL_PIECE]  # type: ignore[index]
-            self._read_payload(p, piece)
-            tagging.update(piece)
-        tag = bytearray(auth.TAG_SIZE)
-        if not self._read_into(p, memoryview(tag)):
-            raise ConnectionResetError("connection closed inside a frame")
-        if not tagging.matches(tag):
-            raise self._tampered(p)
-
-    @staticmethod
-    def _tampered(p: _Peer) -> RemoteProtocolError:
-        return RemoteProtocolError(
-            f"a frame from {p.describe()} failed its authentication tag: the connection was "
-            "tampered with (or the peer is not the process that proved the secret)"
-        )
 
     def _sendmsg(
         self, p: _Peer, parts: list[memoryview], tagging: auth.Tagging | None, deadline: float | None, what: str
@@ -1020,43 +971,38 @@ class Endpoint:
         return None
 
     def _read_loop(self, p: _Peer) -> None:
-        header = bytearray(FRAME_HEADER.size)
+        """The connection's reader (its own thread): frames out of ``p.decoder``, delivered."""
+        dec = p.decoder
         try:
             while True:
-                if not self._read_into(p, memoryview(header)):
-                    raise ConnectionResetError("connection closed")
-                h = unpack_header(header, _MAX_PAYLOAD)
-                meta = b""
-                if h.meta_len:
-                    buf = bytearray(h.meta_len)
-                    if not self._read_into(p, memoryview(buf)):
-                        raise ConnectionResetError("connection closed inside a frame")
-                    meta = bytes(buf)
-                head = bytes(header) + meta  # (what the frame's tag covers, with the payload)
-                if h.kind == Kind.DATA:
-                    self._on_data(p, h.tag, meta, h.nbytes, head)
-                    continue
-                if h.kind == Kind.DATA_CMA:
-                    desc = bytearray(h.nbytes)
-                    self._read_sealed(p, head, memoryview(desc))
-                    self._on_cma(p, h.tag, meta, bytes(desc))
-                    continue
-                if h.nbytes:
-                    raise RemoteProtocolError(f"frame kind {h.kind} carries no payload, got {h.nbytes} bytes")
-                self._read_sealed(p, head)
-                if h.kind == Kind.CMA_ACK:
-                    with self._lock:
-                        ack = p.acks.get(h.tag)
-                    if ack is not None:
-                        ack[1] = int(meta) if meta else 0
-                        ack[0].set()
-                elif h.kind == Kind.ABORT:
-                    reason = meta.decode(errors="replace")
-                    err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)
-                    self._fail_peer(p, err)
-                    self._break(err)
-                elif h.kind == Kind.GOODBYE:
-                    p.said_goodbye = True
+                event = dec.next_event()
+                if event is NEED_DATA:
+                    self._read_more(p, dec)
+                elif type(event) is Arriving:
+                    self._on_arriving(p, event)
+                else:
+                    assert type(event) is Frame
+                    kind = event.kind
+                    if kind == Kind.DATA:
+                        if event.placed:
+                            self._on_data_in(p, event.payload)
+                        else:
+                            self._on_data(p, event.tag, event.meta, event.payload)
+                    elif kind == Kind.DATA_CMA:
+                        self._on_cma(p, event.tag, event.meta, bytes(event.payload))
+                    elif kind == Kind.CMA_ACK:
+                        with self._lock:
+                            ack = p.acks.get(event.tag)
+                        if ack is not None:
+                            ack[1] = unpack_ack(event.meta)
+                            ack[0].set()
+                    elif kind == Kind.ABORT:
+                        reason = event.meta.decode(errors="replace")
+                        err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)
+                        self._fail_peer(p, err)
+                        self._break(err)
+                    elif kind == Kind.GOODBYE:
+                        p.said_goodbye = True
         except (OSError, RemoteProtocolError) as exc:
             if not self._closing:
                 arriving = p.arriving
@@ -1066,45 +1012,53 @@ class Endpoint:
             else:
                 self._fail_peer(p, DistError(f"rank {self.rank}: process group {self.name!r} is closed"))
 
-    def _read_into(self, p: _Peer, view: memoryview) -> bool:
-        """Fill ``view`` from the peer; False on a clean EOF at the start.
-
-        A short read takes whatever the socket holds, up to ``_READ_AHEAD`` bytes, and keeps
-        the rest for the next reads: a small frame (header, meta, payload, tag) costs one
-        system call, not four. A long one is read straight into ``view``.
-        """
-        got = 0
-        n = view.nbytes
-        if p.left:
-            got = min(n, p.left)
-            view[:got] = p.ahead[p.at : p.at + got]
-            p.at += got
-            p.left -= got
-        sock = p.sock
-        while got < n:
-            want = n - got
-            short = want < _READ_AHEAD
+    def _read_more(self, p: _Peer, dec: FrameDecoder) -> None:
+        """Read what the socket has into the decoder (a short read takes all there is, so a
+        small frame costs one system call; a placed payload is read straight into place)."""
+        buf = dec.buffer()
+        while True:
             try:
-                k = sock.recv_into(p.ahead if short else view[got:], _READ_AHEAD if short else want)
+                k = p.sock.recv_into(buf)
             except TimeoutError:
                 if self._closing:
                     raise ConnectionResetError("closing") from None
                 continue
-            if k == 0:
-                if got == 0:
-                    return False
-                raise ConnectionResetError("connection closed inside a frame")
-            if short:
-                take = min(k, want)
-                view[got : got + take] = p.ahead[:take]
-                p.at, p.left = take, k - take
-                k = take
-            got += k
-            p.last_heard = time.monotonic()
+            break
+        if not k:
+            raise ConnectionResetError("connection closed" if dec.at_boundary else "connection closed inside a frame")
+        dec.received(k)
         p.last_heard = time.monotonic()
-        return True
 
-    def _on_data(self, p: _Peer, tag: int, meta: bytes, nbytes: int, head: bytes) -> None:
+    def _on_data(self, p: _Peer, tag: int, meta: bytes, payload: memoryview) -> None:
+        """A small message, whole (``payload``: the decoder's memory, copied out here)."""
+        nbytes = payload.nbytes
+        with self._lock:
+            handle, _ = self._match(p, tag)
+            if handle is None:
+                pending = _Pending(meta, nbytes)
+                data = pending.data = self._pool.take(nbytes)
+                data[:nbytes] = payload
+                pending.done = True
+                p.unexpected.setdefault(tag, deque()).append(pending)
+                return
+        handle.meta = meta
+        handle.nbytes = nbytes
+        err = self._check(p.rank, handle, meta, nbytes)
+        if err is None:
+            if handle.buffer is not None:
+                handle.buffer[:nbytes] = payload
+            else:
+                handle.data = bytearray(payload)
+        handle._finish(p.rank, err)
+
+    def _on_arriving(self, p: _Peer, event: Arriving) -> None:
+        """A large message's head: its payload goes straight into its receive's buffer when
+        one is posted (else into a buffer it waits in; ``_on_data_in`` when it is in)."""
+        dec = p.decoder
+        if event.kind != Kind.DATA:  # (a long cross-memory descriptor)
+            dec.place(None)
+            return
+        tag, meta, nbytes = event.tag, event.meta, event.nbytes
         with self._lock:
             handle, _ = self._match(p, tag)
             pending: _Pending | None = None
@@ -1115,28 +1069,28 @@ class Endpoint:
         if handle is not None:
             handle.meta = meta
             handle.nbytes = nbytes
-            err = self._check(p.rank, handle, meta, nbytes)
-            if err is None and handle.buffer is not None:
-                self._read_sealed(p, head, handle.buffer[:nbytes])
-            else:
-                data = bytearray(nbytes)
-                self._read_sealed(p, head, memoryview(data))
-                if err is None:
-                    handle.data = data
-            with self._lock:
-                p.arriving = None
-            handle._finish(p.rank, err)
+            err = p.arriving_error = self._check(p.rank, handle, meta, nbytes)
+            dec.place(handle.buffer if err is None else None)
             return
         assert pending is not None
-        data = self._pool.take(nbytes)
-        self._read_sealed(p, head, memoryview(data)[:nbytes])
+        pending.data = self._pool.take(nbytes)  # (``done`` tells when it is in)
+        dec.place(memoryview(pending.data))
+
+    def _on_data_in(self, p: _Peer, payload: memoryview) -> None:
+        """The payload of the large message ``p.arriving`` is in."""
+        waiting: RecvHandle | None = None
         with self._lock:
-            p.arriving = None
-            pending.data = data
-            pending.done = True
-            waiting = pending.handle
-        if waiting is not None:
-            self._deliver_copy(p.rank, pending, waiting)
+            arriving, p.arriving = p.arriving, None
+            if isinstance(arriving, _Pending):
+                arriving.done = True
+                waiting = arriving.handle
+        if isinstance(arriving, RecvHandle):
+            err, p.arriving_error = p.arriving_error, None
+            if err is None and arriving.buffer is None:
+                arriving.data = cast(bytearray, payload.obj)  # (the decoder's own: exactly its size)
+            arriving._finish(p.rank, err)
+        elif arriving is not None and waiting is not None:
+            self._deliver_copy(p.rank, arriving, waiting)
 
     def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
         with self._copying_cv:
@@ -1149,12 +1103,10 @@ class Endpoint:
                 self._copying_cv.notify_all()
 
     def _on_cma_counted(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
-        xfer, pid, nseg, nbytes = CMA_HEAD.unpack_from(desc, 0)
-        if len(desc) != CMA_HEAD.size + nseg * CMA_SEG.size:
-            raise RemoteProtocolError("malformed cross-memory descriptor")
-        segments = [CMA_SEG.unpack_from(desc, CMA_HEAD.size + i * CMA_SEG.size) for i in range(nseg)]
-        if sum(n for _, n in segments) != nbytes:
-            raise RemoteProtocolError("cross-memory descriptor sizes do not add up")
+        xfer, pid, segments, prefix = unpack_cma(desc)
+        if prefix.nbytes:
+            raise RemoteProtocolError("a process group's cross-memory message carries no inline prefix")
+        nbytes = sum(n for _, n in segments)
         # The sender waits for our ack anyway: give its receive a moment to be posted, so the
         # data goes straight to the destination (one copy instead of two, no buffer).
         deadline = time.monotonic() + _CMA_DEFER
@@ -1170,7 +1122,7 @@ class Endpoint:
             status = self._cma_into(p, handle, from_any, tag, pid, segments, meta, nbytes)
         else:
             status = self._cma_buffer(p, tag, pid, segments, meta, nbytes)
-        ack_meta = str(status).encode() if status else b""
+        ack_meta = pack_ack(status)
         # Never block the reader on a send: if both ranks stream large messages at each other,
         # a reader waiting for its send lock (held by a sender stuck on a full socket, because
         # the other reader waits the same way) deadlocks the pair. A small thread sends acks.
@@ -1265,10 +1217,6 @@ class Endpoint:
                 del self._any_posted[tag]
             return handle, True
         return None, False
-
-    def _read_payload(self, p: _Peer, view: memoryview) -> None:
-        if view.nbytes and not self._read_into(p, view):
-            raise ConnectionResetError("connection closed inside a frame")
 
     def _heartbeats(self) -> None:
         interval = self.heartbeat_interval

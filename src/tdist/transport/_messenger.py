@@ -57,14 +57,12 @@ import queue
 import secrets
 import select
 import socket
-import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .._core import auth
 from .._core.errors import (
     AuthenticationError,
     DistNetworkError,
@@ -75,16 +73,25 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake
 from ._endpoint import _CMA_MIN, _address, _cma_read, _tune_tcp, host_id
-from ._protocol import FRAME_HEADER, KINDS, TOKEN_SIZE, Kind, pack_header, unpack_header
+from ._protocol import (
+    NEED_DATA,
+    TOKEN_SIZE,
+    Arriving,
+    FrameDecoder,
+    Kind,
+    pack_ack,
+    pack_cma,
+    pack_header,
+    unpack_ack,
+    unpack_cma,
+)
 
 __all__ = ["Messenger", "Payload", "PeerAddress"]
 
 log = logging.getLogger(__name__)
 
-_MAX_PAYLOAD = 1 << 40
 _DATA = int(Kind.DATA)
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
-_RX_SIZE = 256 << 10
 _IOV_MAX = 512
 _POPULATE_MIN = 1 << 20
 # how long a thread waiting for a reply polls its socket before sleeping in the kernel
@@ -102,11 +109,6 @@ _HOLD_MAX = float(os.environ.get("TDIST_RPC_HOLD_MS", "5")) * 1e-3
 _HOLD_OFF = 0.25
 _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
-# DATA_CMA payload: transfer id, sender pid, buffer count, inline prefix length; then per buffer
-# (address, length); then the inline prefix (serialization header + pickle)
-_CMA_DESC = struct.Struct("<QIIQ")
-_CMA_BUF = struct.Struct("<QQ")
-_ERRNO = struct.Struct("<i")
 _HEARTBEAT = pack_header(Kind.HEARTBEAT, 0, 0)
 
 PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "port": int, "pid": int}
@@ -208,9 +210,7 @@ class _Conn:
         "closed",
         "cma_ok",
         "cma_out",
-        "dest",
-        "dest_got",
-        "dest_head",
+        "decoder",
         "fd",
         "gap1",
         "gap2",
@@ -220,10 +220,6 @@ class _Conn:
         "last_tx",
         "peer",
         "rlock",
-        "rx",
-        "rx_end",
-        "rx_start",
-        "rxview",
         "same_host",
         "send_lock",
         "session",
@@ -250,8 +246,8 @@ class _Conn:
         now = time.monotonic()
         self.last_rx = now
         self.last_tx = now
-        self.rx = bytearray(_RX_SIZE)
-        self.rxview = memoryview(self.rx)
+        # the frames of the connection (DATA_CMA prefixes and large payloads in fresh memory)
+        self.decoder = FrameDecoder(None if session is None else session.recv, alloc=fresh_buffer)
         self.spin_poll = select.poll()  # readiness, for a reader that spins (rlock held)
         self.spin_poll.register(self.fd, select.POLLIN)
         self.spinner = False  # a poller holds rlock, polling for the next message
@@ -260,11 +256,6 @@ class _Conn:
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.hold_off = 0.0  # not held before this time (the guard had to arm it)
         self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
-        self.rx_start = 0
-        self.rx_end = 0
-        self.dest: memoryview | None = None  # a large payload being read in place
-        self.dest_got = 0
-        self.dest_head: tuple[int, int, bytes, bytes] = (0, 0, b"", b"")  # kind, tag, meta, head
 
 
 class _ThreadState(threading.local):
@@ -605,9 +596,7 @@ class Messenger:
         bufs = parts[2:]
         xfer = next(self._xfer)
         prefix = parts[0].nbytes + parts[1].nbytes
-        desc = bytearray(_CMA_DESC.pack(xfer, self.pid, len(bufs), prefix))
-        for a, b in zip(addrs, bufs, strict=True):
-            desc += _CMA_BUF.pack(a, b.nbytes)
+        desc = pack_cma(xfer, self.pid, [(a, b.nbytes) for a, b in zip(addrs, bufs, strict=True)], prefix)
         copied = _Copied()
         c.cma_out[xfer] = copied
         try:
@@ -1083,40 +1072,38 @@ class Messenger:
     def _drain(self, c: _Conn) -> bool:
         """Read whatever is available on ``c`` and deliver complete frames (rlock held).
         Returns False when the connection is gone."""
-        while True:
-            if c.dest is not None:  # a large payload, read in place
-                n = self._recv(c, c.dest[c.dest_got :])
-                if n <= 0:
-                    return n == 0
-                c.dest_got += n
-                if c.dest_got == c.dest.nbytes:
-                    kind, tag, meta, head = c.dest_head
-                    payload = c.dest
-                    c.dest = None
-                    if c.session is not None:  # (the frame's tag came in place with it)
-                        payload, mac = payload[: -auth.TAG_SIZE], payload[-auth.TAG_SIZE :]
-                        if not self._verified(c, mac, head, payload):
-                            return False
-                    self._frame(c, kind, tag, meta, payload)
-                continue
-            if c.rx_start == c.rx_end:
-                c.rx_start = c.rx_end = 0
-            elif c.rx_end == _RX_SIZE:
-                # compact: move the partial frame to the front
-                n = c.rx_end - c.rx_start
-                c.rxview[:n] = c.rxview[c.rx_start : c.rx_end]
-                c.rx_start, c.rx_end = 0, n
-            space = _RX_SIZE - c.rx_end
-            n = self._recv(c, c.rxview[c.rx_end :])
-            if n <= 0:
-                return n == 0
-            c.rx_end += n
-            if not self._parse(c):
-                return False
-            if n < space and c.dest is None:
-                # a short read took all there was: skip the recv that would fail (its exception
-                # costs more than the epoll event that re-arming raises if more has come)
-                return True
+        dec = c.decoder
+        short = False
+        try:
+            while True:
+                event = dec.next_event()
+                if event is NEED_DATA:
+                    if short:
+                        # a short read took all there was: skip the recv that would fail (its
+                        # exception costs more than the epoll event that re-arming raises if
+                        # more has come)
+                        return True
+                    buf = dec.buffer()
+                    n = self._recv(c, buf)
+                    if n <= 0:
+                        return n == 0
+                    dec.received(n)
+                    short = n < buf.nbytes and not dec.placing
+                elif type(event) is Arriving:
+                    dec.place(None)  # (fresh memory: a received tensor may keep it)
+                else:
+                    kind, tag, meta, payload, placed = event  # type: ignore[misc]
+                    if kind == _DATA:
+                        # owned (tensors will view it), and straight to its reader
+                        self._deliver(c.peer, tag, meta, payload if placed else memoryview(bytearray(payload)))
+                    else:
+                        self._frame(c, kind, tag, meta, payload)
+                    if c.closed:
+                        return False
+        except RemoteProtocolError as exc:
+            log.warning("%s: %s broke the protocol: %s", self.label, self.describe(c.peer), exc)
+            self._lose(c, exc)
+            return False
 
     def _recv(self, c: _Conn, into: memoryview) -> int:
         """Bytes read into ``into``; 0: nothing there now; -1: the connection is gone."""
@@ -1133,66 +1120,6 @@ class Messenger:
         c.last_rx = time.monotonic()
         return n
 
-    def _parse(self, c: _Conn) -> bool:
-        view = c.rxview
-        hs = FRAME_HEADER.size
-        unpack = FRAME_HEADER.unpack_from
-        while c.rx_end - c.rx_start >= hs:
-            start = c.rx_start
-            kind, meta_len, tag, nbytes = unpack(view, start)
-            if kind not in KINDS or nbytes > _MAX_PAYLOAD:
-                try:
-                    unpack_header(view[start : start + hs], _MAX_PAYLOAD)  # says what is wrong
-                    exc = RemoteProtocolError(f"bad frame header (kind {kind})")
-                except RemoteProtocolError as e:
-                    exc = e
-                log.warning("%s: %s broke the protocol: %s", self.label, self.describe(c.peer), exc)
-                self._lose(c, exc)
-                return False
-            avail = c.rx_end - start
-            body = start + hs + meta_len
-            mac_len = 0 if c.session is None else auth.TAG_SIZE  # (a session's frames end with a tag)
-            if avail >= hs + meta_len + nbytes + mac_len:
-                meta = bytes(view[start + hs : body])
-                payload = view[body : body + nbytes]
-                c.rx_start = body + nbytes + mac_len
-                if mac_len and not self._verified(c, view[body + nbytes : c.rx_start], view[start:body], payload):
-                    return False
-                if kind == _DATA:
-                    # owned (tensors will view it), and straight to its reader
-                    self._deliver(c.peer, tag, meta, memoryview(bytearray(payload)))
-                else:
-                    self._frame(c, kind, tag, meta, payload)
-                if c.closed:
-                    return False
-                continue
-            if avail < hs + meta_len:
-                if hs + meta_len > _RX_SIZE:
-                    self._lose(c, RemoteProtocolError("frame metadata too large"))
-                    return False
-                return True
-            if hs + meta_len + nbytes + mac_len <= _RX_SIZE:
-                return True  # the rest comes with the next read
-            # a large payload: read it in place (with the tag that follows it, if any)
-            meta = bytes(view[c.rx_start + hs : body])
-            dest = fresh_buffer(nbytes + mac_len)
-            have = c.rx_end - body
-            dest[:have] = view[body : c.rx_end]
-            c.dest, c.dest_got, c.dest_head = dest, have, (kind, tag, meta, bytes(view[start:body]))
-            c.rx_start = c.rx_end = 0
-            return True
-        return True
-
-    def _verified(self, c: _Conn, mac: memoryview, head: memoryview | bytes, payload: memoryview) -> bool:
-        """Check a frame's tag; a frame that fails it loses the connection (False)."""
-        assert c.session is not None
-        if c.session.recv.check(mac, head, [payload], payload.nbytes):
-            return True
-        exc = RemoteProtocolError("a frame failed its authentication tag: the connection was tampered with")
-        log.warning("%s: a frame from %s failed its authentication tag; dropping the connection", self.label, self.describe(c.peer))
-        self._lose(c, exc)
-        return False
-
     def _frame(self, c: _Conn, kind: int, tag: int, meta: bytes, payload: memoryview) -> None:
         if kind == Kind.DATA:
             self._deliver(c.peer, tag, meta, payload)
@@ -1203,7 +1130,7 @@ class Messenger:
         elif kind == Kind.CMA_ACK:
             copied = c.cma_out.pop(tag, None)
             if copied is not None:
-                copied.err = _ERRNO.unpack(meta)[0] if len(meta) == _ERRNO.size else 0
+                copied.err = unpack_ack(meta)
                 copied.done.set()
         elif kind == Kind.GOODBYE:
             c.goodbye = True
@@ -1218,13 +1145,8 @@ class Messenger:
             self.on_message(peer, tag, meta, payload)
 
     def _on_cma(self, c: _Conn, tag: int, meta: bytes, payload: memoryview) -> None:
-        xfer, pid, nbuf, prefix_len = _CMA_DESC.unpack_from(payload, 0)
-        pos = _CMA_DESC.size
-        segs = []
-        for _ in range(nbuf):
-            segs.append(_CMA_BUF.unpack_from(payload, pos))
-            pos += _CMA_BUF.size
-        prefix = memoryview(bytearray(payload[pos : pos + prefix_len]))
+        xfer, pid, segs, prefix_view = unpack_cma(payload)
+        prefix = memoryview(bytearray(prefix_view))
         bufs: list[memoryview] = []
         err = 0
         for addr, n in segs:
@@ -1234,7 +1156,7 @@ class Messenger:
                 if err:
                     break
             bufs.append(dest)
-        ack = _ERRNO.pack(err)
+        ack = pack_ack(err)
         self._ctrl.put(lambda: self._send_ctrl(c, Kind.CMA_ACK, xfer, ack))
         if not err:
             self._deliver(c.peer, tag, meta, [prefix, *bufs])
