@@ -1,6 +1,9 @@
 """TCPStore side by side: tdist against torch.distributed, same machine, same client count.
 
-Run: .venv/bin/python benchmarks/bench_store.py [--rounds 5] [--ops 5000]
+Run: .venv/bin/python benchmarks/bench_store.py [--rounds 5] [--ops 5000] [--busy]
+
+``--busy``: one low-priority busy loop per core runs meanwhile (``_common.busy_host``), as a
+training job leaves the host: a speed that comes from spinning on idle cores does not survive it.
 
 Every figure is the median over ``--rounds`` rounds, the two implementations alternating inside
 each round. Clients are separate processes (forked); the server lives in the benchmark process
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch.distributed as tdc
 
 import tdist
-from _common import machine_line, median, table
+from _common import busy_host, machine_line, median, table
 from tdist.testing import free_port
 
 IMPLS = ("torch", "tdist")
@@ -183,9 +186,15 @@ def main() -> None:
     ap.add_argument("--mixed-ops", type=int, default=1000)
     ap.add_argument("--only", default="", help="comma-separated operations to run (e.g. add,check)")
     ap.add_argument("--no-mixed", action="store_true")
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = ap.parse_args()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    print(f"# store benchmark: {machine_line()}")
+    print(f"# store benchmark: {machine_line()}" + (" | busy host" if args.busy else ""))
+    with busy_host(args.busy):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     cases = [
         ("get", 1, "ops/s", False, 1.5),
         ("add", 1, "ops/s", False, 1.5),

@@ -164,7 +164,7 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
 
 
 def _big_exchange(rank: int, n: int, port: int, refuse: bool, slow_acks: bool = False) -> list[str]:
-    from tdist.transport import _endpoint
+    from tdist.transport import _memory
 
     if slow_acks and rank == 0:
         # acks leave from a thread a moment after the receive completes: a receiver that closes
@@ -187,7 +187,7 @@ def _big_exchange(rank: int, n: int, port: int, refuse: bool, slow_acks: bool = 
             ctypes.set_errno(errno.EPERM)
             return -1
 
-        _endpoint._process_vm_readv = refused
+        _memory._process_vm_readv = refused
     store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
     ep = Endpoint(tdist.PrefixStore(f"big{refuse}", store), rank, n, timeout=20)
     out = []

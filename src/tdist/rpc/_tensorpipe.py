@@ -33,7 +33,8 @@ import torch
 from .._core import auth
 from .._core.errors import DistError, PeerError
 from ..transport import _serialization as ser
-from ..transport._endpoint import _CMA_MIN, _advertised_address
+from ..transport._endpoint import _advertised_address
+from ..transport._memory import CMA_MIN
 from ..transport._messenger import Messenger, Payload, PeerAddress
 from ._agent import RpcAgent, WorkerInfo, set_current_agent, validate_name
 from ._message import MsgKind, encode_meta
@@ -44,7 +45,7 @@ __all__ = ["TensorPipeAgent"]
 log = logging.getLogger(__name__)
 
 _INIT_TIMEOUT = float(os.environ.get("TDIST_RPC_INIT_TIMEOUT", "300"))
-_CLAIM_MAX = min(1 << 20, _CMA_MIN) if _CMA_MIN > 0 else 1 << 20  # (below a cross-memory copy)
+_CLAIM_MAX = min(1 << 20, CMA_MIN) if CMA_MIN > 0 else 1 << 20  # (below a cross-memory copy)
 
 
 class _ThreadState(threading.local):

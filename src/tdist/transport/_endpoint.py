@@ -24,10 +24,7 @@ between two ranks with the same tag are delivered in the order they were sent.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import ctypes
-import errno
 import itertools
 import json
 import logging
@@ -52,7 +49,8 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from .._core.floods import Admission, Starvation
-from . import _handshake
+from . import _handshake, _memory
+from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     NEED_DATA,
     TOKEN_SIZE,
@@ -72,6 +70,8 @@ __all__ = ["Endpoint", "RecvHandle", "host_id"]
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
+# how long a reader waits for the receive of a cross-memory message before buffering it
+_CMA_DEFER = 0.005
 
 
 def host_id() -> str:
@@ -120,78 +120,6 @@ def _advertised_address(store: Any) -> str:
     return "127.0.0.1"
 
 
-class _IOVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-try:
-    _libc: Any = ctypes.CDLL(None, use_errno=True)
-    _process_vm_readv: Any = _libc.process_vm_readv
-    _process_vm_readv.restype = ctypes.c_ssize_t
-except (OSError, AttributeError):  # not Linux, or no such call
-    _process_vm_readv = None
-
-# messages at least this large travel by cross-memory attach between processes of one host
-_CMA_MIN = int(os.environ.get("TDIST_CMA_MIN_BYTES", str(256 << 10)))
-# how long a reader waits for the receive of a cross-memory message before buffering it
-_CMA_DEFER = 0.005
-
-
-def _address(view: memoryview) -> int | None:
-    """The address of a writable buffer's first byte (None for read-only buffers)."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError, BufferError):
-        return None
-
-
-_CMA_SPLIT = 8 << 20  # bytes above which two threads share a copy
-_cma_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_cma_pool_pid = 0  # a forked child has the pool object but not its thread: make a new one
-_cma_pool_lock = threading.Lock()
-
-
-def _cma_read(pid: int, segments: list[tuple[int, int]], dest: memoryview) -> int:
-    """Copy the segments of process ``pid`` into ``dest``; returns 0 or an errno.
-
-    ``process_vm_readv`` pins the remote pages as it goes and copies at about half of memcpy
-    speed, so a large copy is shared with a second thread (the call releases the GIL, and the
-    sender is idle, waiting for our ack): the two halves run on two cores.
-    """
-    addr = _address(dest)
-    if addr is None or _process_vm_readv is None:
-        return errno.ENOSYS
-    total = sum(n for _, n in segments)
-    if total >= _CMA_SPLIT and len(segments) == 1 and (os.cpu_count() or 1) > 1:
-        global _cma_pool, _cma_pool_pid
-        with _cma_pool_lock:
-            if _cma_pool is None or _cma_pool_pid != os.getpid():
-                _cma_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tdist-cma")
-                _cma_pool_pid = os.getpid()
-        base, length = segments[0]
-        half = (length // 2) & ~4095
-        other = _cma_pool.submit(_cma_copy, pid, [(base + half, length - half)], addr + half)
-        mine = _cma_copy(pid, [(base, half)], addr)
-        theirs = other.result()
-        return mine or theirs
-    return _cma_copy(pid, segments, addr)
-
-
-def _cma_copy(pid: int, segments: list[tuple[int, int]], addr: int) -> int:
-    off = 0
-    for base, length in segments:
-        done = 0
-        while done < length:
-            local = _IOVec(addr + off + done, length - done)
-            remote = _IOVec(base + done, length - done)
-            n = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if n <= 0:
-                return ctypes.get_errno() or errno.EIO
-            done += n
-        off += length
-    return 0
-
-
 class RecvHandle:
     """A posted receive: completes when a matching message has landed in ``buffer``."""
 
@@ -218,37 +146,6 @@ class RecvHandle:
         self.done.set()
 
 
-class _BufferPool:
-    """Reused, already-faulted buffers for messages that arrive before their receive: a fresh
-    64 MiB bytearray costs more in page faults than copying into it."""
-
-    _MIN = 64 << 10
-    _KEEP = 8
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: list[bytearray] = []
-
-    def take(self, n: int) -> bytearray:
-        if n >= self._MIN:
-            with self._lock:
-                best = None
-                for i, buf in enumerate(self._free):
-                    if n <= len(buf) <= 4 * n and (best is None or len(buf) < len(self._free[best])):
-                        best = i
-                if best is not None:
-                    return self._free.pop(best)
-        return bytearray(n)
-
-    def give(self, buf: bytearray) -> None:
-        if len(buf) >= self._MIN:
-            with self._lock:
-                if len(self._free) >= self._KEEP:
-                    self._free.sort(key=len)
-                    self._free.pop(0)
-                self._free.append(buf)
-
-
 class _Pending:
     """A message that arrived (or is arriving) before its receive was posted."""
 
@@ -257,7 +154,7 @@ class _Pending:
     def __init__(self, meta: bytes, nbytes: int) -> None:
         self.meta = meta
         self.nbytes = nbytes
-        self.data: bytearray | None = None
+        self.data: memoryview | None = None
         self.done = False
         self.handle: RecvHandle | None = None
 
@@ -336,7 +233,6 @@ class Endpoint:
         self._peer_hosts: dict[int, str] = {}
         self._peer_pids: dict[int, int] = {}
         self._xfer_ids = itertools.count(1)
-        self._pool = _BufferPool()
         self._pid = os.getpid()
         self._acks: queue.SimpleQueue[tuple[_Peer, int, bytes] | None] | None = None
         self._ack_thread: threading.Thread | None = None
@@ -428,7 +324,7 @@ class Endpoint:
             if unix is not None:
                 unix.close()
         for p in self._peers.values():
-            p.cma = p.addr == "unix" and _process_vm_readv is not None and _CMA_MIN > 0
+            p.cma = p.addr == "unix" and _memory.cma_possible()
             p.sock.settimeout(self.heartbeat_interval)
             p.reader = threading.Thread(target=self._read_loop, args=(p,), name=f"tdist-rd-{self.rank}<{p.rank}", daemon=True)
             p.reader.start()
@@ -606,7 +502,7 @@ class Endpoint:
         p = self._peer(peer, what)
         views = [memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in buffers]
         nbytes = sum(v.nbytes for v in views)
-        if p.cma and nbytes >= _CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
+        if p.cma and nbytes >= CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
             return
         with p.send_lock:
             self._sendmsg(p, *self._frame(p, Kind.DATA, tag, meta, views, nbytes), deadline, what)
@@ -626,7 +522,7 @@ class Endpoint:
         for v in views:
             if not v.nbytes:
                 continue
-            addr = _address(v)
+            addr = address(v)
             if addr is None:
                 return False
             segments.append((addr, v.nbytes))
@@ -947,12 +843,9 @@ class Endpoint:
         assert data is not None
         n = pending.nbytes
         if err is None and handle.buffer is not None:
-            handle.buffer[:n] = memoryview(data)[:n]
-            self._pool.give(data)
+            handle.buffer[:n] = data
         elif err is None:
-            handle.data = data if len(data) == n else memoryview(data)[:n]
-        else:
-            self._pool.give(data)
+            handle.data = data
         handle._finish(source, err)
 
     def _check(self, source: int, handle: RecvHandle, meta: bytes, nbytes: int) -> DistError | None:
@@ -1036,8 +929,8 @@ class Endpoint:
             handle, _ = self._match(p, tag)
             if handle is None:
                 pending = _Pending(meta, nbytes)
-                data = pending.data = self._pool.take(nbytes)
-                data[:nbytes] = payload
+                data = pending.data = fresh_buffer(nbytes)
+                data[:] = payload
                 pending.done = True
                 p.unexpected.setdefault(tag, deque()).append(pending)
                 return
@@ -1073,8 +966,8 @@ class Endpoint:
             dec.place(handle.buffer if err is None else None)
             return
         assert pending is not None
-        pending.data = self._pool.take(nbytes)  # (``done`` tells when it is in)
-        dec.place(memoryview(pending.data))
+        pending.data = fresh_buffer(nbytes)  # (``done`` tells when it is in)
+        dec.place(pending.data)
 
     def _on_data_in(self, p: _Peer, payload: memoryview) -> None:
         """The payload of the large message ``p.arriving`` is in."""
@@ -1165,12 +1058,12 @@ class Endpoint:
         if err is not None:
             handle._finish(p.rank, err)
             return 0
-        data: bytearray | None = None
+        data: memoryview | None = None
         if handle.buffer is not None:
-            status = _cma_read(pid, segments, handle.buffer[:nbytes])
+            status = cma_read(pid, segments, handle.buffer[:nbytes])
         else:
-            data = bytearray(nbytes)
-            status = _cma_read(pid, segments, memoryview(data)) if nbytes else 0
+            data = fresh_buffer(nbytes)
+            status = cma_read(pid, segments, data) if nbytes else 0
         if status:
             # the sender resends inline: this receive waits for that, first in line
             with self._lock:
@@ -1186,10 +1079,9 @@ class Endpoint:
         self, p: _Peer, tag: int, pid: int, segments: list[tuple[int, int]], meta: bytes, nbytes: int
     ) -> int:
         """Keep a cross-memory message whose receive is not posted yet; returns 0 or an errno."""
-        data = self._pool.take(nbytes)
-        status = _cma_read(pid, segments, memoryview(data)[:nbytes]) if nbytes else 0
+        data = fresh_buffer(nbytes)
+        status = cma_read(pid, segments, data) if nbytes else 0
         if status:
-            self._pool.give(data)
             return status
         pending = _Pending(meta, nbytes)
         pending.data = data

@@ -51,13 +51,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import mmap
 import os
 import queue
 import secrets
 import select
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -72,7 +70,8 @@ from .._core.errors import (
 )
 from .._core.floods import Admission, Starvation
 from . import _handshake
-from ._endpoint import _CMA_MIN, _address, _cma_read, _tune_tcp, host_id
+from ._endpoint import _tune_tcp, host_id
+from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     NEED_DATA,
     TOKEN_SIZE,
@@ -93,7 +92,6 @@ log = logging.getLogger(__name__)
 _DATA = int(Kind.DATA)
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
 _IOV_MAX = 512
-_POPULATE_MIN = 1 << 20
 # how long a thread waiting for a reply polls its socket before sleeping in the kernel
 _SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
 # how long a poller that delivered messages from a peer polls that connection for the next ones
@@ -107,81 +105,11 @@ _POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "200")) * 1e-6
 _HOLD_MAX = float(os.environ.get("TDIST_RPC_HOLD_MS", "5")) * 1e-3
 # a connection the guard had to arm again is not held for this long (its requests block)
 _HOLD_OFF = 0.25
-_HUGE = 2 << 20
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
 _HEARTBEAT = pack_header(Kind.HEARTBEAT, 0, 0)
 
 PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "port": int, "pid": int}
 # a DATA payload (one buffer) or a DATA_CMA payload ([prefix, *buffers])
 Payload = memoryview | list[memoryview]
-
-
-def _huge_mapping(n: int) -> tuple[mmap.mmap, int]:
-    """A private anonymous mapping of at least ``n`` bytes, populated, on huge pages where the
-    kernel gives them; returns it and the offset of its first 2 MiB boundary."""
-    m = mmap.mmap(-1, n + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = _address(memoryview(m))
-    off = (-base) % _HUGE if base is not None else 0
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE, off, n - n % _HUGE or n)
-        m.madvise(_MADV_POPULATE_WRITE, off, n)
-    except (OSError, AttributeError, ValueError):
-        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
-        off = 0
-    return m, off
-
-
-class _RecvPool:
-    """Reused memory for large received payloads.
-
-    Faulting fresh pages in costs more here than copying into them (64 MiB: 30 ms or more of
-    faults against 10 ms of copy), so large payloads land in mappings that are populated once
-    and reused. A received tensor views its mapping; the mapping is free again when nothing but
-    the pool refers to it (its reference count says so), so a buffer is never reused while a
-    tensor still uses it. Free mappings beyond ``limit`` bytes are dropped.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._maps: list[tuple[mmap.mmap, int, int]] = []  # (mapping, offset, usable bytes)
-
-    def take(self, n: int) -> memoryview:
-        size = -(-n // _HUGE) * _HUGE
-        with self._lock:
-            for i, entry in enumerate(self._maps):
-                if entry[2] == size and _unused(entry):
-                    del self._maps[i]
-                    self._maps.append(entry)  # most recently used last
-                    return memoryview(entry[0])[entry[1] : entry[1] + n]
-            free_bytes = sum(e[2] for e in self._maps if _unused(e))
-            if free_bytes + size > self.limit:
-                keep = []
-                for entry in self._maps:  # drop free mappings, least recently used first
-                    if free_bytes + size > self.limit and _unused(entry):
-                        free_bytes -= entry[2]
-                    else:
-                        keep.append(entry)
-                self._maps = keep
-            m, off = _huge_mapping(size)
-            if size <= self.limit:
-                self._maps.append((m, off, size))
-            return memoryview(m)[off : off + n]
-
-
-def _unused(entry: tuple[mmap.mmap, int, int]) -> bool:
-    # referenced only by the pool's tuple and getrefcount's argument: no view of it is alive
-    return sys.getrefcount(entry[0]) <= 2
-
-
-_pool = _RecvPool(int(os.environ.get("TDIST_RECV_POOL_BYTES", str(1 << 30))))
-
-
-def fresh_buffer(n: int) -> memoryview:
-    """Writable memory for ``n`` received bytes (pooled, pre-faulted mappings when large)."""
-    if n < _POPULATE_MIN:
-        return memoryview(bytearray(n))
-    return _pool.take(n)
 
 
 class _Copied:
@@ -237,7 +165,7 @@ class _Conn:
         self.fd = sock.fileno()
         self.addr = addr
         self.same_host = same_host
-        self.cma_ok = same_host and _CMA_MIN > 0
+        self.cma_ok = same_host and CMA_MIN > 0
         self.cma_out: dict[int, _Copied] = {}  # transfers the peer copies now, by id
         self.send_lock = threading.Lock()
         self.rlock = threading.Lock()
@@ -583,8 +511,8 @@ class Messenger:
         if answer:  # a poller that answers a caller waits a little for its next request
             self._tls.answered = True
         bufs = parts[2:]
-        if c.cma_ok and bufs and sum(b.nbytes for b in bufs) >= _CMA_MIN:
-            addrs = [_address(b) for b in bufs]
+        if c.cma_ok and bufs and sum(b.nbytes for b in bufs) >= CMA_MIN:
+            addrs = [address(b) for b in bufs]
             if all(a is not None for a in addrs) and self._send_cma(c, tag, meta, parts, addrs, deadline):
                 return
         self._write(c, Kind.DATA, tag, meta, parts, deadline)
@@ -1152,7 +1080,7 @@ class Messenger:
         for addr, n in segs:
             dest = fresh_buffer(n)
             if n:
-                err = _cma_read(pid, [(addr, n)], dest)
+                err = cma_read(pid, [(addr, n)], dest)
                 if err:
                     break
             bufs.append(dest)
