@@ -4,7 +4,8 @@ One root, shallow, with torch-compatible bases where torch users catch them::
 
     DistError (RuntimeError)                 torch.distributed.DistError
     ├── DistBackendError                     a collective or backend failed
-    │   └── PeerError                        a named peer died, stalled or broke the protocol
+    │   ├── PeerError                        a named peer died, stalled or broke the protocol
+    │   └── CollectiveMismatchError (ValueError)  ranks called different collectives
     ├── DistNetworkError                     a connection could not be made or was lost
     │   └── AuthenticationError              the peer did not prove the shared secret
     ├── DistStoreError                       a store operation failed
@@ -56,6 +57,7 @@ else:  # the `tdist` command's own process: torch's tree, without importing torc
 
 __all__ = [
     "AuthenticationError",
+    "CollectiveMismatchError",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
@@ -85,6 +87,15 @@ class PeerError(DistBackendError):
     def __init__(self, message: str, peer: object = None) -> None:
         super().__init__(message)
         self.peer = peer
+
+
+class CollectiveMismatchError(DistBackendError, ValueError):
+    """Ranks called different collectives, or the same one with arguments that do not fit.
+
+    Raised by the ``TDIST_DEBUG=DETAIL`` check before a collective (``c10d._debug``) and by the
+    shared-memory arena, which compares every rank's description of each operation
+    (``c10d._shm``); both modules re-export it.
+    """
 
 
 class DistNetworkError(DistError, _TorchNetworkError):
