@@ -3,13 +3,18 @@ against ``torch.distributed`` that catches torch's errors catches tdist's."""
 
 from __future__ import annotations
 
+import importlib
 import pickle
+import pkgutil
 import subprocess
 import sys
+from collections import defaultdict
 
 import pytest
 import torch.distributed as td
+import torch.distributed.elastic.rendezvous.api as torch_rdzv
 
+import tdist
 from tdist._core import errors as e
 
 pytestmark = pytest.mark.timeout(30)
@@ -77,3 +82,72 @@ def test_the_tdist_command_builds_torchs_tree_without_torch() -> None:
         "False ['DistStoreError', 'DistError', '_TorchQueueEmptyError', '_TorchStoreError', "
         "'_TorchDistError'] True True"
     )
+
+
+# Every exception class tdist defines outside the DistError tree, and why; drawn, with the same
+# reasons, in the second figure of tdist._core.errors's docstring
+OUTSIDE_THE_TREE = {
+    # a remote function's exception whose type cannot be rebuilt on the caller: the user's
+    # error, not tdist's (``except DistError`` must not catch a bug in the remote function); a
+    # RuntimeError, as torch's fallback
+    "tdist.rpc._errors.RemoteError",
+    # the remote traceback, only ever the __cause__ of a rebuilt exception (as
+    # concurrent.futures' _RemoteTraceback)
+    "tdist.rpc._errors.RemoteTraceback",
+    # torch-mandated: torchelastic's rendezvous errors derive from Exception, not RuntimeError
+    # (torch.distributed.elastic.rendezvous.api), and ours keep its bases
+    "tdist.elastic.rendezvous.RendezvousError",
+    "tdist.elastic.rendezvous.RendezvousClosedError",
+    "tdist.elastic.rendezvous.RendezvousTimeoutError",
+    "tdist.elastic.rendezvous.RendezvousConnectionError",
+    "tdist.elastic.rendezvous.RendezvousStateError",
+    "tdist.elastic.rendezvous.RendezvousGracefulExitError",
+}
+
+
+def _tdist_exception_classes() -> list[type[BaseException]]:
+    """Every exception class defined in tdist, found by importing every module of the package
+    and walking BaseException's subclasses (so a class nested in another or made in a function
+    at import counts too)."""
+
+    def failed(name: str) -> None:
+        raise AssertionError(f"importing {name} failed")
+
+    for info in pkgutil.walk_packages(tdist.__path__, "tdist.", onerror=failed):
+        importlib.import_module(info.name)
+    found: dict[type[BaseException], None] = {}
+    todo: list[type[BaseException]] = [BaseException]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found[sub] = None
+                todo.append(sub)
+    return [c for c in found if c.__module__.partition(".")[0] == "tdist"]
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def test_one_tree_one_class_per_name_and_every_class_drawn() -> None:
+    classes = _tdist_exception_classes()
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for cls in classes:
+        by_name[cls.__name__].append(_qualified(cls))
+    assert {n: q for n, q in by_name.items() if len(q) > 1} == {}, "one class per name"
+    outside = {_qualified(c) for c in classes if not issubclass(c, e.DistError)}
+    assert outside == OUTSIDE_THE_TREE  # (a stale entry fails as well as a new class)
+    assert e.__doc__ is not None
+    undrawn = sorted(c.__name__ for c in classes if c.__name__ not in e.__doc__)
+    assert undrawn == [], "draw them in the docstring of tdist._core.errors"
+    # found there at all: the walk reaches classes defined outside _core.errors
+    assert {"RpcTimeoutError", "Refused", "RankTimeoutError", "LaunchError"} <= set(by_name)
+
+
+def test_the_rendezvous_errors_keep_torchs_bases() -> None:
+    from tdist.elastic import rendezvous as ours
+
+    for qualified in sorted(q for q in OUTSIDE_THE_TREE if ".rendezvous." in q):
+        name = qualified.rpartition(".")[2]
+        mine, torchs = getattr(ours, name), getattr(torch_rdzv, name)
+        assert [b.__name__ for b in mine.__mro__] == [b.__name__ for b in torchs.__mro__], name

@@ -1,26 +1,66 @@
 """The tdist exception tree.
 
-One root, shallow, with torch-compatible bases where torch users catch them::
+One root, shallow, with torch-compatible bases where torch users catch them. A second base is
+in parentheses. A class defined in another module names it in brackets (relative to ``tdist``):
+it is that subsystem's own, raised there alone, and stays next to the code that raises it;
+the others are defined here. One class per name: a module that raises a
+class of another imports it (``c10d._debug`` and ``c10d._shm`` both raise and re-export this
+module's ``CollectiveMismatchError``)::
 
-    DistError (RuntimeError)                 torch.distributed.DistError
-    ├── DistBackendError                     a collective or backend failed
-    │   └── PeerError                        a named peer died, stalled or broke the protocol
-    ├── DistNetworkError                     a connection could not be made or was lost
-    │   └── AuthenticationError              the peer did not prove the shared secret
-    ├── DistStoreError                       a store operation failed
-    │   ├── StoreTimeoutError (TimeoutError) keys did not appear in time
-    │   ├── StoreValueError (ValueError)     a value was not what the command needs
-    │   └── QueueEmptyError                  queue_pop(block=False) on an empty queue
-    ├── ProtocolError                        bytes that break a wire protocol
-    │   ├── LocalProtocolError               we were asked to send something invalid
-    │   └── RemoteProtocolError              the peer sent something invalid
-    └── DistTimeoutError (TimeoutError)      any other deadline that expired
+    DistError (RuntimeError)                    torch.distributed.DistError
+    ├── DistBackendError                        a collective or backend failed
+    │   ├── PeerError                           a named peer died, stalled or broke the protocol
+    │   ├── CollectiveMismatchError (ValueError)  ranks called different collectives, or one
+    │   │                                       with arguments that do not fit
+    │   └── CollectiveArgumentError (ValueError)  [c10d._checks] an argument a collective cannot
+    │                                           work with (where torch's gloo raises RuntimeError)
+    ├── DistNetworkError                        a connection could not be made or was lost
+    │   └── AuthenticationError                 the peer did not prove the shared secret
+    ├── DistStoreError                          a store operation failed
+    │   ├── StoreTimeoutError (TimeoutError)    keys did not appear in time
+    │   ├── StoreValueError (ValueError)        a value was not what the command needs
+    │   └── QueueEmptyError                     queue_pop(block=False) on an empty queue
+    ├── ProtocolError                           bytes that break a wire protocol
+    │   ├── LocalProtocolError                  we were asked to send something invalid
+    │   └── RemoteProtocolError                 the peer sent something invalid
+    │       └── Refused                         [transport._handshake] the peer proved the secret
+    │                                           but may not join (another group, an unknown id)
+    ├── ScheduleError (ValueError)              [c10d._schedules] bad arguments to a schedule
+    │                                           builder, or schedules that do not fit together
+    ├── LaunchError                             [elastic._agent] the launcher could not set the
+    │                                           job up (bad options, no store, nodes missing)
+    ├── RankFailedError                         [testing] a rank ended without a result
+    └── DistTimeoutError (TimeoutError)         any other deadline that expired
+        ├── RpcTimeoutError                     [rpc._agent] an RPC or a to_here() did not finish
+        │                                       within its timeout
+        └── RankTimeoutError                    [testing] ranks still ran at the hard timeout
 
 Each class that names a torch class on the right also derives from it, so code that catches
 torch's (``except torch.distributed.DistStoreError``) catches ours too (except in the ``tdist``
-command's own process, which runs no user code and does not import torch: ``_process``). ``TimeoutError`` here is
-the builtin (an ``OSError``): ``except TimeoutError`` catches every tdist timeout. OS errors are translated into this tree once, at the I/O boundary, and chained
+command's own process, which runs no user code and does not import torch: ``_process``).
+``TimeoutError`` here is the builtin (an ``OSError``): ``except TimeoutError`` catches every
+tdist timeout. OS errors are translated into this tree once, at the I/O boundary, and chained
 with ``from``.
+
+Outside the tree, on purpose (``tests/unit/test_error_tree.py`` holds the same list)::
+
+    RemoteError (RuntimeError)                  [rpc._errors] a remote function's exception
+                                                whose type cannot be rebuilt on the caller
+    RemoteTraceback (Exception)                 [rpc._errors] the remote traceback, set as the
+                                                __cause__ of a rebuilt exception; never raised
+    RendezvousError (Exception)                 [elastic.rendezvous] torchelastic's tree, with
+    ├── RendezvousClosedError                   torch's bases
+    ├── RendezvousTimeoutError
+    ├── RendezvousConnectionError
+    ├── RendezvousStateError
+    └── RendezvousGracefulExitError
+
+``RemoteError`` and ``RemoteTraceback`` stand for the user's exception, not for a failure of
+tdist: an ``except DistError`` written for a lost peer or a broken connection must not catch a
+bug in the remote function. ``RemoteError`` is a ``RuntimeError`` as torch's fallback is;
+``RemoteTraceback`` an ``Exception`` as ``concurrent.futures``' own. torch's rendezvous errors
+(``torch.distributed.elastic.rendezvous.api``) derive from ``Exception``, not ``RuntimeError``;
+ours have the same bases, so an ``except`` clause treats them as it treats torch's.
 """
 
 from __future__ import annotations
@@ -56,6 +96,7 @@ else:  # the `tdist` command's own process: torch's tree, without importing torc
 
 __all__ = [
     "AuthenticationError",
+    "CollectiveMismatchError",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
@@ -85,6 +126,15 @@ class PeerError(DistBackendError):
     def __init__(self, message: str, peer: object = None) -> None:
         super().__init__(message)
         self.peer = peer
+
+
+class CollectiveMismatchError(DistBackendError, ValueError):
+    """Ranks called different collectives, or the same one with arguments that do not fit.
+
+    Raised by the ``TDIST_DEBUG=DETAIL`` check before a collective (``c10d._debug``) and by the
+    shared-memory arena, which compares every rank's description of each operation
+    (``c10d._shm``); both modules re-export it.
+    """
 
 
 class DistNetworkError(DistError, _TorchNetworkError):

@@ -16,6 +16,10 @@ the context of the worker that owns them (``get_gradients``), never in ``.grad``
 Torch records a reply only when the request carried tensors that require grad (or for
 ``to_here``); here every call inside a context does, so that a parameter server's output comes
 back differentiable whatever the inputs.
+
+RPC does not import this package; this package imports RPC and, when imported, plugs into it
+(``rpc._hooks``): a process that never imports it has no context, and its calls go out as they
+are. A callee that receives a recorded call imports it with the call's function.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
 """Distributed autograd contexts, the send/recv functions and the backward pass (see the
-package docstring)."""
+package docstring).
+
+RPC does not import this module: it is the implementation of RPC's hook point
+(``rpc._hooks.AutogradHooks``: ``active``, ``record_call``, ``record_remote``,
+``to_here_with_autograd``, ``backward``, ``_get_debug_info``) and registers itself there as the
+last step of its import. The functions a recorded call sends (``_call_with_autograd``, ...) are
+this module's, so a callee imports it, and registers it, when it unpickles the first one.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +18,18 @@ from typing import Any
 
 import torch
 
+from .. import rpc
+from ..rpc import _hooks
+from ..rpc._agent import _not_a_future, current_agent, run_user_function
+from ..rpc._api import _mapped
+
 __all__ = [
     "DistAutogradContext",
     "_current_context",
+    "_get_debug_info",
     "_is_valid_context",
     "_retrieve_context",
+    "active",
     "backward",
     "context",
     "get_gradients",
@@ -35,8 +49,6 @@ _passes = 0  # backward passes running on this worker (started here or reached i
 
 
 def _rank() -> int:
-    from ..rpc._agent import current_agent
-
     agent = current_agent()
     assert agent is not None
     return int(agent.rank)
@@ -176,8 +188,6 @@ def _release_on(peers: list[int], context_id: int) -> None:
 
 def _internal_call(dst: int, func: Any, args: tuple[Any, ...]) -> Any:
     """``rpc_async(dst, func, args)`` that no context records (autograd's own messages)."""
-    from .. import rpc
-
     prev = getattr(_tls, "context_id", None)
     _tls.context_id = None
     try:
@@ -295,8 +305,6 @@ def record_call(dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, An
 def _run_in_context(context_id: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """``func(*args, **kwargs)`` with ``context_id`` as this thread's context: ``(is_async,
     result)`` as the agent runs a call."""
-    from ..rpc._agent import run_user_function
-
     prev = getattr(_tls, "context_id", None)
     _tls.context_id = context_id
     try:
@@ -312,9 +320,6 @@ def _future_of(is_async: bool, result: Any, func: Any, then: Any) -> Any:
         out: Any = torch.futures.Future()
         out.set_result(then(result))
         return out
-    from ..rpc._agent import _not_a_future
-    from ..rpc._api import _mapped
-
     if not isinstance(result, torch._C.Future):
         raise _not_a_future(func, result)
     return _mapped(result, then)
@@ -349,7 +354,8 @@ def _remote_with_autograd(context_id: int, src: int, msg_id: int, mask: list[boo
     return _future_of(is_async, result, func, lambda value: value)
 
 
-# both reply through a future (``rpc.functions.async_execution``, without importing rpc here)
+# both reply through a future (marked as ``rpc.functions.async_execution`` marks its functions,
+# without its wrapper)
 for _fn in (_call_with_autograd, _remote_with_autograd):
     _fn._wrapped_async_rpc_function = _fn  # type: ignore[attr-defined]
 
@@ -380,8 +386,6 @@ def to_here_with_autograd(rref: Any, timeout: float) -> tuple[bool, Any]:
     cid = getattr(_tls, "context_id", None)
     if cid is None:
         return False, None
-    from .. import rpc
-
     owner = rref.owner()
     ctx = _retrieve_context(cid)
     with ctx.lock:
@@ -458,8 +462,6 @@ def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list
 def _wait_all(sent: list[tuple[int, Any]]) -> None:
     """Wait for the gradients sent on to be carried through on their workers; raises the
     first error."""
-    from ..rpc._agent import current_agent
-
     agent = current_agent(required=False)
     errors = []
     for dst, fut in sent:
@@ -568,3 +570,12 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         _wait_all(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
     finally:
         _pass_done()
+
+
+# -- registration -------------------------------------------------------------------------------
+# Last, so that a thread that finds this module imported (a callee unpickling one of the
+# functions above) finds RPC's hooks set too. The module itself is the hooks: mypy checks it
+# against ``rpc._hooks.AutogradHooks`` here.
+from . import _context as _this  # noqa: E402  isort: skip
+
+_hooks.register(_this)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .._core.errors import DistBackendError, DistError
+from .._core.errors import CollectiveMismatchError, DistBackendError, DistError
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -93,10 +93,6 @@ def set_debug_level_from_env() -> None:
                 raise ValueError(f"The value of {var} must be OFF, INFO, or DETAIL.") from None
             return
     set_debug_level(DebugLevel.OFF)
-
-
-class CollectiveMismatchError(DistBackendError, ValueError):
-    """Ranks called different collectives, or the same one with arguments that do not fit."""
 
 
 Shape = tuple[int, ...]

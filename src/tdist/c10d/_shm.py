@@ -195,7 +195,13 @@ from typing import NamedTuple
 import torch
 
 from .._core.deadline import to_seconds
-from .._core.errors import DistBackendError, DistError, DistTimeoutError, PeerError
+from .._core.errors import (
+    CollectiveMismatchError,
+    DistBackendError,
+    DistError,
+    DistTimeoutError,
+    PeerError,
+)
 from ..store._api import Store
 from ._threads import capped
 from ._types import RedOpType, as_red_op
@@ -246,10 +252,6 @@ def memory_order_ok() -> str | None:
         f"this host is {machine or 'an unknown architecture'}, whose memory model may reorder "
         "stores and loads; the shared-memory arena relies on x86's total store order"
     )
-
-
-class CollectiveMismatchError(DistBackendError, ValueError):
-    """Ranks called different collectives, or the same one with incompatible arguments."""
 
 
 class _Kind(enum.IntEnum):

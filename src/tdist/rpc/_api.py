@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 from .. import store as _store
-from ..autograd import _context as _autograd
 from ..store._rendezvous import rendezvous
 from ..store._tcp import serving_in_a_thread
-from . import _remote_profiling, backend_registry, functions
+from . import _hooks, _remote_profiling, backend_registry, functions
 from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
 from ._future import Future
 from ._message import MsgKind
@@ -185,7 +184,7 @@ def _get_debug_info() -> dict[str, Any]:
     agent = _agent()
     info: dict[str, Any] = agent.rref_debug_info()
     info.update(agent.get_debug_info())
-    info.update(_autograd._get_debug_info())
+    info.update(_hooks.load_autograd()._get_debug_info())
     return info
 
 
@@ -258,7 +257,8 @@ def _record(exec_type: str, to: Any, func: Any) -> tuple[Any, str]:
 def _profiled_call(func: Any, key: str) -> Any:
     """``func`` wrapped so that the callee's profiler events come back (``_remote_profiling``),
     or None where they cannot (inside a distributed autograd context, ``async_execution``)."""
-    if _autograd.active or not callable(func) or getattr(func, "_wrapped_async_rpc_function", None) is not None:
+    hooks = _hooks.autograd
+    if (hooks is not None and hooks.active) or not callable(func) or getattr(func, "_wrapped_async_rpc_function", None) is not None:
         return None
     return _remote_profiling.ProfiledCall(func, key)
 
@@ -302,8 +302,9 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
 
 def _rpc_async(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown: Any = None) -> Any:
     agent, dst, body, what = _call("rpc_async", to, func, args, kwargs, shown)
-    if _autograd.active:  # inside a distributed autograd context: tensors that require grad
-        rec = _autograd.record_call(dst.id, *body)
+    hooks = _hooks.autograd
+    if hooks is not None and hooks.active:  # inside a distributed autograd context (_hooks)
+        rec = hooks.record_call(dst.id, *body)
         if rec is not None:
             call, call_args, unwrap = rec
             fut = agent.request(dst.id, MsgKind.CALL, (call, call_args, {}), timeout, what)
@@ -347,8 +348,9 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: 
 
 def _rpc_sync(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown: Any = None) -> Any:
     agent, dst, body, what = _call("rpc_sync", to, func, args, kwargs, shown)
-    if _autograd.active:  # inside a distributed autograd context: tensors that require grad
-        rec = _autograd.record_call(dst.id, *body)
+    hooks = _hooks.autograd
+    if hooks is not None and hooks.active:  # inside a distributed autograd context (_hooks)
+        rec = hooks.record_call(dst.id, *body)
         if rec is not None:
             call, call_args, unwrap = rec
             return unwrap(agent.call_sync(dst.id, MsgKind.CALL, (call, call_args, {}), timeout, what))
@@ -380,8 +382,9 @@ def _remote(to: Any, func: Any, args: Any, kwargs: Any, timeout: float) -> Any:
     agent = _agent()
     dst = agent.resolve(to)
     func, a, kw = _call_body(func, args, kwargs)
-    if _autograd.active:  # inside a distributed autograd context: tensors that require grad
-        rec = _autograd.record_remote(dst.id, func, a, kw)
+    hooks = _hooks.autograd
+    if hooks is not None and hooks.active:  # inside a distributed autograd context (_hooks)
+        rec = hooks.record_remote(dst.id, func, a, kw)
         if rec is not None:
             func, a, kw = rec[0], rec[1], {}
     return create_remote(agent, dst, func, a, kw, timeout)

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from .._core.errors import DistError, PeerError
-from ..autograd import _context as autograd
-from . import _errors, _remote_profiling
+from . import _errors, _hooks, _remote_profiling
 from ._agent import (
     CallText,
     LazyText,
@@ -414,8 +413,9 @@ class RRef:
         return self._fetch(timeout)
 
     def _fetch(self, timeout: float) -> Any:
-        if autograd.active:  # inside a distributed autograd context: the fetch records autograd
-            done, value = autograd.to_here_with_autograd(self, timeout)
+        hooks = _hooks.autograd
+        if hooks is not None and hooks.active:  # in a distributed autograd context: recorded
+            done, value = hooks.to_here_with_autograd(self, timeout)
             if done:
                 return value
         cf = self._create_fut
@@ -536,8 +536,8 @@ def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
         raise RuntimeError(f"RRef.backward() needs a scalar tensor value, got {type(value).__name__}")
     if context_id == -1:
         value.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
-    else:
-        autograd.backward(context_id, [value], retain_graph)
+    else:  # (a worker that never loaded autograd has no context: autograd says so)
+        _hooks.load_autograd().backward(context_id, [value], retain_graph)
 
 
 def _value_type(rref: RRef) -> Any:
