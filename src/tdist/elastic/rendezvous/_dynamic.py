@@ -14,7 +14,8 @@ Old marker keys are deleted as the versions go by.
 leaves the node's previous round and joins the next one (deadline ``join_timeout``); while the
 node is a member a thread beats every ``keep_alive_interval`` seconds (and drops dead nodes);
 ``set_closed``/``shutdown`` close the rendezvous. Its clock and its way of waiting can be
-replaced, so tests run it on a fake clock over a HashStore, without threads or sleeps.
+replaced, so tests run it on a fake clock over a HashStore without sleeping (the heartbeat
+thread only calls ``_keep_alive``, which a test calls itself).
 """
 
 from __future__ import annotations
