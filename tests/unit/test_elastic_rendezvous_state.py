@@ -263,6 +263,17 @@ def handler(store: HashStore, clock: FakeClock, min_nodes: int, max_nodes: int, 
     return DynamicRendezvousHandler("c10d", params, store, clock=clock, wait=clock.wait)
 
 
+def test_the_host_sorts_first_and_the_options_are_torchs() -> None:
+    store, clock = HashStore(), FakeClock()
+    params = RendezvousParameters("etcd", "unused:0", "job", 1, 2, keep_alive_interval=2, keep_alive_max_attempt="4")
+    host = DynamicRendezvousHandler("etcd", params, store, first=True, clock=clock, wait=clock.wait)
+    other = DynamicRendezvousHandler("etcd", params, store, clock=clock, wait=clock.wait)
+    assert host.node < other.node  # (so the host is rank 0 of every round it is in)
+    assert host.settings == Settings(1, 2, last_call=30, keep_alive_interval=2, keep_alive_max_attempt=4)
+    with pytest.raises(ValueError, match="'join_timeout' must be a number of seconds"):
+        handler(store, clock, 1, 1, join_timeout="soon")
+
+
 def test_the_handler_times_out_names_the_count_and_leaves() -> None:
     store, clock = HashStore(), FakeClock()
     h = handler(store, clock, 2, 2, join_timeout=10)
