@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="this node's address, as the other nodes reach it (etcd: where node 0's "
                      "store is reached; default: this host's fully qualified name)")
     run.add_argument(*_opt("--rdzv-conf"), type=_rdzv_conf, default={}, metavar="K=V,...",
-                     help="rendezvous settings: join_timeout (seconds), is_host (true/false)")
+                     help="rendezvous settings: join_timeout and last_call_timeout (seconds), "
+                     "is_host (true/false), keep_alive_interval (seconds) and keep_alive_max_attempt "
+                     "(c10d, etcd: a node whose heartbeat stood still that many intervals is dropped)")
     run.add_argument(*_opt("--max-restarts"), type=int, default=0, metavar="N",
                      help="restart the workers up to N times after a failure (default: 0)")
     run.add_argument(*_opt("--monitor-interval"), type=_seconds, default=0.5, metavar="S",
@@ -215,6 +217,14 @@ def _run(ns: argparse.Namespace) -> int:
         if "join_timeout" in conf:
             join_timeout = _seconds(conf.pop("join_timeout"))
         last_call = float(conf.pop("last_call_timeout", 30.0))
+        keep_alive_interval = _seconds(conf.pop("keep_alive_interval", "5"))
+        attempts = conf.pop("keep_alive_max_attempt", "3")
+        if keep_alive_interval <= 0 or not attempts.isdigit() or int(attempts) < 1:
+            raise ValueError(
+                f"--rdzv-conf keep_alive_interval={keep_alive_interval:g}, keep_alive_max_attempt={attempts}: "
+                "expected a positive number of seconds and a whole number of at least 1"
+            )
+        keep_alive_max_attempt = int(attempts)
         if "is_host" in conf:  # (torch's spellings of a boolean)
             text = conf.pop("is_host").lower()
             if text not in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):
@@ -241,6 +251,8 @@ def _run(ns: argparse.Namespace) -> int:
             min_nodes=min_nodes if elastic else None,
             local_addr=ns.local_addr,
             last_call_timeout=last_call,
+            keep_alive_interval=keep_alive_interval,
+            keep_alive_max_attempt=keep_alive_max_attempt,
             rdzv_host=rdzv_host,
             rdzv_port=rdzv_port,
             is_host=is_host,

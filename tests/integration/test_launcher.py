@@ -397,6 +397,7 @@ def test_missing_script(work: Path) -> None:
         (["--rdzv-backend", "etcd", "w.py"], "--rdzv-backend etcd needs --rdzv-endpoint"),
         (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
         (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
+        (["--rdzv-conf", "keep_alive_interval=0", "w.py"], "expected a positive number of seconds"),
     ],
 )
 def test_bad_options(work: Path, args: list[str], message: str) -> None:

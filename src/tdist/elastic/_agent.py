@@ -17,9 +17,18 @@ Stopping a group sends SIGTERM to each worker's process group, waits ``stop_time
 seconds (a second SIGINT/SIGTERM to the launcher cuts the wait short), then sends SIGKILL. Every
 worker is reaped before the agent returns.
 
-With ``nnodes > 1`` each node's agent joins through the store (one key per node rank), posts
-its first failure under ``/tdist/agent/failed`` so that the other nodes stop their workers too,
-and node 0 keeps the store up until every node has finished (the exit barrier).
+How nodes meet. With the static rendezvous (``--node-rank`` given) node 0 hosts the job's store
+and each node's agent joins it (one key per node rank). With c10d and etcd, in every
+``--nnodes`` form (a fixed N is N:N), the nodes meet through ``tdist.elastic.rendezvous``'s
+one ``DynamicRendezvousHandler`` (its state in the job's store at the c10d endpoint, whose
+host is node 0, or in etcd): each round gives the node its rank and the node count, and a
+store of the round for the agents' keys; node 0 of the round hosts the workers' store (the
+c10d host: the endpoint's store itself). A restart after a failure, or nodes waiting to join
+an elastic job, make every node join the next round.
+
+On several nodes each agent posts its first failure (``<agent prefix>/attempt<n>/failed``) so
+that the other nodes stop their workers too, and a node that hosts a store the others use
+keeps it up until every node has finished (the exit barrier).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import IO, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, BinaryIO
 
 from .._core import auth
 from .._core._process import die_with_parent
@@ -71,6 +80,9 @@ from ._policy import (
     worker_command,
     worker_env,
 )
+
+if TYPE_CHECKING:  # (imported when used: the launcher starts without the rendezvous modules)
+    from .rendezvous._dynamic import DynamicRendezvousHandler
 
 __all__ = ["LaunchError", "LocalAgent", "launch"]
 
@@ -181,13 +193,15 @@ class LocalAgent:
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
         self._error_dir = ""  # made by run()
-        self._hosting: bool | None = None  # whether this node hosts the job's store (run())
+        self._hosting = False  # whether this node hosts the job's store (static node 0, the c10d host)
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
-        self._rendezvous: Any = None  # (--nnodes MIN:MAX: the rendezvous handler, kept for the run)
-        self._round_server: StoreServer | None = None  # (elastic: the workers' store, on node 0)
-        self._hosted: StoreServer | None = None  # the job's store server this node runs
-        self._hosted_pidfd: int | None = None  # (its process: the monitor loop wakes when it dies)
+        self._rendezvous: DynamicRendezvousHandler | None = None  # (c10d, etcd: kept for the run)
+        self._rdzv_store: Store | None = None  # (c10d, etcd: the store the rendezvous state is in)
+        self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
+        self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
+        # the store servers this node runs, with their pidfds (the monitor loop wakes when one dies)
+        self._watched: list[tuple[StoreServer, int | None]] = []
         self._lost_store: str | None = None  # why the job ended: that store server died
         self._max_nodes = 0
         self._next_waiting_check = 0.0
@@ -214,14 +228,9 @@ class LocalAgent:
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
         self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
-            if cfg.min_nodes is not None:  # (--nnodes MIN:MAX: the rendezvous decides who is in)
-                self._elastic_rendezvous(secret)
+            if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
+                self._meet(secret)
                 cfg = self.config
-            elif cfg.rdzv_backend == "etcd":
-                server = self._etcd_rendezvous(secret)
-                cfg = self.config
-            elif cfg.rdzv_backend == "c10d":
-                server = self._try_to_host(secret)
             elif cfg.node_rank == 0:
                 # one node binds the given address; several must be reachable from the others
                 bind = cfg.master_addr if cfg.nnodes == 1 else ""
@@ -229,83 +238,116 @@ class LocalAgent:
                     server = StoreServer(bind, cfg.master_port, secret=secret)
                 except DistError as exc:
                     raise LaunchError(f"{exc} (--master-port)") from exc
-            self._hosting = server is not None
-            if cfg.rdzv_backend == "c10d" and cfg.min_nodes is None and server is not None and cfg.node_rank != 0:
-                cfg = self.config = dataclasses.replace(cfg, node_rank=0)  # (the host is node 0)
-            if server is not None:
                 server.start("process")
                 self._watch_store(server)
-                port = server.port
-                log.info("node 0: job store on %s:%d", cfg.master_addr, port)
-            else:
-                port = cfg.master_port
+                self._hosting = True
+                log.info("node 0: job store on %s:%d", cfg.master_addr, server.port)
+            port = server.port if server is not None else cfg.master_port
             if cfg.nnodes > 1 and not self._joined:
                 self._join(port, secret)
             return self._run_attempts(port, secret)
         finally:
             try:
+                self._leave_rendezvous()
                 self._exit_barrier()
             finally:
-                close = getattr(self._store, "close", None)
-                if close is not None:
-                    close()
+                for store in (self._store, self._rdzv_store):
+                    close = getattr(store, "close", None)
+                    if close is not None:
+                        close()
                 if self._round_server is not None:
                     self._round_server.stop()
-                if self._hosted_pidfd is not None:
-                    os.close(self._hosted_pidfd)
-                    self._hosted_pidfd = None
-                if self._rendezvous is not None:
-                    self._rendezvous.shutdown()
-                if server is not None:
-                    server.stop()
+                for _, pidfd in self._watched:
+                    if pidfd is not None:
+                        os.close(pidfd)
+                self._watched.clear()
+                for hosted in (server, self._rdzv_server):
+                    if hosted is not None:
+                        hosted.stop()
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 shutil.rmtree(self._error_dir, ignore_errors=True)
 
-    def _elastic_rendezvous(self, secret: str) -> None:
-        """``--nnodes MIN:MAX``: the nodes meet through ``tdist.elastic.rendezvous`` (c10d or
-        etcd), which admits from MIN to MAX of them (a last call after MIN) and numbers them.
-        Each round's store carries the agents' own keys, and its node 0 hosts the workers'
-        store at the address the round published. A new round is held when nodes wait to join
-        (the groups restart with them) and after a failure while restarts are left."""
-        from .rendezvous import RendezvousError, RendezvousParameters, get_rendezvous_handler
+    def _meet(self, secret: str) -> None:
+        """c10d and etcd, every ``--nnodes`` form (a fixed N is N:N): the nodes meet through
+        ``tdist.elastic.rendezvous``'s ``DynamicRendezvousHandler``, which admits from MIN to
+        MAX of them (a last call after MIN) and numbers them. Its state lives in the job's
+        store at the endpoint (c10d: hosted by the node that can bind it, which sorts first
+        and so is node 0) or in etcd (under ``/tdist/<run id>``). Each round's store carries
+        the agents' own keys, and node 0 of the round hosts the workers' store at the address
+        it published (the c10d host: the endpoint's store itself). A new round is held when
+        nodes wait to join (the groups restart with them) and after a failure while restarts
+        are left."""
+        from ..store._prefix import PrefixStore
+        from .rendezvous import RendezvousParameters
+        from .rendezvous._dynamic import DynamicRendezvousHandler
 
         cfg = self.config
-        assert cfg.min_nodes is not None
-        endpoint = f"{cfg.rdzv_host}:{cfg.rdzv_port}" if cfg.rdzv_backend == "etcd" else f"{cfg.master_addr}:{cfg.master_port}"
+        timeout = timedelta(seconds=cfg.join_timeout)
+        server, server_port = None, None
+        store: Store
+        if cfg.rdzv_backend == "c10d":
+            endpoint = f"{cfg.master_addr}:{cfg.master_port}"
+            server = self._try_to_host(secret)
+            port = cfg.master_port
+            if server is not None:
+                server.start("process")
+                self._watch_store(server)
+                self._rdzv_server, self._hosting = server, True
+                port = server_port = server.port
+                log.info("the job's store (and its rendezvous) on %s:%d", cfg.master_addr, port)
+            try:
+                client = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
+            except DistError as exc:
+                raise LaunchError(f"c10d rendezvous: the store at {cfg.master_addr}:{port} cannot be reached: {exc}") from exc
+            self._rdzv_store = client
+            store = PrefixStore(f"torch.rendezvous.{cfg.run_id}", client)
+            # (the host's address as the others reach it is the endpoint's)
+            local_addr = cfg.local_addr or (cfg.master_addr if server is not None else "")
+        else:
+            from ..store._etcd import EtcdStore
+
+            endpoint = f"{cfg.rdzv_host}:{cfg.rdzv_port}"
+            prefix = "/tdist/" + urllib.parse.quote(cfg.run_id, safe="")  # (a / in the id nests no job)
+            try:
+                # (no lease: the job's keys are shared, and a key's lease would be its last writer's,
+                # so one launcher's exit would take keys the others still use; a finished job's
+                # keys are deleted by node 0, a crashed one's stay: give every job its own run id)
+                store = self._rdzv_store = EtcdStore(cfg.rdzv_host, cfg.rdzv_port, prefix=prefix, timeout=timeout)
+            except DistError as exc:
+                raise LaunchError(f"etcd at {endpoint} (--rdzv-endpoint): {exc}") from exc
+            local_addr = cfg.local_addr or cfg.master_addr
         params = RendezvousParameters(
-            cfg.rdzv_backend, endpoint, cfg.run_id, cfg.min_nodes, cfg.nnodes, local_addr=cfg.local_addr or None,
-            join_timeout=cfg.join_timeout, last_call_timeout=cfg.last_call_timeout,
-            **({} if cfg.is_host is None else {"is_host": cfg.is_host}),
+            cfg.rdzv_backend, endpoint, cfg.run_id, cfg.nnodes if cfg.min_nodes is None else cfg.min_nodes, cfg.nnodes,
+            local_addr=local_addr or None, join_timeout=cfg.join_timeout, last_call_timeout=cfg.last_call_timeout,
+            keep_alive_interval=cfg.keep_alive_interval, keep_alive_max_attempt=cfg.keep_alive_max_attempt,
         )
         self._max_nodes = cfg.nnodes
-        try:
-            self._rendezvous = get_rendezvous_handler(params)
-        except RendezvousError as exc:  # (it names the backend and the endpoint)
-            raise LaunchError(str(exc)) from exc
-        except (DistError, ValueError) as exc:
-            raise LaunchError(f"{cfg.rdzv_backend} rendezvous at {endpoint}: {exc}") from exc
+        self._rendezvous = DynamicRendezvousHandler(cfg.rdzv_backend, params, store, first=server is not None, server_port=server_port)
         # a signal to the launcher ends a wait in the rendezvous
         self._rendezvous._should_stop = lambda: self._signum is not None
         self._next_round(secret)
 
     def _next_round(self, secret: str) -> None:
         """Join the rendezvous's next round; this node's rank, the node count and the workers'
-        store come from it (node 0 starts that store)."""
+        store come from it (node 0 starts that store, unless it is the endpoint's)."""
         from .rendezvous import RendezvousError
 
-        cfg = self.config
+        cfg, handler = self.config, self._rendezvous
+        assert handler is not None
         try:
-            info = self._rendezvous.next_rendezvous()
+            info = handler.next_rendezvous()
         except (RendezvousError, DistError) as exc:
             raise LaunchError(str(exc)) from exc
         boot = info.bootstrap_store_info
         assert boot is not None
         if self._round_server is not None:
+            self._unwatch_store(self._round_server)
             self._round_server.stop()
             self._round_server = None
-        if info.rank == 0:
+        hosted = [server.port for server, _ in self._watched]
+        if info.rank == 0 and boot.master_port not in hosted:
             try:
                 self._round_server = StoreServer("", boot.master_port, secret=secret)
             except DistError as exc:
@@ -321,6 +363,18 @@ class LocalAgent:
         self._next_waiting_check = self._clock() + cfg.monitor_interval
         log.info("node %d of %d (%s rendezvous, up to %d nodes)", info.rank, info.world_size, cfg.rdzv_backend, self._max_nodes)
 
+    def _leave_rendezvous(self) -> None:
+        """At the end, before the exit barrier: a member closes the rendezvous (nodes still
+        waiting to join get an error rather than a round that will not come); a node that
+        never got in only leaves it. Either way its heartbeats stop, so nothing of this node
+        writes the rendezvous's state once it said it finished (node 0 may delete it)."""
+        if self._rendezvous is None:
+            return
+        if self._joined:
+            self._rendezvous.shutdown()
+        else:
+            self._rendezvous._leave()
+
     def _nodes_waiting(self) -> bool:
         """Elastic: whether nodes wait to join (checked every monitor interval)."""
         if self._rendezvous is None or self.config.nnodes >= self._max_nodes or self._clock() < self._next_waiting_check:
@@ -332,55 +386,9 @@ class LocalAgent:
             log.warning("node %d: could not ask the rendezvous for waiting nodes: %s", self.config.node_rank, exc)
             return False
 
-    def _etcd_rendezvous(self, secret: str) -> StoreServer | None:
-        """etcd rendezvous: the nodes meet in etcd (under ``/tdist/<run id>``), numbered in the
-        order they come; node 0 hosts the workers' store on a free port and says where in etcd.
-        The etcd store stays the agents' own (failures, the exit barrier). Returns node 0's
-        server (bound, not started yet), else None."""
-        from ..store._etcd import EtcdStore
-
-        cfg = self.config
-        timeout = timedelta(seconds=cfg.join_timeout)
-        prefix = "/tdist/" + urllib.parse.quote(cfg.run_id, safe="")  # (a / in the id nests no job)
-        try:
-            # (no lease: the job's keys are shared, and a key's lease would be its last writer's,
-            # so one launcher's exit would take keys the others still use; a finished job's
-            # keys are deleted by node 0, a crashed one's stay: give every job its own run id)
-            etcd = EtcdStore(cfg.rdzv_host, cfg.rdzv_port, prefix=prefix, timeout=timeout)
-            self._store = etcd
-            rank = etcd.add(f"{AGENT_PREFIX}/next_node_rank", 1) - 1
-        except DistError as exc:
-            raise LaunchError(f"etcd at {cfg.rdzv_host}:{cfg.rdzv_port} (--rdzv-endpoint): {exc}") from exc
-        if rank >= cfg.nnodes:
-            raise LaunchError(
-                f"the job {cfg.run_id!r} in etcd at {cfg.rdzv_host}:{cfg.rdzv_port} has its {cfg.nnodes} nodes "
-                "already (--nnodes); this one is one too many (give every job its own --rdzv-id)"
-            )
-        server = None
-        if rank == 0:
-            try:
-                server = StoreServer(cfg.master_addr if cfg.nnodes == 1 else "", 0, secret=secret)
-            except DistError as exc:
-                raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
-            try:
-                etcd.set(f"{AGENT_PREFIX}/master", f"{cfg.master_addr}:{server.port}")
-            except DistError as exc:
-                server.stop()
-                raise LaunchError(f"etcd at {cfg.rdzv_host}:{cfg.rdzv_port}: {exc}") from exc
-            addr, port = cfg.master_addr, server.port
-        else:
-            try:
-                addr, _, text = etcd.get(f"{AGENT_PREFIX}/master").decode().rpartition(":")
-                port = int(text)
-            except (DistError, ValueError) as exc:
-                raise LaunchError(f"node {rank}: node 0 of job {cfg.run_id!r} did not say where its store is: {exc}") from exc
-        self.config = dataclasses.replace(cfg, node_rank=rank, master_addr=addr, master_port=port)
-        log.info("node %d of %d (etcd rendezvous); the job's store is at %s:%d", rank, cfg.nnodes, addr, port)
-        return server
-
     def _try_to_host(self, secret: str) -> StoreServer | None:
-        """c10d rendezvous: host the job's store at the endpoint if this node can bind it (it
-        is then node 0), else None (another node hosts it; this one joins as a client)."""
+        """c10d rendezvous: the job's store at the endpoint (not started yet) if this node can
+        bind it (it is then node 0), else None (another node hosts it; this one is a client)."""
         cfg = self.config
         if cfg.is_host is False:
             return None
@@ -422,10 +430,10 @@ class LocalAgent:
                         why = self._peer_failure()[0] or "another node failed"
                     self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
                     restart_count += 1
-                # (elastic: every round has keys of its own, and nodes that joined later count
+                # (rendezvous: every round has keys of its own, and nodes that joined later count
                 # restarts from 0, so the failure keys are the round's, not the attempt's)
                 self._attempt = restart_count if self._rendezvous is None else 0
-                if self._rendezvous is not None:  # (elastic: a new round, maybe with other nodes)
+                if self._rendezvous is not None:  # (a new round, maybe with other nodes)
                     self._next_round(secret)
                     cfg, port = self.config, self.config.master_port
                 elif cfg.nnodes > 1:
@@ -621,8 +629,7 @@ class LocalAgent:
     def _sleep(self, workers: list[_Worker], timeout: float | None) -> None:
         """Block until a worker exits, a signal arrives, or ``timeout`` seconds pass."""
         fds = [self._wake_r]
-        if self._hosted_pidfd is not None and self._hosted is not None and self._hosted.exit_status() is None:
-            fds.append(self._hosted_pidfd)
+        fds += [pidfd for server, pidfd in self._watched if pidfd is not None and server.exit_status() is None]
         polling = False
         for w in workers:
             if w.exit is None:
@@ -727,29 +734,17 @@ class LocalAgent:
 
     # -- several nodes -------------------------------------------------------------------------
     def _join(self, port: int, secret: str) -> None:
+        """Static rendezvous: every node is given its rank; each sets its key in node 0's store
+        and waits for the others' (there is nothing else to agree on)."""
         cfg = self.config
         timeout = timedelta(seconds=cfg.join_timeout)
-        store: Store
-        if self._store is not None:  # (etcd's)
-            store = self._store
-        else:
-            try:
-                store = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
-            except DistError as exc:
-                raise LaunchError(
-                    f"node {cfg.node_rank}: cannot reach the job store at {cfg.master_addr}:{port}: {exc}"
-                ) from exc
-            self._store = store
-        if cfg.rdzv_backend == "c10d" and self._hosting is False:
-            # (the host is node 0; the others are numbered in the order they come)
-            rank = store.add(f"{AGENT_PREFIX}/next_node_rank", 1)
-            if rank >= cfg.nnodes:
-                raise LaunchError(
-                    f"the job at {cfg.master_addr}:{port} has its {cfg.nnodes} nodes already (--nnodes); "
-                    "this one is one too many"
-                )
-            cfg = self.config = dataclasses.replace(cfg, node_rank=rank)
-            log.info("node %d of %d (assigned by the rendezvous)", rank, cfg.nnodes)
+        try:
+            store = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
+        except DistError as exc:
+            raise LaunchError(
+                f"node {cfg.node_rank}: cannot reach the job store at {cfg.master_addr}:{port}: {exc}"
+            ) from exc
+        self._store = store
         if store.add(f"{AGENT_PREFIX}/node{cfg.node_rank}", 1) > 1:
             raise LaunchError(
                 f"node rank {cfg.node_rank} joined twice: give every node its own --node-rank"
@@ -770,26 +765,31 @@ class LocalAgent:
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
 
     def _watch_store(self, server: StoreServer) -> None:
-        if self._hosted_pidfd is not None:
-            os.close(self._hosted_pidfd)
-            self._hosted_pidfd = None
-        self._hosted = server
+        """Watch a store server this node started (its death ends the job)."""
+        pidfd = None
         if server.pid is not None:
             with contextlib.suppress(AttributeError, OSError):  # (old kernel: checked each wake-up)
-                self._hosted_pidfd = os.pidfd_open(server.pid)
+                pidfd = os.pidfd_open(server.pid)
+        self._watched.append((server, pidfd))
+
+    def _unwatch_store(self, server: StoreServer) -> None:
+        """Stop watching ``server`` (before stopping it)."""
+        for entry in [e for e in self._watched if e[0] is server]:
+            self._watched.remove(entry)
+            if entry[1] is not None:
+                os.close(entry[1])
 
     def _store_lost(self) -> str | None:
-        """Why the job's store server that this node runs is gone (its process died), else
-        None. The workers and the other nodes depend on it: the job ends."""
-        server = self._hosted
-        status = None if server is None else server.exit_status()
-        if server is None or status is None:
-            return None
-        how = describe_returncode(status)
-        return (
-            f"the job's store server (pid {server.pid}, port {server.port}) died (exit code {how}); "
-            "the workers cannot meet without it"
-        )
+        """Why a store server that this node runs is gone (its process died), else None. The
+        workers and the other nodes depend on it: the job ends."""
+        for server, _ in self._watched:
+            status = server.exit_status()
+            if status is not None:
+                return (
+                    f"the job's store server (pid {server.pid}, port {server.port}) died (exit code "
+                    f"{describe_returncode(status)}); the workers cannot meet without it"
+                )
+        return None
 
     def _poll_peers(self) -> tuple[str | None, bool]:
         if self._store is None or self._clock() < self._next_peer_check:
@@ -874,20 +874,20 @@ class LocalAgent:
             return
         try:
             store.set(f"{AGENT_PREFIX}/finished/node{cfg.node_rank}", b"1")
-            # node 0 hosts the job's store and waits for the others before it goes; elastic,
-            # the rendezvous's store may be any node's, so every node waits
-            if cfg.node_rank != 0 and self._rendezvous is None:
+            # a node that hosts a store the others use (static node 0, the c10d host, the node
+            # 0 of a round with the workers' store) waits for them before it goes
+            if not self._hosting and self._round_server is None:
                 return
             keys = [f"{AGENT_PREFIX}/finished/node{k}" for k in range(cfg.nnodes)]
             deadline = self._clock() + cfg.exit_barrier_timeout
             while not store.check(keys):
                 if self._clock() >= deadline or self._signal_count > 1:
-                    log.warning("node 0: stopping the job store before every node finished")
+                    log.warning("node %d: stopping the job's store before every node finished", cfg.node_rank)
                     return
                 with contextlib.suppress(DistStoreError):
                     store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
-            if cfg.rdzv_backend == "etcd":  # the job is over: its keys leave etcd
-                delete_all = getattr(store, "delete_all", None)
+            if cfg.rdzv_backend == "etcd" and cfg.node_rank == 0:  # the job is over: its keys leave etcd
+                delete_all = getattr(self._rdzv_store, "delete_all", None)
                 if delete_all is not None:
                     delete_all()
         except DistError as exc:

@@ -74,6 +74,9 @@ class LaunchConfig:
             ``last_call_timeout`` seconds after ``min_nodes`` came for more; None: exactly
             ``nnodes``.
         local_addr: this node's address as the others reach it (elastic: node 0's store).
+        keep_alive_interval, keep_alive_max_attempt: c10d and etcd: a node beats every
+            ``keep_alive_interval`` seconds while it is in the rendezvous, and one whose
+            heartbeat stood still for ``keep_alive_max_attempt`` intervals is dropped.
         is_host: c10d only: whether this node hosts the store (None: it tries).
         local_ranks_filter: the local ranks whose output is shown (None: every one); the
             others' is read and dropped (a failure's report still quotes it).
@@ -105,6 +108,8 @@ class LaunchConfig:
     min_nodes: int | None = None
     local_addr: str = ""
     last_call_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
     local_ranks_filter: frozenset[int] | None = None
 
     def __post_init__(self) -> None:

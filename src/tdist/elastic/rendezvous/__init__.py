@@ -8,18 +8,26 @@ bootstrap_store_info)``. The names, defaults and errors are torch's; the handler
 - ``static``: every node is given its ``rank`` (``RendezvousParameters(..., rank=K)``); node 0
   hosts a TCPStore at the endpoint; the world size is ``max_nodes``.
 - ``c10d``: the state lives in a TCPStore at the endpoint (port 29400 by default), hosted by the
-  node that can bind it; ``etcd`` and ``etcd-v2``: the state lives in etcd (``EtcdStore``; port
-  2379 by default). Both run the same store-backed protocol (``_StoreRendezvous``):
+  node that can bind it (its node sorts first: it is rank 0 of the rounds it is in); ``etcd``
+  and ``etcd-v2``: the state lives in etcd (``EtcdStore``; port 2379 by default). Both are one
+  handler, ``DynamicRendezvousHandler`` (``_dynamic``), that carries out the decisions of a
+  state machine (``_state``, sans-IO: the theory of operation is there), as torch's
+  ``dynamic_rendezvous``:
 
-  - a node joins the current round by adding itself to its counter (its rank is the count
-    before it); the round closes at ``max_nodes`` at once, or ``last_call_timeout`` seconds
-    (default 30) after ``min_nodes`` have joined; whoever closes it writes the final size with
-    a compare-and-set, so every node agrees on it;
-  - a node that comes after the round closed (or beyond ``max_nodes``) counts itself as waiting
-    (``num_nodes_waiting()``) and joins the next round, which the members open by calling
-    ``next_rendezvous()`` again (after a failure, or to admit the waiting nodes);
-  - ``join_timeout`` (default 600 s) bounds the wait for ``min_nodes``
-    (``RendezvousTimeoutError``); ``set_closed()`` ends the job's rendezvous for every node
+  - the nodes share one state record, changed by compare-and-set with a version as fencing
+    token: the round, its participants, the wait list, the closed flag, the heartbeats;
+  - a round completes at ``max_nodes`` at once, or ``last_call_timeout`` seconds (default 30)
+    after ``min_nodes`` have joined; ranks follow the sorted order of the nodes' names, so the
+    same nodes keep their ranks from round to round;
+  - a node that comes while the round is complete waits in the wait list
+    (``num_nodes_waiting()``, while the round has room) and joins the next round, which the
+    members open by calling ``next_rendezvous()`` again (after a failure, or to admit the
+    waiting nodes): each leaves its round and joins again;
+  - a member beats every ``keep_alive_interval`` seconds (default 5); a node whose heartbeat
+    stood still for ``keep_alive_max_attempt`` (default 3) intervals of an observer's own clock
+    is dropped by that observer (no clock is compared across hosts);
+  - ``join_timeout`` (default 600 s) bounds ``next_rendezvous()`` (``RendezvousTimeoutError``);
+    ``set_closed()`` and ``shutdown()`` end the job's rendezvous for every node
     (``RendezvousClosedError`` afterwards).
 
   Rank 0 of each round publishes ``MASTER_ADDR``/``MASTER_PORT`` for the workers
@@ -28,17 +36,15 @@ bootstrap_store_info)``. The names, defaults and errors are torch's; the handler
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from ..._core.errors import DistError, DistStoreError
+from ..._core.errors import DistError
 from ...store._api import Store
 from ...store._prefix import PrefixStore
 
@@ -377,135 +383,6 @@ class _StaticRendezvous(RendezvousHandler):
         return self._run_id
 
 
-class _StoreRendezvous(RendezvousHandler):
-    """The c10d and etcd handlers: the protocol in the module's docstring, over ``state``."""
-
-    def __init__(self, backend: str, params: RendezvousParameters, state: Store, on_shutdown: Callable[[], None] | None = None) -> None:
-        self._backend, self._params, self._state = backend, params, state
-        self._on_shutdown = on_shutdown
-        self._round: int | None = None
-        self._join_timeout = float(params.get("join_timeout", 600))
-        self._last_call = float(params.get("last_call_timeout", 30))
-        # (a launcher sets this to end a wait on a signal: checked at least once a second)
-        self._should_stop: Callable[[], bool] = lambda: False
-
-    def get_backend(self) -> str:
-        return self._backend
-
-    @property
-    def use_agent_store(self) -> bool:
-        # (the workers get a store of their own: rank 0's MASTER_ADDR and a free MASTER_PORT)
-        return False
-
-    def get_run_id(self) -> str:
-        return self._params.run_id
-
-    def is_closed(self) -> bool:
-        try:
-            return self._state.check(["closed"])
-        except DistError as exc:
-            raise RendezvousConnectionError(str(exc)) from exc
-
-    def set_closed(self) -> None:
-        try:
-            self._state.set("closed", b"1")
-        except DistError as exc:
-            raise RendezvousConnectionError(str(exc)) from exc
-
-    def num_nodes_waiting(self) -> int:
-        """The nodes waiting to join this node's round (at least 1 once other members have
-        opened the next round: this node must join it too)."""
-        try:
-            n = self._round if self._round is not None else self._current_round()
-            waiting = self._state.add(f"round{n}/waiting", 0)
-            if self._round is not None and self._current_round() > self._round:
-                waiting = max(waiting, 1)
-            return waiting
-        except DistError as exc:
-            raise RendezvousConnectionError(str(exc)) from exc
-
-    def shutdown(self) -> bool:
-        """Close the rendezvous (as torch's: nodes still waiting get RendezvousClosedError)
-        and release what the handler holds."""
-        with contextlib.suppress(DistError):
-            self._state.set("closed", b"1")
-        if self._on_shutdown is not None:
-            self._on_shutdown()
-            self._on_shutdown = None
-        return True
-
-    def _current_round(self) -> int:
-        return self._state.add("round", 0)
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        try:
-            return self._next_rendezvous()
-        except DistError as exc:
-            raise RendezvousConnectionError(f"{self._backend} rendezvous of {self._params.run_id!r}: {exc}") from exc
-
-    def _next_rendezvous(self) -> RendezvousInfo:
-        params, state = self._params, self._state
-        deadline = time.monotonic() + self._join_timeout
-        if self._round is not None:  # a member asks for a new round: open it (once, whoever asks first)
-            state.compare_set("round", str(self._round).encode(), str(self._round + 1).encode())
-            state.set(f"round{self._round + 1}/open", b"1")  # (wakes the nodes waiting for it)
-        while True:
-            if self.is_closed():
-                raise RendezvousClosedError(f"the rendezvous of {params.run_id!r} is closed")
-            n = self._current_round()
-            rank = state.add(f"round{n}/joined", 1) - 1
-            size = self._await_close(n, rank, deadline)
-            if rank < size:
-                break
-            state.add(f"round{n}/waiting", 1)  # too late for this round: wait for the next
-            log.info("%s rendezvous of %r: round %d closed with %d nodes; waiting for the next", self._backend, params.run_id, n, size)
-            try:  # (until the members open the next round)
-                while self._current_round() == n:
-                    self._pause(f"round{n + 1}/open", deadline)
-            except BaseException:  # (giving up: no longer waiting)
-                with contextlib.suppress(DistError):
-                    state.add(f"round{n}/waiting", -1)
-                raise
-        self._round = n
-        round_store = PrefixStore(f"round{n}", state)
-        info = RendezvousStoreInfo.build(rank, round_store, params.local_addr)
-        return RendezvousInfo(PrefixStore(f"round{n}/user", state), rank, size, info)
-
-    def _await_close(self, n: int, rank: int, deadline: float) -> int:
-        """Wait for round ``n`` to close; returns its size (closing it when it is this node's
-        to close)."""
-        params, state = self._params, self._state
-        closed = f"round{n}/closed"
-        min_reached_at: float | None = None
-        while True:
-            if state.check([closed]):
-                return int(state.get(closed))
-            joined = state.add(f"round{n}/joined", 0)
-            now = time.monotonic()
-            if joined >= params.max_nodes:
-                state.compare_set(closed, b"", str(params.max_nodes).encode())
-                continue
-            if joined >= params.min_nodes:
-                min_reached_at = min_reached_at or now
-                if now - min_reached_at >= self._last_call:
-                    state.compare_set(closed, b"", str(joined).encode())
-                    continue
-            elif now >= deadline:
-                raise RendezvousTimeoutError(
-                    f"{self._backend} rendezvous of {params.run_id!r}: {joined} of at least {params.min_nodes} nodes "
-                    f"joined within {self._join_timeout:g} s"
-                )
-            self._pause(closed, deadline, 0.05 if min_reached_at is not None else 1.0)
-
-    def _pause(self, key: str, deadline: float, longest: float = 1.0) -> None:
-        if self._should_stop():
-            raise RendezvousClosedError(f"{self._backend} rendezvous of {self._params.run_id!r}: interrupted")
-        if time.monotonic() >= deadline:
-            raise RendezvousTimeoutError(f"{self._backend} rendezvous of {self._params.run_id!r} timed out")
-        with contextlib.suppress(DistStoreError):  # (a timeout here is a poll; a lost store is not)
-            self._state.wait([key], timedelta(seconds=max(0.01, min(longest, deadline - time.monotonic()))))
-
-
 def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     from ...store._server import StoreServer
     from ...store._tcp import TCPStore
@@ -537,7 +414,7 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
             server.stop()
 
     state = PrefixStore(f"torch.rendezvous.{params.run_id}", store)
-    return _StoreRendezvous("c10d", params, state, on_shutdown=release)
+    return DynamicRendezvousHandler("c10d", params, state, first=server is not None, on_shutdown=release)
 
 
 def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
@@ -554,10 +431,12 @@ def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
             raise RendezvousConnectionError(f"{backend} rendezvous: {exc}") from exc
         # (no lease: the round's keys are shared, and a key's lease is its last writer's, so
         # one node's exit would take state the others still use)
-        return _StoreRendezvous(backend, params, store, on_shutdown=store.close)
+        return DynamicRendezvousHandler(backend, params, store, on_shutdown=store.close)
 
     return create
 
+
+from ._dynamic import DynamicRendezvousHandler  # noqa: E402  (it builds on the API above)
 
 rendezvous_handler_registry.register("static", _StaticRendezvous)
 rendezvous_handler_registry.register("c10d", _create_c10d_handler)
