@@ -1,6 +1,6 @@
 """RPC side by side: tdist.rpc against torch.distributed.rpc, 2 processes, same run.
 
-Run: .venv/bin/python benchmarks/bench_rpc.py [--rounds 3] [--impls torch,torch-uv,tdist,tdist-pg]
+Run: .venv/bin/python benchmarks/bench_rpc.py [--rounds 3] [--impls torch,torch-uv,tdist,tdist-pg] [--busy]
      [--only rpc_sync,rpc_async,echo,remote,init] [--calls 2000] [--quick] [--timeout 120]
 
 Implementations (rank 0 = caller "w0", rank 1 = callee "w1", MASTER_ADDR/MASTER_PORT env):
@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 import torch.distributed.rpc as torch_rpc
 
-from _common import _fmt, before_fork, machine_line, median, table
+from _common import _fmt, before_fork, busy_host, machine_line, median, table
 from tdist.testing import RankTimeoutError, free_port, run_processes
 
 MiB = 1 << 20
@@ -264,6 +264,7 @@ def main() -> None:
         help="calls per latency measurement (default 2000, --quick 300)",
     )
     ap.add_argument("--quick", action="store_true", help="fewer iterations and pairs")
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     ap.add_argument(
         "--timeout", type=float, default=120.0, help="seconds before a process pair is killed"
     )
@@ -284,7 +285,8 @@ def main() -> None:
         "init_pairs": 1 if args.quick else 3,
     }
 
-    print(f"# rpc benchmark: {machine_line()} | torch {torch.__version__} | 2 processes (fork)")
+    busy = " | busy host" if args.busy else ""
+    print(f"# rpc benchmark: {machine_line()} | torch {torch.__version__} | 2 processes (fork){busy}")
     print(f"# {args.rounds} rounds; {cfg}")
     runnable = []
     for impl in impls:
@@ -300,41 +302,42 @@ def main() -> None:
     errors: dict[tuple[str, str], int] = {}
     timeouts: dict[str, int] = {}  # an implementation that times out twice is skipped from then on
     t_start = time.perf_counter()
-    for r in range(args.rounds):
-        k = r % len(runnable) if runnable else 0
-        order = runnable[k:] + runnable[:k]
-        for metric in metrics:
-            for impl in order:
-                if (impl, metric) in timed_out:
-                    continue
-                if timeouts.get(impl, 0) >= 2:
-                    timed_out.add((impl, metric))
-                    print(
-                        f"  {impl} {metric}: skipped ({impl} timed out twice already)", flush=True
+    with busy_host(args.busy):
+        for r in range(args.rounds):
+            k = r % len(runnable) if runnable else 0
+            order = runnable[k:] + runnable[:k]
+            for metric in metrics:
+                for impl in order:
+                    if (impl, metric) in timed_out:
+                        continue
+                    if timeouts.get(impl, 0) >= 2:
+                        timed_out.add((impl, metric))
+                        print(
+                            f"  {impl} {metric}: skipped ({impl} timed out twice already)", flush=True
+                        )
+                        continue
+                    try:
+                        res = measure(impl, metric, cfg, args.timeout)
+                    except RankTimeoutError as exc:
+                        timed_out.add((impl, metric))
+                        timeouts[impl] = timeouts.get(impl, 0) + 1
+                        print(f"  {impl} {metric}: TIMEOUT ({exc})", flush=True)
+                        continue
+                    except Exception as exc:
+                        errors[(impl, metric)] = errors.get((impl, metric), 0) + 1
+                        text = "".join(traceback.format_exception_only(exc)).strip()
+                        print(f"  {impl} {metric}: ERROR {text}", flush=True)
+                        continue
+                    samples.setdefault((impl, metric), []).append(res)
+                    shown = "; ".join(
+                        f"{label} {res[key] * scale:.4g}"
+                        for label, m, key, scale, _, _ in ROWS
+                        if m == metric
                     )
-                    continue
-                try:
-                    res = measure(impl, metric, cfg, args.timeout)
-                except RankTimeoutError as exc:
-                    timed_out.add((impl, metric))
-                    timeouts[impl] = timeouts.get(impl, 0) + 1
-                    print(f"  {impl} {metric}: TIMEOUT ({exc})", flush=True)
-                    continue
-                except Exception as exc:
-                    errors[(impl, metric)] = errors.get((impl, metric), 0) + 1
-                    text = "".join(traceback.format_exception_only(exc)).strip()
-                    print(f"  {impl} {metric}: ERROR {text}", flush=True)
-                    continue
-                samples.setdefault((impl, metric), []).append(res)
-                shown = "; ".join(
-                    f"{label} {res[key] * scale:.4g}"
-                    for label, m, key, scale, _, _ in ROWS
-                    if m == metric
-                )
-                print(f"  round {r + 1} {impl:8s} {shown}", flush=True)
-        print(
-            f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f} s)", flush=True
-        )
+                    print(f"  round {r + 1} {impl:8s} {shown}", flush=True)
+            print(
+                f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f} s)", flush=True
+            )
 
     def cell(impl: str, metric: str, key: str, scale: float) -> tuple[float | None, str]:
         """(median over the rounds that succeeded, its text, with failed rounds noted)."""

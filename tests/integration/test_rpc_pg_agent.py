@@ -183,6 +183,36 @@ def test_calls_tensors_errors_rrefs_and_graceful_shutdown() -> None:
 # -- static membership only -----------------------------------------------------------------------
 
 
+def _large_both_ways(rank: int, world: int, port: int) -> bool:
+    _init(rank, port)
+    peer = f"worker{rank ^ 1}"  # (pairs 0-1 and 2-3)
+    errors: list[BaseException] = []
+
+    def calls(k: int) -> None:
+        try:
+            for i in range(3):
+                t = torch.full((3 << 20,), float(rank * 100 + k * 10 + i))  # 12 MiB each way
+                got_tag, got = rpc.rpc_sync(peer, echo, args=(i, t))
+                assert got_tag == i and torch.equal(got, t)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(k,)) for k in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(40)
+    assert not errors, errors
+    rpc.shutdown()
+    return True
+
+
+def test_large_messages_both_ways_at_once_travel_whole() -> None:
+    # Requests one way and replies the other, each a single process-group message copied
+    # straight from the sender's memory: neither side's reader waits on a send of its own.
+    assert run_processes(_large_both_ways, WORLD, free_port(), timeout=50) == [True] * WORLD
+
+
 def test_world_size_none_is_refused_directly() -> None:
     with pytest.raises(ValueError, match="fixed world_size; use TENSORPIPE"):
         ProcessGroupAgent(None, "w", 0, None, ProcessGroupRpcBackendOptions())

@@ -9,8 +9,9 @@ group and nothing else uses it). Building it is the init barrier: its mesh needs
 A message travels as point-to-point messages to the destination: a header, an int64 tensor
 ``[kind, message id, payload bytes, payload tag]`` with tag ``_HEADER_TAG``, then the payload,
 a uint8 tensor holding the ``transport.serialization`` encoding of the body (its parts
-concatenated once), with the payload tag the header named, in pieces of at most ``_CHUNK``
-bytes (views of the one tensor, sent in order; see ``_CHUNK`` for why). Payload tags are unique
+concatenated once), one message with the payload tag the header named: the process group's own
+``send`` (a large one to a worker of this host is copied straight from the sender's memory;
+nothing is framed again here). Payload tags are unique
 per sender and destination, so two threads sending to one worker at once can interleave their
 messages without pairing a header with the other one's payload, and no lock is held across a
 send. Messages go out in the sending thread; the process group delivers the messages of one tag
@@ -18,8 +19,8 @@ between two ranks in order, so the headers (hence the messages) that one thread 
 worker arrive in the order it sent them, which the RRef protocol and the replies rely on.
 
 Receiving: per peer, one thread at a time (the holder of that peer's ``_Baton``) posts a
-receive for the peer's next header, then one for each piece of the payload it announces (all at
-once, so that later pieces land in place), and hands the message to ``RpcAgent._on_message``;
+receive for the peer's next header, then one for the payload it announces (straight into the
+tensor the message is decoded from), and hands the message to ``RpcAgent._on_message``;
 one reading thread per source keeps its messages in order. A reply completes a future whose
 callbacks may block, for instance on another call to the same worker, whose reply must still be
 read: so the holder runs the agent's own reply handling, then hands the baton to a spare thread
@@ -56,7 +57,6 @@ from .._core.errors import (
 )
 from ..c10d._tcp_backend import ProcessGroupTCP, bytes_view
 from ..store import PrefixStore
-from ..transport import _endpoint
 from ..transport import _serialization as ser
 from ._agent import RpcAgent, current_agent, set_current_agent, validate_name
 from ._message import REQUESTS, MsgKind, encode_meta
@@ -71,13 +71,6 @@ _HEADER_TAG = 1
 _PAYLOAD_TAG0 = 1 << 32  # payload tags: this plus the sender's count of messages to that worker
 _MAX_TAG = 1 << 62  # the process group's point-to-point tags stay below this
 _MAX_PAYLOAD = 1 << 40
-# Payloads travel in pieces the process group sends inline, below its cross-memory threshold:
-# the receiver of a cross-memory message acknowledges it from its socket reader, under the send
-# lock of that connection, so with large messages going both ways between two workers (requests
-# one way, replies the other) both readers can wait for a send lock held by a sender that waits
-# for the other reader, until the peer is reported lost or stalled. Inline pieces are only ever
-# drained by the readers, which never block on a send.
-_CHUNK = max(4096, min(1 << 18, getattr(_endpoint, "_CMA_MIN", 1 << 18)) - 64)
 # The readers' receives wait for the next message without a deadline (a receive that timed out
 # would stay posted and swallow the message it was waiting for); the process group's heartbeat
 # watch and its destruction end them instead.
@@ -183,8 +176,7 @@ class ProcessGroupAgent(RpcAgent):
         # and the process group fails a peer that stops reading (its heartbeat watch)
         try:
             pg.send([header], dst, tag=_HEADER_TAG)
-            for a in range(0, nbytes, _CHUNK):
-                pg.send([payload[a : a + _CHUNK]], dst, tag=ptag)
+            pg.send([payload], dst, tag=ptag)
         except DistError as exc:
             if kind not in REQUESTS:
                 raise
@@ -247,11 +239,7 @@ class ProcessGroupAgent(RpcAgent):
                     f"{nbytes} bytes, payload tag {ptag}): is it a PROCESS_GROUP agent of this version?"
                 )
             payload = torch.empty(nbytes, dtype=torch.uint8)
-            # every piece is posted before the first is waited for: pieces that arrive later
-            # land in place
-            works = [pg.recv([payload[a : a + _CHUNK]], src, tag=ptag) for a in range(0, nbytes, _CHUNK)]
-            for work in works:
-                work.wait()
+            pg.recv([payload], src, tag=ptag).wait()
             # a reply completes a future, whose callbacks may block: ``_finish`` hands the
             # baton on before it runs them
             self._tls.baton = st if kind in (MsgKind.REPLY_OK, MsgKind.REPLY_ERR, MsgKind.REPLY_OK_ACK) else None
