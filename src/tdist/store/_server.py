@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .._core import auth
+from .._core import spin as _spin
 from .._core.errors import (
     AuthenticationError,
     DistNetworkError,
@@ -168,7 +169,7 @@ class StoreServer:
         unix: also listen on an abstract Unix socket for same-host clients.
         clock: the monotonic clock (injectable for tests).
         spin: seconds to keep polling after activity before sleeping, when serving in a
-            process of its own (default ``TDIST_STORE_SPIN_US`` microseconds, 200).
+            process of its own (default: ``_core.spin``'s budget, ``TDIST_SPIN_US``).
 
     Raises:
         DistNetworkError: the address cannot be bound (in use, not local).
@@ -191,7 +192,7 @@ class StoreServer:
     ) -> None:
         self.host = host
         if spin is None:
-            spin = float(os.environ.get("TDIST_STORE_SPIN_US", "200")) / 1e6
+            spin = _spin.SPIN
         self.spin = spin
         self.secret = auth.resolve_secret(secret)
         self.max_frame = max_frame
@@ -518,9 +519,11 @@ class StoreServer:
     def serve_forever(self, control_fd: int | None = None, parent_pid: int | None = None) -> None:
         """Run the loop in this thread until ``control_fd`` reads EOF (or the parent dies).
 
-        After activity the loop polls without sleeping for ``spin`` seconds (only when it owns
-        its process: in a thread it would fight the caller for the GIL), so that a client's
-        next request finds it awake: a kernel wake-up costs more than the whole request.
+        After activity the loop polls without sleeping for up to ``spin`` seconds (only when it
+        owns its process: in a thread it would fight the caller for the GIL), so that a
+        client's next request finds it awake: a kernel wake-up costs more than the whole
+        request. It polls as ``_core.spin`` says: without yielding for half of it, then with a
+        few yields, then it sleeps.
         """
         ep = select.epoll()
         self._ep = ep
@@ -539,12 +542,17 @@ class StoreServer:
         writable = select.EPOLLOUT
         on_readable = self._on_readable
         last_active = 0.0
+        yields = 0
         next_ppid_check = clock() + 1.0
         try:
             while not self._stop_requested:
                 now = clock()
-                if spin and now - last_active < spin:
+                quiet = now - last_active
+                if spin and quiet < spin * 0.5:
                     timeout = 0.0
+                elif spin and quiet < spin and yields < _spin.YIELDS:
+                    timeout = 0.0
+                    yields += 1
                     os.sched_yield()  # a client sharing this core runs at once
                 else:
                     timeout = 1.0
@@ -553,6 +561,7 @@ class StoreServer:
                 events = ep.poll(timeout)
                 if events:
                     last_active = clock()
+                    yields = 0
                 for fd, mask in events:
                     data = fdmap.get(fd)
                     if type(data) is _Conn:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
-from .._core import auth
+from .._core import auth, spin
 from .._core.errors import (
     AuthenticationError,
     DistError,
@@ -67,8 +67,6 @@ _INT = struct.Struct("<q")
 _current_pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _current_pid.__setitem__(0, os.getpid()))
 
-_SPIN_MISS_LIMIT = 8  # replies in a row that spinning missed before it pauses
-_SPIN_RETRY_AFTER = 256  # requests to sleep through before spinning again
 _thread_servers: set[int] = set()  # ids of servers running in a thread of this process
 _tenants_lock = threading.Lock()
 _tenants: dict[tuple[str, int], tuple[StoreServer, int]] = {}
@@ -121,11 +119,11 @@ def _warn_once(message: str) -> None:
 
 
 def _client_spin() -> float:
-    """Seconds a client polls for a reply before sleeping; none while this process serves a
-    store from a thread, which the spinning caller would starve of the GIL."""
+    """Seconds a client polls for a reply before sleeping (``_core.spin``); none while this
+    process serves a store from a thread, which the spinning caller would starve of the GIL."""
     if _thread_servers:
         return 0.0
-    return float(os.environ.get("TDIST_STORE_SPIN_US", "200")) / 1e6
+    return spin.SPIN
 
 
 # where a master started in this context serves (``serving_in_a_thread``); None: the default
@@ -219,8 +217,7 @@ class TCPStore(Store):
         self._tenant_key: tuple[str, int] | None = None
         self._closed = False
         self._quiet_sent = False
-        self._spin = _client_spin()
-        self._spin_misses = 0
+        self._budget = spin.Budget(_client_spin())
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
         else:
@@ -272,7 +269,7 @@ class TCPStore(Store):
             server.start(mode)
             if mode == "thread":
                 _thread_servers.add(id(server))
-                self._spin = 0.0
+                self._budget.spin = 0.0
             self._server, self._port = server, server.port
             if multi_tenant:
                 self._tenant_key = (host, server.port)
@@ -542,16 +539,6 @@ class TCPStore(Store):
                 continue
             view = view[sent:]
 
-    def _note_spin_miss(self, spin: float) -> None:
-        """Spinning that never catches the reply only burns CPU the server needs (a loaded
-        machine, many clients): after a run of misses, sleep at once for a while, then retry."""
-        if spin:
-            self._spin_misses += 1
-        elif self._spin_misses >= _SPIN_MISS_LIMIT:
-            self._spin_misses += 1
-            if self._spin_misses >= _SPIN_MISS_LIMIT + _SPIN_RETRY_AFTER:
-                self._spin_misses = 0
-
     def _read_reply(self, sock: socket.socket, io_timeout: float) -> Frame:
         """The next frame: spin briefly (replies usually come within microseconds), then sleep."""
         decoder = self._decoder
@@ -560,16 +547,24 @@ class TCPStore(Store):
             frame = decoder.next_frame()
             if frame is not None:
                 return frame
-        spin = self._spin if self._spin_misses < _SPIN_MISS_LIMIT else 0.0
-        if spin and not buffered:
+        budget = self._budget
+        spinning = budget.seconds()
+        if spinning and not buffered:
             # the common case, kept tight: nothing buffered, the reply due in microseconds
-            # (poll(0) where a failed recv would raise: an exception costs more than the call)
-            ready, recv, perf, yield_ = self._spin_poll.poll, sock.recv, time.perf_counter, os.sched_yield
-            until = perf() + spin
+            # (poll(0) where a failed recv would raise: an exception costs more than the call);
+            # ``_core.spin``'s policy: poll, then yield a few times, then sleep
+            ready, recv, perf = self._spin_poll.poll, sock.recv, time.perf_counter
+            now = perf()
+            pure, until = now + spinning * 0.5, now + spinning
+            yields = 0
             while True:
                 if not ready(0):
-                    if perf() < until:
-                        yield_()  # a server sharing this core gets it at once
+                    now = perf()
+                    if now < pure:
+                        continue
+                    if now < until and yields < spin.YIELDS:
+                        yields += 1
+                        os.sched_yield()  # a server sharing this core gets it at once
                         continue
                     break
                 try:
@@ -578,7 +573,7 @@ class TCPStore(Store):
                     continue
                 if not data:
                     raise ConnectionResetError("connection closed by the server")
-                self._spin_misses = 0
+                budget.caught()
                 frame = decoder.parse_whole(data)
                 if frame is not None:
                     return frame
@@ -587,7 +582,6 @@ class TCPStore(Store):
                 if frame is not None:
                     return frame
                 break
-        spin_until = 0.0 if decoder.buffered else time.perf_counter()
         poller: select.poll | None = None
         deadline = 0.0
         while True:
@@ -596,12 +590,8 @@ class TCPStore(Store):
             try:
                 data = sock.recv(size)
             except BlockingIOError:
-                if time.perf_counter() < spin_until:
-                    # yield, so that a server sharing this core gets it at once
-                    os.sched_yield()
-                    continue
                 if poller is None:
-                    self._note_spin_miss(spin)
+                    budget.missed()
                     poller = select.poll()
                     poller.register(sock, select.POLLIN)
                     deadline = time.monotonic() + io_timeout
@@ -612,8 +602,8 @@ class TCPStore(Store):
                 continue
             if not data:
                 raise ConnectionResetError("connection closed by the server")
-            if poller is None and spin:
-                self._spin_misses = 0
+            if poller is None and spinning:
+                budget.caught()
             frame = decoder.parse_whole(data)
             if frame is not None:
                 return frame

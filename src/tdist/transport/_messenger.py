@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._core import spin
 from .._core.errors import (
     AuthenticationError,
     DistNetworkError,
@@ -92,17 +93,18 @@ log = logging.getLogger(__name__)
 _DATA = int(Kind.DATA)
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
 _IOV_MAX = 512
-# how long a thread waiting for a reply polls its socket before sleeping in the kernel
-_SPIN = float(os.environ.get("TDIST_RPC_SPIN_US", "150")) * 1e-6
-# how long a poller that delivered messages from a peer polls that connection for the next ones
-# before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up)
-_POLLER_SPIN = float(os.environ.get("TDIST_RPC_POLLER_SPIN_US", "200")) * 1e-6
+# how long a thread waiting for a reply polls its socket before sleeping in the kernel, and how
+# long a poller that delivered messages from a peer polls that connection for the next ones
+# before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up): the
+# one spin budget of ``_core.spin``
+_SPIN = spin.SPIN
+_POLLER_SPIN = spin.SPIN
 # (only on a connection where one of the last two requests after an answer came within that
 # time: a caller in a loop keeps the waits through a late request, sporadic traffic costs none)
 # how long a poller may keep the connection it read disarmed while it delivers and runs what it
 # read before the guard arms it again (0: never held); the guard ticks at this period while
 # holds happen, so a held connection is armed again within 1.5 periods
-_HOLD_MAX = float(os.environ.get("TDIST_RPC_HOLD_MS", "5")) * 1e-3
+_HOLD_MAX = 0.005
 # a connection the guard had to arm again is not held for this long (its requests block)
 _HOLD_OFF = 0.25
 _HEARTBEAT = pack_header(Kind.HEARTBEAT, 0, 0)

@@ -1,0 +1,65 @@
+"""One spin policy for every tdist waiter whose answer is due within microseconds: a store client
+waiting for its reply, the store server waiting for the next request, a rank waiting in the
+shared-memory arena.
+
+Theory of operation. Sleeping in the kernel and being woken costs a waiter 5-50 us and its
+waker a system call; polling first catches an answer that a peer on another core gives within
+microseconds, for the price of the poll. Polling costs where it takes a core from someone who
+needs it, so the policy is, for a wait of budget ``SPIN`` seconds:
+
+1. poll without yielding for the first half of ``SPIN``: a peer on another core answers then;
+2. then poll with at most ``YIELDS`` ``sched_yield`` calls, for a peer that shares this core
+   (more ranks than cores): each hands it the core at once;
+3. then sleep in the kernel, whose wake-up preempts whatever else runs on the core.
+
+Yields are few on purpose. On a busy host (a training job leaves every core busy; the
+benchmarks' ``--busy`` mode runs one low-priority loop per core) a yield hands the core to
+that other work for its whole time slice, up to milliseconds: a store client that yielded all
+through its spin ran at a quarter of its idle speed there, and below torch's.
+
+And a waiter that keeps missing stops: after ``MISS_LIMIT`` answers in a row that came only
+after its spin, it sleeps at once for the next ``RETRY_AFTER`` waits, then tries again
+(``Budget``). Spinning that never catches only burns CPU the peer may need (a loaded machine,
+many clients of one server).
+
+The one knob is ``TDIST_SPIN_US``, the budget in microseconds (150; 0 turns polling off).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["MISS_LIMIT", "RETRY_AFTER", "SPIN", "YIELDS", "Budget"]
+
+SPIN = float(os.environ.get("TDIST_SPIN_US", "150")) * 1e-6
+YIELDS = 2
+MISS_LIMIT = 8
+RETRY_AFTER = 256
+
+
+class Budget:
+    """One waiter's spin budget, which pauses after a run of misses (see the module docstring).
+
+    Not thread-safe: one per connection or waiter, used by the thread that waits.
+    """
+
+    __slots__ = ("misses", "spin")
+
+    def __init__(self, spin: float = SPIN) -> None:
+        self.spin = spin
+        self.misses = 0
+
+    def seconds(self) -> float:
+        """How long to poll this time: ``spin``, or 0 while paused."""
+        return self.spin if self.misses < MISS_LIMIT else 0.0
+
+    def caught(self) -> None:
+        """The answer came while polling."""
+        self.misses = 0
+
+    def missed(self) -> None:
+        """The waiter went to sleep: the answer came after the spin (or there was none)."""
+        if self.spin:
+            self.misses += 1
+            if self.misses >= MISS_LIMIT + RETRY_AFTER:
+                self.misses = 0
