@@ -22,14 +22,8 @@ import pytest
 import torch
 
 from tdist._core.errors import DistBackendError, DistTimeoutError, PeerError
-from tdist.c10d._shm import (
-    _CLOSED,
-    _STATE,
-    SHM_DIR,
-    CollectiveMismatchError,
-    ShmArena,
-    cleanup_stale,
-)
+from tdist.c10d._shm import SHM_DIR, CollectiveMismatchError, ShmArena, cleanup_stale
+from tdist.c10d._shm._layout import _CLOSED, _STATE
 from tdist.c10d._types import RedOpType
 from tdist.store import HashStore, Store, TCPStore
 from tdist.testing import LocalStore, local_store, run_processes, run_threads
@@ -454,13 +448,13 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(call: str) -> None:
 
 
 def test_a_peers_dtype_is_named_even_if_this_process_never_used_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tdist.c10d import _shm
+    from tdist.c10d._shm import _layout
 
-    code = _shm._dtype_code(torch.int16)
-    monkeypatch.setattr(_shm, "_dtype_names", {})  # (a process that used float32 only, so far)
-    monkeypatch.setattr(_shm, "_dtype_codes", {})
-    _shm._dtype_code(torch.float32)
-    assert _shm._dtype_name(code) == "int16"  # (was "dtype#<crc>")
+    code = _layout._dtype_code(torch.int16)
+    monkeypatch.setattr(_layout, "_dtype_names", {})  # (a process that used float32 only, so far)
+    monkeypatch.setattr(_layout, "_dtype_codes", {})
+    _layout._dtype_code(torch.float32)
+    assert _layout._dtype_name(code) == "int16"  # (was "dtype#<crc>")
 
 
 def test_timeout_names_the_missing_rank_and_breaks_the_arena() -> None:

@@ -31,7 +31,7 @@ module's ``CollectiveMismatchError``)::
     │                                           job up (bad options, no store, nodes missing)
     ├── RankFailedError                         [testing] a rank ended without a result
     └── DistTimeoutError (TimeoutError)         any other deadline that expired
-        ├── RpcTimeoutError                     [rpc._agent] an RPC or a to_here() did not finish
+        ├── RpcTimeoutError                     [rpc._calls] an RPC or a to_here() did not finish
         │                                       within its timeout
         └── RankTimeoutError                    [testing] ranks still ran at the hard timeout
 

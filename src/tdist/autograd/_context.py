@@ -20,8 +20,9 @@ import torch
 
 from .. import rpc
 from ..rpc import _hooks
-from ..rpc._agent import _not_a_future, current_agent, run_user_function
+from ..rpc._agent import current_agent
 from ..rpc._api import _mapped
+from ..rpc._execution import _not_a_future, run_user_function
 
 __all__ = [
     "DistAutogradContext",

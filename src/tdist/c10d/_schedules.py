@@ -25,20 +25,15 @@ collective (``n`` is the world size, ``chunk_bounds`` cuts a flat tensor)::
     broadcast       1, or C (chain)   the same                       all (root)    all
     reduce_scatter  n                 rank c's block of the input    all           {rank}
     all_gather      n                 rank c's block of the output   {rank}        all
-    gather          n                 rank c's block                 {rank}        all (root)
-    scatter         n                 rank c's block                 all (root)    {rank}
-    all_to_all      n * n             block s -> d is chunk s*n + d  {rank*n + d}  {s*n + rank}
     barrier         0                 (no data: empty messages)      {}            {}
 
 ``all_reduce`` has ``n`` chunks with the ring, 1 with recursive doubling and one per host
-(``H``) with the hierarchical algorithm. In ``all_to_all`` chunk ``s*n + d`` is input block ``d``
-at rank ``s`` and output block ``s`` at rank ``d``. "(root)": only the root has these chunks; the
-other ranks have none.
+(``H``) with the hierarchical algorithm. "(root)": only the root has these chunks; the other
+ranks have none.
 
 Where an algorithm cuts one buffer into chunks (ring, chain, hierarchical), the executor slices
 with ``chunk_bounds(numel, schedule.nchunks)``, which handles uneven division and
-``numel < nchunks`` (some chunks are empty). For ``all_to_all`` the block ``rank -> rank`` is in
-both ``inputs`` and ``outputs``: it is a local copy, no transfer.
+``numel < nchunks`` (some chunks are empty).
 
 Steps
 -----
@@ -81,21 +76,22 @@ Algorithms
     ring_all_gather                n - 1
     ring_all_reduce                2 (n - 1)                bandwidth-optimal
     recursive_doubling_all_reduce  log2 p, +2 if n != p     latency-optimal; extra ranks fold in
-    binomial_tree_*                ceil_log2(n)             broadcast/reduce/gather/scatter
+    binomial_tree_*                ceil_log2(n)             broadcast/reduce
     chain_broadcast                C + n - 2                pipelined: C chunks along a chain
-    pairwise_all_to_all            n - 1                    step k: to rank+k, from rank-k
     dissemination_barrier          ceil_log2(n)             zero-byte messages
     hierarchical_all_reduce        2 ceil_log2(ranks per host) + the leaders' algorithm's steps
 
-``choose_algorithm`` picks one from the collective, the message size and the topology with an
-alpha-beta cost model (``CostModel``); see its docstring for the rules and thresholds.
+These are the schedules the ``tcp`` backend runs. ``choose_algorithm`` picks an ``all_reduce``'s
+from the message size and the topology with an alpha-beta cost model (``CostModel``); see its
+docstring for the rules and thresholds. The backend picks the others itself: a chain broadcast
+for large buffers, a binomial tree otherwise; ``gather``, ``scatter`` and ``all_to_all`` send
+straight to their peers, with no schedule.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .._core.errors import DistError
@@ -113,10 +109,7 @@ __all__ = [
     "Step",
     "Topology",
     "binomial_tree_broadcast",
-    "binomial_tree_gather",
     "binomial_tree_reduce",
-    "binomial_tree_scatter",
-    "build_schedule",
     "ceil_log2",
     "chain_broadcast",
     "check_schedules",
@@ -124,9 +117,7 @@ __all__ = [
     "chunk_bounds",
     "dissemination_barrier",
     "hierarchical_all_reduce",
-    "pairwise_all_to_all",
     "peers_of",
-    "pipeline_chunks",
     "recursive_doubling_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
@@ -155,9 +146,6 @@ class Collective(enum.Enum):
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
     REDUCE = "reduce"
-    GATHER = "gather"
-    SCATTER = "scatter"
-    ALL_TO_ALL = "all_to_all"
     BARRIER = "barrier"
 
 
@@ -168,7 +156,6 @@ class Algorithm(enum.Enum):
     RECURSIVE_DOUBLING = "recursive_doubling"
     BINOMIAL_TREE = "binomial_tree"
     CHAIN = "chain"
-    PAIRWISE = "pairwise"
     DISSEMINATION = "dissemination"
     HIERARCHICAL = "hierarchical"
     SHM = "shm"
@@ -401,11 +388,8 @@ def _recursive_doubling_steps(
     return out.build()
 
 
-def _tree_down_steps(
-    index: int, members: Sequence[int], root: int, chunks: tuple[int, ...] | None
-) -> list[Step]:
-    # Broadcast (chunks given: every transfer carries them) or scatter (chunks None: a
-    # transfer carries the destination's subtree, chunk j = member j's block).
+def _tree_down_steps(index: int, members: Sequence[int], root: int, chunks: tuple[int, ...]) -> list[Step]:
+    # Broadcast: every transfer carries ``chunks``.
     # Virtual rank v = (index - root) % n; the parent of v is v minus its lowest set bit and v's
     # subtree is [v, v + lowbit(v)). Rounds go from the largest mask down, so the root first
     # hands off the biggest subtree.
@@ -417,25 +401,18 @@ def _tree_down_steps(
     def member(virtual: int) -> int:
         return members[(virtual + root) % n]
 
-    def subtree(lo: int, size: int) -> tuple[int, ...]:
-        return tuple((x + root) % n for x in range(lo, min(lo + size, n)))
-
     for j in range(rounds):
         mask = 1 << (rounds - 1 - j)
         if v % (2 * mask) == 0 and v + mask < n:
-            out.send(j, member(v + mask), chunks if chunks is not None else subtree(v + mask, mask))
+            out.send(j, member(v + mask), chunks)
         elif v % (2 * mask) == mask:
-            out.recv(
-                j, member(v - mask), chunks if chunks is not None else subtree(v, mask), Action.COPY
-            )
+            out.recv(j, member(v - mask), chunks, Action.COPY)
     return out.build()
 
 
-def _tree_up_steps(
-    index: int, members: Sequence[int], root: int, chunks: tuple[int, ...] | None
-) -> list[Step]:
-    # Reduce (chunks given, REDUCE into them) or gather (chunks None: a transfer carries the
-    # sender's subtree, COPY). The same tree as ``_tree_down_steps``, walked leaves first.
+def _tree_up_steps(index: int, members: Sequence[int], root: int, chunks: tuple[int, ...]) -> list[Step]:
+    # Reduce: every transfer carries ``chunks``, REDUCEd into them. The same tree as
+    # ``_tree_down_steps``, walked leaves first.
     n = len(members)
     rounds = ceil_log2(n)
     out = _Steps(rounds)
@@ -444,21 +421,12 @@ def _tree_up_steps(
     def member(virtual: int) -> int:
         return members[(virtual + root) % n]
 
-    def subtree(lo: int, size: int) -> tuple[int, ...]:
-        return tuple((x + root) % n for x in range(lo, min(lo + size, n)))
-
-    action = Action.REDUCE if chunks is not None else Action.COPY
     for j in range(rounds):
         mask = 1 << j
         if v % (2 * mask) == mask:
-            out.send(j, member(v - mask), chunks if chunks is not None else subtree(v, mask))
+            out.send(j, member(v - mask), chunks)
         elif v % (2 * mask) == 0 and v + mask < n:
-            out.recv(
-                j,
-                member(v + mask),
-                chunks if chunks is not None else subtree(v + mask, mask),
-                action,
-            )
+            out.recv(j, member(v + mask), chunks, Action.REDUCE)
     return out.build()
 
 
@@ -635,75 +603,13 @@ def binomial_tree_reduce(rank: int, world_size: int, root: int = 0) -> Schedule:
     )
 
 
-def binomial_tree_gather(rank: int, world_size: int, root: int = 0) -> Schedule:
-    """Binomial-tree gather: chunk ``r`` is rank ``r``'s block; the root ends with all of them.
-
-    ``ceil_log2(n)`` steps; a rank forwards the blocks of its whole subtree in one transfer.
-
-    Args:
-        rank: this rank, in ``[0, world_size)``.
-        world_size: number of ranks, ``>= 1``.
-        root: the rank that gathers.
-
-    Returns:
-        The schedule of ``rank``.
-
-    Raises:
-        ScheduleError: on an invalid rank, root or world size.
-    """
-    _check_world(rank, world_size)
-    _check_root(root, world_size)
-    steps = _tree_up_steps(rank, range(world_size), root, None)
-    return _schedule(
-        rank,
-        world_size,
-        Collective.GATHER,
-        Algorithm.BINOMIAL_TREE,
-        world_size,
-        steps,
-        (rank,),
-        range(world_size) if rank == root else (),
-    )
-
-
-def binomial_tree_scatter(rank: int, world_size: int, root: int = 0) -> Schedule:
-    """Binomial-tree scatter: the root holds every chunk; rank ``r`` ends with chunk ``r``.
-
-    ``ceil_log2(n)`` steps; a transfer carries the blocks of the receiver's whole subtree.
-
-    Args:
-        rank: this rank, in ``[0, world_size)``.
-        world_size: number of ranks, ``>= 1``.
-        root: the rank that scatters.
-
-    Returns:
-        The schedule of ``rank``.
-
-    Raises:
-        ScheduleError: on an invalid rank, root or world size.
-    """
-    _check_world(rank, world_size)
-    _check_root(root, world_size)
-    steps = _tree_down_steps(rank, range(world_size), root, None)
-    return _schedule(
-        rank,
-        world_size,
-        Collective.SCATTER,
-        Algorithm.BINOMIAL_TREE,
-        world_size,
-        steps,
-        range(world_size) if rank == root else (),
-        (rank,),
-    )
-
-
 def chain_broadcast(rank: int, world_size: int, root: int = 0, nchunks: int = 1) -> Schedule:
     """Pipelined chain broadcast for large messages: ``nchunks + n - 2`` steps (``n >= 2``).
 
     Ranks form a chain ``root, root + 1, ...`` (mod ``n``); at step ``t`` the rank at distance
     ``d`` from the root forwards chunk ``t - d`` while it receives chunk ``t - d + 1``, so all
-    links carry data at once. Each rank sends about the buffer once; ``pipeline_chunks`` picks
-    ``nchunks``.
+    links carry data at once. Each rank sends about the buffer once; the caller picks ``nchunks``
+    (the ``tcp`` backend: one per MiB, from 2 to 64).
 
     Args:
         rank: this rank, in ``[0, world_size)``.
@@ -739,41 +645,6 @@ def chain_broadcast(rank: int, world_size: int, root: int = 0, nchunks: int = 1)
         out.build(),
         chunks if rank == root else (),
         chunks,
-    )
-
-
-def pairwise_all_to_all(rank: int, world_size: int) -> Schedule:
-    """Pairwise all-to-all: at step ``k - 1`` send to ``rank + k``, receive from ``rank - k``.
-
-    ``n - 1`` steps; ``nchunks == n * n`` and chunk ``s * n + d`` is the block from ``s`` to
-    ``d``. The block ``rank -> rank`` is both an input and an output (a local copy).
-
-    Args:
-        rank: this rank, in ``[0, world_size)``.
-        world_size: number of ranks, ``>= 1``.
-
-    Returns:
-        The schedule of ``rank``.
-
-    Raises:
-        ScheduleError: on an invalid rank or world size.
-    """
-    _check_world(rank, world_size)
-    n = world_size
-    out = _Steps(n - 1)
-    for k in range(1, n):
-        dst, src = (rank + k) % n, (rank - k) % n
-        out.send(k - 1, dst, (rank * n + dst,))
-        out.recv(k - 1, src, (src * n + rank,), Action.COPY)
-    return _schedule(
-        rank,
-        n,
-        Collective.ALL_TO_ALL,
-        Algorithm.PAIRWISE,
-        n * n,
-        out.build(),
-        (rank * n + d for d in range(n)),
-        (s * n + rank for s in range(n)),
     )
 
 
@@ -887,64 +758,6 @@ def _host_groups(hosts: Sequence[Hashable]) -> list[list[int]]:
     for r, h in enumerate(hosts):
         groups.setdefault(h, []).append(r)
     return list(groups.values())
-
-
-def build_schedule(
-    collective: Collective,
-    algorithm: Algorithm,
-    rank: int,
-    world_size: int,
-    *,
-    root: int = 0,
-    nchunks: int = 1,
-    hosts: Sequence[Hashable] | None = None,
-    inter: Algorithm = Algorithm.RING,
-) -> Schedule:
-    """Dispatch to the schedule builder of ``(collective, algorithm)``.
-
-    Args:
-        collective: the collective to run.
-        algorithm: one of its algorithms (``choose_algorithm`` picks one); not ``SHM``.
-        rank: this rank, in ``[0, world_size)``.
-        world_size: number of ranks, ``>= 1``.
-        root: the root of rooted collectives (broadcast, reduce, gather, scatter).
-        nchunks: the chain broadcast's pipeline depth (``pipeline_chunks``).
-        hosts: the host id of every rank, for ``HIERARCHICAL``.
-        inter: the leaders' algorithm, for ``HIERARCHICAL``.
-
-    Returns:
-        The schedule of ``rank``.
-
-    Raises:
-        ScheduleError: when the pair has no schedule (``SHM`` is not a schedule), or on invalid
-            arguments.
-    """
-    rooted: dict[tuple[Collective, Algorithm], Callable[[int, int, int], Schedule]] = {
-        (Collective.BROADCAST, Algorithm.BINOMIAL_TREE): binomial_tree_broadcast,
-        (Collective.REDUCE, Algorithm.BINOMIAL_TREE): binomial_tree_reduce,
-        (Collective.GATHER, Algorithm.BINOMIAL_TREE): binomial_tree_gather,
-        (Collective.SCATTER, Algorithm.BINOMIAL_TREE): binomial_tree_scatter,
-    }
-    flat: dict[tuple[Collective, Algorithm], Callable[[int, int], Schedule]] = {
-        (Collective.ALL_REDUCE, Algorithm.RING): ring_all_reduce,
-        (Collective.ALL_REDUCE, Algorithm.RECURSIVE_DOUBLING): recursive_doubling_all_reduce,
-        (Collective.REDUCE_SCATTER, Algorithm.RING): ring_reduce_scatter,
-        (Collective.ALL_GATHER, Algorithm.RING): ring_all_gather,
-        (Collective.ALL_TO_ALL, Algorithm.PAIRWISE): pairwise_all_to_all,
-        (Collective.BARRIER, Algorithm.DISSEMINATION): dissemination_barrier,
-    }
-    key = (collective, algorithm)
-    if key in flat:
-        return flat[key](rank, world_size)
-    if key in rooted:
-        return rooted[key](rank, world_size, root)
-    if key == (Collective.BROADCAST, Algorithm.CHAIN):
-        return chain_broadcast(rank, world_size, root, nchunks)
-    if key == (Collective.ALL_REDUCE, Algorithm.HIERARCHICAL):
-        if hosts is None:
-            raise ScheduleError("build_schedule: HIERARCHICAL all_reduce needs hosts")
-        return hierarchical_all_reduce(rank, world_size, hosts, inter)
-    raise ScheduleError(f"no schedule for {collective.value} with {algorithm.value}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1165,7 +978,8 @@ class CostModel:
     def estimate(
         self, collective: Collective, algorithm: Algorithm, nbytes: int, world_size: int
     ) -> float:
-        """Seconds on the critical path for one rank's buffer of ``nbytes`` bytes.
+        """Seconds on the critical path for one rank's buffer of ``nbytes`` bytes (the
+        ``all_reduce`` algorithms ``choose_algorithm`` weighs: ``RING``, ``RECURSIVE_DOUBLING``).
 
         Raises:
             ScheduleError: for a pair this model does not cover.
@@ -1179,43 +993,9 @@ class CostModel:
         if key == (Collective.ALL_REDUCE, Algorithm.RECURSIVE_DOUBLING):
             steps = _recursive_doubling_num_steps(n)
             return steps * self.step(nbytes) + steps * self.reduce(nbytes)
-        if key in (
-            (Collective.BROADCAST, Algorithm.BINOMIAL_TREE),
-            (Collective.REDUCE, Algorithm.BINOMIAL_TREE),
-        ):
-            return ceil_log2(n) * self.step(nbytes)
-        if key == (Collective.BROADCAST, Algorithm.CHAIN):
-            c = pipeline_chunks(nbytes, n, self)
-            return (c + n - 2) * self.step(nbytes / c)
-        if key in (
-            (Collective.REDUCE_SCATTER, Algorithm.RING),
-            (Collective.ALL_GATHER, Algorithm.RING),
-            (Collective.ALL_TO_ALL, Algorithm.PAIRWISE),
-        ):
-            return (n - 1) * self.step(nbytes / n)
         raise ScheduleError(
             f"CostModel has no estimate for {collective.value} with {algorithm.value}"
         )
-
-
-def pipeline_chunks(nbytes: int, world_size: int, cost: CostModel | None = None) -> int:
-    """The chain broadcast's best number of chunks: ``sqrt((n - 2) * nbytes / (alpha * B))``.
-
-    Minimises ``(C + n - 2) * (alpha + nbytes / (C * B))``; at least 1, at most ``nbytes``.
-
-    Args:
-        nbytes: size of the buffer.
-        world_size: number of ranks.
-        cost: the cost model (default ``CostModel()``).
-
-    Returns:
-        ``nchunks`` for ``chain_broadcast``.
-    """
-    cost = cost or CostModel()
-    if world_size <= 2 or nbytes <= 1:
-        return 1
-    best = math.sqrt((world_size - 2) * nbytes / (cost.latency_s * cost.bytes_per_s))
-    return max(1, min(nbytes, round(best)))
 
 
 def choose_algorithm(
@@ -1227,7 +1007,8 @@ def choose_algorithm(
     cost: CostModel | None = None,
     shm_collectives: frozenset[Collective] = SHM_COLLECTIVES,
 ) -> Algorithm:
-    """Pick the algorithm for one collective call.
+    """Pick the algorithm of one ``all_reduce`` call (the one collective whose algorithm the
+    ``tcp`` backend chooses; it runs the others with fixed schedules or direct sends).
 
     Rules, in order:
 
@@ -1245,27 +1026,24 @@ def choose_algorithm(
        since recursive doubling pays two extra whole-buffer steps to fold in the ranks beyond
        a power of two, 75 KB at n = 3, 210 KB at n = 5, 790 KB at n = 17. With n = 2 recursive
        doubling always wins (one exchange instead of two half ones).
-    4. ``broadcast``: ``BINOMIAL_TREE`` unless the pipelined ``CHAIN`` (with
-       ``pipeline_chunks``) is cheaper: never at n <= 2, above about 280 KB at n = 3, 1.1 MB
-       at n = 8, 1.5 MB at n = 16.
-    5. ``reduce``, ``gather``, ``scatter``: ``BINOMIAL_TREE``; ``reduce_scatter``,
-       ``all_gather``: ``RING``; ``all_to_all``: ``PAIRWISE``; ``barrier``: ``DISSEMINATION``.
 
     Ties go to the algorithm with fewer steps.
 
     Args:
         collective: the collective.
-        nbytes: bytes of one rank's full buffer (the all-reduce tensor, the broadcast tensor).
+        nbytes: bytes of one rank's full buffer (the all-reduce tensor).
         world_size: ranks in the group.
         topology: where the ranks run; ``None`` means unknown (no ``SHM``, no hierarchy).
         cost: the cost model (default ``CostModel()``).
         shm_collectives: collectives the shared-memory arena implements.
 
     Returns:
-        The algorithm; anything but ``SHM`` is built with ``build_schedule``.
+        The algorithm: ``SHM``, ``HIERARCHICAL`` (``hierarchical_all_reduce``),
+        ``RECURSIVE_DOUBLING`` or ``RING``.
 
     Raises:
-        ScheduleError: if ``topology`` does not describe ``world_size`` ranks.
+        ScheduleError: if ``topology`` does not describe ``world_size`` ranks, or (outside the
+            arena) for a collective other than ``all_reduce``.
     """
     if world_size < 1:
         raise ScheduleError(f"world_size={world_size} must be >= 1")
@@ -1286,16 +1064,7 @@ def choose_algorithm(
         rd = cost.estimate(collective, Algorithm.RECURSIVE_DOUBLING, nbytes, world_size)
         ring = cost.estimate(collective, Algorithm.RING, nbytes, world_size)
         return Algorithm.RECURSIVE_DOUBLING if rd <= ring else Algorithm.RING
-    if collective is Collective.BROADCAST:
-        tree = cost.estimate(collective, Algorithm.BINOMIAL_TREE, nbytes, world_size)
-        chain = cost.estimate(collective, Algorithm.CHAIN, nbytes, world_size)
-        return Algorithm.BINOMIAL_TREE if tree <= chain else Algorithm.CHAIN
-    return {
-        Collective.REDUCE: Algorithm.BINOMIAL_TREE,
-        Collective.GATHER: Algorithm.BINOMIAL_TREE,
-        Collective.SCATTER: Algorithm.BINOMIAL_TREE,
-        Collective.REDUCE_SCATTER: Algorithm.RING,
-        Collective.ALL_GATHER: Algorithm.RING,
-        Collective.ALL_TO_ALL: Algorithm.PAIRWISE,
-        Collective.BARRIER: Algorithm.DISSEMINATION,
-    }[collective]
+    raise ScheduleError(
+        f"choose_algorithm picks all_reduce's algorithm only, not {collective.value}'s: the tcp "
+        "backend runs the other collectives with fixed schedules"
+    )

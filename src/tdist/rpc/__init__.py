@@ -12,7 +12,7 @@ import sys
 from ..store import Store
 from . import _api as api  # torch's module name: rpc.api._ignore_rref_leak
 from . import _options, backend_registry, functions
-from ._agent import RpcAgent, RpcTimeoutError, WorkerInfo
+from ._agent import RpcAgent
 from ._api import _get_current_rpc_agent as _get_current_rpc_agent
 from ._api import _get_debug_info as _get_debug_info
 from ._api import _is_current_rpc_agent_set as _is_current_rpc_agent_set
@@ -29,9 +29,11 @@ from ._api import (
     rpc_sync,
     shutdown,
 )
+from ._calls import RpcTimeoutError
 from ._errors import RemoteError
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
 from ._rref import RRef
+from ._worker_info import WorkerInfo
 from .backend_registry import (
     BackendType,
     BackendValue,

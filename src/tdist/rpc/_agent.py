@@ -14,6 +14,10 @@ RRefs: values owned here live in ``_owners`` (a future per RRef id, created on f
 fetch or fork request that overtakes the ``REMOTE`` finds it); the reference counting is
 ``_rref_protocol``'s, whose actions this class carries out.
 
+Beside it: ``_worker_info`` (``WorkerInfo``, the name rule), ``_calls`` (a pending-table entry,
+the light future a blocking call waits on, call descriptions, ``RpcTimeoutError``) and
+``_execution`` (running a request's user function, RRef proxy calls).
+
 Thread-safety: every public method may be called from any thread.
 """
 
@@ -23,14 +27,9 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import queue
-import re
 import threading
 import time
-import traceback
-import types
-import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,133 +38,24 @@ import torch
 
 from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
-from . import _builtins, _errors, _remote_profiling
+from . import _errors, _remote_profiling
+from ._calls import _EXPIRED, RpcTimeoutError, _Call, _SyncReply, _wait_future
+from ._execution import _not_a_future, _OwnerError, _set_owner_error, _unwrap, dispatch
 from ._future import Future
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
+from ._worker_info import WorkerInfo
+from ._worker_info import validate_name as validate_name  # (_pg_agent imports it from here)
 from .constants import UNSET_RPC_TIMEOUT
 from .server_process_global_profiler import profiled_job
 
-__all__ = ["CallText", "LazyText", "RpcAgent", "RpcTimeoutError", "WorkerInfo", "current_agent", "set_current_agent"]
+__all__ = ["RpcAgent", "current_agent", "set_current_agent"]
 
 log = logging.getLogger(__name__)
 
-_EXPIRED = 1e-9  # a deadline that has passed when the request is out
 _BARRIER_STEP = 0.5  # seconds a shutdown barrier waits on the store between looks at the missing
-_NAME_RE = re.compile(r"^[A-Za-z0-9_\-:]+$")
-_MAX_NAME = 128
-_MAX_ID = (1 << 15) - 1  # torch's worker ids are int16
 
-
-class WorkerInfo:
-    """A worker's name and id (``torch.distributed.rpc.WorkerInfo``): picklable, comparable.
-
-    Raises:
-        RuntimeError: the name is not valid (torch's rule and message).
-    """
-
-    __slots__ = ("id", "name")
-    id: int
-    name: str
-
-    def __init__(self, name: str, id: int) -> None:
-        validate_name(name)
-        if not isinstance(id, int) or isinstance(id, bool):
-            raise TypeError(f"WorkerInfo id must be an int, got {type(id).__name__}")
-        if not 0 <= id <= _MAX_ID:
-            raise RuntimeError(f"RPC worker id {id} out of bound of int16_t.")
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "id", id)
-
-    def __setattr__(self, attr: str, value: object) -> None:
-        raise AttributeError(f"WorkerInfo is read-only: cannot set {attr!r}")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkerInfo) and other.id == self.id and other.name == self.name
-
-    def __hash__(self) -> int:
-        return hash((self.id, self.name))
-
-    def __repr__(self) -> str:
-        return f"WorkerInfo(id={self.id}, name={self.name})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerInfo, (self.name, self.id))
-
-
-def validate_name(name: object) -> str:
-    """Raises ``RuntimeError`` (torch's rule and message) for a name that cannot be a worker's."""
-    if not isinstance(name, str):
-        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not _NAME_RE.match(name) or len(name) >= _MAX_NAME:
-        raise RuntimeError(
-            "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than "
-            f"{_MAX_NAME} chars, but got {name}"
-        )
-    return name
-
-
-class RpcTimeoutError(DistTimeoutError):
-    """An RPC (or ``to_here``) did not finish within its timeout. A ``RuntimeError`` and a
-    ``TimeoutError``; the text starts like torch's."""
-
-
-_reply_lock = threading.Lock()
 _REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR, MsgKind.REPLY_OK_ACK))
-
-
-class _SyncReply:
-    """The part of ``torch.futures.Future`` the agent uses, at a fraction of its cost, where no
-    user ever holds one: what a blocking call waits on (``rpc_sync`` returns the value) and an
-    owned RRef value (users get copies or ``local_value()``)."""
-
-    __slots__ = ("_callbacks", "_done", "_exc", "_value")
-
-    def __init__(self) -> None:
-        self._done = False
-        self._value: Any = None
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[[Any], None]] | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, value: Any) -> None:
-        self._value = value
-        self._fire()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._exc = exc
-        self._fire()
-
-    def _fire(self) -> None:
-        with _reply_lock:
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, None
-        for cb in callbacks or ():
-            cb(self)
-
-    def add_done_callback(self, cb: Callable[[Any], None]) -> None:
-        with _reply_lock:
-            if not self._done:
-                if self._callbacks is None:
-                    self._callbacks = []
-                self._callbacks.append(cb)
-                return
-        cb(self)
-
-    def wait(self) -> Any:
-        if not self._done:
-            _wait_future(self, None)
-        if self._exc is not None:
-            raise self._exc
-        return self._value
-
-    def value(self) -> Any:
-        """The result of a done future (its exception raised)."""
-        if self._exc is not None:
-            raise self._exc
-        return self._value
 
 
 class _GilProbe:
@@ -192,50 +82,6 @@ class _GilProbe:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-class CallText:
-    """What a request is, for messages (``rpc_sync(worker1, mod.fn)``): written out only when a
-    message needs it, not on every call."""
-
-    __slots__ = ("api", "dst", "func")
-
-    def __init__(self, api: str, dst: str, func: Any) -> None:
-        self.api = api
-        self.dst = dst
-        self.func = func
-
-    def __str__(self) -> str:
-        return f"{self.api}({self.dst}, {_errors.describe_call(self.func)})"
-
-    __repr__ = __str__
-
-
-class LazyText:
-    """``fmt % args``, written out only when a message needs it."""
-
-    __slots__ = ("args", "fmt")
-
-    def __init__(self, fmt: str, *args: Any) -> None:
-        self.fmt = fmt
-        self.args = args
-
-    def __str__(self) -> str:
-        return self.fmt % self.args
-
-    __repr__ = __str__
-
-
-class _Call:
-    __slots__ = ("deadline", "dst", "fut", "on_reply", "seconds", "what")
-
-    def __init__(self, fut: Any, dst: int, what: object, seconds: float | None, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
-        self.fut = fut
-        self.dst = dst
-        self.what = what
-        self.seconds = seconds
-        self.deadline = deadline
-        self.on_reply = on_reply
 
 
 _current: RpcAgent | None = None
@@ -268,82 +114,6 @@ def set_current_agent(agent: RpcAgent | None) -> None:
 def serialization_peer() -> int | None:
     """While this thread pickles or unpickles an RPC message: the other worker's id."""
     return _tls.peer
-
-
-def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What an RRef proxy runs on the owner: ``rref.local_value().name(*args, **kwargs)``."""
-    return getattr(rref.local_value(), name)(*args, **kwargs)
-
-
-def _not_a_future(func: Any, result: Any) -> RuntimeError:
-    return RuntimeError(
-        f"Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
-        f"but got {type(result).__module__}.{type(result).__qualname__} (from {_errors.describe_call(func)})"
-    )
-
-
-def _when_made(rref: Any, made: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A future of an RRef proxy's method call, run (on the worker pool) once the value it
-    calls is made, however long that takes: the caller's deadline bounds the wait, as torch's."""
-    out: Any = Future()
-
-    def run() -> None:
-        try:
-            is_async, result = run_user_function(invoke_rref_method, (rref, name, args, kwargs), {})
-        except BaseException as exc:
-            out.set_exception(exc)
-            return
-        if not is_async:
-            out.set_result(result)
-        elif not isinstance(result, torch._C.Future):
-            out.set_exception(_not_a_future(getattr(rref.local_value(), name), result))
-        else:
-            result.add_done_callback(lambda f: _forward(f, out))
-
-    def schedule(_f: Any) -> None:
-        try:
-            rref._agent._to_pool(run)
-        except BaseException as exc:  # (the agent is shutting down): the caller hears of it
-            out.set_exception(exc)
-
-    made.add_done_callback(schedule)
-    return out
-
-
-def _forward(src: Any, dst: Any) -> None:
-    try:
-        dst.set_result(src.wait())
-    except BaseException as exc:
-        dst.set_exception(exc)
-
-
-def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
-    """``run_user_function`` for a request as it arrived: an RRef proxy's call on a value not
-    made yet runs once it is, holding no thread meanwhile (``_when_made``). (Wrapped calls, under
-    a profiler or in a distributed autograd context, wait in ``local_value()`` instead.)"""
-    if func is invoke_rref_method:
-        rref, name, m_args, m_kwargs = args
-        pending = rref._pending_owned()
-        if pending is not None:
-            return True, _when_made(rref, pending, name, m_args, m_kwargs)
-    return run_user_function(func, args, kwargs)
-
-
-def run_user_function(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
-    """Run ``func``; returns ``(is_async, result)`` (a future when ``func`` is
-    ``async_execution``)."""
-    if func is invoke_rref_method:
-        rref, name, args, kwargs = args
-        func = getattr(rref.local_value(), name)
-    if type(func) is types.BuiltinFunctionType:  # a torch operator: as torch's RPC runs it
-        return False, _builtins.call(func, args, kwargs)
-    if type(func) is torch.jit.ScriptFunction:
-        try:
-            return False, func(*args, **kwargs)
-        except torch.jit.Error as exc:  # (not a RuntimeError; torch's RPC raises one)
-            raise RuntimeError(str(exc)) from None
-    is_async = bool(getattr(func, "_wrapped_async_rpc_function", None))
-    return is_async, func(*args, **kwargs)
 
 
 class RpcAgent:
@@ -1149,36 +919,3 @@ class RpcAgent:
         for t in self._pool:
             if t is not me:
                 t.join(max(0.0, end - time.monotonic()))
-
-
-class _OwnerError:
-    """An owned value that failed: fetches answer with the error."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: Any) -> None:
-        self.record = record
-
-
-def _set_owner_error(fut: Any, record: Any) -> None:
-    if not fut.done():
-        fut.set_result(_OwnerError(record))
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    return exc
-
-
-def _wait_future(fut: Any, timeout: float | None) -> None:
-    if fut.done():
-        return
-    ev = threading.Event()
-    fut.add_done_callback(lambda _f: ev.set())
-    ev.wait(timeout)
-
-
-def _pid() -> int:
-    return os.getpid()
-
-
-_keep = (contextlib, traceback, weakref)

@@ -24,11 +24,13 @@ from .. import store as _store
 from ..store._rendezvous import rendezvous
 from ..store._tcp import serving_in_a_thread
 from . import _hooks, _remote_profiling, backend_registry, functions
-from ._agent import CallText, RpcAgent, WorkerInfo, current_agent, set_current_agent
+from ._agent import RpcAgent, current_agent, set_current_agent
+from ._calls import CallText
 from ._future import Future
 from ._message import MsgKind
 from ._options import ProcessGroupRpcBackendOptions, RpcBackendOptions, TensorPipeRpcBackendOptions
 from ._rref import RRef, owner_leaks
+from ._worker_info import WorkerInfo
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from .internal import RPCExecMode, _build_rpc_profiling_key
 

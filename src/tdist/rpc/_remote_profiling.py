@@ -64,7 +64,8 @@ class ProfiledCall:
         return (ProfiledCall, (self.func, self.key))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Profiled:
-        from ._agent import current_agent, run_user_function
+        from ._agent import current_agent
+        from ._execution import run_user_function
 
         agent = current_agent(required=False)
         node = agent.rank if agent is not None else -1

@@ -28,18 +28,9 @@ import torch
 
 from .._core.errors import DistError, PeerError
 from . import _errors, _hooks, _remote_profiling
-from ._agent import (
-    CallText,
-    LazyText,
-    RpcAgent,
-    RpcTimeoutError,
-    WorkerInfo,
-    _not_a_future,
-    _OwnerError,
-    current_agent,
-    run_user_function,
-    serialization_peer,
-)
+from ._agent import RpcAgent, current_agent, serialization_peer
+from ._calls import CallText, LazyText, RpcTimeoutError
+from ._execution import _not_a_future, _OwnerError, run_user_function
 from ._future import Future
 from ._message import MsgKind
 from ._rref_protocol import (
@@ -54,6 +45,7 @@ from ._rref_protocol import (
     Send,
     UserDelete,
 )
+from ._worker_info import WorkerInfo
 from .constants import UNSET_RPC_TIMEOUT
 from .rref_proxy import RRefProxy
 

@@ -36,9 +36,10 @@ from ..transport import _serialization as ser
 from ..transport._endpoint import _advertised_address
 from ..transport._memory import CMA_MIN
 from ..transport._messenger import Messenger, Payload, PeerAddress
-from ._agent import RpcAgent, WorkerInfo, set_current_agent, validate_name
+from ._agent import RpcAgent, set_current_agent
 from ._message import MsgKind, encode_meta
 from ._options import TensorPipeRpcBackendOptions, resolve_device_maps
+from ._worker_info import WorkerInfo, validate_name
 
 __all__ = ["TensorPipeAgent"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from ._agent import invoke_rref_method
+from ._execution import invoke_rref_method
 from .constants import UNSET_RPC_TIMEOUT
 
 __all__ = ["RRefProxy"]

@@ -1,0 +1,138 @@
+"""The bookkeeping of one call: what the agent's pending table holds for a request, what a
+blocking call waits on, how a call is described in messages, and the error of one that ran out
+of time.
+
+``_Call`` is an entry of the pending table (its future, the callee, a description, the timeout
+and the deadline, the handler of a late reply). A blocking call waits on a ``_SyncReply``, the
+part of ``torch.futures.Future`` the agent uses, at a fraction of its cost; a call that a user
+holds gets a real ``Future``. ``CallText`` and ``LazyText`` are written out only when a message
+needs them, not on every call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .._core.errors import DistTimeoutError
+from . import _errors
+
+__all__ = ["CallText", "LazyText", "RpcTimeoutError"]
+
+
+_EXPIRED = 1e-9  # a deadline that has passed when the request is out
+
+
+class RpcTimeoutError(DistTimeoutError):
+    """An RPC (or ``to_here``) did not finish within its timeout. A ``RuntimeError`` and a
+    ``TimeoutError``; the text starts like torch's."""
+
+
+_reply_lock = threading.Lock()
+
+
+class _SyncReply:
+    """The part of ``torch.futures.Future`` the agent uses, at a fraction of its cost, where no
+    user ever holds one: what a blocking call waits on (``rpc_sync`` returns the value) and an
+    owned RRef value (users get copies or ``local_value()``)."""
+
+    __slots__ = ("_callbacks", "_done", "_exc", "_value")
+
+    def __init__(self) -> None:
+        self._done = False
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[[Any], None]] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._fire()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._fire()
+
+    def _fire(self) -> None:
+        with _reply_lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        for cb in callbacks or ():
+            cb(self)
+
+    def add_done_callback(self, cb: Callable[[Any], None]) -> None:
+        with _reply_lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    def wait(self) -> Any:
+        if not self._done:
+            _wait_future(self, None)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def value(self) -> Any:
+        """The result of a done future (its exception raised)."""
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+class CallText:
+    """What a request is, for messages (``rpc_sync(worker1, mod.fn)``): written out only when a
+    message needs it, not on every call."""
+
+    __slots__ = ("api", "dst", "func")
+
+    def __init__(self, api: str, dst: str, func: Any) -> None:
+        self.api = api
+        self.dst = dst
+        self.func = func
+
+    def __str__(self) -> str:
+        return f"{self.api}({self.dst}, {_errors.describe_call(self.func)})"
+
+    __repr__ = __str__
+
+
+class LazyText:
+    """``fmt % args``, written out only when a message needs it."""
+
+    __slots__ = ("args", "fmt")
+
+    def __init__(self, fmt: str, *args: Any) -> None:
+        self.fmt = fmt
+        self.args = args
+
+    def __str__(self) -> str:
+        return self.fmt % self.args
+
+    __repr__ = __str__
+
+
+class _Call:
+    __slots__ = ("deadline", "dst", "fut", "on_reply", "seconds", "what")
+
+    def __init__(self, fut: Any, dst: int, what: object, seconds: float | None, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
+        self.fut = fut
+        self.dst = dst
+        self.what = what
+        self.seconds = seconds
+        self.deadline = deadline
+        self.on_reply = on_reply
+
+
+def _wait_future(fut: Any, timeout: float | None) -> None:
+    if fut.done():
+        return
+    ev = threading.Event()
+    fut.add_done_callback(lambda _f: ev.set())
+    ev.wait(timeout)
