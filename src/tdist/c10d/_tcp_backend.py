@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from .._core import spin
 from .._core.errors import DistBackendError, DistError
 from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
@@ -242,7 +241,6 @@ class ProcessGroupTCP(Backend):
                         timeout=self._timeout,
                         heartbeat_interval=self._ep.heartbeat_interval,
                         stall_timeout=self._ep.stall_timeout,
-                        spin_us=spin.SPIN * 1e6,
                     )
                 except BaseException:
                     self._ep.close()

@@ -71,7 +71,7 @@ class ShmArena(ArenaCore):
             default ``default_frame_bytes(size)``).
         frames: frames per rank ring (at least 3).
         small_bytes: ``all_reduce``/``reduce`` of at most this many bytes take the one-frame path.
-        spin_us: how long a waiter spins (yielding) before it blocks in the kernel.
+        spin_us: how long a waiter spins before it blocks in the kernel (``_core.spin``).
 
     Raises:
         ValueError: bad arguments.

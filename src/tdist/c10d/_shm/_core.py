@@ -23,8 +23,9 @@ parity) suffice, and it is where mismatches are caught.
 
 Waiting
 -------
-A waiter checks the counters; if they are not there yet it spins for ``spin_us`` (50 us),
-calling ``os.sched_yield()`` between checks so that a rank sharing its core with ours runs, then
+A waiter checks the counters; if they are not there yet it spins for ``spin_us`` as
+``_core.spin``'s one policy says (polling without yielding for half of it, then at most
+``spin.YIELDS`` ``os.sched_yield()`` calls so that a rank sharing its core with ours runs), then
 blocks in the kernel: it sets its SLEEP word and ``poll()``s its own wake-up pipe together with a
 ``pidfd`` of every peer process. A publisher, after bumping a counter, writes one byte into the
 pipe of every peer whose SLEEP word is set. The SLEEP store and
@@ -84,6 +85,7 @@ from typing import Self
 
 import torch
 
+from ..._core import spin
 from ..._core.deadline import to_seconds
 from ..._core.errors import (
     CollectiveMismatchError,
@@ -128,10 +130,7 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_FRAMES = 4
 _DEFAULT_SMALL_BYTES = 64 << 10
-_DEFAULT_SPIN_US = 50.0
-# yields before blocking: enough for a rank that shares our core, few enough that an unrelated
-# busy process there (which a yield lets run out its slice) does not cost much
-_MAX_YIELDS = 2
+_DEFAULT_SPIN_US = spin.SPIN * 1e6
 
 
 def _sanitize(name: str) -> str:
@@ -494,7 +493,7 @@ class ArenaCore:
                 return
             now = pc()
             if now > pure_end:
-                if now > spin_end or yields >= _MAX_YIELDS:
+                if now > spin_end or yields >= spin.YIELDS:
                     break
                 yields += 1
                 os.sched_yield()
