@@ -17,10 +17,15 @@ benchmarks' ``--busy`` mode runs one low-priority loop per core) a yield hands t
 that other work for its whole time slice, up to milliseconds: a store client that yielded all
 through its spin ran at a quarter of its idle speed there, and below torch's.
 
-And a waiter that keeps missing stops: after ``MISS_LIMIT`` answers in a row that came only
-after its spin, it sleeps at once for the next ``RETRY_AFTER`` waits, then tries again
-(``Budget``). Spinning that never catches only burns CPU the peer may need (a loaded machine,
-many clients of one server).
+A waiter learns from where its answers land (``Budget``):
+
+- answers that come only after its spin (it slept): after ``MISS_LIMIT`` in a row it sleeps at
+  once for the next ``RETRY_AFTER`` waits, then tries again. Spinning that never catches only
+  burns CPU the peer may need (a loaded machine, many clients of one server);
+- answers that come only once it yielded: its peer shares its core, and polling without
+  yielding only kept the peer from answering (the scheduler puts a waker and its wakee on one
+  core where the other cores run other work). After ``MISS_LIMIT`` in a row it skips step 1 for
+  the next ``RETRY_AFTER`` waits: it yields at once, which hands the peer the core.
 
 The one knob is ``TDIST_SPIN_US``, the budget in microseconds (150; 0 turns polling off).
 """
@@ -38,24 +43,40 @@ RETRY_AFTER = 256
 
 
 class Budget:
-    """One waiter's spin budget, which pauses after a run of misses (see the module docstring).
+    """One waiter's spin budget, which adapts to where its answers land (see the module
+    docstring): ``seconds()`` to poll in all, the first ``pure()`` of them without yielding.
 
     Not thread-safe: one per connection or waiter, used by the thread that waits.
     """
 
-    __slots__ = ("misses", "spin")
+    __slots__ = ("late", "misses", "spin")
 
     def __init__(self, spin: float = SPIN) -> None:
         self.spin = spin
-        self.misses = 0
+        self.misses = 0  # answers in a row that came after the spin
+        self.late = 0  # answers in a row that came only after a yield
 
     def seconds(self) -> float:
-        """How long to poll this time: ``spin``, or 0 while paused."""
+        """How long to poll this time: the budget, or 0 while paused."""
         return self.spin if self.misses < MISS_LIMIT else 0.0
 
-    def caught(self) -> None:
-        """The answer came while polling."""
+    def pure(self) -> float:
+        """How much of it to poll without yielding: half, or none while the peer seems to
+        share this core."""
+        return self.spin * 0.5 if self.late < MISS_LIMIT else 0.0
+
+    def caught(self, after_yield: bool = False) -> None:
+        """The answer came while polling (``after_yield``: only once this waiter yielded)."""
         self.misses = 0
+        if after_yield:
+            self._late()
+        elif self.late < MISS_LIMIT:
+            self.late = 0
+
+    def _late(self) -> None:
+        self.late += 1
+        if self.late >= MISS_LIMIT + RETRY_AFTER:
+            self.late = 0
 
     def missed(self) -> None:
         """The waiter went to sleep: the answer came after the spin (or there was none)."""

@@ -543,25 +543,33 @@ class StoreServer:
         on_readable = self._on_readable
         last_active = 0.0
         yields = 0
+        budget = _spin.Budget(spin)
+        spinning = False  # polling for the next request since the last activity
         next_ppid_check = clock() + 1.0
         try:
             while not self._stop_requested:
                 now = clock()
                 quiet = now - last_active
-                if spin and quiet < spin * 0.5:
+                if spinning and quiet < budget.pure():
                     timeout = 0.0
-                elif spin and quiet < spin and yields < _spin.YIELDS:
+                elif spinning and quiet < budget.seconds() and yields < _spin.YIELDS:
                     timeout = 0.0
                     yields += 1
                     os.sched_yield()  # a client sharing this core runs at once
                 else:
+                    if spinning:
+                        budget.missed()
+                        spinning = False
                     timeout = 1.0
                     if self._timers:
                         timeout = min(timeout, max(0.0, self._timers[0][0] - now))
                 events = ep.poll(timeout)
                 if events:
+                    if spinning:
+                        budget.caught(yields > 0)
                     last_active = clock()
                     yields = 0
+                    spinning = bool(spin)
                 for fd, mask in events:
                     data = fdmap.get(fd)
                     if type(data) is _Conn:

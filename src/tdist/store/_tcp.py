@@ -555,7 +555,7 @@ class TCPStore(Store):
             # ``_core.spin``'s policy: poll, then yield a few times, then sleep
             ready, recv, perf = self._spin_poll.poll, sock.recv, time.perf_counter
             now = perf()
-            pure, until = now + spinning * 0.5, now + spinning
+            pure, until = now + budget.pure(), now + spinning
             yields = 0
             while True:
                 if not ready(0):
@@ -573,7 +573,7 @@ class TCPStore(Store):
                     continue
                 if not data:
                     raise ConnectionResetError("connection closed by the server")
-                budget.caught()
+                budget.caught(yields > 0)
                 frame = decoder.parse_whole(data)
                 if frame is not None:
                     return frame
