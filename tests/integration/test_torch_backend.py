@@ -356,6 +356,69 @@ def test_tdist_groups_and_group_world_are_taken_by_torchs_modules() -> None:
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
+def _torch_made(rank: int, n: int, port: int) -> dict[str, Any]:
+    """torch's ``init_process_group("tdist")`` made the group; tdist's functions run on it."""
+    _init(rank, n, port)
+    out: dict[str, Any] = {}
+    t = torch.ones(3) * (rank + 1)
+    tdist.all_reduce(t)
+    out["world"] = [
+        t.tolist(), tdist.is_initialized(), tdist.get_rank(), tdist.get_world_size(),
+        tdist.get_backend(), tdist.group.WORLD is tdc.group.WORLD,
+    ]
+    sub = tdist.new_group([0, 2])  # (torch makes it: its group counter moves on every rank)
+    torch_sub = tdc.new_group([1, 2], backend="tdist")
+    if rank != 1:
+        x = torch.tensor([float(rank)])
+        tdist.all_reduce(x, group=sub)
+        out["sub"] = [x.item(), tdist.get_rank(sub), tdist.get_process_group_ranks(sub), isinstance(sub, tdc.ProcessGroup)]
+    if rank != 0:
+        y = torch.tensor([float(rank)])
+        tdist.broadcast(y, group_src=1, group=torch_sub)  # (a group of torch's own making)
+        out["torch_sub"] = [y.item(), tdist.get_rank(torch_sub), tdist.get_group_rank(torch_sub, rank)]
+    objs: list[Any] = [None] * n
+    tdist.all_gather_object(objs, {"rank": rank})
+    out["objects"] = objs
+    if rank == 0:
+        tdist.send(torch.arange(4.0), 1)
+    elif rank == 1:
+        r = torch.zeros(4)
+        tdist.recv(r, 0)
+        out["recv"] = r.tolist()
+    tdist.barrier()
+    try:
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=rank, world_size=n)
+    except ValueError as exc:
+        out["twice"] = str(exc)
+    tdist.destroy_process_group()  # (torch's too: it is one group)
+    out["after"] = [tdc.is_initialized(), tdist.is_initialized()]
+    _init(rank, n, port + 1)
+    z = torch.ones(1)
+    tdist.all_reduce(z)
+    tdc.destroy_process_group()  # (torch destroys it: tdist lets go of it too)
+    out["again"] = [z.item(), tdist.is_initialized()]
+    return out
+
+
+def test_tdist_functions_run_on_the_group_torchs_init_process_group_made() -> None:
+    """The reverse of a port by imports: a program calls torch's ``init_process_group("tdist")``
+    and then tdist's functions (``all_reduce``, ``new_group``, object collectives, p2p): they run
+    on torch's default group and on torch's ``new_group(backend="tdist")`` groups, and
+    destroying on either side lets both go."""
+    n = 3
+    port = free_port()
+    res = run_processes(_torch_made, n, port, timeout=80)
+    for rank, r in enumerate(res):
+        assert r["world"] == [[6.0] * 3, True, rank, n, "tdist", True]
+        assert r["objects"] == [{"rank": i} for i in range(n)]
+        assert r["twice"] == "trying to initialize the default process group twice!"
+        assert r["after"] == [False, False]
+        assert r["again"] == [float(n), False]
+    assert res[0]["sub"] == [2.0, 0, [0, 2], True] and res[2]["sub"] == [2.0, 1, [0, 2], True]
+    assert res[1]["torch_sub"] == [2.0, 0, 0] and res[2]["torch_sub"] == [2.0, 1, 1]  # (group rank 1: rank 2)
+    assert res[1]["recv"] == [0.0, 1.0, 2.0, 3.0]
+
+
 def _init_form(rank: int, n: int, port: int, form: str, where: str) -> None:
     if form == "env":
         _init(rank, n, port, "cpu:tdist")

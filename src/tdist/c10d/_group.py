@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -714,6 +715,8 @@ class World:
     init_method: str | None = None
     # torch's group that runs on each of our groups (see _torch_pg.mirror_group), and back
     torch_twins: dict[Any, ProcessGroup] = field(default_factory=dict)
+    # torch's default group, where this world is torch's, taken over (see ``current_world``)
+    adopted: Any = None
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
@@ -750,9 +753,47 @@ def current_world() -> World | None:
         if mine is not None or getattr(_local, "made_one", False):
             return mine if mine is not None and mine.alive else None
     primary = _primary
-    if primary is not None and primary.alive:
+    if primary is not None and primary.alive and (primary.adopted is None or primary.adopted is _torch_default()):
         return primary
-    return None
+    return _adopt_torch_default()
+
+
+def _torch_default() -> Any:
+    """torch's default group, if torch has one (``None`` if ``torch.distributed`` was never
+    loaded)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    return None if c10d is None else c10d._world.default_pg
+
+
+def _adopt_torch_default() -> World | None:
+    """A program made torch's default group with torch's ``init_process_group("tdist")``: tdist's
+    functions take it for theirs (a world whose default group is a handle on that group's
+    backend), until torch destroys it. ``None`` if torch's default group does not run on tdist."""
+    global _primary
+    torch_pg = _torch_default()
+    if torch_pg is None:
+        if _primary is not None and _primary.adopted is not None:  # (torch destroyed it)
+            with _registry_lock:
+                if _primary is not None and _primary.adopted is not None:
+                    _unbind(_primary)
+        return None
+    from ._torch_pg import handle_on
+
+    made = handle_on(torch_pg)
+    if made is None:
+        return None
+    pg, info = made
+    with _registry_lock:
+        primary = _primary
+        if primary is not None and primary.alive:
+            if primary.adopted is None or primary.adopted is torch_pg:  # (another thread's)
+                return primary
+            _unbind(primary)
+        world = World(default_pg=pg, adopted=torch_pg)
+        world.groups[pg] = info
+        world.torch_twins[torch_pg] = pg
+        _primary = world
+    return world
 
 
 def thread_isolated() -> bool:
@@ -763,8 +804,10 @@ def thread_isolated() -> bool:
 def thread_has_world() -> bool:
     """Whether ``init_process_group`` here would make a second live world: this isolated
     thread's own is live, or (any other thread) the process's is."""
-    world = getattr(_local, "world", None) if getattr(_local, "isolated", False) else _primary
-    return world is not None and world.alive
+    if getattr(_local, "isolated", False):
+        world = getattr(_local, "world", None)
+        return world is not None and world.alive
+    return current_world() is not None
 
 
 def new_world() -> World:
@@ -791,15 +834,19 @@ def publish_world(world: World, default_pg: ProcessGroup) -> None:
 
 def release_world(world: World) -> None:
     """Mark ``world`` dead and unbind it (from this thread, and as the process's)."""
-    global _primary
     with _registry_lock:
-        world.default_pg = None
-        world.groups.clear()
-        world.torch_twins.clear()
-        if _primary is world:
-            _primary = None
-        if getattr(_local, "world", None) is world:
-            _local.world = None
+        _unbind(world)
+
+
+def _unbind(world: World) -> None:
+    global _primary
+    world.default_pg = None
+    world.groups.clear()
+    world.torch_twins.clear()
+    if _primary is world:
+        _primary = None
+    if getattr(_local, "world", None) is world:
+        _local.world = None
 
 
 class _WorldMeta(type):

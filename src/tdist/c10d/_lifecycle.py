@@ -341,6 +341,16 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
     pg = world.default_pg if group is None else _from_torch(group) or group
     if not isinstance(pg, ProcessGroup) or pg not in world.groups:
         raise ValueError("Invalid process group specified")
+    if world.adopted is not None:  # (torch's groups, torch's to destroy: it shuts them down)
+        twin, everything = world.twin_of(pg), pg is world.default_pg
+        if everything:
+            release_world(world)
+        else:
+            with world.lock:
+                del world.groups[pg]
+                world.torch_twins.pop(twin, None)
+        torch.distributed.destroy_process_group(None if everything else twin)
+        return
     if pg is world.default_pg:
         from ._torch_pg import forget_default_group
 
@@ -401,6 +411,10 @@ def new_group(
     default = _default_group()
     if device_id is not None:
         raise ValueError(f"new_group: device_id {device_id} given; tdist drives CPU tensors only")
+    if world.adopted is not None:  # (torch's world: torch makes the group, tdist's functions take it)
+        return torch.distributed.new_group(  # type: ignore[no-any-return]
+            ranks, timeout, backend, pg_options, use_local_synchronization, group_desc, None, sort_ranks
+        )
     dinfo = world.groups[default]
     backend_name = Backend(backend) if backend else dinfo.backend
     timeout = default_pg_timeout if timeout is None else timeout

@@ -36,10 +36,12 @@ import torch
 import torch.distributed as tdc
 from torch._C._distributed_c10d import Work as _Work
 
+from ..store import PrefixStore
 from ..store._api import Store
 from . import _types as T
+from ._backend_config import Backend
 from ._checks import dense_cpu as _check
-from ._group import chain_work
+from ._group import GroupInfo, ProcessGroup, chain_work
 from ._reduce import sparse_all_reduce
 
 __all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
@@ -310,6 +312,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, backend: Any = None) -> None:
         super().__init__(rank, size)
         self._group_name = self._group_desc = ""
+        self._timeout = timeout
         self._owned = backend is None  # (else tdist's own group: tdist stops it)
         if backend is None:
             # (imported here: registering the backend costs no transport import)
@@ -465,7 +468,13 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         self._b.abort()
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
         self._b.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        """The default deadline of the group's operations."""
+        return self._timeout
 
 
 def _with_op(op: Any) -> Any:
@@ -549,6 +558,31 @@ def forget_default_group(pg: Any) -> None:
     torch_pg, _mirrored = _mirrored[1], None
     if tdc.is_initialized() and tdc.distributed_c10d._get_default_group() is torch_pg:
         tdc.destroy_process_group()
+
+
+def handle_on(group: Any) -> tuple[ProcessGroup, GroupInfo] | None:
+    """tdist's handle on torch's group ``group`` if it runs on tdist (torch's own
+    ``init_process_group("tdist")`` or ``new_group(backend="tdist")`` made it): a
+    ``ProcessGroup`` on the same backend, so that tdist's functions take torch's group (the
+    reverse of ``mirror_default_group``), and its entry for the world's registry. ``None`` for
+    another backend's group, or one torch no longer knows.
+    """
+    if not isinstance(group, TorchProcessGroup):
+        return None
+    try:
+        ranks = tdc.get_process_group_ranks(group)
+        base = tdc.distributed_c10d._get_default_store()
+    except (KeyError, ValueError, RuntimeError):  # (destroyed since)
+        return None
+    name = group.group_name
+    store = PrefixStore(f"tdist/{name}/", TorchStore(base))
+    pg = ProcessGroup(store, group.rank(), group.size())
+    pg._set_group_name(name)
+    pg._set_group_desc(group.group_desc)
+    pg._set_backend(group.backend, BACKEND_NAME, group.timeout, None)
+    config = f"cpu:{BACKEND_NAME}"
+    info = GroupInfo(name, Backend(BACKEND_NAME), config, store, {g: i for i, g in enumerate(ranks)})
+    return pg, info
 
 
 def register() -> None:

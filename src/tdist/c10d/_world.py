@@ -105,11 +105,22 @@ def _resolve(group: object) -> ProcessGroup:
 
 def _from_torch(group: object) -> ProcessGroup | None:
     """Our group that torch's group ``group`` runs on, if it is the twin of one of ours (the
-    default group, or one ``new_group`` handed out): ``None`` otherwise."""
+    default group, or one ``new_group`` handed out) or a group of torch's on the tdist backend:
+    ``None`` otherwise."""
     world = current_world()
     if world is None or not isinstance(group, torch.distributed.ProcessGroup):
         return None
-    return world.torch_twins.get(group)
+    ours = world.torch_twins.get(group)
+    if ours is None:  # (one that torch's new_group(backend="tdist") made: a handle on it)
+        from ._torch_pg import handle_on
+
+        made = handle_on(group)
+        if made is not None:
+            ours, info = made
+            with world.lock:
+                world.groups[ours] = info
+                world.torch_twins[group] = ours
+    return ours
 
 
 def _rank_map(pg: ProcessGroup) -> dict[int, int] | None:
