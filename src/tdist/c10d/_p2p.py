@@ -112,15 +112,15 @@ def send(
         TypeError: ``tensor`` is not a tensor.
     """
     t = C.as_tensor(tensor, "tensor")
+    tag = C.check_tag(tag)
     if _not_member(group):
         warn_not_in_group("send", _global_rank_or_minus_one())
         return
     pg = _resolve(group)
     peer = _group_rank(pg, dst, group_dst)
     C.check_not_self_rank(pg.rank(), peer, "destination")
-    work = isend(t, group=pg, tag=tag, group_dst=peer)
-    if work is not None:
-        work.wait()
+    C.check_peer_rank(peer, pg.size(), "isend", "destination")
+    pg.send([C.real_view(t)], peer, tag).wait()
 
 
 def recv(
@@ -140,6 +140,7 @@ def recv(
         TypeError: ``tensor`` is not a tensor.
     """
     t = C.as_tensor(tensor, "tensor")
+    tag = C.check_tag(tag)
     if _not_member(group):
         warn_not_in_group("recv", _global_rank_or_minus_one())
         return -1
@@ -147,12 +148,10 @@ def recv(
     if src is not None or group_src is not None:
         peer = _group_rank(pg, src, group_src)
         C.check_not_self_rank(pg.rank(), peer, "source")
-        work = irecv(t, group=pg, tag=tag, group_src=peer)
-        assert work is not None
-        work.wait()
+        C.check_peer_rank(peer, pg.size(), "irecv", "source")
+        pg.recv([C.real_view(t)], peer, tag).wait()
         return _to_global(pg, peer)
-    work = irecv(t, group=pg, tag=tag)
-    assert work is not None
+    work = pg.recv_anysource([C.real_view(t)], tag)
     work.wait()
     sender = work.source_rank()
     C.check_not_self_rank(pg.rank(), sender, "source")

@@ -66,8 +66,18 @@ def bytes_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's memory (no copy)."""
     if t.numel() == 0:
         return memoryview(bytearray(0))
+    if t.dtype in _NUMPY_DTYPES and t.dim() and t.is_contiguous():  # (the quick way)
+        return memoryview(t.numpy()).cast("B")
     arr: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(arr).cast("B")
+
+
+# dtypes whose numpy arrays a memoryview takes (not bfloat16 and the like, which numpy lacks,
+# nor complex ones, whose buffer format memoryview cannot cast)
+_NUMPY_DTYPES = frozenset({
+    torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.bool,
+})
 
 
 def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
@@ -160,7 +170,7 @@ class _RecvWork(Work):
         return super().wait(timeout)
 
     def is_completed(self) -> bool:
-        if not super().is_completed() and self._handle.done.is_set():
+        if not super().is_completed() and self._handle.finished:
             self._settle()
         return super().is_completed()
 
@@ -456,7 +466,7 @@ class ProcessGroupTCP(Backend):
             while sr.next < len(sr.handles):
                 h = sr.handles[sr.next]
                 if not block:
-                    if not h.done.is_set():
+                    if not h.finished:
                         break
                     c = r.chunks[0]
                     if sent_pieces is not None and c in sent_pieces and sr.next >= sent_pieces[c]:

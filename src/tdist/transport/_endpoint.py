@@ -35,6 +35,7 @@ import select
 import socket
 import threading
 import time
+from _thread import allocate_lock as _allocate_lock
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -121,9 +122,16 @@ def _advertised_address(store: Any) -> str:
 
 
 class RecvHandle:
-    """A posted receive: completes when a matching message has landed in ``buffer``."""
+    """A posted receive: completes when a matching message has landed in ``buffer``.
 
-    __slots__ = ("buffer", "data", "done", "error", "expect_meta", "meta", "nbytes", "peer", "source", "tag", "what")
+    Its completion is a latch made of one lock, held until then (an ``Event`` is a Condition
+    and two locks: its set and wait cost several times as much on the 4-byte ping-pong's path).
+    """
+
+    __slots__ = (
+        "_latch", "buffer", "data", "error", "expect_meta", "finished", "meta", "nbytes", "peer", "source",
+        "tag", "what",
+    )
 
     def __init__(self, peer: int, tag: int, buffer: memoryview | None, expect_meta: bytes | None, what: str) -> None:
         self.peer = peer  # -1: any source
@@ -131,7 +139,9 @@ class RecvHandle:
         self.buffer = buffer
         self.expect_meta = expect_meta
         self.what = what
-        self.done = threading.Event()
+        self.finished = False
+        self._latch = _allocate_lock()
+        self._latch.acquire()
         self.error: DistError | None = None
         self.source = -1
         self.data: bytes | bytearray | memoryview | None = None
@@ -139,11 +149,24 @@ class RecvHandle:
         self.nbytes = 0
 
     def _finish(self, source: int, error: DistError | None = None) -> None:
-        if self.done.is_set():
+        if self.finished:
             return
         self.source = source
         self.error = error
-        self.done.set()
+        self.finished = True
+        try:
+            self._latch.release()
+        except RuntimeError:  # (finished by two threads at once: the first one's result stands)
+            pass
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Whether it finished within ``timeout`` seconds."""
+        if self.finished:
+            return True
+        if not self._latch.acquire(timeout=timeout):
+            return False
+        self._latch.release()  # (open for good: a later wait returns at once)
+        return True
 
 
 class _Pending:
@@ -598,13 +621,13 @@ class Endpoint:
     def wait(self, handle: RecvHandle, deadline: float | None, what: str | None = None) -> RecvHandle:
         """Block until ``handle`` completes; raise its error, a stall or the deadline."""
         step = max(0.05, self.heartbeat_interval / 2)
-        while not handle.done.wait(step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))):
+        while not handle.wait_finished(step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))):
             now = time.monotonic()
             if handle.peer >= 0:
                 p = self._peers.get(handle.peer)
-                if p is not None and not handle.done.is_set():
+                if p is not None and not handle.finished:
                     self._stalled(p, what or handle.what, now)
-            if deadline is not None and now >= deadline and not handle.done.is_set():
+            if deadline is not None and now >= deadline and not handle.finished:
                 src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
                 raise DistTimeoutError(
                     f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})"
