@@ -67,7 +67,8 @@ def bytes_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray(0))
     if t.dtype in _NUMPY_DTYPES and t.dim() and t.is_contiguous():  # (the quick way)
-        return memoryview(t.numpy()).cast("B")
+        quick: Any = t.numpy()
+        return memoryview(quick).cast("B")
     arr: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(arr).cast("B")
 
