@@ -86,6 +86,13 @@ class _DistributedBackendOptions:
 _Creator = Callable[[Store, int, int, timedelta, str, list[int]], BackendImpl]
 
 
+def mpi4py_installed() -> bool:
+    """Whether mpi4py can be imported (looked up, not imported: importing it starts MPI)."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
 def _creator_for(backend: str, pg_options: Any) -> _Creator:
     """How to build a backend for the (normalized) name ``backend``; fails before any I/O.
 
@@ -110,6 +117,10 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
 
         return make_plugin
     creator = backend_creator(impl)
+    if creator is None and impl == Backend.MPI and mpi4py_installed():
+        from ._mpi_backend import ProcessGroupMPI
+
+        return ProcessGroupMPI.create
     if creator is None and impl == Backend.TCP:
         from . import _tcp_backend  # noqa: F401  (registers "tcp" and "gloo")
 
@@ -119,8 +130,9 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
             raise RuntimeError("the tcp backend did not register itself (tdist.c10d._tcp_backend)")
         if impl == Backend.MPI:
             raise RuntimeError(
-                "Distributed package doesn't have MPI built in. MPI is only included if you "
-                "build PyTorch from source on a host that has MPI installed."
+                "Distributed package doesn't have MPI built in: tdist's mpi backend runs on "
+                "mpi4py, which is not installed (pip install 'tdist[mpi]', or mpi4py with an MPI "
+                "library)"
             )
         raise AssertionError(
             f"Unknown c10d backend type {impl.upper()}; use gloo (or tcp), or register one "
@@ -274,6 +286,17 @@ def init_process_group(
 
     world = new_world()
     try:
+        if implementation_for(backend_name) == Backend.MPI and creator is not None and mpi4py_installed():
+            # (rank and world size are MPI's; the store too, unless a rendezvous was asked for)
+            from ._mpi_backend import mpi_world, mpi_world_store
+
+            asked = store is not None or init_method != "env://" or "MASTER_ADDR" in os.environ
+            if not asked:
+                store, rank, world_size = mpi_world_store(rank, world_size, timeout)
+                world.owned_store = store
+                store = PrefixStore("default_pg", store)
+            else:
+                rank, world_size = mpi_world()
         if store is None:
             assert init_method is not None
             # rank 0 hosts the group's store in a thread, as torch does: a process of its own

@@ -182,8 +182,11 @@ def is_xccl_available() -> bool:
 
 
 def is_mpi_available() -> bool:
-    """Whether an ``mpi`` backend has registered itself."""
-    return backend_creator("mpi") is not None or "MPI" in Backend._plugins
+    """Whether the ``mpi`` backend can run: mpi4py is installed (or an ``mpi`` backend
+    registered itself)."""
+    from ._lifecycle import mpi4py_installed
+
+    return backend_creator("mpi") is not None or "MPI" in Backend._plugins or mpi4py_installed()
 
 
 def is_initialized() -> bool:

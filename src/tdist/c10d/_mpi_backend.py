@@ -1,0 +1,725 @@
+"""The ``mpi`` backend: tdist's process groups on a real MPI, through mpi4py.
+
+``init_process_group("mpi")`` under ``mpiexec -n N python script.py`` takes rank and world size
+from ``MPI_COMM_WORLD`` (the ``rank``/``world_size`` arguments are checked against them, as
+torch's MPI backend ignores them) and needs no ``MASTER_ADDR``: rank 0 serves the group's store
+from a thread and tells the others where it is over MPI (``mpi_world_store``). The store carries
+what MPI does not: ``monitored_barrier``, the debug checks, and the diagnosis of a timed-out
+operation (which ranks never reached it).
+
+Each operation starts MPI's non-blocking call (``Iallreduce``, ``Ibcast``, ``Isend``, ...) in the
+caller's thread, so every rank starts its collectives in program order, and returns a ``Work``
+that completes when the request does. Waiting polls the request (``Test``) against the
+operation's deadline: a stuck collective raises ``DistTimeoutError`` naming the ranks that
+never reached it, where torch's MPI backend waits forever.
+
+Buffers: a contiguous tensor goes to MPI as a buffer on its own memory (no copy); a
+non-contiguous one through one staging copy. Operations that only move bytes (broadcast,
+gathers, scatters, all-to-all, send/recv) take every dtype as bytes; reductions take torch's
+MPI types (uint8, int8, int16, int32, int64, float32, float64) and SUM, PRODUCT, MIN, MAX, the
+bitwise ops on integers, and AVG on floating types (a sum, then a division).
+
+Sub-groups (``new_group``) are communicators made by ``MPI_Comm_create_group`` among their
+members only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from .._core.errors import DistBackendError, DistTimeoutError
+from ..store import Store
+from ._backend import Backend
+from ._checks import CollectiveArgumentError
+from ._tcp_backend import _Flat, bytes_view
+from ._types import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    RedOpType,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+    Work,
+    as_red_op,
+)
+
+__all__ = ["ProcessGroupMPI", "mpi_world", "mpi_world_store"]
+
+_TYPES: dict[torch.dtype, Any] = {
+    torch.uint8: MPI.UNSIGNED_CHAR,
+    torch.int8: MPI.SIGNED_CHAR,
+    torch.int16: MPI.SHORT,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+}
+_OPS: dict[RedOpType, Any] = {
+    RedOpType.SUM: MPI.SUM,
+    RedOpType.AVG: MPI.SUM,  # (then divided by the group's size)
+    RedOpType.PRODUCT: MPI.PROD,
+    RedOpType.MIN: MPI.MIN,
+    RedOpType.MAX: MPI.MAX,
+    RedOpType.BAND: MPI.BAND,
+    RedOpType.BOR: MPI.BOR,
+    RedOpType.BXOR: MPI.BXOR,
+}
+_GRACE = 3.0  # seconds a timed-out rank waits to hear which others reached the operation
+_POLLS = 64  # request tests between two looks at the clock (and a yield of the GIL)
+_EXIT_WAIT = 10.0  # seconds a rank leaving waits for the others to leave too
+_exit_hook = False
+
+
+def mpi_world() -> tuple[int, int]:
+    """This process's rank and the world size in ``MPI_COMM_WORLD``."""
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Store, int, int]:
+    """The default group's store for an MPI job, with the MPI rank and world size.
+
+    Rank 0 serves a ``TCPStore`` from a thread; the others learn its address over MPI (the
+    loopback when every rank shares rank 0's host, else the first of rank 0's addresses they
+    reach; ``MASTER_ADDR`` wins where set).
+
+    Raises:
+        ValueError: ``rank`` or ``world_size`` (where given, not -1) differs from MPI's.
+    """
+    from ..store import TCPStore
+    from ..store._tcp import serving_in_a_thread
+    from ..transport._endpoint import host_id
+
+    comm = MPI.COMM_WORLD
+    me, n = comm.Get_rank(), comm.Get_size()
+    if rank >= 0 and rank != me:
+        raise ValueError(f"init_process_group('mpi'): rank={rank} given, but MPI says this process is rank {me}")
+    if world_size >= 0 and world_size != n:
+        raise ValueError(f"init_process_group('mpi'): world_size={world_size} given, but MPI's world has {n} processes")
+    hosts = comm.allgather(host_id())
+    global _exit_hook
+    if not _exit_hook:  # (after mpi4py's own: exit handlers run last-registered first)
+        atexit.register(_at_exit)
+        _exit_hook = True
+    if me == 0:
+        with serving_in_a_thread():
+            store: Store = TCPStore("0.0.0.0", 0, n, True, timeout, wait_for_workers=False)
+        port = store.port  # type: ignore[attr-defined]
+        explicit = os.environ.get("MASTER_ADDR")
+        addrs = [explicit] if explicit else _local_addresses()
+        comm.bcast((addrs, port), root=0)
+        return store, me, n
+    addrs, port = comm.bcast(None, root=0)
+    if hosts[me] == hosts[0] and not os.environ.get("MASTER_ADDR"):
+        addr = "127.0.0.1"
+    else:
+        addr = _reachable(addrs, port)
+    return TCPStore(addr, port, n, False, timeout), me, n
+
+
+def _quiet_barrier(comm: Any, seconds: float) -> bool:
+    """A barrier on ``comm`` that gives up after ``seconds`` (and never raises); whether every
+    rank came. It waits with the GIL free, so that rank 0's store thread goes on serving."""
+    try:
+        request = comm.Ibarrier()
+        deadline = time.monotonic() + seconds
+        while not request.Test():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+    except MPI.Exception:
+        return False
+
+
+def _at_exit() -> None:
+    """Before MPI finalizes (which blocks holding the GIL, so that rank 0's store thread could
+    not answer a rank still using it): wait for every rank to be at its exit too."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        _quiet_barrier(MPI.COMM_WORLD, _EXIT_WAIT)
+
+
+def _local_addresses() -> list[str]:
+    """This host's IPv4 addresses, loopback last (from the kernel's routing table)."""
+    found: list[str] = []
+    try:
+        with open("/proc/net/fib_trie") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for prev, line in itertools.pairwise(lines):
+        if "/32 host LOCAL" in line:
+            addr = prev.strip().split()[-1]
+            if addr not in found:
+                found.append(addr)
+    found.sort(key=lambda a: a.startswith("127."))
+    return found or ["127.0.0.1"]
+
+
+def _reachable(addrs: Sequence[str], port: int) -> str:
+    """The first of ``addrs`` where something listens on ``port``."""
+    for addr in addrs:
+        try:
+            with socket.create_connection((addr, port), timeout=2.0):
+                return addr
+        except OSError:
+            continue
+    raise DistBackendError(
+        f"init_process_group('mpi'): cannot reach rank 0's store on port {port} at any of "
+        f"{', '.join(addrs)}; set MASTER_ADDR to an address of rank 0's host that this host reaches"
+    )
+
+
+def _typed(t: torch.Tensor, op: RedOpType, what: str) -> Any:
+    mpi_type = _TYPES.get(t.dtype)
+    if mpi_type is None:
+        raise CollectiveArgumentError(
+            f"{what}: the mpi backend reduces uint8, int8, int16, int32, int64, float32 and "
+            f"float64 tensors (MPI's types), not {str(t.dtype).replace('torch.', '')}"
+        )
+    mpi_op = _OPS.get(op)
+    if mpi_op is None:
+        raise CollectiveArgumentError(f"{what}: ReduceOp.{op.name} is not supported by the mpi backend")
+    if op == RedOpType.AVG and not t.is_floating_point():
+        raise CollectiveArgumentError(f"{what}: ReduceOp.AVG on the mpi backend needs a floating-point tensor")
+    return mpi_type
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes, one after another, in a fresh buffer."""
+    out = torch.empty(sum(_nbytes(t) for t in tensors), dtype=torch.uint8)
+    off = 0
+    for t in tensors:
+        n = _nbytes(t)
+        if n:
+            out[off : off + n].copy_(t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().view(-1).view(torch.uint8))
+        off += n
+    return out
+
+
+def _split_into(stage: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``stage``'s bytes out into ``tensors``, one after another."""
+    off = 0
+    for t in tensors:
+        n = _nbytes(t)
+        if n:
+            t.copy_(stage[off : off + n].view(t.dtype).view(t.shape))
+        off += n
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, off = [], 0
+    for c in counts:
+        out.append(off)
+        off += c
+    return out
+
+
+class _MPIWork(Work):
+    """An operation whose MPI requests are in flight: done when they all are, then ``settle``
+    (copies out of staging buffers) runs once."""
+
+    def __init__(
+        self,
+        backend: ProcessGroupMPI,
+        what: str,
+        requests: list[Any],
+        result: list[torch.Tensor],
+        settle: Callable[[], None] | None,
+        deadline: float,
+        peer: int = -1,
+        status: Any = None,
+        keep: Any = None,
+    ) -> None:
+        super().__init__(what, result=result)
+        self._backend = backend
+        self._requests = requests
+        self._settle_fn = settle
+        self._deadline = deadline
+        self._peer = peer
+        self._status = status
+        self._keep = keep  # (staging buffers MPI writes into until the requests complete)
+        self._poll_lock = threading.Lock()
+
+    def _poll(self) -> bool:
+        """Test the requests once; complete the work if they are done."""
+        if self.is_completed_quietly():
+            return True
+        if not self._poll_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.is_completed_quietly():
+                return True
+            try:
+                if self._status is not None:
+                    done = bool(self._requests[0].Test(self._status))
+                else:
+                    done = bool(MPI.Request.Testall(self._requests))
+            except MPI.Exception as exc:
+                err = DistBackendError(f"rank {self._backend.rank()}: {self._op} failed in MPI: {exc.Get_error_string()}")
+                self._backend._broken = err
+                self._fail(err)
+                return True
+            if not done:
+                return False
+            if self._settle_fn is not None:
+                self._settle_fn()
+            source = self._status.Get_source() if self._status is not None else -1
+            self._keep = None
+            self._complete(None, source_rank=source)
+            return True
+        finally:
+            self._poll_lock.release()
+
+    def is_completed_quietly(self) -> bool:
+        return super().is_completed()
+
+    def is_completed(self) -> bool:
+        return self._poll()
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        deadline = self._deadline
+        if timeout is not None:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            if seconds > 0:
+                deadline = min(deadline, time.monotonic() + seconds)
+        slow = time.monotonic() + 1.0
+        while not self._poll():
+            for _ in range(_POLLS):
+                if self._poll():
+                    break
+            else:
+                now = time.monotonic()
+                if now >= deadline:
+                    err = self._backend._timed_out(self._op, self._peer, now - (deadline - self._backend._timeout))
+                    raise err
+                time.sleep(0 if now < slow else 1e-4)  # (the GIL for other threads; after a second, the core too)
+                continue
+            break
+        return super().wait(timeout)
+
+    def get_future(self) -> Any:
+        fut = super().get_future()
+        if not self.is_completed_quietly():
+            threading.Thread(target=self._wait_quietly, name="tdist-mpi-future", daemon=True).start()
+        return fut
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # (the future carries the failure)
+            pass
+
+
+class ProcessGroupMPI(Backend):
+    """One rank's end of a process group on the MPI communicator ``comm``.
+
+    Args:
+        comm: the group's communicator (a duplicate, so that a program's own MPI calls on
+            ``MPI_COMM_WORLD`` never match ours).
+        store: the group's store namespace (for the diagnosis of a timeout).
+        timeout: the default deadline of every operation.
+    """
+
+    def __init__(self, comm: Any, store: Store | None, timeout: timedelta) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        self._comm = comm
+        self._store = store
+        self._timeout = timeout.total_seconds()
+        self._seq = 0
+        self._broken: DistBackendError | None = None
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls, store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
+    ) -> ProcessGroupMPI:
+        """The group of global ranks ``ranks`` (every rank of it calls this; no other does)."""
+        world = MPI.COMM_WORLD
+        if list(ranks) == list(range(world.Get_size())):
+            comm = world.Dup()
+        else:
+            tag = int(name) if name.isdigit() else int(name[:6], 16)
+            comm = world.Create_group(world.Get_group().Incl(list(ranks)), tag % 32768)
+        if comm.Get_rank() != rank or comm.Get_size() != size:
+            raise DistBackendError(
+                f"mpi backend: group {name!r} has rank {comm.Get_rank()} of {comm.Get_size()} in MPI, "
+                f"{rank} of {size} in tdist"
+            )
+        return cls(comm, store, timeout)
+
+    def name(self) -> str:
+        return "mpi"
+
+    # -- running -------------------------------------------------------------------------------
+    def _start(
+        self,
+        what: str,
+        opts: Any,
+        start: Callable[[], list[Any]],
+        result: list[torch.Tensor],
+        settle: Callable[[], None] | None = None,
+        peer: int = -1,
+        status: Any = None,
+        keep: Any = None,
+    ) -> Work:
+        if self._closed:
+            raise DistBackendError(f"rank {self._rank}: {what} on a destroyed process group")
+        if self._broken is not None:
+            raise DistBackendError(
+                f"rank {self._rank}: {what}: the process group is broken by an earlier failure: {self._broken}"
+            ) from self._broken
+        if peer == -1:  # (a collective: numbered, as every rank numbers it)
+            self._seq += 1
+            what = f"{what} #{self._seq}"
+        t = getattr(opts, "timeout", None)
+        seconds = t.total_seconds() if isinstance(t, timedelta) and t.total_seconds() > 0 else self._timeout
+        try:
+            requests = start()
+        except MPI.Exception as exc:
+            raise DistBackendError(f"rank {self._rank}: {what} failed in MPI: {exc.Get_error_string()}") from exc
+        work = _MPIWork(self, what, requests, result, settle, time.monotonic() + seconds, peer, status, keep)
+        work._poll()
+        return work
+
+    def _timed_out(self, what: str, peer: int, waited: float) -> DistTimeoutError:
+        """The error of an operation past its deadline, naming who kept it waiting."""
+        if peer == -2:
+            return DistTimeoutError(
+                f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend: no rank "
+                "of the group sent a matching message"
+            )
+        if peer >= 0:
+            return DistTimeoutError(
+                f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend: rank "
+                f"{peer} of the group never matched it (dead, stopped, or in another operation)"
+            )
+        return DistTimeoutError(
+            f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend; {self._who_is_missing(what)}"
+        )
+
+    def _who_is_missing(self, what: str) -> str:
+        """Through the store: every rank that times out in the same operation says so; the
+        ranks that do not within ``_GRACE`` never reached it."""
+        store = self._store
+        if store is None or self._size == 1:
+            return "no store to ask the other ranks"
+        key = f"mpi_timeout/{what}/"
+        try:
+            store.set(f"{key}{self._rank}", b"waiting")
+            deadline = time.monotonic() + _GRACE
+            waiting = {self._rank}
+            while len(waiting) < self._size and time.monotonic() < deadline:
+                for r in range(self._size):
+                    if r not in waiting and store.check([f"{key}{r}"]):
+                        waiting.add(r)
+                if len(waiting) < self._size:
+                    time.sleep(0.05)
+        except Exception as exc:  # (the store's host may be the rank that died)
+            return f"the other ranks could not be asked ({type(exc).__name__}: {exc})"
+        missing = [r for r in range(self._size) if r not in waiting]
+        if not missing:
+            return "every rank of the group is waiting in it"
+        ranks = ", ".join(map(str, missing))
+        return (
+            f"rank{'s' if len(missing) > 1 else ''} {ranks} of the group never reached it (dead, stopped, or "
+            f"in another operation); ranks {', '.join(map(str, sorted(waiting)))} wait in it"
+        )
+
+    # -- collectives ---------------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions) -> Work:
+        flat = _Flat(tensors[0])
+        buf = bytes_view(flat.flat)
+        return self._start(
+            "broadcast", opts, lambda: [self._comm.Ibcast([buf, MPI.BYTE], root=opts.rootRank)], [tensors[0]], flat.commit
+        )
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> Work:
+        t = tensors[0]
+        op = as_red_op(opts.reduceOp)
+        mpi_type = _typed(t, op, "all_reduce")
+        flat = _Flat(t)
+        buf = bytes_view(flat.flat)
+        n = flat.flat.numel()
+
+        def settle() -> None:
+            if op == RedOpType.AVG:
+                flat.flat.div_(self._size)
+            flat.commit()
+
+        return self._start(
+            "all_reduce", opts, lambda: [self._comm.Iallreduce(MPI.IN_PLACE, [buf, n, mpi_type], _OPS[op])], [t], settle
+        )
+
+    def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> Work:
+        t = tensors[0]
+        op = as_red_op(opts.reduceOp)
+        mpi_type = _typed(t, op, "reduce")
+        flat = _Flat(t)
+        buf = bytes_view(flat.flat)
+        n = flat.flat.numel()
+        root = opts.rootRank
+
+        def start() -> list[Any]:
+            if self._rank == root:
+                return [self._comm.Ireduce(MPI.IN_PLACE, [buf, n, mpi_type], _OPS[op], root=root)]
+            return [self._comm.Ireduce([buf, n, mpi_type], None, _OPS[op], root=root)]
+
+        def settle() -> None:
+            if self._rank == root:
+                if op == RedOpType.AVG:
+                    flat.flat.div_(self._size)
+                flat.commit()
+
+        return self._start("reduce", opts, start, [t], settle)
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: AllgatherOptions
+    ) -> Work:
+        outs = output_tensors[0]
+        send = _concat([input_tensors[0]])
+        counts = [_nbytes(o) for o in outs]
+        stage = torch.empty(sum(counts), dtype=torch.uint8)
+        sbuf, rbuf = bytes_view(send), bytes_view(stage)
+        return self._start(
+            "all_gather",
+            opts,
+            lambda: [self._comm.Iallgatherv([sbuf, MPI.BYTE], [rbuf, counts, _displs(counts), MPI.BYTE])],
+            outs,
+            lambda: _split_into(stage, outs),
+            keep=(send, stage),
+        )
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions) -> Work:
+        out = _Flat(output)
+        send = _concat([input])
+        sbuf, rbuf = bytes_view(send), bytes_view(out.flat)
+        return self._start(
+            "all_gather_into_tensor",
+            opts,
+            lambda: [self._comm.Iallgather([sbuf, MPI.BYTE], [rbuf, MPI.BYTE])],
+            [output],
+            out.commit,
+            keep=send,
+        )
+
+    def gather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: GatherOptions
+    ) -> Work:
+        root = opts.rootRank
+        send = _concat([input_tensors[0]])
+        sbuf = bytes_view(send)
+        if self._rank != root:
+            return self._start(
+                "gather", opts, lambda: [self._comm.Igatherv([sbuf, MPI.BYTE], None, root=root)], [], keep=send
+            )
+        outs = output_tensors[0]
+        counts = [_nbytes(o) for o in outs]
+        stage = torch.empty(sum(counts), dtype=torch.uint8)
+        rbuf = bytes_view(stage)
+        return self._start(
+            "gather",
+            opts,
+            lambda: [self._comm.Igatherv([sbuf, MPI.BYTE], [rbuf, counts, _displs(counts), MPI.BYTE], root=root)],
+            outs,
+            lambda: _split_into(stage, outs),
+            keep=(send, stage),
+        )
+
+    def scatter(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: ScatterOptions
+    ) -> Work:
+        root = opts.rootRank
+        out = output_tensors[0]
+        stage = torch.empty(_nbytes(out), dtype=torch.uint8)
+        rbuf = bytes_view(stage)
+        if self._rank == root:
+            ins = input_tensors[0]
+            send = _concat(ins)
+            counts = [_nbytes(i) for i in ins]
+            sbuf = bytes_view(send)
+
+            def start() -> list[Any]:
+                return [self._comm.Iscatterv([sbuf, counts, _displs(counts), MPI.BYTE], [rbuf, MPI.BYTE], root=root)]
+
+            keep: Any = (send, stage)
+        else:
+
+            def start() -> list[Any]:
+                return [self._comm.Iscatterv(None, [rbuf, MPI.BYTE], root=root)]
+
+            keep = stage
+        return self._start("scatter", opts, start, [out], lambda: _split_into(stage, [out]), keep=keep)
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: ReduceScatterOptions,
+    ) -> Work:
+        out = output_tensors[0]
+        ins = input_tensors[0]
+        op = as_red_op(opts.reduceOp)
+        mpi_type = _typed(out, op, "reduce_scatter")
+        send = _concat(ins)
+        counts = [i.numel() for i in ins]
+        res = _Flat(out)
+        sbuf, rbuf = bytes_view(send), bytes_view(res.flat)
+        n_send = sum(counts)
+
+        def settle() -> None:
+            if op == RedOpType.AVG:
+                res.flat.div_(self._size)
+            res.commit()
+
+        return self._start(
+            "reduce_scatter",
+            opts,
+            lambda: [self._comm.Ireduce_scatter([sbuf, n_send, mpi_type], [rbuf, out.numel(), mpi_type], counts, _OPS[op])],
+            [out],
+            settle,
+            keep=send,
+        )
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions) -> Work:
+        op = as_red_op(opts.reduceOp)
+        mpi_type = _typed(output, op, "reduce_scatter_tensor")
+        send = _concat([input])
+        res = _Flat(output)
+        sbuf, rbuf = bytes_view(send), bytes_view(res.flat)
+
+        def settle() -> None:
+            if op == RedOpType.AVG:
+                res.flat.div_(self._size)
+            res.commit()
+
+        return self._start(
+            "reduce_scatter_tensor",
+            opts,
+            lambda: [self._comm.Ireduce_scatter_block([sbuf, mpi_type], [rbuf, mpi_type], _OPS[op])],
+            [output],
+            settle,
+            keep=send,
+        )
+
+    def _alltoallv(
+        self, what: str, opts: Any, outs: list[torch.Tensor], send: torch.Tensor, scounts: list[int], rcounts: list[int],
+        result: list[torch.Tensor],
+    ) -> Work:
+        stage = torch.empty(sum(rcounts), dtype=torch.uint8)
+        sbuf, rbuf = bytes_view(send), bytes_view(stage)
+        return self._start(
+            what,
+            opts,
+            lambda: [
+                self._comm.Ialltoallv(
+                    [sbuf, scounts, _displs(scounts), MPI.BYTE], [rbuf, rcounts, _displs(rcounts), MPI.BYTE]
+                )
+            ],
+            result,
+            lambda: _split_into(stage, outs),
+            keep=(send, stage),
+        )
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: AllToAllOptions) -> Work:
+        send = _concat(input_tensors)
+        return self._alltoallv(
+            "all_to_all", opts, output_tensors, send, [_nbytes(t) for t in input_tensors],
+            [_nbytes(t) for t in output_tensors], output_tensors,
+        )
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: AllToAllOptions,
+    ) -> Work:
+        n = self._size
+        in_rows = list(input_split_sizes) or [input.shape[0] // n] * n
+        out_rows = list(output_split_sizes) or [output.shape[0] // n] * n
+        row_in = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
+        row_out = _nbytes(output) // max(1, output.shape[0]) if output.dim() else 0
+        send = _concat([input])
+        return self._alltoallv(
+            "all_to_all_single", opts, [output], send, [r * row_in for r in in_rows], [r * row_out for r in out_rows],
+            [output],
+        )
+
+    def barrier(self, opts: BarrierOptions) -> Work:
+        return self._start("barrier", opts, lambda: [self._comm.Ibarrier()], [])
+
+    # -- point to point ------------------------------------------------------------------------
+    def _tag(self, tag: int) -> int:
+        upper = int(self._comm.Get_attr(MPI.TAG_UB) or 32767)
+        if not 0 <= tag <= upper:
+            raise ValueError(f"tag must be an integer from 0 to {upper} (MPI_TAG_UB) on the mpi backend, got {tag}")
+        return tag
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        t = tensors[0]
+        send = t if t.is_contiguous() else t.contiguous()
+        buf = bytes_view(send)
+        tag = self._tag(tag)
+        return self._start(
+            f"send to rank {dst}", None, lambda: [self._comm.Isend([buf, MPI.BYTE], dst, tag)], [t], peer=dst, keep=send
+        )
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        return self._recv(tensors[0], src, tag, f"recv from rank {src}")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        return self._recv(tensors[0], MPI.ANY_SOURCE, tag, "recv from any rank")
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int, what: str) -> Work:
+        flat = _Flat(t)
+        buf = bytes_view(flat.flat)
+        tag = self._tag(tag)
+        status = MPI.Status()
+        return self._start(
+            what, None, lambda: [self._comm.Irecv([buf, MPI.BYTE], src, tag)], [t], flat.commit,
+            peer=src if src != MPI.ANY_SOURCE else -2, status=status,
+        )
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    def shutdown(self) -> None:
+        """Wait (within bounds) for every rank of the group to get here, then free the
+        communicator: no rank then still needs the store that rank 0's process serves."""
+        if self._closed:
+            return
+        if self._broken is None and not MPI.Is_finalized():
+            _quiet_barrier(self._comm, min(self._timeout, _EXIT_WAIT))
+        self._closed = True
+        comm, self._comm = self._comm, None
+        if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
+            try:
+                comm.Free()
+            except MPI.Exception:
+                pass
+
+    def abort(self) -> None:
+        """Ends the whole MPI job, as torch's MPI backend does (MPI has no way to leave one
+        communicator's operations behind)."""
+        MPI.COMM_WORLD.Abort(1)

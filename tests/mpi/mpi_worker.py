@@ -1,0 +1,159 @@
+"""One rank of an MPI job (started by mpiexec in tests/mpi/test_mpi_backend.py): runs a case
+and writes its results as JSON to ``$MPI_TEST_OUT/<rank>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+import tdist as dist
+
+
+def _ops() -> dict[str, Any]:
+    dist.init_process_group("mpi")
+    r, n = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"rank": r, "size": n, "backend": dist.get_backend(), "avail": dist.is_mpi_available()}
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+        for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+            t = (torch.arange(5) % 3 + r + 1).to(dtype)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            out[f"all_reduce/{dtype}/{op}"] = t.tolist()
+    t = torch.ones(4) * (r + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["avg"] = t.tolist()
+    b = torch.ones(6, dtype=torch.int32) * (r + 1)
+    dist.all_reduce(b, op=dist.ReduceOp.BXOR)
+    out["bxor"] = b.tolist()
+    nc = torch.ones(4, 6)[:, ::2] * (r + 1)  # (non-contiguous: one staging copy)
+    dist.all_reduce(nc)
+    out["noncontig"] = nc.tolist()
+    bf = torch.arange(4, dtype=torch.bfloat16) * 1.5 if r == 1 else torch.zeros(4, dtype=torch.bfloat16)
+    dist.broadcast(bf, src=1)  # (bytes: any dtype)
+    out["bcast_bf16"] = bf.float().tolist()
+    red = torch.ones(3) * (r + 1)
+    dist.reduce(red, dst=0)
+    if r == 0:
+        out["reduce"] = red.tolist()
+    outs = [torch.zeros(k + 1, dtype=torch.float16) for k in range(n)]
+    dist.all_gather(outs, torch.ones(r + 1, dtype=torch.float16) * r)  # (uneven)
+    out["all_gather"] = [o.tolist() for o in outs]
+    ag = torch.empty(2 * n)
+    dist.all_gather_into_tensor(ag, torch.tensor([r, r + 0.5]))
+    out["all_gather_into_tensor"] = ag.tolist()
+    gl = [torch.zeros(2) for _ in range(n)] if r == 0 else None
+    dist.gather(torch.ones(2) * r, gl, dst=0)
+    if r == 0:
+        out["gather"] = [g.tolist() for g in gl or []]
+    sc = torch.zeros(2)
+    dist.scatter(sc, [torch.ones(2) * k for k in range(n)] if r == 1 else None, src=1)
+    out["scatter"] = sc.tolist()
+    rs = torch.zeros(2)
+    dist.reduce_scatter(rs, [torch.ones(2) * (k + r) for k in range(n)])
+    out["reduce_scatter"] = rs.tolist()
+    rst = torch.zeros(2)
+    dist.reduce_scatter_tensor(rst, torch.arange(2.0 * n))
+    out["reduce_scatter_tensor"] = rst.tolist()
+    a2a_in = [torch.ones(k + 1) * (10 * r + k) for k in range(n)]  # (uneven: rank k gets k+1 values)
+    a2a_out = [torch.zeros(r + 1) for _ in range(n)]
+    dist.all_to_all(a2a_out, a2a_in)
+    out["all_to_all"] = [o.tolist() for o in a2a_out]
+    single_in = torch.arange(float(n)) + 100 * r
+    single_out = torch.zeros(n)
+    dist.all_to_all_single(single_out, single_in)
+    out["all_to_all_single"] = single_out.tolist()
+    objs: list[Any] = [None] * n
+    dist.all_gather_object(objs, {"rank": r, "word": "x" * r})
+    out["objects"] = objs
+    bl: list[Any] = [{"from": 0}] if r == 0 else [None]
+    dist.broadcast_object_list(bl, src=0)
+    out["broadcast_object"] = bl[0]
+    if r == 0:
+        dist.send(torch.tensor([5.0, 6.0]), 1, tag=3)
+        dist.send(torch.arange(3, dtype=torch.int64), 2)
+    elif r == 1:
+        x = torch.zeros(2)
+        out["recv_any"] = [dist.recv(x, tag=3), x.tolist()]
+    elif r == 2:
+        y = torch.zeros(3, dtype=torch.int64)
+        dist.recv(y, 0)
+        out["recv"] = y.tolist()
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    assert w is not None
+    w.wait()
+    out["async"] = [w.is_completed(), w.is_success()]
+    sub = dist.new_group([0, 2])
+    if r != 1:
+        s = torch.ones(1) * r
+        dist.all_reduce(s, group=sub)
+        out["sub"] = [s.item(), dist.get_rank(sub), dist.get_world_size(sub)]
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+    except Exception as exc:
+        out["bf16_error"] = [type(exc).__name__, isinstance(exc, RuntimeError), str(exc)]
+    dist.barrier()
+    dist.monitored_barrier(timeout=timedelta(seconds=20))
+    dist.destroy_process_group()
+    return out
+
+
+def _stuck() -> dict[str, Any]:
+    dist.init_process_group("mpi", timeout=timedelta(seconds=3))
+    r = dist.get_rank()
+    out: dict[str, Any] = {"rank": r}
+    dist.all_reduce(torch.ones(1))
+    if r == 2:
+        out["skipped"] = True
+        _write(out)
+        time.sleep(8)  # (stands apart while the others time out; mpiexec ends it once they exit)
+        os._exit(0)
+    else:
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as exc:
+            out["error"] = [type(exc).__name__, str(exc), round(time.monotonic() - t0, 1)]
+    return out
+
+
+def _rpc_beside() -> dict[str, Any]:
+    from tdist import rpc
+
+    dist.init_process_group("mpi")
+    r, n = dist.get_rank(), dist.get_world_size()
+    rpc.init_rpc(f"worker{r}", rank=r, world_size=n)
+    got = rpc.rpc_sync(f"worker{(r + 1) % n}", torch.add, args=(torch.ones(2), r))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    rpc.shutdown()
+    dist.destroy_process_group()
+    return {"rank": r, "rpc": got.tolist(), "all_reduce": t.item()}
+
+
+def _args_checked() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        dist.init_process_group("mpi", rank=7, world_size=9)
+    except ValueError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def _write(result: dict[str, Any]) -> None:
+    path = os.path.join(os.environ["MPI_TEST_OUT"], f"{os.environ['PMI_RANK']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    result = {"ops": _ops, "stuck": _stuck, "rpc": _rpc_beside, "args": _args_checked}[case]()
+    _write(result)
+    if case == "stuck":
+        os._exit(0)  # (MPI's finalize would wait for the all-reduce rank 2 never joined)

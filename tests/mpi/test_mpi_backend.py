@@ -1,0 +1,99 @@
+"""The ``mpi`` backend on a real MPI (MPICH's wheel, through mpi4py), jobs started by mpiexec."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER = str(Path(__file__).with_name("mpi_worker.py"))
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+
+
+def _mpiexec(n: int, case: str, extra_env: dict[str, str] | None = None, timeout: float = 90) -> list[dict[str, Any]]:
+    """Run ``case`` on ``n`` ranks; the ranks' results, by rank."""
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MPI_TEST_OUT=out)
+        env.pop("MASTER_ADDR", None)
+        env.pop("MASTER_PORT", None)
+        env.update(extra_env or {})
+        proc = subprocess.run(
+            [MPIEXEC, "-n", str(n), sys.executable, WORKER, case],
+            env=env, capture_output=True, text=True, timeout=timeout,
+        )
+        files = sorted(Path(out).glob("*.json"), key=lambda p: int(p.stem))
+        results = [json.loads(p.read_text()) for p in files]
+    assert proc.returncode == 0 and len(results) == n, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    return results
+
+
+def test_mpiexec_runs_every_op_with_torchs_results() -> None:
+    n = 3
+    res = _mpiexec(n, "ops")
+    for r, got in enumerate(res):
+        assert got["rank"] == r and got["size"] == n and got["backend"] == "mpi" and got["avail"]
+        for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+            parts = [(torch.arange(5) % 3 + k + 1).to(dtype) for k in range(n)]
+            want = {
+                "SUM": sum(parts[1:], parts[0].clone()),
+                "PRODUCT": parts[0] * parts[1] * parts[2],
+                "MIN": torch.minimum(torch.minimum(parts[0], parts[1]), parts[2]),
+                "MAX": torch.maximum(torch.maximum(parts[0], parts[1]), parts[2]),
+            }
+            for op, w in want.items():
+                assert got[f"all_reduce/{dtype}/{op}"] == w.tolist(), (dtype, op)
+        assert got["avg"] == [2.0] * 4
+        assert got["bxor"] == [1 ^ 2 ^ 3] * 6
+        assert got["noncontig"] == [[6.0] * 3] * 4
+        assert got["bcast_bf16"] == [0.0, 1.5, 3.0, 4.5]
+        assert got["all_gather"] == [[float(k)] * (k + 1) for k in range(n)]
+        assert got["all_gather_into_tensor"] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+        assert got["scatter"] == [float(r)] * 2
+        assert got["reduce_scatter"] == [float(sum(r + k for k in range(n)))] * 2
+        assert got["reduce_scatter_tensor"] == [float(n * 2 * r), float(n * (2 * r + 1))]
+        assert got["all_to_all"] == [[float(10 * k + r)] * (r + 1) for k in range(n)]
+        assert got["all_to_all_single"] == [float(100 * k + r) for k in range(n)]
+        assert got["objects"] == [{"rank": k, "word": "x" * k} for k in range(n)]
+        assert got["broadcast_object"] == {"from": 0}
+        assert got["async"] == [True, True]
+        assert got["bf16_error"][0] == "CollectiveArgumentError" and got["bf16_error"][1]
+        assert "bfloat16" in got["bf16_error"][2]
+    assert res[0]["reduce"] == [6.0] * 3
+    assert res[0]["gather"] == [[float(k)] * 2 for k in range(n)]
+    assert res[1]["recv_any"] == [0, [5.0, 6.0]]
+    assert res[2]["recv"] == [0, 1, 2]
+    assert res[0]["sub"] == [2.0, 0, 2] and res[2]["sub"] == [2.0, 1, 2] and "sub" not in res[1]
+
+
+def test_a_stuck_collective_raises_naming_the_rank_that_never_reached_it() -> None:
+    res = _mpiexec(3, "stuck")
+    assert res[2]["skipped"]
+    for r in (0, 1):
+        kind, msg, waited = res[r]["error"]
+        assert kind == "DistTimeoutError", msg
+        assert "all_reduce #2" in msg and "rank 2 of the group never reached it" in msg, msg
+        assert waited < 30
+
+
+def test_rank_and_world_size_come_from_mpi_and_are_checked() -> None:
+    res = _mpiexec(2, "args")
+    for got in res:
+        assert "MPI says this process is rank" in got["error"]
+
+
+def test_rpc_runs_beside_an_mpi_process_group() -> None:
+    from tdist.testing import free_port
+
+    res = _mpiexec(2, "rpc", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    for r, got in enumerate(res):
+        assert got["rpc"] == [1.0 + r] * 2
+        assert got["all_reduce"] == 2.0
