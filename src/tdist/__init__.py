@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from . import autograd as autograd
     from . import distributed_c10d as distributed_c10d
     from . import elastic as elastic
+    from . import master_worker as master_worker
     from . import optim as optim
     from . import rpc as rpc
     from ._public import *  # noqa: F403
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
     from ._public import _all_gather_base as _all_gather_base
     from ._public import _reduce_scatter_base as _reduce_scatter_base
 
-# torch's package has these loaded; ours imports them on first use
-_SUBMODULES = ("autograd", "elastic", "optim", "rpc")
+# torch's package has these loaded; ours imports them on first use (and master_worker, torch
+# 0.3's master-worker mode)
+_SUBMODULES = ("autograd", "elastic", "master_worker", "optim", "rpc")
 
 
 def _load() -> None:

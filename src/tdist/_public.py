@@ -204,4 +204,9 @@ __all__ += [
     "supports_complex",
 ]
 
+# -- torch 0.3's master-worker mode (its API for the master: tdist.master_worker) -----------------
+from ._master_worker import init_master_worker  # noqa: E402
+
+__all__ += ["init_master_worker"]
+
 from . import distributed_c10d as distributed_c10d  # noqa: E402  (torch's module path; needs the names above)
