@@ -269,7 +269,10 @@ def _serve(job: _Job) -> NoReturn:
                 destroy_process_group()
         _forget(job)
     if failure is not None:
-        raise SystemExit(f"tdist master-worker: {name} (rank {job.rank}) ends: the job broke: {failure}")
+        raise SystemExit(
+            f"tdist master-worker: {name} (rank {job.rank}) ends: the master (rank 0) or another "
+            f"worker was lost before the master shut the job down: {failure}"
+        )
     raise SystemExit(0)
 
 
