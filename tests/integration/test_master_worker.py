@@ -131,3 +131,21 @@ def test_workers_end_when_the_master_dies() -> None:
     for rank, (code, _, err) in enumerate(run[1:], start=1):
         assert code == 1, err
         assert f"worker{rank} (rank {rank}) ends: the master (rank 0) or another worker was lost" in err
+
+
+def test_the_readme_example_under_tdist_run() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tdist.cli", "run", "--nproc-per-node", "3", "--master-port", "0",
+         str(ROOT / "examples" / "master_worker.py")],
+        capture_output=True, text=True, timeout=90, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:")]
+    assert lines == [
+        "[rank0]:master of workers [1, 2]",
+        "[rank0]:a @ b = [[18.0, 24.0], [18.0, 24.0]] on worker1",
+        "[rank0]:sum of b: 21.0 shape of c: (2, 2)",
+        "[rank0]:all-reduced shards: [[4.0, 6.0, 8.0, 10.0], [4.0, 6.0, 8.0, 10.0]]",
+    ], proc.stdout
