@@ -180,17 +180,20 @@ def init_master_worker(
             initialized already ("trying to initialize torch.distributed twice!"); a worker
             could not make the workers' process group (raised on the master, naming it).
         ValueError: a world size below 2, or a rendezvous error.
+        AssertionError: an unknown backend (torch's type); RuntimeError: a backend tdist does
+            not have (NCCL, MPI...), on every rank before anything else.
     """
     global _job
     warnings.warn(EXPERIMENTAL_WARNING, UserWarning, stacklevel=2)
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(f"init_master_worker: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     from .c10d._backend_config import Backend
+    from .c10d._lifecycle import _creator_for
     from .store._prefix import PrefixStore
     from .store._rendezvous import rendezvous
     from .store._tcp import serving_in_a_thread
 
-    Backend(backend)  # (a name that is no backend fails here, on every rank alike)
+    _creator_for(Backend(backend), None)  # (a backend the workers cannot make fails here, on every rank)
     with _job_lock:
         why = _already_initialized()
         if why is not None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+import tdist
+import tdist.master_worker as mw
 from tdist.testing import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,6 +59,17 @@ def result(run: list[tuple[int, str, str]]) -> dict[str, Any]:
 
 def exits(run: list[tuple[int, str, str]]) -> list[int]:
     return [code for code, _, _ in run]
+
+
+def test_init_warns_and_refuses_what_it_cannot_run_in_process() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.warns(UserWarning, match=WARNING), pytest.raises(RuntimeError, match="NCCL"):
+        tdist.init_master_worker("nccl", url, world_size=3, rank=0)  # (before any rendezvous)
+    with pytest.warns(UserWarning, match=WARNING), pytest.raises(ValueError, match="at least one worker"):
+        tdist.init_master_worker("tcp", url, world_size=1, rank=0)
+    with pytest.raises(RuntimeError, match="master-worker mode is not running"):
+        mw.workers()
+    mw.shutdown()  # (nothing to shut down: nothing happens)
 
 
 def test_master_creates_computes_fetches_and_runs_collectives_on_the_workers() -> None:
