@@ -17,21 +17,26 @@ if TYPE_CHECKING:
     from . import autograd as autograd
     from . import distributed_c10d as distributed_c10d
     from . import elastic as elastic
+    from . import master_worker as master_worker
     from . import optim as optim
     from . import rpc as rpc
     from ._public import *  # noqa: F403
     from ._public import __all__ as __all__
     from ._public import _all_gather_base as _all_gather_base
+    from ._public import _clear_group_cache as _clear_group_cache
     from ._public import _reduce_scatter_base as _reduce_scatter_base
+    from ._public import _register_stream as _register_stream
 
-# torch's package has these loaded; ours imports them on first use
-_SUBMODULES = ("autograd", "elastic", "optim", "rpc")
+# torch's package has these loaded; ours imports them on first use (and master_worker, torch
+# 0.3's master-worker mode)
+_SUBMODULES = ("autograd", "elastic", "master_worker", "optim", "rpc")
 
 
 def _load() -> None:
     public = importlib.import_module(f"{__name__}._public")
     names = globals()
-    for name in (*public.__all__, "_all_gather_base", "_reduce_scatter_base", "__all__"):  # (__all__, the mark, last)
+    private = ("_all_gather_base", "_reduce_scatter_base", "_clear_group_cache", "_register_stream")
+    for name in (*public.__all__, *private, "__all__"):  # (__all__, the mark, last)
         names.setdefault(name, getattr(public, name))
 
 

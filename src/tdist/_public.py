@@ -50,6 +50,7 @@ from .c10d._api import (
     broadcast_object_list,
     default_pg_timeout,
     destroy_process_group,
+    dist_backend,
     gather,
     gather_object,
     get_backend,
@@ -93,7 +94,13 @@ from .c10d._api import (
     _all_gather_base as _all_gather_base,
 )
 from .c10d._api import (
+    _clear_group_cache as _clear_group_cache,
+)
+from .c10d._api import (
     _reduce_scatter_base as _reduce_scatter_base,
+)
+from .c10d._api import (
+    _register_stream as _register_stream,
 )
 from .c10d._backend_config import (
     Backend,
@@ -156,6 +163,7 @@ __all__ += [
     "broadcast_object_list",
     "default_pg_timeout",
     "destroy_process_group",
+    "dist_backend",
     "gather",
     "gather_object",
     "get_backend",
@@ -203,5 +211,10 @@ __all__ += [
     "set_debug_level_from_env",
     "supports_complex",
 ]
+
+# -- torch 0.3's master-worker mode (its API for the master: tdist.master_worker) -----------------
+from ._master_worker import init_master_worker  # noqa: E402
+
+__all__ += ["init_master_worker"]
 
 from . import distributed_c10d as distributed_c10d  # noqa: E402  (torch's module path; needs the names above)

@@ -19,7 +19,7 @@ This module only gathers the names; they live in ``_world`` (resolving groups an
 rank and group queries, availability), ``_lifecycle`` (``init_process_group``, ``new_group``,
 ``destroy_process_group``), ``_p2p`` (``send``/``recv``, ``batch_isend_irecv``),
 ``_collectives`` (``all_reduce`` and the other collectives, ``barrier``), ``_legacy`` (the
-deprecated coalesced and ``*_multigpu`` forms) and ``_objects`` (the object collectives).
+deprecated coalesced and ``*_multigpu`` forms, torch 0.3's names) and ``_objects`` (the object collectives).
 """
 
 from __future__ import annotations
@@ -50,9 +50,12 @@ from ._legacy import (
     all_reduce_coalesced,
     all_reduce_multigpu,
     broadcast_multigpu,
+    dist_backend,
     reduce_multigpu,
     reduce_scatter_multigpu,
 )
+from ._legacy import _clear_group_cache as _clear_group_cache
+from ._legacy import _register_stream as _register_stream
 from ._lifecycle import _destroy_all_worlds_for_tests as _destroy_all_worlds_for_tests
 from ._lifecycle import (
     default_pg_timeout,
@@ -121,6 +124,7 @@ __all__ = [
     "broadcast_object_list",
     "default_pg_timeout",
     "destroy_process_group",
+    "dist_backend",
     "gather",
     "gather_object",
     "get_backend",

@@ -1,5 +1,6 @@
-"""Deprecated and multi-device forms: ``all_reduce_coalesced``, ``all_gather_coalesced`` and the
-``*_multigpu`` functions of older torch.
+"""Deprecated and multi-device forms: ``all_reduce_coalesced``, ``all_gather_coalesced``, the
+``*_multigpu`` functions of older torch, and torch 0.3's names (``dist_backend``,
+``_clear_group_cache``, ``_register_stream``).
 
 The ``*_multigpu`` functions (removed from torch 2.x) work on lists of tensors on one rank:
 they reduce or copy locally and run one collective per list position.
@@ -7,6 +8,7 @@ they reduce or copy locally and run one collective per list position.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +29,14 @@ from ._collectives import (
 from ._group import chain_work, warn_not_in_group
 from ._reduce import reduce_into
 from ._types import AllgatherOptions, AllreduceOptions, RedOpType, ReduceOp, Work
-from ._world import GroupArg, _global_rank_or_minus_one, _not_member, _resolve, _to_global
+from ._world import (
+    GroupArg,
+    _global_rank_or_minus_one,
+    _not_member,
+    _resolve,
+    _to_global,
+    is_initialized,
+)
 
 __all__ = [
     "AllreduceCoalescedOptions",
@@ -36,6 +45,7 @@ __all__ = [
     "all_reduce_coalesced",
     "all_reduce_multigpu",
     "broadcast_multigpu",
+    "dist_backend",
     "reduce_multigpu",
     "reduce_scatter_multigpu",
 ]
@@ -303,3 +313,40 @@ def reduce_scatter_multigpu(
         assert w is not None
         works.append(w)
     return _finish(chain_work(works, "reduce_scatter_multigpu", lambda: list(outs)), async_op)
+
+
+# -- torch 0.3's names ---------------------------------------------------------------------------
+class dist_backend:
+    """torch 0.3's backend numbers (``torch.distributed.dist_backend``); tdist's ``tcp`` is
+    ``TCP`` (and serves ``"gloo"``)."""
+
+    UNDEFINED = -1
+    TCP = 0
+    MPI = 1
+    GLOO = 2
+    NCCL = 3
+
+
+def _clear_group_cache(group: GroupArg = None) -> None:
+    """torch 0.3's: free the NCCL communicators and CUDA events ``group`` cached. tdist's groups
+    cache neither (CPU only), so there is nothing to free; the group is checked as every
+    function checks it.
+
+    Raises:
+        ValueError: the default group is not initialized (``group`` left as the default).
+    """
+    if not _not_member(group):
+        _resolve(group)
+
+
+def _register_stream(stream: Any) -> None:
+    """torch 0.3's: register a CUDA stream with the backend. A no-op in tdist, which drives CPU
+    tensors only and has no streams to synchronize with.
+
+    Raises:
+        RuntimeError: neither a process group nor master-worker mode is initialized (torch
+            0.3's check and words).
+    """
+    mw = sys.modules.get("tdist._master_worker")
+    if not is_initialized() and getattr(mw, "_job", None) is None:
+        raise RuntimeError("torch.distributed needs to be initialized first")
