@@ -121,6 +121,53 @@ def _stuck() -> dict[str, Any]:
     return out
 
 
+def _dies() -> dict[str, Any]:
+    dist.init_process_group("mpi", timeout=timedelta(seconds=4))
+    r = dist.get_rank()
+    dist.all_reduce(torch.ones(1))
+    if r == 1:
+        os._exit(3)  # (dies between two collectives)
+    out: dict[str, Any] = {"rank": r}
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = [type(exc).__name__, str(exc), round(time.monotonic() - t0, 1)]
+    return out
+
+
+def _hosts() -> dict[str, Any]:
+    """Ranks on separate hosts (network namespaces): the collectives, and where each rank is."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(50, exit=True)
+    from tdist.transport._endpoint import host_id
+
+    def sent() -> int:  # (bytes out of this namespace's interfaces but loopback: /proc/net/dev)
+        total = 0
+        with open("/proc/net/dev") as f:
+            for line in f.read().splitlines()[2:]:
+                name, fields = line.split(":", 1)
+                if name.strip() != "lo":
+                    total += int(fields.split()[8])
+        return total
+
+    dist.init_process_group("mpi")
+    r, n = dist.get_rank(), dist.get_world_size()
+    big = torch.arange(1 << 20, dtype=torch.float32) * (r + 1)
+    before = sent()
+    dist.all_reduce(big)
+    wire = sent() - before
+    small = torch.ones(1) * (r + 1)
+    dist.all_reduce(small)
+    names: list[Any] = [None] * n
+    dist.all_gather_object(names, host_id())
+    dist.destroy_process_group()
+    want = torch.arange(1 << 20, dtype=torch.float32) * sum(range(1, n + 1))
+    return {"rank": r, "big_ok": bool(torch.equal(big, want)), "small": small.item(), "hosts": names, "wire": wire}
+
+
 def _rpc_beside() -> dict[str, Any]:
     from tdist import rpc
 
@@ -153,7 +200,7 @@ def _write(result: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"ops": _ops, "stuck": _stuck, "rpc": _rpc_beside, "args": _args_checked}[case]()
+    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked}[case]()
     _write(result)
-    if case == "stuck":
+    if case in ("stuck", "dies"):
         os._exit(0)  # (MPI's finalize would wait for the all-reduce rank 2 never joined)

@@ -19,20 +19,25 @@ WORKER = str(Path(__file__).with_name("mpi_worker.py"))
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 
 
-def _mpiexec(n: int, case: str, extra_env: dict[str, str] | None = None, timeout: float = 90) -> list[dict[str, Any]]:
-    """Run ``case`` on ``n`` ranks; the ranks' results, by rank."""
+def _mpiexec(
+    n: int, case: str, extra_env: dict[str, str] | None = None, timeout: float = 90, flags: tuple[str, ...] = (),
+    survivors: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``case`` on ``n`` ranks; the results of the ranks that wrote one (all, unless
+    ``survivors`` says how many), by rank."""
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MPI_TEST_OUT=out)
         env.pop("MASTER_ADDR", None)
         env.pop("MASTER_PORT", None)
         env.update(extra_env or {})
         proc = subprocess.run(
-            [MPIEXEC, "-n", str(n), sys.executable, WORKER, case],
+            [MPIEXEC, *flags, "-n", str(n), sys.executable, WORKER, case],
             env=env, capture_output=True, text=True, timeout=timeout,
         )
         files = sorted(Path(out).glob("*.json"), key=lambda p: int(p.stem))
         results = [json.loads(p.read_text()) for p in files]
-    assert proc.returncode == 0 and len(results) == n, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    ok = len(results) == survivors if survivors is not None else proc.returncode == 0 and len(results) == n
+    assert ok, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
     return results
 
 
@@ -82,6 +87,41 @@ def test_a_stuck_collective_raises_naming_the_rank_that_never_reached_it() -> No
         assert kind == "DistTimeoutError", msg
         assert "all_reduce #2" in msg and "rank 2 of the group never reached it" in msg, msg
         assert waited < 30
+
+
+def test_a_rank_that_dies_is_named_by_the_others_when_mpiexec_lets_them_live() -> None:
+    """MPICH's mpiexec ends the job when a rank dies; with ``-disable-auto-cleanup`` the others
+    live on, and their collective fails within its timeout, naming the dead rank."""
+    res = _mpiexec(3, "dies", flags=("-disable-auto-cleanup",), survivors=2)
+    assert [r["rank"] for r in res] == [0, 2]
+    for got in res:
+        kind, msg, waited = got["error"]
+        assert kind == "DistTimeoutError" and "rank 1 of the group never reached it" in msg, msg
+        assert waited < 30
+
+
+@pytest.mark.slow
+def test_two_hosts_over_mpis_tcp_transport() -> None:
+    """Two ranks in two network namespaces (mpiexec starts each through ``ip netns exec``): the
+    data crosses the veth. The namespaces share a kernel, so MPICH (``MPIR_CVAR_NOLOCAL``) and
+    its UCX and libfabric transports (``UCX_TLS``, ``FI_PROVIDER``) are told to keep off shared
+    memory, as on two real hosts."""
+    from tests.multihost import _netns
+
+    with _netns.hosts(2) as hosts, tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MPI_TEST_OUT=out, MPIR_CVAR_NOLOCAL="1", UCX_TLS="tcp,self", FI_PROVIDER="tcp")
+        env.pop("MASTER_ADDR", None)
+        cmd = [MPIEXEC]
+        for i, host in enumerate(hosts):
+            cmd += [":"] if i else []
+            cmd += ["-n", "1", *_netns.command(host, [sys.executable, WORKER, "hosts"])]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+        res = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+    assert proc.returncode == 0 and len(res) == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    for got in res:
+        assert got["big_ok"] and got["small"] == 3.0
+        assert got["hosts"][0] != got["hosts"][1]  # (two network namespaces)
+        assert got["wire"] >= 2 << 20  # (half of 4 MiB at least, each way, over the veth)
 
 
 def test_rank_and_world_size_come_from_mpi_and_are_checked() -> None:
