@@ -23,6 +23,8 @@ __all__: list[str] = []
 
 _active: list[_server_process_global_profile] = []
 _lock = threading.Lock()
+_done = threading.Condition(_lock)  # (a profiled request's events are in)
+_SETTLE = 5.0  # seconds a profile's exit waits for the requests it saw start
 
 
 def profiled_job(job: Callable[[], None]) -> None:
@@ -30,11 +32,21 @@ def profiled_job(job: Callable[[], None]) -> None:
     if not _active:
         job()
         return
-    with profiler_legacy.profile() as prof:  # type: ignore[no-untyped-call]
-        job()
+    me = threading.get_ident()
     with _lock:
-        for p in _active:
-            p._events.extend(prof.function_events)
+        targets = list(_active)
+        for p in targets:
+            p._serving.add(me)
+    try:
+        with profiler_legacy.profile() as prof:  # type: ignore[no-untyped-call]
+            job()
+    finally:
+        with _done:
+            for p in targets:
+                p._serving.discard(me)
+                if p in _active:
+                    p._events.extend(prof.function_events)
+            _done.notify_all()
 
 
 class _server_process_global_profile(profiler_legacy.profile):
@@ -45,6 +57,7 @@ class _server_process_global_profile(profiler_legacy.profile):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._events: list[Any] = []
+        self._serving: set[int] = set()  # threads serving a request this profile sees
 
     def __enter__(self) -> Any:
         if not self.enabled:
@@ -54,13 +67,18 @@ class _server_process_global_profile(profiler_legacy.profile):
         self.entered = True
         with _lock:
             self._events = []
+            self._serving = set()
             _active.append(self)
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> bool:
         if not self.enabled:
             return False
-        with _lock:
+        with _done:
+            # the requests served meanwhile reply before their events are added: wait for
+            # those still adding (the request that runs this exit aside)
+            me = threading.get_ident()
+            _done.wait_for(lambda: not self._serving - {me}, _SETTLE)
             if self in _active:
                 _active.remove(self)
             events = sorted(self._events, key=lambda e: (e.time_range.start, -e.time_range.end))
