@@ -203,6 +203,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where MPI can take its memory as it is (contiguous), else one contiguous
+    copy."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes, one after another, in a fresh buffer."""
     out = torch.empty(sum(_nbytes(t) for t in tensors), dtype=torch.uint8)
@@ -495,7 +501,7 @@ class ProcessGroupMPI(Backend):
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: AllgatherOptions
     ) -> Work:
         outs = output_tensors[0]
-        send = _concat([input_tensors[0]])
+        send = _own(input_tensors[0])
         counts = [_nbytes(o) for o in outs]
         stage = torch.empty(sum(counts), dtype=torch.uint8)
         sbuf, rbuf = bytes_view(send), bytes_view(stage)
@@ -510,7 +516,7 @@ class ProcessGroupMPI(Backend):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions) -> Work:
         out = _Flat(output)
-        send = _concat([input])
+        send = _own(input)
         sbuf, rbuf = bytes_view(send), bytes_view(out.flat)
         return self._start(
             "all_gather_into_tensor",
@@ -525,7 +531,7 @@ class ProcessGroupMPI(Backend):
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: GatherOptions
     ) -> Work:
         root = opts.rootRank
-        send = _concat([input_tensors[0]])
+        send = _own(input_tensors[0])
         sbuf = bytes_view(send)
         if self._rank != root:
             return self._start(
@@ -602,7 +608,7 @@ class ProcessGroupMPI(Backend):
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions) -> Work:
         op = as_red_op(opts.reduceOp)
         mpi_type = _typed(output, op, "reduce_scatter_tensor")
-        send = _concat([input])
+        send = _own(input)
         res = _Flat(output)
         sbuf, rbuf = bytes_view(send), bytes_view(res.flat)
 
@@ -659,7 +665,7 @@ class ProcessGroupMPI(Backend):
         out_rows = list(output_split_sizes) or [output.shape[0] // n] * n
         row_in = _nbytes(input) // max(1, input.shape[0]) if input.dim() else 0
         row_out = _nbytes(output) // max(1, output.shape[0]) if output.dim() else 0
-        send = _concat([input])
+        send = _own(input)
         return self._alltoallv(
             "all_to_all_single", opts, [output], send, [r * row_in for r in in_rows], [r * row_out for r in out_rows],
             [output],
