@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import busy_host, free_port, machine_line, median, table  # noqa: E402
+from _common import busy_host, free_port, machine_line, median, table
 
 MiB = 1 << 20
 SIZES = [4, 64 * MiB]
