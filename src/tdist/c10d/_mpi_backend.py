@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from .._core.errors import DistBackendError, DistTimeoutError
+from .._core.deadline import to_seconds
+from .._core.errors import DistBackendError, DistError, DistTimeoutError
 from ..store import Store
 from ._backend import Backend
 from ._checks import CollectiveArgumentError
@@ -302,24 +303,26 @@ class _MPIWork(Work):
         return self._poll()
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        deadline = self._deadline
-        if timeout is not None:
-            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-            if seconds > 0:
-                deadline = min(deadline, time.monotonic() + seconds)
+        """Poll the requests until done. Past the operation's deadline the work fails and the
+        group is broken (its ranks no longer agree on what is in flight); past a shorter
+        ``timeout`` of this call only, it raises and the operation goes on."""
+        mine = to_seconds(timeout)
+        until = time.monotonic() + mine if mine else None
         slow = time.monotonic() + 1.0
+        polls = 0
         while not self._poll():
-            for _ in range(_POLLS):
-                if self._poll():
-                    break
-            else:
-                now = time.monotonic()
-                if now >= deadline:
-                    err = self._backend._timed_out(self._op, self._peer, now - (deadline - self._backend._timeout))
-                    raise err
-                time.sleep(0 if now < slow else 1e-4)  # (the GIL for other threads; after a second, the core too)
+            polls += 1
+            if polls % _POLLS:
                 continue
-            break
+            now = time.monotonic()
+            if now >= self._deadline:
+                err = self._backend._timed_out(self._op, self._peer, now - self._started)
+                self._backend._broken = err
+                self._fail(err)
+                break
+            if until is not None and now >= until:
+                raise DistTimeoutError(f"rank {self._backend.rank()}: {self._op}: wait timed out after {mine} s")
+            time.sleep(0 if now < slow else 1e-4)  # (the GIL for other threads; after a second, the core too)
         return super().wait(timeout)
 
     def get_future(self) -> Any:
@@ -351,7 +354,7 @@ class ProcessGroupMPI(Backend):
         self._store = store
         self._timeout = timeout.total_seconds()
         self._seq = 0
-        self._broken: DistBackendError | None = None
+        self._broken: DistError | None = None
         self._closed = False
 
     @classmethod
