@@ -125,7 +125,7 @@ def test_a_silent_peer_is_called_stalled(pair: tuple[Node, Node]) -> None:
     a, b = pair
     a.send(1, 1, "hello")
     b.get()
-    b.m._hb_stop.set()  # b stops sending heartbeats, as a stopped process would
+    b.m._heartbeats.stop()  # b stops sending heartbeats, as a stopped process would
     peer, err, graceful = a.lost.get(timeout=10)
     assert peer == 1 and not graceful and "stalled" in str(err)
 

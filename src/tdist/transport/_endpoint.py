@@ -31,7 +31,6 @@ import logging
 import os
 import queue
 import secrets
-import select
 import socket
 import threading
 import time
@@ -51,6 +50,7 @@ from .._core.errors import (
 )
 from .._core.floods import Admission, Starvation
 from . import _handshake, _memory
+from ._liveness import Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     NEED_DATA,
@@ -188,8 +188,8 @@ class _Peer:
         self.sock = sock
         self.addr = addr
         self.send_lock = threading.Lock()
-        self.last_heard = time.monotonic()
-        self.last_sent = time.monotonic()
+        self.last_rx = time.monotonic()  # (for the heartbeats: see _liveness)
+        self.last_tx = time.monotonic()
         self.error: DistError | None = None
         self.said_goodbye = False
         self.posted: dict[int, deque[RecvHandle]] = {}
@@ -243,8 +243,8 @@ class Endpoint:
         self.size = size
         self.name = name
         self.secret = auth.resolve_secret(secret)
-        self.heartbeat_interval = heartbeat_interval or float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0"))
-        self.stall_timeout = stall_timeout or float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "10.0"))
+        self.heartbeat_interval = heartbeat_interval or default_interval()
+        self.stall_timeout = stall_timeout or default_stall_timeout(10.0)
         self.host_id = host_id()
         self._lock = threading.Lock()
         self._posted_cv = threading.Condition(self._lock)  # notified when a receive is posted
@@ -252,7 +252,6 @@ class Endpoint:
         self._any_posted: dict[int, deque[RecvHandle]] = {}
         self._broken: DistError | None = None
         self._closing = False
-        self._hb_stop = threading.Event()
         self._peer_hosts: dict[int, str] = {}
         self._peer_pids: dict[int, int] = {}
         self._xfer_ids = itertools.count(1)
@@ -263,9 +262,14 @@ class Endpoint:
         self._copying_cv = threading.Condition()
         if size > 1:
             self._build_mesh(store, timeout)
-        self._hb_thread = threading.Thread(target=self._heartbeats, name=f"tdist-hb-{name}-{rank}", daemon=True)
+        # (stalls are found by the operations waiting on a peer, which name themselves)
+        self._heartbeats = Heartbeats(
+            f"tdist-hb-{name}-{rank}", self.heartbeat_interval, self.stall_timeout,
+            lambda: self._peers.values(), lambda p: b"".join(self._frame(cast(_Peer, p), Kind.HEARTBEAT, 0)[0]),
+            lambda p: cast(_Peer, p).error is not None,
+        )
         if size > 1:
-            self._hb_thread.start()
+            self._heartbeats.start()
 
     # -- building the mesh ---------------------------------------------------------------------
     def _build_mesh(self, store: Any, timeout: float) -> None:
@@ -659,7 +663,7 @@ class Endpoint:
         if self._closing:
             return
         self._closing = True
-        self._hb_stop.set()
+        self._heartbeats.stop()
         # A receive may be complete here while its sender still waits for our ack (the ack leaves
         # from the ack thread a moment later): send every ack before the goodbye, or the sender
         # sees us leave in the middle of its send.
@@ -685,8 +689,7 @@ class Endpoint:
                 p.reader.join(2.0)
             with contextlib.suppress(OSError):
                 p.sock.close()
-        if self._hb_thread.is_alive():
-            self._hb_thread.join(2.0)
+        self._heartbeats.join(2.0)
         self._break(DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed"))
 
     # -- internals -----------------------------------------------------------------------------
@@ -748,7 +751,7 @@ class Endpoint:
                 err = self._lost(p, exc, what)
                 raise err from exc
             started = True
-            p.last_sent = time.monotonic()
+            p.last_tx = time.monotonic()
             while sent and parts:
                 n = parts[0].nbytes
                 if sent >= n:
@@ -771,7 +774,7 @@ class Endpoint:
     def _stalled(self, p: _Peer, what: str, now: float) -> DistError | None:
         """If nothing has come from ``p`` for ``stall_timeout``: fail it (every waiter on it
         hears) and return the error; else None."""
-        silent = now - p.last_heard
+        silent = now - p.last_rx
         if silent <= self.stall_timeout:
             return None
         err = PeerError(
@@ -943,7 +946,7 @@ class Endpoint:
         if not k:
             raise ConnectionResetError("connection closed" if dec.at_boundary else "connection closed inside a frame")
         dec.received(k)
-        p.last_heard = time.monotonic()
+        p.last_rx = time.monotonic()
 
     def _on_data(self, p: _Peer, tag: int, meta: bytes, payload: memoryview) -> None:
         """A small message, whole (``payload``: the decoder's memory, copied out here)."""
@@ -1132,38 +1135,6 @@ class Endpoint:
                 del self._any_posted[tag]
             return handle, True
         return None, False
-
-    def _heartbeats(self) -> None:
-        interval = self.heartbeat_interval
-        while not self._hb_stop.wait(interval / 2):
-            now = time.monotonic()
-            for p in list(self._peers.values()):
-                if p.error is not None or (not p.tail and now - p.last_sent < interval / 2):
-                    continue
-                if p.send_lock.acquire(blocking=False):
-                    try:
-                        self._heartbeat(p, now)
-                    finally:
-                        p.send_lock.release()
-
-    def _heartbeat(self, p: _Peer, now: float) -> None:
-        """Write a heartbeat to ``p`` without waiting (send lock held). A socket with room for
-        only part of it takes that part: the rest is kept in ``p.tail`` and leaves first, from
-        the next write or heartbeat, so the frames stay whole."""
-        room = select.poll()  # (the socket has a timeout: a plain send would wait for room)
-        room.register(p.sock, select.POLLOUT)
-        if not room.poll(0):  # full: data is moving, or the peer stalls
-            return
-        out = p.tail or b"".join(self._frame(p, Kind.HEARTBEAT, 0)[0])
-        try:
-            sent = p.sock.send(out)
-        except (TimeoutError, BlockingIOError, InterruptedError):
-            sent = 0  # (a sealed frame must leave all the same: it is kept whole)
-        except OSError:  # the reader reports the loss
-            return
-        p.tail = out[sent:]
-        if sent:
-            p.last_sent = now
 
 
 def _tune_tcp(sock: socket.socket) -> None:

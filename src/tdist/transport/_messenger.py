@@ -59,7 +59,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from .._core import spin
 from .._core.errors import (
@@ -72,6 +72,7 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake
 from ._endpoint import _tune_tcp, host_id
+from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     NEED_DATA,
@@ -316,17 +317,21 @@ class Messenger:
         self._ep.register(self._tcp.fileno(), select.EPOLLIN)
         self._ep.register(self._unix.fileno(), select.EPOLLIN)
         self._ep.register(self._wake_r, select.EPOLLIN)
-        self._hb_stop = threading.Event()
+        self._heartbeats = Heartbeats(
+            f"tdist-rpc-hb-{my_id}", self.heartbeat_interval, self.stall_timeout, lambda: self._conns.values(),
+            self._beat_frame, lambda c: cast(_Conn, c).closed,
+            lambda c, silent: self._lose(cast(_Conn, c), None, stalled=silent),
+        )
         self._ctrl_thread = threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True)
         self._threads = [
             threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-0", daemon=True),
             threading.Thread(target=self._poll_loop, name=f"tdist-rpc-poll-{my_id}-1", daemon=True),
             self._ctrl_thread,
-            threading.Thread(target=self._heartbeats, name=f"tdist-rpc-hb-{my_id}", daemon=True),
             threading.Thread(target=self._guard, name=f"tdist-rpc-guard-{my_id}", daemon=True),
         ]
         for t in self._threads:
             t.start()
+        self._heartbeats.start()
 
     # -- connections ---------------------------------------------------------------------------
     def is_connected(self, peer: int) -> bool:
@@ -1151,44 +1156,11 @@ class Messenger:
         with self._lock:
             self._lost.pop(peer, None)
 
-    def _heartbeats(self) -> None:
-        last_tick = time.monotonic()
-        while not self._hb_stop.wait(min(self.heartbeat_interval, self.stall_timeout / 4)):
-            now = time.monotonic()
-            paused = now - last_tick > max(2 * self.heartbeat_interval, self.stall_timeout / 2)
-            last_tick = now
-            for c in list(self._conns.values()):
-                if paused:
-                    c.last_rx = now  # we were stopped ourselves: nobody had a chance to be heard
-                    continue
-                if now - c.last_rx > self.stall_timeout:
-                    self._lose(c, None, stalled=now - c.last_rx)
-                    continue
-                if (c.tail or now - c.last_tx >= self.heartbeat_interval) and c.send_lock.acquire(blocking=False):
-                    try:
-                        self._heartbeat(c, now)
-                    finally:
-                        c.send_lock.release()
-
-    def _heartbeat(self, c: _Conn, now: float) -> None:
-        """Write a heartbeat on ``c`` without waiting (send lock held). A socket with room for
-        only part of it takes that part: the rest is kept in ``c.tail`` and leaves first, from
-        the next write or heartbeat, so the frames stay whole."""
-        if c.tail:
-            out = c.tail
-        elif c.session is not None:
-            out = _HEARTBEAT + c.session.send.tag(_HEARTBEAT)
-        else:
-            out = _HEARTBEAT
-        try:
-            sent = c.sock.send(out)
-        except (BlockingIOError, InterruptedError):  # full: data is moving, or the peer stalls
-            sent = 0  # (a sealed frame must leave all the same: kept whole)
-        except OSError:  # the reader reports the loss
-            return
-        c.tail = out[sent:] if (sent or out is not _HEARTBEAT) else b""
-        if sent:
-            c.last_tx = now
+    @staticmethod
+    def _beat_frame(link: Any) -> bytes:
+        """A heartbeat frame for the connection ``link`` (sealed where it has a session)."""
+        c = cast(_Conn, link)
+        return _HEARTBEAT if c.session is None else _HEARTBEAT + c.session.send.tag(_HEARTBEAT)
 
     def _ctrl_loop(self) -> None:
         while True:
@@ -1225,7 +1197,7 @@ class Messenger:
             _release_copies(c)
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
-        self._hb_stop.set()
+        self._heartbeats.stop()
         self._guard_wake.set()
         self._admission.close()
         self._ctrl.put(None)
@@ -1235,6 +1207,7 @@ class Messenger:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, end - time.monotonic()))
+        self._heartbeats.join(max(0.0, end - time.monotonic()))
         for c in conns:
             # only now: a reader still inside recv must not see its descriptor reused
             if c.rlock.acquire(timeout=max(0.0, end - time.monotonic())):

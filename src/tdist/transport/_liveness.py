@@ -1,0 +1,131 @@
+"""One liveness mechanism for both transports: heartbeats on quiet connections, and the silence
+after which a peer counts as stalled.
+
+Theory of operation. Every connection (a process group's ``_Peer``, RPC's ``_Conn``) is a
+``Link``: it knows when it last received (``last_rx``) and sent (``last_tx``) anything. One
+thread per endpoint or messenger (``Heartbeats``) wakes every half ``interval``:
+
+- a link quiet on the way out for half an interval gets a heartbeat frame, written without
+  waiting (``MSG_DONTWAIT``) and only if its send lock is free: a link busy writing needs none.
+  A socket with room for part of the frame takes that part; the rest is the link's ``tail``,
+  which the link's next write (or heartbeat) sends first, so frames stay whole (a sealed frame
+  has used its sequence number: it must leave whole even if none of it went);
+- a link silent on the way in for more than ``stall_timeout`` is reported to ``on_stall``
+  (RPC fails the connection there; process groups pass none: the operation waiting on the
+  peer checks ``silent_for`` itself and names itself in the error);
+- a thread that wakes much later than it asked (this process was stopped, or starved) first
+  counts every link as just heard: the peers had no chance to be heard meanwhile, and must not
+  be blamed for this process's own pause.
+
+Knobs: ``TDIST_HEARTBEAT_INTERVAL`` (1 s) and ``TDIST_HEARTBEAT_TIMEOUT`` (stall timeout; 10 s
+for process groups, RPC's own default is 5 s).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+__all__ = ["Heartbeats", "Link", "default_interval", "default_stall_timeout"]
+
+
+def default_interval() -> float:
+    """``TDIST_HEARTBEAT_INTERVAL``, seconds (1.0)."""
+    return float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0"))
+
+
+def default_stall_timeout(fallback: float) -> float:
+    """``TDIST_HEARTBEAT_TIMEOUT``, seconds (else ``fallback``)."""
+    return float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", str(fallback)))
+
+
+class Link(Protocol):
+    """A connection as the heartbeat thread sees it."""
+
+    sock: socket.socket
+    send_lock: threading.Lock
+    last_rx: float
+    last_tx: float
+    tail: bytes
+
+
+class Heartbeats:
+    """The heartbeat thread of one endpoint or messenger (see the module docstring).
+
+    Args:
+        name: the thread's name.
+        interval: seconds: no link stays quiet on the way out for longer.
+        stall_timeout: seconds of silence after which ``on_stall`` hears of a link.
+        links: the links to look after, asked on every round.
+        frame: a whole heartbeat frame for a link (sealed where the link has a session).
+        dead: whether a link is past caring for (failed or closed).
+        on_stall: ``on_stall(link, silent_seconds)``; ``None``: nobody is told.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        interval: float,
+        stall_timeout: float,
+        links: Callable[[], Iterable[Link]],
+        frame: Callable[[Link], bytes],
+        dead: Callable[[Link], bool],
+        on_stall: Callable[[Link, float], None] | None = None,
+    ) -> None:
+        self.interval = interval
+        self.stall_timeout = stall_timeout
+        self._links = links
+        self._frame = frame
+        self._dead = dead
+        self._on_stall = on_stall
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        period = min(self.interval, self.stall_timeout / 2) / 2
+        last_tick = time.monotonic()
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            paused = now - last_tick > max(2 * self.interval, self.stall_timeout / 2)
+            last_tick = now
+            for link in list(self._links()):
+                if self._dead(link):
+                    continue
+                if paused:
+                    link.last_rx = now  # (we were stopped ourselves: nobody had a chance to be heard)
+                    continue
+                if self._on_stall is not None and now - link.last_rx > self.stall_timeout:
+                    self._on_stall(link, now - link.last_rx)
+                    continue
+                if (link.tail or now - link.last_tx >= self.interval / 2) and link.send_lock.acquire(blocking=False):
+                    try:
+                        self.beat(link, now)
+                    finally:
+                        link.send_lock.release()
+
+    def beat(self, link: Link, now: float) -> None:
+        """Write a heartbeat on ``link`` without waiting (its send lock held)."""
+        out = link.tail or self._frame(link)
+        try:
+            sent = link.sock.send(out, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError, TimeoutError):  # full: data is moving, or the peer stalls
+            sent = 0
+        except OSError:  # (the reader reports the loss)
+            return
+        link.tail = out[sent:]
+        if sent:
+            link.last_tx = now
