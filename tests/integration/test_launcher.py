@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -398,6 +399,8 @@ def test_missing_script(work: Path) -> None:
         (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
         (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
         (["--rdzv-conf", "keep_alive_interval=0", "w.py"], "expected a positive number of seconds"),
+        (["--redirects", "4", "w.py"], "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+        (["--tee", "0:1,x", "w.py"], "per local rank as LOCAL_RANK:VALUE"),
     ],
 )
 def test_bad_options(work: Path, args: list[str], message: str) -> None:
@@ -414,6 +417,123 @@ def test_port_in_use(work: Path) -> None:
         server.close()
     assert res.returncode == 1
     assert "tdist run: error: cannot start a store server" in res.stderr
+
+
+# -- logs: torchrun's --log-dir, --redirects, --tee ----------------------------------------------
+def run_dir(log_dir: Path) -> Path:
+    """The one run directory torchrun's layout makes under ``log_dir``: ``<run id>_<random>``."""
+    (found,) = log_dir.iterdir()
+    return found
+
+
+def console(text: str) -> list[str]:
+    """The workers' prefixed lines (the launcher's own lines left out)."""
+    return sorted(line for line in text.splitlines() if line.startswith("[rank"))
+
+
+def test_log_dir_with_redirects_3_writes_every_stream_to_files(work: Path) -> None:
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--rdzv-id", "job9",
+                    "--log-dir", str(logs), "--redirects", "3", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == [] and console(res.stderr) == []  # nothing on the console
+    run = run_dir(logs)
+    assert run.name.startswith("job9_")
+    assert f"workers' logs: {run}/attempt_<n>/<local rank>/" in res.stderr
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [
+        "attempt_0", "attempt_0/0", "attempt_0/0/stderr.log", "attempt_0/0/stdout.log",
+        "attempt_0/1", "attempt_0/1/stderr.log", "attempt_0/1/stdout.log",
+    ]
+    for r in range(2):
+        assert (run / f"attempt_0/{r}/stdout.log").read_text() == f"out from {r}\n"  # as written: no prefix
+        assert (run / f"attempt_0/{r}/stderr.log").read_text() == f"err from {r}\n"
+        env = json.loads((work / f"env{r}.json").read_text())
+        assert env["TORCHELASTIC_ERROR_FILE"] == str(run / f"attempt_0/{r}/error.json")
+
+
+def test_tee_1_copies_stdout_to_the_console_and_a_file(work: Path) -> None:
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log_dir", str(logs),
+                    "--tee", "1", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == ["[rank0]:out from 0", "[rank1]:out from 1"]
+    assert console(res.stderr) == ["[rank0]:err from 0", "[rank1]:err from 1"]
+    run = run_dir(logs)
+    assert run.name.startswith("none_")  # (the default run id)
+    for r in range(2):
+        assert (run / f"attempt_0/{r}/stdout.log").read_text() == f"out from {r}\n"
+        assert not (run / f"attempt_0/{r}/stderr.log").exists()
+
+
+def test_per_rank_redirect_maps_and_short_forms(work: Path) -> None:
+    # -r 0:1,1:2: local rank 0's stdout and local rank 1's stderr to files, the rest on the
+    # console; -t 2:3 tees both streams of local rank 2; local rank 3 is named by neither
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "4", "--master-port", "0", "--log-dir", str(logs),
+                    "-r", "0:1,1:2", "-t", "2:3", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == ["[rank1]:out from 1", "[rank2]:out from 2", "[rank3]:out from 3"]
+    assert console(res.stderr) == ["[rank0]:err from 0", "[rank2]:err from 2", "[rank3]:err from 3"]
+    attempt = run_dir(logs) / "attempt_0"
+    files = sorted(str(p.relative_to(attempt)) for p in attempt.rglob("*.log"))
+    assert files == ["0/stdout.log", "1/stderr.log", "2/stderr.log", "2/stdout.log"]
+    assert (attempt / "1/stderr.log").read_text() == "err from 1\n"
+    assert sorted(p.name for p in attempt.iterdir()) == ["0", "1", "2", "3"]  # (a folder per local rank)
+
+
+def test_redirects_without_a_log_dir_keep_a_temporary_one(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "-r", "1", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    where = next(line for line in res.stderr.splitlines() if "workers' logs: " in line)
+    run = Path(where.split("workers' logs: ")[1].split("/attempt_<n>")[0])
+    try:
+        assert (run / "attempt_0/0/stdout.log").read_text() == "out from 0\n"
+    finally:
+        shutil.rmtree(run.parent)
+
+
+def test_restarts_get_attempt_folders(work: Path) -> None:
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1",
+                    "--log-dir", str(logs), "--redirects", "3", "worker.py", "restart")
+    assert res.returncode == 0, res.stderr
+    run = run_dir(logs)
+    assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
+    for attempt in range(2):
+        for r in range(2):
+            assert (run / f"attempt_{attempt}/{r}/stdout.log").read_text() == f"rank {r} attempt {attempt}\n"
+
+
+def test_recorded_exception_in_the_log_dirs_error_json(work: Path) -> None:
+    (work / "recorded.py").write_text(RECORDED)
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs),
+                    "recorded.py")
+    assert res.returncode == 1
+    error_json = run_dir(logs) / "attempt_0/1/error.json"
+    data = json.loads(error_json.read_text())["message"]
+    assert data["message"] == "KeyError: 'rank 1 recorded this'"
+    assert "Traceback (most recent call last):" in data["extraInfo"]["py_callstack"]
+    assert int(data["extraInfo"]["timestamp"]) > 0
+    assert not (run_dir(logs) / "attempt_0/0/error.json").exists()  # (rank 0 succeeded)
+    root = res.stderr.split("Root Cause (first observed failure):")[1]
+    assert f"error_file: {error_json}" in root  # (kept: --log-dir)
+
+
+def test_log_dir_devnull_writes_nothing(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "--log-dir", os.devnull,
+                    "-r", "3", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == ["[rank0]:out from 0"]  # (no files: torchrun prints them)
+    assert json.loads((work / "env0.json").read_text())["TORCHELASTIC_ERROR_FILE"] == ""
+
+
+def test_start_method_is_accepted(work: Path) -> None:
+    res = tdist_run(work, "--master-port", "0", "--start_method", "fork", "worker.py", "env",
+                    timeout=20)
+    assert res.returncode == 0, res.stderr
+    res = tdist_run(work, "--master-port", "0", "--start-method", "thread", "worker.py", "env")
+    assert res.returncode == 2 and "invalid choice: 'thread'" in res.stderr
 
 
 # -- signals -----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -12,6 +13,8 @@ from tdist.elastic._policy import (
     Action,
     LaunchConfig,
     Outcome,
+    Std,
+    StreamRoute,
     WorkerExit,
     blamed_as_stalled,
     describe_returncode,
@@ -21,6 +24,9 @@ from tdist.elastic._policy import (
     format_failure_report,
     group_outcome,
     next_action,
+    parse_std,
+    stream_route,
+    to_map,
     traceback_tail,
     worker_command,
     worker_env,
@@ -159,6 +165,48 @@ def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
     env = worker_env({}, one, 0, master_port=1, restart_count=3, secret="s")
     assert "OMP_NUM_THREADS" not in env
     assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
+
+
+def test_parse_std_as_torchruns_std_from_str() -> None:
+    assert parse_std("0") is Std.NONE and parse_std("3") is Std.ALL
+    assert parse_std("0:3,1:0,2:1,3:2") == {0: Std.ALL, 1: Std.NONE, 2: Std.OUT, 3: Std.ERR}
+    assert parse_std("12:1") == {12: Std.OUT}  # (torchrun's pattern takes one digit only)
+    for bad in ("4", "0:4", "1,2", "a", "0:1,", ""):
+        with pytest.raises(ValueError, match="expected 0 \\(none\\)"):
+            parse_std(bad)
+
+
+def test_to_map() -> None:
+    assert to_map(Std.OUT, 2) == {0: Std.OUT, 1: Std.OUT}
+    assert to_map({1: Std.OUT, 5: Std.ALL}, 2) == {0: Std.NONE, 1: Std.OUT}
+
+
+@pytest.mark.parametrize(
+    ("redirects", "tee", "console", "files"),
+    [
+        (Std.NONE, Std.NONE, Std.ALL, Std.NONE),
+        (Std.ALL, Std.NONE, Std.NONE, Std.ALL),
+        (Std.OUT, Std.NONE, Std.ERR, Std.OUT),
+        (Std.NONE, Std.OUT, Std.ALL, Std.OUT),
+        (Std.ERR, Std.OUT, Std.OUT, Std.ALL),  # (a tee'd stream is on the console too)
+        (Std.ALL, Std.ALL, Std.ALL, Std.ALL),
+    ],
+)
+def test_stream_route_as_torchruns_reify(redirects: Std, tee: Std, console: Std, files: Std) -> None:
+    cfg = LaunchConfig("t.py", nproc_per_node=2, redirects=redirects, tee=tee)
+    assert stream_route(cfg, 1) == StreamRoute(console=console, files=files)
+
+
+def test_stream_route_per_rank_filter_and_devnull() -> None:
+    cfg = LaunchConfig("t.py", nproc_per_node=3, redirects={0: Std.OUT}, tee={1: Std.ERR},
+                       local_ranks_filter=frozenset({0, 2}))
+    assert stream_route(cfg, 0) == StreamRoute(console=Std.ERR, files=Std.OUT)
+    assert stream_route(cfg, 1) == StreamRoute(console=Std.NONE, files=Std.ERR)  # (filtered: files only)
+    assert stream_route(cfg, 2) == StreamRoute(console=Std.ALL, files=Std.NONE)
+    devnull = LaunchConfig("t.py", redirects=Std.ALL, log_dir=os.devnull)
+    assert stream_route(devnull, 0) == StreamRoute(console=Std.ALL, files=Std.NONE)
+    with pytest.raises(ValueError, match="--start-method 'thread'"):
+        LaunchConfig("t.py", start_method="thread")
 
 
 def test_worker_command() -> None:

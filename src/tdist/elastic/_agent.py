@@ -68,6 +68,7 @@ from ._policy import (
     ErrorFile,
     LaunchConfig,
     Outcome,
+    Std,
     WorkerExit,
     blamed_as_stalled,
     describe_returncode,
@@ -77,6 +78,7 @@ from ._policy import (
     group_outcome,
     next_action,
     parse_error_file,
+    stream_route,
     worker_command,
     worker_env,
 )
@@ -192,7 +194,10 @@ class LocalAgent:
         self._joined = False  # every node joined: the exit barrier can expect them all
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
-        self._error_dir = ""  # made by run()
+        # the run's log directory, <base>/<run id>_<random> (torchrun's layout), made by run();
+        # None with --log-dir /dev/null. Without --log-dir, base is a temporary directory of ours.
+        self._run_dir: str | None = None
+        self._temp_base: str | None = None
         self._hosting = False  # whether this node hosts the job's store (static node 0, the c10d host)
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
@@ -224,10 +229,8 @@ class LocalAgent:
         os.set_blocking(self._wake_w, False)
         previous = self._install_signal_handlers()
         server: StoreServer | None = None
-        # the workers' error files (TORCHELASTIC_ERROR_FILE), under a directory of this run's
-        safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
-        self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
         try:
+            self._make_run_dir()
             if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
                 self._meet(secret)
                 cfg = self.config
@@ -267,7 +270,9 @@ class LocalAgent:
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
-                shutil.rmtree(self._error_dir, ignore_errors=True)
+                if self._temp_base is not None and not self._writes_logs():
+                    # (only error files were there, quoted in the report already)
+                    shutil.rmtree(self._temp_base, ignore_errors=True)
 
     def _meet(self, secret: str) -> None:
         """c10d and etcd, every ``--nnodes`` form (a fixed N is N:N): the nodes meet through
@@ -456,18 +461,61 @@ class LocalAgent:
                 self._say(f"stopped the workers: {why}")
             return exit_code(outcome, root, self._signum)
 
+    # -- logs ----------------------------------------------------------------------------------
+    def _make_run_dir(self) -> None:
+        """The run's log directory, as torchrun's ``DefaultLogsSpecs``: ``<log dir>/<run
+        id>_<random>`` (a new one per run, so runs with one id never mix), under a temporary
+        directory without ``--log-dir``; none with ``--log-dir /dev/null``."""
+        cfg = self.config
+        if cfg.log_dir == os.devnull:
+            return
+        try:
+            if cfg.log_dir is None:
+                base = self._temp_base = tempfile.mkdtemp(prefix="tdist_")
+            else:  # (absolute: the workers' TORCHELASTIC_ERROR_FILE holds wherever they chdir)
+                base = os.path.abspath(cfg.log_dir)
+                if os.path.exists(base) and not os.path.isdir(base):
+                    raise LaunchError(f"--log-dir {base}: is not a directory")
+                os.makedirs(base, exist_ok=True)
+            safe_id = cfg.run_id.replace(os.sep, "_")[:200]  # (a / in the id nests no directory)
+            self._run_dir = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+        except OSError as exc:
+            raise LaunchError(f"cannot make the run's log directory under {cfg.log_dir or tempfile.gettempdir()}: {exc}") from exc
+        log.info("log directory set to: %s", self._run_dir)
+        if self._writes_logs():
+            self._say(f"workers' logs: {self._run_dir}/attempt_<n>/<local rank>/")
+
+    def _writes_logs(self) -> bool:
+        """Whether a worker stream goes to a file (the run's directory is then kept)."""
+        cfg = self.config
+        return self._run_dir is not None and any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
+
+    def _attempt_dir(self, restart_count: int) -> str | None:
+        return None if self._run_dir is None else os.path.join(self._run_dir, f"attempt_{restart_count}")
+
+    def _start_attempt_logs(self, restart_count: int) -> None:
+        """A fresh ``attempt_<n>`` directory with a directory per local rank (torchrun empties
+        one that exists: a group restarted without a restart spent, for nodes that joined)."""
+        attempt = self._attempt_dir(restart_count)
+        if attempt is None:
+            return
+        shutil.rmtree(attempt, ignore_errors=True)
+        for local_rank in range(self.config.nproc_per_node):
+            os.makedirs(os.path.join(attempt, str(local_rank)))
+
     def _error_file(self, restart_count: int, local_rank: int) -> str:
-        """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (its
-        directory is made here; torchrun's layout: ``attempt_<n>/<local rank>/error.json``)."""
-        directory = os.path.join(self._error_dir, f"attempt_{restart_count}", str(local_rank))
-        os.makedirs(directory, exist_ok=True)
-        return os.path.join(directory, "error.json")
+        """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (torchrun's
+        layout: ``attempt_<n>/<local rank>/error.json``; ``""``, none, with no log directory)."""
+        attempt = self._attempt_dir(restart_count)
+        return "" if attempt is None else os.path.join(attempt, str(local_rank), "error.json")
 
     def _error_files(self, restart_count: int, failed: list[WorkerExit]) -> dict[int, ErrorFile]:
         """What the failed workers' ``@record`` wrote, by local rank."""
         found = {}
         for e in failed:
             path = self._error_file(restart_count, e.local_rank)
+            if not path:
+                continue
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
                     parsed = parse_error_file(path, f.read())
@@ -491,12 +539,15 @@ class LocalAgent:
         outcome = Outcome.RUNNING
         try:
             torch_port = self._torch_port(port)
+            self._start_attempt_logs(restart_count)
+            attempt = self._attempt_dir(restart_count)
             for local_rank in range(cfg.nproc_per_node):
                 env = worker_env(
                     self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
                     error_file=self._error_file(restart_count, local_rank), torch_port=torch_port,
                 )
-                workers.append(self._start_worker(local_rank, env))
+                rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
+                workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
                 "node %d: started %d workers (attempt %d): %s",
                 cfg.node_rank, len(workers), restart_count, [w.proc.pid for w in workers],
@@ -536,8 +587,22 @@ class LocalAgent:
             exits[:] = [dataclasses.replace(e, stalled=True) if e.stopped_by_agent and e.rank in blamed else e for e in exits]
         return outcome, exits, tails
 
-    def _start_worker(self, local_rank: int, env: dict[str, str]) -> _Worker:
+    def _start_worker(self, local_rank: int, env: dict[str, str], log_dir: str | None) -> _Worker:
+        """Start worker ``local_rank`` and the threads that copy its streams where
+        ``stream_route`` says (``log_dir``: its directory of this attempt)."""
         cfg = self.config
+        route = stream_route(cfg, local_rank)
+        files: dict[Std, BinaryIO | None] = {}
+        for std, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
+            files[std] = None
+            if std in route.files and log_dir is not None:
+                try:
+                    files[std] = open(os.path.join(log_dir, name), "wb", buffering=0)  # (the pump closes it)
+                except OSError as exc:
+                    for f in files.values():
+                        if f is not None:
+                            f.close()
+                    raise LaunchError(f"cannot write worker {local_rank}'s {name}: {exc}") from exc
         try:
             proc = subprocess.Popen(
                 worker_command(cfg),
@@ -548,6 +613,9 @@ class LocalAgent:
                 preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
             )
         except OSError as exc:
+            for f in files.values():
+                if f is not None:
+                    f.close()
             raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
         pidfd: int | None
         try:
@@ -558,26 +626,37 @@ class LocalAgent:
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)))
         prefix = f"[rank{rank}]:".encode()
         assert proc.stdout is not None and proc.stderr is not None
-        shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
-        for stream, out, tail in (
-            (proc.stdout, self._out if shown else None, None),
-            (proc.stderr, self._err if shown else None, worker.tail),
+        for stream, std, out, tail in (
+            (proc.stdout, Std.OUT, self._out, None),
+            (proc.stderr, Std.ERR, self._err, worker.tail),
         ):
             t = threading.Thread(
-                target=self._pump, args=(stream, prefix, out, tail), name=f"tdist-run-rank{rank}", daemon=True
+                target=self._pump,
+                args=(stream, prefix, out if std in route.console else None, tail, files[std]),
+                name=f"tdist-run-rank{rank}",
+                daemon=True,
             )
             t.start()
             worker.readers.append(t)
         return worker
 
-    def _pump(self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tail: deque[str] | None) -> None:
-        """Copy a worker's stream line by line, prefixed, flushing each line (``out`` None:
-        read and drop it, keeping only the tail)."""
+    def _pump(
+        self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tail: deque[str] | None, file: BinaryIO | None
+    ) -> None:
+        """Copy a worker's stream line by line: to ``out`` prefixed, flushing each line, and to
+        ``file`` as it is (None: not there), keeping the tail."""
         try:
             while True:
                 line = stream.readline(_READ_CHUNK)
                 if not line:
                     break
+                if file is not None:
+                    try:
+                        file.write(line)
+                    except OSError as exc:  # (a full disk: the console still gets it)
+                        log.warning("cannot write a worker's log file %s: %s", getattr(file, "name", "?"), exc)
+                        file.close()
+                        file = None
                 if not line.endswith(b"\n"):
                     line += b"\n"
                 if tail is not None:
@@ -588,6 +667,8 @@ class LocalAgent:
             pass
         finally:
             stream.close()
+            if file is not None:
+                file.close()
 
     def _write(self, out: BinaryIO, data: bytes) -> None:
         with self._write_lock:

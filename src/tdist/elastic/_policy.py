@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import os
 import re
 import signal
 import sys
@@ -21,6 +22,8 @@ __all__ = [
     "ErrorFile",
     "LaunchConfig",
     "Outcome",
+    "Std",
+    "StreamRoute",
     "WorkerExit",
     "describe_returncode",
     "exit_code",
@@ -30,6 +33,9 @@ __all__ = [
     "group_outcome",
     "next_action",
     "parse_error_file",
+    "parse_std",
+    "stream_route",
+    "to_map",
     "traceback_tail",
     "worker_command",
     "worker_env",
@@ -37,6 +43,48 @@ __all__ = [
 
 #: Agent keys in the job's store (outside every ``/worker/attempt_<n>`` namespace).
 AGENT_PREFIX = "/tdist/agent"
+
+#: torchrun's ``--start-method`` choices (its default: spawn).
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+class Std(enum.IntFlag):
+    """torchrun's stream selector (``--redirects``, ``--tee``): which of a worker's streams."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+
+_STD_VALUE = re.compile(r"^[0123]$")
+_STD_MAP = re.compile(r"^(\d+:[0123],)*(\d+:[0123])$")
+
+
+def parse_std(text: str) -> Std | dict[int, Std]:
+    """``--redirects``/``--tee`` as torchrun reads them (``Std.from_str``): ``"3"`` (every
+    local rank) or ``"0:1,1:2"`` (local rank 0's stdout, local rank 1's stderr).
+
+    Raises:
+        ValueError: neither form.
+    """
+    text = text.strip()
+    if _STD_VALUE.match(text):
+        return Std(int(text))
+    if _STD_MAP.match(text):
+        return {int(rank): Std(int(value)) for rank, value in (item.split(":") for item in text.split(","))}
+    raise ValueError(
+        f"{text!r}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every local rank "
+        "or per local rank as LOCAL_RANK:VALUE,... (e.g. 0:3,1:2)"
+    )
+
+
+def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, Std]:
+    """A ``Std`` per local rank (torchrun's ``to_map``): one value for all, or the mapping's
+    (``Std.NONE`` for a local rank it does not name; ranks beyond the node's are ignored)."""
+    if isinstance(value, Std):
+        return dict.fromkeys(range(local_world_size), value)
+    return {r: value.get(r, Std.NONE) for r in range(local_world_size)}
 
 
 @dataclass(frozen=True)
@@ -79,8 +127,22 @@ class LaunchConfig:
             heartbeat stood still for ``keep_alive_max_attempt`` intervals is dropped.
         is_host: c10d only: whether this node hosts the store (None: it tries).
         local_ranks_filter: the local ranks whose output is shown (None: every one); the
-            others' is read and dropped (a failure's report still quotes it).
+            others' is read and dropped from the console (a failure's report still quotes it,
+            and their log files still get it).
         role: ``ROLE_NAME``.
+        log_dir: torchrun's ``--log-dir``: the base directory of the run's logs,
+            ``<log_dir>/<run_id>_<random>/attempt_<n>/<local rank>/`` with ``stdout.log``,
+            ``stderr.log`` (the streams ``redirects`` or ``tee`` name) and ``error.json`` (the
+            worker's ``TORCHELASTIC_ERROR_FILE``); kept after the run. None: a temporary
+            directory, removed at the end unless a stream went to a file in it.
+            ``os.devnull``: no files at all (no error files either), every stream on the
+            console.
+        redirects: the streams written to files instead of the console (one ``Std`` for every
+            local rank, or one per local rank).
+        tee: the streams written to files and to the console.
+        start_method: torchrun's ``--start-method`` (recorded only: every worker is a new
+            process running ``python -u script``, as torchrun's are for a script).
+        quiet: no live status line (it is drawn only when stdout is a terminal anyway).
     """
 
     entrypoint: str
@@ -111,6 +173,11 @@ class LaunchConfig:
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
     local_ranks_filter: frozenset[int] | None = None
+    log_dir: str | None = None
+    redirects: Std | Mapping[int, Std] = Std.NONE
+    tee: Std | Mapping[int, Std] = Std.NONE
+    start_method: str = "spawn"
+    quiet: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -143,6 +210,8 @@ class LaunchConfig:
             raise ValueError("the etcd rendezvous needs etcd's address (--rdzv-endpoint HOST[:PORT])")
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python cannot be used together")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"--start-method {self.start_method!r}: expected one of {', '.join(START_METHODS)}")
 
     @property
     def world_size(self) -> int:
@@ -153,6 +222,37 @@ class LaunchConfig:
 
 
 # -- what workers get --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamRoute:
+    """Where one worker's streams go.
+
+    Attributes:
+        console: the streams copied to the launcher's stdout/stderr, prefixed ``[rank<N>]:``.
+        files: the streams written, as they are, to ``stdout.log``/``stderr.log`` in the
+            worker's log directory.
+    """
+
+    console: Std
+    files: Std
+
+
+def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
+    """Where worker ``local_rank``'s streams go, as torchrun's ``DefaultLogsSpecs.reify`` says:
+    a stream that ``redirects`` or ``tee`` names goes to its file; it is on the console unless
+    only ``redirects`` names it; a local rank outside ``local_ranks_filter`` shows nothing on
+    the console (its files are still written). With ``log_dir`` ``os.devnull`` there are no
+    files and every stream is on the console."""
+    redirect = to_map(config.redirects, config.nproc_per_node)[local_rank]
+    tee = to_map(config.tee, config.nproc_per_node)[local_rank]
+    if config.log_dir == os.devnull:
+        redirect = tee = Std.NONE
+    files = redirect | tee
+    console = tee | (Std.ALL & ~files)
+    if config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter:
+        console = Std.NONE
+    return StreamRoute(console=Std(console), files=Std(files))
+
+
 def worker_command(config: LaunchConfig) -> list[str]:
     """The worker's argv (torchrun's: ``python -u script args``)."""
     if config.no_python:
