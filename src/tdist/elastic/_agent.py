@@ -229,6 +229,10 @@ class LocalAgent:
         os.set_blocking(self._wake_w, False)
         previous = self._install_signal_handlers()
         server: StoreServer | None = None
+        log.info(
+            "node %d: workers start as new processes (%s); --start-method %s recorded",
+            cfg.node_rank, " ".join(worker_command(cfg)[:3]), cfg.start_method,
+        )
         try:
             self._make_run_dir()
             if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
