@@ -51,11 +51,24 @@ WORKER = textwrap.dedent(
             f.write(str("libtorch" in launcher_maps))
         print(f"out from {rank}")
         print(f"err from {rank}", file=sys.stderr)
-    elif action == "fail":  # rank 1 fails with exit code 3, the others hang
+    elif action == "fail":  # rank 1 raises (exit code 1) once the others said something and hang
         if rank == 1:
-            time.sleep(0.2)
+            others = [os.path.join(out, f"said{r}") for r in range(int(os.environ["WORLD_SIZE"])) if r != 1]
+            end = time.monotonic() + 10
+            while not all(map(os.path.exists, others)) and time.monotonic() < end:
+                time.sleep(0.05)
             raise ValueError("rank 1 gives up")
+        print(f"rank {rank} step 7", flush=True)
+        print(f"rank {rank} waiting for rank 1", file=sys.stderr, flush=True)
+        open(os.path.join(out, f"said{rank}"), "w").close()
         time.sleep(60)
+    elif action == "dump":  # rank 0 dumps a flight record and hangs, rank 1 fails
+        if rank == 0:
+            with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0", "wb") as f:
+                f.write(b"record")
+            time.sleep(60)
+        time.sleep(0.5)
+        sys.exit(3)
     elif action == "kill":  # rank 0 dies of SIGKILL, the others hang
         if rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -155,6 +168,11 @@ def wait_gone(pid: int, timeout: float = 5) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def line_of(script: str, text: str) -> int:
+    """The number of the line of ``script`` that holds ``text``."""
+    return next(i for i, line in enumerate(script.splitlines(), 1) if text in line)
 
 
 def pids(work: Path, n: int) -> list[int]:
@@ -296,6 +314,21 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> N
     assert "Traceback (most recent call last):" in root
     assert "ValueError: rank 1 gives up" in root
     assert "error_file: <N/A>" in root  # (no @record: the traceback is stderr's)
+    # the post-mortem: the first failure in a line, what the others were doing, restarts, logs
+    post = report.split("Post-mortem:")[1]
+    first = next(line for line in post.splitlines() if "first failure" in line)
+    assert first.startswith("  first failure : rank 1 (local_rank 1, host ")
+    line = line_of(WORKER, 'raise ValueError("rank 1 gives up")')
+    assert first.endswith(f"exit code 1, ValueError: rank 1 gives up (raised at {work / 'worker.py'}:{line}, in <module>)")
+    lines = post.splitlines()
+    for r in (0, 2):
+        at = lines.index(f"    rank {r} (local_rank {r}) was running; stopped by the launcher with SIGTERM; its last output:")
+        # (its two streams, in the order they were read)
+        assert sorted(lines[at + 1:at + 3]) == [f"      | rank {r} step 7", f"      | rank {r} waiting for rank 1"]
+    assert "  restarts      : none allowed (--max-restarts 0)" in post
+    assert "  logs          : not kept (--log-dir DIR" in post
+    assert "  flight records: none found (looked for /tmp/nccl_trace_rank_<rank>)" in post
+    assert res.stderr.rstrip().endswith("=" * 60)  # one block, the last thing said
 
 
 RECORDED = textwrap.dedent(
@@ -328,6 +361,13 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert not Path(error_file).exists()  # the launcher's run directory is gone with it
     assert "Traceback (most recent call last):" in root
     assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
+    first = next(line for line in root.splitlines() if "first failure" in line)
+    assert first.endswith(
+        f"exit code 1, KeyError: 'rank 1 recorded this' (raised at {work / 'recorded.py'}:"
+        f"{line_of(RECORDED, 'raise KeyError')}, in main) "
+        "(its @record error file)"
+    )
+    assert "  the others    :\n    rank 0 (local_rank 0) " in root  # (finished, or stopped if still exiting)
 
 
 @pytest.mark.parametrize("how", ["stall", "silent"])
@@ -346,6 +386,10 @@ def test_exit_code_of_a_killed_worker(work: Path) -> None:
     assert res.returncode == 128 + signal.SIGKILL
     assert "exitcode  : -9 (SIGKILL)" in res.stderr
     assert "rank      : 0 (local_rank: 0)" in res.stderr
+    assert "  first failure : rank 0 (local_rank 0, host " in res.stderr
+    first = next(line for line in res.stderr.splitlines() if "first failure" in line)
+    assert first.endswith("killed by signal SIGKILL")
+    assert "    rank 1 (local_rank 1) was running; stopped by the launcher with SIGTERM; it had printed nothing" in res.stderr
     for pid in pids(work, 2):
         assert wait_gone(pid)
 
@@ -377,6 +421,11 @@ def test_restarts_exhausted(work: Path) -> None:
     assert res.returncode == 4
     assert res.stderr.count("restarting the worker group") == 2
     assert "always.py FAILED" in res.stderr
+    assert (
+        "  restarts      : 2 of 2 used (--max-restarts)\n"
+        "    attempt 0: worker rank 0 failed (exit code 4)\n"
+        "    attempt 1: worker rank 0 failed (exit code 4)\n"
+    ) in res.stderr
 
 
 def test_missing_script(work: Path) -> None:
@@ -518,6 +567,28 @@ def test_recorded_exception_in_the_log_dirs_error_json(work: Path) -> None:
     assert not (run_dir(logs) / "attempt_0/0/error.json").exists()  # (rank 0 succeeded)
     root = res.stderr.split("Root Cause (first observed failure):")[1]
     assert f"error_file: {error_json}" in root  # (kept: --log-dir)
+
+
+def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
+    # with --log-dir, each worker's TORCH_FR_DUMP_TEMP_FILE is in its log folder
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs),
+                    "worker.py", "dump")
+    assert res.returncode == 3, res.stderr
+    attempt = run_dir(logs) / "attempt_0"
+    assert (attempt / "0/nccl_trace_rank_0").read_bytes() == b"record"
+    post = res.stderr.split("Post-mortem:")[1]
+    assert f"  flight records:\n    rank 0: {attempt / '0/nccl_trace_rank_0'}\n" in post
+    assert f"  logs          : {attempt}/<local rank>/ (stdout.log, stderr.log, error.json)" in post
+    # a location given by the user is the one looked at; a dump older than the job is not its
+    stale = work / "fr_1"
+    stale.write_bytes(b"old")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "dump",
+                    TORCH_FR_DUMP_TEMP_FILE=str(work / "fr_"))
+    assert res.returncode == 3, res.stderr
+    post = res.stderr.split("Post-mortem:")[1]
+    assert f"  flight records:\n    rank 0: {work / 'fr_0'}\n  restarts" in post
 
 
 def test_log_dir_devnull_writes_nothing(work: Path) -> None:

@@ -13,10 +13,12 @@ from tdist.elastic._policy import (
     Action,
     LaunchConfig,
     Outcome,
+    PostMortem,
     Std,
     StreamRoute,
     WorkerExit,
     blamed_as_stalled,
+    describe_exception,
     describe_returncode,
     exit_code,
     failures,
@@ -157,6 +159,16 @@ def test_worker_env_matches_torchrun() -> None:
     assert "TORCHELASTIC_USE_AGENT_STORE" not in env
 
 
+def test_worker_env_flight_record_prefix_unless_given() -> None:
+    cfg = LaunchConfig("train.py")
+    env = worker_env({}, cfg, 0, master_port=1, restart_count=0, secret="s", flight_record_prefix="/l/0/nccl_trace_rank_")
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/l/0/nccl_trace_rank_"
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # (the user's place wins)
+        env = worker_env({var: "/mine_"}, cfg, 0, master_port=1, restart_count=0, secret="s", flight_record_prefix="/l/")
+        assert env.get("TORCH_FR_DUMP_TEMP_FILE", "/mine_") == "/mine_"
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in worker_env({}, cfg, 0, master_port=1, restart_count=0, secret="s")
+
+
 def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
     cfg = LaunchConfig("train.py", nproc_per_node=2)
     assert worker_env({"OMP_NUM_THREADS": "8"}, cfg, 0, master_port=1, restart_count=3,
@@ -276,3 +288,42 @@ def test_failure_report_shape() -> None:
     assert "<NO_OTHER_FAILURES>" in single
     with pytest.raises(ValueError):
         format_failure_report("t.py", [], host="h", tails={})
+
+
+def test_describe_exception() -> None:
+    tb = ('Traceback (most recent call last):\n  File "a.py", line 3, in <module>\n    main()\n'
+          '  File "a.py", line 2, in main\n    raise KeyError("k")\nKeyError: \'k\'\n')
+    assert describe_exception(tb) == "KeyError: 'k' (raised at a.py:2, in main)"
+    assert describe_exception("noise\n" + tb.replace("KeyError: 'k'", "ValueError: two\nlines")) == (
+        "ValueError: two (raised at a.py:2, in main)"
+    )
+    assert describe_exception("no traceback here\n") is None
+
+
+def test_post_mortem() -> None:
+    root = ex(1, -9, 1.0)
+    stopped = WorkerExit(0, 0, 1000, -15, 2.0, stopped_by_agent=True)
+    killed = WorkerExit(2, 2, 1002, -9, 2.0, stopped_by_agent=True)
+    done = ex(3, 0, 0.5)
+    pm = PostMortem(
+        exits=[stopped, root, killed, done], outputs={0: ["a\n", "b\n"]}, dumps={0: "/d/nccl_trace_rank_0"},
+        restarts=1, max_restarts=3, earlier=["attempt 0: worker rank 1 failed (exit code 4)"], logs="/l/run/attempt_1",
+    )
+    report = format_failure_report("t.py", [root], host="h", tails={}, post_mortem=pm)
+    post = report.split("Post-mortem:\n")[1]
+    assert post.splitlines() == [
+        "  first failure : rank 1 (local_rank 1, host h): killed by signal SIGKILL",
+        "  the others    :",
+        "    rank 0 (local_rank 0) was running; stopped by the launcher with SIGTERM; its last output:",
+        "      | a",
+        "      | b",
+        "    rank 2 (local_rank 2) was running; it did not stop on SIGTERM and was killed with SIGKILL; it had printed nothing",
+        "    rank 3 (local_rank 3) had finished (exit code 0)",
+        "  flight records:",
+        "    rank 0: /d/nccl_trace_rank_0",
+        "  restarts      : 1 of 3 used (--max-restarts)",
+        "    attempt 0: worker rank 1 failed (exit code 4)",
+        "  logs          : /l/run/attempt_1/<local rank>/ (stdout.log, stderr.log, error.json)",
+        "=" * 60,
+    ]
+    assert "Post-mortem" not in format_failure_report("t.py", [root], host="h", tails={})

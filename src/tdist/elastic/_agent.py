@@ -64,10 +64,13 @@ from ..store._server import StoreServer
 from ..store._tcp import TCPStore
 from ._policy import (
     AGENT_PREFIX,
+    DEFAULT_FLIGHT_RECORD_PREFIX,
+    FLIGHT_RECORD_VARS,
     Action,
     ErrorFile,
     LaunchConfig,
     Outcome,
+    PostMortem,
     Std,
     WorkerExit,
     blamed_as_stalled,
@@ -92,6 +95,9 @@ log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
+_OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
+# a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
+_FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -106,7 +112,8 @@ class _Worker:
     rank: int
     proc: subprocess.Popen[bytes]
     pidfd: int | None
-    tail: deque[str]
+    tail: deque[str]  # the last lines of its stderr
+    output: deque[str]  # the last lines of its output, both streams
     readers: list[threading.Thread] = field(default_factory=list)
     signalled: bool = False
     stalled: bool = False  # stopped (not running) when the group failed
@@ -198,6 +205,7 @@ class LocalAgent:
         # None with --log-dir /dev/null. Without --log-dir, base is a temporary directory of ours.
         self._run_dir: str | None = None
         self._temp_base: str | None = None
+        self._attempt_started = 0.0  # time.time() when the current group started
         self._hosting = False  # whether this node hosts the job's store (static node 0, the c10d host)
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
@@ -274,7 +282,7 @@ class LocalAgent:
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
-                if self._temp_base is not None and not self._writes_logs():
+                if self._temp_base is not None and not self._keeps_logs():
                     # (only error files were there, quoted in the report already)
                     shutil.rmtree(self._temp_base, ignore_errors=True)
 
@@ -421,8 +429,9 @@ class LocalAgent:
     def _run_attempts(self, port: int, secret: str) -> int:
         cfg = self.config
         restart_count = 0
+        earlier: list[str] = []  # each failed attempt's cause, for the post-mortem
         while True:
-            outcome, exits, tails = self._run_group(port, secret, restart_count)
+            outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
             action = next_action(outcome, restart_count, cfg.max_restarts)
             found = failures(exits)
             root = found[0] if found else None
@@ -437,6 +446,7 @@ class LocalAgent:
                         why = f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)})"
                     else:
                         why = self._peer_failure()[0] or "another node failed"
+                    earlier.append(f"attempt {restart_count}: {why}")
                     self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
                     restart_count += 1
                 # (rendezvous: every round has keys of its own, and nodes that joined later count
@@ -451,18 +461,24 @@ class LocalAgent:
             if outcome is Outcome.FAILED:
                 assert root is not None
                 self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}", final=True)
+                dumps, looked_for = self._flight_records(restart_count, exits)
+                post_mortem = PostMortem(
+                    exits=exits, outputs=outputs, dumps=dumps, dumps_looked_for=looked_for,
+                    restarts=restart_count, max_restarts=cfg.max_restarts, earlier=earlier,
+                    logs=self._attempt_dir(restart_count) if self._keeps_logs() else None,
+                )
                 report = format_failure_report(
                     self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
-                    error_files=self._error_files(restart_count, found),
+                    error_files=self._error_files(restart_count, found), post_mortem=post_mortem,
                 )
                 self._write(self._err, report.encode() + b"\n")
             elif outcome is Outcome.INTERRUPTED:
                 assert self._signum is not None
-                self._say(f"stopped the workers on {signal.Signals(self._signum).name}")
+                self._say(f"stopped the workers on {signal.Signals(self._signum).name}{self._logs_note(restart_count)}")
                 self._post_failure(f"node {cfg.node_rank}: interrupted", final=True)
             elif outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
                 why = self._lost_store or self._peer_failure()[0] or "another node failed"
-                self._say(f"stopped the workers: {why}")
+                self._say(f"stopped the workers: {why}{self._logs_note(restart_count)}")
             return exit_code(outcome, root, self._signum)
 
     # -- logs ----------------------------------------------------------------------------------
@@ -493,6 +509,38 @@ class LocalAgent:
         """Whether a worker stream goes to a file (the run's directory is then kept)."""
         cfg = self.config
         return self._run_dir is not None and any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
+
+    def _keeps_logs(self) -> bool:
+        """Whether the run's directory stays after the run (``--log-dir``, or a stream in it)."""
+        return self._run_dir is not None and (self.config.log_dir is not None or self._writes_logs())
+
+    def _logs_note(self, restart_count: int) -> str:
+        return f" (logs: {self._attempt_dir(restart_count)})" if self._keeps_logs() else ""
+
+    def _flight_records(self, restart_count: int, exits: list[WorkerExit]) -> tuple[dict[int, str], str]:
+        """The flight-recorder dumps this attempt's workers left (torch's ``<prefix><rank>``:
+        the prefix the worker's environment named, its log directory's when the logs are kept,
+        else torch's default), by rank, and where they were looked for. A dump older than the
+        attempt is another run's, not theirs."""
+        given = next((self._env[var] for var in FLIGHT_RECORD_VARS if self._env.get(var)), None)
+        attempt = self._attempt_dir(restart_count)
+        per_rank_dir = given is None and attempt is not None and self._keeps_logs()
+        found = {}
+        for e in exits:
+            if per_rank_dir:
+                assert attempt is not None
+                prefix = os.path.join(attempt, str(e.local_rank), _FLIGHT_RECORD_NAME)
+            else:
+                prefix = given or DEFAULT_FLIGHT_RECORD_PREFIX
+            path = prefix + str(e.rank)
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path) and os.stat(path).st_mtime >= self._attempt_started - 1.0:
+                    found[e.rank] = path
+        if per_rank_dir:
+            where = f"{attempt}/<local rank>/{_FLIGHT_RECORD_NAME}<rank>"
+        else:
+            where = f"{given or DEFAULT_FLIGHT_RECORD_PREFIX}<rank>"
+        return found, f"looked for {where}"
 
     def _attempt_dir(self, restart_count: int) -> str | None:
         return None if self._run_dir is None else os.path.join(self._run_dir, f"attempt_{restart_count}")
@@ -536,7 +584,10 @@ class LocalAgent:
     # -- one worker group ----------------------------------------------------------------------
     def _run_group(
         self, port: int, secret: str, restart_count: int
-    ) -> tuple[Outcome, list[WorkerExit], dict[int, list[str]]]:
+    ) -> tuple[Outcome, list[WorkerExit], dict[int, list[str]], dict[int, list[str]]]:
+        """Run one worker group until it succeeds, fails or is stopped. Returns the outcome,
+        every worker's exit, and each one's last stderr lines and last lines of output, by
+        local rank."""
         cfg = self.config
         workers: list[_Worker] = []
         exits: list[WorkerExit] = []
@@ -544,13 +595,17 @@ class LocalAgent:
         try:
             torch_port = self._torch_port(port)
             self._start_attempt_logs(restart_count)
+            self._attempt_started = time.time()  # (wall clock: compared with files' times)
             attempt = self._attempt_dir(restart_count)
             for local_rank in range(cfg.nproc_per_node):
+                rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
                 env = worker_env(
                     self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
                     error_file=self._error_file(restart_count, local_rank), torch_port=torch_port,
+                    flight_record_prefix=(
+                        os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if rank_dir is not None and self._keeps_logs() else None
+                    ),
                 )
-                rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
                 workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
                 "node %d: started %d workers (attempt %d): %s",
@@ -585,11 +640,12 @@ class LocalAgent:
                 for t in w.readers:
                     t.join(max(0.0, deadline - self._clock()))
         tails = {w.local_rank: list(w.tail) for w in workers}
+        outputs = {w.local_rank: list(w.output) for w in workers}
         if outcome is Outcome.FAILED and not any(e.stalled for e in exits):
             # a rank that hung without being stopped: the others' errors name it
             blamed = set().union(*(blamed_as_stalled(tails.get(e.local_rank, ())) for e in exits if e.failed))
             exits[:] = [dataclasses.replace(e, stalled=True) if e.stopped_by_agent and e.rank in blamed else e for e in exits]
-        return outcome, exits, tails
+        return outcome, exits, tails, outputs
 
     def _start_worker(self, local_rank: int, env: dict[str, str], log_dir: str | None) -> _Worker:
         """Start worker ``local_rank`` and the threads that copy its streams where
@@ -627,16 +683,16 @@ class LocalAgent:
         except (AttributeError, OSError):  # old kernel: the monitor loop polls instead
             pidfd = None
         rank = cfg.global_rank(local_rank)
-        worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)))
+        worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
         prefix = f"[rank{rank}]:".encode()
         assert proc.stdout is not None and proc.stderr is not None
-        for stream, std, out, tail in (
-            (proc.stdout, Std.OUT, self._out, None),
-            (proc.stderr, Std.ERR, self._err, worker.tail),
+        for stream, std, out, tails in (
+            (proc.stdout, Std.OUT, self._out, (worker.output,)),
+            (proc.stderr, Std.ERR, self._err, (worker.tail, worker.output)),
         ):
             t = threading.Thread(
                 target=self._pump,
-                args=(stream, prefix, out if std in route.console else None, tail, files[std]),
+                args=(stream, prefix, out if std in route.console else None, tails, files[std]),
                 name=f"tdist-run-rank{rank}",
                 daemon=True,
             )
@@ -645,10 +701,10 @@ class LocalAgent:
         return worker
 
     def _pump(
-        self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tail: deque[str] | None, file: BinaryIO | None
+        self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tails: tuple[deque[str], ...], file: BinaryIO | None
     ) -> None:
         """Copy a worker's stream line by line: to ``out`` prefixed, flushing each line, and to
-        ``file`` as it is (None: not there), keeping the tail."""
+        ``file`` as it is (None: not there), keeping the last lines in ``tails``."""
         try:
             while True:
                 line = stream.readline(_READ_CHUNK)
@@ -663,8 +719,9 @@ class LocalAgent:
                         file = None
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                if tail is not None:
-                    tail.append(line.decode(errors="replace"))
+                text = line.decode(errors="replace")
+                for tail in tails:
+                    tail.append(text)
                 if out is not None:
                     self._write(out, prefix + line)
         except (OSError, ValueError):
