@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 import time
@@ -605,6 +608,87 @@ def test_start_method_is_accepted(work: Path) -> None:
     assert res.returncode == 0, res.stderr
     res = tdist_run(work, "--master-port", "0", "--start-method", "thread", "worker.py", "env")
     assert res.returncode == 2 and "invalid choice: 'thread'" in res.stderr
+
+
+# -- the live status line -----------------------------------------------------------------------
+PROGRESS = textwrap.dedent(
+    """
+    import os, sys, time
+    for i in range(4):
+        print(f"epoch {i} loss {1 / (i + 1):.2f}", flush=True)
+        time.sleep(0.4)
+    if os.environ["RANK"] == "1" and sys.argv[1:] == ["fail"]:
+        sys.exit(3)
+    """
+)
+STATUS = b"\r\x1b[K[tdist run] "
+
+
+def tdist_run_on_a_terminal(work: Path, *args: str, columns: int = 100) -> bytes:
+    """``tdist run`` with its stdout and stderr on a pseudo-terminal ``columns`` wide; what
+    the terminal got."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    try:
+        proc = subprocess.Popen(tdist_cmd("run", *args), cwd=work, env=launcher_env(work, TERM="xterm"),
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    finally:
+        os.close(slave)
+    got = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # (EIO: every writer of the terminal is gone)
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(master)
+        proc.wait(timeout=20)
+    return got
+
+
+def status_lines(terminal: bytes) -> list[str]:
+    """The status lines drawn (each ends where the next write erases it)."""
+    return [part.split(b"\r")[0].decode() for part in terminal.split(STATUS)[1:]]
+
+
+def test_status_line_on_a_terminal(work: Path) -> None:
+    (work / "progress.py").write_text(PROGRESS)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "2", "--master-port", "0", "progress.py", columns=70)
+    drawn = status_lines(got)
+    assert drawn, got
+    assert all(len(line) <= 69 for line in drawn), drawn  # (cut to the terminal's width)
+    assert any(line.startswith("2 running, 0 finished, 0 failed | 0:0") for line in drawn), drawn
+    assert any("| rank0: epoch" in line or "| rank1: epoch" in line for line in drawn), drawn
+    # the workers' lines are whole (each status line is erased before one is written)
+    text = got.replace(b"\r\x1b[K", b"\n").decode()
+    assert sorted(line for line in text.splitlines() if line.startswith("[rank")) == sorted(
+        f"[rank{r}]:epoch {i} loss {1 / (i + 1):.2f}" for r in range(2) for i in range(4)
+    )
+    assert got.endswith(b"\r\x1b[K")  # (erased at the end: nothing left under the output)
+
+
+def test_status_line_leaves_the_failure_report_alone(work: Path) -> None:
+    (work / "progress.py").write_text(PROGRESS)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1",
+                                  "progress.py", "fail")
+    assert any(line.startswith("2 running, 0 finished, 0 failed | restart 1/1 | ") for line in status_lines(got))
+    report = got[got.index(b"progress.py FAILED"):]
+    assert STATUS not in report and b"\x1b" not in report
+
+
+def test_no_status_line_with_quiet_or_without_a_terminal(work: Path) -> None:
+    (work / "progress.py").write_text(PROGRESS)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "2", "--master-port", "0", "--quiet", "progress.py")
+    assert b"[rank1]:epoch 3 loss 0.25" in got
+    assert b"\x1b" not in got and b"running," not in got
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "progress.py")
+    assert res.returncode == 0, res.stderr
+    assert "\x1b" not in res.stdout + res.stderr and "running," not in res.stdout + res.stderr
+    assert len(res.stdout.splitlines()) == 8
 
 
 # -- signals -----------------------------------------------------------------------------------

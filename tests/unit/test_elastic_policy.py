@@ -24,6 +24,7 @@ from tdist.elastic._policy import (
     failures,
     first_failure,
     format_failure_report,
+    format_status,
     group_outcome,
     next_action,
     parse_std,
@@ -327,3 +328,15 @@ def test_post_mortem() -> None:
         "=" * 60,
     ]
     assert "Post-mortem" not in format_failure_report("t.py", [root], host="h", tails={})
+
+
+def test_format_status() -> None:
+    line = format_status(running=3, finished=1, failed=0, restarts=0, max_restarts=0, elapsed=65.2,
+                         progress="rank0: epoch 3", width=100)
+    assert line == "[tdist run] 3 running, 1 finished, 0 failed | 1:05 | rank0: epoch 3"
+    line = format_status(running=0, finished=0, failed=1, restarts=1, max_restarts=2, elapsed=3725,
+                         progress=None, width=100)
+    assert line == "[tdist run] 0 running, 0 finished, 1 failed | restart 1/2 | 1:02:05"
+    cut = format_status(running=2, finished=0, failed=0, restarts=0, max_restarts=0, elapsed=1,
+                        progress="rank1: " + "x" * 200, width=40)
+    assert len(cut) == 39 and cut.endswith("...")

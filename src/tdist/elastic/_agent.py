@@ -38,6 +38,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -78,6 +79,7 @@ from ._policy import (
     exit_code,
     failures,
     format_failure_report,
+    format_status,
     group_outcome,
     next_action,
     parse_error_file,
@@ -96,6 +98,10 @@ log = logging.getLogger(__name__)
 _READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
 _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
+_STATUS_INTERVAL = 0.5  # seconds between redraws of the live status line (its clock moves)
+_STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not drawn for this long
+_ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
 _FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
@@ -127,6 +133,13 @@ def _process_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def _is_terminal(stream: BinaryIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
 
 
 def _is_local_address(host: str) -> bool:
@@ -206,6 +219,15 @@ class LocalAgent:
         self._run_dir: str | None = None
         self._temp_base: str | None = None
         self._attempt_started = 0.0  # time.time() when the current group started
+        # the live status line, at the bottom of the terminal (all under _write_lock)
+        self._status = not config.quiet and _is_terminal(self._out) and self._env.get("TERM") != "dumb"
+        self._status_shown = False  # drawn, and no output since
+        self._status_paused = True  # not drawn (no group running, or it is being stopped)
+        self._status_counts = (0, 0, 0)  # running, finished, failed
+        self._status_restarts = 0
+        self._status_drawn_at = 0.0
+        self._progress: str | None = None  # the last line a worker printed, "rank<N>: ..."
+        self._started = clock()
         self._hosting = False  # whether this node hosts the job's store (static node 0, the c10d host)
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
@@ -623,7 +645,11 @@ class LocalAgent:
                     outcome = Outcome.RESCALE
                 if outcome is not Outcome.RUNNING:
                     break
-                self._sleep(workers, self._poll_timeout())
+                timeout = self._poll_timeout()
+                if self._status:
+                    self._update_status(workers, exits, restart_count)
+                    timeout = _STATUS_INTERVAL if timeout is None else min(timeout, _STATUS_INTERVAL)
+                self._sleep(workers, timeout)
             for e in failures(exits):
                 log.info(
                     "worker rank %d (local rank %d, pid %d) failed with exit code %d",
@@ -684,7 +710,6 @@ class LocalAgent:
             pidfd = None
         rank = cfg.global_rank(local_rank)
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
-        prefix = f"[rank{rank}]:".encode()
         assert proc.stdout is not None and proc.stderr is not None
         for stream, std, out, tails in (
             (proc.stdout, Std.OUT, self._out, (worker.output,)),
@@ -692,7 +717,7 @@ class LocalAgent:
         ):
             t = threading.Thread(
                 target=self._pump,
-                args=(stream, prefix, out if std in route.console else None, tails, files[std]),
+                args=(stream, std, rank, out if std in route.console else None, tails, files[std]),
                 name=f"tdist-run-rank{rank}",
                 daemon=True,
             )
@@ -701,10 +726,18 @@ class LocalAgent:
         return worker
 
     def _pump(
-        self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tails: tuple[deque[str], ...], file: BinaryIO | None
+        self,
+        stream: IO[bytes],
+        std: Std,
+        rank: int,
+        out: BinaryIO | None,
+        tails: tuple[deque[str], ...],
+        file: BinaryIO | None,
     ) -> None:
-        """Copy a worker's stream line by line: to ``out`` prefixed, flushing each line, and to
-        ``file`` as it is (None: not there), keeping the last lines in ``tails``."""
+        """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` prefixed, flushing
+        each line, and to ``file`` as it is (None: not there), keeping the last lines in
+        ``tails``."""
+        prefix = f"[rank{rank}]:".encode()
         try:
             while True:
                 line = stream.readline(_READ_CHUNK)
@@ -722,8 +755,12 @@ class LocalAgent:
                 text = line.decode(errors="replace")
                 for tail in tails:
                     tail.append(text)
-                if out is not None:
-                    self._write(out, prefix + line)
+                progress = None
+                if self._status and std is Std.OUT:  # (a worker's last line: its progress, on the status line)
+                    shown = _ANSI.sub("", text.rstrip("\r\n").rsplit("\r", 1)[-1]).strip()
+                    progress = f"rank{rank}: {shown}" if shown else None
+                if out is not None or progress is not None:
+                    self._write(out, prefix + line, progress)
         except (OSError, ValueError):
             pass
         finally:
@@ -731,13 +768,68 @@ class LocalAgent:
             if file is not None:
                 file.close()
 
-    def _write(self, out: BinaryIO, data: bytes) -> None:
+    def _write(self, out: BinaryIO | None, data: bytes, progress: str | None = None) -> None:
+        """Write ``data`` to ``out`` (None: nowhere), under the status line: it is erased first
+        and drawn again after (when it was not drawn in the last ``_STATUS_GAP`` seconds; the
+        monitor loop's next tick draws it otherwise). ``progress``: a worker's new last line."""
         with self._write_lock:
             try:
+                if progress is not None:
+                    self._progress = progress
+                if out is None:
+                    return
+                if self._status_shown:
+                    self._out.write(_ERASE_LINE)
+                    self._out.flush()
+                    self._status_shown = False
                 out.write(data)
                 out.flush()
+                if self._clock() - self._status_drawn_at >= _STATUS_GAP:
+                    self._draw_status()
             except (OSError, ValueError):  # our own output is gone (closed pipe): keep running
                 pass
+
+    # -- the live status line ------------------------------------------------------------------
+    def _update_status(self, workers: list[_Worker], exits: list[WorkerExit], restart_count: int) -> None:
+        """Count the group's workers and redraw the status line (monitor loop, each tick)."""
+        counts = (
+            sum(w.exit is None for w in workers),
+            sum(not e.failed and e.returncode == 0 for e in exits),
+            sum(e.failed for e in exits),
+        )
+        with self._write_lock:
+            self._status_counts, self._status_restarts, self._status_paused = counts, restart_count, False
+            with contextlib.suppress(OSError, ValueError):
+                self._draw_status()
+
+    def _draw_status(self) -> None:
+        """Draw the status line in place of the one shown (``_write_lock`` held)."""
+        if not self._status or self._status_paused:
+            return
+        try:
+            width = os.get_terminal_size(self._out.fileno()).columns or 80
+        except (OSError, ValueError, AttributeError):
+            width = 80
+        running, finished, failed = self._status_counts
+        text = format_status(
+            running=running, finished=finished, failed=failed, restarts=self._status_restarts,
+            max_restarts=self.config.max_restarts, elapsed=self._clock() - self._started,
+            progress=self._progress, width=width,
+        )
+        self._out.write(_ERASE_LINE + text.encode(errors="replace"))
+        self._out.flush()
+        self._status_shown = True
+        self._status_drawn_at = self._clock()
+
+    def _hide_status(self) -> None:
+        """Erase the status line and draw it no more until the next group runs."""
+        with self._write_lock:
+            self._status_paused = True
+            if self._status_shown:
+                with contextlib.suppress(OSError, ValueError):
+                    self._out.write(_ERASE_LINE)
+                    self._out.flush()
+                self._status_shown = False
 
     def _say(self, message: str) -> None:
         self._write(self._err, f"[tdist run] {message}\n".encode())
@@ -802,6 +894,7 @@ class LocalAgent:
 
     def _stop(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
         """SIGTERM every running worker's group, wait ``stop_timeout``, then SIGKILL; reap all."""
+        self._hide_status()
         self._reap(workers, exits)
         alive = [w for w in workers if w.exit is None]
         if not alive:

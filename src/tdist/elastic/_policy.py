@@ -32,6 +32,7 @@ __all__ = [
     "failures",
     "first_failure",
     "format_failure_report",
+    "format_status",
     "group_outcome",
     "next_action",
     "parse_error_file",
@@ -731,3 +732,36 @@ def format_failure_report(
             "=" * width,
         ]
     )
+
+
+# -- the live status line ----------------------------------------------------------------------
+def _clock_time(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_status(
+    *,
+    running: int,
+    finished: int,
+    failed: int,
+    restarts: int,
+    max_restarts: int,
+    elapsed: float,
+    progress: str | None,
+    width: int,
+) -> str:
+    """The launcher's live status line: ranks running, finished and failed on this node, the
+    restarts used (when any are allowed), the time since the job started and the last line a
+    worker printed (``progress``, ``"rank<N>: ..."``), cut to ``width - 1`` characters (a line
+    as wide as the terminal would wrap, and erasing it would then erase only its end)."""
+    parts = [f"[tdist run] {running} running, {finished} finished, {failed} failed"]
+    if max_restarts:
+        parts.append(f"restart {restarts}/{max_restarts}")
+    parts.append(_clock_time(elapsed))
+    if progress:
+        parts.append(progress)
+    text = " | ".join(parts)
+    room = max(width - 1, 1)
+    return text if len(text) <= room else text[: max(room - 3, 0)] + "..."[: room]
