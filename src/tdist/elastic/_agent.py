@@ -98,12 +98,12 @@ log = logging.getLogger(__name__)
 _READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
 _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
+# a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
+_FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
 _STATUS_INTERVAL = 0.5  # seconds between redraws of the live status line (its clock moves)
 _STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not drawn for this long
 _ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-# a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
-_FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal control sequence in a worker's line
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -218,6 +218,7 @@ class LocalAgent:
         # None with --log-dir /dev/null. Without --log-dir, base is a temporary directory of ours.
         self._run_dir: str | None = None
         self._temp_base: str | None = None
+        self._keeps_logs = False  # the run's directory stays (--log-dir, or a stream in it)
         self._attempt_started = 0.0  # time.time() when the current group started
         # the live status line, at the bottom of the terminal (all under _write_lock)
         self._status = not config.quiet and _is_terminal(self._out) and self._env.get("TERM") != "dumb"
@@ -304,7 +305,7 @@ class LocalAgent:
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
-                if self._temp_base is not None and not self._keeps_logs():
+                if self._temp_base is not None and not self._keeps_logs:
                     # (only error files were there, quoted in the report already)
                     shutil.rmtree(self._temp_base, ignore_errors=True)
 
@@ -487,7 +488,7 @@ class LocalAgent:
                 post_mortem = PostMortem(
                     exits=exits, outputs=outputs, dumps=dumps, dumps_looked_for=looked_for,
                     restarts=restart_count, max_restarts=cfg.max_restarts, earlier=earlier,
-                    logs=self._attempt_dir(restart_count) if self._keeps_logs() else None,
+                    logs=self._attempt_dir(restart_count) if self._keeps_logs else None,
                 )
                 report = format_failure_report(
                     self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
@@ -524,20 +525,13 @@ class LocalAgent:
         except OSError as exc:
             raise LaunchError(f"cannot make the run's log directory under {cfg.log_dir or tempfile.gettempdir()}: {exc}") from exc
         log.info("log directory set to: %s", self._run_dir)
-        if self._writes_logs():
+        writes_logs = any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
+        self._keeps_logs = cfg.log_dir is not None or writes_logs
+        if writes_logs:
             self._say(f"workers' logs: {self._run_dir}/attempt_<n>/<local rank>/")
 
-    def _writes_logs(self) -> bool:
-        """Whether a worker stream goes to a file (the run's directory is then kept)."""
-        cfg = self.config
-        return self._run_dir is not None and any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
-
-    def _keeps_logs(self) -> bool:
-        """Whether the run's directory stays after the run (``--log-dir``, or a stream in it)."""
-        return self._run_dir is not None and (self.config.log_dir is not None or self._writes_logs())
-
     def _logs_note(self, restart_count: int) -> str:
-        return f" (logs: {self._attempt_dir(restart_count)})" if self._keeps_logs() else ""
+        return f" (logs: {self._attempt_dir(restart_count)})" if self._keeps_logs else ""
 
     def _flight_records(self, restart_count: int, exits: list[WorkerExit]) -> tuple[dict[int, str], str]:
         """The flight-recorder dumps this attempt's workers left (torch's ``<prefix><rank>``:
@@ -546,7 +540,7 @@ class LocalAgent:
         attempt is another run's, not theirs."""
         given = next((self._env[var] for var in FLIGHT_RECORD_VARS if self._env.get(var)), None)
         attempt = self._attempt_dir(restart_count)
-        per_rank_dir = given is None and attempt is not None and self._keeps_logs()
+        per_rank_dir = given is None and attempt is not None and self._keeps_logs
         found = {}
         for e in exits:
             if per_rank_dir:
@@ -625,7 +619,7 @@ class LocalAgent:
                     self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
                     error_file=self._error_file(restart_count, local_rank), torch_port=torch_port,
                     flight_record_prefix=(
-                        os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if rank_dir is not None and self._keeps_logs() else None
+                        os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if rank_dir is not None and self._keeps_logs else None
                     ),
                 )
                 workers.append(self._start_worker(local_rank, env, rank_dir))
@@ -678,31 +672,27 @@ class LocalAgent:
         ``stream_route`` says (``log_dir``: its directory of this attempt)."""
         cfg = self.config
         route = stream_route(cfg, local_rank)
-        files: dict[Std, BinaryIO | None] = {}
-        for std, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
-            files[std] = None
-            if std in route.files and log_dir is not None:
-                try:
-                    files[std] = open(os.path.join(log_dir, name), "wb", buffering=0)  # (the pump closes it)
-                except OSError as exc:
-                    for f in files.values():
-                        if f is not None:
-                            f.close()
-                    raise LaunchError(f"cannot write worker {local_rank}'s {name}: {exc}") from exc
-        try:
-            proc = subprocess.Popen(
-                worker_command(cfg),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
-            )
-        except OSError as exc:
-            for f in files.values():
-                if f is not None:
-                    f.close()
-            raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
+        files: dict[Std, BinaryIO | None] = {Std.OUT: None, Std.ERR: None}
+        with contextlib.ExitStack() as opened:  # (closed here if the worker does not start, else by its pumps)
+            for std, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
+                if std in route.files and log_dir is not None:
+                    path = os.path.join(log_dir, name)
+                    try:
+                        files[std] = opened.enter_context(open(path, "wb", buffering=0))
+                    except OSError as exc:
+                        raise LaunchError(f"cannot write worker {local_rank}'s log {path}: {exc}") from exc
+            try:
+                proc = subprocess.Popen(
+                    worker_command(cfg),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
+            opened.pop_all()
         pidfd: int | None
         try:
             pidfd = os.pidfd_open(proc.pid)
@@ -784,7 +774,7 @@ class LocalAgent:
                     self._status_shown = False
                 out.write(data)
                 out.flush()
-                if self._clock() - self._status_drawn_at >= _STATUS_GAP:
+                if self._status and self._clock() - self._status_drawn_at >= _STATUS_GAP:
                     self._draw_status()
             except (OSError, ValueError):  # our own output is gone (closed pipe): keep running
                 pass
