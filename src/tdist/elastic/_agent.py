@@ -6,7 +6,13 @@ a client (``TORCHELASTIC_USE_AGENT_STORE=True``). It then starts ``nproc_per_nod
 each in a session of its own (so that stopping a worker stops what it started too), with the
 environment torchrun sets (and the kernel's parent-death signal, so that a launcher killed with
 SIGKILL takes its workers along), and one thread per output stream that copies lines to its own
-stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last stderr lines for the report.
+stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last lines for the report.
+
+Each worker's streams go where torchrun's ``--redirects``/``--tee`` say (``_policy.stream_route``):
+the console, prefixed, and/or ``stdout.log``/``stderr.log`` in the run's log directory
+(``<log dir>/<run id>_<random>/attempt_<n>/<local rank>/``, torchrun's layout, with the worker's
+``TORCHELASTIC_ERROR_FILE``). On a terminal a status line stays below the output: every write
+erases it first and draws it again after, and the monitor loop redraws it each tick.
 
 One loop, in the calling thread, watches: it sleeps in ``select`` on a pidfd per worker and on a
 pipe that signal handlers write to, so it wakes as soon as a worker exits or a signal arrives.
@@ -15,7 +21,9 @@ the decisions (the root cause, restarts, the exit code) live there as pure funct
 
 Stopping a group sends SIGTERM to each worker's process group, waits ``stop_timeout``
 seconds (a second SIGINT/SIGTERM to the launcher cuts the wait short), then sends SIGKILL. Every
-worker is reaped before the agent returns.
+worker is reaped before the agent returns. A failed job's report ends with a post-mortem built
+from what was observed: each worker's exit, its last lines, its ``@record`` error file, the
+flight-recorder dumps the ranks left, the restarts.
 
 How nodes meet. With the static rendezvous (``--node-rank`` given) node 0 hosts the job's store
 and each node's agent joins it (one key per node rank). With c10d and etcd, in every
