@@ -16,6 +16,10 @@ import sys
 import uuid
 from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .elastic._policy import Std
 
 __all__ = ["console_main", "main"]
 
@@ -81,6 +85,15 @@ def _ranks(value: str) -> frozenset[int]:
     return ranks
 
 
+def _std(value: str) -> Std | dict[int, Std]:
+    from .elastic._policy import parse_std
+
+    try:
+        return parse_std(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _rdzv_backend(value: str) -> str:
     if value in ("static", "c10d"):
         return value
@@ -111,6 +124,8 @@ def _seconds(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tdist`` argument parser."""
+    from .elastic._policy import START_METHODS, Std
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         *_opt("--log-level"), default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -170,6 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="show only these local ranks' output, e.g. 0 (default: every rank's)")
     run.add_argument("--role", default="default", metavar="NAME",
                      help="the workers' role (ROLE_NAME; default: default)")
+    run.add_argument(*_opt("--log-dir"), default=None, metavar="DIR",
+                     help="base directory of the workers' logs, kept after the run: each run gets "
+                     "DIR/<run id>_<random>/attempt_<n>/<local rank>/ with stdout.log and stderr.log "
+                     "(the streams --redirects or --tee name) and error.json (TORCHELASTIC_ERROR_FILE), "
+                     "as torchrun's (default: a temporary directory, removed at the end unless a "
+                     "stream went to a file)")
+    run.add_argument("-r", *_opt("--redirects"), type=_std, default=Std.NONE, metavar="STD",
+                     help="write the workers' streams to files in the log directory instead of the "
+                     "console: 1 stdout, 2 stderr, 3 both, 0 none, for every local rank, or per local "
+                     "rank: 0:1,1:2 (stdout of local rank 0, stderr of local rank 1) (default: 0)")
+    run.add_argument("-t", "--tee", type=_std, default=Std.NONE, metavar="STD",
+                     help="write the workers' streams to files in the log directory and to the "
+                     "console (same values as --redirects) (default: 0)")
+    run.add_argument(*_opt("--start-method"), choices=START_METHODS, default="spawn",
+                     help="torchrun's multiprocessing start method, accepted and recorded in the "
+                     "launcher's log: tdist run starts every worker as a new process running the "
+                     "entrypoint (python -u script), which torchrun does for a script whatever this "
+                     "says (its start methods apply to its Python-function entrypoints only) "
+                     "(default: spawn, torchrun's)")
+    run.add_argument("--quiet", action="store_true",
+                     help="no live status line under the workers' output (drawn only when stdout "
+                     "is a terminal)")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the entrypoint as a module (python -m)")
     run.add_argument(*_opt("--no-python"), action="store_true",
@@ -258,6 +295,11 @@ def _run(ns: argparse.Namespace) -> int:
             is_host=is_host,
             local_ranks_filter=ns.local_ranks_filter,
             role=ns.role,
+            log_dir=ns.log_dir,
+            redirects=ns.redirects,
+            tee=ns.tee,
+            start_method=ns.start_method,
+            quiet=ns.quiet,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
+import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 import time
@@ -50,11 +54,24 @@ WORKER = textwrap.dedent(
             f.write(str("libtorch" in launcher_maps))
         print(f"out from {rank}")
         print(f"err from {rank}", file=sys.stderr)
-    elif action == "fail":  # rank 1 fails with exit code 3, the others hang
+    elif action == "fail":  # rank 1 raises (exit code 1) once the others said something and hang
         if rank == 1:
-            time.sleep(0.2)
+            others = [os.path.join(out, f"said{r}") for r in range(int(os.environ["WORLD_SIZE"])) if r != 1]
+            end = time.monotonic() + 10
+            while not all(map(os.path.exists, others)) and time.monotonic() < end:
+                time.sleep(0.05)
             raise ValueError("rank 1 gives up")
+        print(f"rank {rank} step 7", flush=True)
+        print(f"rank {rank} waiting for rank 1", file=sys.stderr, flush=True)
+        open(os.path.join(out, f"said{rank}"), "w").close()
         time.sleep(60)
+    elif action == "dump":  # rank 0 dumps a flight record and hangs, rank 1 fails
+        if rank == 0:
+            with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0", "wb") as f:
+                f.write(b"record")
+            time.sleep(60)
+        time.sleep(0.5)
+        sys.exit(3)
     elif action == "kill":  # rank 0 dies of SIGKILL, the others hang
         if rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -154,6 +171,11 @@ def wait_gone(pid: int, timeout: float = 5) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def line_of(script: str, text: str) -> int:
+    """The number of the line of ``script`` that holds ``text``."""
+    return next(i for i, line in enumerate(script.splitlines(), 1) if text in line)
 
 
 def pids(work: Path, n: int) -> list[int]:
@@ -295,6 +317,21 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> N
     assert "Traceback (most recent call last):" in root
     assert "ValueError: rank 1 gives up" in root
     assert "error_file: <N/A>" in root  # (no @record: the traceback is stderr's)
+    # the post-mortem: the first failure in a line, what the others were doing, restarts, logs
+    post = report.split("Post-mortem:")[1]
+    first = next(line for line in post.splitlines() if "first failure" in line)
+    assert first.startswith("  first failure : rank 1 (local_rank 1, host ")
+    line = line_of(WORKER, 'raise ValueError("rank 1 gives up")')
+    assert first.endswith(f"exit code 1, ValueError: rank 1 gives up (raised at {work / 'worker.py'}:{line}, in <module>)")
+    lines = post.splitlines()
+    for r in (0, 2):
+        at = lines.index(f"    rank {r} (local_rank {r}) was running; stopped by the launcher with SIGTERM; its last output:")
+        # (its two streams, in the order they were read)
+        assert sorted(lines[at + 1:at + 3]) == [f"      | rank {r} step 7", f"      | rank {r} waiting for rank 1"]
+    assert "  restarts      : none allowed (--max-restarts 0)" in post
+    assert "  logs          : not kept (--log-dir DIR" in post
+    assert "  flight records: none found (looked for /tmp/nccl_trace_rank_<rank>)" in post
+    assert res.stderr.rstrip().endswith("=" * 60)  # one block, the last thing said
 
 
 RECORDED = textwrap.dedent(
@@ -327,6 +364,13 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert not Path(error_file).exists()  # the launcher's run directory is gone with it
     assert "Traceback (most recent call last):" in root
     assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
+    first = next(line for line in root.splitlines() if "first failure" in line)
+    assert first.endswith(
+        f"exit code 1, KeyError: 'rank 1 recorded this' (raised at {work / 'recorded.py'}:"
+        f"{line_of(RECORDED, 'raise KeyError')}, in main) "
+        "(its @record error file)"
+    )
+    assert "  the others    :\n    rank 0 (local_rank 0) " in root  # (finished, or stopped if still exiting)
 
 
 @pytest.mark.parametrize("how", ["stall", "silent"])
@@ -345,6 +389,10 @@ def test_exit_code_of_a_killed_worker(work: Path) -> None:
     assert res.returncode == 128 + signal.SIGKILL
     assert "exitcode  : -9 (SIGKILL)" in res.stderr
     assert "rank      : 0 (local_rank: 0)" in res.stderr
+    assert "  first failure : rank 0 (local_rank 0, host " in res.stderr
+    first = next(line for line in res.stderr.splitlines() if "first failure" in line)
+    assert first.endswith("killed by signal SIGKILL")
+    assert "    rank 1 (local_rank 1) was running; stopped by the launcher with SIGTERM; it had printed nothing" in res.stderr
     for pid in pids(work, 2):
         assert wait_gone(pid)
 
@@ -376,6 +424,11 @@ def test_restarts_exhausted(work: Path) -> None:
     assert res.returncode == 4
     assert res.stderr.count("restarting the worker group") == 2
     assert "always.py FAILED" in res.stderr
+    assert (
+        "  restarts      : 2 of 2 used (--max-restarts)\n"
+        "    attempt 0: worker rank 0 failed (exit code 4)\n"
+        "    attempt 1: worker rank 0 failed (exit code 4)\n"
+    ) in res.stderr
 
 
 def test_missing_script(work: Path) -> None:
@@ -398,6 +451,8 @@ def test_missing_script(work: Path) -> None:
         (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
         (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
         (["--rdzv-conf", "keep_alive_interval=0", "w.py"], "expected a positive number of seconds"),
+        (["--redirects", "4", "w.py"], "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
+        (["--tee", "0:1,x", "w.py"], "per local rank as LOCAL_RANK:VALUE"),
     ],
 )
 def test_bad_options(work: Path, args: list[str], message: str) -> None:
@@ -414,6 +469,226 @@ def test_port_in_use(work: Path) -> None:
         server.close()
     assert res.returncode == 1
     assert "tdist run: error: cannot start a store server" in res.stderr
+
+
+# -- logs: torchrun's --log-dir, --redirects, --tee ----------------------------------------------
+def run_dir(log_dir: Path) -> Path:
+    """The one run directory torchrun's layout makes under ``log_dir``: ``<run id>_<random>``."""
+    (found,) = log_dir.iterdir()
+    return found
+
+
+def console(text: str) -> list[str]:
+    """The workers' prefixed lines (the launcher's own lines left out)."""
+    return sorted(line for line in text.splitlines() if line.startswith("[rank"))
+
+
+def test_log_dir_with_redirects_3_writes_every_stream_to_files(work: Path) -> None:
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--rdzv-id", "job9",
+                    "--log-dir", str(logs), "--redirects", "3", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == [] and console(res.stderr) == []  # nothing on the console
+    run = run_dir(logs)
+    assert run.name.startswith("job9_")
+    assert f"workers' logs: {run}/attempt_<n>/<local rank>/" in res.stderr
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [
+        "attempt_0", "attempt_0/0", "attempt_0/0/stderr.log", "attempt_0/0/stdout.log",
+        "attempt_0/1", "attempt_0/1/stderr.log", "attempt_0/1/stdout.log",
+    ]
+    for r in range(2):
+        assert (run / f"attempt_0/{r}/stdout.log").read_text() == f"out from {r}\n"  # as written: no prefix
+        assert (run / f"attempt_0/{r}/stderr.log").read_text() == f"err from {r}\n"
+        env = json.loads((work / f"env{r}.json").read_text())
+        assert env["TORCHELASTIC_ERROR_FILE"] == str(run / f"attempt_0/{r}/error.json")
+
+
+def test_tee_1_copies_stdout_to_the_console_and_a_file(work: Path) -> None:
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log_dir", str(logs),
+                    "--tee", "1", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == ["[rank0]:out from 0", "[rank1]:out from 1"]
+    assert console(res.stderr) == ["[rank0]:err from 0", "[rank1]:err from 1"]
+    run = run_dir(logs)
+    assert run.name.startswith("none_")  # (the default run id)
+    for r in range(2):
+        assert (run / f"attempt_0/{r}/stdout.log").read_text() == f"out from {r}\n"
+        assert not (run / f"attempt_0/{r}/stderr.log").exists()
+
+
+def test_per_rank_redirect_maps_and_short_forms(work: Path) -> None:
+    # -r 0:1,1:2: local rank 0's stdout and local rank 1's stderr to files, the rest on the
+    # console; -t 2:3 tees both streams of local rank 2; local rank 3 is named by neither
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "4", "--master-port", "0", "--log-dir", str(logs),
+                    "-r", "0:1,1:2", "-t", "2:3", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == ["[rank1]:out from 1", "[rank2]:out from 2", "[rank3]:out from 3"]
+    assert console(res.stderr) == ["[rank0]:err from 0", "[rank2]:err from 2", "[rank3]:err from 3"]
+    attempt = run_dir(logs) / "attempt_0"
+    files = sorted(str(p.relative_to(attempt)) for p in attempt.rglob("*.log"))
+    assert files == ["0/stdout.log", "1/stderr.log", "2/stderr.log", "2/stdout.log"]
+    assert (attempt / "1/stderr.log").read_text() == "err from 1\n"
+    assert sorted(p.name for p in attempt.iterdir()) == ["0", "1", "2", "3"]  # (a folder per local rank)
+
+
+def test_redirects_without_a_log_dir_keep_a_temporary_one(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "-r", "1", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    where = next(line for line in res.stderr.splitlines() if "workers' logs: " in line)
+    run = Path(where.split("workers' logs: ")[1].split("/attempt_<n>")[0])
+    try:
+        assert (run / "attempt_0/0/stdout.log").read_text() == "out from 0\n"
+    finally:
+        shutil.rmtree(run.parent)
+
+
+def test_restarts_get_attempt_folders(work: Path) -> None:
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1",
+                    "--log-dir", str(logs), "--redirects", "3", "worker.py", "restart")
+    assert res.returncode == 0, res.stderr
+    run = run_dir(logs)
+    assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
+    for attempt in range(2):
+        for r in range(2):
+            assert (run / f"attempt_{attempt}/{r}/stdout.log").read_text() == f"rank {r} attempt {attempt}\n"
+
+
+def test_recorded_exception_in_the_log_dirs_error_json(work: Path) -> None:
+    (work / "recorded.py").write_text(RECORDED)
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs),
+                    "recorded.py")
+    assert res.returncode == 1
+    error_json = run_dir(logs) / "attempt_0/1/error.json"
+    data = json.loads(error_json.read_text())["message"]
+    assert data["message"] == "KeyError: 'rank 1 recorded this'"
+    assert "Traceback (most recent call last):" in data["extraInfo"]["py_callstack"]
+    assert int(data["extraInfo"]["timestamp"]) > 0
+    assert not (run_dir(logs) / "attempt_0/0/error.json").exists()  # (rank 0 succeeded)
+    root = res.stderr.split("Root Cause (first observed failure):")[1]
+    assert f"error_file: {error_json}" in root  # (kept: --log-dir)
+
+
+def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
+    # with --log-dir, each worker's TORCH_FR_DUMP_TEMP_FILE is in its log folder
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs),
+                    "worker.py", "dump")
+    assert res.returncode == 3, res.stderr
+    attempt = run_dir(logs) / "attempt_0"
+    assert (attempt / "0/nccl_trace_rank_0").read_bytes() == b"record"
+    post = res.stderr.split("Post-mortem:")[1]
+    assert f"  flight records:\n    rank 0: {attempt / '0/nccl_trace_rank_0'}\n" in post
+    assert f"  logs          : {attempt}/<local rank>/ (stdout.log, stderr.log, error.json)" in post
+    # a location given by the user is the one looked at; a dump older than the job is not its
+    stale = work / "fr_1"
+    stale.write_bytes(b"old")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "dump",
+                    TORCH_FR_DUMP_TEMP_FILE=str(work / "fr_"))
+    assert res.returncode == 3, res.stderr
+    post = res.stderr.split("Post-mortem:")[1]
+    assert f"  flight records:\n    rank 0: {work / 'fr_0'}\n  restarts" in post
+
+
+def test_log_dir_devnull_writes_nothing(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "--log-dir", os.devnull,
+                    "-r", "3", "worker.py", "env")
+    assert res.returncode == 0, res.stderr
+    assert console(res.stdout) == ["[rank0]:out from 0"]  # (no files: torchrun prints them)
+    assert json.loads((work / "env0.json").read_text())["TORCHELASTIC_ERROR_FILE"] == ""
+
+
+def test_start_method_is_accepted(work: Path) -> None:
+    res = tdist_run(work, "--master-port", "0", "--start_method", "fork", "worker.py", "env",
+                    timeout=20)
+    assert res.returncode == 0, res.stderr
+    res = tdist_run(work, "--master-port", "0", "--start-method", "thread", "worker.py", "env")
+    assert res.returncode == 2 and "invalid choice: 'thread'" in res.stderr
+
+
+# -- the live status line -----------------------------------------------------------------------
+PROGRESS = textwrap.dedent(
+    """
+    import os, sys, time
+    for i in range(4):
+        print(f"epoch {i} loss {1 / (i + 1):.2f}", flush=True)
+        time.sleep(0.4)
+    if os.environ["RANK"] == "1" and sys.argv[1:] == ["fail"]:
+        sys.exit(3)
+    """
+)
+STATUS = b"\r\x1b[K[tdist run] "
+
+
+def tdist_run_on_a_terminal(work: Path, *args: str, columns: int = 100) -> bytes:
+    """``tdist run`` with its stdout and stderr on a pseudo-terminal ``columns`` wide; what
+    the terminal got."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    try:
+        proc = subprocess.Popen(tdist_cmd("run", *args), cwd=work, env=launcher_env(work, TERM="xterm"),
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    finally:
+        os.close(slave)
+    got = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # (EIO: every writer of the terminal is gone)
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        os.close(master)
+        proc.wait(timeout=20)
+    return got
+
+
+def status_lines(terminal: bytes) -> list[str]:
+    """The status lines drawn (each ends where the next write erases it)."""
+    return [part.split(b"\r")[0].decode() for part in terminal.split(STATUS)[1:]]
+
+
+def test_status_line_on_a_terminal(work: Path) -> None:
+    (work / "progress.py").write_text(PROGRESS)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "2", "--master-port", "0", "progress.py", columns=70)
+    drawn = status_lines(got)
+    assert drawn, got
+    assert all(len(line) <= 69 for line in drawn), drawn  # (cut to the terminal's width)
+    assert any(line.startswith("2 running, 0 finished, 0 failed | 0:0") for line in drawn), drawn
+    assert any("| rank0: epoch" in line or "| rank1: epoch" in line for line in drawn), drawn
+    # the workers' lines are whole (each status line is erased before one is written)
+    text = got.replace(b"\r\x1b[K", b"\n").decode()
+    assert sorted(line for line in text.splitlines() if line.startswith("[rank")) == sorted(
+        f"[rank{r}]:epoch {i} loss {1 / (i + 1):.2f}" for r in range(2) for i in range(4)
+    )
+    assert got.endswith(b"\r\x1b[K")  # (erased at the end: nothing left under the output)
+
+
+def test_status_line_leaves_the_failure_report_alone(work: Path) -> None:
+    (work / "progress.py").write_text(PROGRESS)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "1",
+                                  "progress.py", "fail")
+    assert any(line.startswith("2 running, 0 finished, 0 failed | restart 1/1 | ") for line in status_lines(got))
+    report = got[got.index(b"progress.py FAILED"):]
+    assert STATUS not in report and b"\x1b" not in report
+
+
+def test_no_status_line_with_quiet_or_without_a_terminal(work: Path) -> None:
+    (work / "progress.py").write_text(PROGRESS)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "2", "--master-port", "0", "--quiet", "progress.py")
+    assert b"[rank1]:epoch 3 loss 0.25" in got
+    assert b"\x1b" not in got and b"running," not in got
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "progress.py")
+    assert res.returncode == 0, res.stderr
+    assert "\x1b" not in res.stdout + res.stderr and "running," not in res.stdout + res.stderr
+    assert len(res.stdout.splitlines()) == 8
 
 
 # -- signals -----------------------------------------------------------------------------------

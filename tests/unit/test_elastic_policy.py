@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -12,15 +13,23 @@ from tdist.elastic._policy import (
     Action,
     LaunchConfig,
     Outcome,
+    PostMortem,
+    Std,
+    StreamRoute,
     WorkerExit,
     blamed_as_stalled,
+    describe_exception,
     describe_returncode,
     exit_code,
     failures,
     first_failure,
     format_failure_report,
+    format_status,
     group_outcome,
     next_action,
+    parse_std,
+    stream_route,
+    to_map,
     traceback_tail,
     worker_command,
     worker_env,
@@ -151,6 +160,16 @@ def test_worker_env_matches_torchrun() -> None:
     assert "TORCHELASTIC_USE_AGENT_STORE" not in env
 
 
+def test_worker_env_flight_record_prefix_unless_given() -> None:
+    cfg = LaunchConfig("train.py")
+    env = worker_env({}, cfg, 0, master_port=1, restart_count=0, secret="s", flight_record_prefix="/l/0/nccl_trace_rank_")
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/l/0/nccl_trace_rank_"
+    for var in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # (the user's place wins)
+        env = worker_env({var: "/mine_"}, cfg, 0, master_port=1, restart_count=0, secret="s", flight_record_prefix="/l/")
+        assert env.get("TORCH_FR_DUMP_TEMP_FILE", "/mine_") == "/mine_"
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in worker_env({}, cfg, 0, master_port=1, restart_count=0, secret="s")
+
+
 def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
     cfg = LaunchConfig("train.py", nproc_per_node=2)
     assert worker_env({"OMP_NUM_THREADS": "8"}, cfg, 0, master_port=1, restart_count=3,
@@ -159,6 +178,48 @@ def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
     env = worker_env({}, one, 0, master_port=1, restart_count=3, secret="s")
     assert "OMP_NUM_THREADS" not in env
     assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
+
+
+def test_parse_std_as_torchruns_std_from_str() -> None:
+    assert parse_std("0") is Std.NONE and parse_std("3") is Std.ALL
+    assert parse_std("0:3,1:0,2:1,3:2") == {0: Std.ALL, 1: Std.NONE, 2: Std.OUT, 3: Std.ERR}
+    assert parse_std("12:1") == {12: Std.OUT}  # (torchrun's pattern takes one digit only)
+    for bad in ("4", "0:4", "1,2", "a", "0:1,", ""):
+        with pytest.raises(ValueError, match="expected 0 \\(none\\)"):
+            parse_std(bad)
+
+
+def test_to_map() -> None:
+    assert to_map(Std.OUT, 2) == {0: Std.OUT, 1: Std.OUT}
+    assert to_map({1: Std.OUT, 5: Std.ALL}, 2) == {0: Std.NONE, 1: Std.OUT}
+
+
+@pytest.mark.parametrize(
+    ("redirects", "tee", "console", "files"),
+    [
+        (Std.NONE, Std.NONE, Std.ALL, Std.NONE),
+        (Std.ALL, Std.NONE, Std.NONE, Std.ALL),
+        (Std.OUT, Std.NONE, Std.ERR, Std.OUT),
+        (Std.NONE, Std.OUT, Std.ALL, Std.OUT),
+        (Std.ERR, Std.OUT, Std.OUT, Std.ALL),  # (a tee'd stream is on the console too)
+        (Std.ALL, Std.ALL, Std.ALL, Std.ALL),
+    ],
+)
+def test_stream_route_as_torchruns_reify(redirects: Std, tee: Std, console: Std, files: Std) -> None:
+    cfg = LaunchConfig("t.py", nproc_per_node=2, redirects=redirects, tee=tee)
+    assert stream_route(cfg, 1) == StreamRoute(console=console, files=files)
+
+
+def test_stream_route_per_rank_filter_and_devnull() -> None:
+    cfg = LaunchConfig("t.py", nproc_per_node=3, redirects={0: Std.OUT}, tee={1: Std.ERR},
+                       local_ranks_filter=frozenset({0, 2}))
+    assert stream_route(cfg, 0) == StreamRoute(console=Std.ERR, files=Std.OUT)
+    assert stream_route(cfg, 1) == StreamRoute(console=Std.NONE, files=Std.ERR)  # (filtered: files only)
+    assert stream_route(cfg, 2) == StreamRoute(console=Std.ALL, files=Std.NONE)
+    devnull = LaunchConfig("t.py", redirects=Std.ALL, log_dir=os.devnull)
+    assert stream_route(devnull, 0) == StreamRoute(console=Std.ALL, files=Std.NONE)
+    with pytest.raises(ValueError, match="--start-method 'thread'"):
+        LaunchConfig("t.py", start_method="thread")
 
 
 def test_worker_command() -> None:
@@ -228,3 +289,54 @@ def test_failure_report_shape() -> None:
     assert "<NO_OTHER_FAILURES>" in single
     with pytest.raises(ValueError):
         format_failure_report("t.py", [], host="h", tails={})
+
+
+def test_describe_exception() -> None:
+    tb = ('Traceback (most recent call last):\n  File "a.py", line 3, in <module>\n    main()\n'
+          '  File "a.py", line 2, in main\n    raise KeyError("k")\nKeyError: \'k\'\n')
+    assert describe_exception(tb) == "KeyError: 'k' (raised at a.py:2, in main)"
+    assert describe_exception("noise\n" + tb.replace("KeyError: 'k'", "ValueError: two\nlines")) == (
+        "ValueError: two (raised at a.py:2, in main)"
+    )
+    assert describe_exception("no traceback here\n") is None
+
+
+def test_post_mortem() -> None:
+    root = ex(1, -9, 1.0)
+    stopped = WorkerExit(0, 0, 1000, -15, 2.0, stopped_by_agent=True)
+    killed = WorkerExit(2, 2, 1002, -9, 2.0, stopped_by_agent=True)
+    done = ex(3, 0, 0.5)
+    pm = PostMortem(
+        exits=[stopped, root, killed, done], outputs={0: ["a\n", "b\n"]}, dumps={0: "/d/nccl_trace_rank_0"},
+        restarts=1, max_restarts=3, earlier=["attempt 0: worker rank 1 failed (exit code 4)"], logs="/l/run/attempt_1",
+    )
+    report = format_failure_report("t.py", [root], host="h", tails={}, post_mortem=pm)
+    post = report.split("Post-mortem:\n")[1]
+    assert post.splitlines() == [
+        "  first failure : rank 1 (local_rank 1, host h): killed by signal SIGKILL",
+        "  the others    :",
+        "    rank 0 (local_rank 0) was running; stopped by the launcher with SIGTERM; its last output:",
+        "      | a",
+        "      | b",
+        "    rank 2 (local_rank 2) was running; it did not stop on SIGTERM and was killed with SIGKILL; it had printed nothing",
+        "    rank 3 (local_rank 3) had finished (exit code 0)",
+        "  flight records:",
+        "    rank 0: /d/nccl_trace_rank_0",
+        "  restarts      : 1 of 3 used (--max-restarts)",
+        "    attempt 0: worker rank 1 failed (exit code 4)",
+        "  logs          : /l/run/attempt_1/<local rank>/ (stdout.log, stderr.log, error.json)",
+        "=" * 60,
+    ]
+    assert "Post-mortem" not in format_failure_report("t.py", [root], host="h", tails={})
+
+
+def test_format_status() -> None:
+    line = format_status(running=3, finished=1, failed=0, restarts=0, max_restarts=0, elapsed=65.2,
+                         progress="rank0: epoch 3", width=100)
+    assert line == "[tdist run] 3 running, 1 finished, 0 failed | 1:05 | rank0: epoch 3"
+    line = format_status(running=0, finished=0, failed=1, restarts=1, max_restarts=2, elapsed=3725,
+                         progress=None, width=100)
+    assert line == "[tdist run] 0 running, 0 finished, 1 failed | restart 1/2 | 1:02:05"
+    cut = format_status(running=2, finished=0, failed=0, restarts=0, max_restarts=0, elapsed=1,
+                        progress="rank1: " + "x" * 200, width=40)
+    assert len(cut) == 39 and cut.endswith("...")

@@ -6,7 +6,13 @@ a client (``TORCHELASTIC_USE_AGENT_STORE=True``). It then starts ``nproc_per_nod
 each in a session of its own (so that stopping a worker stops what it started too), with the
 environment torchrun sets (and the kernel's parent-death signal, so that a launcher killed with
 SIGKILL takes its workers along), and one thread per output stream that copies lines to its own
-stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last stderr lines for the report.
+stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last lines for the report.
+
+Each worker's streams go where torchrun's ``--redirects``/``--tee`` say (``_policy.stream_route``):
+the console, prefixed, and/or ``stdout.log``/``stderr.log`` in the run's log directory
+(``<log dir>/<run id>_<random>/attempt_<n>/<local rank>/``, torchrun's layout, with the worker's
+``TORCHELASTIC_ERROR_FILE``). On a terminal a status line stays below the output: every write
+erases it first and draws it again after, and the monitor loop redraws it each tick.
 
 One loop, in the calling thread, watches: it sleeps in ``select`` on a pidfd per worker and on a
 pipe that signal handlers write to, so it wakes as soon as a worker exits or a signal arrives.
@@ -15,7 +21,9 @@ the decisions (the root cause, restarts, the exit code) live there as pure funct
 
 Stopping a group sends SIGTERM to each worker's process group, waits ``stop_timeout``
 seconds (a second SIGINT/SIGTERM to the launcher cuts the wait short), then sends SIGKILL. Every
-worker is reaped before the agent returns.
+worker is reaped before the agent returns. A failed job's report ends with a post-mortem built
+from what was observed: each worker's exit, its last lines, its ``@record`` error file, the
+flight-recorder dumps the ranks left, the restarts.
 
 How nodes meet. With the static rendezvous (``--node-rank`` given) node 0 hosts the job's store
 and each node's agent joins it (one key per node rank). With c10d and etcd, in every
@@ -38,6 +46,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -64,19 +73,25 @@ from ..store._server import StoreServer
 from ..store._tcp import TCPStore
 from ._policy import (
     AGENT_PREFIX,
+    DEFAULT_FLIGHT_RECORD_PREFIX,
+    FLIGHT_RECORD_VARS,
     Action,
     ErrorFile,
     LaunchConfig,
     Outcome,
+    PostMortem,
+    Std,
     WorkerExit,
     blamed_as_stalled,
     describe_returncode,
     exit_code,
     failures,
     format_failure_report,
+    format_status,
     group_outcome,
     next_action,
     parse_error_file,
+    stream_route,
     worker_command,
     worker_env,
 )
@@ -90,6 +105,13 @@ log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
+_OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
+# a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
+_FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
+_STATUS_INTERVAL = 0.5  # seconds between redraws of the live status line (its clock moves)
+_STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not drawn for this long
+_ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal control sequence in a worker's line
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -104,7 +126,8 @@ class _Worker:
     rank: int
     proc: subprocess.Popen[bytes]
     pidfd: int | None
-    tail: deque[str]
+    tail: deque[str]  # the last lines of its stderr
+    output: deque[str]  # the last lines of its output, both streams
     readers: list[threading.Thread] = field(default_factory=list)
     signalled: bool = False
     stalled: bool = False  # stopped (not running) when the group failed
@@ -118,6 +141,13 @@ def _process_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def _is_terminal(stream: BinaryIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
 
 
 def _is_local_address(host: str) -> bool:
@@ -192,7 +222,21 @@ class LocalAgent:
         self._joined = False  # every node joined: the exit barrier can expect them all
         self._next_peer_check = 0.0
         self._host = socket.gethostname()
-        self._error_dir = ""  # made by run()
+        # the run's log directory, <base>/<run id>_<random> (torchrun's layout), made by run();
+        # None with --log-dir /dev/null. Without --log-dir, base is a temporary directory of ours.
+        self._run_dir: str | None = None
+        self._temp_base: str | None = None
+        self._keeps_logs = False  # the run's directory stays (--log-dir, or a stream in it)
+        self._attempt_started = 0.0  # time.time() when the current group started
+        # the live status line, at the bottom of the terminal (all under _write_lock)
+        self._status = not config.quiet and _is_terminal(self._out) and self._env.get("TERM") != "dumb"
+        self._status_shown = False  # drawn, and no output since
+        self._status_paused = True  # not drawn (no group running, or it is being stopped)
+        self._status_counts = (0, 0, 0)  # running, finished, failed
+        self._status_restarts = 0
+        self._status_drawn_at = 0.0
+        self._progress: str | None = None  # the last line a worker printed, "rank<N>: ..."
+        self._started = clock()
         self._hosting = False  # whether this node hosts the job's store (static node 0, the c10d host)
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
@@ -224,10 +268,12 @@ class LocalAgent:
         os.set_blocking(self._wake_w, False)
         previous = self._install_signal_handlers()
         server: StoreServer | None = None
-        # the workers' error files (TORCHELASTIC_ERROR_FILE), under a directory of this run's
-        safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.run_id)[:40]
-        self._error_dir = tempfile.mkdtemp(prefix=f"tdist_{safe_id}_")
+        log.info(
+            "node %d: workers start as new processes (%s); --start-method %s recorded",
+            cfg.node_rank, " ".join(worker_command(cfg)[:3]), cfg.start_method,
+        )
         try:
+            self._make_run_dir()
             if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
                 self._meet(secret)
                 cfg = self.config
@@ -267,7 +313,9 @@ class LocalAgent:
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
-                shutil.rmtree(self._error_dir, ignore_errors=True)
+                if self._temp_base is not None and not self._keeps_logs:
+                    # (only error files were there, quoted in the report already)
+                    shutil.rmtree(self._temp_base, ignore_errors=True)
 
     def _meet(self, secret: str) -> None:
         """c10d and etcd, every ``--nnodes`` form (a fixed N is N:N): the nodes meet through
@@ -412,8 +460,9 @@ class LocalAgent:
     def _run_attempts(self, port: int, secret: str) -> int:
         cfg = self.config
         restart_count = 0
+        earlier: list[str] = []  # each failed attempt's cause, for the post-mortem
         while True:
-            outcome, exits, tails = self._run_group(port, secret, restart_count)
+            outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
             action = next_action(outcome, restart_count, cfg.max_restarts)
             found = failures(exits)
             root = found[0] if found else None
@@ -428,6 +477,7 @@ class LocalAgent:
                         why = f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)})"
                     else:
                         why = self._peer_failure()[0] or "another node failed"
+                    earlier.append(f"attempt {restart_count}: {why}")
                     self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
                     restart_count += 1
                 # (rendezvous: every round has keys of its own, and nodes that joined later count
@@ -442,32 +492,106 @@ class LocalAgent:
             if outcome is Outcome.FAILED:
                 assert root is not None
                 self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}", final=True)
+                dumps, looked_for = self._flight_records(restart_count, exits)
+                post_mortem = PostMortem(
+                    exits=exits, outputs=outputs, dumps=dumps, dumps_looked_for=looked_for,
+                    restarts=restart_count, max_restarts=cfg.max_restarts, earlier=earlier,
+                    logs=self._attempt_dir(restart_count) if self._keeps_logs else None,
+                )
                 report = format_failure_report(
                     self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
-                    error_files=self._error_files(restart_count, found),
+                    error_files=self._error_files(restart_count, found), post_mortem=post_mortem,
                 )
                 self._write(self._err, report.encode() + b"\n")
             elif outcome is Outcome.INTERRUPTED:
                 assert self._signum is not None
-                self._say(f"stopped the workers on {signal.Signals(self._signum).name}")
+                self._say(f"stopped the workers on {signal.Signals(self._signum).name}{self._logs_note(restart_count)}")
                 self._post_failure(f"node {cfg.node_rank}: interrupted", final=True)
             elif outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
                 why = self._lost_store or self._peer_failure()[0] or "another node failed"
-                self._say(f"stopped the workers: {why}")
+                self._say(f"stopped the workers: {why}{self._logs_note(restart_count)}")
             return exit_code(outcome, root, self._signum)
 
+    # -- logs ----------------------------------------------------------------------------------
+    def _make_run_dir(self) -> None:
+        """The run's log directory, as torchrun's ``DefaultLogsSpecs``: ``<log dir>/<run
+        id>_<random>`` (a new one per run, so runs with one id never mix), under a temporary
+        directory without ``--log-dir``; none with ``--log-dir /dev/null``."""
+        cfg = self.config
+        if cfg.log_dir == os.devnull:
+            return
+        try:
+            if cfg.log_dir is None:
+                base = self._temp_base = tempfile.mkdtemp(prefix="tdist_")
+            else:  # (absolute: the workers' TORCHELASTIC_ERROR_FILE holds wherever they chdir)
+                base = os.path.abspath(cfg.log_dir)
+                if os.path.exists(base) and not os.path.isdir(base):
+                    raise LaunchError(f"--log-dir {base}: is not a directory")
+                os.makedirs(base, exist_ok=True)
+            safe_id = cfg.run_id.replace(os.sep, "_")[:200]  # (a / in the id nests no directory)
+            self._run_dir = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+        except OSError as exc:
+            raise LaunchError(f"cannot make the run's log directory under {cfg.log_dir or tempfile.gettempdir()}: {exc}") from exc
+        log.info("log directory set to: %s", self._run_dir)
+        writes_logs = any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
+        self._keeps_logs = cfg.log_dir is not None or writes_logs
+        if writes_logs:
+            self._say(f"workers' logs: {self._run_dir}/attempt_<n>/<local rank>/")
+
+    def _logs_note(self, restart_count: int) -> str:
+        return f" (logs: {self._attempt_dir(restart_count)})" if self._keeps_logs else ""
+
+    def _flight_records(self, restart_count: int, exits: list[WorkerExit]) -> tuple[dict[int, str], str]:
+        """The flight-recorder dumps this attempt's workers left (torch's ``<prefix><rank>``:
+        the prefix the worker's environment named, its log directory's when the logs are kept,
+        else torch's default), by rank, and where they were looked for. A dump older than the
+        attempt is another run's, not theirs."""
+        given = next((self._env[var] for var in FLIGHT_RECORD_VARS if self._env.get(var)), None)
+        attempt = self._attempt_dir(restart_count)
+        per_rank_dir = given is None and attempt is not None and self._keeps_logs
+        found = {}
+        for e in exits:
+            if per_rank_dir:
+                assert attempt is not None
+                prefix = os.path.join(attempt, str(e.local_rank), _FLIGHT_RECORD_NAME)
+            else:
+                prefix = given or DEFAULT_FLIGHT_RECORD_PREFIX
+            path = prefix + str(e.rank)
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path) and os.stat(path).st_mtime >= self._attempt_started - 1.0:
+                    found[e.rank] = path
+        if per_rank_dir:
+            where = f"{attempt}/<local rank>/{_FLIGHT_RECORD_NAME}<rank>"
+        else:
+            where = f"{given or DEFAULT_FLIGHT_RECORD_PREFIX}<rank>"
+        return found, f"looked for {where}"
+
+    def _attempt_dir(self, restart_count: int) -> str | None:
+        return None if self._run_dir is None else os.path.join(self._run_dir, f"attempt_{restart_count}")
+
+    def _start_attempt_logs(self, restart_count: int) -> None:
+        """A fresh ``attempt_<n>`` directory with a directory per local rank (torchrun empties
+        one that exists: a group restarted without a restart spent, for nodes that joined)."""
+        attempt = self._attempt_dir(restart_count)
+        if attempt is None:
+            return
+        shutil.rmtree(attempt, ignore_errors=True)
+        for local_rank in range(self.config.nproc_per_node):
+            os.makedirs(os.path.join(attempt, str(local_rank)))
+
     def _error_file(self, restart_count: int, local_rank: int) -> str:
-        """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (its
-        directory is made here; torchrun's layout: ``attempt_<n>/<local rank>/error.json``)."""
-        directory = os.path.join(self._error_dir, f"attempt_{restart_count}", str(local_rank))
-        os.makedirs(directory, exist_ok=True)
-        return os.path.join(directory, "error.json")
+        """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (torchrun's
+        layout: ``attempt_<n>/<local rank>/error.json``; ``""``, none, with no log directory)."""
+        attempt = self._attempt_dir(restart_count)
+        return "" if attempt is None else os.path.join(attempt, str(local_rank), "error.json")
 
     def _error_files(self, restart_count: int, failed: list[WorkerExit]) -> dict[int, ErrorFile]:
         """What the failed workers' ``@record`` wrote, by local rank."""
         found = {}
         for e in failed:
             path = self._error_file(restart_count, e.local_rank)
+            if not path:
+                continue
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
                     parsed = parse_error_file(path, f.read())
@@ -484,19 +608,29 @@ class LocalAgent:
     # -- one worker group ----------------------------------------------------------------------
     def _run_group(
         self, port: int, secret: str, restart_count: int
-    ) -> tuple[Outcome, list[WorkerExit], dict[int, list[str]]]:
+    ) -> tuple[Outcome, list[WorkerExit], dict[int, list[str]], dict[int, list[str]]]:
+        """Run one worker group until it succeeds, fails or is stopped. Returns the outcome,
+        every worker's exit, and each one's last stderr lines and last lines of output, by
+        local rank."""
         cfg = self.config
         workers: list[_Worker] = []
         exits: list[WorkerExit] = []
         outcome = Outcome.RUNNING
         try:
             torch_port = self._torch_port(port)
+            self._start_attempt_logs(restart_count)
+            self._attempt_started = time.time()  # (wall clock: compared with files' times)
+            attempt = self._attempt_dir(restart_count)
             for local_rank in range(cfg.nproc_per_node):
+                rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
                 env = worker_env(
                     self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
                     error_file=self._error_file(restart_count, local_rank), torch_port=torch_port,
+                    flight_record_prefix=(
+                        os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if rank_dir is not None and self._keeps_logs else None
+                    ),
                 )
-                workers.append(self._start_worker(local_rank, env))
+                workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
                 "node %d: started %d workers (attempt %d): %s",
                 cfg.node_rank, len(workers), restart_count, [w.proc.pid for w in workers],
@@ -513,7 +647,11 @@ class LocalAgent:
                     outcome = Outcome.RESCALE
                 if outcome is not Outcome.RUNNING:
                     break
-                self._sleep(workers, self._poll_timeout())
+                timeout = self._poll_timeout()
+                if self._status:
+                    self._update_status(workers, exits, restart_count)
+                    timeout = _STATUS_INTERVAL if timeout is None else min(timeout, _STATUS_INTERVAL)
+                self._sleep(workers, timeout)
             for e in failures(exits):
                 log.info(
                     "worker rank %d (local rank %d, pid %d) failed with exit code %d",
@@ -530,72 +668,166 @@ class LocalAgent:
                 for t in w.readers:
                     t.join(max(0.0, deadline - self._clock()))
         tails = {w.local_rank: list(w.tail) for w in workers}
+        outputs = {w.local_rank: list(w.output) for w in workers}
         if outcome is Outcome.FAILED and not any(e.stalled for e in exits):
             # a rank that hung without being stopped: the others' errors name it
             blamed = set().union(*(blamed_as_stalled(tails.get(e.local_rank, ())) for e in exits if e.failed))
             exits[:] = [dataclasses.replace(e, stalled=True) if e.stopped_by_agent and e.rank in blamed else e for e in exits]
-        return outcome, exits, tails
+        return outcome, exits, tails, outputs
 
-    def _start_worker(self, local_rank: int, env: dict[str, str]) -> _Worker:
+    def _start_worker(self, local_rank: int, env: dict[str, str], log_dir: str | None) -> _Worker:
+        """Start worker ``local_rank`` and the threads that copy its streams where
+        ``stream_route`` says (``log_dir``: its directory of this attempt)."""
         cfg = self.config
-        try:
-            proc = subprocess.Popen(
-                worker_command(cfg),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
-            )
-        except OSError as exc:
-            raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
+        route = stream_route(cfg, local_rank)
+        files: dict[Std, BinaryIO | None] = {Std.OUT: None, Std.ERR: None}
+        with contextlib.ExitStack() as opened:  # (closed here if the worker does not start, else by its pumps)
+            for std, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
+                if std in route.files and log_dir is not None:
+                    path = os.path.join(log_dir, name)
+                    try:
+                        files[std] = opened.enter_context(open(path, "wb", buffering=0))
+                    except OSError as exc:
+                        raise LaunchError(f"cannot write worker {local_rank}'s log {path}: {exc}") from exc
+            try:
+                proc = subprocess.Popen(
+                    worker_command(cfg),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
+            opened.pop_all()
         pidfd: int | None
         try:
             pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):  # old kernel: the monitor loop polls instead
             pidfd = None
         rank = cfg.global_rank(local_rank)
-        worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)))
-        prefix = f"[rank{rank}]:".encode()
+        worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
         assert proc.stdout is not None and proc.stderr is not None
-        shown = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
-        for stream, out, tail in (
-            (proc.stdout, self._out if shown else None, None),
-            (proc.stderr, self._err if shown else None, worker.tail),
+        for stream, std, out, tails in (
+            (proc.stdout, Std.OUT, self._out, (worker.output,)),
+            (proc.stderr, Std.ERR, self._err, (worker.tail, worker.output)),
         ):
             t = threading.Thread(
-                target=self._pump, args=(stream, prefix, out, tail), name=f"tdist-run-rank{rank}", daemon=True
+                target=self._pump,
+                args=(stream, std, rank, out if std in route.console else None, tails, files[std]),
+                name=f"tdist-run-rank{rank}",
+                daemon=True,
             )
             t.start()
             worker.readers.append(t)
         return worker
 
-    def _pump(self, stream: IO[bytes], prefix: bytes, out: BinaryIO | None, tail: deque[str] | None) -> None:
-        """Copy a worker's stream line by line, prefixed, flushing each line (``out`` None:
-        read and drop it, keeping only the tail)."""
+    def _pump(
+        self,
+        stream: IO[bytes],
+        std: Std,
+        rank: int,
+        out: BinaryIO | None,
+        tails: tuple[deque[str], ...],
+        file: BinaryIO | None,
+    ) -> None:
+        """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` prefixed, flushing
+        each line, and to ``file`` as it is (None: not there), keeping the last lines in
+        ``tails``."""
+        prefix = f"[rank{rank}]:".encode()
         try:
             while True:
                 line = stream.readline(_READ_CHUNK)
                 if not line:
                     break
+                if file is not None:
+                    try:
+                        file.write(line)
+                    except OSError as exc:  # (a full disk: the console still gets it)
+                        log.warning("cannot write a worker's log file %s: %s", getattr(file, "name", "?"), exc)
+                        file.close()
+                        file = None
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                if tail is not None:
-                    tail.append(line.decode(errors="replace"))
-                if out is not None:
-                    self._write(out, prefix + line)
+                text = line.decode(errors="replace")
+                for tail in tails:
+                    tail.append(text)
+                progress = None
+                if self._status and std is Std.OUT:  # (a worker's last line: its progress, on the status line)
+                    shown = _ANSI.sub("", text.rstrip("\r\n").rsplit("\r", 1)[-1]).strip()
+                    progress = f"rank{rank}: {shown}" if shown else None
+                if out is not None or progress is not None:
+                    self._write(out, prefix + line, progress)
         except (OSError, ValueError):
             pass
         finally:
             stream.close()
+            if file is not None:
+                file.close()
 
-    def _write(self, out: BinaryIO, data: bytes) -> None:
+    def _write(self, out: BinaryIO | None, data: bytes, progress: str | None = None) -> None:
+        """Write ``data`` to ``out`` (None: nowhere), under the status line: it is erased first
+        and drawn again after (when it was not drawn in the last ``_STATUS_GAP`` seconds; the
+        monitor loop's next tick draws it otherwise). ``progress``: a worker's new last line."""
         with self._write_lock:
             try:
+                if progress is not None:
+                    self._progress = progress
+                if out is None:
+                    return
+                if self._status_shown:
+                    self._out.write(_ERASE_LINE)
+                    self._out.flush()
+                    self._status_shown = False
                 out.write(data)
                 out.flush()
+                if self._status and self._clock() - self._status_drawn_at >= _STATUS_GAP:
+                    self._draw_status()
             except (OSError, ValueError):  # our own output is gone (closed pipe): keep running
                 pass
+
+    # -- the live status line ------------------------------------------------------------------
+    def _update_status(self, workers: list[_Worker], exits: list[WorkerExit], restart_count: int) -> None:
+        """Count the group's workers and redraw the status line (monitor loop, each tick)."""
+        counts = (
+            sum(w.exit is None for w in workers),
+            sum(not e.failed and e.returncode == 0 for e in exits),
+            sum(e.failed for e in exits),
+        )
+        with self._write_lock:
+            self._status_counts, self._status_restarts, self._status_paused = counts, restart_count, False
+            with contextlib.suppress(OSError, ValueError):
+                self._draw_status()
+
+    def _draw_status(self) -> None:
+        """Draw the status line in place of the one shown (``_write_lock`` held)."""
+        if not self._status or self._status_paused:
+            return
+        try:
+            width = os.get_terminal_size(self._out.fileno()).columns or 80
+        except (OSError, ValueError, AttributeError):
+            width = 80
+        running, finished, failed = self._status_counts
+        text = format_status(
+            running=running, finished=finished, failed=failed, restarts=self._status_restarts,
+            max_restarts=self.config.max_restarts, elapsed=self._clock() - self._started,
+            progress=self._progress, width=width,
+        )
+        self._out.write(_ERASE_LINE + text.encode(errors="replace"))
+        self._out.flush()
+        self._status_shown = True
+        self._status_drawn_at = self._clock()
+
+    def _hide_status(self) -> None:
+        """Erase the status line and draw it no more until the next group runs."""
+        with self._write_lock:
+            self._status_paused = True
+            if self._status_shown:
+                with contextlib.suppress(OSError, ValueError):
+                    self._out.write(_ERASE_LINE)
+                    self._out.flush()
+                self._status_shown = False
 
     def _say(self, message: str) -> None:
         self._write(self._err, f"[tdist run] {message}\n".encode())
@@ -660,6 +892,7 @@ class LocalAgent:
 
     def _stop(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
         """SIGTERM every running worker's group, wait ``stop_timeout``, then SIGKILL; reap all."""
+        self._hide_status()
         self._reap(workers, exits)
         alive = [w for w in workers if w.exit is None]
         if not alive:

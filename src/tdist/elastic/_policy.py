@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import os
 import re
 import signal
 import sys
@@ -21,15 +22,24 @@ __all__ = [
     "ErrorFile",
     "LaunchConfig",
     "Outcome",
+    "PostMortem",
+    "Std",
+    "StreamRoute",
     "WorkerExit",
+    "describe_exception",
     "describe_returncode",
     "exit_code",
     "failures",
     "first_failure",
     "format_failure_report",
+    "format_status",
     "group_outcome",
     "next_action",
     "parse_error_file",
+    "parse_std",
+    "signal_name",
+    "stream_route",
+    "to_map",
     "traceback_tail",
     "worker_command",
     "worker_env",
@@ -37,6 +47,53 @@ __all__ = [
 
 #: Agent keys in the job's store (outside every ``/worker/attempt_<n>`` namespace).
 AGENT_PREFIX = "/tdist/agent"
+
+#: Where torch's flight recorder dumps rank N's record: ``<prefix>N``, the prefix from the first
+#: of these variables that is set, else ``DEFAULT_FLIGHT_RECORD_PREFIX`` (torch's own).
+FLIGHT_RECORD_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+DEFAULT_FLIGHT_RECORD_PREFIX = "/tmp/nccl_trace_rank_"
+
+#: torchrun's ``--start-method`` choices (its default: spawn).
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+class Std(enum.IntFlag):
+    """torchrun's stream selector (``--redirects``, ``--tee``): which of a worker's streams."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+
+_STD_VALUE = re.compile(r"^[0123]$")
+_STD_MAP = re.compile(r"^(\d+:[0123],)*(\d+:[0123])$")
+
+
+def parse_std(text: str) -> Std | dict[int, Std]:
+    """``--redirects``/``--tee`` as torchrun reads them (``Std.from_str``): ``"3"`` (every
+    local rank) or ``"0:1,1:2"`` (local rank 0's stdout, local rank 1's stderr).
+
+    Raises:
+        ValueError: neither form.
+    """
+    text = text.strip()
+    if _STD_VALUE.match(text):
+        return Std(int(text))
+    if _STD_MAP.match(text):
+        return {int(rank): Std(int(value)) for rank, value in (item.split(":") for item in text.split(","))}
+    raise ValueError(
+        f"{text!r}: expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), for every local rank "
+        "or per local rank as LOCAL_RANK:VALUE,... (e.g. 0:3,1:2)"
+    )
+
+
+def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, Std]:
+    """A ``Std`` per local rank (torchrun's ``to_map``): one value for all, or the mapping's
+    (``Std.NONE`` for a local rank it does not name; ranks beyond the node's are ignored)."""
+    if isinstance(value, Std):
+        return dict.fromkeys(range(local_world_size), value)
+    return {r: value.get(r, Std.NONE) for r in range(local_world_size)}
 
 
 @dataclass(frozen=True)
@@ -79,8 +136,22 @@ class LaunchConfig:
             heartbeat stood still for ``keep_alive_max_attempt`` intervals is dropped.
         is_host: c10d only: whether this node hosts the store (None: it tries).
         local_ranks_filter: the local ranks whose output is shown (None: every one); the
-            others' is read and dropped (a failure's report still quotes it).
+            others' is read and dropped from the console (a failure's report still quotes it,
+            and their log files still get it).
         role: ``ROLE_NAME``.
+        log_dir: torchrun's ``--log-dir``: the base directory of the run's logs,
+            ``<log_dir>/<run_id>_<random>/attempt_<n>/<local rank>/`` with ``stdout.log``,
+            ``stderr.log`` (the streams ``redirects`` or ``tee`` name) and ``error.json`` (the
+            worker's ``TORCHELASTIC_ERROR_FILE``); kept after the run. None: a temporary
+            directory, removed at the end unless a stream went to a file in it.
+            ``os.devnull``: no files at all (no error files either), every stream on the
+            console.
+        redirects: the streams written to files instead of the console (one ``Std`` for every
+            local rank, or one per local rank).
+        tee: the streams written to files and to the console.
+        start_method: torchrun's ``--start-method`` (recorded only: every worker is a new
+            process running ``python -u script``, as torchrun's are for a script).
+        quiet: no live status line (it is drawn only when stdout is a terminal anyway).
     """
 
     entrypoint: str
@@ -111,6 +182,11 @@ class LaunchConfig:
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
     local_ranks_filter: frozenset[int] | None = None
+    log_dir: str | None = None
+    redirects: Std | Mapping[int, Std] = Std.NONE
+    tee: Std | Mapping[int, Std] = Std.NONE
+    start_method: str = "spawn"
+    quiet: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -143,6 +219,8 @@ class LaunchConfig:
             raise ValueError("the etcd rendezvous needs etcd's address (--rdzv-endpoint HOST[:PORT])")
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python cannot be used together")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"--start-method {self.start_method!r}: expected one of {', '.join(START_METHODS)}")
 
     @property
     def world_size(self) -> int:
@@ -153,6 +231,37 @@ class LaunchConfig:
 
 
 # -- what workers get --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamRoute:
+    """Where one worker's streams go.
+
+    Attributes:
+        console: the streams copied to the launcher's stdout/stderr, prefixed ``[rank<N>]:``.
+        files: the streams written, as they are, to ``stdout.log``/``stderr.log`` in the
+            worker's log directory.
+    """
+
+    console: Std
+    files: Std
+
+
+def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
+    """Where worker ``local_rank``'s streams go, as torchrun's ``DefaultLogsSpecs.reify`` says:
+    a stream that ``redirects`` or ``tee`` names goes to its file; it is on the console unless
+    only ``redirects`` names it; a local rank outside ``local_ranks_filter`` shows nothing on
+    the console (its files are still written). With ``log_dir`` ``os.devnull`` there are no
+    files and every stream is on the console."""
+    redirect = to_map(config.redirects, config.nproc_per_node)[local_rank]
+    tee = to_map(config.tee, config.nproc_per_node)[local_rank]
+    if config.log_dir == os.devnull:
+        redirect = tee = Std.NONE
+    files = redirect | tee
+    console = tee | (Std.ALL & ~files)
+    if config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter:
+        console = Std.NONE
+    return StreamRoute(console=Std(console), files=Std(files))
+
+
 def worker_command(config: LaunchConfig) -> list[str]:
     """The worker's argv (torchrun's: ``python -u script args``)."""
     if config.no_python:
@@ -172,6 +281,7 @@ def worker_env(
     secret: str,
     error_file: str | None = None,
     torch_port: int | None = None,
+    flight_record_prefix: str | None = None,
 ) -> dict[str, str]:
     """The environment of worker ``local_rank``: ``base`` plus what torchrun sets.
 
@@ -186,6 +296,9 @@ def worker_env(
     ``OMP_NUM_THREADS`` is set to 1 when unset and several workers share the node (as torchrun
     does), ``TDIST_SECRET`` carries the job's secret, and ``TORCHELASTIC_ERROR_FILE`` (when
     ``error_file`` is given) is where ``@record`` writes the worker's uncaught exception.
+    ``flight_record_prefix`` becomes ``TORCH_FR_DUMP_TEMP_FILE``, where a rank dumps its flight
+    record (``<prefix><rank>``), unless ``base`` names a place already (that variable, or its
+    older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``).
     """
     env = dict(base)
     rank = config.global_rank(local_rank)
@@ -213,6 +326,8 @@ def worker_env(
         env["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
+    if flight_record_prefix is not None and not any(base.get(var) for var in FLIGHT_RECORD_VARS):
+        env[FLIGHT_RECORD_VARS[0]] = flight_record_prefix
     if "OMP_NUM_THREADS" not in base and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     return env
@@ -348,6 +463,14 @@ def exit_code(outcome: Outcome, root: WorkerExit | None = None, signum: int | No
 
 
 # -- the report --------------------------------------------------------------------------------
+def signal_name(signum: int) -> str:
+    """``"SIGKILL"`` for 9; the number for one Python does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 def describe_returncode(returncode: int) -> str:
     """``"3"``, or ``"-9 (SIGKILL)"`` for a worker killed by a signal."""
     if returncode < 0:
@@ -433,6 +556,127 @@ def _format_failure(
     )
 
 
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+
+def describe_exception(traceback_text: str) -> str | None:
+    """``"ValueError: boom (raised at train.py:12, in step)"``: the exception a Python
+    traceback ends with and its innermost frame; None when the text holds no traceback."""
+    lines = [line.rstrip() for line in traceback_text.splitlines()]
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")), default=None)
+    if start is None:
+        return None
+    frame, exception = None, None
+    for line in lines[start + 1:]:
+        match = _FRAME.match(line)
+        if match is not None:
+            frame = match
+        elif line and not line[0].isspace() and exception is None:
+            exception = line  # (the first line of the message; a long one goes on below)
+    if exception is None:
+        return None
+    if frame is None:
+        return exception
+    return f"{exception} (raised at {frame['file']}:{frame['line']}, in {frame['func']})"
+
+
+@dataclass(frozen=True)
+class PostMortem:
+    """What the failure report's post-mortem tells besides the failures (this node's view).
+
+    Attributes:
+        exits: every worker's end: those that did not fail are "the others".
+        outputs: each worker's last lines of output, both streams, by local rank.
+        dumps: flight-recorder dumps found, by global rank.
+        dumps_looked_for: where they were looked for (said when none was found).
+        restarts: the restarts spent; max_restarts: ``--max-restarts``.
+        earlier: each earlier attempt's failure, one line each, oldest first.
+        logs: the directory of the last attempt's logs (None: not kept).
+    """
+
+    exits: Sequence[WorkerExit] = ()
+    outputs: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    dumps: Mapping[int, str] = field(default_factory=dict)
+    dumps_looked_for: str = ""
+    restarts: int = 0
+    max_restarts: int = 0
+    earlier: Sequence[str] = ()
+    logs: str | None = None
+
+
+#: lines of output quoted for each rank that was stopped
+_OTHER_LINES = 5
+
+
+def _how_it_failed(e: WorkerExit, tail: Sequence[str], error: ErrorFile | None) -> str:
+    if e.stalled and e.stopped_by_agent:
+        return (
+            "stalled: it had stopped making progress when the others failed (stopped, or named "
+            f"stalled in their errors); the launcher ended it ({describe_returncode(e.returncode)})"
+        )
+    how = f"exit code {e.returncode}" if e.returncode >= 0 else f"killed by signal {signal_name(-e.returncode)}"
+    if error is not None:
+        recorded = describe_exception(error.traceback) or error.message
+        return f"{how}, {recorded} (its @record error file)" if recorded else how
+    exception = describe_exception("".join(tail))
+    return f"{how}, {exception}" if exception else how
+
+
+def _what_it_was_doing(e: WorkerExit) -> str:
+    if not e.stopped_by_agent:
+        return f"had finished (exit code {e.returncode})"
+    if e.returncode == -signal.SIGKILL:
+        return "was running; it did not stop on SIGTERM and was killed with SIGKILL"
+    return f"was running; stopped by the launcher with {signal_name(-e.returncode)}"
+
+
+def _format_post_mortem(
+    failed: Sequence[WorkerExit],
+    host: str,
+    tails: Mapping[int, Sequence[str]],
+    errors: Mapping[int, ErrorFile],
+    pm: PostMortem,
+) -> list[str]:
+    root = failed[0]
+    lines = [
+        "Post-mortem:",
+        f"  first failure : rank {root.rank} (local_rank {root.local_rank}, host {host}): "
+        + _how_it_failed(root, tails.get(root.local_rank, ()), errors.get(root.local_rank)),
+    ]
+    for e in failed[1:]:
+        lines.append(
+            f"  also failed   : rank {e.rank} (local_rank {e.local_rank}): "
+            + _how_it_failed(e, tails.get(e.local_rank, ()), errors.get(e.local_rank))
+        )
+    failed_ranks = {e.local_rank for e in failed}
+    others = sorted((e for e in pm.exits if e.local_rank not in failed_ranks), key=lambda e: e.rank)
+    if others:
+        lines.append("  the others    :")
+    for e in others:
+        doing = _what_it_was_doing(e)
+        if not e.stopped_by_agent:
+            lines.append(f"    rank {e.rank} (local_rank {e.local_rank}) {doing}")
+            continue
+        output = [line.rstrip("\n") for line in pm.outputs.get(e.local_rank, ())][-_OTHER_LINES:]
+        lines.append(f"    rank {e.rank} (local_rank {e.local_rank}) {doing}; " + ("its last output:" if output else "it had printed nothing"))
+        lines.extend(f"      | {line}" for line in output)
+    if pm.dumps:
+        lines.append("  flight records:")
+        lines.extend(f"    rank {rank}: {path}" for rank, path in sorted(pm.dumps.items()))
+    elif pm.dumps_looked_for:
+        lines.append(f"  flight records: none found ({pm.dumps_looked_for})")
+    if pm.max_restarts == 0:
+        lines.append("  restarts      : none allowed (--max-restarts 0)")
+    else:
+        lines.append(f"  restarts      : {pm.restarts} of {pm.max_restarts} used (--max-restarts)")
+        lines.extend(f"    {line}" for line in pm.earlier)
+    if pm.logs is not None:
+        lines.append(f"  logs          : {pm.logs}/<local rank>/ (stdout.log, stderr.log, error.json)")
+    else:
+        lines.append("  logs          : not kept (--log-dir DIR keeps each rank's stdout.log, stderr.log, error.json)")
+    return lines
+
+
 def format_failure_report(
     name: str,
     failed: Sequence[WorkerExit],
@@ -441,8 +685,11 @@ def format_failure_report(
     tails: Mapping[int, Sequence[str]],
     max_lines: int = 20,
     error_files: Mapping[int, ErrorFile] | None = None,
+    post_mortem: PostMortem | None = None,
 ) -> str:
-    """A report of failed workers in the shape of torchrun's ``ChildFailedError``.
+    """A report of failed workers in the shape of torchrun's ``ChildFailedError``, then, with
+    ``post_mortem``, a summary: how the first failure happened, what the other ranks were
+    doing when they were stopped, flight-recorder dumps, restarts, where the logs are.
 
     Args:
         name: the entrypoint (the report's title is ``"<name> FAILED"``).
@@ -452,6 +699,10 @@ def format_failure_report(
         max_lines: lines of traceback quoted per failure.
         error_files: what workers' ``@record`` wrote, by local rank: the traceback quoted
             comes from there, else from the stderr tail.
+        post_mortem: what the summary tells besides the failures (None: no summary).
+
+    Raises:
+        ValueError: no failure to report.
     """
     if not failed:
         raise ValueError("format_failure_report needs at least one failure")
@@ -463,7 +714,10 @@ def format_failure_report(
         for i, e in enumerate(others)
     )
     root_text = _format_failure(0, root, host, tails.get(root.local_rank, ()), max_lines, errors.get(root.local_rank))
-    width = min(60, max(len(line) for line in [title, *root_text.splitlines(), *other_text.splitlines()]))
+    summary = [] if post_mortem is None else _format_post_mortem(failed, host, tails, errors, post_mortem)
+    width = min(60, max(len(line) for line in [title, *root_text.splitlines(), *other_text.splitlines(), *summary]))
+    if summary:
+        summary.insert(0, "-" * width)
     return "\n".join(
         [
             "=" * width,
@@ -474,6 +728,40 @@ def format_failure_report(
             "-" * width,
             "Root Cause (a stalled rank, else the first observed failure):" if root.stalled else "Root Cause (first observed failure):",
             root_text,
+            *summary,
             "=" * width,
         ]
     )
+
+
+# -- the live status line ----------------------------------------------------------------------
+def _clock_time(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_status(
+    *,
+    running: int,
+    finished: int,
+    failed: int,
+    restarts: int,
+    max_restarts: int,
+    elapsed: float,
+    progress: str | None,
+    width: int,
+) -> str:
+    """The launcher's live status line: ranks running, finished and failed on this node, the
+    restarts used (when any are allowed), the time since the job started and the last line a
+    worker printed (``progress``, ``"rank<N>: ..."``), cut to ``width - 1`` characters (a line
+    as wide as the terminal would wrap, and erasing it would then erase only its end)."""
+    parts = [f"[tdist run] {running} running, {finished} finished, {failed} failed"]
+    if max_restarts:
+        parts.append(f"restart {restarts}/{max_restarts}")
+    parts.append(_clock_time(elapsed))
+    if progress:
+        parts.append(progress)
+    text = " | ".join(parts)
+    room = max(width - 1, 1)
+    return text if len(text) <= room else text[: max(room - 3, 0)] + "..."[: room]
