@@ -254,7 +254,7 @@ def _run(ns: argparse.Namespace) -> int:
         if "join_timeout" in conf:
             join_timeout = _seconds(conf.pop("join_timeout"))
         last_call = float(conf.pop("last_call_timeout", 30.0))
-        keep_alive_interval = _seconds(conf.pop("keep_alive_interval", "5"))
+        keep_alive_interval = _seconds(conf.pop("keep_alive_interval", "3"))
         attempts = conf.pop("keep_alive_max_attempt", "3")
         if keep_alive_interval <= 0 or not attempts.isdigit() or int(attempts) < 1:
             raise ValueError(

@@ -1095,3 +1095,80 @@ def test_console_script_is_installed() -> None:
     res = subprocess.run([str(script), "run", "--help"], capture_output=True, text=True, timeout=20)
     assert res.returncode == 0
     assert "--nproc-per-node" in res.stdout
+
+
+_RESIZE = (
+    "import os, sys, time\n"
+    "ws = int(os.environ['WORLD_SIZE'])\n"
+    "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
+    "if ws == 3:\n    time.sleep(60); sys.exit(3)  # (three nodes: wait to lose one)\n"
+    "import tdist as dist, torch\n"
+    "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+    "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()), flush=True)\ndist.destroy_process_group()\n"
+)
+
+
+def _three_nodes(work: Path) -> tuple[list[subprocess.Popen[str]], list[list[str]]]:
+    """Three launchers of one ``--nnodes 2:3`` job, one worker each, once all three workers run
+    as one group of three (each launcher's stdout so far, by launcher)."""
+    (work / "resize.py").write_text(_RESIZE)
+    args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1",
+            "--monitor-interval", "0.2", "--stop-timeout", "2", "resize.py"]
+    nodes = [start_launcher(work, *args) for _ in range(3)]
+    seen: list[list[str]] = [[] for _ in nodes]
+    for k, node in enumerate(nodes):
+        assert node.stdout is not None
+        while not any(line.endswith("of 3") for line in seen[k]):
+            line = node.stdout.readline()
+            assert line, f"launcher {k} ended before its worker ran in a group of three"
+            seen[k].append(line.rstrip("\n"))
+    return nodes, seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_sigterm_to_a_node_of_an_elastic_job_is_a_scale_down(work: Path) -> None:
+    """SIGTERM to one node of a 2:3 job: it leaves and exits 0; the two others re-form as a
+    job of two and finish, without counting a failure."""
+    nodes, seen = _three_nodes(work)
+    victim = next(k for k, lines in enumerate(seen) if not any("rank 0 of" in line or "start 0 of" in line for line in lines))
+    nodes[victim].send_signal(signal.SIGTERM)
+    results = outputs(nodes, timeout=60)
+    _, err_v = results[victim]
+    assert nodes[victim].returncode == 0, err_v
+    assert "left the job on SIGTERM" in err_v
+    sums = []
+    for k, (out, err) in enumerate(results):
+        if k == victim:
+            continue
+        assert nodes[k].returncode == 0, err
+        assert "a node left the job" in err and "restart 1 of" not in err, err
+        sums += [line for line in out.splitlines() if " sum " in line]
+    assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_node_whose_agent_stops_is_dropped_and_the_others_re_form(work: Path) -> None:
+    """SIGSTOP to one node's launcher: its heartbeat stands still, the others drop it within
+    seconds (keep_alive_interval=1, 3 attempts) and re-form as a job of two."""
+    nodes, seen = _three_nodes(work)
+    victim = next(k for k, lines in enumerate(seen) if not any("start 0 of" in line for line in lines))
+    os.kill(nodes[victim].pid, signal.SIGSTOP)
+    try:
+        others = [n for k, n in enumerate(nodes) if k != victim]
+        t0 = time.monotonic()
+        results = outputs(others, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(nodes[victim].pid, signal.SIGKILL)
+        os.kill(nodes[victim].pid, signal.SIGCONT)
+        nodes[victim].wait(10)
+    sums = []
+    for node, (out, err) in zip(others, results, strict=True):
+        assert node.returncode == 0, err
+        assert "a node left the job (or its agent stopped beating)" in err, err
+        sums += [line for line in out.splitlines() if " sum " in line]
+    assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
+    assert took < 30  # (dropped after 3 s of silence, then a new round: far below the workers' 60 s)

@@ -248,6 +248,10 @@ class LocalAgent:
         self._watched: list[tuple[StoreServer, int | None]] = []
         self._lost_store: str | None = None  # why the job ended: that store server died
         self._max_nodes = 0
+        self._min_nodes = 0
+        self._rescale_why: str | None = None
+        self._leaving = False  # (SIGTERM in an elastic job: this node leaves, the job goes on)
+        self._left = False
         self._next_waiting_check = 0.0
 
     # -- the whole run -------------------------------------------------------------------------
@@ -372,6 +376,7 @@ class LocalAgent:
             keep_alive_interval=cfg.keep_alive_interval, keep_alive_max_attempt=cfg.keep_alive_max_attempt,
         )
         self._max_nodes = cfg.nnodes
+        self._min_nodes = cfg.nnodes if cfg.min_nodes is None else cfg.min_nodes
         self._rendezvous = DynamicRendezvousHandler(cfg.rdzv_backend, params, store, first=server is not None, server_port=server_port)
         # a signal to the launcher ends a wait in the rendezvous
         self._rendezvous._should_stop = lambda: self._signum is not None
@@ -418,21 +423,41 @@ class LocalAgent:
         writes the rendezvous's state once it said it finished (node 0 may delete it)."""
         if self._rendezvous is None:
             return
-        if self._joined:
+        if self._joined and not self._leaving:
             self._rendezvous.shutdown()
         else:
+            self._rendezvous_leave()
+
+    def _rendezvous_leave(self) -> None:
+        """Take this node out of the rendezvous (once), leaving it open for the others."""
+        if self._rendezvous is not None and not self._left:
+            self._left = True
             self._rendezvous._leave()
 
-    def _nodes_waiting(self) -> bool:
-        """Elastic: whether nodes wait to join (checked every monitor interval)."""
-        if self._rendezvous is None or self.config.nnodes >= self._max_nodes or self._clock() < self._next_waiting_check:
-            return False
+    def _membership_changed(self, now: bool = False, joins: bool = True) -> str | None:
+        """Rendezvous: why the group must re-form without a failure, checked every monitor
+        interval (``now``: at once): a member left (a scale-down) or was dropped (its agent's
+        heartbeat stood still), or (``joins``) nodes wait to join while there is room; None if
+        neither."""
+        if self._rendezvous is None or (not now and self._clock() < self._next_waiting_check):
+            return None
         self._next_waiting_check = self._clock() + self.config.monitor_interval
         try:
-            return bool(self._rendezvous.num_nodes_waiting() > 0)
+            if self._rendezvous.members_lost():
+                return "a node left the job (or its agent stopped beating): re-forming the worker group without it"
+            if joins and self.config.nnodes < self._max_nodes and self._rendezvous.num_nodes_waiting() > 0:
+                return "nodes wait to join the job: restarting the worker group with them"
         except Exception as exc:  # (the rendezvous's own errors: the next check tries again)
-            log.warning("node %d: could not ask the rendezvous for waiting nodes: %s", self.config.node_rank, exc)
-            return False
+            log.warning("node %d: could not ask the rendezvous about its members: %s", self.config.node_rank, exc)
+        return None
+
+    def _scale_down(self) -> bool:
+        """SIGTERM to a node of an elastic job (a MIN:MAX range): it leaves the job on purpose,
+        and the others re-form without it (no failure counted)."""
+        return (
+            self._signum == signal.SIGTERM and self._rendezvous is not None and self._joined
+            and self._min_nodes < self._max_nodes
+        )
 
     def _try_to_host(self, secret: str) -> StoreServer | None:
         """c10d rendezvous: the job's store at the endpoint (not started yet) if this node can
@@ -471,7 +496,7 @@ class LocalAgent:
                 self._post_failure(f"node {cfg.node_rank}: rank {root.rank} exited with code {root.returncode}")
             if action is Action.RESTART:
                 if outcome is Outcome.RESCALE:
-                    self._say("nodes wait to join the job: restarting the worker group with them")
+                    self._say(self._rescale_why or "the job's nodes changed: re-forming the worker group")
                 else:
                     if root is not None:
                         why = f"worker rank {root.rank} failed (exit code {describe_returncode(root.returncode)})"
@@ -503,6 +528,9 @@ class LocalAgent:
                     error_files=self._error_files(restart_count, found), post_mortem=post_mortem,
                 )
                 self._write(self._err, report.encode() + b"\n")
+            elif outcome is Outcome.INTERRUPTED and self._leaving:
+                self._say("left the job on SIGTERM: the other nodes go on without this one")
+                return 0
             elif outcome is Outcome.INTERRUPTED:
                 assert self._signum is not None
                 self._say(f"stopped the workers on {signal.Signals(self._signum).name}{self._logs_note(restart_count)}")
@@ -643,8 +671,17 @@ class LocalAgent:
                     peer, final = lost, True
                     self._lost_store = lost
                 outcome = group_outcome(len(workers), exits, signum=self._signum, peer_failure=peer, peer_stopped=final)
-                if outcome is Outcome.RUNNING and self._nodes_waiting():
-                    outcome = Outcome.RESCALE
+                if outcome in (Outcome.RUNNING, Outcome.FAILED):
+                    # (a node that left, or was dropped, may be what made our workers fail: then
+                    # it is a re-form, not a failure; a node that posted a failure leaves the
+                    # round too, to restart, and that is the failure it posted)
+                    failed = outcome is Outcome.FAILED
+                    why = self._membership_changed(now=failed, joins=not failed)
+                    if why is not None and self._peer_failure()[0] is None:
+                        outcome, self._rescale_why = Outcome.RESCALE, why
+                if outcome is Outcome.INTERRUPTED and self._scale_down():
+                    self._leaving = True
+                    self._rendezvous_leave()  # (first: the others re-form before our workers stop)
                 if outcome is not Outcome.RUNNING:
                     break
                 timeout = self._poll_timeout()
@@ -1103,7 +1140,7 @@ class LocalAgent:
 
     def _exit_barrier(self) -> None:
         store, cfg = self._store, self.config
-        if store is None or not self._joined:
+        if store is None or not self._joined or self._leaving:  # (a node leaving on purpose: the job goes on)
             return
         try:
             store.set(f"{AGENT_PREFIX}/finished/node{cfg.node_rank}", b"1")

@@ -23,7 +23,7 @@ bootstrap_store_info)``. The names, defaults and errors are torch's; the handler
     (``num_nodes_waiting()``, while the round has room) and joins the next round, which the
     members open by calling ``next_rendezvous()`` again (after a failure, or to admit the
     waiting nodes): each leaves its round and joins again;
-  - a member beats every ``keep_alive_interval`` seconds (default 5); a node whose heartbeat
+  - a member beats every ``keep_alive_interval`` seconds (default 3; torch's 5); a node whose heartbeat
     stood still for ``keep_alive_max_attempt`` (default 3) intervals of an observer's own clock
     is dropped by that observer (no clock is compared across hosts);
   - ``join_timeout`` (default 600 s) bounds ``next_rendezvous()`` (``RendezvousTimeoutError``);

@@ -223,7 +223,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend: the backend's name (``get_backend()``, and errors).
         params: the run id, the sizes and the options: ``join_timeout`` (600 s),
             ``last_call_timeout`` (30 s), ``close_timeout`` (30 s), ``heartbeat_timeout`` (5 s:
-            one keep-alive), ``keep_alive_interval`` (5 s), ``keep_alive_max_attempt`` (3);
+            one keep-alive), ``keep_alive_interval`` (3 s; torch's is 5: a dead node is then dropped within 10 s), ``keep_alive_max_attempt`` (3);
             ``local_addr``: the address rank 0 publishes as ``MASTER_ADDR``.
         store: where the state lives (the handler uses it as it is: give it a prefix of the job).
         first: this node's name sorts first, so it gets rank 0 when it is a participant (the
@@ -250,7 +250,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
         self._settings = Settings(
             params.min_nodes, params.max_nodes, last_call=_seconds(params, "last_call_timeout", 30.0),
-            keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
+            keep_alive_interval=_seconds(params, "keep_alive_interval", 3.0),
             keep_alive_max_attempt=3 if keep_alive_max_attempt is None else keep_alive_max_attempt,
         )
         self._join_timeout = _seconds(params, "join_timeout", 600.0)
@@ -269,6 +269,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._beating: tuple[threading.Event, threading.Thread] | None = None
         # (a launcher sets this to end a wait on a signal: checked at least once a second)
         self._should_stop: Callable[[], bool] = lambda: False
+        self._in_round: tuple[int, int] | None = None  # (the round this node is in, its node count)
 
     @property
     def settings(self) -> Settings:
@@ -321,6 +322,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._run(Op.LEAVE, self._join_timeout, deadline)
         state = self._run(Op.JOIN, self._join_timeout, deadline)
         rank, world_size, n = state.participants[self._me], len(state.participants), state.round
+        self._in_round = (n, world_size)
         self._start_heartbeats()
         log.info("%s: node %s is rank %d of %d in round %d", self._describe, self._me, rank, world_size, n)
         try:
@@ -336,6 +338,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Close the rendezvous: every node's next (or waiting) ``next_rendezvous`` raises
         ``RendezvousClosedError``."""
         self._run(Op.CLOSE, self._close_timeout)
+
+    def members_lost(self) -> bool:
+        """Whether this node's round has lost members since it completed: a node left it (a
+        scale-down) or was dropped (its heartbeat stood still), or the round moved on."""
+        if self._in_round is None:
+            return False
+        n, size = self._in_round
+        state = self._read()
+        return state.round != n or len(state.participants) < size
 
     def num_nodes_waiting(self) -> int:
         """The nodes waiting to be admitted: in the wait list while the round has room (a

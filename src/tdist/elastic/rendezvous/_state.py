@@ -110,7 +110,7 @@ class Settings:
     min_nodes: int
     max_nodes: int
     last_call: float = 30.0
-    keep_alive_interval: float = 5.0
+    keep_alive_interval: float = 3.0
     keep_alive_max_attempt: int = 3
 
     def __post_init__(self) -> None:
