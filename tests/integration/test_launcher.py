@@ -776,15 +776,29 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _listening_ports() -> set[int]:
-    ports = set()
+def _listening_sockets() -> dict[int, int]:
+    """Every listening TCP socket of this host: its inode -> its port."""
+    found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(FileNotFoundError), open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A":  # LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+                    found[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
+    return found
+
+
+def _socket_inodes(pids: list[int]) -> set[int]:
+    """The inodes of the sockets the processes ``pids`` hold."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(int(link[8:-1]))
+    return inodes
 
 
 @pytest.mark.parametrize("victim", ["launcher", "store", "worker"])
@@ -793,14 +807,14 @@ def test_kill_9_of_any_process_of_a_job_leaves_nothing_behind(work: Path, victim
     # after kill -9 of any one of its processes the rest ends within seconds, and no process,
     # no /dev/shm entry and no listening socket of it remains
     shm_before = set(os.listdir("/dev/shm"))
-    ports_before = _listening_ports()
     proc = start_hanging(work, 2, "group")
     try:
         job = _descendants(proc.pid)
         worker_pids = pids(work, 2)
         store_pid = next(p for p in job if p not in worker_pids)
-        job_ports = _listening_ports() - ports_before
-        assert job_ports, "the job listens on nothing?"
+        # (the job's own listening sockets, by inode: other jobs on this host may listen too)
+        job_sockets = set(_listening_sockets()) & _socket_inodes([proc.pid, *job])
+        assert job_sockets, "the job listens on nothing?"
         target = {"launcher": proc.pid, "store": store_pid, "worker": worker_pids[1]}[victim]
         os.kill(target, signal.SIGKILL)
         proc.communicate(timeout=20)
@@ -809,7 +823,7 @@ def test_kill_9_of_any_process_of_a_job_leaves_nothing_behind(work: Path, victim
         for pid in job:
             assert wait_gone(pid, 10), f"process {pid} of the job outlived the kill -9 of its {victim}"
         assert not (set(os.listdir("/dev/shm")) - shm_before)
-        assert not (_listening_ports() & job_ports), "a socket of the job still listens"
+        assert not (set(_listening_sockets()) & job_sockets), "a socket of the job still listens"
     finally:
         if proc.poll() is None:
             proc.kill()
