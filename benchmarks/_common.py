@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -50,6 +51,17 @@ def busy_host(enabled: bool = True) -> Iterator[None]:
             p.kill()
         for p in procs:
             p.wait()
+
+
+def busy_for_the_run(enabled: bool) -> None:
+    """``busy_host`` for the rest of this run (``--busy``): the loops stop when the process
+    exits. For benchmarks whose measuring code is not one block."""
+    if not enabled:
+        return
+    stack = contextlib.ExitStack()
+    stack.enter_context(busy_host())
+    atexit.register(stack.close)
+    print("busy host: one low-priority busy loop per core", flush=True)
 
 
 def before_fork() -> None:

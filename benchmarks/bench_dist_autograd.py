@@ -36,7 +36,7 @@ import torch.distributed.autograd as torch_autograd
 import torch.distributed.optim as torch_optim
 import torch.distributed.rpc as torch_rpc
 
-from _common import _fmt, before_fork, machine_line, median, table
+from _common import _fmt, before_fork, busy_for_the_run, machine_line, median, table
 from tdist.testing import RankTimeoutError, free_port, run_processes
 
 IMPLS = ("torch", "tdist")
@@ -109,7 +109,9 @@ def main() -> None:
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = ap.parse_args()
+    busy_for_the_run(args.busy)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     impls = [i for i in args.impls.split(",") if i]
     print(f"# dist autograd benchmark: {machine_line()} | torch {torch.__version__} | 2 processes (fork)")

@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine_line, median, table
+from _common import busy_for_the_run, machine_line, median, table
 from tdist.store import EtcdStore
 
 IMPLS = ("torch", "tdist")
@@ -142,7 +142,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ops", type=int, default=300)
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = ap.parse_args()
+    busy_for_the_run(args.busy)
     impls = list(IMPLS)
     try:
         import etcd  # noqa: F401

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import machine_line, median, table
+from _common import busy_for_the_run, machine_line, median, table
 
 WORKER = """\
 import os, sys, time
@@ -71,7 +71,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = ap.parse_args()
+    busy_for_the_run(args.busy)
     results: dict[str, list[tuple[float, float]]] = {impl: [] for impl in COMMANDS}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 from tests.multihost import _netns  # noqa: E402
 
-from _common import machine_line, median, table  # noqa: E402
+from _common import busy_for_the_run, machine_line, median, table  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time, torch
@@ -68,7 +68,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = ap.parse_args()
+    busy_for_the_run(args.busy)
     print(f"# multi-host benchmark (2 namespaces, veth + bridge, TCP): {machine_line()}")
     samples: dict[tuple[str, str], list[float]] = {}
     with _netns.hosts(2) as hosts:

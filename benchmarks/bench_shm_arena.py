@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 import torch.distributed as tdc
 
-from _common import machine_line, median, memcpy_gbps, table
+from _common import busy_for_the_run, machine_line, median, memcpy_gbps, table
 from tdist.c10d._shm import ShmArena
 from tdist.store import TCPStore
 from tdist.testing import free_port
@@ -114,7 +114,9 @@ def main() -> None:
     parser.add_argument("--frame-bytes", type=int, default=0, help="arena frame size (default: its own)")
     parser.add_argument("--frames", type=int, default=0, help="frames per ring (default: its own)")
     parser.add_argument("--only", nargs="*", default=[], help='cases to run, e.g. "all_reduce 64 MiB"')
+    parser.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = parser.parse_args()
+    busy_for_the_run(args.busy)
     ws = args.world_size
 
     print(machine_line())

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as tdc
 
 import tdist
-from _common import before_fork, machine_line, median, table
+from _common import before_fork, busy_for_the_run, machine_line, median, table
 from tdist.testing import free_port, run_processes
 
 MiB = 1 << 20
@@ -185,7 +185,9 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cases", default="ddp_comm,ddp_compute,fsdp2,dcp,route")
+    ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
     args = ap.parse_args()
+    busy_for_the_run(args.busy)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     cases = args.cases.split(",")
     print(f"# torch stack benchmark: {machine_line()} | world {args.world}")
