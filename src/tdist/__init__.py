@@ -143,3 +143,15 @@ def _load_with_torch() -> None:
 
 
 _load_with_torch()
+
+
+def _under_tdist_run() -> None:
+    """A worker of ``tdist run`` (``TDIST_STATUS_DIR``): what ``tdist status`` and ``tdist
+    dump`` read (``tdist.elastic._inspect.worker_side``)."""
+    import os
+
+    if os.environ.get("TDIST_STATUS_DIR"):
+        importlib.import_module(f"{__name__}.elastic._inspect").worker_side()
+
+
+_under_tdist_run()

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from types import FrameType
@@ -224,7 +225,45 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--host", default="127.0.0.1",
                        help="the address to bind (default: 127.0.0.1; 0.0.0.0 for every interface)")
     store.add_argument("--port", type=_port, default=29500, help="the port; 0 picks a free one (default: 29500)")
+
+    status = sub.add_parser(
+        "status", parents=[common], help="a live per-rank table of a job tdist run runs on this host",
+        description="Show every worker of a running job: pid, host, state, the operation its process "
+        "groups are in and for how long, the steps it reported (tdist.elastic.report_progress) and "
+        "steps/s, CPU, memory and its last heartbeat; redrawn every --interval seconds until the job "
+        "ends (or once).",
+    )
+    status.add_argument("--pid", type=int, default=None, help="the job's launcher pid (default: the only job here)")
+    status.add_argument("--once", action="store_true", help="print the table once and exit")
+    status.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between redraws (default: 1)")
+    dump = sub.add_parser(
+        "dump", parents=[common], help="gather every worker's Python stacks and flight record into a folder",
+        description="Ask every worker of a running job for its Python stacks (all threads) and its "
+        "flight record (torch's format: torchfrtrace DIR reads them) and gather them into DIR.",
+    )
+    dump.add_argument("--pid", type=int, default=None, help="the job's launcher pid (default: the only job here)")
+    dump.add_argument("--out", default=None, metavar="DIR", help="where (default: ./tdist-dump-<time>)")
+    dump.add_argument("--timeout", type=_seconds, default=10.0, metavar="S", help="seconds to wait for the workers (default: 10)")
     return parser
+
+
+def _inspect(ns: argparse.Namespace) -> int:
+    from .elastic import _inspect
+
+    if ns.command == "status":
+        return _inspect.watch(ns.pid, ns.once, ns.interval)
+    try:
+        job = _inspect.find_job(ns.pid)
+    except LookupError as exc:
+        print(f"tdist dump: {exc}", file=sys.stderr)
+        return 1
+    out = ns.out or f"tdist-dump-{time.strftime('%Y%m%d-%H%M%S')}"
+    files = _inspect.gather_dump(job, out, ns.timeout)
+    for path in files:
+        print(path)
+    workers = len(job.get("workers", []))
+    print(f"tdist dump: {len(files)} files from {workers} workers in {out}", file=sys.stderr)
+    return 0 if files else 1
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -357,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if ns.command == "run":
         return _run(ns)
+    if ns.command in ("status", "dump"):
+        return _inspect(ns)
     return _store(ns)
 
 

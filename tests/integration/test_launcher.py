@@ -7,6 +7,7 @@ import fcntl
 import io
 import json
 import os
+import select
 import shutil
 import signal
 import struct
@@ -1186,3 +1187,81 @@ def test_a_node_whose_agent_stops_is_dropped_and_the_others_re_form(work: Path) 
         sums += [line for line in out.splitlines() if " sum " in line]
     assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
     assert took < 30  # (dropped after 3 s of silence, then a new round: far below the workers' 60 s)
+
+
+_PROGRESS = (
+    "import time, tdist, torch\n"
+    "from tdist.elastic import report_progress\n"
+    "tdist.init_process_group('gloo')\n"
+    "for step in range(100000):\n"
+    "    t = torch.ones(4)\n    tdist.all_reduce(t)\n    report_progress(step)\n    time.sleep(0.02)\n"
+)
+
+
+def _running_job(work: Path) -> subprocess.Popen[str]:
+    """A job of two workers that report progress, once both have written their status."""
+    (work / "progress.py").write_text(_PROGRESS)
+    proc = subprocess.Popen(tdist_cmd("run", "--nproc-per-node", "2", "--master-port", "0", "progress.py"), cwd=work,
+                            env=launcher_env(work), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        res = subprocess.run(tdist_cmd("status", "--once", "--pid", str(proc.pid)), cwd=work, env=launcher_env(work),
+                             capture_output=True, text=True, timeout=20)
+        rows = [line.split() for line in res.stdout.splitlines()[2:]]
+        if len(rows) == 2 and all(r[6] != "-" for r in rows):  # (both report steps)
+            return proc
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the job's workers never reported: {res.stdout} {res.stderr}")
+
+
+def test_status_and_dump_look_into_a_running_job(work: Path) -> None:
+    proc = _running_job(work)
+    try:
+        res = subprocess.run(tdist_cmd("status", "--once"), cwd=work, env=launcher_env(work),
+                             capture_output=True, text=True, timeout=20)
+        lines = res.stdout.splitlines()
+        assert lines[0].startswith("job ") and f"launcher pid {proc.pid}" in lines[0] and "progress.py" in lines[0]
+        assert lines[1].split()[:4] == ["rank", "pid", "host", "state"]
+        rows = [line.split() for line in lines[2:]]
+        assert [r[0] for r in rows] == ["0", "1"]
+        for r in rows:
+            assert r[3] in ("running", "sleeping") and int(r[6]) >= 0 and float(r[7]) > 0  # (step, steps/s)
+            assert "ago" in lines[2 + rows.index(r)] and "MB" in lines[2 + rows.index(r)]
+        out = work / "dumped"
+        res = subprocess.run(tdist_cmd("dump", "--out", str(out)), cwd=work, env=launcher_env(work),
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        for rank in (0, 1):
+            stacks = (out / f"stacks_rank_{rank}.txt").read_text()
+            assert "progress.py" in stacks and "Thread" in stacks  # (every thread's Python stack)
+        assert proc.poll() is None  # (the job goes on)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def test_status_redraws_live_on_a_terminal(work: Path) -> None:
+    proc = _running_job(work)
+    master, slave = os.openpty()
+    try:
+        viewer = subprocess.Popen(tdist_cmd("status", "--interval", "0.2"), cwd=work, env=launcher_env(work),
+                                  stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+        os.close(slave)
+        got = b""
+        while got.count(b"\x1b[J") < 3:  # (three redraws in place)
+            ready, _, _ = select.select([master], [], [], 20)
+            assert ready, got
+            got += os.read(master, 1 << 16)
+        assert got.count(b"steps/s") >= 4
+        viewer.terminate()
+        viewer.wait(10)
+    finally:
+        os.close(master)
+        proc.terminate()
+        proc.communicate(timeout=30)
+    # the job is gone: nothing to look at
+    res = subprocess.run(tdist_cmd("status", "--once", "--pid", str(proc.pid)), cwd=work, env=launcher_env(work),
+                         capture_output=True, text=True, timeout=20)
+    assert res.returncode == 1 and f"no tdist run job with launcher pid {proc.pid}" in res.stderr

@@ -6,6 +6,7 @@ it makes (root cause, restarts, exit code, worker environment) are pure function
 """
 
 from ._agent import LaunchError, LocalAgent, launch
+from ._inspect import report_progress
 from ._policy import LaunchConfig
 
-__all__ = ["LaunchConfig", "LaunchError", "LocalAgent", "launch"]
+__all__ = ["LaunchConfig", "LaunchError", "LocalAgent", "launch", "report_progress"]

@@ -71,6 +71,7 @@ from .._core.errors import DistError, DistStoreError
 from ..store._api import Store
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
+from ._inspect import STATUS_DIR_ENV, register_job, unregister_job
 from ._policy import (
     AGENT_PREFIX,
     DEFAULT_FLIGHT_RECORD_PREFIX,
@@ -297,6 +298,7 @@ class LocalAgent:
                 self._join(port, secret)
             return self._run_attempts(port, secret)
         finally:
+            unregister_job()
             try:
                 self._leave_rendezvous()
                 self._exit_barrier()
@@ -594,6 +596,25 @@ class LocalAgent:
             where = f"{given or DEFAULT_FLIGHT_RECORD_PREFIX}<rank>"
         return found, f"looked for {where}"
 
+    def _register(self, workers: list[_Worker], restart_count: int, attempt: str | None) -> None:
+        """This job in the host's registry of running jobs (``tdist status``, ``tdist dump``)."""
+        if attempt is None:
+            return
+        cfg = self.config
+        fr_prefix = self._env.get("TDIST_FR_DUMP_TEMP_FILE") or self._env.get("TORCH_FR_DUMP_TEMP_FILE")
+        entries = []
+        for w in workers:
+            rank_dir = os.path.join(attempt, str(w.local_rank))
+            prefix = fr_prefix or (os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if self._keeps_logs else DEFAULT_FLIGHT_RECORD_PREFIX)
+            rank = cfg.global_rank(w.local_rank)
+            entries.append({"rank": rank, "local_rank": w.local_rank, "pid": w.proc.pid, "dir": rank_dir,
+                            "flight_record": f"{prefix}{rank}"})
+        with contextlib.suppress(OSError):
+            register_job({
+                "pid": os.getpid(), "run_id": cfg.run_id, "node_rank": cfg.node_rank, "attempt": restart_count,
+                "run_dir": self._run_dir, "entrypoint": self._title(), "started": time.time(), "workers": entries,
+            })
+
     def _attempt_dir(self, restart_count: int) -> str | None:
         return None if self._run_dir is None else os.path.join(self._run_dir, f"attempt_{restart_count}")
 
@@ -658,11 +679,14 @@ class LocalAgent:
                         os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if rank_dir is not None and self._keeps_logs else None
                     ),
                 )
+                if rank_dir is not None:  # (``tdist status``/``tdist dump`` look there)
+                    env[STATUS_DIR_ENV] = rank_dir
                 workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
                 "node %d: started %d workers (attempt %d): %s",
                 cfg.node_rank, len(workers), restart_count, [w.proc.pid for w in workers],
             )
+            self._register(workers, restart_count, attempt)
             while True:
                 self._reap(workers, exits)
                 peer, final = self._poll_peers()

@@ -1,0 +1,349 @@
+"""Looking into a running job from outside: ``tdist status`` and ``tdist dump``.
+
+Theory of operation. ``tdist run`` registers the job it runs on this host: a small JSON file
+``<tmp>/tdist-jobs-<uid>/<launcher pid>.json`` (the run's directory, the attempt, every
+worker's rank, pid and directory), rewritten at each attempt and removed at the end. Each
+worker (``TDIST_STATUS_DIR``, set by the launcher to its rank's directory) keeps, once it has
+imported tdist (``worker_side``):
+
+- ``status.json``, rewritten every second by a daemon thread: the time (its heartbeat), the
+  operation its process groups are in and since when (from the flight recorder, where one
+  runs), and the steps it reported (``report_progress``);
+- a handler of ``SIGUSR2`` (``faulthandler``) that writes every thread's Python stack to
+  ``stacks.txt``; ``SIGUSR1`` dumps its flight record (``tdist.flight_recorder``).
+
+``tdist status`` reads those files and ``/proc`` (state, CPU, memory) into a per-rank table,
+redrawn every second; ``tdist dump`` signals every worker and gathers the stacks and flight
+records into one folder. Both see the jobs of this host; a job's other nodes are inspected on
+their own hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = [
+    "find_job",
+    "gather_dump",
+    "jobs",
+    "register_job",
+    "report_progress",
+    "status_rows",
+    "status_table",
+    "unregister_job",
+    "worker_side",
+]
+
+STATUS_DIR_ENV = "TDIST_STATUS_DIR"
+_STATUS_EVERY = 1.0  # seconds between two writes of a worker's status.json
+
+
+def _registry() -> str:
+    return os.path.join(tempfile.gettempdir(), f"tdist-jobs-{os.getuid()}")
+
+
+# -- the launcher's side -------------------------------------------------------------------------
+def register_job(record: dict[str, Any]) -> None:
+    """Write (or rewrite) this launcher's entry in the registry of running jobs."""
+    directory = _registry()
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, f"{os.getpid()}.json")
+    tmp = f"{path}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def unregister_job() -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(_registry(), f"{os.getpid()}.json"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def jobs() -> list[dict[str, Any]]:
+    """The jobs ``tdist run`` runs on this host now (entries of dead launchers are dropped)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(_registry())):
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(_registry(), name)
+            try:
+                with open(path) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if _alive(int(record.get("pid", 0))):
+                found.append(record)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    return found
+
+
+def find_job(pid: int | None) -> dict[str, Any]:
+    """The job of launcher ``pid``, or the only one running here.
+
+    Raises:
+        LookupError: none, or several and no ``pid`` (the message lists them).
+    """
+    running = jobs()
+    if pid is not None:
+        for record in running:
+            if record["pid"] == pid:
+                return record
+        raise LookupError(f"no tdist run job with launcher pid {pid} on this host")
+    if not running:
+        raise LookupError("no tdist run job is running on this host (as this user)")
+    if len(running) > 1:
+        listed = ", ".join(f"{r['pid']} ({r.get('run_id', '?')}: {r.get('entrypoint', '')})" for r in running)
+        raise LookupError(f"several jobs run on this host; pick one with --pid: {listed}")
+    return running[0]
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+_progress: list[tuple[int, float]] = []  # the last two reports: (step, time)
+_progress_lock = threading.Lock()
+_started = False
+
+
+def report_progress(step: int) -> None:
+    """Tell ``tdist status`` that this worker finished training step ``step`` (it shows the
+    steps per second). Cheap: a tuple kept in memory; nothing is written here."""
+    with _progress_lock:
+        _progress[:] = [*_progress[-1:], (int(step), time.monotonic())]
+
+
+def _steps() -> tuple[int | None, float | None]:
+    with _progress_lock:
+        p = list(_progress)
+    if not p:
+        return None, None
+    if len(p) < 2 or p[1][1] <= p[0][1]:
+        return p[-1][0], None
+    return p[1][0], (p[1][0] - p[0][0]) / (p[1][1] - p[0][1])
+
+
+_current_op: Callable[[], dict[str, Any] | None] | None = None  # set by the flight recorder
+
+
+def set_current_op_source(source: Callable[[], dict[str, Any] | None]) -> None:
+    """Where a worker's status finds the operation its groups are in (the flight recorder)."""
+    global _current_op
+    _current_op = source
+
+
+def _status(directory: str) -> None:
+    path = os.path.join(directory, "status.json")
+    while True:
+        step, rate = _steps()
+        op = None
+        if _current_op is not None:
+            with contextlib.suppress(Exception):
+                op = _current_op()
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "op": op,
+                  "step": step, "steps_per_s": rate}
+        with contextlib.suppress(OSError):
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        time.sleep(_STATUS_EVERY)
+
+
+def worker_side() -> None:
+    """In a worker of ``tdist run`` (``TDIST_STATUS_DIR`` set): the status thread and the
+    stacks-on-``SIGUSR2`` handler; once per process, never raises."""
+    global _started
+    directory = os.environ.pop(STATUS_DIR_ENV, None)  # (the worker's own: not its children's)
+    if _started or not directory or not os.path.isdir(directory):
+        return
+    _started = True
+    with contextlib.suppress(Exception):
+        import faulthandler
+
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR2) in (
+            signal.SIG_DFL, None,
+        ):
+            stacks = open(os.path.join(directory, "stacks.txt"), "a")
+            faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+    threading.Thread(target=_status, args=(directory,), name="tdist-status", daemon=True).start()
+
+
+# -- the inspector's side ------------------------------------------------------------------------
+def _proc(pid: int) -> dict[str, Any]:
+    """State, CPU seconds and resident memory of ``pid`` from ``/proc``."""
+    out: dict[str, Any] = {"state": "gone", "cpu_s": None, "rss_mb": None}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        out["state"] = {"R": "running", "S": "sleeping", "D": "disk", "T": "stopped", "t": "stopped",
+                        "Z": "exited"}.get(fields[0], fields[0])
+        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / ticks
+        out["rss_mb"] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def status_rows(job: dict[str, Any], previous: dict[int, tuple[float, float]] | None = None) -> list[dict[str, Any]]:
+    """One row per worker of ``job``: rank, pid, host, state, the operation it is in and for how
+    long, steps and steps/s, CPU % (since ``previous``: rank -> (cpu seconds, time)), memory,
+    and the age of its last heartbeat (its status file)."""
+    rows = []
+    now = time.time()
+    for w in job.get("workers", []):
+        info = _proc(int(w["pid"]))
+        status: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(w["dir"], "status.json")) as f:
+                status = json.load(f)
+        cpu = None
+        if previous is not None and info["cpu_s"] is not None and w["rank"] in previous:
+            cpu_s, at = previous[w["rank"]]
+            if now > at:
+                cpu = 100.0 * (info["cpu_s"] - cpu_s) / (now - at)
+        if previous is not None and info["cpu_s"] is not None:
+            previous[w["rank"]] = (info["cpu_s"], now)
+        op = status.get("op")
+        rows.append({
+            "rank": w["rank"], "pid": w["pid"], "host": status.get("host", socket.gethostname()),
+            "state": info["state"],
+            "op": None if not op else op.get("name"),
+            "op_for_s": None if not op or op.get("since") is None else max(0.0, now - float(op["since"])),
+            "step": status.get("step"), "steps_per_s": status.get("steps_per_s"),
+            "cpu_pct": cpu, "rss_mb": info["rss_mb"],
+            "heartbeat_s": None if "time" not in status else max(0.0, now - float(status["time"])),
+        })
+    return rows
+
+
+def _cell(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def status_table(job: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a text table under a line naming the job."""
+    head = (f"job {job.get('run_id', '?')}: {job.get('entrypoint', '')} | launcher pid {job['pid']} | "
+            f"node {job.get('node_rank', 0)} | attempt {job.get('attempt', 0)} | {job.get('run_dir', '')}")
+    cols = ["rank", "pid", "host", "state", "operation", "in it", "step", "steps/s", "cpu", "mem", "heartbeat"]
+    lines = [[
+        str(r["rank"]), str(r["pid"]), r["host"], r["state"], _cell(r["op"]), _cell(r["op_for_s"], "{:.1f} s"),
+        _cell(r["step"]), _cell(r["steps_per_s"], "{:.2f}"), _cell(r["cpu_pct"], "{:.0f}%"),
+        _cell(r["rss_mb"], "{:.0f} MB"), _cell(r["heartbeat_s"], "{:.1f} s ago"),
+    ] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
+    text = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    text += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
+    return "\n".join(text)
+
+
+def watch(job_pid: int | None, once: bool, interval: float, out: Any = None) -> int:
+    """``tdist status``: the table, redrawn every ``interval`` seconds until the job ends (or
+    once). Returns an exit status."""
+    out = out or sys.stdout
+    try:
+        job = find_job(job_pid)
+    except LookupError as exc:
+        print(f"tdist status: {exc}", file=sys.stderr)
+        return 1
+    previous: dict[int, tuple[float, float]] = {}
+    status_rows(job, previous)  # (a first sample of the CPU times: the first table has CPU %)
+    time.sleep(min(interval, 0.5))
+    tty = out.isatty() and not once
+    shown = 0
+    while True:
+        rows = status_rows(job, previous)
+        table = status_table(job, rows)
+        if tty and shown:
+            out.write(f"\x1b[{shown}F\x1b[J")  # (back to the table's first line, erase below)
+        out.write(table + "\n")
+        out.flush()
+        shown = table.count("\n") + 1
+        if once or not _alive(int(job["pid"])):
+            return 0
+        time.sleep(interval)
+        with contextlib.suppress(LookupError):
+            job = find_job(int(job["pid"]))
+
+
+def _handles(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[str]:
+    """``tdist dump``: every worker's Python stacks (``SIGUSR2``) and flight record
+    (``SIGUSR1``) into ``dest`` (``stacks_rank_<r>.txt``, ``rank_<r>``: what ``torchfrtrace
+    dest`` reads). Returns the files gathered."""
+    os.makedirs(dest, exist_ok=True)
+    workers = job.get("workers", [])
+    sizes = {}
+    for w in workers:
+        path = os.path.join(w["dir"], "stacks.txt")
+        sizes[w["rank"]] = os.path.getsize(path) if os.path.exists(path) else 0
+    started = time.time()
+    for w in workers:
+        for sig in (signal.SIGUSR2, signal.SIGUSR1):
+            if _handles(int(w["pid"]), sig):  # (a signal nobody handles would end the worker)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(w["pid"]), sig)
+    deadline = time.monotonic() + timeout
+    stacks_of = {w["rank"]: os.path.join(w["dir"], "stacks.txt") for w in workers if _handles(int(w["pid"]), signal.SIGUSR2)}
+    records_of = {w["rank"]: w["flight_record"] for w in workers
+                  if w.get("flight_record") and _handles(int(w["pid"]), signal.SIGUSR1)}
+
+    def arrived() -> tuple[list[int], list[int]]:
+        stacks = [r for r, p in stacks_of.items() if os.path.exists(p) and os.path.getsize(p) > sizes[r]]
+        records = [r for r, p in records_of.items() if os.path.exists(p) and os.path.getmtime(p) >= started - 1]
+        return stacks, records
+
+    while time.monotonic() < deadline:
+        stacks, records = arrived()
+        if len(stacks) == len(stacks_of) and len(records) == len(records_of):
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)  # (a file being written: let its writer finish)
+    gathered: list[str] = []
+    stacks, records = arrived()
+    for rank in stacks:
+        with open(stacks_of[rank], "rb") as src:
+            src.seek(sizes[rank])
+            data = src.read()
+        target = os.path.join(dest, f"stacks_rank_{rank}.txt")
+        with open(target, "wb") as dst:
+            dst.write(data)
+        gathered.append(target)
+    for rank in records:
+        target = os.path.join(dest, f"rank_{rank}")
+        shutil.copyfile(records_of[rank], target)
+        gathered.append(target)
+    return gathered
