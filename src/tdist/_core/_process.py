@@ -45,3 +45,14 @@ def die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return child
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a process of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

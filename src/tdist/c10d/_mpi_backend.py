@@ -200,6 +200,18 @@ def _typed(t: torch.Tensor, op: RedOpType, what: str) -> Any:
     return mpi_type
 
 
+def _settle_reduced(flat: _Flat, op: RedOpType, size: int) -> Callable[[], None]:
+    """What a reduction does once MPI is done: AVG's division (MPI summed), then the copy back
+    of a staged result."""
+
+    def settle() -> None:
+        if op == RedOpType.AVG:
+            flat.flat.div_(size)
+        flat.commit()
+
+    return settle
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -468,14 +480,9 @@ class ProcessGroupMPI(Backend):
         flat = _Flat(t)
         buf = bytes_view(flat.flat)
         n = flat.flat.numel()
-
-        def settle() -> None:
-            if op == RedOpType.AVG:
-                flat.flat.div_(self._size)
-            flat.commit()
-
         return self._start(
-            "all_reduce", opts, lambda: [self._comm.Iallreduce(MPI.IN_PLACE, [buf, n, mpi_type], _OPS[op])], [t], settle
+            "all_reduce", opts, lambda: [self._comm.Iallreduce(MPI.IN_PLACE, [buf, n, mpi_type], _OPS[op])], [t],
+            _settle_reduced(flat, op, self._size),
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> Work:
@@ -492,13 +499,7 @@ class ProcessGroupMPI(Backend):
                 return [self._comm.Ireduce(MPI.IN_PLACE, [buf, n, mpi_type], _OPS[op], root=root)]
             return [self._comm.Ireduce([buf, n, mpi_type], None, _OPS[op], root=root)]
 
-        def settle() -> None:
-            if self._rank == root:
-                if op == RedOpType.AVG:
-                    flat.flat.div_(self._size)
-                flat.commit()
-
-        return self._start("reduce", opts, start, [t], settle)
+        return self._start("reduce", opts, start, [t], _settle_reduced(flat, op, self._size) if self._rank == root else None)
 
     def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: AllgatherOptions
@@ -593,18 +594,12 @@ class ProcessGroupMPI(Backend):
         res = _Flat(out)
         sbuf, rbuf = bytes_view(send), bytes_view(res.flat)
         n_send = sum(counts)
-
-        def settle() -> None:
-            if op == RedOpType.AVG:
-                res.flat.div_(self._size)
-            res.commit()
-
         return self._start(
             "reduce_scatter",
             opts,
             lambda: [self._comm.Ireduce_scatter([sbuf, n_send, mpi_type], [rbuf, out.numel(), mpi_type], counts, _OPS[op])],
             [out],
-            settle,
+            _settle_reduced(res, op, self._size),
             keep=send,
         )
 
@@ -614,18 +609,12 @@ class ProcessGroupMPI(Backend):
         send = _own(input)
         res = _Flat(output)
         sbuf, rbuf = bytes_view(send), bytes_view(res.flat)
-
-        def settle() -> None:
-            if op == RedOpType.AVG:
-                res.flat.div_(self._size)
-            res.commit()
-
         return self._start(
             "reduce_scatter_tensor",
             opts,
             lambda: [self._comm.Ireduce_scatter_block([sbuf, mpi_type], [rbuf, mpi_type], _OPS[op])],
             [output],
-            settle,
+            _settle_reduced(res, op, self._size),
             keep=send,
         )
 

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._core._process import pid_alive
+
 __all__ = [
     "find_job",
     "gather_dump",
@@ -70,16 +72,6 @@ def unregister_job() -> None:
         os.unlink(os.path.join(_registry(), f"{os.getpid()}.json"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def jobs() -> list[dict[str, Any]]:
     """The jobs ``tdist run`` runs on this host now (entries of dead launchers are dropped)."""
     found = []
@@ -93,7 +85,7 @@ def jobs() -> list[dict[str, Any]]:
                     record = json.load(f)
             except (OSError, ValueError):
                 continue
-            if _alive(int(record.get("pid", 0))):
+            if pid_alive(int(record.get("pid", 0))):
                 found.append(record)
             else:
                 with contextlib.suppress(OSError):
@@ -281,7 +273,7 @@ def watch(job_pid: int | None, once: bool, interval: float, out: Any = None) -> 
         out.write(table + "\n")
         out.flush()
         shown = table.count("\n") + 1
-        if once or not _alive(int(job["pid"])):
+        if once or not pid_alive(int(job["pid"])):
             return 0
         time.sleep(interval)
         with contextlib.suppress(LookupError):

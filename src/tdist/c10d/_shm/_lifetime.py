@@ -18,21 +18,13 @@ import re
 import threading
 import time
 
+from ..._core._process import pid_alive
+
 __all__ = ["cleanup_stale"]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def cleanup_stale(directory: str = SHM_DIR) -> list[str]:
@@ -51,7 +43,7 @@ def cleanup_stale(directory: str = SHM_DIR) -> list[str]:
         if not entry.startswith(prefix):
             continue
         m = re.match(r"(\d+)-", entry[len(prefix):])
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, entry)
         with contextlib.suppress(OSError):
