@@ -30,6 +30,9 @@ module's ``CollectiveMismatchError``)::
     ├── LaunchError                             [elastic._agent] the launcher could not set the
     │                                           job up (bad options, no store, nodes missing)
     ├── RankFailedError                         [testing] a rank ended without a result
+    ├── QuorumError                             [elastic._ft] no quorum of a fault-tolerant job
+    │                                           can take this node: the job is over, or every
+    │                                           member is gone with its state
     └── DistTimeoutError (TimeoutError)         any other deadline that expired
         ├── RpcTimeoutError                     [rpc._calls] an RPC or a to_here() did not finish
         │                                       within its timeout
