@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from .._core.deadline import Clock
-from .._core.errors import DistError, DistTimeoutError, PeerError
+from .._core.errors import DistError, DistTimeoutError, PeerError, StoreTimeoutError
 from ..c10d import _api as c10d
 from ..store._api import Store
 from ..store._prefix import PrefixStore
@@ -204,7 +204,7 @@ class _QuorumClient:
     def _wait(self, until: float | None) -> None:
         now = self._clock()
         end = now + _POLL if until is None else min(until, now + _POLL)
-        with contextlib.suppress(DistTimeoutError):  # (a bounded wait: its end is a poll)
+        with contextlib.suppress(StoreTimeoutError):  # (a bounded wait: its end is a poll)
             self.store.wait([f"changed/{self.state.version + 1}"], timedelta(seconds=max(0.001, end - now)))
         self.refresh()
 
@@ -277,8 +277,9 @@ class Manager:
         store: a store every process of the job reaches (a ``TCPStore`` client); it must
             outlive every process of the job (it is not fault tolerant itself).
         min_size: the fewest members the job trains with; a re-form waits for joiners below.
-        max_size: the most members (None: no limit); the first quorum forms as soon as this
-            many processes started.
+        max_size: the most members (None: no limit).
+        initial_size: the first quorum forms as soon as this many processes started (default:
+            ``max_size``); with fewer, ``last_call`` seconds after ``min_size`` came.
         state_dict: returns this process's state to hand over (nested dicts and lists of CPU
             tensors and picklable values: ``{"model": m.state_dict(), "optim":
             opt.state_dict()}``).
@@ -305,6 +306,7 @@ class Manager:
         *,
         min_size: int = 1,
         max_size: int | None = None,
+        initial_size: int | None = None,
         state_dict: Callable[[], Any] | None = None,
         load_state_dict: Callable[[Any], object] | None = None,
         on_reconfigure: Callable[[Quorum], object] | None = None,
@@ -322,7 +324,9 @@ class Manager:
             raise ValueError("Manager: give both state_dict and load_state_dict, or neither")
         if check_every < 1:
             raise ValueError(f"Manager: check_every must be at least 1, got {check_every}")
-        self._settings = q.Settings(min_size, max_size, last_call=last_call, grace=grace, rejoin_timeout=rejoin_timeout)
+        self._settings = q.Settings(
+            min_size, max_size, initial_size, last_call=last_call, grace=grace, rejoin_timeout=rejoin_timeout
+        )
         self._timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         if self._timeout <= 0 or join_timeout <= 0:
             raise ValueError(f"Manager: timeouts must be positive, got timeout={self._timeout:g}, join_timeout={join_timeout:g}")

@@ -102,8 +102,10 @@ class Settings:
     Attributes:
         min_size: the fewest members a quorum may have.
         max_size: the most (None: no limit; the state keeps the first writer's sizes).
+        initial_size: the first quorum forms at once with this many candidates (default:
+            ``max_size``).
         last_call: how long the first quorum waits for more candidates once it has
-            ``min_size`` (it forms at once with ``max_size``).
+            ``min_size`` (it forms at once with ``initial_size``).
         grace: how long a suspected member may take to come back before it is left out.
         rejoin_timeout: how long a member that nobody named may take to come back once
             re-forming began.
@@ -113,6 +115,7 @@ class Settings:
 
     min_size: int = 1
     max_size: int | None = None
+    initial_size: int | None = None
     last_call: float = 5.0
     grace: float = 1.0
     rejoin_timeout: float = 30.0
@@ -122,6 +125,13 @@ class Settings:
     def __post_init__(self) -> None:
         if self.min_size < 1 or (self.max_size is not None and self.max_size < self.min_size):
             raise ValueError(f"quorum sizes: expected 1 <= min_size ({self.min_size}) <= max_size ({self.max_size})")
+        if self.initial_size is not None and not (
+            self.min_size <= self.initial_size and (self.max_size is None or self.initial_size <= self.max_size)
+        ):
+            raise ValueError(
+                f"quorum sizes: expected min_size ({self.min_size}) <= initial_size ({self.initial_size}) <= "
+                f"max_size ({self.max_size})"
+            )
         if min(self.last_call, self.grace, self.rejoin_timeout) < 0 or self.keep_alive_interval <= 0 or self.keep_alive_max_attempt < 1:
             raise ValueError(
                 f"quorum timing: last_call ({self.last_call:g} s), grace ({self.grace:g} s) and rejoin_timeout "
@@ -152,7 +162,7 @@ class State:
         version: the fencing token: one more on every write.
         epoch: the current quorum's number (0: none formed yet).
         closed: whether the job is over.
-        min_size, max_size: the quorum's sizes (the first writer's).
+        min_size, max_size, initial_size: the quorum's sizes (the first writer's).
         members: the current quorum, in rank order.
         steps: each member's committed step when the quorum formed (-1: no state).
         lost: the members of the previous quorum that this one left out.
@@ -169,6 +179,7 @@ class State:
     closed: bool = False
     min_size: int = 1
     max_size: int | None = None
+    initial_size: int | None = None
     members: tuple[str, ...] = ()
     steps: Mapping[str, int] = field(default_factory=dict)
     lost: tuple[str, ...] = ()
@@ -181,14 +192,16 @@ class State:
     @staticmethod
     def fresh(settings: Settings) -> State:
         """The state before any node wrote one."""
-        return State(min_size=settings.min_size, max_size=settings.max_size)
+        initial = settings.initial_size if settings.initial_size is not None else settings.max_size
+        return State(min_size=settings.min_size, max_size=settings.max_size, initial_size=initial)
 
     def encode(self) -> bytes:
         """The state as stored (JSON: readable with any store client)."""
         return json.dumps(
             {
                 "version": self.version, "epoch": self.epoch, "closed": self.closed,
-                "min_size": self.min_size, "max_size": self.max_size, "members": list(self.members),
+                "min_size": self.min_size, "max_size": self.max_size, "initial_size": self.initial_size,
+                "members": list(self.members),
                 "steps": dict(self.steps), "lost": list(self.lost),
                 "candidates": [[node, step] for node, step in self.candidates.items()],
                 "dead": list(self.dead), "suspects": list(self.suspects),
@@ -206,10 +219,11 @@ class State:
         """
         try:
             raw: dict[str, Any] = json.loads(data)
-            max_size = raw["max_size"]
+            max_size, initial = raw["max_size"], raw["initial_size"]
             return State(
                 version=int(raw["version"]), epoch=int(raw["epoch"]), closed=bool(raw["closed"]),
                 min_size=int(raw["min_size"]), max_size=None if max_size is None else int(max_size),
+                initial_size=None if initial is None else int(initial),
                 members=tuple(str(m) for m in raw["members"]),
                 steps={str(m): int(s) for m, s in raw["steps"].items()},
                 lost=tuple(str(m) for m in raw["lost"]),
@@ -356,7 +370,7 @@ def _ready(state: State, view: View, now: float, settings: Settings) -> tuple[bo
     only a change of the state); and whether it never can (every member gone)."""
     if state.epoch == 0:
         n = len(state.candidates)
-        if state.max_size is not None and n >= state.max_size:
+        if state.initial_size is not None and n >= state.initial_size:
             return True, None, False
         if n < state.min_size or view.first is None:
             return False, None, False

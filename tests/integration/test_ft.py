@@ -1,0 +1,223 @@
+"""Fault-tolerant training (``tdist.elastic.ft``) on real processes: a rank killed with SIGKILL
+in the middle of a step, a rank that joins a running job, with tdist's own API and with torch's
+DDP on the tdist backend. Every process trains on the same global batch per step (each rank
+its slice), so the averaged gradient is the full batch's whatever the world size: the final
+parameters can be checked against one process training alone."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+import tdist as dist
+from tdist.elastic import ft
+from tdist.testing import local_store
+
+pytestmark = pytest.mark.timeout(150)
+
+STEPS = 24
+BATCH = 12  # divisible by every world size of these tests
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH, 16, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _reference() -> list[torch.Tensor]:
+    """One process, the full batch, every step once."""
+    model = _model()
+    opt = _optimizer(model)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
+    """One process of the job: trains until STEPS steps are committed (a lost step is tried
+    again: its batch is the step's)."""
+    torch.set_num_threads(1)
+    if "start_after" in role:  # (a joiner: start once the job has gone that far)
+        probe = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+        probe.wait([f"progress/{role['start_after']}"])
+    store = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    model = _model()
+    if "start_after" in role:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # (whatever a joiner holds is replaced by the job's state)
+    opt = _optimizer(model)
+    ddp: list[Any] = [None]
+    quorums: list[tuple[int, int, int, int, int]] = []
+
+    def on_reconfigure(q: ft.Quorum) -> None:
+        quorums.append((q.epoch, q.world_size, len(q.lost), len(q.joined), q.step))
+        if role.get("ddp"):
+            ddp[0] = None
+            gc.collect()  # (the old reducer's hooks on the parameters go with it)
+            ddp[0] = torch.nn.parallel.DistributedDataParallel(model)
+
+    mgr = ft.Manager(
+        store, min_size=1, max_size=3, initial_size=role["initial"], timeout=20, join_timeout=60, last_call=60, grace=1.0,
+        rejoin_timeout=10,
+        state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
+        on_reconfigure=on_reconfigure,
+    )
+    mgr.start()
+    steps: list[tuple[int, bool, int]] = []
+    kill_at = role.get("kill_at")
+    while mgr.current_step < STEPS:
+        with mgr.step() as outcome:
+            step, rank, size = mgr.current_step, mgr.rank, mgr.world_size
+            x, y = _batch(step)
+            n = BATCH // size
+            xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+            opt.zero_grad()
+            if role.get("ddp"):
+                if step == kill_at:  # die inside backward, while DDP's buckets are all-reduced
+                    next(model.parameters()).register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+                torch.nn.functional.mse_loss(ddp[0](xs), ys).backward()
+            else:
+                torch.nn.functional.mse_loss(model(xs), ys).backward()
+                for i, p in enumerate(model.parameters()):
+                    if step == kill_at and i == 2:  # die between two all-reduces of the step
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    assert p.grad is not None
+                    dist.all_reduce(p.grad)
+                    p.grad /= size
+            opt.step()
+        time.sleep(0.05)  # (a pace at which a joiner can catch the job)
+        steps.append((outcome.number, bool(outcome.committed), size))
+        if mgr.rank == 0:
+            store.set(f"progress/{mgr.current_step}", b"")
+    final_size = mgr.world_size
+    mgr.shutdown()
+    return {
+        "params": [p.detach().tolist() for p in model.parameters()], "steps": steps, "quorums": quorums,
+        "world_size": final_size,
+    }
+
+
+def _main(conn: multiprocessing.connection.Connection, port: int, role: dict[str, Any]) -> None:
+    try:
+        conn.send(("ok", _worker(port, role)))
+    except BaseException as exc:
+        import traceback
+
+        conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+def _run(roles: dict[str, dict[str, Any]], timeout: float = 120) -> dict[str, Any]:
+    """Run one process per role around a store of this process; each role's result, or its
+    exit code if it died without one. Every process is reaped."""
+    ctx = multiprocessing.get_context("fork")
+    initial = sum("start_after" not in role for role in roles.values())
+    roles = {name: {**role, "initial": initial} for name, role in roles.items()}
+    with local_store(timeout=60) as server:
+        procs: dict[str, Any] = {}
+        pipes: dict[str, multiprocessing.connection.Connection] = {}
+        try:
+            for name, role in roles.items():
+                r, w = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_main, args=(w, server.port, role), name=f"ft-{name}", daemon=True)
+                p.start()
+                w.close()
+                procs[name], pipes[name] = p, r
+            results: dict[str, Any] = {}
+            deadline = time.monotonic() + timeout
+            waiting = dict(pipes)
+            while waiting and time.monotonic() < deadline:
+                for conn in multiprocessing.connection.wait(list(waiting.values()), timeout=1.0):
+                    name = next(n for n, c in waiting.items() if c is conn)
+                    del waiting[name]
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        procs[name].join(5)
+                        results[name] = procs[name].exitcode
+                        continue
+                    assert status == "ok", f"{name} failed: {value}"
+                    results[name] = value
+            assert not waiting, f"still running after {timeout} s: {sorted(waiting)}"
+            return results
+        finally:
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            for c in pipes.values():
+                with contextlib.suppress(Exception):
+                    c.close()
+
+
+def _check_same(results: list[dict[str, Any]], reference: list[torch.Tensor]) -> None:
+    # (parameters come back as lists: a tensor through a pipe would need the sender alive)
+    first = [torch.tensor(p) for p in results[0]["params"]]
+    for r in results[1:]:
+        for a, b in zip(first, [torch.tensor(p) for p in r["params"]], strict=True):
+            assert torch.equal(a, b)  # (bit for bit: they hold one state)
+    for a, b in zip(first, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_survivors_of_a_sigkill_mid_step_finish_in_place() -> None:
+    out = _run({"a": {}, "b": {}, "victim": {"kill_at": 7}})
+    assert out["victim"] == -signal.SIGKILL
+    survivors = [out["a"], out["b"]]
+    _check_same(survivors, _reference())
+    for r in survivors:
+        assert r["world_size"] == 2
+        assert [q[:2] for q in r["quorums"]] == [(1, 3), (2, 2)] and r["quorums"][1][2] == 1  # one lost
+        sizes = [size for number, committed, size in r["steps"] if committed]
+        assert len(sizes) == STEPS and sizes[0] == 3 and sizes[-1] == 2
+        assert [s for s in r["steps"] if not s[1]] in ([], [(7, False, 3)])  # (step 7 tried again, or healed)
+
+
+def test_a_joiner_receives_the_state_from_a_live_peer_and_takes_part() -> None:
+    out = _run({"a": {}, "b": {}, "late": {"start_after": 8}})
+    results = [out["a"], out["b"], out["late"]]
+    _check_same(results, _reference())
+    late = out["late"]
+    epoch, size, lost, _joined, step = late["quorums"][0]
+    assert epoch == 2 and size == 3 and lost == 0 and step >= 8
+    assert late["steps"][0][0] == step and len(late["steps"]) == STEPS - step
+    assert all(r["world_size"] == 3 for r in results)
+
+
+def test_ddp_on_tdist_survives_a_kill_and_takes_a_joiner() -> None:
+    out = _run({
+        "a": {"ddp": True}, "b": {"ddp": True}, "victim": {"ddp": True, "kill_at": 6},
+        "late": {"ddp": True, "start_after": 12},
+    })
+    assert out["victim"] == -signal.SIGKILL
+    results = [out["a"], out["b"], out["late"]]
+    _check_same(results, _reference())
+    sizes = [size for _, committed, size in out["a"]["steps"] if committed]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
+    assert out["late"]["quorums"][0][1] == 3 and out["late"]["quorums"][0][4] >= 12
