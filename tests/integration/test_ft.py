@@ -7,7 +7,6 @@ parameters can be checked against one process training alone."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -76,8 +75,7 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
     def on_reconfigure(q: ft.Quorum) -> None:
         quorums.append((q.epoch, q.world_size, len(q.lost), len(q.joined), q.step))
         if role.get("ddp"):
-            ddp[0] = None
-            gc.collect()  # (the old reducer's hooks on the parameters go with it)
+            ddp[0] = None  # (the old reducer's hooks on the parameters go with it)
             ddp[0] = torch.nn.parallel.DistributedDataParallel(model)
 
     mgr = ft.Manager(

@@ -49,6 +49,7 @@ import secrets
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,6 +97,7 @@ class Quorum:
         healed: the ranks that received it.
         seconds: how long forming took here, from the failure (or the decision) to the group
             being ready with every member's state in place.
+        transfer: of which the state hand-over here (sending it, or receiving and loading it).
     """
 
     epoch: int
@@ -109,6 +111,7 @@ class Quorum:
     source: int
     healed: tuple[int, ...]
     seconds: float
+    transfer: float = 0.0
 
 
 @dataclass
@@ -531,6 +534,10 @@ class Manager:
 
     def _recover(self, exc: BaseException, t0: float | None) -> Quorum:
         _, named = self._failed(exc)
+        # the failed step's finished frames let go of their locals (as unittest does): what
+        # only they held goes now (an old DDP, whose reducer's hooks on the parameters would
+        # otherwise fire in the next backward), not at the next garbage collection
+        traceback.clear_frames(exc.__traceback__)
         log.warning(
             "ft: rank %d of %d (epoch %d, step %d): the group failed: %s; re-forming the quorum",
             self.rank, self.world_size, self._epoch, self.current_step, _first_line(exc),
@@ -574,8 +581,8 @@ class Manager:
             timeout=timedelta(seconds=self._timeout),
         )
         step, source, healed = q.heal_plan(state)
+        t1 = transfer = self._clock()
         if healed and self._state_dict is not None and self._load_state_dict is not None:
-            t1 = self._clock()
             if rank == source:
                 local = self._state_dict()
                 nbytes = 0
@@ -589,11 +596,12 @@ class Manager:
                 received = recv_state(lambda t: c10d.recv(t, source), self._state_dict())
                 self._load_state_dict(received)
                 log.info("ft: rank %d of %d: received the state of step %d from rank %d in %.3f s", rank, size, step, source, self._clock() - t1)
+        transfer = self._clock() - t1
         self._step = step
         quorum = Quorum(
             epoch=state.epoch, rank=rank, world_size=size, previous_world_size=len(previous), members=state.members,
             lost=tuple(m for m in previous if m not in state.members), joined=tuple(m for m in state.members if m not in previous),
-            step=step, source=source if healed else -1, healed=healed, seconds=self._clock() - t0,
+            step=step, source=source if healed else -1, healed=healed, seconds=self._clock() - t0, transfer=transfer,
         )
         self._quorum = quorum
         log.log(
