@@ -11,6 +11,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -59,6 +60,7 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
     """One process of the job: trains until STEPS steps are committed (a lost step is tried
     again: its batch is the step's)."""
     torch.set_num_threads(1)
+    os.environ.update(TDIST_HEARTBEAT_INTERVAL="0.25", TDIST_HEARTBEAT_TIMEOUT="2")  # (a stall is seen in 2 s)
     if "start_after" in role:  # (a joiner: start once the job has gone that far)
         probe = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
         probe.wait([f"progress/{role['start_after']}"])
@@ -100,6 +102,8 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
                     next(model.parameters()).register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
                 torch.nn.functional.mse_loss(ddp[0](xs), ys).backward()
             else:
+                if step == role.get("stop_at"):  # (stopped until the test sends SIGCONT)
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 torch.nn.functional.mse_loss(model(xs), ys).backward()
                 for i, p in enumerate(model.parameters()):
                     if step == kill_at and i == 2:  # die between two all-reduces of the step
@@ -147,6 +151,11 @@ def _run(roles: dict[str, dict[str, Any]], timeout: float = 120) -> dict[str, An
                 p.start()
                 w.close()
                 procs[name], pipes[name] = p, r
+            for name, role in roles.items():
+                if "cont_after" in role:  # (wake a stopped process once the job has gone on)
+                    threading.Thread(
+                        target=_wake, args=(server.client(), procs[name].pid, role["cont_after"]), daemon=True
+                    ).start()
             results: dict[str, Any] = {}
             deadline = time.monotonic() + timeout
             waiting = dict(pipes)
@@ -172,6 +181,12 @@ def _run(roles: dict[str, dict[str, Any]], timeout: float = 120) -> dict[str, An
             for c in pipes.values():
                 with contextlib.suppress(Exception):
                     c.close()
+
+
+def _wake(store: Any, pid: int, after: int) -> None:
+    with contextlib.suppress(Exception):
+        store.wait([f"progress/{after}"], timedelta(seconds=100))
+        os.kill(pid, signal.SIGCONT)
 
 
 def _check_same(results: list[dict[str, Any]], reference: list[torch.Tensor]) -> None:
@@ -219,3 +234,15 @@ def test_ddp_on_tdist_survives_a_kill_and_takes_a_joiner() -> None:
     sizes = [size for _, committed, size in out["a"]["steps"] if committed]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
     assert out["late"]["quorums"][0][1] == 3 and out["late"]["quorums"][0][4] >= 12
+
+
+def test_a_stalled_rank_is_left_out_and_comes_back_as_a_joiner() -> None:
+    # stopped (SIGSTOP) inside a step: the others see it stall (2 s), name it, go on without it
+    # after the grace (1 s); woken up later, its step fails, and it joins again, healed
+    out = _run({"a": {}, "b": {}, "sleeper": {"stop_at": 5, "cont_after": 12}})
+    results = [out["a"], out["b"], out["sleeper"]]
+    _check_same(results, _reference())
+    sizes = [size for _, committed, size in out["a"]["steps"] if committed]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
+    epochs = [q[:2] for q in out["sleeper"]["quorums"]]
+    assert epochs[0] == (1, 3) and epochs[-1][1] == 3 and out["sleeper"]["quorums"][-1][4] >= 12
