@@ -287,3 +287,13 @@ def test_state_transfer_keeps_structure_and_receives_into_own_tensors() -> None:
 def test_state_transfer_refuses_sparse_tensors() -> None:
     with pytest.raises(TypeError, match="dense CPU"):
         send_state({"s": torch.eye(3).to_sparse()}, lambda t: None)
+
+
+def test_state_transfer_allocates_large_new_tensors_populated_and_writable() -> None:
+    big = torch.arange(3 << 20, dtype=torch.float32).reshape(3, 1 << 20)  # 12 MiB
+    wire: collections.deque[torch.Tensor] = collections.deque()
+    send_state({"momentum": big, "step": torch.tensor(5)}, lambda t: wire.append(t.clone()))
+    got = recv_state(lambda t: t.copy_(wire.popleft().reshape(t.shape)), {})
+    assert torch.equal(got["momentum"], big) and got["momentum"].shape == (3, 1 << 20)
+    got["momentum"].mul_(2)  # (an optimizer updates it in place)
+    assert got["momentum"][2, -1].item() == 2 * ((3 << 20) - 1) and got["step"].item() == 5

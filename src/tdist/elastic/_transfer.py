@@ -9,7 +9,7 @@ one byte buffer (one message instead of hundreds for a model's biases and an opt
 counters), each large one as its own message, straight from its memory. The receiver matches
 each slot with the tensor at the same place in its own ``state_dict()`` and receives into it
 when shape and dtype agree (no allocation, no second copy: a joiner's parameters exist
-already), else into a new tensor; then it rebuilds the structure and hands it to the caller's
+already), else into a new tensor, its pages faulted in first; then it rebuilds the structure and hands it to the caller's
 ``load_state_dict``. Both sides walk the tensors in the skeleton's order, so no message needs
 a name.
 
@@ -20,6 +20,9 @@ The receiver unpickles what the sender sent: the group's peers have proven the j
 from __future__ import annotations
 
 import copy
+import ctypes
+import math
+import mmap
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +33,9 @@ import torch
 __all__ = ["recv_state", "send_state"]
 
 _SMALL = 1 << 16  # tensors below this many bytes travel packed together
+_POPULATE_MIN = 2 << 20  # new tensors from this size on are mapped and populated at once
+_HUGE = 2 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 Path = tuple[object, ...]
 
@@ -130,6 +136,25 @@ def _small(t: torch.Tensor) -> bool:
     return t.numel() * t.element_size() < _SMALL
 
 
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor to receive into, its pages in memory already: a cross-memory copy into
+    pages never touched faults them in one by one (measured here: 0.5 s for 64 MiB, against
+    13 ms to populate a mapping on huge pages, or 35 ms for a memset)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _POPULATE_MIN:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(m)
+        off = (-ctypes.addressof(ctypes.c_char.from_buffer(view))) % _HUGE
+        m.madvise(mmap.MADV_HUGEPAGE, off, nbytes - nbytes % _HUGE or nbytes)
+        m.madvise(_MADV_POPULATE_WRITE, off, nbytes)
+    except (OSError, AttributeError, ValueError):  # (no such advice here: fault in by writing)
+        return torch.zeros(shape, dtype=dtype)
+    # (the tensor holds the mapping: it goes when the last tensor viewing it does)
+    return torch.frombuffer(view[off : off + nbytes], dtype=torch.uint8).view(dtype).reshape(shape)
+
+
 Send = Callable[[torch.Tensor], object]
 Recv = Callable[[torch.Tensor], object]
 
@@ -181,7 +206,7 @@ def recv_state(recv: Recv, local: Any = None) -> Any:
             targets.append(own.detach())
             values.append(own)  # (load_state_dict copying a tensor onto itself copies nothing)
         else:
-            new = torch.empty(slot.shape, dtype=slot.dtype)
+            new = _allocate(slot.shape, slot.dtype)
             targets.append(new.detach())
             values.append(new.requires_grad_(True) if slot.requires_grad else new)
     small = [t for t in targets if _small(t)]
