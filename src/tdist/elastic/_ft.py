@@ -72,6 +72,7 @@ __all__ = ["Manager", "Quorum", "QuorumError", "StepOutcome"]
 log = logging.getLogger(__name__)
 
 STATE_KEY = "state"
+WRITES_KEY = "writes"  # how many times the state was written (read at every step boundary)
 _POLL = 0.5  # the longest wait between two reads of the state (and two liveness checks)
 _KEEP_MARKERS = 16  # change markers kept behind the current version
 
@@ -168,7 +169,9 @@ class _QuorumClient:
     def __init__(self, store: Store, me: str, node: q.Node, settings: q.Settings, clock: Clock) -> None:
         self.store, self.me, self.node, self.settings, self._clock = store, me, node, settings, clock
         self.state = q.State.fresh(settings)
+        self._fresh = self.state.encode()
         self._raw = b""
+        self._writes = -1  # the count of writes when the state was last read
         self.view = q.View()
 
     def _seen(self, raw: bytes) -> None:
@@ -180,9 +183,15 @@ class _QuorumClient:
         self.view = q.observe(self.view, self.state, self._clock())
 
     def refresh(self) -> q.State:
-        """Read the state (one request)."""
-        self._seen(self.store.compare_set(STATE_KEY, b"", q.State.fresh(self.settings).encode()))
+        """Read the state (two requests: the count of writes first, then the state)."""
+        self._writes = self.store.add(WRITES_KEY, 0)
+        self._seen(self.store.compare_set(STATE_KEY, b"", self._fresh))
         return self.state
+
+    def changed(self) -> bool:
+        """Whether the state was written since this node last read it (one request: the
+        count of writes, cheaper than reading the state)."""
+        return self.store.add(WRITES_KEY, 0) != self._writes
 
     def _write(self, action: q.Action, req: q.Join | None = None) -> bool:
         new = q.apply(self.state, action, self.me, req)
@@ -192,6 +201,7 @@ class _QuorumClient:
         if won:
             log.debug("ft: node %s: %s -> version %d (epoch %d)", self.me, action.step.value, new.version, new.epoch)
             self.store.set(f"changed/{new.version}", b"")
+            self.store.add(WRITES_KEY, 1)
             if new.version > _KEEP_MARKERS:
                 self.store.delete_key(f"changed/{new.version - _KEEP_MARKERS}")
         self._seen(current)
@@ -469,7 +479,7 @@ class Manager:
         while True:
             t0 = self._clock()
             flags.zero_()
-            if self.rank == 0:
+            if self.rank == 0 and self._client.changed():
                 flags[0] = int(q.should_reform(self._client.refresh(), self._epoch, self._members))
             flags[1] = int(finishing)
             try:
