@@ -9,9 +9,11 @@ torch's default group (DDP, ``torch.distributed``) runs on it too; it hands the 
 members that need it, then calls ``on_reconfigure``.
 
 A training step runs inside ``with manager.step():`` (or ``run_step(fn)``). At its start the
-members agree whether to re-form now: rank 0 reads the quorum state and a one-element
-``all_reduce(MAX)`` hands its verdict to every member (nodes wait to join, or a member asked);
-a re-form costs no failure. When the step fails because the group did (a ``DistError``
+members agree whether to re-form now: rank 0 reads how many times the quorum state was written
+(and the state, if that moved), and a two-element ``all_reduce`` hands its verdict to every
+member (nodes wait to join, or a member asked), with the count of members that are finishing
+(``shutdown``). After every re-form the members agree again, so the next collective of every
+member, a joiner's included, is that same one. A re-form for joiners costs no failure. When the step fails because the group did (a ``DistError``
 anywhere in the exception's chain, or the group reports itself broken, as under DDP, which
 wraps the error in a ``RuntimeError``), the member destroys its group at once (so every other
 member's pending operation fails within milliseconds instead of waiting for a heartbeat),
