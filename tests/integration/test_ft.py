@@ -11,9 +11,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -246,3 +249,23 @@ def test_a_stalled_rank_is_left_out_and_comes_back_as_a_joiner() -> None:
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
     epochs = [q[:2] for q in out["sleeper"]["quorums"]]
     assert epochs[0] == (1, 3) and epochs[-1][1] == 3 and out["sleeper"]["quorums"][-1][4] >= 12
+
+
+@pytest.mark.timeout(200)
+def test_the_example_runs_a_kill_and_a_join_to_identical_parameters() -> None:
+    """``examples/ft_ddp.py`` (the README's command) end to end, shorter: 4 workers, one killed,
+    a fifth joins; it exits 0 only if the four that finish hold identical parameters."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
+    env["PYTHONPATH"] = str(root / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "ft_ddp.py"), "--steps", "80", "--kill-at", "10", "--join-at", "20",
+         "--pace", "0.01"],
+        capture_output=True, text=True, timeout=180, env=env, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "[launcher] killed w2" in out and "lost " in out and "[w4] quorum" in out, out[-3000:]
+    assert "finished with identical parameters" in out
+    worlds = [line.split("| world ")[1].split(" ")[0] for line in out.splitlines() if line.startswith("step ")]
+    assert worlds[0] == "4" and "3" in worlds and worlds[-1] == "4"
