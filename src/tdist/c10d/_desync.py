@@ -36,14 +36,18 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
-__all__ = ["GRACE", "Responder", "diagnose", "explain", "head", "request_dumps"]
+__all__ = [
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "diagnose", "explain", "head", "mismatch",
+    "request_dumps", "watch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,11 @@ def clone_store(store: Any) -> Any:
     if isinstance(root, FileStore):
         return None
     try:
-        return store.clone()
+        clone = store.clone()
+        clone.check(["fr/asks"])  # (torch's clone of a store written in Python fails only here)
     except Exception:
         return None
+    return clone
 
 
 def _close(store: Any) -> None:
@@ -242,6 +248,17 @@ def diagnose(
     Returns:
         The explanation (never raises: a store that cannot be asked is said so).
     """
+    mine = fr.brief(failed, time.time_ns())
+    heads, unanswered = ask_all(store, rec, gone, dump, grace)
+    return explain(rec.rank, rec.size, mine, heads, gone, rec.label, unanswered)
+
+
+def ask_all(
+    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None = None, grace: float = GRACE
+) -> tuple[dict[int, dict[str, Any] | None], str]:
+    """Every member's ``head`` (``None`` for those that did not answer within ``grace``; this
+    rank's own, read here), and what to say of a rank that did not answer. Asks from a helper
+    thread on a clone of ``store``, given up a second after ``grace``."""
     box: list[Any] = []
 
     def run() -> None:
@@ -257,8 +274,6 @@ def diagnose(
     t = threading.Thread(target=run, name=f"tdist-fr-ask-{rec.rank}", daemon=True)
     t.start()
     t.join(grace + 1.0)
-    now = time.time_ns()
-    mine = fr.brief(failed, now)
     heads: dict[int, dict[str, Any] | None] = {}
     unanswered = f"did not answer within {grace:g} s (stopped, e.g. by SIGSTOP, hung holding the GIL, or unreachable)"
     if not box or isinstance(box[0], BaseException):
@@ -269,10 +284,124 @@ def diagnose(
         if broke is not None:
             unanswered = f"could not be asked: the store failed ({broke})"
     heads[rec.rank] = head(rec)
-    return explain(rec.rank, rec.size, mine, heads, gone, rec.label, unanswered)
+    return heads, unanswered
+
+
+# -- the watchdog: a collective that blocks is checked against the other ranks' calls ------------
+def check_after() -> float:
+    """Seconds a collective may block before the desync check asks the other ranks what they
+    called (``TDIST_FR_CHECK_AFTER``, 2; then again after twice as long, up to a minute apart;
+    0: never)."""
+    try:
+        return max(0.0, float(os.environ.get("TDIST_FR_CHECK_AFTER", "2")))
+    except ValueError:
+        return 2.0
+
+
+class _Watchdog:
+    """One daemon thread per process that looks at every watched recorder twice a second; a
+    collective running for ``check_after()`` seconds is handed to its backend's check (which
+    asks the other ranks through the store, and breaks the group on a mismatch). It costs the
+    operations nothing: it reads the rings."""
+
+    _PERIOD = 0.5
+    _MAX_GAP = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[weakref.ref[fr.Recorder], weakref.WeakMethod[Callable[[list[Any]], None]]]] = {}
+        self._due: dict[tuple[int, int], float] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
+        after = check_after()
+        if after <= 0:
+            return
+        with self._lock:
+            self._watched[rec.pg_id] = (weakref.ref(rec), weakref.WeakMethod(check))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, args=(after,), name="tdist-fr-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self, after: float) -> None:
+        while True:
+            time.sleep(self._PERIOD)
+            with self._lock:
+                items = list(self._watched.items())
+            now = time.time_ns()
+            for pg_id, (rref, mref) in items:
+                rec, check = rref(), mref()
+                if rec is None or check is None:
+                    with self._lock:
+                        self._watched.pop(pg_id, None)
+                    continue
+                for e in rec.latest(_RECENT):
+                    if e[fr.PEER] is not None or e[fr.DONE] or e[fr.ERROR]:
+                        continue
+                    if e[fr.STARTED]:  # (the oldest running collective: what the group waits on)
+                        key = (pg_id, e[fr.ID])
+                        due = self._due.get(key, after)
+                        if (now - e[fr.STARTED]) / 1e9 >= due:
+                            if len(self._due) > 1000:
+                                self._due.clear()
+                            self._due[key] = min(due * 2, self._MAX_GAP)
+                            try:
+                                check(e)
+                            except Exception as exc:
+                                log.debug("flight recorder: desync check of group %s: %s", rec.label, exc)
+                    break
+
+    def forget(self) -> None:
+        """In a forked child: the parent's groups are not this process's."""
+        self._lock = threading.Lock()
+        self._watched.clear()
+        self._due.clear()
+        self._thread = None
+
+
+_watchdog = _Watchdog()
+os.register_at_fork(after_in_child=_watchdog.forget)
+
+
+def watch(rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
+    """Have ``check(entry)`` (a bound method of the group's backend, held weakly) run when a
+    collective of ``rec`` blocks for ``check_after()`` seconds, then at growing intervals."""
+    _watchdog.watch(rec, check)
 
 
 # -- the explanation (pure) ----------------------------------------------------------------------
+# collectives whose every rank passes the same shapes (the others may differ by rank: uneven
+# all_gather, all_to_all splits, the root's lists of gather and scatter)
+_SAME_SHAPES = frozenset({
+    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
+})
+
+
+def compatible(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two ranks' entries of one sequence number are the same call."""
+    if a.get("op") != b.get("op"):
+        return False
+    if a.get("op") in _SAME_SHAPES:
+        return bool(a.get("sig") == b.get("sig"))
+    return not a.get("dtype") or not b.get("dtype") or a.get("dtype") == b.get("dtype")
+
+
+def mismatch(failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None]) -> list[int]:
+    """The ranks whose entry of ``failed``'s sequence number is another call (``[]``: none
+    found; a rank that has not reached it yet is no mismatch)."""
+    if failed.get("p2p"):
+        return []
+    out = []
+    for q, h in sorted(heads.items()):
+        if h is None:
+            continue
+        for b in h.get("recent") or []:
+            if not b.get("p2p") and b.get("seq") == failed["seq"] and not compatible(b, failed):
+                out.append(q)
+                break
+    return out
+
+
 def _call(b: Mapping[str, Any]) -> str:
     if b.get("p2p"):
         src, dst = b["p2p"]
@@ -332,7 +461,7 @@ def _status(
     )
     if same:
         b = same[-1]
-        if b["op"] == failed["op"] and b.get("sig") == failed.get("sig"):
+        if compatible(b, failed):
             if b.get("state") == "completed":
                 return f"completed {call}{elsewhere}", False
             return "", True

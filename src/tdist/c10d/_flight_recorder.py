@@ -245,6 +245,17 @@ class Recorder:
         e[ERROR] = f"{type(exc).__name__}: {exc}"[:2000]
 
     # -- reading -------------------------------------------------------------------------------
+    def latest(self, k: int) -> list[list[Any]]:
+        """The last ``k`` entries, oldest first (copies)."""
+        n, cap = self._n, self._cap
+        ring = self._ring
+        out = []
+        for i in range(max(0, n - min(k, cap)), n):
+            e = ring[i % cap]
+            if e is not None:
+                out.append(list(e))
+        return out
+
     def entries(self) -> list[list[Any]]:
         """The recorded entries, oldest first (copies of the ring's lists)."""
         n, cap = self._n, self._cap
@@ -322,6 +333,7 @@ def brief(e: Sequence[Any], now_ns: int) -> dict[str, Any]:
         "op": e[OP],
         "p2p": None if peer is None else list(peer),
         "sig": signature(e),
+        "dtype": _dtype_short(e[INDT] if e[INDT] is not None else e[OUTDT]),
         "state": state_of(e),
         "since_s": round(max(0, now_ns - since) / 1e9, 3),
         "where": where(e),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -30,7 +31,13 @@ from typing import Any
 
 import torch
 
-from .._core.errors import DistBackendError, DistError, DistTimeoutError, PeerError
+from .._core.errors import (
+    CollectiveMismatchError,
+    DistBackendError,
+    DistError,
+    DistTimeoutError,
+    PeerError,
+)
 from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
 from ..transport._serialization import dumps, loads
@@ -38,7 +45,7 @@ from . import _flight_recorder as fr
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
-from ._desync import Responder, diagnose, request_dumps
+from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, watch
 from ._flight_recorder import DONE, STARTED, Recorder
 from ._reduce import reduce_into
 from ._threads import capped
@@ -96,20 +103,45 @@ def _stacked(n: int, t: torch.Tensor) -> tuple[torch.Size]:
 
 _time_ns = time.time_ns
 _MARK = "What the ranks of group"  # (how ``_desync.explain`` starts)
+_MISMATCH = "collective mismatch in group"  # (the desync check's verdict)
+# a failure that quotes one of these says already what went wrong, naming both sides
+_QUOTED = (_MARK, _MISMATCH, "mismatched calls", "collective mismatch in shared-memory arena")
 
 
-def _gone(exc: PeerError) -> dict[int, str]:
-    """The peer a ``PeerError`` says is gone (dead, stalled, left), with why; ``{}`` when the
-    peer is alive (it failed or aborted the group itself, and can still answer)."""
-    peer = exc.peer
+# what the transport and the arena say of a peer that is gone, wherever in a (quoted) message
+_FATES = (
+    (re.compile(r"peer rank (\d+) \(pid \d+\) stalled|rank (\d+) \([^)]*\) has sent nothing"),
+     "is stalled (no heartbeat: stopped by SIGSTOP, hung, or cut off)"),
+    (re.compile(r"peer rank (\d+) \(pid \d+\) closed|rank (\d+) \([^)]*\) left the process group"),
+     "left the group"),
+    (re.compile(r"peer rank (\d+) \(pid \d+\) died|connection to rank (\d+) \([^)]*\)[^;]* was lost"),
+     "is gone (its process died or its connection was lost)"),
+)
+
+
+def _gone(exc: PeerError, me: int) -> dict[int, str]:
+    """The peers a ``PeerError`` (or the failure of another rank it quotes) says are gone:
+    dead, stalled or left, with what became of them. A peer that failed or aborted the group
+    itself is alive and can still answer."""
     text = str(exc)
-    if not isinstance(peer, int) or "aborted" in text or "failed:" in text:
-        return {}
-    if "stalled" in text or "no heartbeat" in text or "sent nothing" in text:
-        return {peer: "is stalled (no heartbeat: stopped by SIGSTOP, hung, or cut off)"}
-    if "left" in text or "closed" in text:
-        return {peer: "left the group"}
-    return {peer: "is gone (its process died or its connection was lost)"}
+    out: dict[int, str] = {}
+    for pattern, fate in _FATES:
+        for m in pattern.finditer(text):
+            q = int(m.group(1) or m.group(2))
+            if q != me:
+                out.setdefault(q, fate)
+    return out
+
+
+def _proc_state(pid: int) -> str | None:
+    """A local process's state letter from ``/proc`` (``None``: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    tail = stat[stat.rfind(")") + 1 :].split()
+    return tail[0] if tail else None
 
 
 def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
@@ -302,15 +334,66 @@ class ProcessGroupTCP(Backend):
         # diagnosis requests (``_desync``)
         self._fr = fr.make_recorder(rank, size, self._timeout)
         self._responder: Responder | None = None
+        self._verdict: CollectiveMismatchError | None = None  # the desync check's
         if self._fr is not None:
             self._fr.identify(name=name or None)
             if size > 1:
                 self._responder = Responder(store, self._fr)
+                watch(self._fr, self._desync_check)
 
     @property
     def flight_recorder(self) -> Recorder | None:
         """This rank's flight record of the group (``None`` when the recorder is off)."""
         return self._fr
+
+    def _desync_check(self, entry: list[Any]) -> None:
+        """The watchdog's check of a collective that blocks (``_desync.watch``): ask the other
+        ranks what they called at its sequence number; another call there (no message may ever
+        cross between such calls, so nothing else would notice before the timeout) breaks the
+        group with a ``CollectiveMismatchError`` naming both sides, on every rank."""
+        rec = self._fr
+        if rec is None or self._closed or self._broken is not None or self._verdict is not None or entry[DONE]:
+            return
+        heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
+        mine = fr.brief(entry, _time_ns())
+        culprits = mismatch(mine, heads)
+        if not culprits or entry[DONE] or self._broken is not None:
+            return
+        q = culprits[0]
+        theirs = next(b for b in heads[q]["recent"] if not b.get("p2p") and b.get("seq") == mine["seq"])  # type: ignore[index]
+        age = (_time_ns() - entry[STARTED]) / 1e9
+
+        def call(b: dict[str, Any]) -> str:
+            return f"{b['op']} #{b['seq']}" + (f" ({b['sig']})" if b.get("sig") else "")
+
+        message = (
+            f"rank {self._rank}: {_MISMATCH} {rec.label!r} (found by the desync check after {age:.1f} s "
+            f"without progress): rank {self._rank} called {call(mine)} but rank {q} called {call(theirs)}; "
+            "every rank must call the same collectives in the same order with the same shapes and "
+            f"dtypes. {explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered)}"
+        )
+        self._verdict = CollectiveMismatchError(message)
+        self._ep.abort(message)
+        if self._arena is not None:
+            self._arena.abort(message)
+
+    def _local_fates(self) -> dict[int, str]:
+        """Peers on this host whose process is stopped or gone, as ``/proc`` says (a stopped
+        rank answers nothing; this says why)."""
+        out: dict[int, str] = {}
+        me = os.getpid()
+        for q in range(self._size):
+            if q == self._rank or not self._ep.same_host(q):
+                continue
+            pid = self._ep.peer_pid(q)
+            if pid <= 0 or pid == me:
+                continue
+            state = _proc_state(pid)
+            if state is None or state in ("Z", "X"):
+                out[q] = f"is gone (its process, pid {pid}, has exited)"
+            elif state in ("T", "t"):
+                out[q] = f"is stopped (pid {pid} is in state {state}: SIGSTOP, or a debugger)"
+        return out
 
     def request_dumps(self, prefix: str, timeout: float = 10.0) -> list[str]:
         """Have every rank of the group write its flight-record dump to ``<prefix><global
@@ -372,6 +455,9 @@ class ProcessGroupTCP(Backend):
         try:
             result = fn()
         except BaseException as exc:
+            verdict = self._verdict
+            if verdict is not None and isinstance(exc, DistError) and exc is not verdict:
+                exc = verdict  # (the desync check broke the group under this call: say why)
             if entry is not None:
                 Recorder.failed(entry, exc)
             if isinstance(exc, DistError) and self._broken is None and not self._closed:
@@ -397,7 +483,7 @@ class ProcessGroupTCP(Backend):
         if rec is None or not isinstance(exc, (DistTimeoutError, PeerError)) or self._size == 1:
             return
         text = str(exc)
-        if _MARK in text:  # (a peer's diagnosis, quoted in its abort)
+        if any(m in text for m in _QUOTED):  # (a peer's diagnosis or mismatch, quoted in its abort)
             return
         prefix = fr.dump_prefix() if fr.dump_on_failure() else None
         earlier = self._ep.broken
@@ -408,7 +494,8 @@ class ProcessGroupTCP(Backend):
             explanation = f"(as the rank that failed first saw it) {said[said.index(_MARK):]}"
             prefix = None  # (that rank had every rank write its dump then)
         else:
-            gone = _gone(exc) if isinstance(exc, PeerError) else {}
+            gone = _gone(exc, self._rank) if isinstance(exc, PeerError) else {}
+            gone.update(self._local_fates())
             explanation = diagnose(self._store, rec, entry, gone, prefix)
         exc.args = (f"{text}\n{explanation}", *exc.args[1:])
         if prefix is not None:
