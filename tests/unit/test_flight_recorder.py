@@ -42,7 +42,7 @@ def test_the_ring_keeps_the_last_n_in_order_and_never_a_tensor() -> None:
     assert [e[F.CSEQ] for e in rec.latest(2)] == [9, 10]
     assert not any(isinstance(x, torch.Tensor) for e in es for x in e)
     p = rec.p2p("send", t.shape, t.dtype, 0, 1)
-    assert (p[F.CSEQ], p[F.PSEQ], p[F.OPID]) == (10, 1, 11)
+    assert (p[F.CSEQ], p[F.PSEQ], F.entry_dict(rec, p)["op_id"]) == (10, 1, 11)
 
 
 def test_buffer_size_and_prefix_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

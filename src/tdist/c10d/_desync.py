@@ -24,6 +24,16 @@ The asking runs in a helper thread, on a clone of the store where the store can 
 is abandoned after the grace and a second: a store whose host is stopped must not turn a
 diagnosed timeout into a hang. Values are JSON (the store may be shared; never pickle).
 
+The same answers make the cheap desync check. Ranks that call different collectives at one
+sequence number are caught when a message of one reaches the other (its fingerprint is compared
+on arrival) or, in the shared-memory arena, at arrival; but two different calls may never
+exchange a message at all (a broadcast from rank 0 and an all-reduce that first waits for rank
+2) and would hang until the timeout. So one watchdog thread per process looks at the rings twice
+a second, and a collective blocked for ``check_after()`` seconds is compared with what the other
+ranks recorded at its sequence number (``mismatch``, by the rules of ``compatible``); its
+backend turns a mismatch into a ``CollectiveMismatchError`` naming both sides and breaks the
+group, so every rank hears of it. Operations pay nothing for it.
+
 Thread-safety: a responder serves one recorder; ``diagnose`` may run on several ranks' threads
 at once (each gets its own request number).
 """

@@ -71,8 +71,9 @@ _DEFAULT_SIZE = 2000
 _DEFAULT_PREFIX = "/tmp/tdist_fr_trace_rank_"
 _MAX_FRAMES = 32
 
-# an entry is a list; these are its slots
-ID, CSEQ, PSEQ, OPID, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR = range(15)
+# an entry is a list; these are its slots (torch's op_id, the group's count of operations, is
+# CSEQ + PSEQ)
+ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR = range(14)
 
 _ids = itertools.count()  # record ids: one sequence per process, as torch's single ring
 _pg_ids = itertools.count()
@@ -154,8 +155,8 @@ class Recorder:
     """
 
     __slots__ = (
-        "__weakref__", "_cap", "_n", "_ranks", "_ring", "coll_seq", "desc", "name", "op_seq",
-        "p2p_seq", "pg_id", "pid", "rank", "ranks_fn", "size", "stack", "timeout_ms",
+        "__weakref__", "_cap", "_n", "_ranks", "_ring", "coll_seq", "desc", "name", "p2p_seq",
+        "pg_id", "pid", "rank", "ranks_fn", "size", "stack", "timeout_ms",
     )
 
     def __init__(self, rank: int, size: int, capacity: int, timeout_s: float = 1800.0) -> None:
@@ -164,7 +165,6 @@ class Recorder:
         self._n = 0
         self.coll_seq = 0
         self.p2p_seq = 0
-        self.op_seq = 0
         self.pg_id = next(_pg_ids)
         self.rank = rank
         self.size = size
@@ -218,10 +218,9 @@ class Recorder:
         """Record a collective as issued; returns its entry (the backend writes ``STARTED``
         and ``DONE`` into it). ``outs``/``out_dtype`` ``None``: as the inputs."""
         self.coll_seq = seq = self.coll_seq + 1
-        self.op_seq = opid = self.op_seq + 1
         n = self._n
         self._n = n + 1
-        e = [next(_ids), seq, self.p2p_seq, opid, op, ins, in_dtype, outs, out_dtype, None, _time_ns(), 0, 0,
+        e = [next(_ids), seq, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, _time_ns(), 0, 0,
              _capture() if self.stack else None, None]
         self._ring[n % self._cap] = e
         return e
@@ -229,10 +228,9 @@ class Recorder:
     def p2p(self, op: str, shape: Any, dtype: torch.dtype, src: int, dst: int) -> list[Any]:
         """Record a send or a receive (``op``: ``"send"``/``"recv"``; group ranks)."""
         self.p2p_seq = seq = self.p2p_seq + 1
-        self.op_seq = opid = self.op_seq + 1
         n = self._n
         self._n = n + 1
-        e = [next(_ids), self.coll_seq, seq, opid, op, (shape,), dtype, None, None, (src, dst), _time_ns(), 0, 0,
+        e = [next(_ids), self.coll_seq, seq, op, (shape,), dtype, None, None, (src, dst), _time_ns(), 0, 0,
              _capture() if self.stack else None, None]
         self._ring[n % self._cap] = e
         return e
@@ -369,7 +367,7 @@ def entry_dict(rec: Recorder, e: Sequence[Any]) -> dict[str, Any]:
         "process_group": (rec.label, rec.desc),
         "collective_seq_id": e[CSEQ],
         "p2p_seq_id": e[PSEQ],
-        "op_id": e[OPID],
+        "op_id": e[CSEQ] + e[PSEQ],
         "profiling_name": _profiling_name(e),
         "time_created_ns": e[CREATED],
         "input_sizes": ins,

@@ -15,6 +15,13 @@ group's worker thread. Point-to-point receives complete from the transport's rea
 
 Tensors may be non-contiguous: they are gathered into a contiguous copy and written back only
 inside the view. Integer AVG is refused (there is no exact integer mean).
+
+Every operation also takes an entry of the group's flight record (``_flight_recorder``) as it is
+issued, stamped as it starts and completes. A timeout or a lost peer asks every rank what it
+was doing (``_desync.diagnose``), adds the account to the error before the group is aborted (so
+the abort carries it to every rank), and has every rank write its dump; a collective that
+blocks is compared with the other ranks' calls by the watchdog (``_desync.watch``), whose
+verdict on a mismatch breaks the group the same way.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
 from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, watch
-from ._flight_recorder import DONE, STARTED, Recorder
+from ._flight_recorder import CREATED, DONE, STARTED, Recorder
 from ._reduce import reduce_into
 from ._threads import capped
 from ._types import (
@@ -443,6 +450,8 @@ class ProcessGroupTCP(Backend):
                 self._ensure_worker()
                 self._cv.notify()
                 return work
+        if entry is not None:
+            entry[STARTED] = entry[CREATED]  # (runs now)
         try:
             self._execute(work, fn, entry)
         finally:
@@ -450,8 +459,6 @@ class ProcessGroupTCP(Backend):
         return work
 
     def _execute(self, work: Work, fn: Callable[[], list[torch.Tensor]], entry: list[Any] | None) -> None:
-        if entry is not None:
-            entry[STARTED] = _time_ns()
         try:
             result = fn()
         except BaseException as exc:
@@ -519,6 +526,8 @@ class ProcessGroupTCP(Backend):
                     return
                 work, fn, entry = self._queue[0]
             with self._lock:
+                if entry is not None:
+                    entry[STARTED] = _time_ns()
                 self._execute(work, fn, entry)
             with self._cv:
                 self._queue.popleft()
@@ -724,7 +733,10 @@ class ProcessGroupTCP(Backend):
             return tensors
 
         rec = self._fr
-        entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype) if rec is not None else None
+        entry = None
+        if rec is not None:  # (the hot path of a small all_reduce: _shapes inlined)
+            t0 = tensors[0]
+            entry = rec.collective("all_reduce", (t0.shape,) if len(tensors) == 1 else _shapes(tensors), t0.dtype)
         return self._submit("all_reduce", opts, run, entry)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work:
@@ -1143,7 +1155,7 @@ class ProcessGroupTCP(Backend):
         rec = self._fr
         entry = rec.p2p("send", t.shape, t.dtype, self._rank, dst) if rec is not None else None
         if entry is not None:
-            entry[STARTED] = entry[fr.CREATED]
+            entry[STARTED] = entry[CREATED]
         try:
             self._ep.send(dst, self._p2p_tag(tag), [bytes_view(t)], b"", deadline, f"send to rank {dst}")
         except BaseException as exc:
@@ -1185,7 +1197,7 @@ class ProcessGroupTCP(Backend):
         rec = self._fr
         entry = rec.p2p("recv", tensor.shape, tensor.dtype, src, self._rank) if rec is not None else None
         if entry is not None:
-            entry[STARTED] = entry[fr.CREATED]
+            entry[STARTED] = entry[CREATED]
         handle = self._ep.post_recv(src, self._p2p_tag(tag), bytes_view(flat.flat), None, what)
         return _RecvWork(self, handle, flat, what, time.monotonic() + self._timeout, entry)
 
