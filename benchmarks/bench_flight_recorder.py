@@ -1,14 +1,16 @@
 """What the flight recorder costs: a 2-process all_reduce loop through tdist's API, with the
 recorder on (the default) and off.
 
-Both settings run in the same pair of processes, in alternating batches (the group's recorder
-is detached for the "off" batches, which is what ``TDIST_FR_BUFFER_SIZE=0`` gives), so that the
-noise of a shared machine falls on both alike. Each batch is ``--iters`` all_reduces; the
+By default both settings run in the same pair of processes, in alternating batches (the
+group's recorder is detached for the "off" batches: what ``TDIST_FR_BUFFER_SIZE=0`` gives the
+operations), so that the noise of a shared machine falls on both alike. ``--mode env`` runs
+fresh pairs of processes instead, alternately with ``TDIST_FR_BUFFER_SIZE=2000`` and ``=0``
+(no recorder, no responder, no watchdog at all). Each batch is ``--iters`` all_reduces; the
 figure is the median over batches of each setting, and the median of the per-pair ratios.
-``--runs`` repeats it with fresh processes.
 
     .venv/bin/python benchmarks/bench_flight_recorder.py                   # 4 B
     .venv/bin/python benchmarks/bench_flight_recorder.py --sizes 4,67108864
+    .venv/bin/python benchmarks/bench_flight_recorder.py --mode env --runs 10
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import before_fork, free_port, machine_line  # noqa: E402
+from _common import before_fork, free_port, machine_line
 
 
-def _rank(rank: int, port: int, nbytes: int, iters: int, pairs: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _rank(rank: int, port: int, nbytes: int, iters: int, pairs: int, fr: str, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    if fr:
+        os.environ["TDIST_FR_BUFFER_SIZE"] = fr
     import torch
 
     import tdist
@@ -35,14 +39,14 @@ def _rank(rank: int, port: int, nbytes: int, iters: int, pairs: int, out: multip
     backend = tdist.group.WORLD
     backend = getattr(backend, "backend", None) or backend._get_backend()
     rec = backend.flight_recorder
-    assert rec is not None, "the recorder is off (TDIST_FR_BUFFER_SIZE=0?)"
     t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     for _ in range(min(iters, 200)):
         tdist.all_reduce(t)
     on: list[float] = []
     off: list[float] = []
     for i in range(2 * pairs):
-        recording = (i % 4) in (0, 3)  # on, off, off, on, ...: neither setting always goes first
+        # on, off, off, on, ...: neither setting always goes first (--mode env: as the process is)
+        recording = (i % 4) in (0, 3) if not fr else fr != "0"
         backend._fr = rec if recording else None
         tdist.barrier()
         t0 = time.perf_counter()
@@ -55,12 +59,12 @@ def _rank(rank: int, port: int, nbytes: int, iters: int, pairs: int, out: multip
         out.put((on, off))
 
 
-def run_once(nbytes: int, iters: int, pairs: int) -> tuple[list[float], list[float]]:
+def run_once(nbytes: int, iters: int, pairs: int, fr: str = "") -> tuple[list[float], list[float]]:
     ctx = multiprocessing.get_context("fork")
     q: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
     port = free_port()
     before_fork()
-    procs = [ctx.Process(target=_rank, args=(r, port, nbytes, iters, pairs, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, nbytes, iters, pairs, fr, q)) for r in range(2)]
     for p in procs:
         p.start()
     on, off = q.get(timeout=600)
@@ -75,6 +79,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="fresh pairs of processes per size")
     ap.add_argument("--pairs", type=int, default=20, help="(on, off) batch pairs per run")
     ap.add_argument("--iters", type=int, default=0, help="ops per batch (default: by size)")
+    ap.add_argument("--mode", choices=["batches", "env"], default="batches")
     args = ap.parse_args()
     print(machine_line())
     for nbytes in (int(s) for s in args.sizes.split(",")):
@@ -82,9 +87,13 @@ def main() -> None:
         on: list[float] = []
         off: list[float] = []
         for _ in range(args.runs):
-            a, b = run_once(nbytes, iters, args.pairs)
-            on += a
-            off += b
+            if args.mode == "env":
+                on += run_once(nbytes, iters, args.pairs, "2000")[0]
+                off += run_once(nbytes, iters, args.pairs, "0")[1]
+            else:
+                a, b = run_once(nbytes, iters, args.pairs)
+                on += a
+                off += b
         ratios = [x / y for x, y in zip(on, off, strict=True)]
         m_on, m_off = statistics.median(on), statistics.median(off)
         print(

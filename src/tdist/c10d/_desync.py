@@ -56,7 +56,7 @@ from . import _flight_recorder as fr
 
 __all__ = [
     "GRACE", "Responder", "ask_all", "check_after", "compatible", "diagnose", "explain", "head", "mismatch",
-    "request_dumps", "watch",
+    "request_dumps", "unwatch", "watch",
 ]
 
 log = logging.getLogger(__name__)
@@ -184,10 +184,14 @@ class Responder:
             return
         self._stopped = True
         if self._thread.is_alive():
-            try:
-                self._store.set(f"fr/ask/{self._rec.rank}/{self._next}", b"quit")
-            except Exception:
-                pass
+            # (from a thread: a store whose host is stopped must not hold up destroy_process_group)
+            threading.Thread(target=self._wake, name=f"tdist-fr-stop-{self._rec.rank}", daemon=True).start()
+
+    def _wake(self) -> None:
+        try:
+            self._store.set(f"fr/ask/{self._rec.rank}/{self._next}", b"quit")
+        except Exception:
+            pass
 
 
 def request_dumps(store: Any, rec: fr.Recorder, prefix: str, timeout: float) -> list[str]:
@@ -338,6 +342,9 @@ class _Watchdog:
             time.sleep(self._PERIOD)
             with self._lock:
                 items = list(self._watched.items())
+                if not items:  # (every group is gone: the next one starts a new thread)
+                    self._thread = None
+                    return
             now = time.time_ns()
             for pg_id, (rref, mref) in items:
                 rec, check = rref(), mref()
@@ -361,6 +368,10 @@ class _Watchdog:
                                 log.debug("flight recorder: desync check of group %s: %s", rec.label, exc)
                     break
 
+    def unwatch(self, rec: fr.Recorder) -> None:
+        with self._lock:
+            self._watched.pop(rec.pg_id, None)
+
     def forget(self) -> None:
         """In a forked child: the parent's groups are not this process's."""
         self._lock = threading.Lock()
@@ -377,6 +388,11 @@ def watch(rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
     """Have ``check(entry)`` (a bound method of the group's backend, held weakly) run when a
     collective of ``rec`` blocks for ``check_after()`` seconds, then at growing intervals."""
     _watchdog.watch(rec, check)
+
+
+def unwatch(rec: fr.Recorder) -> None:
+    """Stop watching ``rec`` (its group is being destroyed)."""
+    _watchdog.unwatch(rec)
 
 
 # -- the explanation (pure) ----------------------------------------------------------------------

@@ -52,7 +52,7 @@ from . import _flight_recorder as fr
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
-from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, watch
+from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, unwatch, watch
 from ._flight_recorder import CREATED, DONE, STARTED, Recorder
 from ._reduce import reduce_into
 from ._threads import capped
@@ -1212,6 +1212,8 @@ class ProcessGroupTCP(Backend):
         self._closed = True
         if self._responder is not None:
             self._responder.stop()
+        if self._fr is not None:
+            unwatch(self._fr)
         with self._cv:
             self._cv.notify_all()
         if self._arena is not None:
