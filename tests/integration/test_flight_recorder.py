@@ -241,6 +241,10 @@ def test_a_different_call_fails_every_rank_naming_both(scenario: str, path: str,
             assert "1024" in m and "7" in m, m
         assert "rank 2" in m or r == CULPRIT, m
         assert "rank 0" in m or "rank 1" in m, m
+    # the dumps were written, and torch's analyzer sees the same mismatch
+    report = _fr_trace(tmp_path)
+    kind = "COLLECTIVE_TYPE_MISMATCH" if scenario == "other" else "SIZE_OR_SYNTAX_MISMATCH"
+    assert "Collective sequence number: 3 has errors" in report and kind in report, report
 
 
 # -- torch's groups on the tdist backend -------------------------------------------------------------

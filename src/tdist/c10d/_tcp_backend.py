@@ -353,6 +353,16 @@ class ProcessGroupTCP(Backend):
         """This rank's flight record of the group (``None`` when the recorder is off)."""
         return self._fr
 
+    def _dump_everywhere(self) -> None:
+        """Every rank of the group writes its dump (``TDIST_FR_DUMP_ON_FAILURE``)."""
+        rec = self._fr
+        if rec is None or not fr.dump_on_failure():
+            return
+        try:
+            request_dumps(self._store, rec, fr.dump_prefix(), 1.0)
+        except Exception as err:  # (the store may be what failed)
+            log.warning("rank %d: writing the flight-record dumps failed: %s", self._rank, err)
+
     def _desync_check(self, entry: list[Any]) -> None:
         """The watchdog's check of a collective that blocks (``_desync.watch``): ask the other
         ranks what they called at its sequence number; another call there (no message may ever
@@ -380,6 +390,7 @@ class ProcessGroupTCP(Backend):
             f"dtypes. {explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered)}"
         )
         self._verdict = CollectiveMismatchError(message)
+        self._dump_everywhere()
         self._ep.abort(message)
         if self._arena is not None:
             self._arena.abort(message)
@@ -484,10 +495,16 @@ class ProcessGroupTCP(Backend):
     def _explain(self, entry: list[Any], exc: DistError) -> None:
         """A timeout or a lost peer: add what every rank of the group was doing to ``exc``'s
         message (asked through the store, ``_desync``), and leave every rank's flight-record
-        dump (``TDIST_FR_DUMP_ON_FAILURE``). A mismatch needs neither: its message names both
-        sides already."""
+        dump (``TDIST_FR_DUMP_ON_FAILURE``). A mismatch found here needs only the dumps: its
+        message names both sides already."""
         rec = self._fr
-        if rec is None or not isinstance(exc, (DistTimeoutError, PeerError)) or self._size == 1:
+        if rec is None or self._size == 1:
+            return
+        if isinstance(exc, CollectiveMismatchError):
+            if exc is not self._verdict:  # (the desync check had them written)
+                self._dump_everywhere()
+            return
+        if not isinstance(exc, (DistTimeoutError, PeerError)):
             return
         text = str(exc)
         if any(m in text for m in _QUOTED):  # (a peer's diagnosis or mismatch, quoted in its abort)
