@@ -48,8 +48,6 @@ def _env(path: str, dumps: Path) -> dict[str, str]:
         "TDIST_SHM": "1" if path == "shm" else "0",
         "TDIST_FR_STACK": "1",
         "TDIST_FR_DUMP_TEMP_FILE": str(dumps / "rank_"),
-        "TDIST_HEARTBEAT_TIMEOUT": "2",
-        "TDIST_HEARTBEAT_INTERVAL": "0.3",
     }
 
 
