@@ -207,6 +207,17 @@ class Recorder:
         return self.name or f"pg{self.pg_id}"
 
     # -- the hot path --------------------------------------------------------------------------
+    def one(self, op: str, t: torch.Tensor, _next: Callable[[], int] = _ids.__next__, _now: Callable[[], int] = _time_ns) -> list[Any]:
+        """``collective(op, (t.shape,), t.dtype)``, the common case, at the least cost (a small
+        all_reduce pays it: every attribute and global it can spare is spared)."""
+        self.coll_seq = seq = self.coll_seq + 1
+        n = self._n
+        self._n = n + 1
+        e = [_next(), seq, self.p2p_seq, op, (t.shape,), t.dtype, None, None, None, _now(), 0, 0,
+             _capture() if self.stack else None, None]
+        self._ring[n % self._cap] = e
+        return e
+
     def collective(
         self,
         op: str,

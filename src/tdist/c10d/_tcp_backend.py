@@ -751,9 +751,11 @@ class ProcessGroupTCP(Backend):
 
         rec = self._fr
         entry = None
-        if rec is not None:  # (the hot path of a small all_reduce: _shapes inlined)
-            t0 = tensors[0]
-            entry = rec.collective("all_reduce", (t0.shape,) if len(tensors) == 1 else _shapes(tensors), t0.dtype)
+        if rec is not None:
+            if len(tensors) == 1:
+                entry = rec.one("all_reduce", tensors[0])
+            else:
+                entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
         return self._submit("all_reduce", opts, run, entry)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work:
