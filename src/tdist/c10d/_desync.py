@@ -200,17 +200,8 @@ def request_dumps(store: Any, rec: fr.Recorder, prefix: str, timeout: float) -> 
     within ``timeout``."""
     mine = rec.global_rank
     fr.write_dump(f"{prefix}{mine}", mine)
-    s = clone_store(store)
-    try:
-        heads, _ = _ask(s if s is not None else store, rec, {}, prefix, timeout)
-    finally:
-        if s is not None:
-            _close(s)
-    paths = [f"{prefix}{mine}"]
-    for h in heads.values():
-        if h is not None:
-            paths.append(f"{prefix}{h['global_rank']}")
-    return sorted(paths)
+    heads, _ = ask_all(store, rec, {}, prefix, timeout)
+    return sorted(f"{prefix}{h['global_rank']}" for h in heads.values() if h is not None)
 
 
 def _ask(
