@@ -32,6 +32,21 @@ def _done(e: list[Any]) -> list[Any]:
     return e
 
 
+def test_completion_times_are_discovered_by_the_next_operation() -> None:
+    rec = _rec(0)
+    t = torch.ones(3)
+    first = rec.one("all_reduce", t)
+    first[F.DONE] = F.UNTIMED  # (as the backend marks an operation done where it was issued)
+    second = rec.one("broadcast", t)
+    es = rec.entries()
+    assert es[0][F.DONE] == second[F.CREATED] and es[0][F.INS] == (torch.Size([3]),)
+    d = F.entry_dict(rec, es[0])
+    assert d["state"] == "completed" and d["time_discovered_completed_ns"] == second[F.CREATED]
+    second[F.DONE] = F.UNTIMED
+    last = F.entry_dict(rec, rec.entries()[1])
+    assert last["state"] == "completed" and last["time_discovered_completed_ns"] is None
+
+
 def test_the_ring_keeps_the_last_n_in_order_and_never_a_tensor() -> None:
     rec = _rec(0, cap=4)
     t = torch.ones(2, 3)
@@ -41,7 +56,7 @@ def test_the_ring_keeps_the_last_n_in_order_and_never_a_tensor() -> None:
     assert [e[F.CSEQ] for e in es] == [7, 8, 9, 10]
     assert [e[F.CSEQ] for e in rec.latest(2)] == [9, 10]
     assert not any(isinstance(x, torch.Tensor) for e in es for x in e)
-    p = rec.p2p("send", t.shape, t.dtype, 0, 1)
+    p = F.normalized(rec.p2p("send", t.shape, t.dtype, 0, 1))
     assert (p[F.CSEQ], p[F.PSEQ], F.entry_dict(rec, p)["op_id"]) == (10, 1, 11)
 
 
@@ -60,8 +75,8 @@ def test_dump_entries_in_torchs_format() -> None:
     rec = _rec(1)
     t = torch.ones(4, dtype=torch.float64)
     _done(rec.collective("all_gather", (t.shape,), t.dtype, (torch.Size([3, 4]),)))
-    rec.collective("barrier", (), None)[F.STARTED] = time.time_ns()
-    rec.p2p("recv", t.shape, t.dtype, 0, 1)
+    rec.collective("barrier", (), None)
+    rec.p2p("recv", t.shape, t.dtype, 0, 1)[F.STARTED] = 0  # (as a backend that queues it)
     d = [F.entry_dict(rec, e) for e in rec.entries()]
     assert d[0]["profiling_name"] == "gloo:all_gather"
     assert (d[0]["input_sizes"], d[0]["output_sizes"], d[0]["input_dtypes"]) == ([[4]], [[3, 4]], ["Double"])
@@ -94,7 +109,7 @@ def _dump_of(rec: F.Recorder) -> dict[str, Any]:
 
 def _ranks_in_turn(monkeypatch: pytest.MonkeyPatch, r: int) -> None:
     """Each rank is a process of its own, whose record ids start at 0."""
-    monkeypatch.setattr(F, "_ids", itertools.count())
+    monkeypatch.setattr(F, "next_id", itertools.count().__next__)
 
 
 def test_torchs_analyzer_names_the_rank_that_skipped(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

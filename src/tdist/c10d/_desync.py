@@ -245,7 +245,7 @@ def diagnose(
     Args:
         store: the group's store.
         rec: this rank's recorder.
-        failed: the entry of the operation that failed.
+        failed: the (live) entry of the operation that failed.
         gone: ranks known to be gone, with why (not asked).
         dump: ask every rank to write its dump to ``<dump><global rank>``.
         grace: seconds to wait for answers.
@@ -253,7 +253,7 @@ def diagnose(
     Returns:
         The explanation (never raises: a store that cannot be asked is said so).
     """
-    mine = fr.brief(failed, time.time_ns())
+    mine = fr.brief(fr.normalized(failed), time.time_ns())
     heads, unanswered = ask_all(store, rec, gone, dump, grace)
     return explain(rec.rank, rec.size, mine, heads, gone, rec.label, unanswered)
 
@@ -343,7 +343,7 @@ class _Watchdog:
                     with self._lock:
                         self._watched.pop(pg_id, None)
                     continue
-                for e in rec.latest(_RECENT):
+                for e in rec.live(_RECENT):
                     if e[fr.PEER] is not None or e[fr.DONE] or e[fr.ERROR]:
                         continue
                     if e[fr.STARTED]:  # (the oldest running collective: what the group waits on)

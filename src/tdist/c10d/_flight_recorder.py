@@ -9,9 +9,14 @@ the op's number), its name, the shapes (``torch.Size`` objects, kept as they are
 its inputs and outputs, and the wall-clock time; the backend writes the start and completion
 times into the same list as they happen. Nothing is formatted, copied or locked on that path:
 the ring never holds a tensor, only its shape, and turning shapes into lists, dtypes into
-torch's names and times into states waits for a dump. The cost is a few hundred nanoseconds per
-operation (see ``benchmarks/bench_flight_recorder.py``); the Python stack of each call is
-recorded only with ``TDIST_FR_STACK=1``.
+torch's names and times into states waits for a dump. The cost is about half a microsecond per
+operation (see ``benchmarks/bench_flight_recorder.py``), which is why an entry is a plain list
+built in one go, a single tensor's shape is kept without a tuple around it, an operation that
+runs as it is issued shares its creation time as its start, and one that completes where it was
+issued is only marked done (``UNTIMED``): its completion is "discovered" when the group's next
+operation is issued (torch's ``time_discovered_completed_ns`` is a discovery time too), and
+readers (``entries``) fill the time in. The Python stack of each call is recorded only with
+``TDIST_FR_STACK=1``.
 
 States are torch's: ``scheduled`` (issued, queued behind earlier work), ``started`` (running, or
 a receive posted), ``completed``. An operation that failed stays ``started`` and keeps the
@@ -50,6 +55,7 @@ import torch
 
 __all__ = [
     "FR_VERSION",
+    "UNTIMED",
     "Recorder",
     "add_dump_section",
     "brief",
@@ -59,7 +65,10 @@ __all__ = [
     "dump_prefix",
     "install_signal_handler",
     "make_recorder",
+    "next_id",
+    "normalized",
     "recorders",
+    "shapes_of",
     "write_dump",
     "write_dumps",
 ]
@@ -71,11 +80,16 @@ _DEFAULT_SIZE = 2000
 _DEFAULT_PREFIX = "/tmp/tdist_fr_trace_rank_"
 _MAX_FRAMES = 32
 
-# an entry is a list; these are its slots (torch's op_id, the group's count of operations, is
-# CSEQ + PSEQ)
+# an entry is a list; these are its slots. As the hot path writes it (a "live" entry), CSEQ holds
+# the operation's index in the group (0, 1, ...), INS one torch.Size or a tuple of them, DONE a
+# time or UNTIMED; ``normalized`` (and so ``entries``) turns CSEQ into the collective sequence
+# number (index + 1 - PSEQ: the collectives among the group's operations so far) and INS into a
+# tuple. torch's op_id, the group's count of operations, is CSEQ + PSEQ.
 ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR = range(14)
+UNTIMED = 1  # DONE: completed, the time to be discovered (see the module docstring)
 
 _ids = itertools.count()  # record ids: one sequence per process, as torch's single ring
+next_id = _ids.__next__
 _pg_ids = itertools.count()
 _time_ns = time.time_ns
 _recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
@@ -131,7 +145,7 @@ def _stack_on() -> bool:
     return os.environ.get("TDIST_FR_STACK", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _capture() -> tuple[tuple[str, int, str], ...]:
+def capture() -> tuple[tuple[str, int, str], ...]:
     """The caller's Python stack, innermost first, from the first frame outside tdist."""
     f: Any = sys._getframe(2)
     while f is not None and f.f_code.co_filename.startswith(_HERE):
@@ -155,15 +169,16 @@ class Recorder:
     """
 
     __slots__ = (
-        "__weakref__", "_cap", "_n", "_ranks", "_ring", "coll_seq", "desc", "name", "p2p_seq",
-        "pg_id", "pid", "rank", "ranks_fn", "size", "stack", "timeout_ms",
+        "__weakref__", "_ranks", "cap", "desc", "n", "name", "p2p_seq", "pg_id", "pid", "rank",
+        "ranks_fn", "ring", "size", "stack", "timeout_ms",
     )
 
     def __init__(self, rank: int, size: int, capacity: int, timeout_s: float = 1800.0) -> None:
-        self._cap = capacity
-        self._ring: list[list[Any] | None] = [None] * capacity
-        self._n = 0
-        self.coll_seq = 0
+        # (ring, n, cap: the slots, the count of entries ever made, the slot count; public for
+        # the tcp backend's all_reduce, which makes its entry inline, as ``one`` does)
+        self.cap = capacity
+        self.ring: list[list[Any] | None] = [None] * capacity
+        self.n = 0
         self.p2p_seq = 0
         self.pg_id = next(_pg_ids)
         self.rank = rank
@@ -203,19 +218,25 @@ class Recorder:
         return ranks[self.rank] if self.rank < len(ranks) else self.rank
 
     @property
+    def coll_seq(self) -> int:
+        """Collectives issued so far in the group."""
+        return self.n - self.p2p_seq
+
+    @property
     def label(self) -> str:
         return self.name or f"pg{self.pg_id}"
 
     # -- the hot path --------------------------------------------------------------------------
-    def one(self, op: str, t: torch.Tensor, _next: Callable[[], int] = _ids.__next__, _now: Callable[[], int] = _time_ns) -> list[Any]:
-        """``collective(op, (t.shape,), t.dtype)``, the common case, at the least cost (a small
-        all_reduce pays it: every attribute and global it can spare is spared)."""
-        self.coll_seq = seq = self.coll_seq + 1
-        n = self._n
-        self._n = n + 1
-        e = [_next(), seq, self.p2p_seq, op, (t.shape,), t.dtype, None, None, None, _now(), 0, 0,
-             _capture() if self.stack else None, None]
-        self._ring[n % self._cap] = e
+    def one(self, op: str, t: torch.Tensor, _next: Callable[[], int] = next_id, _now: Callable[[], int] = _time_ns) -> list[Any]:
+        """``collective(op, (t.shape,), t.dtype)``, the common case, at the least cost. Entries
+        start as running (their start is their creation): a backend that queues one sets
+        ``STARTED`` to 0 until it runs."""
+        n = self.n
+        self.n = n + 1
+        now = _now()
+        e = [_next(), n, self.p2p_seq, op, t.shape, t.dtype, None, None, None, now, now, 0,
+             capture() if self.stack else None, None]
+        self.ring[n % self.cap] = e
         return e
 
     def collective(
@@ -226,24 +247,27 @@ class Recorder:
         outs: tuple[Any, ...] | None = None,
         out_dtype: torch.dtype | None = None,
     ) -> list[Any]:
-        """Record a collective as issued; returns its entry (the backend writes ``STARTED``
-        and ``DONE`` into it). ``outs``/``out_dtype`` ``None``: as the inputs."""
-        self.coll_seq = seq = self.coll_seq + 1
-        n = self._n
-        self._n = n + 1
-        e = [next(_ids), seq, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, _time_ns(), 0, 0,
-             _capture() if self.stack else None, None]
-        self._ring[n % self._cap] = e
+        """Record a collective as issued (and running, as ``one``); returns its entry (the
+        backend writes ``STARTED`` and ``DONE`` into it). ``outs``/``out_dtype`` ``None``: as
+        the inputs."""
+        n = self.n
+        self.n = n + 1
+        now = _time_ns()
+        e = [next_id(), n, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, now, now, 0,
+             capture() if self.stack else None, None]
+        self.ring[n % self.cap] = e
         return e
 
     def p2p(self, op: str, shape: Any, dtype: torch.dtype, src: int, dst: int) -> list[Any]:
-        """Record a send or a receive (``op``: ``"send"``/``"recv"``; group ranks)."""
+        """Record a send or a receive, as started (``op``: ``"send"``/``"recv"``; group
+        ranks)."""
         self.p2p_seq = seq = self.p2p_seq + 1
-        n = self._n
-        self._n = n + 1
-        e = [next(_ids), self.coll_seq, seq, op, (shape,), dtype, None, None, (src, dst), _time_ns(), 0, 0,
-             _capture() if self.stack else None, None]
-        self._ring[n % self._cap] = e
+        n = self.n
+        self.n = n + 1
+        now = _time_ns()
+        e = [next_id(), n, seq, op, shape, dtype, None, None, (src, dst), now, now, 0,
+             capture() if self.stack else None, None]
+        self.ring[n % self.cap] = e
         return e
 
     @staticmethod
@@ -251,35 +275,57 @@ class Recorder:
         """Note why ``e`` failed (it stays ``started``)."""
         if not e[STARTED]:
             e[STARTED] = _time_ns()
+        e[DONE] = 0
         e[ERROR] = f"{type(exc).__name__}: {exc}"[:2000]
 
     # -- reading -------------------------------------------------------------------------------
     def latest(self, k: int) -> list[list[Any]]:
-        """The last ``k`` entries, oldest first (copies)."""
-        n, cap = self._n, self._cap
-        ring = self._ring
+        """The last ``k`` entries, oldest first (copies, as ``entries``)."""
+        return self._read(k)
+
+    def live(self, k: int) -> list[list[Any]]:
+        """The last ``k`` entries themselves, oldest first (not copies: what their backend
+        writes shows; ``INS`` and ``DONE`` as the hot path left them)."""
+        n, cap, ring = self.n, self.cap, self.ring
+        out = [ring[i % cap] for i in range(max(0, n - min(k, cap)), n)]
+        return [e for e in out if e is not None]
+
+    def entries(self) -> list[list[Any]]:
+        """The recorded entries, oldest first: copies of the ring's lists, with ``INS`` always
+        a tuple of shapes and the discovered completion times filled in (``UNTIMED`` stays
+        only on the last entry completed without a time)."""
+        return self._read(self.cap)
+
+    def _read(self, k: int) -> list[list[Any]]:
+        n, cap = self.n, self.cap
+        ring = list(self.ring)
         out = []
         for i in range(max(0, n - min(k, cap)), n):
             e = ring[i % cap]
             if e is not None:
                 out.append(list(e))
-        return out
-
-    def entries(self) -> list[list[Any]]:
-        """The recorded entries, oldest first (copies of the ring's lists)."""
-        n, cap = self._n, self._cap
-        ring = list(self._ring)
-        start = max(0, n - cap)
-        out = []
-        for i in range(start, n):
-            e = ring[i % cap]
-            if e is not None:
-                out.append(list(e))
         out.sort(key=lambda e: e[ID])
+        for i, e in enumerate(out):
+            _normalize(e)
+            if e[DONE] == UNTIMED and i + 1 < len(out):
+                e[DONE] = out[i + 1][CREATED]
         return out
 
     def close(self) -> None:
         """Nothing to free (the ring stays readable for dumps after the group is gone)."""
+
+
+def _normalize(e: list[Any]) -> None:
+    e[CSEQ] = e[CSEQ] + 1 - e[PSEQ]
+    if isinstance(e[INS], torch.Size):
+        e[INS] = (e[INS],)
+
+
+def normalized(e: Sequence[Any]) -> list[Any]:
+    """A live entry (as a backend holds it) in the readers' form (see the slots above)."""
+    out = list(e)
+    _normalize(out)
+    return out
 
 
 def make_recorder(rank: int, size: int, timeout_s: float = 1800.0) -> Recorder | None:
@@ -312,9 +358,16 @@ def _dtype_short(dt: torch.dtype | None) -> str:
     return str(dt).removeprefix("torch.") if dt is not None else ""
 
 
+def shapes_of(ins: Any) -> tuple[Any, ...]:
+    """An entry's ``INS`` (or ``OUTS``) as a tuple of shapes (a lone ``torch.Size`` is one)."""
+    if ins is None:
+        return ()
+    return (ins,) if isinstance(ins, torch.Size) else tuple(ins)
+
+
 def signature(e: Sequence[Any]) -> str:
     """``float32[1024]``: the dtype and input shapes of an entry (``""`` for a barrier)."""
-    ins = e[INS]
+    ins = shapes_of(e[INS])
     if not ins:
         return ""
     shapes = ", ".join(str(list(s)) for s in ins[:4]) + (", ..." if len(ins) > 4 else "")
@@ -335,7 +388,8 @@ def where(e: Sequence[Any]) -> str | None:
 
 def brief(e: Sequence[Any], now_ns: int) -> dict[str, Any]:
     """An entry as the diagnosis sends it (JSON-able)."""
-    since = e[DONE] or e[STARTED] or e[CREATED]
+    since = e[DONE] if e[DONE] != UNTIMED else 0
+    since = since or e[STARTED] or e[CREATED]
     peer = e[PEER]
     return {
         "seq": e[CSEQ] if peer is None else e[PSEQ],
@@ -351,8 +405,8 @@ def brief(e: Sequence[Any], now_ns: int) -> dict[str, Any]:
 
 
 # -- dumps ---------------------------------------------------------------------------------------
-def _sizes(shapes: tuple[Any, ...] | None) -> list[list[int]]:
-    return [[int(x) for x in s] for s in shapes] if shapes else []
+def _sizes(shapes: Any) -> list[list[int]]:
+    return [[int(x) for x in s] for s in shapes_of(shapes)]
 
 
 def _profiling_name(e: Sequence[Any]) -> str:
@@ -387,7 +441,7 @@ def entry_dict(rec: Recorder, e: Sequence[Any]) -> dict[str, Any]:
         "output_dtypes": [out_dt] * len(outs) if out_dt else [],
         "state": state_of(e),
         "time_discovered_started_ns": e[STARTED] or None,
-        "time_discovered_completed_ns": e[DONE] or None,
+        "time_discovered_completed_ns": e[DONE] if e[DONE] != UNTIMED else None,
         "retired": bool(e[DONE]),
         "timeout_ms": rec.timeout_ms,
         "is_p2p": e[PEER] is not None,

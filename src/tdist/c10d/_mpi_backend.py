@@ -422,8 +422,6 @@ class ProcessGroupMPI(Backend):
             requests = start()
         except MPI.Exception as exc:
             raise DistBackendError(f"rank {self._rank}: {what} failed in MPI: {exc.Get_error_string()}") from exc
-        if entry is not None:
-            entry[fr.STARTED] = entry[fr.CREATED]
         work = _MPIWork(self, what, requests, result, settle, time.monotonic() + seconds, peer, status, keep, entry)
         work._poll()
         return work

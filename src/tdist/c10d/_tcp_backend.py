@@ -53,7 +53,7 @@ from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
 from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, unwatch, watch
-from ._flight_recorder import CREATED, DONE, STARTED, Recorder
+from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder, next_id
 from ._reduce import reduce_into
 from ._threads import capped
 from ._types import (
@@ -372,7 +372,7 @@ class ProcessGroupTCP(Backend):
         if rec is None or self._closed or self._broken is not None or self._verdict is not None or entry[DONE]:
             return
         heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
-        mine = fr.brief(entry, _time_ns())
+        mine = fr.brief(fr.normalized(entry), _time_ns())
         culprits = mismatch(mine, heads)
         if not culprits or entry[DONE] or self._broken is not None:
             return
@@ -457,12 +457,12 @@ class ProcessGroupTCP(Backend):
         with self._cv:
             inline = not getattr(opts, "asyncOp", True) and not self._queue and self._lock.acquire(blocking=False)
             if not inline:
+                if entry is not None:
+                    entry[STARTED] = 0  # (queued: the worker stamps its start)
                 self._queue.append((work, fn, entry))
                 self._ensure_worker()
                 self._cv.notify()
                 return work
-        if entry is not None:
-            entry[STARTED] = entry[CREATED]  # (runs now)
         try:
             self._execute(work, fn, entry)
         finally:
@@ -489,7 +489,7 @@ class ProcessGroupTCP(Backend):
             work._fail(exc)
             return
         if entry is not None:
-            entry[DONE] = _time_ns()
+            entry[DONE] = UNTIMED  # (its time is discovered when the next one is issued)
         work._complete(result)
 
     def _explain(self, entry: list[Any], exc: DistError) -> None:
@@ -546,6 +546,8 @@ class ProcessGroupTCP(Backend):
                 if entry is not None:
                     entry[STARTED] = _time_ns()
                 self._execute(work, fn, entry)
+                if entry is not None and entry[DONE] == UNTIMED:
+                    entry[DONE] = _time_ns()
             with self._cv:
                 self._queue.popleft()
                 self._cv.notify_all()
@@ -750,12 +752,18 @@ class ProcessGroupTCP(Backend):
             return tensors
 
         rec = self._fr
-        entry = None
-        if rec is not None:
-            if len(tensors) == 1:
-                entry = rec.one("all_reduce", tensors[0])
-            else:
-                entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
+        if rec is None:
+            entry = None
+        elif len(tensors) == 1:  # (Recorder.one, inlined: the hot path of a small all_reduce)
+            t0 = tensors[0]
+            n = rec.n
+            rec.n = n + 1
+            now = _time_ns()
+            entry = [next_id(), n, rec.p2p_seq, "all_reduce", t0.shape, t0.dtype, None, None, None, now, now, 0,
+                     fr.capture() if rec.stack else None, None]
+            rec.ring[n % rec.cap] = entry
+        else:
+            entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
         return self._submit("all_reduce", opts, run, entry)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work:
@@ -1173,8 +1181,6 @@ class ProcessGroupTCP(Backend):
         deadline = time.monotonic() + self._timeout
         rec = self._fr
         entry = rec.p2p("send", t.shape, t.dtype, self._rank, dst) if rec is not None else None
-        if entry is not None:
-            entry[STARTED] = entry[CREATED]
         try:
             self._ep.send(dst, self._p2p_tag(tag), [bytes_view(t)], b"", deadline, f"send to rank {dst}")
         except BaseException as exc:
@@ -1215,8 +1221,6 @@ class ProcessGroupTCP(Backend):
         flat = _Flat(tensor)
         rec = self._fr
         entry = rec.p2p("recv", tensor.shape, tensor.dtype, src, self._rank) if rec is not None else None
-        if entry is not None:
-            entry[STARTED] = entry[CREATED]
         handle = self._ep.post_recv(src, self._p2p_tag(tag), bytes_view(flat.flat), None, what)
         return _RecvWork(self, handle, flat, what, time.monotonic() + self._timeout, entry)
 
