@@ -5,7 +5,6 @@ the ``SIGUSR1`` handler's manners, and the answers' JSON."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import signal
@@ -32,6 +31,18 @@ def _done(e: list[Any]) -> list[Any]:
     return e
 
 
+def test_record_ids_count_the_operations_of_every_group_in_order() -> None:
+    a, b = _rec(0, cap=3), _rec(0, cap=8)
+    t = torch.ones(1)
+    made = []
+    for i in range(6):  # the process made: b, a, a, a, a (a keeps its last 3), b
+        made.append(_done(b.one("broadcast", t)) if i in (0, 5) else _done(a.one("all_reduce", t)))
+        time.sleep(0.001)
+    got = [(e[F.ID], e[F.OP], e[F.CSEQ]) for _, e in F._numbered([(a, a.entries()), (b, b.entries())])]
+    # b's first entry is older than the oldest a still holds, after a dropped one: left out
+    assert got == [(2, "all_reduce", 2), (3, "all_reduce", 3), (4, "all_reduce", 4), (5, "broadcast", 2)], got
+
+
 def test_completion_times_are_discovered_by_the_next_operation() -> None:
     rec = _rec(0)
     t = torch.ones(3)
@@ -56,7 +67,7 @@ def test_the_ring_keeps_the_last_n_in_order_and_never_a_tensor() -> None:
     assert [e[F.CSEQ] for e in es] == [7, 8, 9, 10]
     assert [e[F.CSEQ] for e in rec.latest(2)] == [9, 10]
     assert not any(isinstance(x, torch.Tensor) for e in es for x in e)
-    p = F.normalized(rec.p2p("send", t.shape, t.dtype, 0, 1))
+    p = F.normalized(rec, rec.p2p("send", t.shape, t.dtype, 0, 1))
     assert (p[F.CSEQ], p[F.PSEQ], F.entry_dict(rec, p)["op_id"]) == (10, 1, 11)
 
 
@@ -104,19 +115,13 @@ def _analyze(dumps: dict[int, dict[str, Any]], caplog: pytest.LogCaptureFixture)
 
 def _dump_of(rec: F.Recorder) -> dict[str, Any]:
     return {"version": F.FR_VERSION, "pg_config": {rec.label: {"name": rec.label, "desc": rec.desc, "ranks": str(rec.ranks)}},
-            "entries": [F.entry_dict(rec, e) for e in rec.entries()]}
+            "entries": [F.entry_dict(rec, e) for _, e in F._numbered([(rec, rec.entries())])]}
 
 
-def _ranks_in_turn(monkeypatch: pytest.MonkeyPatch, r: int) -> None:
-    """Each rank is a process of its own, whose record ids start at 0."""
-    monkeypatch.setattr(F, "next_id", itertools.count().__next__)
-
-
-def test_torchs_analyzer_names_the_rank_that_skipped(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchs_analyzer_names_the_rank_that_skipped(caplog: pytest.LogCaptureFixture) -> None:
     recs = [_rec(r) for r in range(3)]
     t = torch.ones(8)
     for r, rec in enumerate(recs):
-        _ranks_in_turn(monkeypatch, r)
         _done(rec.collective("all_reduce", (t.shape,), t.dtype))
         if r != 2:
             rec.collective("all_reduce", (t.shape,), t.dtype)[F.STARTED] = time.time_ns()
@@ -125,11 +130,10 @@ def test_torchs_analyzer_names_the_rank_that_skipped(caplog: pytest.LogCaptureFi
     assert "missing ranks: {2}" in text, text
 
 
-def test_torchs_analyzer_names_the_rank_that_called_another(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchs_analyzer_names_the_rank_that_called_another(caplog: pytest.LogCaptureFixture) -> None:
     recs = [_rec(r) for r in range(3)]
     t = torch.ones(8)
     for r, rec in enumerate(recs):
-        _ranks_in_turn(monkeypatch, r)
         rec.collective("broadcast" if r == 2 else "all_reduce", (t.shape,), t.dtype)[F.STARTED] = time.time_ns()
     text = _analyze({r: _dump_of(rec) for r, rec in enumerate(recs)}, caplog)
     assert "Culprit rank 2" in text and "COLLECTIVE_TYPE_MISMATCH" in text, text

@@ -253,7 +253,7 @@ def diagnose(
     Returns:
         The explanation (never raises: a store that cannot be asked is said so).
     """
-    mine = fr.brief(fr.normalized(failed), time.time_ns())
+    mine = fr.brief(fr.normalized(rec, failed), time.time_ns())
     heads, unanswered = ask_all(store, rec, gone, dump, grace)
     return explain(rec.rank, rec.size, mine, heads, gone, rec.label, unanswered)
 
@@ -315,7 +315,7 @@ class _Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[weakref.ref[fr.Recorder], weakref.WeakMethod[Callable[[list[Any]], None]]]] = {}
-        self._due: dict[tuple[int, int], float] = {}
+        self._due: dict[tuple[int, int, int], float] = {}
         self._thread: threading.Thread | None = None
 
     def watch(self, rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
@@ -347,7 +347,7 @@ class _Watchdog:
                     if e[fr.PEER] is not None or e[fr.DONE] or e[fr.ERROR]:
                         continue
                     if e[fr.STARTED]:  # (the oldest running collective: what the group waits on)
-                        key = (pg_id, e[fr.ID])
+                        key = (pg_id, id(e), e[fr.CREATED])
                         due = self._due.get(key, after)
                         if (now - e[fr.STARTED]) / 1e9 >= due:
                             if len(self._due) > 1000:

@@ -65,7 +65,6 @@ __all__ = [
     "dump_prefix",
     "install_signal_handler",
     "make_recorder",
-    "next_id",
     "normalized",
     "recorders",
     "shapes_of",
@@ -80,16 +79,16 @@ _DEFAULT_SIZE = 2000
 _DEFAULT_PREFIX = "/tmp/tdist_fr_trace_rank_"
 _MAX_FRAMES = 32
 
-# an entry is a list; these are its slots. As the hot path writes it (a "live" entry), CSEQ holds
-# the operation's index in the group (0, 1, ...), INS one torch.Size or a tuple of them, DONE a
-# time or UNTIMED; ``normalized`` (and so ``entries``) turns CSEQ into the collective sequence
-# number (index + 1 - PSEQ: the collectives among the group's operations so far) and INS into a
-# tuple. torch's op_id, the group's count of operations, is CSEQ + PSEQ.
+# an entry is a list; these are its slots. As the hot path writes it (a "live" entry), ID and
+# CSEQ are not filled in (the record id, one count across the process's groups as torch's, is
+# given at a dump, ``_numbered``; the slot in the ring tells the operation's index in the group), INS holds one
+# torch.Size or a tuple of them, DONE a time or UNTIMED; ``entries`` (and ``normalized``) set CSEQ
+# to the collective sequence number (index + 1 - PSEQ: the collectives among the group's
+# operations so far) and INS to a tuple. torch's op_id, the group's count of operations, is
+# CSEQ + PSEQ.
 ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR = range(14)
 UNTIMED = 1  # DONE: completed, the time to be discovered (see the module docstring)
 
-_ids = itertools.count()  # record ids: one sequence per process, as torch's single ring
-next_id = _ids.__next__
 _pg_ids = itertools.count()
 _time_ns = time.time_ns
 _recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
@@ -227,14 +226,14 @@ class Recorder:
         return self.name or f"pg{self.pg_id}"
 
     # -- the hot path --------------------------------------------------------------------------
-    def one(self, op: str, t: torch.Tensor, _next: Callable[[], int] = next_id, _now: Callable[[], int] = _time_ns) -> list[Any]:
+    def one(self, op: str, t: torch.Tensor, _now: Callable[[], int] = _time_ns) -> list[Any]:
         """``collective(op, (t.shape,), t.dtype)``, the common case, at the least cost. Entries
         start as running (their start is their creation): a backend that queues one sets
         ``STARTED`` to 0 until it runs."""
         n = self.n
         self.n = n + 1
         now = _now()
-        e = [_next(), n, self.p2p_seq, op, t.shape, t.dtype, None, None, None, now, now, 0,
+        e = [0, 0, self.p2p_seq, op, t.shape, t.dtype, None, None, None, now, now, 0,
              capture() if self.stack else None, None]
         self.ring[n % self.cap] = e
         return e
@@ -253,7 +252,7 @@ class Recorder:
         n = self.n
         self.n = n + 1
         now = _time_ns()
-        e = [next_id(), n, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, now, now, 0,
+        e = [0, 0, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, now, now, 0,
              capture() if self.stack else None, None]
         self.ring[n % self.cap] = e
         return e
@@ -265,7 +264,7 @@ class Recorder:
         n = self.n
         self.n = n + 1
         now = _time_ns()
-        e = [next_id(), n, seq, op, shape, dtype, None, None, (src, dst), now, now, 0,
+        e = [0, 0, seq, op, shape, dtype, None, None, (src, dst), now, now, 0,
              capture() if self.stack else None, None]
         self.ring[n % self.cap] = e
         return e
@@ -303,28 +302,36 @@ class Recorder:
         for i in range(max(0, n - min(k, cap)), n):
             e = ring[i % cap]
             if e is not None:
-                out.append(list(e))
-        out.sort(key=lambda e: e[ID])
-        for i, e in enumerate(out):
-            _normalize(e)
-            if e[DONE] == UNTIMED and i + 1 < len(out):
-                e[DONE] = out[i + 1][CREATED]
+                e = list(e)
+                _normalize(e, i)
+                out.append(e)
+        for i in range(len(out) - 1):
+            if out[i][DONE] == UNTIMED:
+                out[i][DONE] = out[i + 1][CREATED]
         return out
+
+    def index_of(self, e: Sequence[Any]) -> int:
+        """A live entry's index in the group (``-1``: no longer in the ring)."""
+        n, cap, ring = self.n, self.cap, self.ring
+        for i in range(n - 1, max(0, n - cap) - 1, -1):
+            if ring[i % cap] is e:
+                return i
+        return -1
 
     def close(self) -> None:
         """Nothing to free (the ring stays readable for dumps after the group is gone)."""
 
 
-def _normalize(e: list[Any]) -> None:
-    e[CSEQ] = e[CSEQ] + 1 - e[PSEQ]
+def _normalize(e: list[Any], index: int) -> None:
+    e[CSEQ] = index + 1 - e[PSEQ]
     if isinstance(e[INS], torch.Size):
         e[INS] = (e[INS],)
 
 
-def normalized(e: Sequence[Any]) -> list[Any]:
-    """A live entry (as a backend holds it) in the readers' form (see the slots above)."""
+def normalized(rec: Recorder, e: Sequence[Any]) -> list[Any]:
+    """A live entry of ``rec`` (as a backend holds it) in the readers' form (see the slots)."""
     out = list(e)
-    _normalize(out)
+    _normalize(out, rec.index_of(e))
     return out
 
 
@@ -454,15 +461,39 @@ def entry_dict(rec: Recorder, e: Sequence[Any]) -> dict[str, Any]:
     return d
 
 
+def _numbered(groups: Sequence[tuple[Recorder, list[list[Any]]]]) -> list[tuple[Recorder, list[Any]]]:
+    """The groups' entries in the order they were made, with their record ids (``ID``): the
+    count of operations the process made before each, in all these groups (torch numbers the
+    entries of its one ring so). An entry older than the oldest one another group still holds,
+    where that group has dropped some, cannot be numbered for sure, and is left out."""
+    items = []
+    for g, (_, es) in enumerate(groups):
+        for e in es:
+            items.append((e[CREATED], g, e[CSEQ] + e[PSEQ], e))
+    items.sort(key=lambda x: (x[0], x[1], x[2]))
+    dropped = [rec.n - len(es) for rec, es in groups]  # (the oldest entries, gone from the ring)
+    oldest = [es[0][CREATED] if es else None for _, es in groups]
+    seen = [0] * len(groups)
+    out = []
+    for created, g, _, e in items:
+        seen[g] += 1
+        if any(dropped[h] and h != g and (oldest[h] is None or created < oldest[h]) for h in range(len(groups))):
+            continue
+        e[ID] = sum(dropped) + sum(seen) - 1
+        out.append((groups[g][0], e))
+    return out
+
+
 def dump_dict(global_rank: int | None = None) -> dict[str, Any]:
     """This process's flight record (the groups of ``global_rank``; ``None``: every group) in
     torch's format."""
     recs = [r for r in recorders() if global_rank is None or r.global_rank == global_rank]
-    entries: list[dict[str, Any]] = []
     pg_config: dict[str, dict[str, str]] = {}
     pg_status: dict[str, dict[str, int]] = {}
+    groups = []
     for rec in recs:
         es = rec.entries()
+        groups.append((rec, es))
         pg_config[rec.label] = {"name": rec.label, "desc": rec.desc, "ranks": str(rec.ranks)}
         colls = [e for e in es if e[PEER] is None]
         pg_status[str(rec.pg_id)] = {
@@ -470,8 +501,7 @@ def dump_dict(global_rank: int | None = None) -> dict[str, Any]:
             "last_started_collective": max((e[CSEQ] for e in colls if e[STARTED]), default=-1),
             "last_completed_collective": max((e[CSEQ] for e in colls if e[DONE]), default=-1),
         }
-        entries.extend(entry_dict(rec, e) for e in es)
-    entries.sort(key=lambda d: d["record_id"])
+    entries = [entry_dict(rec, e) for rec, e in _numbered(groups)]
     out: dict[str, Any] = {
         "version": FR_VERSION,
         "comm_lib_version": "tdist",

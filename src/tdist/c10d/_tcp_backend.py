@@ -53,7 +53,7 @@ from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
 from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, unwatch, watch
-from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder, next_id
+from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder
 from ._reduce import reduce_into
 from ._threads import capped
 from ._types import (
@@ -372,7 +372,7 @@ class ProcessGroupTCP(Backend):
         if rec is None or self._closed or self._broken is not None or self._verdict is not None or entry[DONE]:
             return
         heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
-        mine = fr.brief(fr.normalized(entry), _time_ns())
+        mine = fr.brief(fr.normalized(rec, entry), _time_ns())
         culprits = mismatch(mine, heads)
         if not culprits or entry[DONE] or self._broken is not None:
             return
@@ -759,7 +759,7 @@ class ProcessGroupTCP(Backend):
             n = rec.n
             rec.n = n + 1
             now = _time_ns()
-            entry = [next_id(), n, rec.p2p_seq, "all_reduce", t0.shape, t0.dtype, None, None, None, now, now, 0,
+            entry = [0, 0, rec.p2p_seq, "all_reduce", t0.shape, t0.dtype, None, None, None, now, now, 0,
                      fr.capture() if rec.stack else None, None]
             rec.ring[n % rec.cap] = entry
         else:
