@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 GRACE = 2.0  # seconds the asking rank waits for the others' answers
 _WAIT = timedelta(hours=1)  # one blocking wait of a responder (it waits again after)
 _RECENT = 4
+_POLL = 0.01  # seconds between two looks at the answers
 
 
 def clone_store(store: Any) -> Any:
@@ -216,18 +217,23 @@ def _ask(
     keys = {q: f"fr/head/{k}/{q}" for q in range(size) if q != rank and q not in gone}
     heads: dict[int, dict[str, Any] | None] = dict.fromkeys(keys)
     broke = None
-    try:
-        store.wait(list(keys.values()), timedelta(seconds=grace))
-    except Exception as exc:  # (some did not answer: take those that did)
-        log.debug("rank %d: not every rank answered request %d: %r", rank, k, exc)
-        if not isinstance(exc, TimeoutError) and "timeout" not in str(exc).lower():
-            broke = f"{type(exc).__name__}: {exc}"
-    for q, key in keys.items():
+    # (each answer is read as soon as it is there: the store's host may be one of the ranks,
+    # and leave once it has its own answers)
+    deadline = time.monotonic() + grace
+    pending = dict(keys)
+    while pending:
         try:
-            if store.check([key]):
-                heads[q] = json.loads(store.get(key))
-        except Exception:
-            continue
+            for q, key in list(pending.items()):
+                if store.check([key]):
+                    heads[q] = json.loads(store.get(key))
+                    del pending[q]
+        except Exception as exc:
+            log.debug("rank %d: reading the answers to request %d: %r", rank, k, exc)
+            broke = f"{type(exc).__name__}: {exc}"
+            break
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL)
     return heads, broke
 
 
@@ -287,7 +293,7 @@ def ask_all(
     else:
         heads, broke = box[0]
         if broke is not None:
-            unanswered = f"could not be asked: the store failed ({broke})"
+            unanswered = f"did not answer before the store failed ({broke})"
     heads[rec.rank] = head(rec)
     return heads, unanswered
 
