@@ -65,8 +65,9 @@ def _backend_of(group: Any) -> Any:
         if world is None or world.default_pg is None:
             raise ValueError("dump_all: no default process group; call init_process_group first or pass group=")
         group = world.default_pg
-    getter = getattr(group, "_get_backend", None)
-    backend = getattr(group, "backend", None) if getter is None else getter()
+    from .c10d._group import ProcessGroup
+
+    backend = group._get_backend() if isinstance(group, ProcessGroup) else getattr(group, "backend", None)
     if backend is None:
         raise ValueError(f"dump_all: {group!r} is not a process group of tdist's")
     return backend
