@@ -104,7 +104,7 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
         if other is rec or other.global_rank != me:
             continue
         for e in other.entries()[-_RECENT:]:
-            if not e[fr.DONE]:
+            if not e[fr.DONE] and not e[fr.ERROR]:
                 elsewhere.append({"group": other.label, **fr.brief(e, now)})
     return {
         "rank": rec.rank,

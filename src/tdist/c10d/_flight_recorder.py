@@ -3,20 +3,21 @@ of torch's own flight recorder so that torch's analyzer (``torchfrtrace``) reads
 
 Theory of operation. Every backend instance (one per process group and rank; tdist's API and
 torch's ``"tdist"`` groups share it) owns a ``Recorder``: a preallocated ring of ``capacity``
-slots. An operation takes one slot when it is issued: a small list holding its numbers
-(``record_id`` across the process, the group's collective and point-to-point sequence numbers,
-the op's number), its name, the shapes (``torch.Size`` objects, kept as they are) and dtypes of
+slots. An operation takes one slot when it is issued: a small list holding its point-to-point
+sequence number, its name, the shapes (``torch.Size`` objects, kept as they are) and dtypes of
 its inputs and outputs, and the wall-clock time; the backend writes the start and completion
-times into the same list as they happen. Nothing is formatted, copied or locked on that path:
-the ring never holds a tensor, only its shape, and turning shapes into lists, dtypes into
-torch's names and times into states waits for a dump. The cost is about half a microsecond per
-operation (see ``benchmarks/bench_flight_recorder.py``), which is why an entry is a plain list
-built in one go, a single tensor's shape is kept without a tuple around it, an operation that
-runs as it is issued shares its creation time as its start, and one that completes where it was
-issued is only marked done (``UNTIMED``): its completion is "discovered" when the group's next
-operation is issued (torch's ``time_discovered_completed_ns`` is a discovery time too), and
-readers (``entries``) fill the time in. The Python stack of each call is recorded only with
-``TDIST_FR_STACK=1``.
+into the same list as they happen. Nothing is formatted, copied or locked on that path: the ring
+never holds a tensor, only its shape, and turning shapes into lists, dtypes into torch's names
+and times into states waits for a reader. The cost is about 0.6 microseconds per operation (see
+``benchmarks/bench_flight_recorder.py``), which is why an entry is a plain list built in one go,
+a single tensor's shape is kept without a tuple around it, an operation that runs as it is
+issued shares its creation time as its start, what can be worked out later is (the collective
+sequence number is the entry's index in the group less the point-to-point operations before
+it; the record id, torch's count across the process's groups, is given at a dump by creation
+time), and an operation that completes where it was issued is only marked done (``UNTIMED``):
+its completion is "discovered" when the group's next operation is issued (torch's
+``time_discovered_completed_ns`` is a discovery time too), and readers (``entries``) fill the
+time in. The Python stack of each call is recorded only with ``TDIST_FR_STACK=1``.
 
 States are torch's: ``scheduled`` (issued, queued behind earlier work), ``started`` (running, or
 a receive posted), ``completed``. An operation that failed stays ``started`` and keeps the
@@ -317,9 +318,6 @@ class Recorder:
             if ring[i % cap] is e:
                 return i
         return -1
-
-    def close(self) -> None:
-        """Nothing to free (the ring stays readable for dumps after the group is gone)."""
 
 
 def _normalize(e: list[Any], index: int) -> None:
