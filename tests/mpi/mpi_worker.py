@@ -203,4 +203,13 @@ if __name__ == "__main__":
     result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked}[case]()
     _write(result)
     if case in ("stuck", "dies"):
+        # the survivors leave together: mpiexec ends the job's processes once one has left (a
+        # rank still writing its result would be killed), and they finish their diagnosis at
+        # different moments
+        survivors = ("0", "1", "2") if case == "stuck" else ("0", "2")
+        wait_until = time.monotonic() + 20
+        while time.monotonic() < wait_until and not all(
+            os.path.exists(os.path.join(os.environ["MPI_TEST_OUT"], f"{r}.json")) for r in survivors
+        ):
+            time.sleep(0.01)
         os._exit(0)  # (MPI's finalize would wait for the all-reduce rank 2 never joined)

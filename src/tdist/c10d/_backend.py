@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._types import (
     AllgatherOptions,
@@ -44,7 +44,13 @@ __all__ = ["Backend", "BackendCreator", "backend_creator", "register_backend_cre
 
 
 class Backend(abc.ABC):
-    """One rank's end of a process group: ``rank()`` of ``size()``."""
+    """One rank's end of a process group: ``rank()`` of ``size()``.
+
+    A backend that keeps a flight record (``c10d._flight_recorder``) exposes it as
+    ``flight_recorder``; the others leave it ``None``.
+    """
+
+    flight_recorder: Any = None
 
     def __init__(self, rank: int, size: int) -> None:
         self._rank = rank

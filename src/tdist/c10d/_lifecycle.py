@@ -180,6 +180,9 @@ def _make_group(
     pg._set_group_name(name)
     pg._set_group_desc(desc)
     impl = creator(PrefixStore("cpu/", prefix_store), group_rank, size, timeout, name, global_ranks)
+    recorder = getattr(impl, "flight_recorder", None)
+    if recorder is not None:  # (the flight record names the group as torch's does)
+        recorder.identify(name, desc, global_ranks)
     checker = None
     if get_debug_level() == DebugLevel.DETAIL:
         checker = CollectiveChecker(

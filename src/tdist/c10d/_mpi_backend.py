@@ -41,6 +41,7 @@ from mpi4py import MPI
 from .._core.deadline import to_seconds
 from .._core.errors import DistBackendError, DistError, DistTimeoutError
 from ..store import Store
+from . import _flight_recorder as fr
 from ._backend import Backend
 from ._checks import CollectiveArgumentError
 from ._tcp_backend import _Flat, bytes_view
@@ -267,8 +268,10 @@ class _MPIWork(Work):
         peer: int = -1,
         status: Any = None,
         keep: Any = None,
+        entry: list[Any] | None = None,
     ) -> None:
         super().__init__(what, result=result)
+        self._entry = entry  # (its flight-record entry)
         self._backend = backend
         self._requests = requests
         self._settle_fn = settle
@@ -303,6 +306,8 @@ class _MPIWork(Work):
                 self._settle_fn()
             source = self._status.Get_source() if self._status is not None else -1
             self._keep = None
+            if self._entry is not None:
+                self._entry[fr.DONE] = time.time_ns()
             self._complete(None, source_rank=source)
             return True
         finally:
@@ -328,7 +333,7 @@ class _MPIWork(Work):
                 continue
             now = time.monotonic()
             if now >= self._deadline:
-                err = self._backend._timed_out(self._op, self._peer, now - self._started)
+                err = self._backend._timed_out(self._op, self._peer, now - self._started, self._entry)
                 self._backend._broken = err
                 self._fail(err)
                 break
@@ -368,7 +373,18 @@ class ProcessGroupMPI(Backend):
         self._seq = 0
         self._broken: DistError | None = None
         self._closed = False
+        # the flight record, and its answers to a timed-out rank's questions (``_desync``)
+        self._fr = fr.make_recorder(self._rank, self._size, self._timeout)
+        self._responder: Any = None
+        if self._fr is not None and store is not None and self._size > 1:
+            from ._desync import Responder
 
+            self._responder = Responder(store, self._fr)
+
+    @property
+    def flight_recorder(self) -> fr.Recorder | None:
+        """This rank's flight record of the group (``None`` when the recorder is off)."""
+        return self._fr
     @classmethod
     def create(
         cls, store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
@@ -408,21 +424,32 @@ class ProcessGroupMPI(Backend):
             raise DistBackendError(
                 f"rank {self._rank}: {what}: the process group is broken by an earlier failure: {self._broken}"
             ) from self._broken
+        entry = None
+        rec = self._fr
         if peer == -1:  # (a collective: numbered, as every rank numbers it)
             self._seq += 1
+            if rec is not None:
+                ins = tuple(t.shape for t in result)
+                entry = rec.collective(what, ins, result[0].dtype if result else None)
             what = f"{what} #{self._seq}"
+        elif rec is not None and result:
+            t0 = result[0]
+            sending = what.startswith("send")
+            src, dst = (self._rank, peer) if sending else (peer, self._rank)
+            entry = rec.p2p("send" if sending else "recv", t0.shape, t0.dtype, src, dst)
         t = getattr(opts, "timeout", None)
         seconds = t.total_seconds() if isinstance(t, timedelta) and t.total_seconds() > 0 else self._timeout
         try:
             requests = start()
         except MPI.Exception as exc:
             raise DistBackendError(f"rank {self._rank}: {what} failed in MPI: {exc.Get_error_string()}") from exc
-        work = _MPIWork(self, what, requests, result, settle, time.monotonic() + seconds, peer, status, keep)
+        work = _MPIWork(self, what, requests, result, settle, time.monotonic() + seconds, peer, status, keep, entry)
         work._poll()
         return work
 
-    def _timed_out(self, what: str, peer: int, waited: float) -> DistTimeoutError:
-        """The error of an operation past its deadline, naming who kept it waiting."""
+    def _timed_out(self, what: str, peer: int, waited: float, entry: list[Any] | None = None) -> DistTimeoutError:
+        """The error of an operation past its deadline, naming who kept it waiting (what every
+        rank was doing, from the flight record, where there is one: ``_desync``)."""
         if peer == -2:
             return DistTimeoutError(
                 f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend: no rank "
@@ -433,6 +460,20 @@ class ProcessGroupMPI(Backend):
                 f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend: rank "
                 f"{peer} of the group never matched it (dead, stopped, or in another operation)"
             )
+        rec = self._fr
+        if entry is not None and rec is not None and self._store is not None:
+            from ._desync import diagnose
+
+            err = DistTimeoutError(f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend")
+            fr.Recorder.failed(entry, err)
+            prefix = fr.dump_prefix() if fr.dump_on_failure() else None
+            text = diagnose(self._store, rec, entry, {}, prefix)
+            if prefix is not None:
+                try:
+                    fr.write_dump(f"{prefix}{rec.global_rank}", rec.global_rank)
+                except OSError:
+                    pass
+            return DistTimeoutError(f"{err}\n{text}")
         return DistTimeoutError(
             f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend; {self._who_is_missing(what)}"
         )
@@ -707,6 +748,8 @@ class ProcessGroupMPI(Backend):
         communicator: no rank then still needs the store that rank 0's process serves."""
         if self._closed:
             return
+        if self._responder is not None:
+            self._responder.stop()
         if self._broken is None and not MPI.Is_finalized():
             _quiet_barrier(self._comm, min(self._timeout, _EXIT_WAIT))
         self._closed = True

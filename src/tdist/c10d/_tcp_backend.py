@@ -15,12 +15,20 @@ group's worker thread. Point-to-point receives complete from the transport's rea
 
 Tensors may be non-contiguous: they are gathered into a contiguous copy and written back only
 inside the view. Integer AVG is refused (there is no exact integer mean).
+
+Every operation also takes an entry of the group's flight record (``_flight_recorder``) as it is
+issued, stamped as it starts and completes. A timeout or a lost peer asks every rank what it
+was doing (``_desync.diagnose``), adds the account to the error before the group is aborted (so
+the abort carries it to every rank), and has every rank write its dump; a collective that
+blocks is compared with the other ranks' calls by the watchdog (``_desync.watch``), whose
+verdict on a mismatch breaks the group the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -30,13 +38,22 @@ from typing import Any
 
 import torch
 
-from .._core.errors import DistBackendError, DistError
+from .._core.errors import (
+    CollectiveMismatchError,
+    DistBackendError,
+    DistError,
+    DistTimeoutError,
+    PeerError,
+)
 from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
 from ..transport._serialization import dumps, loads
+from . import _flight_recorder as fr
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError
+from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, unwatch, watch
+from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder
 from ._reduce import reduce_into
 from ._threads import capped
 from ._types import (
@@ -79,6 +96,59 @@ _NUMPY_DTYPES = frozenset({
     torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.uint8, torch.bool,
 })
+
+
+def _shapes(ts: list[torch.Tensor]) -> tuple[torch.Size, ...]:
+    """The shapes the flight recorder keeps (never the tensors)."""
+    return (ts[0].shape,) if len(ts) == 1 else tuple(t.shape for t in ts)
+
+
+def _stacked(n: int, t: torch.Tensor) -> tuple[torch.Size]:
+    """``n`` tensors like ``t`` as one shape (how torch's recorder shows a list of them)."""
+    return (torch.Size((n, *t.shape)),)
+
+
+_time_ns = time.time_ns
+_MARK = "What the ranks of group"  # (how ``_desync.explain`` starts)
+_MISMATCH = "collective mismatch in group"  # (the desync check's verdict)
+# a failure that quotes one of these says already what went wrong, naming both sides
+_QUOTED = (_MARK, _MISMATCH, "mismatched calls", "collective mismatch in shared-memory arena")
+
+
+# what the transport and the arena say of a peer that is gone, wherever in a (quoted) message
+_FATES = (
+    (re.compile(r"peer rank (\d+) \(pid \d+\) stalled|rank (\d+) \([^)]*\) has sent nothing"),
+     "is stalled (no heartbeat: stopped by SIGSTOP, hung, or cut off)"),
+    (re.compile(r"peer rank (\d+) \(pid \d+\) closed|rank (\d+) \([^)]*\) left the process group"),
+     "left the group"),
+    (re.compile(r"peer rank (\d+) \(pid \d+\) died|connection to rank (\d+) \([^)]*\)[^;]* was lost"),
+     "is gone (its process died or its connection was lost)"),
+)
+
+
+def _gone(exc: PeerError, me: int) -> dict[int, str]:
+    """The peers a ``PeerError`` (or the failure of another rank it quotes) says are gone:
+    dead, stalled or left, with what became of them. A peer that failed or aborted the group
+    itself is alive and can still answer."""
+    text = str(exc)
+    out: dict[int, str] = {}
+    for pattern, fate in _FATES:
+        for m in pattern.finditer(text):
+            q = int(m.group(1) or m.group(2))
+            if q != me:
+                out.setdefault(q, fate)
+    return out
+
+
+def _proc_state(pid: int) -> str | None:
+    """A local process's state letter from ``/proc`` (``None``: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    tail = stat[stat.rfind(")") + 1 :].split()
+    return tail[0] if tail else None
 
 
 def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
@@ -148,12 +218,15 @@ class _Flat:
 class _RecvWork(Work):
     """A point-to-point receive: done when the transport's reader has filled the tensor."""
 
-    def __init__(self, backend: ProcessGroupTCP, handle: RecvHandle, flat: _Flat, what: str, deadline: float) -> None:
+    def __init__(
+        self, backend: ProcessGroupTCP, handle: RecvHandle, flat: _Flat, what: str, deadline: float, entry: list[Any] | None
+    ) -> None:
         super().__init__(what, result=[flat.orig])
         self._backend = backend
         self._handle = handle
         self._flat = flat
         self._deadline = deadline
+        self._entry = entry
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         if not self.is_completed():
@@ -165,6 +238,8 @@ class _RecvWork(Work):
             try:
                 self._backend._ep.wait(self._handle, deadline, self._op)
             except DistError as exc:
+                if self._entry is not None:
+                    Recorder.failed(self._entry, exc)
                 self._fail(exc)
                 raise
             self._settle()
@@ -177,10 +252,15 @@ class _RecvWork(Work):
 
     def _settle(self) -> None:
         h = self._handle
+        e = self._entry
         if h.error is not None:
+            if e is not None:
+                Recorder.failed(e, h.error)
             self._fail(h.error)
             return
         self._flat.commit()
+        if e is not None:
+            e[DONE] = _time_ns()
         self._complete([self._flat.orig], source_rank=h.source)
 
     def get_future(self) -> Any:
@@ -220,10 +300,11 @@ class ProcessGroupTCP(Backend):
         super().__init__(rank, size)
         self._timeout = timeout.total_seconds()
         self._group_name = name
+        self._store = store
         self._ep = Endpoint(store, rank, size, timeout=self._timeout, name=name)
         self._seq = 0
         self._lock = threading.Lock()  # serializes execution of collectives
-        self._queue: deque[tuple[Work, Callable[[], list[torch.Tensor]]]] = deque()
+        self._queue: deque[tuple[Work, Callable[[], list[torch.Tensor]], list[Any] | None]] = deque()
         self._cv = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -256,6 +337,88 @@ class ProcessGroupTCP(Backend):
                 except BaseException:
                     self._ep.close()
                     raise
+        # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
+        # diagnosis requests (``_desync``)
+        self._fr = fr.make_recorder(rank, size, self._timeout)
+        self._responder: Responder | None = None
+        self._verdict: CollectiveMismatchError | None = None  # the desync check's
+        if self._fr is not None:
+            self._fr.identify(name=name or None)
+            if size > 1:
+                self._responder = Responder(store, self._fr)
+                watch(self._fr, self._desync_check)
+
+    @property
+    def flight_recorder(self) -> Recorder | None:
+        """This rank's flight record of the group (``None`` when the recorder is off)."""
+        return self._fr
+
+    def _dump_everywhere(self) -> None:
+        """Every rank of the group writes its dump (``TDIST_FR_DUMP_ON_FAILURE``)."""
+        rec = self._fr
+        if rec is None or not fr.dump_on_failure():
+            return
+        try:
+            request_dumps(self._store, rec, fr.dump_prefix(), 1.0)
+        except Exception as err:  # (the store may be what failed)
+            log.warning("rank %d: writing the flight-record dumps failed: %s", self._rank, err)
+
+    def _desync_check(self, entry: list[Any]) -> None:
+        """The watchdog's check of a collective that blocks (``_desync.watch``): ask the other
+        ranks what they called at its sequence number; another call there (no message may ever
+        cross between such calls, so nothing else would notice before the timeout) breaks the
+        group with a ``CollectiveMismatchError`` naming both sides, on every rank."""
+        rec = self._fr
+        if rec is None or self._closed or self._broken is not None or self._verdict is not None or entry[DONE]:
+            return
+        heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
+        mine = fr.brief(fr.normalized(rec, entry), _time_ns())
+        culprits = mismatch(mine, heads)
+        if not culprits or entry[DONE] or self._broken is not None:
+            return
+        q = culprits[0]
+        theirs = next(b for b in heads[q]["recent"] if not b.get("p2p") and b.get("seq") == mine["seq"])  # type: ignore[index]
+        age = (_time_ns() - entry[STARTED]) / 1e9
+
+        def call(b: dict[str, Any]) -> str:
+            return f"{b['op']} #{b['seq']}" + (f" ({b['sig']})" if b.get("sig") else "")
+
+        message = (
+            f"rank {self._rank}: {_MISMATCH} {rec.label!r} (found by the desync check after {age:.1f} s "
+            f"without progress): rank {self._rank} called {call(mine)} but rank {q} called {call(theirs)}; "
+            "every rank must call the same collectives in the same order with the same shapes and "
+            f"dtypes. {explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered)}"
+        )
+        self._verdict = CollectiveMismatchError(message)
+        self._dump_everywhere()
+        self._ep.abort(message)
+        if self._arena is not None:
+            self._arena.abort(message)
+
+    def _local_fates(self) -> dict[int, str]:
+        """Peers on this host whose process is stopped or gone, as ``/proc`` says (a stopped
+        rank answers nothing; this says why)."""
+        out: dict[int, str] = {}
+        me = os.getpid()
+        for q in range(self._size):
+            if q == self._rank or not self._ep.same_host(q):
+                continue
+            pid = self._ep.peer_pid(q)
+            if pid <= 0 or pid == me:
+                continue
+            state = _proc_state(pid)
+            if state is None or state in ("Z", "X"):
+                out[q] = f"is gone (its process, pid {pid}, has exited)"
+            elif state in ("T", "t"):
+                out[q] = f"is stopped (pid {pid} is in state {state}: SIGSTOP, or a debugger)"
+        return out
+
+    def request_dumps(self, prefix: str, timeout: float = 10.0) -> list[str]:
+        """Have every rank of the group write its flight-record dump to ``<prefix><global
+        rank>`` (``tdist.flight_recorder.dump_all``); the paths of those that did in time."""
+        if self._fr is None:
+            return []
+        return request_dumps(self._store, self._fr, prefix, timeout)
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -281,7 +444,9 @@ class ProcessGroupTCP(Backend):
         seconds = t.total_seconds() if isinstance(t, timedelta) and t.total_seconds() > 0 else self._timeout
         return time.monotonic() + seconds
 
-    def _submit(self, what: str, opts: Any, fn: Callable[[], list[torch.Tensor]]) -> Work:
+    def _submit(
+        self, what: str, opts: Any, fn: Callable[[], list[torch.Tensor]], entry: list[Any] | None = None
+    ) -> Work:
         if self._closed:
             raise DistBackendError(f"rank {self._rank}: {what} on a destroyed process group")
         if self._broken is not None:
@@ -292,21 +457,30 @@ class ProcessGroupTCP(Backend):
         with self._cv:
             inline = not getattr(opts, "asyncOp", True) and not self._queue and self._lock.acquire(blocking=False)
             if not inline:
-                self._queue.append((work, fn))
+                if entry is not None:
+                    entry[STARTED] = 0  # (queued: the worker stamps its start)
+                self._queue.append((work, fn, entry))
                 self._ensure_worker()
                 self._cv.notify()
                 return work
         try:
-            self._execute(work, fn)
+            self._execute(work, fn, entry)
         finally:
             self._lock.release()
         return work
 
-    def _execute(self, work: Work, fn: Callable[[], list[torch.Tensor]]) -> None:
+    def _execute(self, work: Work, fn: Callable[[], list[torch.Tensor]], entry: list[Any] | None) -> None:
         try:
             result = fn()
         except BaseException as exc:
+            verdict = self._verdict
+            if verdict is not None and isinstance(exc, DistError) and exc is not verdict:
+                exc = verdict  # (the desync check broke the group under this call: say why)
+            if entry is not None:
+                Recorder.failed(entry, exc)
             if isinstance(exc, DistError) and self._broken is None and not self._closed:
+                if entry is not None:
+                    self._explain(entry, exc)
                 self._broken = exc
                 reason = f"{work._op} failed on rank {self._rank}: {exc}"
                 self._ep.abort(reason)
@@ -314,7 +488,46 @@ class ProcessGroupTCP(Backend):
                     self._arena.abort(reason)
             work._fail(exc)
             return
+        if entry is not None:
+            entry[DONE] = UNTIMED  # (its time is discovered when the next one is issued)
         work._complete(result)
+
+    def _explain(self, entry: list[Any], exc: DistError) -> None:
+        """A timeout or a lost peer: add what every rank of the group was doing to ``exc``'s
+        message (asked through the store, ``_desync``), and leave every rank's flight-record
+        dump (``TDIST_FR_DUMP_ON_FAILURE``). A mismatch found here needs only the dumps: its
+        message names both sides already."""
+        rec = self._fr
+        if rec is None or self._size == 1:
+            return
+        if isinstance(exc, CollectiveMismatchError):
+            if exc is not self._verdict:  # (the desync check had them written)
+                self._dump_everywhere()
+            return
+        if not isinstance(exc, (DistTimeoutError, PeerError)):
+            return
+        text = str(exc)
+        if any(m in text for m in _QUOTED):  # (a peer's diagnosis or mismatch, quoted in its abort)
+            return
+        prefix = fr.dump_prefix() if fr.dump_on_failure() else None
+        earlier = self._ep.broken
+        if isinstance(exc, PeerError) and earlier is not None and _MARK in str(earlier):
+            # a peer failed first and said what every rank was doing then (this rank may since
+            # have moved on, as a rank that skipped a collective does): quote it
+            said = str(earlier)
+            explanation = f"(as the rank that failed first saw it) {said[said.index(_MARK):]}"
+            prefix = None  # (that rank had every rank write its dump then)
+        else:
+            gone = _gone(exc, self._rank) if isinstance(exc, PeerError) else {}
+            gone.update(self._local_fates())
+            explanation = diagnose(self._store, rec, entry, gone, prefix)
+        exc.args = (f"{text}\n{explanation}", *exc.args[1:])
+        if prefix is not None:
+            try:
+                g = rec.global_rank
+                fr.write_dump(f"{prefix}{g}", g)
+            except OSError as err:
+                log.warning("rank %d: writing the flight-recorder dump failed: %s", self._rank, err)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
@@ -328,9 +541,13 @@ class ProcessGroupTCP(Backend):
                     self._cv.wait(1.0)
                 if not self._queue:
                     return
-                work, fn = self._queue[0]
+                work, fn, entry = self._queue[0]
             with self._lock:
-                self._execute(work, fn)
+                if entry is not None:
+                    entry[STARTED] = _time_ns()
+                self._execute(work, fn, entry)
+                if entry is not None and entry[DONE] == UNTIMED:
+                    entry[DONE] = _time_ns()
             with self._cv:
                 self._queue.popleft()
                 self._cv.notify_all()
@@ -534,7 +751,20 @@ class ProcessGroupTCP(Backend):
                 f.commit()
             return tensors
 
-        return self._submit("all_reduce", opts, run)
+        rec = self._fr
+        if rec is None:
+            entry = None
+        elif len(tensors) == 1:  # (Recorder.one, inlined: the hot path of a small all_reduce)
+            t0 = tensors[0]
+            n = rec.n
+            rec.n = n + 1
+            now = _time_ns()
+            entry = [0, 0, rec.p2p_seq, "all_reduce", t0.shape, t0.dtype, None, None, None, now, now, 0,
+                     fr.capture() if rec.stack else None, None]
+            rec.ring[n % rec.cap] = entry
+        else:
+            entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
+        return self._submit("all_reduce", opts, run, entry)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work:
         opts = opts or BroadcastOptions()
@@ -566,7 +796,9 @@ class ProcessGroupTCP(Backend):
                 f.commit()
             return tensors
 
-        return self._submit("broadcast", opts, run)
+        rec = self._fr
+        entry = rec.collective("broadcast", _shapes(tensors), tensors[0].dtype) if rec is not None else None
+        return self._submit("broadcast", opts, run, entry)
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> Work:
         opts = opts or ReduceOptions()
@@ -602,7 +834,9 @@ class ProcessGroupTCP(Backend):
                     f.commit()
             return tensors
 
-        return self._submit("reduce", opts, run)
+        rec = self._fr
+        entry = rec.collective("reduce", _shapes(tensors), tensors[0].dtype) if rec is not None else None
+        return self._submit("reduce", opts, run, entry)
 
     def allgather(
         self,
@@ -623,7 +857,14 @@ class ProcessGroupTCP(Backend):
                 self._allgather_one(outs, inp, deadline)
             return [t for outs in output_tensors for t in outs]
 
-        return self._submit("all_gather", opts, run)
+        rec = self._fr
+        entry = None
+        if rec is not None and input_tensors:
+            entry = rec.collective(
+                "all_gather", _shapes(input_tensors), input_tensors[0].dtype,
+                _stacked(self._size, input_tensors[0]),
+            )
+        return self._submit("all_gather", opts, run, entry)
 
     def _allgather_one(self, outs: list[torch.Tensor], inp: torch.Tensor, deadline: float) -> None:
         flats = [_Flat(t) for t in outs]
@@ -667,7 +908,9 @@ class ProcessGroupTCP(Backend):
             out.commit()
             return [output]
 
-        return self._submit("all_gather_into_tensor", opts, run)
+        rec = self._fr
+        entry = rec.collective("all_gather_into_tensor", (input.shape,), input.dtype, (output.shape,), output.dtype) if rec is not None else None
+        return self._submit("all_gather_into_tensor", opts, run, entry)
 
     def gather(
         self,
@@ -709,7 +952,13 @@ class ProcessGroupTCP(Backend):
                 f.commit()
             return outs
 
-        return self._submit("gather", opts, run)
+        rec = self._fr
+        entry = None
+        if rec is not None and input_tensors:
+            inp0 = input_tensors[0]
+            outs0 = _stacked(self._size, inp0) if self._rank == root else ()
+            entry = rec.collective("gather", (inp0.shape,), inp0.dtype, outs0)
+        return self._submit("gather", opts, run, entry)
 
     def scatter(
         self,
@@ -748,7 +997,13 @@ class ProcessGroupTCP(Backend):
             out.commit()
             return [output_tensors[0]]
 
-        return self._submit("scatter", opts, run)
+        rec = self._fr
+        entry = None
+        if rec is not None and output_tensors:
+            out0 = output_tensors[0]
+            ins0 = _stacked(self._size, out0) if self._rank == root else ()
+            entry = rec.collective("scatter", ins0, out0.dtype, (out0.shape,))
+        return self._submit("scatter", opts, run, entry)
 
     def reduce_scatter(
         self,
@@ -772,7 +1027,10 @@ class ProcessGroupTCP(Backend):
             self._reduce_scatter_blocks(output_tensors[0], [t.reshape(-1).clone() for t in ins], op, deadline)
             return [output_tensors[0]]
 
-        return self._submit("reduce_scatter", opts, run)
+        rec = self._fr
+        out0 = output_tensors[0]
+        entry = rec.collective("reduce_scatter", _stacked(self._size, out0), out0.dtype, (out0.shape,)) if rec is not None else None
+        return self._submit("reduce_scatter", opts, run, entry)
 
     def _reduce_scatter_blocks(self, output: torch.Tensor, blocks: list[torch.Tensor], op: RedOpType, deadline: float) -> None:
         tag = self._next_tag()
@@ -811,7 +1069,9 @@ class ProcessGroupTCP(Backend):
             self._reduce_scatter_blocks(output, blocks, op, deadline)
             return [output]
 
-        return self._submit("reduce_scatter_tensor", opts, run)
+        rec = self._fr
+        entry = rec.collective("reduce_scatter_tensor", (input.shape,), input.dtype, (output.shape,), output.dtype) if rec is not None else None
+        return self._submit("reduce_scatter_tensor", opts, run, entry)
 
     def alltoall(
         self,
@@ -831,7 +1091,11 @@ class ProcessGroupTCP(Backend):
             self._exchange(output_tensors, input_tensors, deadline, "all_to_all")
             return output_tensors
 
-        return self._submit("all_to_all", opts, run)
+        rec = self._fr
+        entry = None
+        if rec is not None and input_tensors:
+            entry = rec.collective("all_to_all", _shapes(input_tensors), input_tensors[0].dtype, _shapes(output_tensors))
+        return self._submit("all_to_all", opts, run, entry)
 
     def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor], deadline: float, what: str) -> None:
         tag = self._next_tag()
@@ -884,7 +1148,9 @@ class ProcessGroupTCP(Backend):
             self._exchange(outs, ins, deadline, "all_to_all_single")
             return [output]
 
-        return self._submit("all_to_all_single", opts, run)
+        rec = self._fr
+        entry = rec.collective("all_to_all_single", (input.shape,), input.dtype, (output.shape,), output.dtype) if rec is not None else None
+        return self._submit("all_to_all_single", opts, run, entry)
 
     def barrier(self, opts: BarrierOptions | None = None) -> Work:
         opts = opts or BarrierOptions()
@@ -899,7 +1165,9 @@ class ProcessGroupTCP(Backend):
                 self._run(sched, [], tag, self._fingerprint("barrier"), "barrier", deadline)
             return []
 
-        return self._submit("barrier", opts, run)
+        rec = self._fr
+        entry = rec.collective("barrier", (), None) if rec is not None else None
+        return self._submit("barrier", opts, run, entry)
 
     # -- point to point ------------------------------------------------------------------------
     def _p2p_tag(self, tag: int) -> int:
@@ -911,7 +1179,16 @@ class ProcessGroupTCP(Backend):
         self._check_rank(dst, "send", "dst")
         t = tensors[0].contiguous()
         deadline = time.monotonic() + self._timeout
-        self._ep.send(dst, self._p2p_tag(tag), [bytes_view(t)], b"", deadline, f"send to rank {dst}")
+        rec = self._fr
+        entry = rec.p2p("send", t.shape, t.dtype, self._rank, dst) if rec is not None else None
+        try:
+            self._ep.send(dst, self._p2p_tag(tag), [bytes_view(t)], b"", deadline, f"send to rank {dst}")
+        except BaseException as exc:
+            if entry is not None:
+                Recorder.failed(entry, exc)
+            raise
+        if entry is not None:
+            entry[DONE] = _time_ns()
         return Work.completed([tensors[0]], op="send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
@@ -942,8 +1219,10 @@ class ProcessGroupTCP(Backend):
 
     def _post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Work:
         flat = _Flat(tensor)
+        rec = self._fr
+        entry = rec.p2p("recv", tensor.shape, tensor.dtype, src, self._rank) if rec is not None else None
         handle = self._ep.post_recv(src, self._p2p_tag(tag), bytes_view(flat.flat), None, what)
-        return _RecvWork(self, handle, flat, what, time.monotonic() + self._timeout)
+        return _RecvWork(self, handle, flat, what, time.monotonic() + self._timeout, entry)
 
     # -- lifetime ------------------------------------------------------------------------------
     def _check_rank(self, r: int, what: str, name: str) -> None:
@@ -954,13 +1233,17 @@ class ProcessGroupTCP(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._responder is not None:
+            self._responder.stop()
+        if self._fr is not None:
+            unwatch(self._fr)
         with self._cv:
             self._cv.notify_all()
         if self._arena is not None:
             self._arena.close()
         self._ep.close()
         pending = list(self._queue)
-        for work, _ in pending:
+        for work, _, _ in pending:
             work._fail(DistBackendError(f"rank {self._rank}: the process group was destroyed"))
 
     def abort(self) -> None:

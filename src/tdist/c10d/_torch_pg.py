@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -88,6 +89,10 @@ class TorchStore(Store):
 
     def num_keys(self) -> int:
         return int(self._s.num_keys())
+
+    def clone(self) -> Store:
+        """A new connection to the same torch store (for a thread that blocks in ``wait``)."""
+        return TorchStore(self._s.clone())
 
 
 class StoreForTorch(_TorchStore):  # type: ignore[misc]
@@ -319,6 +324,10 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
             from ._tcp_backend import ProcessGroupTCP
 
             backend = ProcessGroupTCP(TorchStore(store), rank, size, timeout)
+            rec = backend.flight_recorder
+            if rec is not None:  # (the members' global ranks: torch knows them once it has the group)
+                me = weakref.ref(self)
+                rec.ranks_fn = lambda: tdc.get_process_group_ranks(me())
         self._b = backend
 
     def getBackendName(self) -> str:
@@ -331,12 +340,21 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
+        if self._owned:
+            self._identify(name=name)
 
     def getGroupDesc(self) -> str:
         return self._group_desc
 
     def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
+        if self._owned:
+            self._identify(desc=desc)
+
+    def _identify(self, name: str | None = None, desc: str | None = None) -> None:
+        rec = getattr(self._b, "flight_recorder", None)
+        if rec is not None:
+            rec.identify(name, desc)
 
     @property
     def backend(self) -> Any:

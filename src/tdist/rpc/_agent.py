@@ -109,6 +109,15 @@ def current_agent(required: bool = True) -> RpcAgent | None:
 def set_current_agent(agent: RpcAgent | None) -> None:
     global _current
     _current = agent
+    if agent is not None:
+        from ..c10d._flight_recorder import add_dump_section
+
+        add_dump_section("rpc_in_flight", _calls_in_flight)
+
+
+def _calls_in_flight() -> list[dict[str, Any]]:
+    agent = _current
+    return [] if agent is None else agent.calls_in_flight()
 
 
 def serialization_peer() -> int | None:
@@ -242,6 +251,27 @@ class RpcAgent:
         if probe is not None:
             info["agent.gil_average_wait_time_us"] = f"{probe.average_us():.6f}"
         return info
+
+    def calls_in_flight(self) -> list[dict[str, Any]]:
+        """This worker's requests waiting for their reply, oldest first: the callee (name and
+        id), the call (``rpc_sync(worker1, mod.fn)``), its age and its timeout in seconds (what
+        the flight recorder's dumps carry as ``rpc_in_flight``)."""
+        now = time.monotonic()
+        with self._lock:
+            calls = list(self._pending.values())
+            workers = dict(self._workers)
+        calls.sort(key=lambda c: c.started)
+        out = []
+        for c in calls:
+            info = workers.get(c.dst)
+            out.append({
+                "callee": info.name if info is not None else str(c.dst),
+                "callee_id": c.dst,
+                "call": str(c.what),
+                "age_s": round(now - c.started, 3),
+                "timeout_s": c.seconds,
+            })
+        return out
 
     def rref_debug_info(self) -> dict[str, str]:
         """Torch's RRef context figures, as strings: ``num_owner_rrefs`` (values owned here

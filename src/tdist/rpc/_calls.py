@@ -12,6 +12,7 @@ needs them, not on every call.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -119,7 +120,7 @@ class LazyText:
 
 
 class _Call:
-    __slots__ = ("deadline", "dst", "fut", "on_reply", "seconds", "what")
+    __slots__ = ("deadline", "dst", "fut", "on_reply", "seconds", "started", "what")
 
     def __init__(self, fut: Any, dst: int, what: object, seconds: float | None, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
         self.fut = fut
@@ -128,6 +129,7 @@ class _Call:
         self.seconds = seconds
         self.deadline = deadline
         self.on_reply = on_reply
+        self.started = time.monotonic()  # (the flight recorder's "age" of a call in flight)
 
 
 def _wait_future(fut: Any, timeout: float | None) -> None:

@@ -42,6 +42,7 @@ from typing import Any, cast
 from .._core import auth
 from .._core.errors import (
     AuthenticationError,
+    CollectiveMismatchError,
     DistError,
     DistNetworkError,
     DistTimeoutError,
@@ -876,13 +877,13 @@ class Endpoint:
 
     def _check(self, source: int, handle: RecvHandle, meta: bytes, nbytes: int) -> DistError | None:
         if handle.expect_meta is not None and meta != handle.expect_meta:
-            return DistError(
+            return CollectiveMismatchError(
                 f"rank {self.rank}: mismatched calls: rank {source} sent {meta.decode(errors='replace')} "
                 f"while this rank expects {handle.expect_meta.decode(errors='replace')}; every rank "
                 "must call the same collectives in the same order with the same shapes and dtypes"
             )
         if handle.buffer is not None and handle.buffer.nbytes != nbytes:
-            return DistError(
+            return CollectiveMismatchError(
                 f"rank {self.rank}: {handle.what}: rank {source} sent {nbytes} bytes but the "
                 f"receiving tensor holds {handle.buffer.nbytes} bytes (tag {handle.tag}); sizes or "
                 "dtypes differ between the ranks"

@@ -1,0 +1,536 @@
+"""Desync diagnosis: when a collective times out or loses a peer, the error on every rank says
+what each rank of the group was doing, read through the group's store.
+
+Theory of operation. Every backend that keeps a flight record runs a ``Responder``: a daemon
+thread on a connection of its own to the group's store (a ``clone()``; a blocking ``wait`` on
+the shared one would hold it for everyone), blocked in ``wait`` on the key
+``fr/ask/<rank>/<k>`` for the next request number ``k``. It costs nothing while nobody asks.
+
+A rank whose operation fails (``diagnose``) takes a request number (``add("fr/asks", 1)``),
+sets ``fr/ask/<q>/<k>`` for every member ``q`` (itself included, so that every responder sees
+every number in turn), and waits a short grace for the answers ``fr/head/<k>/<q>``: each rank's
+``head``, the last few entries of the group's record, its last completed collective, and what
+its process is doing in other groups (a rank stuck in another group's collective is a classic
+deadlock). Ranks the transport already knows to be gone are not waited for; a rank that does
+not answer in time (stopped by ``SIGSTOP``, hung holding the GIL, or without a responder) is
+named as such. ``explain``, a pure function of the answers, turns them into one sentence per
+kind of behaviour, culprits first: "rank 2 never entered all_reduce #412 (float32[1024]); its
+last op is broadcast #411 (float32[10], completed 31.0 s ago) at train.py:88; ranks 0, 1, 3 are
+waiting in all_reduce #412 (float32[1024])". The request may also ask every rank to write its
+flight-recorder dump, so that a failure leaves the dumps of the whole group, the healthy ranks'
+included, for ``torchfrtrace``.
+
+The asking runs in a helper thread, on a clone of the store where the store can be cloned, and
+is abandoned after the grace and a second: a store whose host is stopped must not turn a
+diagnosed timeout into a hang. Values are JSON (the store may be shared; never pickle).
+
+The same answers make the cheap desync check. Ranks that call different collectives at one
+sequence number are caught when a message of one reaches the other (its fingerprint is compared
+on arrival) or, in the shared-memory arena, at arrival; but two different calls may never
+exchange a message at all (a broadcast from rank 0 and an all-reduce that first waits for rank
+2) and would hang until the timeout. So one watchdog thread per process looks at the rings twice
+a second, and a collective blocked for ``check_after()`` seconds is compared with what the other
+ranks recorded at its sequence number (``mismatch``, by the rules of ``compatible``); its
+backend turns a mismatch into a ``CollectiveMismatchError`` naming both sides and breaks the
+group, so every rank hears of it. Operations pay nothing for it.
+
+Thread-safety: a responder serves one recorder; ``diagnose`` may run on several ranks' threads
+at once (each gets its own request number).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ..store import FileStore, PrefixStore, Store
+from . import _flight_recorder as fr
+
+__all__ = [
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "diagnose", "explain", "head", "mismatch",
+    "request_dumps", "unwatch", "watch",
+]
+
+log = logging.getLogger(__name__)
+
+GRACE = 2.0  # seconds the asking rank waits for the others' answers
+_WAIT = timedelta(hours=1)  # one blocking wait of a responder (it waits again after)
+_RECENT = 4
+_POLL = 0.01  # seconds between two looks at the answers
+
+
+def clone_store(store: Any) -> Any:
+    """A new connection to ``store`` for another thread, or ``None`` where there is none to be
+    had (a ``FileStore``, whose clones count as handles of the job)."""
+    root = store
+    while isinstance(root, PrefixStore):
+        root = root.underlying_store
+    if isinstance(root, FileStore):
+        return None
+    try:
+        clone = store.clone()
+        clone.check(["fr/asks"])  # (torch's clone of a store written in Python fails only here)
+    except Exception:
+        return None
+    return clone
+
+
+def _close(store: Any) -> None:
+    close = getattr(store, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            pass
+
+
+def head(rec: fr.Recorder) -> dict[str, Any]:
+    """What this rank is doing in ``rec``'s group, and in flight elsewhere in its process."""
+    now = time.time_ns()
+    es = rec.entries()
+    colls = [e for e in es if e[fr.PEER] is None]
+    done = [e for e in colls if e[fr.DONE]]
+    elsewhere = []
+    me = rec.global_rank
+    for other in fr.recorders():
+        if other is rec or other.global_rank != me:
+            continue
+        for e in other.entries()[-_RECENT:]:
+            if not e[fr.DONE] and not e[fr.ERROR]:
+                elsewhere.append({"group": other.label, **fr.brief(e, now)})
+    return {
+        "rank": rec.rank,
+        "global_rank": me,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "recent": [fr.brief(e, now) for e in es[-_RECENT:]],
+        "last_completed": fr.brief(done[-1], now) if done else None,
+        "last_seq": colls[-1][fr.CSEQ] if colls else 0,
+        "elsewhere": elsewhere,
+    }
+
+
+class Responder:
+    """Answers the group's diagnosis requests for one rank (see the module docstring).
+
+    Args:
+        store: the group's store (cloned for the responder's thread).
+        rec: this rank's recorder of the group.
+    """
+
+    def __init__(self, store: Any, rec: fr.Recorder) -> None:
+        self._store = store
+        self._rec = rec
+        self._next = 1
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"tdist-fr-{rec.rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        store = clone_store(self._store)
+        if store is None:
+            return
+        rank = self._rec.rank
+        failures = 0
+        try:
+            while not self._stopped:
+                key = f"fr/ask/{rank}/{self._next}"
+                t0 = time.monotonic()
+                try:
+                    store.wait([key], _WAIT)
+                except Exception:
+                    # a timeout waits again; a store that is gone ends the responder
+                    failures = failures + 1 if time.monotonic() - t0 < 1.0 else 0
+                    if failures >= 3:
+                        return
+                    continue
+                if self._stopped:
+                    return
+                try:
+                    request = store.get(key)
+                    store.delete_key(key)
+                    self._answer(store, request)
+                except Exception as exc:
+                    log.debug("rank %d: flight-recorder responder of group %s: %s", rank, self._rec.label, exc)
+                self._next += 1
+        finally:
+            _close(store)
+
+    def _answer(self, store: Store, request: bytes) -> None:
+        if request == b"quit":
+            return
+        req = json.loads(request)
+        rec = self._rec
+        prefix = req.get("dump")
+        if prefix and req.get("from") != rec.rank:
+            try:
+                g = rec.global_rank
+                fr.write_dump(f"{prefix}{g}", g)
+            except Exception as exc:
+                log.warning("rank %d: flight-recorder dump failed: %s", rec.rank, exc)
+        store.set(f"fr/head/{req['k']}/{rec.rank}", json.dumps(head(rec)))
+
+    def stop(self) -> None:
+        """Stop answering (the group is being destroyed): wake the thread, which then closes
+        its connection."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread.is_alive():
+            # (from a thread: a store whose host is stopped must not hold up destroy_process_group)
+            threading.Thread(target=self._wake, name=f"tdist-fr-stop-{self._rec.rank}", daemon=True).start()
+
+    def _wake(self) -> None:
+        try:
+            self._store.set(f"fr/ask/{self._rec.rank}/{self._next}", b"quit")
+        except Exception:
+            pass
+
+
+def request_dumps(store: Any, rec: fr.Recorder, prefix: str, timeout: float) -> list[str]:
+    """Have every rank of ``rec``'s group write its dump to ``<prefix><global rank>`` (this rank
+    first, then the others through their responders); returns the paths of the ranks that did
+    within ``timeout``."""
+    mine = rec.global_rank
+    fr.write_dump(f"{prefix}{mine}", mine)
+    heads, _ = ask_all(store, rec, {}, prefix, timeout)
+    return sorted(f"{prefix}{h['global_rank']}" for h in heads.values() if h is not None)
+
+
+def _ask(
+    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None, grace: float
+) -> tuple[dict[int, dict[str, Any] | None], str | None]:
+    """Ask every member for its head (the executor of ``diagnose``); returns the answers and,
+    if the store failed meanwhile, why."""
+    rank, size = rec.rank, rec.size
+    k = store.add("fr/asks", 1)
+    payload = json.dumps({"k": k, "from": rank, "dump": dump}).encode()
+    store.multi_set([f"fr/ask/{q}/{k}" for q in range(size)], [payload] * size)
+    keys = {q: f"fr/head/{k}/{q}" for q in range(size) if q != rank and q not in gone}
+    heads: dict[int, dict[str, Any] | None] = dict.fromkeys(keys)
+    broke = None
+    # (each answer is read as soon as it is there: the store's host may be one of the ranks,
+    # and leave once it has its own answers)
+    deadline = time.monotonic() + grace
+    pending = dict(keys)
+    while pending:
+        try:
+            for q, key in list(pending.items()):
+                if store.check([key]):
+                    heads[q] = json.loads(store.get(key))
+                    del pending[q]
+        except Exception as exc:
+            log.debug("rank %d: reading the answers to request %d: %r", rank, k, exc)
+            broke = f"{type(exc).__name__}: {exc}"
+            break
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL)
+    return heads, broke
+
+
+def diagnose(
+    store: Any,
+    rec: fr.Recorder,
+    failed: Sequence[Any],
+    gone: Mapping[int, str],
+    dump: str | None = None,
+    grace: float = GRACE,
+) -> str:
+    """What every rank of ``rec``'s group was doing when ``failed`` (an entry of ``rec``) went
+    wrong: asks them through ``store`` (see the module docstring) and explains.
+
+    Args:
+        store: the group's store.
+        rec: this rank's recorder.
+        failed: the (live) entry of the operation that failed.
+        gone: ranks known to be gone, with why (not asked).
+        dump: ask every rank to write its dump to ``<dump><global rank>``.
+        grace: seconds to wait for answers.
+
+    Returns:
+        The explanation (never raises: a store that cannot be asked is said so).
+    """
+    mine = fr.brief(fr.normalized(rec, failed), time.time_ns())
+    heads, unanswered = ask_all(store, rec, gone, dump, grace)
+    return explain(rec.rank, rec.size, mine, heads, gone, rec.label, unanswered)
+
+
+def ask_all(
+    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None = None, grace: float = GRACE
+) -> tuple[dict[int, dict[str, Any] | None], str]:
+    """Every member's ``head`` (``None`` for those that did not answer within ``grace``; this
+    rank's own, read here), and what to say of a rank that did not answer. Asks from a helper
+    thread on a clone of ``store``, given up a second after ``grace``."""
+    box: list[Any] = []
+
+    def run() -> None:
+        s = clone_store(store)
+        try:
+            box.append(_ask(s if s is not None else store, rec, gone, dump, grace))
+        except Exception as exc:
+            box.append(exc)
+        finally:
+            if s is not None:
+                _close(s)
+
+    t = threading.Thread(target=run, name=f"tdist-fr-ask-{rec.rank}", daemon=True)
+    t.start()
+    t.join(grace + 1.0)
+    heads: dict[int, dict[str, Any] | None] = {}
+    unanswered = f"did not answer within {grace:g} s (stopped, e.g. by SIGSTOP, hung holding the GIL, or unreachable)"
+    if not box or isinstance(box[0], BaseException):
+        why = "the store did not answer" if not box else f"{type(box[0]).__name__}: {box[0]}"
+        unanswered = f"could not be asked ({why})"
+    else:
+        heads, broke = box[0]
+        if broke is not None:
+            unanswered = f"did not answer before the store failed ({broke})"
+    heads[rec.rank] = head(rec)
+    return heads, unanswered
+
+
+# -- the watchdog: a collective that blocks is checked against the other ranks' calls ------------
+def check_after() -> float:
+    """Seconds a collective may block before the desync check asks the other ranks what they
+    called (``TDIST_FR_CHECK_AFTER``, 2; then again after twice as long, up to a minute apart;
+    0: never)."""
+    try:
+        return max(0.0, float(os.environ.get("TDIST_FR_CHECK_AFTER", "2")))
+    except ValueError:
+        return 2.0
+
+
+class _Watchdog:
+    """One daemon thread per process that looks at every watched recorder twice a second; a
+    collective running for ``check_after()`` seconds is handed to its backend's check (which
+    asks the other ranks through the store, and breaks the group on a mismatch). It costs the
+    operations nothing: it reads the rings."""
+
+    _PERIOD = 0.5
+    _MAX_GAP = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[weakref.ref[fr.Recorder], weakref.WeakMethod[Callable[[list[Any]], None]]]] = {}
+        self._due: dict[tuple[int, int, int], float] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
+        after = check_after()
+        if after <= 0:
+            return
+        with self._lock:
+            self._watched[rec.pg_id] = (weakref.ref(rec), weakref.WeakMethod(check))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, args=(after,), name="tdist-fr-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self, after: float) -> None:
+        while True:
+            time.sleep(self._PERIOD)
+            with self._lock:
+                items = list(self._watched.items())
+                if not items:  # (every group is gone: the next one starts a new thread)
+                    self._thread = None
+                    return
+            now = time.time_ns()
+            for pg_id, (rref, mref) in items:
+                rec, check = rref(), mref()
+                if rec is None or check is None:
+                    with self._lock:
+                        self._watched.pop(pg_id, None)
+                    continue
+                for e in rec.live(_RECENT):
+                    if e[fr.PEER] is not None or e[fr.DONE] or e[fr.ERROR]:
+                        continue
+                    if e[fr.STARTED]:  # (the oldest running collective: what the group waits on)
+                        key = (pg_id, id(e), e[fr.CREATED])
+                        due = self._due.get(key, after)
+                        if (now - e[fr.STARTED]) / 1e9 >= due:
+                            if len(self._due) > 1000:
+                                self._due.clear()
+                            self._due[key] = min(due * 2, self._MAX_GAP)
+                            try:
+                                check(e)
+                            except Exception as exc:
+                                log.debug("flight recorder: desync check of group %s: %s", rec.label, exc)
+                    break
+
+    def unwatch(self, rec: fr.Recorder) -> None:
+        with self._lock:
+            self._watched.pop(rec.pg_id, None)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's groups are not this process's."""
+        self._lock = threading.Lock()
+        self._watched.clear()
+        self._due.clear()
+        self._thread = None
+
+
+_watchdog = _Watchdog()
+os.register_at_fork(after_in_child=_watchdog.forget)
+
+
+def watch(rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
+    """Have ``check(entry)`` (a bound method of the group's backend, held weakly) run when a
+    collective of ``rec`` blocks for ``check_after()`` seconds, then at growing intervals."""
+    _watchdog.watch(rec, check)
+
+
+def unwatch(rec: fr.Recorder) -> None:
+    """Stop watching ``rec`` (its group is being destroyed)."""
+    _watchdog.unwatch(rec)
+
+
+# -- the explanation (pure) ----------------------------------------------------------------------
+# collectives whose every rank passes the same shapes (the others may differ by rank: uneven
+# all_gather, all_to_all splits, the root's lists of gather and scatter)
+_SAME_SHAPES = frozenset({
+    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
+})
+
+
+def compatible(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two ranks' entries of one sequence number are the same call."""
+    if a.get("op") != b.get("op"):
+        return False
+    if a.get("op") in _SAME_SHAPES:
+        return bool(a.get("sig") == b.get("sig"))
+    return not a.get("dtype") or not b.get("dtype") or a.get("dtype") == b.get("dtype")
+
+
+def mismatch(failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None]) -> list[int]:
+    """The ranks whose entry of ``failed``'s sequence number is another call (``[]``: none
+    found; a rank that has not reached it yet is no mismatch)."""
+    if failed.get("p2p"):
+        return []
+    out = []
+    for q, h in sorted(heads.items()):
+        if h is None:
+            continue
+        for b in h.get("recent") or []:
+            if not b.get("p2p") and b.get("seq") == failed["seq"] and not compatible(b, failed):
+                out.append(q)
+                break
+    return out
+
+
+def _call(b: Mapping[str, Any]) -> str:
+    if b.get("p2p"):
+        src, dst = b["p2p"]
+        text = f"{b['op']} {src}->{dst} (p2p #{b['seq']})"
+    else:
+        text = f"{b['op']} #{b['seq']}"
+    return text + (f" ({b['sig']})" if b.get("sig") else "")
+
+
+def _op(b: Mapping[str, Any]) -> str:
+    """An entry with its state: ``broadcast #411 (float32[10], completed 31.0 s ago) at x.py:8``."""
+    if b.get("p2p"):
+        src, dst = b["p2p"]
+        name = f"{b['op']} {src}->{dst} (p2p #{b['seq']}"
+    else:
+        name = f"{b['op']} #{b['seq']} ("
+    sig = b.get("sig")
+    parts = [sig] if sig else []
+    state = b.get("state", "?")
+    since = b.get("since_s")
+    if state == "completed":
+        parts.append(f"completed {since:.1f} s ago" if since is not None else "completed")
+    elif state == "started":
+        parts.append(f"running for {since:.1f} s" if since is not None else "running")
+    else:
+        parts.append(f"queued for {since:.1f} s" if since is not None else "queued")
+    if b.get("p2p"):
+        text = f"{name}, {', '.join(parts)})"
+    else:
+        text = f"{name}{', '.join(parts)})"
+    if b.get("where"):
+        text += f" at {b['where']}"
+    return text
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _status(
+    q: int, failed: Mapping[str, Any], h: Mapping[str, Any] | None, gone: Mapping[int, str], unanswered: str,
+    known: str,
+) -> tuple[str, bool]:
+    """Rank ``q``'s behaviour in one phrase, and whether it waits in the failed call as this
+    rank does."""
+    call = _call(failed)
+    if q in gone:
+        return f"{gone[q]}{known}", False
+    if h is None:
+        return f"{unanswered}{known}", False
+    seq = failed["seq"]
+    recent = h.get("recent") or []
+    same = [b for b in recent if not b.get("p2p") and b.get("seq") == seq] if not failed.get("p2p") else []
+    elsewhere = "".join(
+        f"; it is in {_call(b)} of group {b['group']!r} ({b.get('state')} for {b.get('since_s', 0):.1f} s)"
+        for b in h.get("elsewhere") or []
+    )
+    if same:
+        b = same[-1]
+        if compatible(b, failed):
+            if b.get("state") == "completed":
+                return f"completed {call}{elsewhere}", False
+            return "", True
+        return f"called {_call(b)} where others called {call}{elsewhere}", False
+    last = recent[-1] if recent else None
+    tail = f"its last op is {_op(last)}" if last else "it has recorded no operation in this group"
+    if int(h.get("last_seq") or 0) < seq or failed.get("p2p"):
+        return f"never entered {call}; {tail}{elsewhere}", False
+    return f"is past {call}; {tail}{elsewhere}", False
+
+
+def explain(
+    me: int,
+    size: int,
+    failed: Mapping[str, Any],
+    heads: Mapping[int, Mapping[str, Any] | None],
+    gone: Mapping[int, str],
+    group: str,
+    unanswered: str = "did not answer",
+) -> str:
+    """One sentence per behaviour, culprits first (see the module docstring).
+
+    Args:
+        me: the rank that explains (its failed call is the reference).
+        size: the group's size.
+        failed: ``brief`` of the failed entry.
+        heads: each rank's ``head``, ``None`` for one that did not answer.
+        gone: ranks known to be gone, with what happened to them (``"is stalled (...)"``).
+        group: the group's name.
+        unanswered: what to say of a rank that did not answer.
+    """
+    by_status: dict[str, list[int]] = {}
+    waiting: list[int] = []
+    mine = heads.get(me) or {}
+    last = mine.get("last_completed")
+    known = f"; it took part in {_call(last)}, the last collective completed here" if last else ""
+    for q in range(size):
+        status, waits = _status(q, failed, heads.get(q), gone, unanswered, known)
+        if waits:
+            waiting.append(q)
+        else:
+            by_status.setdefault(status, []).append(q)
+    parts = [f"{_ranks(ranks)} {status}" for status, ranks in by_status.items()]
+    if waiting:
+        verb = "is" if len(waiting) == 1 else "are"
+        parts.append(f"{_ranks(waiting)} {verb} waiting in {_call(failed)}")
+    if not by_status:
+        parts.append("no rank is missing (every rank was in this call: a slow rank, or a network stall)")
+    return f"What the ranks of group {group!r} were doing: " + "; ".join(parts) + "."

@@ -1,0 +1,307 @@
+"""The flight recorder and the desync diagnosis with real processes: a rank that skips a
+collective, calls another one, uses another shape, sleeps, is stopped (SIGSTOP) or dies; the
+error on every rank names the culprit and what it was doing, and torch's analyzer
+(``torchfrtrace``) run on the dumps agrees. Dumps on SIGUSR1 and on demand, and RPC calls in
+flight in a dump.
+
+Each rank is a forked process; results travel through a store this test process hosts (so the
+store outlives every rank, whatever happens to them); ranks wait on store keys, not sleeps
+(except the rank whose sleeping is the scenario)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tdist
+from tdist.testing import free_port, run_processes
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 3
+CULPRIT = N - 1
+PG_TIMEOUT = 3.0  # seconds: the collective timeout of the scenarios' groups
+THIS_FILE = os.path.basename(__file__)
+
+
+@pytest.fixture(params=["shm", "sockets"])
+def path(request: pytest.FixtureRequest) -> str:
+    """Both same-host paths: the shared-memory arena, and the schedules over the transport."""
+    return str(request.param)
+
+
+def _env(path: str, dumps: Path) -> dict[str, str]:
+    return {
+        "TDIST_SHM": "1" if path == "shm" else "0",
+        "TDIST_FR_STACK": "1",
+        "TDIST_FR_DUMP_TEMP_FILE": str(dumps / "rank_"),
+    }
+
+
+# -- the ranks' side -----------------------------------------------------------------------------
+def _scenario(rank: int, n: int, store: tdist.Store, scenario: str, api: str, pg_timeout: float) -> str:
+    """Two good collectives, then the third goes wrong on the last rank as ``scenario`` says.
+    Returns the error this rank got (or ``"no error"``)."""
+    if api.startswith("torch:"):  # torch's own init (and store, hosted by rank 0), tdist's backend
+        import torch.distributed as tdc
+
+        dist: Any = tdc
+        tdc.init_process_group(
+            "tdist", init_method=f"tcp://127.0.0.1:{api.split(':')[1]}", rank=rank, world_size=n,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+    else:
+        dist = tdist
+        tdist.init_process_group(
+            "gloo", store=tdist.PrefixStore("job", store), rank=rank, world_size=n,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+    t = torch.ones(1024)
+    dist.all_reduce(t)  # all_reduce #1
+    dist.broadcast(torch.ones(10), 0)  # broadcast #2: the culprit's last good op
+    try:
+        if rank != CULPRIT:
+            dist.all_reduce(t)  # all_reduce #3
+        elif scenario == "skip":
+            store.wait(["others_done"])  # (the others have their errors)
+            _carry_on(dist, t)
+        elif scenario == "sleep":
+            time.sleep(PG_TIMEOUT + 3)
+            store.wait(["others_done"])
+            _carry_on(dist, t)
+        elif scenario == "other":
+            dist.broadcast(t, 0)
+        elif scenario == "shape":
+            dist.all_reduce(torch.ones(7))
+        elif scenario == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # (the test continues us once the others have failed)
+            store.wait(["others_done"])
+            _carry_on(dist, t)
+        elif scenario == "die":
+            os._exit(3)
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _carry_on(dist: Any, t: torch.Tensor) -> None:
+    """The culprit goes on after the others failed. Its first collective may still complete
+    (what the others sent before they gave up is in its sockets, ahead of their abort); the
+    next one fails."""
+    dist.all_reduce(t)
+    dist.barrier()
+
+
+def _rank_main(rank: int, n: int, port: int, scenario: str, api: str, env: dict[str, str], pg_timeout: float) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    store.set(f"pid/{rank}", str(os.getpid()))
+    try:
+        result = _scenario(rank, n, store, scenario, api, pg_timeout)
+    except BaseException as exc:  # (the harness reports it)
+        result = f"harness: {type(exc).__name__}: {exc}"
+    store.set(f"result/{rank}", result)
+    store.wait(["release"])  # alive (answering) until the test has every result
+    os._exit(0)
+
+
+# -- the test's side -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _job(scenario: str, env: dict[str, str], api: str, pg_timeout: float) -> Iterator[tuple[tdist.TCPStore, list[Any]]]:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_rank_main, args=(r, N, master.port, scenario, api, env, pg_timeout), daemon=True) for r in range(N)]
+    for p in procs:
+        p.start()
+    try:
+        yield master, procs
+    finally:
+        master.set("release", "1")
+        for p in procs:
+            if p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        master.close()
+
+
+def _results(master: tdist.TCPStore, ranks: list[int], timeout: float = 60.0) -> dict[int, str]:
+    master.wait([f"result/{r}" for r in ranks], timedelta(seconds=timeout))
+    return {r: master.get(f"result/{r}").decode() for r in ranks}
+
+
+def _run(scenario: str, env: dict[str, str], api: str = "tdist", pg_timeout: float = PG_TIMEOUT) -> dict[int, str]:
+    others = [r for r in range(N) if r != CULPRIT]
+    with _job(scenario, env, api, pg_timeout) as (master, _procs):
+        if scenario in ("other", "shape"):
+            return _results(master, list(range(N)))
+        got = _results(master, others)
+        if scenario == "die":
+            return got
+        if scenario == "sigstop":
+            os.kill(int(master.get(f"pid/{CULPRIT}")), signal.SIGCONT)
+        master.set("others_done", "1")
+        got.update(_results(master, [CULPRIT]))
+        return got
+
+
+def _fr_trace(dumps: Path) -> str:
+    """torch's analyzer on the dumps in ``dumps`` (its log goes to stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps), "-p", "rank_"],
+        capture_output=True, text=True, timeout=60,
+    )
+    return proc.stdout + proc.stderr
+
+
+# -- hangs: the error names the culprit and what it was doing --------------------------------------
+@pytest.mark.parametrize("scenario", ["skip", "sleep"])
+def test_a_rank_that_never_enters_the_collective_is_named_on_every_rank(
+    scenario: str, path: str, tmp_path: Path
+) -> None:
+    got = _run(scenario, _env(path, tmp_path))
+    for r in range(N - 1):
+        m = got[r]
+        assert m.startswith(("DistTimeoutError", "PeerError")), m
+        assert "rank 2 never entered all_reduce #3 (float32[1024])" in m, m
+        assert "its last op is broadcast #2 (float32[10], completed" in m, m
+        assert f"at {THIS_FILE}:" in m, m
+        assert "ranks 0, 1 are waiting in all_reduce #3 (float32[1024])" in m, m
+    # the culprit hears of it at its next call, with the same account
+    assert "rank 2 never entered all_reduce #3" in got[CULPRIT], got[CULPRIT]
+    # every rank left its dump (the culprit's written at the others' request)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0", "rank_1", "rank_2"]
+
+
+def test_torchfrtrace_agrees_on_the_missing_rank(path: str, tmp_path: Path) -> None:
+    _run("skip", _env(path, tmp_path))
+    report = _fr_trace(tmp_path)
+    assert "Not all ranks joining collective, sequence number: 3" in report, report
+    assert "missing ranks: {2}" in report, report
+    assert "collective: gloo:all_reduce" in report, report
+    dump = pickle.loads((tmp_path / "rank_0").read_bytes())
+    assert dump["version"] == "2.10"
+    assert dump["pg_config"]["0"] == {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2]"}
+    last = dump["entries"][-1]
+    assert (last["profiling_name"], last["collective_seq_id"], last["state"]) == ("gloo:all_reduce", 3, "started")
+    assert last["input_sizes"] == [[1024]] and last["input_dtypes"] == ["Float"]
+    assert any(f["filename"].endswith(THIS_FILE) for f in last["frames"])
+
+
+def test_a_stopped_rank_is_named(path: str, tmp_path: Path) -> None:
+    got = _run("sigstop", _env(path, tmp_path))
+    for r in range(N - 1):
+        m = got[r]
+        assert "rank 2" in m and "SIGSTOP" in m, m
+        assert "broadcast #2" in m, m  # (the last collective it took part in)
+    assert "rank 2" in got[CULPRIT], got[CULPRIT]
+
+
+def test_a_dead_rank_is_named(path: str, tmp_path: Path) -> None:
+    got = _run("die", _env(path, tmp_path))
+    for r in range(N - 1):
+        m = got[r]
+        assert m.startswith("PeerError"), m
+        assert "rank 2 is gone (its process" in m, m
+        assert "all_reduce #3" in m, m
+    assert {"rank_0", "rank_1"} <= {p.name for p in tmp_path.iterdir()}
+
+
+# -- desyncs: the cheap check raises on every rank, naming both sides, long before the timeout ----
+@pytest.mark.parametrize("scenario", ["other", "shape"])
+def test_a_different_call_fails_every_rank_naming_both(scenario: str, path: str, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    got = _run(scenario, _env(path, tmp_path), pg_timeout=60.0)
+    assert time.monotonic() - t0 < 30  # (the group's timeout is 60 s)
+    for r in range(N):
+        m = got[r]
+        assert "mismatch" in m, m
+        if scenario == "other":
+            assert "broadcast" in m and "all_reduce" in m, m
+        else:
+            assert "1024" in m and "7" in m, m
+        assert "rank 2" in m or r == CULPRIT, m
+        assert "rank 0" in m or "rank 1" in m, m
+    # the dumps were written, and torch's analyzer sees the same mismatch
+    report = _fr_trace(tmp_path)
+    kind = "COLLECTIVE_TYPE_MISMATCH" if scenario == "other" else "SIZE_OR_SYNTAX_MISMATCH"
+    assert "Collective sequence number: 3 has errors" in report and kind in report, report
+
+
+# -- torch's groups on the tdist backend -------------------------------------------------------------
+def test_torch_groups_on_tdist_are_diagnosed_too(tmp_path: Path) -> None:
+    got = _run("skip", _env("shm", tmp_path), api=f"torch:{free_port()}")
+    for r in range(N - 1):
+        assert "rank 2 never entered all_reduce #3 (float32[1024])" in got[r], got[r]
+    report = _fr_trace(tmp_path)
+    assert "missing ranks: {2}" in report, report
+
+
+# -- dumps on request --------------------------------------------------------------------------------
+def _dump_on_request(rank: int, n: int, port: int, prefix: str) -> list[str]:
+    os.environ["TDIST_FR_DUMP_TEMP_FILE"] = prefix
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("job", store), rank=rank, world_size=n)
+    from tdist import flight_recorder
+
+    tdist.all_reduce(torch.ones(4))
+    paths: list[str] = []
+    if rank == 0:
+        paths = flight_recorder.dump_all(os.path.dirname(prefix) + "/all/")
+        os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs before the next bytecode)
+    tdist.barrier()
+    tdist.destroy_process_group()
+    return paths
+
+
+def test_dump_all_and_sigusr1(tmp_path: Path) -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    try:
+        out = run_processes(_dump_on_request, 2, master.port, str(tmp_path / "sig_"), timeout=60)
+    finally:
+        master.close()
+    assert out[0] == [str(tmp_path / "all" / "rank_0"), str(tmp_path / "all" / "rank_1")]
+    for name in ("all/rank_0", "all/rank_1", "sig_0"):
+        dump = pickle.loads((tmp_path / name).read_bytes())
+        assert dump["entries"][0]["profiling_name"] == "gloo:all_reduce", name
+
+
+def _rpc_in_flight(rank: int, n: int, port: int) -> list[dict[str, Any]]:
+    import tdist.rpc as rpc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=n)
+    found: list[dict[str, Any]] = []
+    if rank == 0:
+        fut = rpc.rpc_async("worker1", time.sleep, args=(1.5,))
+        from tdist import flight_recorder
+
+        found = flight_recorder.dump_dict()["rpc_in_flight"]
+        fut.wait()
+    rpc.shutdown()
+    return found
+
+
+def test_rpc_calls_in_flight_are_in_the_dump() -> None:
+    got = run_processes(_rpc_in_flight, 2, free_port(), timeout=60)[0]
+    assert len(got) == 1, got
+    call = got[0]
+    assert call["callee"] == "worker1" and "sleep" in call["call"], call
+    assert 0 <= call["age_s"] < 1.5, call

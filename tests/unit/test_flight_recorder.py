@@ -1,0 +1,219 @@
+"""The flight recorder and the desync explanation without sockets: the ring, the dump format
+(fed to torch's own analyzer in this process), ``explain`` and the rules it compares calls by,
+the ``SIGUSR1`` handler's manners, and the answers' JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tdist.c10d import _desync as D
+from tdist.c10d import _flight_recorder as F
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _rec(rank: int, size: int = 3, cap: int = 16) -> F.Recorder:
+    rec = F.Recorder(rank, size, cap, timeout_s=3.0)
+    rec.identify("0", "default_pg", list(range(size)))
+    return rec
+
+
+def _done(e: list[Any]) -> list[Any]:
+    e[F.STARTED] = e[F.DONE] = time.time_ns()
+    return e
+
+
+def test_record_ids_count_the_operations_of_every_group_in_order() -> None:
+    a, b = _rec(0, cap=3), _rec(0, cap=8)
+    t = torch.ones(1)
+    made = []
+    for i in range(6):  # the process made: b, a, a, a, a (a keeps its last 3), b
+        made.append(_done(b.one("broadcast", t)) if i in (0, 5) else _done(a.one("all_reduce", t)))
+        time.sleep(0.001)
+    got = [(e[F.ID], e[F.OP], e[F.CSEQ]) for _, e in F._numbered([(a, a.entries()), (b, b.entries())])]
+    # b's first entry is older than the oldest a still holds, after a dropped one: left out
+    assert got == [(2, "all_reduce", 2), (3, "all_reduce", 3), (4, "all_reduce", 4), (5, "broadcast", 2)], got
+
+
+def test_completion_times_are_discovered_by_the_next_operation() -> None:
+    rec = _rec(0)
+    t = torch.ones(3)
+    first = rec.one("all_reduce", t)
+    first[F.DONE] = F.UNTIMED  # (as the backend marks an operation done where it was issued)
+    second = rec.one("broadcast", t)
+    es = rec.entries()
+    assert es[0][F.DONE] == second[F.CREATED] and es[0][F.INS] == (torch.Size([3]),)
+    d = F.entry_dict(rec, es[0])
+    assert d["state"] == "completed" and d["time_discovered_completed_ns"] == second[F.CREATED]
+    second[F.DONE] = F.UNTIMED
+    last = F.entry_dict(rec, rec.entries()[1])
+    assert last["state"] == "completed" and last["time_discovered_completed_ns"] is None
+
+
+def test_the_ring_keeps_the_last_n_in_order_and_never_a_tensor() -> None:
+    rec = _rec(0, cap=4)
+    t = torch.ones(2, 3)
+    for _ in range(10):
+        _done(rec.collective("all_reduce", (t.shape,), t.dtype))
+    es = rec.entries()
+    assert [e[F.CSEQ] for e in es] == [7, 8, 9, 10]
+    assert [e[F.CSEQ] for e in rec.latest(2)] == [9, 10]
+    assert not any(isinstance(x, torch.Tensor) for e in es for x in e)
+    p = F.normalized(rec, rec.p2p("send", t.shape, t.dtype, 0, 1))
+    assert (p[F.CSEQ], p[F.PSEQ], F.entry_dict(rec, p)["op_id"]) == (10, 1, 11)
+
+
+def test_buffer_size_and_prefix_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TDIST_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "7")
+    assert F.buffer_size() == 7
+    monkeypatch.setenv("TDIST_FR_BUFFER_SIZE", "0")
+    assert F.buffer_size() == 0 and F.make_recorder(0, 2) is None
+    monkeypatch.delenv("TDIST_FR_DUMP_TEMP_FILE", raising=False)
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/x/y_")
+    assert F.dump_prefix() == "/x/y_"
+
+
+def test_dump_entries_in_torchs_format() -> None:
+    rec = _rec(1)
+    t = torch.ones(4, dtype=torch.float64)
+    _done(rec.collective("all_gather", (t.shape,), t.dtype, (torch.Size([3, 4]),)))
+    rec.collective("barrier", (), None)
+    rec.p2p("recv", t.shape, t.dtype, 0, 1)[F.STARTED] = 0  # (as a backend that queues it)
+    d = [F.entry_dict(rec, e) for e in rec.entries()]
+    assert d[0]["profiling_name"] == "gloo:all_gather"
+    assert (d[0]["input_sizes"], d[0]["output_sizes"], d[0]["input_dtypes"]) == ([[4]], [[3, 4]], ["Double"])
+    assert (d[0]["state"], d[0]["retired"], d[0]["process_group"], d[0]["timeout_ms"]) == ("completed", True, ("0", "default_pg"), 3000)
+    assert (d[1]["profiling_name"], d[1]["state"], d[1]["input_dtypes"]) == ("gloo:barrier", "started", [])
+    assert (d[2]["profiling_name"], d[2]["is_p2p"], d[2]["state"]) == ("gloo:recv 1<-0", True, "scheduled")
+
+
+def _analyze(dumps: dict[int, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> str:
+    """torch's analyzer (``torchfrtrace``'s ``build_db``) on in-memory dumps; its log."""
+    from torch.distributed.flight_recorder.components.builder import build_db
+
+    details = {f"rank_{r}": {"rank": r, "entries": d["entries"], "version": d["version"], "pg_config": d["pg_config"]}
+               for r, d in dumps.items()}
+    args = argparse.Namespace(verbose=False, just_print_entries=False, allow_incomplete_ranks=False, mismatch_cap=10)
+    logger = logging.getLogger("Flight Recorder")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="Flight Recorder"):
+            build_db(details, args, F.FR_VERSION)
+    finally:
+        logger.removeHandler(caplog.handler)
+    return caplog.text
+
+
+def _dump_of(rec: F.Recorder) -> dict[str, Any]:
+    return {"version": F.FR_VERSION, "pg_config": {rec.label: {"name": rec.label, "desc": rec.desc, "ranks": str(rec.ranks)}},
+            "entries": [F.entry_dict(rec, e) for _, e in F._numbered([(rec, rec.entries())])]}
+
+
+def test_torchs_analyzer_names_the_rank_that_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    recs = [_rec(r) for r in range(3)]
+    t = torch.ones(8)
+    for r, rec in enumerate(recs):
+        _done(rec.collective("all_reduce", (t.shape,), t.dtype))
+        if r != 2:
+            rec.collective("all_reduce", (t.shape,), t.dtype)[F.STARTED] = time.time_ns()
+    text = _analyze({r: _dump_of(rec) for r, rec in enumerate(recs)}, caplog)
+    assert "Not all ranks joining collective, sequence number: 2" in text, text
+    assert "missing ranks: {2}" in text, text
+
+
+def test_torchs_analyzer_names_the_rank_that_called_another(caplog: pytest.LogCaptureFixture) -> None:
+    recs = [_rec(r) for r in range(3)]
+    t = torch.ones(8)
+    for r, rec in enumerate(recs):
+        rec.collective("broadcast" if r == 2 else "all_reduce", (t.shape,), t.dtype)[F.STARTED] = time.time_ns()
+    text = _analyze({r: _dump_of(rec) for r, rec in enumerate(recs)}, caplog)
+    assert "Culprit rank 2" in text and "COLLECTIVE_TYPE_MISMATCH" in text, text
+
+
+# -- explain -------------------------------------------------------------------------------------
+def _b(op: str, seq: int, sig: str = "float32[4]", state: str = "started", **kw: Any) -> dict[str, Any]:
+    return {"op": op, "seq": seq, "sig": sig, "dtype": sig.split("[")[0], "state": state, "since_s": 1.5, "p2p": None, **kw}
+
+
+def _h(*recent: dict[str, Any], last_completed: dict[str, Any] | None = None) -> dict[str, Any]:
+    colls = [b["seq"] for b in recent if not b.get("p2p")]
+    return {"recent": list(recent), "last_completed": last_completed, "last_seq": max(colls, default=0), "elsewhere": []}
+
+
+def test_explain_names_the_rank_that_never_entered() -> None:
+    bcast = _b("broadcast", 2, "float32[10]", "completed", where="train.py:88")
+    ar = _b("all_reduce", 3, "float32[1024]")
+    heads = {0: _h(bcast, ar, last_completed=bcast), 1: _h(bcast, ar), 2: _h(bcast), 3: _h(bcast, ar)}
+    text = D.explain(0, 4, ar, heads, {}, "0")
+    assert text == (
+        "What the ranks of group '0' were doing: rank 2 never entered all_reduce #3 (float32[1024]); its last op is "
+        "broadcast #2 (float32[10], completed 1.5 s ago) at train.py:88; ranks 0, 1, 3 are waiting in all_reduce #3 "
+        "(float32[1024])."
+    )
+
+
+def test_explain_names_another_call_gone_silent_and_elsewhere() -> None:
+    ar = _b("all_reduce", 3)
+    done = _b("all_reduce", 2, state="completed")
+    other = _h(done, _b("broadcast", 3))
+    busy = _h(done)
+    busy["elsewhere"] = [{"group": "tp", **_b("all_gather", 7)}]
+    heads = {0: _h(done, ar, last_completed=done), 1: other, 2: None, 3: busy, 4: None}
+    text = D.explain(0, 5, ar, heads, {4: "is gone (its process died)"}, "0", "did not answer")
+    assert "rank 1 called broadcast #3 (float32[4]) where others called all_reduce #3 (float32[4])" in text
+    assert "rank 2 did not answer; it took part in all_reduce #2 (float32[4]), the last collective completed here" in text
+    assert "rank 3 never entered all_reduce #3 (float32[4]); its last op is all_reduce #2" in text
+    assert "it is in all_gather #7 (float32[4]) of group 'tp' (started for 1.5 s)" in text
+    assert "rank 4 is gone (its process died)" in text
+    assert text.endswith("rank 0 is waiting in all_reduce #3 (float32[4]).")
+
+
+def test_compatible_calls_and_mismatches() -> None:
+    ar = _b("all_reduce", 3, "float32[4]")
+    assert D.compatible(ar, _b("all_reduce", 3, "float32[4]"))
+    assert not D.compatible(ar, _b("all_reduce", 3, "float32[7]"))
+    assert not D.compatible(ar, _b("broadcast", 3, "float32[4]"))
+    # uneven all_gather and the root's lists of gather are legal; the dtype must agree
+    assert D.compatible(_b("all_gather", 1, "float32[4]"), _b("all_gather", 1, "float32[9]"))
+    assert not D.compatible(_b("gather", 1, "float32[4]"), _b("gather", 1, "int64[4]"))
+    heads = {0: _h(ar), 1: _h(_b("all_reduce", 2, state="completed")), 2: _h(_b("broadcast", 3)), 3: None}
+    assert D.mismatch(ar, heads) == [2]
+
+
+def test_the_answers_are_json() -> None:
+    """The answers travel as JSON (the store may be shared: never pickle)."""
+    rec = _rec(0)
+    e = rec.collective("all_reduce", (torch.Size([3]),), torch.float32)
+    e[F.STARTED] = time.time_ns()
+    h = json.loads(json.dumps(D.head(rec)))
+    assert h["recent"][0]["sig"] == "float32[3]" and h["last_seq"] == 1 and h["global_rank"] == 0
+
+
+def test_sigusr1_handler_only_where_the_program_has_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    old = signal.signal(signal.SIGUSR1, mine)
+    try:
+        monkeypatch.setattr(F, "_signal_done", False)
+        assert F.install_signal_handler() is False
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        monkeypatch.setattr(F, "_signal_done", False)
+        monkeypatch.setenv("TDIST_FR_SIGNAL", "0")
+        assert F.install_signal_handler() is False
+        monkeypatch.setattr(F, "_signal_done", False)
+        monkeypatch.delenv("TDIST_FR_SIGNAL")
+        assert F.install_signal_handler() is True
+        assert signal.getsignal(signal.SIGUSR1) is F._on_signal
+    finally:
+        signal.signal(signal.SIGUSR1, old)
