@@ -43,7 +43,7 @@ def dump(prefix: str | None = None) -> list[str]:
 
     Args:
         prefix: files are ``<prefix><global rank>`` (default ``TDIST_FR_DUMP_TEMP_FILE``, then
-            ``TORCH_FR_DUMP_TEMP_FILE``, then ``/tmp/tdist_fr_trace_rank_``).
+            ``TORCH_FR_DUMP_TEMP_FILE``, then ``/tmp/nccl_trace_rank_``).
 
     Returns:
         The paths written.

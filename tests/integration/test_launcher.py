@@ -7,6 +7,7 @@ import fcntl
 import io
 import json
 import os
+import pickle
 import select
 import shutil
 import signal
@@ -1236,6 +1237,9 @@ def test_status_and_dump_look_into_a_running_job(work: Path) -> None:
         for rank in (0, 1):
             stacks = (out / f"stacks_rank_{rank}.txt").read_text()
             assert "progress.py" in stacks and "Thread" in stacks  # (every thread's Python stack)
+            with open(out / f"rank_{rank}", "rb") as f:  # (its flight record, in torch's format)
+                record = pickle.load(f)
+            assert any(e["profiling_name"].endswith("all_reduce") for e in record["entries"])
         assert proc.poll() is None  # (the job goes on)
     finally:
         proc.terminate()

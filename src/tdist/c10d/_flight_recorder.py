@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 FR_VERSION = "2.10"  # (what torch 2.13's own recorder writes; the analyzer checks it)
 _DEFAULT_SIZE = 2000
-_DEFAULT_PREFIX = "/tmp/tdist_fr_trace_rank_"
+_DEFAULT_PREFIX = "/tmp/nccl_trace_rank_"
 _MAX_FRAMES = 32
 
 # an entry is a list; these are its slots. As the hot path writes it (a "live" entry), ID and
@@ -131,7 +131,7 @@ def buffer_size() -> int:
 
 def dump_prefix() -> str:
     """Where dumps go: ``<prefix><global rank>``, the prefix from ``TDIST_FR_DUMP_TEMP_FILE``,
-    else ``TORCH_FR_DUMP_TEMP_FILE``, else ``/tmp/tdist_fr_trace_rank_``."""
+    else ``TORCH_FR_DUMP_TEMP_FILE``, else ``/tmp/nccl_trace_rank_``."""
     return os.environ.get("TDIST_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or _DEFAULT_PREFIX
 
 

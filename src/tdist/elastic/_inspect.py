@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._core._process import pid_alive
@@ -136,23 +136,15 @@ def _steps() -> tuple[int | None, float | None]:
     return p[1][0], (p[1][0] - p[0][0]) / (p[1][1] - p[0][1])
 
 
-_current_op: Callable[[], dict[str, Any] | None] | None = None  # set by the flight recorder
-
-
-def set_current_op_source(source: Callable[[], dict[str, Any] | None]) -> None:
-    """Where a worker's status finds the operation its groups are in (the flight recorder)."""
-    global _current_op
-    _current_op = source
-
-
 def _status(directory: str) -> None:
     path = os.path.join(directory, "status.json")
     while True:
         step, rate = _steps()
         op = None
-        if _current_op is not None:
+        recorder = sys.modules.get("tdist.c10d._flight_recorder")  # (where the program has groups)
+        if recorder is not None:
             with contextlib.suppress(Exception):
-                op = _current_op()
+                op = recorder.current_op()
         record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(), "op": op,
                   "step": step, "steps_per_s": rate}
         with contextlib.suppress(OSError):
