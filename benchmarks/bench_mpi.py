@@ -1,7 +1,10 @@
 """The mpi backend side by side: tdist's ``mpi`` backend against raw mpi4py on the same buffers
 (the cost of tdist's layer), and against tdist's ``tcp`` backend and torch's gloo on this host.
 
-Run: .venv/bin/python benchmarks/bench_mpi.py [--rounds 5] [--world 2] [--busy]
+Run: .venv/bin/python benchmarks/bench_mpi.py [--rounds 5] [--world 2] [--busy] [--netns]
+
+``--netns`` (root): the two ranks on two hosts (network namespaces joined by a bridge, as
+``bench_multihost.py``), MPI over TCP (MPICH, UCX and libfabric kept off shared memory).
 
 It starts one job under mpiexec; inside it each round times, in turn (the order alternating
 between rounds): mpi4py's blocking ``Allreduce`` on the tensor's memory, tdist's
@@ -13,6 +16,7 @@ torch's gloo. The table shows medians over rounds; bus bandwidth as nccl-tests
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -44,7 +48,7 @@ def _time(fn: Any, reps: int) -> float:
     return median(times)
 
 
-def inner(rounds: int, port: int, out: str) -> None:
+def inner(rounds: int, port: int, out: str, addr: str = "127.0.0.1") -> None:
     """One rank of the mpiexec job."""
     import torch
     import torch.distributed as tdc
@@ -73,7 +77,7 @@ def inner(rounds: int, port: int, out: str) -> None:
             if impl == "tdist-mpi":
                 tdist.destroy_process_group()
         for k, impl in enumerate(["tcp", "gloo"] if rnd % 2 == 0 else ["gloo", "tcp"]):
-            url = f"tcp://127.0.0.1:{port + 2 * rnd + k}"
+            url = f"tcp://{addr}:{port + 2 * rnd + k}"
             d: Any = tdist if impl == "tcp" else tdc
             d.init_process_group("gloo", init_method=url, rank=rank, world_size=n)
             for nbytes in SIZES:
@@ -90,16 +94,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
-    ap.add_argument("--inner", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--netns", action="store_true", help="each rank on a host of its own (network namespaces; root)")
+    ap.add_argument("--inner", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.inner:
-        inner(int(args.inner[0]), int(args.inner[1]), args.inner[2])
+        inner(int(args.inner[0]), int(args.inner[1]), args.inner[2], args.inner[3])
         return
     mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    with tempfile.TemporaryDirectory() as tmp, busy_host(args.busy):
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         out = os.path.join(tmp, "result.json")
-        cmd = [mpiexec, "-n", str(args.world), sys.executable, __file__, "--inner", str(args.rounds), str(free_port()), out]
-        subprocess.run(cmd, check=True, timeout=1800)
+        port = str(free_port())
+        env = dict(os.environ)
+        if args.netns:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from tests.multihost import _netns
+
+            hosts = stack.enter_context(_netns.hosts(args.world))
+            env.update(MPIR_CVAR_NOLOCAL="1", UCX_TLS="tcp,self", FI_PROVIDER="tcp")
+            cmd = [mpiexec]
+            for i, h in enumerate(hosts):
+                cmd += [":"] if i else []
+                cmd += ["-n", "1", "-env", "GLOO_SOCKET_IFNAME", h.ifname, *_netns.command(
+                    h, [sys.executable, __file__, "--inner", str(args.rounds), port, out, hosts[0].addr])]
+        else:
+            cmd = [mpiexec, "-n", str(args.world), sys.executable, __file__, "--inner", str(args.rounds), port, out,
+                   "127.0.0.1"]
+        stack.enter_context(busy_host(args.busy))
+        subprocess.run(cmd, check=True, timeout=1800, env=env)
         res: dict[str, list[float]] = json.loads(Path(out).read_text())
     n = args.world
     rows = []
@@ -122,7 +144,7 @@ def main() -> None:
         ["all_reduce", "mpi4py", "tdist mpi", "vs mpi4py", "overhead", "tdist tcp", "gloo"], rows
     ))
     print(f"\nmedian of {args.rounds} rounds; float32; {n} processes under mpiexec (MPICH); {machine_line()}"
-          + ("; busy host" if args.busy else ""))
+          + ("; busy host" if args.busy else "") + ("; one rank per network namespace, MPI over TCP" if args.netns else ""))
 
 
 if __name__ == "__main__":

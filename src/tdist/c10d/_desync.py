@@ -40,6 +40,7 @@ at once (each gets its own request number).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -133,6 +134,7 @@ class Responder:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"tdist-fr-{rec.rank}", daemon=True)
         self._thread.start()
+        _responders.add(self)
 
     def _run(self) -> None:
         store = clone_store(self._store)
@@ -193,6 +195,29 @@ class Responder:
             self._store.set(f"fr/ask/{self._rec.rank}/{self._next}", b"quit")
         except Exception:
             pass
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+_responders: weakref.WeakSet[Responder] = weakref.WeakSet()
+
+
+def _stop_responders_at_exit() -> None:
+    """Let every responder leave its store's wait before the interpreter ends: a thread still
+    blocked in a C++ store's wait (torch's TCPStore, for groups torch made) when the process
+    tears its objects down aborts it ("terminate called without an active exception")."""
+    live = [r for r in list(_responders) if r._thread.is_alive()]
+    for r in live:
+        if not r._stopped:
+            r._stopped = True
+            r._wake()
+    deadline = time.monotonic() + 2.0
+    for r in live:
+        r.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_responders_at_exit)
 
 
 def request_dumps(store: Any, rec: fr.Recorder, prefix: str, timeout: float) -> list[str]:
