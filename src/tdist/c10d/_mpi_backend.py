@@ -283,18 +283,21 @@ class _MPIWork(Work):
 
     def _poll(self) -> bool:
         """Test the requests once; complete the work if they are done."""
-        if self.is_completed_quietly():
+        if self._is_done:
             return True
         if not self._poll_lock.acquire(blocking=False):
             return False
         try:
-            if self.is_completed_quietly():
+            if self._is_done:
                 return True
+            requests = self._requests
             try:
                 if self._status is not None:
-                    done = bool(self._requests[0].Test(self._status))
+                    done = bool(requests[0].Test(self._status))
+                elif len(requests) == 1:  # (the usual case: one call, tested without a list)
+                    done = bool(requests[0].Test())
                 else:
-                    done = bool(MPI.Request.Testall(self._requests))
+                    done = bool(MPI.Request.Testall(requests))
             except MPI.Exception as exc:
                 err = DistBackendError(f"rank {self._backend.rank()}: {self._op} failed in MPI: {exc.Get_error_string()}")
                 self._backend._broken = err
