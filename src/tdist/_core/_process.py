@@ -48,11 +48,20 @@ def die_with_parent() -> Callable[[], None] | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a process of another user's counts)."""
+    """Whether process ``pid`` (of this pid space) still runs: an exited one not yet reaped by
+    its parent (a zombie) does not; a process of another user's does."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3] not in (b"Z", b"X")

@@ -230,7 +230,7 @@ def _concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         n = _nbytes(t)
         if n:
-            out[off : off + n].copy_(t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().view(-1).view(torch.uint8))
+            out[off : off + n].copy_(_own(t).reshape(-1).view(torch.uint8))
         off += n
     return out
 

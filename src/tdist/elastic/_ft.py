@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from .._core._process import pid_alive
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistTimeoutError, PeerError, StoreTimeoutError
 from ..c10d import _api as c10d
@@ -145,24 +146,6 @@ def _pid_space() -> str:
     return f"{host_id()}|{ns}"
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (of this pid space) still runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
-
-
 class _QuorumClient:
     """Runs quorum operations for node ``me`` over the state in ``store`` (``_quorum`` decides,
     this writes with compare-and-set and waits, as ``rendezvous._dynamic.StateExecutor``).
@@ -213,7 +196,7 @@ class _QuorumClient:
         """The nodes of the state that run in this node's pid space and whose process is gone."""
         return frozenset(
             name for name, node in self.state.nodes.items()
-            if name != self.me and node.space == self.node.space and not _alive(node.pid)
+            if name != self.me and node.space == self.node.space and not pid_alive(node.pid)
         )
 
     def _wait(self, until: float | None) -> None:

@@ -74,13 +74,14 @@ def _split(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(obj), tensors
 
 
-def _paths(obj: Any) -> dict[Path, torch.Tensor]:
-    """Every tensor of ``obj`` by its path of keys and indexes."""
-    found: dict[Path, torch.Tensor] = {}
+def _leaves(obj: Any, kind: type) -> list[tuple[Path, Any]]:
+    """Every ``kind`` inside ``obj`` (through dicts, lists and tuples) with its path of keys
+    and indexes, in walking order."""
+    found: list[tuple[Path, Any]] = []
 
     def walk(x: Any, path: Path) -> None:
-        if isinstance(x, torch.Tensor):
-            found[path] = x
+        if isinstance(x, kind):
+            found.append((path, x))
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(v, (*path, k))
@@ -92,23 +93,14 @@ def _paths(obj: Any) -> dict[Path, torch.Tensor]:
     return found
 
 
+def _paths(obj: Any) -> dict[Path, torch.Tensor]:
+    """Every tensor of ``obj`` by its path of keys and indexes."""
+    return dict(_leaves(obj, torch.Tensor))
+
+
 def _slots(skeleton: Any) -> list[tuple[Path, _Slot]]:
     """The slots of ``skeleton`` with their paths, in index order."""
-    found: list[tuple[Path, _Slot]] = []
-
-    def walk(x: Any, path: Path) -> None:
-        if isinstance(x, _Slot):
-            found.append((path, x))
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, (*path, k))
-        elif isinstance(x, list | tuple):
-            for i, v in enumerate(x):
-                walk(v, (*path, i))
-
-    walk(skeleton, ())
-    found.sort(key=lambda item: item[1].index)
-    return found
+    return sorted(_leaves(skeleton, _Slot), key=lambda item: item[1].index)
 
 
 def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
