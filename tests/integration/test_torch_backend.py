@@ -356,7 +356,7 @@ def test_tdist_groups_and_group_world_are_taken_by_torchs_modules() -> None:
         torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
-def _torch_made(rank: int, n: int, port: int) -> dict[str, Any]:
+def _torch_made(rank: int, n: int, port: int, port2: int) -> dict[str, Any]:
     """torch's ``init_process_group("tdist")`` made the group; tdist's functions run on it."""
     _init(rank, n, port)
     out: dict[str, Any] = {}
@@ -392,7 +392,7 @@ def _torch_made(rank: int, n: int, port: int) -> dict[str, Any]:
         out["twice"] = str(exc)
     tdist.destroy_process_group()  # (torch's too: it is one group)
     out["after"] = [tdc.is_initialized(), tdist.is_initialized()]
-    _init(rank, n, port + 1)
+    _init(rank, n, port2)
     z = torch.ones(1)
     tdist.all_reduce(z)
     tdc.destroy_process_group()  # (torch destroys it: tdist lets go of it too)
@@ -406,8 +406,7 @@ def test_tdist_functions_run_on_the_group_torchs_init_process_group_made() -> No
     on torch's default group and on torch's ``new_group(backend="tdist")`` groups, and
     destroying on either side lets both go."""
     n = 3
-    port = free_port()
-    res = run_processes(_torch_made, n, port, timeout=80)
+    res = run_processes(_torch_made, n, free_port(), free_port(), timeout=80)
     for rank, r in enumerate(res):
         assert r["world"] == [[6.0] * 3, True, rank, n, "tdist", True]
         assert r["objects"] == [{"rank": i} for i in range(n)]
