@@ -1190,6 +1190,28 @@ def test_a_node_whose_agent_stops_is_dropped_and_the_others_re_form(work: Path) 
     assert took < 30  # (dropped after 3 s of silence, then a new round: far below the workers' 60 s)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_kill_9_of_the_node_that_hosts_the_rendezvous_store_leaves_a_job_that_goes_on(work: Path) -> None:
+    """The node at the rendezvous endpoint hosts the store; another node keeps its standby.
+    SIGKILL to the host's launcher (its worker goes with it): the standby takes over, the other
+    two nodes' agents fail over to it, drop the dead node and re-form as a job of two."""
+    nodes, seen = _three_nodes(work)
+    victim = next(k for k, lines in enumerate(seen) if any("start 0 of 3" in line for line in lines))
+    os.kill(nodes[victim].pid, signal.SIGKILL)
+    nodes[victim].wait(10)
+    others = [n for k, n in enumerate(nodes) if k != victim]
+    results = outputs(others, timeout=60)
+    sums = []
+    for node, (out, err) in zip(others, results, strict=True):
+        assert node.returncode == 0, err
+        assert "a node left the job (or its agent stopped beating)" in err, err
+        sums += [line for line in out.splitlines() if " sum " in line]
+    assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
+    # (and when the node that took over leaves at the end, the other one's standby of it serves on)
+    assert any("store standby: the store server at" in err for _, err in results), [err for _, err in results]
+
+
 _PROGRESS = (
     "import time, tdist, torch\n"
     "from tdist.elastic import report_progress\n"

@@ -69,6 +69,7 @@ from .._core._process import die_with_parent
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
 from ..store._api import Store
+from ..store._replica import FailoverStore, StandbyKeeper
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
 from ._inspect import STATUS_DIR_ENV, register_job, unregister_job
@@ -243,6 +244,7 @@ class LocalAgent:
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
         self._rendezvous: DynamicRendezvousHandler | None = None  # (c10d, etcd: kept for the run)
         self._rdzv_store: Store | None = None  # (c10d, etcd: the store the rendezvous state is in)
+        self._keeper: StandbyKeeper | None = None  # (c10d: the rendezvous store's standby)
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
         self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
         # the store servers this node runs, with their pidfds (the monitor loop wakes when one dies)
@@ -307,6 +309,8 @@ class LocalAgent:
                     close = getattr(store, "close", None)
                     if close is not None:
                         close()
+                if self._keeper is not None:
+                    self._keeper.stop()
                 if self._round_server is not None:
                     self._round_server.stop()
                 for _, pidfd in self._watched:
@@ -352,13 +356,16 @@ class LocalAgent:
                 port = server_port = server.port
                 log.info("the job's store (and its rendezvous) on %s:%d", cfg.master_addr, port)
             try:
-                client = TCPStore(cfg.master_addr, port, timeout=timeout, secret=secret)
+                client = FailoverStore(cfg.master_addr, port, timeout=timeout, secret=secret)
             except DistError as exc:
                 raise LaunchError(f"c10d rendezvous: the store at {cfg.master_addr}:{port} cannot be reached: {exc}") from exc
             self._rdzv_store = client
             store = PrefixStore(f"torch.rendezvous.{cfg.run_id}", client)
             # (the host's address as the others reach it is the endpoint's)
             local_addr = cfg.local_addr or (cfg.master_addr if server is not None else "")
+            # another node keeps a standby of the store, which takes over if this host is lost
+            self._keeper = StandbyKeeper(client, hosting=server is not None, advertise=local_addr or None)
+            self._keeper.upkeep()
         else:
             from ..store._etcd import EtcdStore
 
@@ -379,7 +386,10 @@ class LocalAgent:
         )
         self._max_nodes = cfg.nnodes
         self._min_nodes = cfg.nnodes if cfg.min_nodes is None else cfg.min_nodes
-        self._rendezvous = DynamicRendezvousHandler(cfg.rdzv_backend, params, store, first=server is not None, server_port=server_port)
+        self._rendezvous = DynamicRendezvousHandler(
+            cfg.rdzv_backend, params, store, first=server is not None, server_port=server_port,
+            on_beat=None if self._keeper is None else self._keeper.upkeep,
+        )
         # a signal to the launcher ends a wait in the rendezvous
         self._rendezvous._should_stop = lambda: self._signum is not None
         self._next_round(secret)

@@ -74,6 +74,12 @@ class Op(IntEnum):
     QUEUE_LEN = 24
     PING = 25
     SET_QUIET = 26  # SET with no reply unless it fails (then an ASYNC_ERROR frame)
+    FOLLOW = 27  # a standby asks for the data and every later change (``_replica``)
+    REPLICAS = 28  # the standbys' addresses, for a client's failover
+    # what a server sends its standby, after the OK of FOLLOW
+    REPL_KEY = 40  # key, whether it has a value, the value, the items of its queue
+    REPL_SYNCED = 41  # the copy of the data is complete; changes follow
+    REPL_BEAT = 42  # nothing changed for a while: the server is alive
 
 
 class Status(IntEnum):

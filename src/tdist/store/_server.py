@@ -82,6 +82,8 @@ _OPEN_WARNED = False
 _SET_QUIET = int(Op.SET_QUIET)
 _CHECK_TRUE = encode_frame(Status.OK, (b"\x01",))
 _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
+_BEAT_EVERY = 1.0  # seconds between beats to a standby when nothing changes
+_FOLLOWER_BACKLOG = 64 << 20  # bytes queued for a standby that reads none: it is dropped
 _OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
 _INT = struct.Struct("<q")
 
@@ -137,6 +139,7 @@ class _Conn:
         "blocked",
         "closed",
         "decoder",
+        "follower",
         "nonce",
         "out",
         "seal",
@@ -155,6 +158,7 @@ class _Conn:
         self.writing = False
         self.nonce = b""
         self.seal: auth.Seal | None = None  # tags our frames once the client proved the secret
+        self.follower = False  # a standby: sent the data's changes, asks nothing more
 
 
 class StoreServer:
@@ -170,6 +174,7 @@ class StoreServer:
         clock: the monotonic clock (injectable for tests).
         spin: seconds to keep polling after activity before sleeping, when serving in a
             process of its own (default: ``_core.spin``'s budget, ``TDIST_SPIN_US``).
+        state: the data to serve (a standby taking over: ``_replica``); default empty.
 
     Raises:
         DistNetworkError: the address cannot be bound (in use, not local).
@@ -189,6 +194,7 @@ class StoreServer:
         listen_fd: int | None = None,
         spin: float | None = None,
         unix_fd: int | None = None,
+        state: KVState | None = None,
     ) -> None:
         self.host = host
         if spin is None:
@@ -198,7 +204,10 @@ class StoreServer:
         self.max_frame = max_frame
         self.auth_timeout = auth_timeout
         self._clock = clock
-        self._state = KVState()
+        self._state = KVState() if state is None else state
+        # standbys that keep a copy of the data (``_replica``): the connection, the address it
+        # serves at once it takes over
+        self._followers: dict[_Conn, str] = {}
         self._parked: dict[str, list[_Waiter]] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -262,6 +271,8 @@ class StoreServer:
             Op.QUEUE_POP: self._op_queue_pop,
             Op.QUEUE_LEN: self._op_queue_len,
             Op.PING: self._op_ping,
+            Op.FOLLOW: self._op_follow,
+            Op.REPLICAS: self._op_replicas,
         }
 
     # -- binding -------------------------------------------------------------------------------
@@ -707,6 +718,8 @@ class StoreServer:
             conn.blocked = None
         self._conns.discard(conn)
         self._unauthed.pop(conn, None)
+        if self._followers and (at := self._followers.pop(conn, None)) is not None:
+            log.warning("store server on port %d: its standby at %s is gone (%s)", self.port, at, reason)
         # its buffers go now, not when a timer that still names the connection fires
         conn.decoder = FrameDecoder(0)
         conn.out = bytearray()
@@ -891,6 +904,8 @@ class StoreServer:
         key = _decode_key(f[0])
         self._state.set(key, f[1])
         self._reply(conn)
+        if self._followers:
+            self._replicate(key)
         self._changed(key)
 
     def _op_set_quiet(self, f: list[bytes]) -> None:
@@ -898,6 +913,8 @@ class StoreServer:
             self._nargs(f, 2, "SET")
         key = _decode_key(f[0])
         self._state.data[key] = f[1]
+        if self._followers:
+            self._replicate(key)
         if self._parked:
             self._changed(key)
 
@@ -924,6 +941,8 @@ class StoreServer:
             self._out(conn, _OK_INT.pack(_OK_INT.size - 4, Status.OK, 1, 8, value))
         except struct.error:
             self._out(conn, encode_frame(Status.OK, (encode_int(value),)))  # raises the clear error
+        if self._followers:
+            self._replicate(key)
         if self._parked:
             self._changed(key)
 
@@ -933,6 +952,8 @@ class StoreServer:
         value, changed = self._state.compare_set(key, f[1], f[2])
         self._reply(conn, (value,))
         if changed:
+            if self._followers:
+                self._replicate(key)
             self._changed(key)
 
     def _op_wait(self, conn: _Conn, f: list[bytes]) -> None:
@@ -954,7 +975,11 @@ class StoreServer:
 
     def _op_delete(self, conn: _Conn, f: list[bytes]) -> None:
         self._nargs(f, 1, "DELETE")
-        self._reply(conn, (b"\x01" if self._state.delete(_decode_key(f[0])) else b"\x00",))
+        key = _decode_key(f[0])
+        deleted = self._state.delete(key)
+        self._reply(conn, (b"\x01" if deleted else b"\x00",))
+        if deleted and self._followers:
+            self._replicate(key)
 
     def _op_num_keys(self, conn: _Conn, f: list[bytes]) -> None:
         self._reply(conn, (encode_int(self._state.num_keys()),))
@@ -977,6 +1002,8 @@ class StoreServer:
             self._state.set(key, value)
         self._reply(conn)
         for key in keys:
+            if self._followers:
+                self._replicate(key)
             self._changed(key)
 
     def _op_append(self, conn: _Conn, f: list[bytes]) -> None:
@@ -984,6 +1011,8 @@ class StoreServer:
         key = _decode_key(f[0])
         self._state.append(key, f[1])
         self._reply(conn)
+        if self._followers:
+            self._replicate(key)
         self._changed(key)
 
     def _op_list_keys(self, conn: _Conn, f: list[bytes]) -> None:
@@ -994,6 +1023,8 @@ class StoreServer:
         key = _decode_key(f[0])
         self._state.queue_push(key, f[1])
         self._reply(conn)
+        if self._followers:
+            self._replicate(key)
         self._changed(key)
 
     def _op_queue_pop(self, conn: _Conn, f: list[bytes]) -> None:
@@ -1002,6 +1033,8 @@ class StoreServer:
         value = self._state.queue_pop(key)
         if value is not None:
             self._reply(conn, (value,))
+            if self._followers:
+                self._replicate(key)
             return
         timeout_ms = decode_int(f[1])
         if timeout_ms == -2:  # non-blocking
@@ -1015,6 +1048,54 @@ class StoreServer:
 
     def _op_ping(self, conn: _Conn, f: list[bytes]) -> None:
         self._reply(conn, f)
+
+    # -- standbys (``_replica``) ----------------------------------------------------------------
+    def _op_follow(self, conn: _Conn, f: list[bytes]) -> None:
+        """A standby asks for the data and every later change; it serves at ``f[0]`` (host:port)
+        once this server is lost. One standby at a time: two would both take over."""
+        self._nargs(f, 1, "FOLLOW")
+        address = f[0].decode(errors="replace")
+        for other, at in self._followers.items():
+            if not other.closed:
+                self._reply_error(conn, ErrorKind.VALUE, f"the store already has a standby (at {at})")
+                return
+        if not self._followers:
+            self._add_timer(self._clock() + _BEAT_EVERY, self._beat_followers)
+        self._followers[conn] = address
+        self._reply(conn)
+        state = self._state
+        for key in {**dict.fromkeys(state.data), **dict.fromkeys(state.queues)}:
+            self._out(conn, self._key_frame(key))
+        self._out(conn, encode_frame(Op.REPL_SYNCED, ()))
+        conn.follower = True
+        log.info("store server on port %d: a standby at %s follows it", self.port, address)
+
+    def _op_replicas(self, conn: _Conn, f: list[bytes]) -> None:
+        self._reply(conn, [at.encode() for at in self._followers.values()])
+
+    def _key_frame(self, key: str) -> bytes:
+        state = self._state
+        value = state.data.get(key)
+        queue = state.queues.get(key, ())
+        return encode_frame(Op.REPL_KEY, [key.encode(), b"" if value is None else b"\x01", value or b"", *queue])
+
+    def _replicate(self, key: str) -> None:
+        """Send ``key``'s new state to the standby, before the reply to the change leaves."""
+        frame = self._key_frame(key)
+        for conn in list(self._followers):
+            self._out(conn, frame)
+            self._flush(conn)
+            if len(conn.out) > _FOLLOWER_BACKLOG and not conn.closed:
+                self._close(conn, "the standby does not keep up")
+
+    def _beat_followers(self) -> None:
+        if not self._followers:
+            return
+        frame = encode_frame(Op.REPL_BEAT, ())
+        for conn in list(self._followers):
+            self._out(conn, frame)
+            self._flush(conn)
+        self._add_timer(self._clock() + _BEAT_EVERY, self._beat_followers)
 
     # -- waiting -------------------------------------------------------------------------------
     def _park(self, conn: _Conn, op: int, keys: list[str], timeout: float | None) -> None:
@@ -1068,6 +1149,8 @@ class StoreServer:
                     if rest:
                         self._parked.setdefault(key, [])[:0] = rest
                     return
+                if self._followers:
+                    self._replicate(key)
                 self._finish(waiter, (value,))
                 continue
             missing = self._missing(waiter)

@@ -384,8 +384,11 @@ class _StaticRendezvous(RendezvousHandler):
 
 
 def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The c10d rendezvous: the node at the endpoint hosts the store; another node keeps a
+    standby of it (``store._replica``) that takes over if the host is lost, and every node's
+    client fails over to it."""
+    from ...store._replica import FailoverStore, StandbyKeeper
     from ...store._server import StoreServer
-    from ...store._tcp import TCPStore
     from .._agent import _is_local_address
 
     host, port = parse_rendezvous_endpoint(params.endpoint, 29400)
@@ -402,19 +405,23 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
                 raise RendezvousConnectionError(f"c10d rendezvous: cannot host the store at {host}:{port}: {exc}") from exc
             server = None  # (another node of this host hosts it)
     try:
-        store = TCPStore(host, port, timeout=timeout)
+        store = FailoverStore(host, port, timeout=timeout)
     except DistError as exc:
         if server is not None:
             server.stop()
         raise RendezvousConnectionError(f"c10d rendezvous: the store at {host}:{port} cannot be reached: {exc}") from exc
+    keeper = StandbyKeeper(store, hosting=server is not None, advertise=params.local_addr)
 
     def release() -> None:
         store.close()
+        keeper.stop()
         if server is not None:
             server.stop()
 
     state = PrefixStore(f"torch.rendezvous.{params.run_id}", store)
-    return DynamicRendezvousHandler("c10d", params, state, first=server is not None, on_shutdown=release)
+    handler = DynamicRendezvousHandler("c10d", params, state, first=server is not None, on_shutdown=release, on_beat=keeper.upkeep)
+    keeper.upkeep()
+    return handler
 
 
 def _etcd_creator(backend: str) -> RendezvousHandlerCreator:

@@ -230,6 +230,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             node that hosts the store at the endpoint).
         server_port: the ``MASTER_PORT`` rank 0 publishes (default: a free port).
         on_shutdown: called once by ``shutdown`` (to release the store).
+        on_beat: called after every heartbeat (the c10d handler keeps the store's standby).
         clock, wait: see ``StateExecutor``.
 
     Thread-safe: the operations and the heartbeat thread take turns.
@@ -244,6 +245,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         first: bool = False,
         server_port: int | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        on_beat: Callable[[], None] | None = None,
         clock: Clock = time.monotonic,
         wait: Waiter | None = None,
     ) -> None:
@@ -258,6 +260,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._heartbeat_timeout = _seconds(params, "heartbeat_timeout", 5.0)
         self._backend, self._params, self._store = backend, params, store
         self._server_port, self._on_shutdown, self._clock = server_port, on_shutdown, clock
+        self._on_beat = on_beat
         host = params.local_addr or socket.gethostname()
         self._me = f"{0 if first else 1}/{host}/{os.getpid()}/{next(_local_ids)}"
         self._describe = f"{backend} rendezvous of {params.run_id!r}"
@@ -324,6 +327,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rank, world_size, n = state.participants[self._me], len(state.participants), state.round
         self._in_round = (n, world_size)
         self._start_heartbeats()
+        if self._on_beat is not None:
+            self._on_beat()  # (at once: a node lost before the first beat is then handled too)
         log.info("%s: node %s is rank %d of %d in round %d", self._describe, self._me, rank, world_size, n)
         try:
             info = RendezvousStoreInfo.build(rank, PrefixStore(f"round{n}", self._store), self._params.local_addr, self._server_port)
@@ -363,6 +368,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def _beat(self, stop: threading.Event) -> None:
         while not stop.wait(self._settings.keep_alive_interval):
             self._keep_alive()
+            if self._on_beat is not None:
+                try:
+                    self._on_beat()
+                except Exception as exc:  # (the next beat tries again)
+                    log.warning("%s: node %s: %s", self._describe, self._me, exc)
 
     def _start_heartbeats(self) -> None:
         stop = threading.Event()
