@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .._core.errors import DistError, DistStoreError, DistTimeoutError, PeerError
+from .._core.errors import DistError, DistNetworkError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
 from . import _errors, _remote_profiling
 from ._calls import _EXPIRED, RpcTimeoutError, _Call, _SyncReply, _wait_future
@@ -875,6 +875,13 @@ class RpcAgent:
             try:
                 self.store.wait([f"{key}/done"], timedelta(seconds=max(0.01, step)))
                 return
+            except DistNetworkError as exc:
+                # the store went with its host: a worker lost before it is the better answer
+                for i in range(self.world_size):
+                    lost = self._lost_peer(i) if i != self.rank else None
+                    if lost is not None:
+                        raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} was lost: {lost}", peer=i) from exc
+                raise
             except TimeoutError as exc:
                 missing = [i for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
                 for i in missing:
