@@ -1,0 +1,71 @@
+"""``tdist run`` across hosts (network namespaces): a job that loses the host of its store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multihost import _netns
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_RESIZE = (
+    "import os, sys, time\n"
+    "ws = int(os.environ['WORLD_SIZE'])\n"
+    "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
+    "if ws == 3:\n    time.sleep(60); sys.exit(3)  # (three nodes: wait to lose one)\n"
+    "import tdist as dist, torch\n"
+    "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+    "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()), flush=True)\ndist.destroy_process_group()\n"
+)
+
+
+def test_kill_9_of_the_host_of_the_rendezvous_store_on_another_host(tmp_path: Path) -> None:
+    """Three hosts, one ``tdist run`` each, a ``--nnodes 2:3`` job whose rendezvous endpoint is
+    host 0 (which hosts the store). SIGKILL to host 0's launcher (its worker goes with it): the
+    standby on another host takes over, the two other hosts re-form as a job of two and finish."""
+    script = tmp_path / "resize.py"
+    script.write_text(_RESIZE)
+    env = dict(os.environ, TDIST_SECRET="netns-launcher-secret",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]))
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    with _netns.hosts(3) as hosts:
+        nodes = []
+        for h in hosts:
+            argv = [sys.executable, "-m", "tdist.cli", "run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].addr}:29631", "--local-addr", h.addr,
+                    "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1", "--monitor-interval", "0.2",
+                    "--stop-timeout", "2", str(script)]
+            nodes.append(subprocess.Popen(_netns.command(h, argv), cwd=tmp_path, env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        try:
+            for k, node in enumerate(nodes):
+                assert node.stdout is not None
+                while True:
+                    line = node.stdout.readline()
+                    assert line, f"host {k}'s launcher ended before its worker ran in a job of three: {node.communicate()[1][-3000:]}"
+                    if line.rstrip().endswith("of 3"):
+                        break
+            os.kill(nodes[0].pid, signal.SIGKILL)  # (host 0 hosts the store: the endpoint is its)
+            nodes[0].wait(10)
+            results = [node.communicate(timeout=60) for node in nodes[1:]]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                node.wait(10)
+    sums = []
+    for node, (out, err) in zip(nodes[1:], results, strict=True):
+        assert node.returncode == 0, err[-3000:]
+        assert "a node left the job (or its agent stopped beating)" in err, err[-3000:]
+        sums += [line for line in out.splitlines() if " sum " in line]
+    assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
+    assert any(f"the store server at {hosts[0].addr}:29631 was lost" in err for _, err in results), results
