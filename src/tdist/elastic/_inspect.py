@@ -233,7 +233,7 @@ def status_table(job: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
             f"node {job.get('node_rank', 0)} | attempt {job.get('attempt', 0)} | {job.get('run_dir', '')}")
     cols = ["rank", "pid", "host", "state", "operation", "in it", "step", "steps/s", "cpu", "mem", "heartbeat"]
     lines = [[
-        str(r["rank"]), str(r["pid"]), r["host"], r["state"], _cell(r["op"]), _cell(r["op_for_s"], "{:.1f} s"),
+        str(r["rank"]), str(r["pid"]), r["host"], r["state"], _cell(r["op"]), _cell(r["op_for_s"], "{:.1f}s"),
         _cell(r["step"]), _cell(r["steps_per_s"], "{:.2f}"), _cell(r["cpu_pct"], "{:.0f}%"),
         _cell(r["rss_mb"], "{:.0f} MB"), _cell(r["heartbeat_s"], "{:.1f} s ago"),
     ] for r in rows]
