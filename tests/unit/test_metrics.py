@@ -122,10 +122,11 @@ def test_rpc_counts_requests_by_kind() -> None:
 
 
 def test_metrics_port_without_the_library_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tdist.elastic._metrics_server import MetricsServer, MissingDependency
+    from tdist.elastic import LaunchError
+    from tdist.elastic._metrics_server import MetricsServer
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # (import raises ImportError)
-    with pytest.raises(MissingDependency, match=r"pip install 'tdist\[metrics\]'"):
+    with pytest.raises(LaunchError, match=r"pip install 'tdist\[metrics\]'"):
         MetricsServer("127.0.0.1", 0, {})
 
 

@@ -338,13 +338,10 @@ class LocalAgent:
             return
         from ._metrics_server import MetricsServer
 
-        try:
-            self._metrics = MetricsServer(
-                cfg.metrics_addr, cfg.metrics_port,
-                {"run_id": cfg.run_id, "entrypoint": self._title(), "node": str(cfg.node_rank)},
-            )
-        except DistError as exc:
-            raise LaunchError(str(exc)) from exc
+        self._metrics = MetricsServer(  # (LaunchError: no prometheus_client, or the port is taken)
+            cfg.metrics_addr, cfg.metrics_port,
+            {"run_id": cfg.run_id, "entrypoint": self._title(), "node": str(cfg.node_rank)},
+        )
         host = cfg.metrics_addr if cfg.metrics_addr not in ("", "0.0.0.0", "::") else self._host
         if ":" in host:
             host = f"[{host}]"

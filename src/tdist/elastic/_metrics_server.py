@@ -35,23 +35,19 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from .._core.errors import DistError
+from ._agent import LaunchError
 from ._metrics import BUCKETS, BYTES, COUNT, ERRORS, LATENCY_BUCKETS, LATENCY_SUM, Aggregate
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
-__all__ = ["MetricsServer", "MissingDependency"]
+__all__ = ["MetricsServer"]
 
 log = logging.getLogger(__name__)
 
 _ANSWER_WAIT = 1.0  # seconds a scrape waits for the workers' fresh totals
 _READ_CHUNK = 1 << 16
 _STATES = ("running", "succeeded", "failed", "stopped")
-
-
-class MissingDependency(DistError):
-    """``--metrics-port`` without the Prometheus client library."""
 
 
 @dataclass
@@ -93,15 +89,14 @@ class MetricsServer:
         job: constant labels of ``tdist_job_info`` (run id, entrypoint, node rank).
 
     Raises:
-        MissingDependency: ``prometheus_client`` is not installed.
-        DistError: the port cannot be listened on.
+        LaunchError: ``prometheus_client`` is not installed, or the port cannot be listened on.
     """
 
     def __init__(self, addr: str, port: int, job: dict[str, str]) -> None:
         try:
             from prometheus_client import CollectorRegistry, make_wsgi_app
         except ImportError as exc:
-            raise MissingDependency(
+            raise LaunchError(
                 "--metrics-port needs the Prometheus client library: pip install 'tdist[metrics]' "
                 "(or prometheus-client)"
             ) from exc
@@ -127,7 +122,7 @@ class MetricsServer:
         except OSError as exc:
             os.close(self._wake_r)
             os.close(self._wake_w)
-            raise DistError(f"--metrics-port {port}: cannot listen on {addr or '0.0.0.0'}:{port}: {exc}") from exc
+            raise LaunchError(f"--metrics-port {port}: cannot listen on {addr or '0.0.0.0'}:{port}: {exc}") from exc
         self.port: int = self._httpd.server_port
         self._http = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="tdist-metrics-http", daemon=True,
