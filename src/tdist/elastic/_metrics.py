@@ -123,6 +123,7 @@ class Tally:
         self.missed = 0
         self._walks: dict[int, _Walk] = {}
         self._clock = clock
+        self._sizes: dict[tuple[Any, Any], int] = {}  # (shapes, dtype) -> bytes: a loop repeats them
 
     def poll(self, recorders: Iterable[Any] | None = None) -> float:
         """Read what the rings gained since the last call (``recorders``: the live ones, default
@@ -174,11 +175,23 @@ class Tally:
             if stats is None:
                 stats = self.ops[e[fr.OP]] = _new_op()
             stats[COUNT] += 1
-            stats[BYTES] += _nbytes(fr, e)
+            stats[BYTES] += self._nbytes(fr, e)
             walk.pending.append(e)
             i += 1
         walk.next = i
         return i - first
+
+    def _nbytes(self, fr: Any, e: list[Any]) -> int:
+        key = (e[fr.INS], e[fr.INDT])
+        try:
+            nbytes = self._sizes.get(key)
+        except TypeError:  # (shapes that are not hashable: counted without the cache)
+            return _nbytes(fr, e)
+        if nbytes is None:
+            if len(self._sizes) >= 4096:
+                self._sizes.clear()
+            nbytes = self._sizes[key] = _nbytes(fr, e)
+        return nbytes
 
     def _settle(self, fr: Any, walk: _Walk) -> None:
         """Latencies and errors of the operations that ended since the last reading."""
@@ -207,8 +220,11 @@ def _nbytes(fr: Any, e: list[Any]) -> int:
     dtype = e[fr.INDT]
     if dtype is None:
         return 0
-    elements: int = sum(math.prod(s) for s in fr.shapes_of(e[fr.INS]))
-    return elements * int(dtype.itemsize)
+    try:
+        elements: int = sum(math.prod(s) for s in fr.shapes_of(e[fr.INS]))
+        return elements * int(dtype.itemsize)
+    except (TypeError, AttributeError):  # (an entry of a shape this does not know: no bytes)
+        return 0
 
 
 def _rpc_counts() -> dict[str, list[int]]:
