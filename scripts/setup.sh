@@ -24,6 +24,6 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,demo,mpi]" "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev,demo,mpi,metrics]" "torch==2.13.0"
 .venv/bin/python -c "import torch, tdist; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$want" > "$stamp"

@@ -147,11 +147,14 @@ _load_with_torch()
 
 def _under_tdist_run() -> None:
     """A worker of ``tdist run`` (``TDIST_STATUS_DIR``): what ``tdist status`` and ``tdist
-    dump`` read (``tdist.elastic._inspect.worker_side``)."""
+    dump`` read (``tdist.elastic._inspect.worker_side``), and with ``--metrics-port``
+    (``TDIST_METRICS_FD``) the thread that reports its counts (``tdist.elastic._metrics``)."""
     import os
 
     if os.environ.get("TDIST_STATUS_DIR"):
         importlib.import_module(f"{__name__}.elastic._inspect").worker_side()
+    if os.environ.get("TDIST_METRICS_FD"):
+        importlib.import_module(f"{__name__}.elastic._metrics").worker_side()
 
 
 _under_tdist_run()

@@ -208,6 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true",
                      help="no live status line under the workers' output (drawn only when stdout "
                      "is a terminal)")
+    # (a string default goes through ``type`` as a given value would: a bad one is reported)
+    run.add_argument(*_opt("--metrics-port"), type=_port, default=os.environ.get("TDIST_METRICS_PORT", "").strip() or None,
+                     metavar="PORT",
+                     help="serve the job's metrics for Prometheus (per-rank operation counts, bytes and "
+                     "latencies, RPC calls and errors, restarts, worker states) at "
+                     "http://HOST:PORT/metrics; 0 picks a free port and prints it; needs pip install "
+                     "'tdist[metrics]' (default: $TDIST_METRICS_PORT, else no endpoint)")
+    run.add_argument(*_opt("--metrics-addr"), default="0.0.0.0", metavar="HOST",
+                     help="the address the metrics endpoint listens on (default: 0.0.0.0, every "
+                     "interface; 127.0.0.1 keeps it to this host)")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the entrypoint as a module (python -m)")
     run.add_argument(*_opt("--no-python"), action="store_true",
@@ -339,6 +349,8 @@ def _run(ns: argparse.Namespace) -> int:
             tee=ns.tee,
             start_method=ns.start_method,
             quiet=ns.quiet,
+            metrics_port=ns.metrics_port,
+            metrics_addr=ns.metrics_addr,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)

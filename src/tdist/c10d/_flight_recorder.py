@@ -17,7 +17,9 @@ it; the record id, torch's count across the process's groups, is given at a dump
 time), and an operation that completes where it was issued is only marked done (``UNTIMED``):
 its completion is "discovered" when the group's next operation is issued (torch's
 ``time_discovered_completed_ns`` is a discovery time too), and readers (``entries``) fill the
-time in. The Python stack of each call is recorded only with ``TDIST_FR_STACK=1``.
+time in. With ``TDIST_FR_TIMED=1`` (``tdist run --metrics-port`` sets it for its workers, whose
+latency histograms need it) such an operation is stamped with its true completion time instead,
+one clock read more. The Python stack of each call is recorded only with ``TDIST_FR_STACK=1``.
 
 States are torch's: ``scheduled`` (issued, queued behind earlier work), ``started`` (running, or
 a receive posted), ``completed``. An operation that failed stays ``started`` and keeps the
@@ -61,6 +63,7 @@ __all__ = [
     "add_dump_section",
     "brief",
     "buffer_size",
+    "current_op",
     "dump_dict",
     "dump_on_failure",
     "dump_prefix",
@@ -145,6 +148,10 @@ def _stack_on() -> bool:
     return os.environ.get("TDIST_FR_STACK", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _timed_on() -> bool:
+    return os.environ.get("TDIST_FR_TIMED", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def capture() -> tuple[tuple[str, int, str], ...]:
     """The caller's Python stack, innermost first, from the first frame outside tdist."""
     f: Any = sys._getframe(2)
@@ -170,7 +177,7 @@ class Recorder:
 
     __slots__ = (
         "__weakref__", "_ranks", "cap", "desc", "n", "name", "p2p_seq", "pg_id", "pid", "rank",
-        "ranks_fn", "ring", "size", "stack", "timeout_ms",
+        "ranks_fn", "ring", "size", "stack", "timed", "timeout_ms",
     )
 
     def __init__(self, rank: int, size: int, capacity: int, timeout_s: float = 1800.0) -> None:
@@ -189,6 +196,9 @@ class Recorder:
         self.ranks_fn: Callable[[], Sequence[int]] | None = None
         self.timeout_ms = int(timeout_s * 1000)
         self.stack = _stack_on()
+        # (whether the backend stamps an operation that completes where it was issued, rather
+        # than leaving its time to be discovered: TDIST_FR_TIMED)
+        self.timed = _timed_on()
         self.pid = os.getpid()
         _recorders.add(self)
 
@@ -352,6 +362,23 @@ def recorders() -> list[Recorder]:
 def add_dump_section(name: str, fn: Callable[[], Any]) -> None:
     """Add ``name: fn()`` to every dump (RPC adds its calls in flight); ``fn`` must not block."""
     _sections[name] = fn
+
+
+def current_op(recs: Sequence[Recorder] | None = None) -> dict[str, Any] | None:
+    """The operation this process's groups (or ``recs``) have been in longest, for ``tdist
+    status``: ``{"name": "all_reduce", "group": label, "since": wall-clock seconds}`` (issued,
+    neither completed nor failed), or ``None`` when none is in flight."""
+    oldest: tuple[Recorder, list[Any]] | None = None
+    for rec in recorders() if recs is None else recs:
+        for e in rec.live(8):  # (what is in flight is among a group's last operations)
+            if not e[DONE] and e[ERROR] is None:
+                if oldest is None or e[CREATED] < oldest[1][CREATED]:
+                    oldest = (rec, e)
+                break
+    if oldest is None:
+        return None
+    rec, e = oldest
+    return {"name": e[OP], "group": rec.label, "since": e[CREATED] / 1e9}
 
 
 # -- describing entries --------------------------------------------------------------------------

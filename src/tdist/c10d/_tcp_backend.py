@@ -340,6 +340,7 @@ class ProcessGroupTCP(Backend):
         # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
         # diagnosis requests (``_desync``)
         self._fr = fr.make_recorder(rank, size, self._timeout)
+        self._timed = self._fr is not None and self._fr.timed  # (stamp inline completions)
         self._responder: Responder | None = None
         self._verdict: CollectiveMismatchError | None = None  # the desync check's
         if self._fr is not None:
@@ -488,8 +489,8 @@ class ProcessGroupTCP(Backend):
                     self._arena.abort(reason)
             work._fail(exc)
             return
-        if entry is not None:
-            entry[DONE] = UNTIMED  # (its time is discovered when the next one is issued)
+        if entry is not None:  # (its time is discovered when the next one is issued, unless timed)
+            entry[DONE] = _time_ns() if self._timed else UNTIMED
         work._complete(result)
 
     def _explain(self, entry: list[Any], exc: DistError) -> None:

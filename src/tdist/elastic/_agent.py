@@ -73,6 +73,7 @@ from ..store._replica import FailoverStore, StandbyKeeper
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
 from ._inspect import STATUS_DIR_ENV, register_job, unregister_job
+from ._metrics import METRICS_FD_ENV, TIMED_ENV
 from ._policy import (
     AGENT_PREFIX,
     DEFAULT_FLIGHT_RECORD_PREFIX,
@@ -99,6 +100,7 @@ from ._policy import (
 )
 
 if TYPE_CHECKING:  # (imported when used: the launcher starts without the rendezvous modules)
+    from ._metrics_server import MetricsServer
     from .rendezvous._dynamic import DynamicRendezvousHandler
 
 __all__ = ["LaunchError", "LocalAgent", "launch"]
@@ -134,6 +136,7 @@ class _Worker:
     signalled: bool = False
     stalled: bool = False  # stopped (not running) when the group failed
     exit: WorkerExit | None = None
+    metrics_id: int | None = None  # (its channel to the metrics endpoint, --metrics-port)
 
 
 def _process_state(pid: int) -> str:
@@ -256,6 +259,8 @@ class LocalAgent:
         self._leaving = False  # (SIGTERM in an elastic job: this node leaves, the job goes on)
         self._left = False
         self._next_waiting_check = 0.0
+        self._metrics: MetricsServer | None = None  # (--metrics-port)
+        self._metrics_url: str | None = None
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -281,6 +286,7 @@ class LocalAgent:
         )
         try:
             self._make_run_dir()
+            self._serve_metrics()
             if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
                 self._meet(secret)
                 cfg = self.config
@@ -320,12 +326,31 @@ class LocalAgent:
                 for hosted in (server, self._rdzv_server):
                     if hosted is not None:
                         hosted.stop()
+                if self._metrics is not None:
+                    self._metrics.close()
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 if self._temp_base is not None and not self._keeps_logs:
                     # (only error files were there, quoted in the report already)
                     shutil.rmtree(self._temp_base, ignore_errors=True)
+
+    def _serve_metrics(self) -> None:
+        """``--metrics-port``: the endpoint, serving from threads of its own until the end."""
+        cfg = self.config
+        if cfg.metrics_port is None:
+            return
+        from ._metrics_server import MetricsServer
+
+        self._metrics = MetricsServer(  # (LaunchError: no prometheus_client, or the port is taken)
+            cfg.metrics_addr, cfg.metrics_port,
+            {"run_id": cfg.run_id, "entrypoint": self._title(), "node": str(cfg.node_rank)},
+        )
+        host = cfg.metrics_addr if cfg.metrics_addr not in ("", "0.0.0.0", "::") else self._host
+        if ":" in host:
+            host = f"[{host}]"
+        self._metrics_url = f"http://{host}:{self._metrics.port}/metrics"
+        self._say(f"metrics: {self._metrics_url}")
 
     def _meet(self, secret: str) -> None:
         """c10d and etcd, every ``--nnodes`` form (a fixed N is N:N): the nodes meet through
@@ -623,6 +648,7 @@ class LocalAgent:
             register_job({
                 "pid": os.getpid(), "run_id": cfg.run_id, "node_rank": cfg.node_rank, "attempt": restart_count,
                 "run_dir": self._run_dir, "entrypoint": self._title(), "started": time.time(), "workers": entries,
+                "metrics": self._metrics_url,
             })
 
     def _attempt_dir(self, restart_count: int) -> str | None:
@@ -680,6 +706,8 @@ class LocalAgent:
             self._start_attempt_logs(restart_count)
             self._attempt_started = time.time()  # (wall clock: compared with files' times)
             attempt = self._attempt_dir(restart_count)
+            if self._metrics is not None:
+                self._metrics.attempt(restart_count, cfg.node_rank)
             for local_rank in range(cfg.nproc_per_node):
                 rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
                 env = worker_env(
@@ -751,7 +779,15 @@ class LocalAgent:
         ``stream_route`` says (``log_dir``: its directory of this attempt)."""
         cfg = self.config
         route = stream_route(cfg, local_rank)
+        rank = cfg.global_rank(local_rank)
         files: dict[Std, BinaryIO | None] = {Std.OUT: None, Std.ERR: None}
+        metrics_id: int | None = None
+        pass_fds: tuple[int, ...] = ()
+        if self._metrics is not None:  # (its end of a socket pair, where it writes its counts)
+            metrics_id, fd = self._metrics.connect(rank, local_rank)
+            env = {**env, METRICS_FD_ENV: str(fd)}
+            env.setdefault(TIMED_ENV, "1")  # (true completion times, for the latency histograms)
+            pass_fds = (fd,)
         with contextlib.ExitStack() as opened:  # (closed here if the worker does not start, else by its pumps)
             for std, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
                 if std in route.files and log_dir is not None:
@@ -768,17 +804,22 @@ class LocalAgent:
                     stderr=subprocess.PIPE,
                     start_new_session=True,
                     preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
+                    pass_fds=pass_fds,
                 )
             except OSError as exc:
+                if self._metrics is not None and metrics_id is not None:
+                    self._metrics.started(metrics_id, None)
                 raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
             opened.pop_all()
+        if self._metrics is not None and metrics_id is not None:
+            self._metrics.started(metrics_id, proc.pid)
         pidfd: int | None
         try:
             pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):  # old kernel: the monitor loop polls instead
             pidfd = None
-        rank = cfg.global_rank(local_rank)
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
+        worker.metrics_id = metrics_id
         assert proc.stdout is not None and proc.stderr is not None
         for stream, std, out, tails in (
             (proc.stdout, Std.OUT, self._out, (worker.output,)),
@@ -924,6 +965,8 @@ class LocalAgent:
                 stalled=w.stalled,
             )
             exits.append(w.exit)
+            if self._metrics is not None and w.metrics_id is not None:
+                self._metrics.exited(w.metrics_id, rc, w.exit.stopped_by_agent)
             if w.pidfd is not None:
                 os.close(w.pidfd)
                 w.pidfd = None

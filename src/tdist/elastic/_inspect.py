@@ -230,10 +230,11 @@ def _cell(value: Any, fmt: str = "{}") -> str:
 def status_table(job: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a text table under a line naming the job."""
     head = (f"job {job.get('run_id', '?')}: {job.get('entrypoint', '')} | launcher pid {job['pid']} | "
-            f"node {job.get('node_rank', 0)} | attempt {job.get('attempt', 0)} | {job.get('run_dir', '')}")
+            f"node {job.get('node_rank', 0)} | attempt {job.get('attempt', 0)} | {job.get('run_dir', '')}"
+            + (f" | metrics {job['metrics']}" if job.get("metrics") else ""))
     cols = ["rank", "pid", "host", "state", "operation", "in it", "step", "steps/s", "cpu", "mem", "heartbeat"]
     lines = [[
-        str(r["rank"]), str(r["pid"]), r["host"], r["state"], _cell(r["op"]), _cell(r["op_for_s"], "{:.1f} s"),
+        str(r["rank"]), str(r["pid"]), r["host"], r["state"], _cell(r["op"]), _cell(r["op_for_s"], "{:.1f}s"),
         _cell(r["step"]), _cell(r["steps_per_s"], "{:.2f}"), _cell(r["cpu_pct"], "{:.0f}%"),
         _cell(r["rss_mb"], "{:.0f} MB"), _cell(r["heartbeat_s"], "{:.1f} s ago"),
     ] for r in rows]

@@ -152,6 +152,10 @@ class LaunchConfig:
         start_method: torchrun's ``--start-method`` (recorded only: every worker is a new
             process running ``python -u script``, as torchrun's are for a script).
         quiet: no live status line (it is drawn only when stdout is a terminal anyway).
+        metrics_port: serve the job's metrics (Prometheus text and OpenMetrics) at
+            ``http://<metrics_addr>:<port>/metrics`` (0: a free port, which the launcher
+            prints); None: no endpoint. Needs ``prometheus_client`` (``tdist[metrics]``).
+        metrics_addr: the address the metrics endpoint listens on (default: every interface).
     """
 
     entrypoint: str
@@ -187,6 +191,8 @@ class LaunchConfig:
     tee: Std | Mapping[int, Std] = Std.NONE
     start_method: str = "spawn"
     quiet: bool = False
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:

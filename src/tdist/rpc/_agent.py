@@ -39,7 +39,15 @@ import torch
 from .._core.errors import DistError, DistNetworkError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
 from . import _errors, _remote_profiling
-from ._calls import _EXPIRED, RpcTimeoutError, _Call, _SyncReply, _wait_future
+from ._calls import (
+    _EXPIRED,
+    RpcTimeoutError,
+    _Call,
+    _SyncReply,
+    _wait_future,
+    count_failed,
+    count_sent,
+)
 from ._execution import _not_a_future, _OwnerError, _set_owner_error, _unwrap, dispatch
 from ._future import Future
 from ._message import REQUESTS, MsgKind, decode_meta
@@ -362,7 +370,8 @@ class RpcAgent:
         tag = next(self._ids)
         # (a negative timeout, spent already, is named as given in the timeout error, as torch's)
         shown = seconds if seconds != _EXPIRED or timeout is None else float(timeout)
-        call = _Call(fut, dst, what, shown, deadline, on_reply)
+        call = _Call(fut, dst, what, shown, deadline, on_reply, kind)
+        count_sent(kind)  # (a request refused below, by a shut-down agent, was sent all the same)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.label}: RPC agent is shut down; cannot send {what}")
@@ -410,6 +419,8 @@ class RpcAgent:
         return fut.wait()
 
     def _finish(self, call: _Call, value: Any, exc: BaseException | None) -> None:
+        if exc is not None:
+            count_failed(call.kind)
         if call.on_reply is not None:
             try:
                 call.on_reply(value, exc)

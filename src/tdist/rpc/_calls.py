@@ -6,7 +6,8 @@ of time.
 and the deadline, the handler of a late reply). A blocking call waits on a ``_SyncReply``, the
 part of ``torch.futures.Future`` the agent uses, at a fraction of its cost; a call that a user
 holds gets a real ``Future``. ``CallText`` and ``LazyText`` are written out only when a message
-needs them, not on every call.
+needs them, not on every call. ``call_counts`` tells how many requests of each kind this
+process sent and how many of them failed (``tdist run --metrics-port`` exports them).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from .._core.errors import DistTimeoutError
 from . import _errors
 
-__all__ = ["CallText", "LazyText", "RpcTimeoutError"]
+__all__ = ["CallText", "LazyText", "RpcTimeoutError", "call_counts"]
 
 
 _EXPIRED = 1e-9  # a deadline that has passed when the request is out
@@ -31,6 +32,32 @@ class RpcTimeoutError(DistTimeoutError):
 
 
 _reply_lock = threading.Lock()
+
+# requests sent and failed, by kind (``MsgKind``); process-wide (every agent of the process,
+# ranks run as threads included), so that they only grow across ``init_rpc``/``shutdown``
+_sent: dict[Any, int] = {}
+_failed: dict[Any, int] = {}
+_count_lock = threading.Lock()
+
+
+def count_sent(kind: Any) -> None:
+    """One more request of ``kind`` goes out."""
+    with _count_lock:
+        _sent[kind] = _sent.get(kind, 0) + 1
+
+
+def count_failed(kind: Any) -> None:
+    """One more request of ``kind`` ended with an error (the callee's, a timeout, a lost peer)."""
+    with _count_lock:
+        _failed[kind] = _failed.get(kind, 0) + 1
+
+
+def call_counts() -> dict[str, tuple[int, int]]:
+    """The requests this process sent, by kind (``"call"``: ``rpc_sync``/``rpc_async``,
+    ``"remote"``, ``"fetch"``: ``to_here``, ``"join"``): ``(sent, failed)``."""
+    with _count_lock:
+        sent, failed = dict(_sent), dict(_failed)
+    return {getattr(k, "name", str(k)).lower(): (n, failed.get(k, 0)) for k, n in sent.items()}
 
 
 class _SyncReply:
@@ -120,9 +147,10 @@ class LazyText:
 
 
 class _Call:
-    __slots__ = ("deadline", "dst", "fut", "on_reply", "seconds", "started", "what")
+    __slots__ = ("deadline", "dst", "fut", "kind", "on_reply", "seconds", "started", "what")
 
-    def __init__(self, fut: Any, dst: int, what: object, seconds: float | None, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None) -> None:
+    def __init__(self, fut: Any, dst: int, what: object, seconds: float | None, deadline: float | None, on_reply: Callable[[Any, BaseException | None], None] | None, kind: Any = None) -> None:
+        self.kind = kind  # (its MsgKind, for ``call_counts``)
         self.fut = fut
         self.dst = dst
         self.what = what
