@@ -137,6 +137,7 @@ def launcher_env(work: Path, **extra: str) -> dict[str, str]:
                 "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(var, None)
     env["TEST_OUT"] = str(work)
+    env["TDIST_STATUS_DIR"] = str(work / "jobs")  # (`tdist status` sees this test's jobs only)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
