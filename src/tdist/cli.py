@@ -246,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--pid", type=int, default=None, help="the job's launcher pid (default: the only job here)")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
     status.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between redraws (default: 1)")
+    status.add_argument(*_opt("--rdzv-endpoint"), default=None, metavar="HOST:PORT",
+                        help="a job of several nodes, from anywhere: its rendezvous endpoint (c10d, etcd) or "
+                        "MASTER_ADDR:MASTER_PORT (a fixed node count); needs the job's TDIST_SECRET")
+    status.add_argument(*_opt("--rdzv-backend"), default="c10d", choices=["c10d", "static", "etcd", "etcd-v2"],
+                        help="how the job met (default: c10d; static for --master-addr/--master-port)")
+    status.add_argument(*_opt("--rdzv-id"), default="none", metavar="ID", help="the job's run id (default: none)")
     dump = sub.add_parser(
         "dump", parents=[common], help="gather every worker's Python stacks and flight record into a folder",
         description="Ask every worker of a running job for its Python stacks (all threads) and its "
@@ -260,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _inspect(ns: argparse.Namespace) -> int:
     from .elastic import _inspect
 
+    if ns.command == "status" and ns.rdzv_endpoint:
+        return _status_of_job(ns)
     if ns.command == "status":
         return _inspect.watch(ns.pid, ns.once, ns.interval)
     try:
@@ -274,6 +282,38 @@ def _inspect(ns: argparse.Namespace) -> int:
     workers = len(job.get("workers", []))
     print(f"tdist dump: {len(files)} files from {workers} workers in {out}", file=sys.stderr)
     return 0 if files else 1
+
+
+def _status_of_job(ns: argparse.Namespace) -> int:
+    """``tdist status --rdzv-endpoint``: a job of several nodes, through its store."""
+    import urllib.parse
+    from datetime import timedelta
+
+    from ._core.errors import DistError
+    from .elastic import _inspect
+    from .elastic.rendezvous import parse_rendezvous_endpoint
+    from .store._api import Store
+
+    etcd = ns.rdzv_backend.startswith("etcd")
+    host, port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 2379 if etcd else 29400)
+    try:
+        store: Store
+        if etcd:
+            from .store._etcd import EtcdStore
+
+            store = EtcdStore(host, port, prefix="/tdist/" + urllib.parse.quote(ns.rdzv_id, safe=""),
+                              timeout=timedelta(seconds=10))
+        else:
+            from .store._tcp import TCPStore
+
+            store = TCPStore(host, port, timeout=timedelta(seconds=10))
+        try:
+            return _inspect.watch_job(store, ns.rdzv_id, f"{host}:{port}", ns.once, ns.interval)
+        finally:
+            store.close()
+    except DistError as exc:
+        print(f"tdist status: the job's store at {host}:{port}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _run(ns: argparse.Namespace) -> int:

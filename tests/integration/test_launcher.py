@@ -137,7 +137,9 @@ def launcher_env(work: Path, **extra: str) -> dict[str, str]:
                 "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(var, None)
     env["TEST_OUT"] = str(work)
-    env["TDIST_STATUS_DIR"] = str(work / "jobs")  # (`tdist status` sees this test's jobs only)
+    # (the registry of running jobs is under $TMPDIR: `tdist status` sees this test's jobs only)
+    (work / "tmp").mkdir(exist_ok=True)
+    env["TMPDIR"] = str(work / "tmp")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
@@ -1238,6 +1240,40 @@ def _running_job(work: Path) -> subprocess.Popen[str]:
         time.sleep(0.2)
     proc.kill()
     raise AssertionError(f"the job's workers never reported: {res.stdout} {res.stderr}")
+
+
+def test_status_of_a_job_of_two_nodes_through_its_rendezvous_endpoint(work: Path) -> None:
+    """Two nodes (c10d), two workers each, progress reported: `tdist status --rdzv-endpoint`
+    shows all four ranks from the job's store, whichever host it runs on; and says so when no
+    job is there."""
+    (work / "progress.py").write_text(_PROGRESS)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                            endpoint, "--rdzv-id", "job7", "--monitor-interval", "0.1", "--stop-timeout", "2", "progress.py")
+             for _ in range(2)]
+    try:
+        env = launcher_env(work, TDIST_SECRET="multi-node-secret")
+        deadline = time.monotonic() + 40
+        while True:
+            res = subprocess.run(tdist_cmd("status", "--once", "--rdzv-endpoint", endpoint, "--rdzv-id", "job7"),
+                                 cwd=work, env=env, capture_output=True, text=True, timeout=20)
+            rows = [line.split() for line in res.stdout.splitlines()[2:]]
+            if len(rows) == 4 and all(r[6] != "-" for r in rows):  # (every rank reported steps)
+                break
+            assert time.monotonic() < deadline, (res.stdout, res.stderr)
+            assert all(n.poll() is None for n in nodes), [n.communicate()[1] for n in nodes]
+            time.sleep(0.2)
+        lines = res.stdout.splitlines()
+        assert lines[0].startswith("job job7: progress.py | 2 nodes") and f"via {endpoint}" in lines[0], lines
+        assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+        assert {r[3] for r in rows} <= {"running", "sleeping"}
+        res = subprocess.run(tdist_cmd("status", "--once", "--rdzv-endpoint", endpoint, "--rdzv-id", "other"),
+                             cwd=work, env=env, capture_output=True, text=True, timeout=20)
+        assert res.returncode == 1 and "no node of job 'other' publishes its status" in res.stderr
+    finally:
+        for n in nodes:
+            n.send_signal(signal.SIGTERM)
+        outputs(nodes, timeout=30)
 
 
 def test_status_and_dump_look_into_a_running_job(work: Path) -> None:

@@ -72,7 +72,7 @@ from ..store._api import Store
 from ..store._replica import FailoverStore, StandbyKeeper
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
-from ._inspect import STATUS_DIR_ENV, register_job, unregister_job
+from ._inspect import STATUS_DIR_ENV, publish_status, register_job, status_key, unregister_job
 from ._metrics import METRICS_FD_ENV, TIMED_ENV
 from ._policy import (
     AGENT_PREFIX,
@@ -113,6 +113,7 @@ _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
 # a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
 _FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
 _STATUS_INTERVAL = 0.5  # seconds between redraws of the live status line (its clock moves)
+_PUBLISH_EVERY = 1.0  # seconds between two publications of a node's rows in the job's store
 _STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not drawn for this long
 _ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal control sequence in a worker's line
@@ -248,6 +249,10 @@ class LocalAgent:
         self._rendezvous: DynamicRendezvousHandler | None = None  # (c10d, etcd: kept for the run)
         self._rdzv_store: Store | None = None  # (c10d, etcd: the store the rendezvous state is in)
         self._keeper: StandbyKeeper | None = None  # (c10d: the rendezvous store's standby)
+        # this node's rows in the job's store, for `tdist status --rdzv-endpoint` (several nodes)
+        self._job_record: dict[str, object] | None = None
+        self._published_at = -1e9
+        self._published_cpu: dict[int, tuple[float, float]] = {}
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
         self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
         # the store servers this node runs, with their pidfds (the monitor loop wakes when one dies)
@@ -307,6 +312,7 @@ class LocalAgent:
             return self._run_attempts(port, secret)
         finally:
             unregister_job()
+            self._unpublish_status()
             try:
                 self._leave_rendezvous()
                 self._exit_barrier()
@@ -644,12 +650,13 @@ class LocalAgent:
             rank = cfg.global_rank(w.local_rank)
             entries.append({"rank": rank, "local_rank": w.local_rank, "pid": w.proc.pid, "dir": rank_dir,
                             "flight_record": f"{prefix}{rank}"})
+        self._job_record = {
+            "pid": os.getpid(), "run_id": cfg.run_id, "node_rank": cfg.node_rank, "attempt": restart_count,
+            "run_dir": self._run_dir, "entrypoint": self._title(), "started": time.time(), "workers": entries,
+            "metrics": self._metrics_url,
+        }
         with contextlib.suppress(OSError):
-            register_job({
-                "pid": os.getpid(), "run_id": cfg.run_id, "node_rank": cfg.node_rank, "attempt": restart_count,
-                "run_dir": self._run_dir, "entrypoint": self._title(), "started": time.time(), "workers": entries,
-                "metrics": self._metrics_url,
-            })
+            register_job(self._job_record)
 
     def _attempt_dir(self, restart_count: int) -> str | None:
         return None if self._run_dir is None else os.path.join(self._run_dir, f"attempt_{restart_count}")
@@ -747,6 +754,7 @@ class LocalAgent:
                 if outcome is not Outcome.RUNNING:
                     break
                 timeout = self._poll_timeout()
+                self._publish_status()
                 if self._status:
                     self._update_status(workers, exits, restart_count)
                     timeout = _STATUS_INTERVAL if timeout is None else min(timeout, _STATUS_INTERVAL)
@@ -900,6 +908,31 @@ class LocalAgent:
                 pass
 
     # -- the live status line ------------------------------------------------------------------
+    def _status_store(self) -> Store | None:
+        """Where the nodes of a job of several publish their rows: the rendezvous store (c10d,
+        etcd), or node 0's job store (a fixed node count); None on one node."""
+        if self._rdzv_store is not None:
+            return self._rdzv_store
+        return self._store if self.config.nnodes > 1 else None
+
+    def _publish_status(self) -> None:
+        """This node's rows in the job's store, once a second (errors: logged)."""
+        store, now = self._status_store(), self._clock()
+        if store is None or self._job_record is None or now - self._published_at < _PUBLISH_EVERY:
+            return
+        self._published_at = now
+        try:
+            publish_status(store, self._job_record, self._published_cpu)
+        except Exception as exc:  # (looking in is not worth a failure)
+            log.debug("node %d: could not publish its status: %s", self.config.node_rank, exc)
+
+    def _unpublish_status(self) -> None:
+        store = self._status_store()
+        if store is None or self._job_record is None:
+            return
+        with contextlib.suppress(Exception):
+            store.delete_key(status_key(self.config.run_id))
+
     def _update_status(self, workers: list[_Worker], exits: list[WorkerExit], restart_count: int) -> None:
         """Count the group's workers and redraw the status line (monitor loop, each tick)."""
         counts = (

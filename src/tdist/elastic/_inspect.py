@@ -14,8 +14,14 @@ imported tdist (``worker_side``):
 
 ``tdist status`` reads those files and ``/proc`` (state, CPU, memory) into a per-rank table,
 redrawn every second; ``tdist dump`` signals every worker and gathers the stacks and flight
-records into one folder. Both see the jobs of this host; a job's other nodes are inspected on
-their own hosts.
+records into one folder. Both see the jobs of this host.
+
+A job of several nodes is also seen whole from anywhere that reaches its store: every node's
+launcher publishes its rows each second in the job's store (the rendezvous store, or node 0's
+job store), under ``tdist.status/<run id>/<host>:<launcher pid>`` (``publish_status``), and
+``tdist status --rdzv-endpoint HOST:PORT`` (with the job's secret) reads every node's rows into
+one table (``watch_job``). A node's rows older than ``_STALE`` seconds are not shown (its
+launcher stopped publishing: gone, or stopped).
 """
 
 from __future__ import annotations
@@ -38,17 +44,22 @@ from .._core._process import pid_alive
 __all__ = [
     "find_job",
     "gather_dump",
+    "job_rows",
     "jobs",
+    "publish_status",
     "register_job",
     "report_progress",
     "status_rows",
     "status_table",
     "unregister_job",
+    "watch_job",
     "worker_side",
 ]
 
 STATUS_DIR_ENV = "TDIST_STATUS_DIR"
 _STATUS_EVERY = 1.0  # seconds between two writes of a worker's status.json
+_STALE = 10.0  # seconds after which a node's published rows are not shown
+STATUS_KEY = "tdist.status"
 
 
 def _registry() -> str:
@@ -227,11 +238,12 @@ def _cell(value: Any, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def status_table(job: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a text table under a line naming the job."""
-    head = (f"job {job.get('run_id', '?')}: {job.get('entrypoint', '')} | launcher pid {job['pid']} | "
-            f"node {job.get('node_rank', 0)} | attempt {job.get('attempt', 0)} | {job.get('run_dir', '')}"
-            + (f" | metrics {job['metrics']}" if job.get("metrics") else ""))
+def status_table(job: dict[str, Any], rows: Sequence[dict[str, Any]], head: str | None = None) -> str:
+    """The rows as a text table under a line naming the job (or ``head``)."""
+    if head is None:
+        head = (f"job {job.get('run_id', '?')}: {job.get('entrypoint', '')} | launcher pid {job['pid']} | "
+                f"node {job.get('node_rank', 0)} | attempt {job.get('attempt', 0)} | {job.get('run_dir', '')}"
+                + (f" | metrics {job['metrics']}" if job.get("metrics") else ""))
     cols = ["rank", "pid", "host", "state", "operation", "in it", "step", "steps/s", "cpu", "mem", "heartbeat"]
     lines = [[
         str(r["rank"]), str(r["pid"]), r["host"], r["state"], _cell(r["op"]), _cell(r["op_for_s"], "{:.1f}s"),
@@ -271,6 +283,77 @@ def watch(job_pid: int | None, once: bool, interval: float, out: Any = None) -> 
         time.sleep(interval)
         with contextlib.suppress(LookupError):
             job = find_job(int(job["pid"]))
+
+
+# -- a job of several nodes, through its store ---------------------------------------------------
+def status_key(run_id: str) -> str:
+    """This launcher's key in the job's store (see the module)."""
+    return f"{STATUS_KEY}/{run_id}/{socket.gethostname()}:{os.getpid()}"
+
+
+def publish_status(store: Any, job: dict[str, Any], previous: dict[int, tuple[float, float]]) -> None:
+    """Put this node's rows of ``job`` (its registry record) in the job's ``store``."""
+    rows = status_rows(job, previous)
+    record = {"time": time.time(), "host": socket.gethostname(), "launcher": os.getpid(), "run_id": job.get("run_id"),
+              "node_rank": job.get("node_rank", 0), "attempt": job.get("attempt", 0),
+              "entrypoint": job.get("entrypoint", ""), "rows": rows}
+    store.set(status_key(str(job.get("run_id"))), json.dumps(record).encode())
+
+
+def job_rows(store: Any, run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(every node's fresh record, all their rows by rank) from the job's ``store``."""
+    prefix = f"{STATUS_KEY}/{run_id}/"
+    keys = [k for k in store.list_keys() if k.startswith(prefix)]
+    now = time.time()
+    nodes, rows = [], []
+    for raw in (store.multi_get(keys) if keys else []):
+        try:
+            record = json.loads(raw)
+            age = max(0.0, now - float(record["time"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if age > _STALE:
+            continue
+        nodes.append(record)
+        for row in record.get("rows", []):
+            for k in ("op_for_s", "heartbeat_s"):  # (as of now, not as of the publication)
+                if row.get(k) is not None:
+                    row[k] = float(row[k]) + age
+            rows.append(row)
+    nodes.sort(key=lambda r: int(r.get("node_rank", 0)))
+    rows.sort(key=lambda r: int(r.get("rank", 0)))
+    return nodes, rows
+
+
+def watch_job(store: Any, run_id: str, endpoint: str, once: bool, interval: float, out: Any = None) -> int:
+    """``tdist status --rdzv-endpoint``: every node's rows of job ``run_id``, read from its
+    store, redrawn every ``interval`` seconds until no node publishes (or once)."""
+    out = out or sys.stdout
+    tty = out.isatty() and not once
+    shown = 0
+    seen = False
+    while True:
+        nodes, rows = job_rows(store, run_id)
+        if not nodes:
+            if not seen:
+                print(f"tdist status: no node of job {run_id!r} publishes its status in the store at {endpoint} "
+                      "(a job started by tdist run with more than one node, or an elastic range; --rdzv-id "
+                      "names the job)", file=sys.stderr)
+                return 1
+            return 0
+        seen = True
+        first = nodes[0]
+        head = (f"job {run_id}: {first.get('entrypoint', '')} | {len(nodes)} node{'s' if len(nodes) != 1 else ''} "
+                f"({', '.join(str(n.get('host')) for n in nodes)}) | attempt {first.get('attempt', 0)} | via {endpoint}")
+        table = status_table({}, rows, head=head)
+        if tty and shown:
+            out.write(f"\x1b[{shown}F\x1b[J")
+        out.write(table + "\n")
+        out.flush()
+        shown = table.count("\n") + 1
+        if once:
+            return 0
+        time.sleep(interval)
 
 
 def _handles(pid: int, sig: int) -> bool:

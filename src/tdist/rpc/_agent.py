@@ -164,6 +164,7 @@ class RpcAgent:
         self._soonest = math.inf
         self._timer_cv = threading.Condition(self._lock)
         self._dead: dict[int, PeerError] = {}
+        self._left: set[int] = set()  # (of those, the ones that shut down in an orderly way)
         self._closed = False
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._busy = 0
@@ -317,6 +318,7 @@ class RpcAgent:
             self._workers[info.id] = info
             self._by_name[info.name] = info
             self._dead.pop(info.id, None)
+            self._left.discard(info.id)
 
     def _remove_worker(self, wid: int) -> None:
         with self._lock:
@@ -803,6 +805,8 @@ class RpcAgent:
         """Fail every request waiting on ``peer``; later requests to it fail at once."""
         with self._lock:
             self._dead[peer] = err
+            if graceful:
+                self._left.add(peer)
             calls = [(t, c) for t, c in self._pending.items() if c.dst == peer]
             for t, _ in calls:
                 del self._pending[t]
@@ -887,10 +891,11 @@ class RpcAgent:
                 self.store.wait([f"{key}/done"], timedelta(seconds=max(0.01, step)))
                 return
             except DistNetworkError as exc:
-                # the store went with its host: a worker lost before it is the better answer
+                # the store went with its host: a worker lost before it (not one that left by
+                # shutting down) is the better answer
                 for i in range(self.world_size):
                     lost = self._lost_peer(i) if i != self.rank else None
-                    if lost is not None:
+                    if lost is not None and i not in self._left:
                         raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} was lost: {lost}", peer=i) from exc
                 raise
             except TimeoutError as exc:
