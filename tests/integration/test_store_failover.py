@@ -185,3 +185,18 @@ def test_the_server_that_took_over_gets_a_standby_of_its_own(master: TCPStore) -
     finally:
         client.close()
         first.stop()
+
+
+def test_a_standby_that_is_gone_too_is_not_waited_for(master: TCPStore) -> None:
+    """The standby stopped before the server was lost: its port refuses, so the client says at
+    once that nothing took over (it does not wait for a standby that might still take over)."""
+    standby = _standby(master)
+    client = FailoverStore("127.0.0.1", master.port, timeout=timedelta(seconds=60))
+    try:
+        client.refresh()
+        standby.stop()
+        _kill(master)
+        with pytest.raises(DistNetworkError, match=r"no standby \(none left\) took over"):
+            client.get("k")
+    finally:
+        client.close()

@@ -12,9 +12,10 @@ a beat.
 
 When the connection to the server ends (the server's process died: its kernel closes it), or
 nothing arrived for ``silence`` seconds (the host or the network is gone), the standby takes
-over: it serves its copy on the port it reserved at start (bound from the start, listening only
-now, so a client that tries it early is refused, never answered from a stale copy). A server
-has one standby at a time: two would both take over.
+over: it serves its copy on the port it listens on from the start. Until then it answers
+nobody: a client that tries it early waits in its backlog (never answered from a stale copy),
+and a client refused there knows that the standby is gone too. A server has one standby at a
+time: two would both take over.
 
 A ``FailoverStore`` is a client that knows the standby: ``refresh()`` asks the server for its
 standby's address (a launcher does it on every heartbeat). When the server is lost, the next
@@ -99,7 +100,7 @@ class StoreStandby:
         self.server: StoreServer | None = None
         self._stop = threading.Event()
         self.synced = threading.Event()
-        self._sock = self._reserve(listen_host)
+        self._sock = self._listen(listen_host)
         self.port: int = self._sock.getsockname()[1]
         try:
             self._client = TCPStore(host, port, timeout=timeout, secret=secret)
@@ -122,8 +123,8 @@ class StoreStandby:
         self._thread.start()
 
     @staticmethod
-    def _reserve(host: str) -> socket.socket:
-        """A TCP socket bound to a free port, not listening yet."""
+    def _listen(host: str) -> socket.socket:
+        """A TCP socket listening on a free port (nobody is accepted until the take-over)."""
         if host in ("", "0.0.0.0", "::", "*"):
             try:
                 sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -137,6 +138,7 @@ class StoreStandby:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
+            sock.listen(2048)
         except OSError as exc:
             sock.close()
             raise DistNetworkError(f"store standby: cannot bind {host or '*'}: {exc}") from exc
@@ -202,7 +204,6 @@ class StoreStandby:
         with contextlib.suppress(Exception):
             self._client.close()
         try:
-            self._sock.listen(2048)
             server = StoreServer(self._listen_host, listen_fd=self._sock.detach(), secret=self._secret, state=self._state)
             server.start("thread")
         except Exception as exc:
@@ -272,15 +273,26 @@ class FailoverStore(Store):
             targets = list(self._standbys)
             if not targets:
                 raise exc
-            # (a standby takes over the moment it sees the server go, or after ``_SILENCE``)
+            # (a standby takes over the moment it sees the server go, or after ``_SILENCE``;
+            # until then it holds our connection unanswered; one that refuses it is gone)
             patience = min(self._timeout.total_seconds(), 2 * _SILENCE)
             deadline = time.monotonic() + patience
             last: BaseException = exc
-            while True:
-                for target in targets:
+            while targets and time.monotonic() < deadline:
+                for target in list(targets):
                     host, port = _split(target)
                     try:
-                        store = TCPStore(host, port, timeout=timedelta(seconds=1.0), secret=self._secret)
+                        socket.create_connection((host, port), timeout=1.0).close()
+                    except ConnectionRefusedError as err:
+                        targets.remove(target)
+                        last = err
+                        continue
+                    except OSError as err:
+                        last = err
+                        continue
+                    try:
+                        store = TCPStore(host, port, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                                         secret=self._secret)
                     except AuthenticationError:
                         raise
                     except DistError as err:
@@ -294,11 +306,12 @@ class FailoverStore(Store):
                     self._store, self._at = store, target
                     self._standbys = [t for t in targets if t != target]
                     return
-                if time.monotonic() >= deadline:
-                    raise DistNetworkError(
-                        f"the store at {self._at} was lost ({exc}) and no standby ({', '.join(targets)}) "
-                        f"took over within {patience:g} s (last error: {last})"
-                    ) from exc
+                time.sleep(0.05)
+            self._standbys = targets
+            raise DistNetworkError(
+                f"the store at {self._at} was lost ({exc}) and no standby ({', '.join(self._standbys or ['none left'])}) "
+                f"took over within {patience:g} s (last error: {last})"
+            ) from exc
 
     def _call(self, name: str, call: Callable[[TCPStore], Any]) -> Any:
         store = self._store
