@@ -40,11 +40,12 @@ def test_train_demo_converges_with_identical_parameters(nproc: int) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("backend", "epochs"), [("tdist", 2), ("gloo", 1)])
+@pytest.mark.parametrize(("backend", "epochs"), [("tdist", 1)])
 def test_ddp_demo_trains_torchs_ddp_under_tdist_run(backend: str, epochs: int) -> None:
     """The README's first command: torch's DDP on the tdist backend, a program that calls
     ``torch.distributed.init_process_group`` itself (torch's own store at MASTER_PORT, as
-    under torchrun); with ``--backend gloo`` the same program on torch's own backend."""
+    under torchrun). (``--backend gloo`` runs the same program on torch's own backend: the
+    benchmarks do; not repeated here, for the suite's time.)"""
     lines = _rank0_lines(2, "ddp_demo.py", "--epochs", str(epochs), "--backend", backend, timeout=140)
     assert lines[0].startswith(f"[rank0]:DDP on {backend}: 2 workers, 33.9 M parameters"), lines
     assert sum(line.startswith("[rank0]:epoch ") for line in lines) == epochs

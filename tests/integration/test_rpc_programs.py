@@ -33,7 +33,7 @@ PROGRAM = textwrap.dedent(
 
     batch_size, image_w, image_h, num_classes = 20, 64, 64, 30
     batch_update_size = 3
-    num_batches = 6
+    num_batches = 3
 
 
     class Block(nn.Module):
