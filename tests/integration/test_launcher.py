@@ -1127,12 +1127,30 @@ _RESIZE = (
 )
 
 
-def _three_nodes(work: Path) -> tuple[list[subprocess.Popen[str]], list[list[str]]]:
+# the same, with workers at work in a group of three (all_reduce after all_reduce) when one node
+# is lost: theirs fails, naming the lost rank
+_RESIZE_BUSY = (
+    "import os, sys, time\n"
+    "import tdist as dist, torch\n"
+    "ws = int(os.environ['WORLD_SIZE'])\n"
+    "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+    "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
+    "if ws == 3:\n"
+    "    end = time.monotonic() + 60\n"
+    "    while time.monotonic() < end:  # (until a node is lost: all_reduce raises, naming it)\n"
+    "        t.fill_(1); dist.all_reduce(t); time.sleep(0.02)\n"
+    "    sys.exit(3)\n"
+    "t.fill_(1); dist.all_reduce(t)\n"
+    "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()), flush=True)\ndist.destroy_process_group()\n"
+)
+
+
+def _three_nodes(work: Path, script: str = _RESIZE, keep_alive: int = 1) -> tuple[list[subprocess.Popen[str]], list[list[str]]]:
     """Three launchers of one ``--nnodes 2:3`` job, one worker each, once all three workers run
     as one group of three (each launcher's stdout so far, by launcher)."""
-    (work / "resize.py").write_text(_RESIZE)
+    (work / "resize.py").write_text(script)
     args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1",
+            f"127.0.0.1:{free_port()}", "--rdzv-conf", f"last_call_timeout=2,keep_alive_interval={keep_alive}",
             "--monitor-interval", "0.2", "--stop-timeout", "2", "resize.py"]
     nodes = [start_launcher(work, *args) for _ in range(3)]
     seen: list[list[str]] = [[] for _ in nodes]
@@ -1197,9 +1215,12 @@ def test_a_node_whose_agent_stops_is_dropped_and_the_others_re_form(work: Path) 
 @pytest.mark.timeout(90)
 def test_kill_9_of_the_node_that_hosts_the_rendezvous_store_leaves_a_job_that_goes_on(work: Path) -> None:
     """The node at the rendezvous endpoint hosts the store; another node keeps its standby.
-    SIGKILL to the host's launcher (its worker goes with it): the standby takes over, the other
-    two nodes' agents fail over to it, drop the dead node and re-form as a job of two."""
-    nodes, seen = _three_nodes(work)
+    SIGKILL to the host's launcher (its worker goes with it) while the workers run collectives:
+    the standby takes over, the other two nodes' agents fail over to it; their workers fail
+    naming the lost rank, and the agents wait for the rendezvous to drop the dead node, then
+    re-form as a job of two (a re-form, not a failure). (Heartbeats every 2 s: the node is
+    dropped 4-6 s after its death, well after the workers failed, so the agents do wait.)"""
+    nodes, seen = _three_nodes(work, _RESIZE_BUSY, keep_alive=2)
     victim = next(k for k, lines in enumerate(seen) if any("start 0 of 3" in line for line in lines))
     os.kill(nodes[victim].pid, signal.SIGKILL)
     nodes[victim].wait(10)
@@ -1209,6 +1230,7 @@ def test_kill_9_of_the_node_that_hosts_the_rendezvous_store_leaves_a_job_that_go
     for node, (out, err) in zip(others, results, strict=True):
         assert node.returncode == 0, err
         assert "a node left the job (or its agent stopped beating)" in err, err
+        assert "restart 1 of" not in err and "a worker failed naming rank 0 of another node" in err, err
         sums += [line for line in out.splitlines() if " sum " in line]
     assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
     # (and when the node that took over leaves at the end, the other one's standby of it serves on)

@@ -16,21 +16,30 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# three nodes: all_reduce after all_reduce until one is lost (it raises, naming the lost rank);
+# then, two nodes: one all_reduce
 _RESIZE = (
     "import os, sys, time\n"
-    "ws = int(os.environ['WORLD_SIZE'])\n"
-    "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
-    "if ws == 3:\n    time.sleep(60); sys.exit(3)  # (three nodes: wait to lose one)\n"
     "import tdist as dist, torch\n"
+    "ws = int(os.environ['WORLD_SIZE'])\n"
     "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+    "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
+    "if ws == 3:\n"
+    "    end = time.monotonic() + 60\n"
+    "    while time.monotonic() < end:\n"
+    "        t.fill_(1); dist.all_reduce(t); time.sleep(0.02)\n"
+    "    sys.exit(3)\n"
+    "t.fill_(1); dist.all_reduce(t)\n"
     "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()), flush=True)\ndist.destroy_process_group()\n"
 )
 
 
 def test_kill_9_of_the_host_of_the_rendezvous_store_on_another_host(tmp_path: Path) -> None:
     """Three hosts, one ``tdist run`` each, a ``--nnodes 2:3`` job whose rendezvous endpoint is
-    host 0 (which hosts the store). SIGKILL to host 0's launcher (its worker goes with it): the
-    standby on another host takes over, the two other hosts re-form as a job of two and finish."""
+    host 0 (which hosts the store), its workers at work in collectives. SIGKILL to host 0's
+    launcher (its worker goes with it): the standby on another host takes over; the other
+    hosts' workers fail naming the lost rank, their agents wait until the rendezvous drops host
+    0, and re-form as a job of two that finishes (a re-form: no restart counted)."""
     script = tmp_path / "resize.py"
     script.write_text(_RESIZE)
     env = dict(os.environ, TDIST_SECRET="netns-launcher-secret",
@@ -42,7 +51,7 @@ def test_kill_9_of_the_host_of_the_rendezvous_store_on_another_host(tmp_path: Pa
         for h in hosts:
             argv = [sys.executable, "-m", "tdist.cli", "run", "--nnodes", "2:3", "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].addr}:29631", "--local-addr", h.addr,
-                    "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1", "--monitor-interval", "0.2",
+                    "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=2", "--monitor-interval", "0.2",
                     "--stop-timeout", "2", str(script)]
             nodes.append(subprocess.Popen(_netns.command(h, argv), cwd=tmp_path, env=env, text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -66,6 +75,7 @@ def test_kill_9_of_the_host_of_the_rendezvous_store_on_another_host(tmp_path: Pa
     for node, (out, err) in zip(nodes[1:], results, strict=True):
         assert node.returncode == 0, err[-3000:]
         assert "a node left the job (or its agent stopped beating)" in err, err[-3000:]
+        assert "a worker failed naming rank 0 of another node" in err and "restart 1 of" not in err, err[-3000:]
         sums += [line for line in out.splitlines() if " sum " in line]
     assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
     assert any(f"the store server at {hosts[0].addr}:29631 was lost" in err for _, err in results), results

@@ -17,6 +17,7 @@ from tdist.elastic._policy import (
     Std,
     StreamRoute,
     WorkerExit,
+    blamed_as_lost,
     blamed_as_stalled,
     describe_exception,
     describe_returncode,
@@ -81,6 +82,20 @@ def test_the_ranks_tdists_errors_call_stalled() -> None:
         "ValueError: rank 5 is fine\n",
     ]
     assert blamed_as_stalled(tail) == {1, 3}
+
+
+def test_the_ranks_tdists_errors_call_lost_or_stalled() -> None:
+    tail = [
+        "tdist._core.errors.PeerError: rank 1: connection to rank 0 (10.77.0.1:4242), pid 977 was lost: "
+        "connection closed; the process died or closed its socket\n",
+        "RuntimeError: ... rank 2: connection to rank 4 (unix) was lost; the process died\n",
+        "PeerError: rank 2: rank 3 (unix) has sent nothing for 10.2 s (no heartbeat) during recv: it is stalled\n",
+        "PeerError: rank 1: peer rank 6 (pid 18055) died during all_reduce in shared-memory arena 'pg'\n",
+        "What the ranks of group '0' were doing: rank 7 is gone (its process, pid 18055, has exited); ...\n",
+        "ValueError: rank 5 is fine\n",
+    ]
+    assert blamed_as_lost(tail) == {0, 3, 4, 6, 7}
+    assert blamed_as_lost(["ValueError: my own bug\n"]) == set()
 
 
 # -- outcome and action ------------------------------------------------------------------------

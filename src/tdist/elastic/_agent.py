@@ -85,6 +85,7 @@ from ._policy import (
     PostMortem,
     Std,
     WorkerExit,
+    blamed_as_lost,
     blamed_as_stalled,
     describe_returncode,
     exit_code,
@@ -253,6 +254,7 @@ class LocalAgent:
         self._job_record: dict[str, object] | None = None
         self._published_at = -1e9
         self._published_cpu: dict[int, tuple[float, float]] = {}
+        self._settle_until: float | None = None  # (see ``_settling``; per attempt)
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
         self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
         # the store servers this node runs, with their pidfds (the monitor loop wakes when one dies)
@@ -494,6 +496,40 @@ class LocalAgent:
             log.warning("node %d: could not ask the rendezvous about its members: %s", self.config.node_rank, exc)
         return None
 
+    def _settling(self, workers: list[_Worker]) -> bool:
+        """Whether to wait before calling our workers' failure one: in an elastic job with room
+        to lose a node, when every failed worker blames ranks of other nodes (their connection
+        was lost, or they stalled), the failure may be the loss of such a node, which the
+        rendezvous learns only when its heartbeat expires; until then (or until another node
+        posts a failure of its own), the monitor loop waits, and a dropped node then makes it
+        a re-form, not a failure."""
+        handler = self._rendezvous
+        if handler is None or self.config.nnodes <= self._min_nodes:
+            return False
+        now = self._clock()
+        if self._settle_until is None:
+            local = {w.rank for w in workers}
+            blamed: set[int] = set()
+            for w in workers:
+                if w.exit is None or not w.exit.failed:
+                    continue
+                for t in w.readers:  # (its last lines: the process is gone, its pipe ends)
+                    t.join(0.5)
+                named = blamed_as_lost(list(w.tail))
+                if not named or named <= local:
+                    return False  # (a failure of its own, or of this node)
+                blamed |= named - local
+            if not blamed or self._peer_failure()[0] is not None:
+                return False
+            settings = handler.settings
+            wait = settings.keep_alive_interval * (settings.keep_alive_max_attempt + 1)
+            self._settle_until = now + wait
+            self._say(
+                f"a worker failed naming rank{'s' if len(blamed) > 1 else ''} {', '.join(map(str, sorted(blamed)))} of "
+                f"another node: waiting up to {wait:g} s to see whether that node is gone"
+            )
+        return now < self._settle_until and self._peer_failure()[0] is None
+
     def _scale_down(self) -> bool:
         """SIGTERM to a node of an elastic job (a MIN:MAX range): it leaves the job on purpose,
         and the others re-form without it (no failure counted)."""
@@ -710,6 +746,7 @@ class LocalAgent:
         outcome = Outcome.RUNNING
         try:
             torch_port = self._torch_port(port)
+            self._settle_until = None
             self._start_attempt_logs(restart_count)
             self._attempt_started = time.time()  # (wall clock: compared with files' times)
             attempt = self._attempt_dir(restart_count)
@@ -748,6 +785,8 @@ class LocalAgent:
                     why = self._membership_changed(now=failed, joins=not failed)
                     if why is not None and self._peer_failure()[0] is None:
                         outcome, self._rescale_why = Outcome.RESCALE, why
+                    elif failed and self._settling(workers):
+                        outcome = Outcome.RUNNING  # (until the rendezvous tells whether a node is gone)
                 if outcome is Outcome.INTERRUPTED and self._scale_down():
                     self._leaving = True
                     self._rendezvous_leave()  # (first: the others re-form before our workers stop)

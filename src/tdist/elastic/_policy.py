@@ -390,6 +390,20 @@ def blamed_as_stalled(tail: Sequence[str]) -> set[int]:
     return found
 
 
+# ... and of a peer whose process is gone (its connection was lost, or the shared-memory arena
+# found it dead, or the desync diagnosis did)
+_LOST = re.compile(r"rank (\d+) (?:\([^)]*\)(?:, pid \d+)? (?:was lost|died)|is gone)")
+
+
+def blamed_as_lost(tail: Sequence[str]) -> set[int]:
+    """The ranks a failed worker's last stderr lines call lost or stalled: when all of them are
+    on other nodes, the failure may be the loss of such a node, not a fault of this one."""
+    found = blamed_as_stalled(tail)
+    for line in tail:
+        found.update(int(m) for m in _LOST.findall(line))
+    return found
+
+
 def first_failure(exits: Sequence[WorkerExit]) -> WorkerExit | None:
     """The root cause: the failure observed first, or ``None``."""
     found = failures(exits)
