@@ -24,6 +24,8 @@ import torch
 
 import tdist as dist
 from tdist.elastic import ft
+from tdist.elastic._ft import STATE_KEY
+from tdist.elastic._quorum import State
 from tdist.testing import local_store
 
 pytestmark = pytest.mark.timeout(150)
@@ -116,6 +118,17 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
                     p.grad /= size
             opt.step()
         time.sleep(0.05)  # (a pace at which a joiner can catch the job)
+        if mgr.current_step == role.get("hold_at"):
+            # (between two steps: wait until the stopped node is back or asks to join, so that
+            # it comes back before the job ends, however slow this machine is)
+            # (read from the store directly: the Manager's own view must not move)
+            end = time.monotonic() + 60
+            while True:
+                st = State.decode(mgr._client.store.get(STATE_KEY))
+                if len(st.members) == 3 or set(st.candidates) - set(st.members):
+                    break  # (back already, or asking)
+                assert time.monotonic() < end, f"nobody came back to join: {st}"
+                time.sleep(0.02)
         steps.append((outcome.number, bool(outcome.committed), size))
         if mgr.rank == 0:
             store.set(f"progress/{mgr.current_step}", b"")
@@ -242,7 +255,7 @@ def test_ddp_on_tdist_survives_a_kill_and_takes_a_joiner() -> None:
 def test_a_stalled_rank_is_left_out_and_comes_back_as_a_joiner() -> None:
     # stopped (SIGSTOP) inside a step: the others see it stall (2 s), name it, go on without it
     # after the grace (1 s); woken up later, its step fails, and it joins again, healed
-    out = _run({"a": {}, "b": {}, "sleeper": {"stop_at": 5, "cont_after": 12}})
+    out = _run({"a": {"hold_at": 16}, "b": {"hold_at": 16}, "sleeper": {"stop_at": 5, "cont_after": 12}})
     results = [out["a"], out["b"], out["sleeper"]]
     _check_same(results, _reference())
     sizes = [size for _, committed, size in out["a"]["steps"] if committed]
