@@ -55,6 +55,58 @@ def tdist_round(keys: int) -> tuple[float, float]:
     return took, copied
 
 
+_STANDBY = (
+    "import sys, datetime\n"
+    "from tdist.store import StoreStandby\n"
+    "s = StoreStandby('127.0.0.1', int(sys.argv[1]), timeout=datetime.timedelta(seconds=10))\n"
+    "s.synced.wait(30); print('ready', flush=True); sys.stdin.read(); s.stop()\n"
+)
+
+
+def set_cost(ops: int) -> tuple[float, float]:
+    """Microseconds per answered ``set`` (``multi_set`` of one key) and per ``add``, with a
+    standby attached to the server (every change is sent to it before the reply), the standby
+    in a process of its own (as on another node)."""
+    from tdist.store import TCPStore
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    standby = subprocess.Popen([sys.executable, "-c", _STANDBY, str(master.port)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert standby.stdout is not None and standby.stdout.readline().strip() == "ready"
+    client = TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=30))
+    t0 = time.perf_counter()
+    for i in range(ops):
+        client.multi_set([f"k{i % 100}"], [b"v"])
+    sets = (time.perf_counter() - t0) / ops * 1e6
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        client.add("n", 1)
+    adds = (time.perf_counter() - t0) / ops * 1e6
+    client.close()
+    standby.communicate("", timeout=30)
+    master.close()
+    return sets, adds
+
+
+def set_cost_alone(ops: int) -> tuple[float, float]:
+    """The same without a standby."""
+    from tdist.store import TCPStore
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=30))
+    t0 = time.perf_counter()
+    for i in range(ops):
+        client.multi_set([f"k{i % 100}"], [b"v"])
+    sets = (time.perf_counter() - t0) / ops * 1e6
+    t0 = time.perf_counter()
+    for _ in range(ops):
+        client.add("n", 1)
+    adds = (time.perf_counter() - t0) / ops * 1e6
+    client.close()
+    master.close()
+    return sets, adds
+
+
 def torch_round() -> float:
     """Seconds from SIGKILL to torch's client raising on its next ``get``."""
     import torch.distributed as d
@@ -81,6 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--keys", type=int, default=10000, help="keys in the store when the standby starts")
+    ap.add_argument("--ops", type=int, default=3000, help="sets and adds timed, with and without a standby")
     ap.add_argument("--busy", action="store_true", help="one busy loop per core at nice 19 for the run")
     args = ap.parse_args()
     busy_for_the_run(args.busy)
@@ -89,15 +142,22 @@ def main() -> None:
     logging.getLogger("tdist").setLevel(logging.ERROR)  # (and tdist's says it failed over)
     print(machine_line())
     ours, copies, theirs = [], [], []
+    with_sb: list[tuple[float, float]] = []
+    alone: list[tuple[float, float]] = []
     for _ in range(args.rounds):  # (alternating)
         took, copied = tdist_round(args.keys)
         ours.append(took)
         copies.append(copied)
         theirs.append(torch_round())
+        with_sb.append(set_cost(args.ops))
+        alone.append(set_cost_alone(args.ops))
     print("| what | torch | tdist |\n|---|---|---|")
     print(f"| SIGKILL of the store's server -> the client's next get | raises after {median(theirs) * 1e3:.1f} ms "
           f"(the store is gone) | answered by the standby after {median(ours) * 1e3:.1f} ms |")
     print(f"| a standby's copy of {args.keys} keys at its start | - | {median(copies) * 1e3:.1f} ms |")
+    print(f"| answered set / add, no standby | - | {median([a for a, _ in alone]):.1f} / {median([b for _, b in alone]):.1f} us |")
+    print(f"| answered set / add, with a standby | - | {median([a for a, _ in with_sb]):.1f} / "
+          f"{median([b for _, b in with_sb]):.1f} us |")
 
 
 if __name__ == "__main__":
