@@ -26,6 +26,7 @@ import tdist as dist
 from tdist.elastic import ft
 from tdist.elastic._ft import STATE_KEY
 from tdist.elastic._quorum import State
+from tdist.store import FailoverStore
 from tdist.testing import local_store
 
 pytestmark = pytest.mark.timeout(150)
@@ -69,7 +70,10 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
     if "start_after" in role:  # (a joiner: start once the job has gone that far)
         probe = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
         probe.wait([f"progress/{role['start_after']}"])
-    store = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    if role.get("failover"):  # (a member keeps a standby of the store's server)
+        store: Any = FailoverStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    else:
+        store = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
     model = _model()
     if "start_after" in role:
         with torch.no_grad():
@@ -151,13 +155,16 @@ def _main(conn: multiprocessing.connection.Connection, port: int, role: dict[str
         conn.close()
 
 
-def _run(roles: dict[str, dict[str, Any]], timeout: float = 120) -> dict[str, Any]:
+def _run(roles: dict[str, dict[str, Any]], timeout: float = 120, kill_store_at: int | None = None) -> dict[str, Any]:
     """Run one process per role around a store of this process; each role's result, or its
-    exit code if it died without one. Every process is reaped."""
+    exit code if it died without one. Every process is reaped. ``kill_store_at``: SIGKILL to
+    the store's server (a process of its own) once the job committed that step."""
     ctx = multiprocessing.get_context("fork")
     initial = sum("start_after" not in role for role in roles.values())
     roles = {name: {**role, "initial": initial} for name, role in roles.items()}
     with local_store(timeout=60) as server:
+        if kill_store_at is not None:
+            threading.Thread(target=_kill_store, args=(server, kill_store_at), daemon=True).start()
         procs: dict[str, Any] = {}
         pipes: dict[str, multiprocessing.connection.Connection] = {}
         try:
@@ -197,6 +204,12 @@ def _run(roles: dict[str, dict[str, Any]], timeout: float = 120) -> dict[str, An
             for c in pipes.values():
                 with contextlib.suppress(Exception):
                     c.close()
+
+
+def _kill_store(server: Any, at: int) -> None:
+    with contextlib.suppress(Exception):
+        server.client().wait([f"progress/{at}"], timedelta(seconds=100))
+        os.kill(server._server._server.pid, signal.SIGKILL)
 
 
 def _wake(store: Any, pid: int, after: int) -> None:
@@ -250,6 +263,16 @@ def test_ddp_on_tdist_survives_a_kill_and_takes_a_joiner() -> None:
     sizes = [size for _, committed, size in out["a"]["steps"] if committed]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
     assert out["late"]["quorums"][0][1] == 3 and out["late"]["quorums"][0][4] >= 12
+
+
+def test_the_job_outlives_the_host_of_its_store() -> None:
+    """Members on ``FailoverStore`` clients: one keeps a standby of the store's server. SIGKILL
+    to the server (a process of its own) once step 8 is committed: the standby takes over, and
+    the members finish every step with one state, as in a job that lost nothing."""
+    out = _run({"a": {"failover": True}, "b": {"failover": True}, "c": {"failover": True}}, kill_store_at=8)
+    results = [out["a"], out["b"], out["c"]]
+    _check_same(results, _reference())
+    assert all(r["world_size"] == 3 and all(committed for _, committed, _ in r["steps"]) for r in results)
 
 
 def test_a_stalled_rank_is_left_out_and_comes_back_as_a_joiner() -> None:

@@ -398,7 +398,7 @@ class LocalAgent:
             local_addr = cfg.local_addr or (cfg.master_addr if server is not None else "")
             # another node keeps a standby of the store, which takes over if this host is lost
             self._keeper = StandbyKeeper(client, hosting=server is not None, advertise=local_addr or None)
-            self._keeper.upkeep()
+            self._keeper.settle()
         else:
             from ..store._etcd import EtcdStore
 

@@ -38,7 +38,10 @@ joiner's own tensors where they fit), and the joiner takes part from the next st
 
 Every wait has a deadline: a re-form by ``timeout``, a join by ``join_timeout``; a member that
 neither comes back nor is named by the others is left out ``rejoin_timeout`` seconds after
-re-forming began. The store is not fault tolerant: losing it ends the job.
+re-forming began. The store: a ``TCPStore`` client makes it the one part whose loss ends the
+job; with a ``tdist.store.FailoverStore`` client, one member keeps a standby of the store's
+server (``store._replica``, checked every ``_UPKEEP`` seconds by a thread of each Manager), which
+takes over when the server's host is lost, and every member's client fails over to it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from .._core.errors import DistError, DistTimeoutError, PeerError, StoreTimeoutE
 from ..c10d import _api as c10d
 from ..store._api import Store
 from ..store._prefix import PrefixStore
+from ..store._replica import FailoverStore, StandbyKeeper
 from ..transport._endpoint import host_id
 from . import _quorum as q
 from ._transfer import recv_state, send_state
@@ -78,6 +82,7 @@ STATE_KEY = "state"
 WRITES_KEY = "writes"  # how many times the state was written (read at every step boundary)
 _POLL = 0.5  # the longest wait between two reads of the state (and two liveness checks)
 _KEEP_MARKERS = 16  # change markers kept behind the current version
+_UPKEEP = 2.0  # seconds between two looks at the store's standby (a FailoverStore)
 
 
 class QuorumError(DistError):
@@ -272,8 +277,9 @@ class Manager:
     made for it, the state hand-over (see the module).
 
     Args:
-        store: a store every process of the job reaches (a ``TCPStore`` client); it must
-            outlive every process of the job (it is not fault tolerant itself).
+        store: a store every process of the job reaches: a ``TCPStore`` client (then it must
+            outlive every process of the job), or a ``tdist.store.FailoverStore`` client (then
+            a member keeps a standby of its server, and the job outlives the server's host).
         min_size: the fewest members the job trains with; a re-form waits for joiners below.
         max_size: the most members (None: no limit).
         initial_size: the first quorum forms as soon as this many processes started (default:
@@ -342,6 +348,9 @@ class Manager:
         self._flags = torch.zeros(2, dtype=torch.int32)
         self._state = "new"  # new -> running -> closed
         self._thread = threading.get_ident()
+        # a FailoverStore: a member keeps the server's standby (checked by a thread of ours)
+        self._keeper = StandbyKeeper(store, hosting=False) if isinstance(store, FailoverStore) else None
+        self._upkeep_stop = threading.Event()
 
     # -- what the training loop reads ---------------------------------------------------------
     @property
@@ -387,7 +396,18 @@ class Manager:
         if self._state != "new":
             raise RuntimeError(f"Manager: start() called twice (node {self.name})")
         self._state = "running"
+        if self._keeper is not None:
+            self._keeper.settle()  # (every member knows the standby before the job starts)
+            threading.Thread(target=self._upkeep, name="tdist-ft-standby", daemon=True).start()
         return self._reform(frozenset(), "start", self._clock())
+
+    def _upkeep(self) -> None:
+        assert self._keeper is not None
+        while True:
+            self._keeper.upkeep()
+            if self._upkeep_stop.wait(_UPKEEP):
+                break
+        self._keeper.stop()
 
     def step(self) -> _StepContext:
         """A context manager around one training step (see the module): at its start the
@@ -436,6 +456,7 @@ class Manager:
                 self._client.leave(self._clock() + self._timeout)
             except DistError as exc:
                 log.warning("ft: node %s could not leave the quorum: %s", self.name, exc)
+            self._upkeep_stop.set()
 
     def __enter__(self) -> Manager:
         self.start()

@@ -20,8 +20,8 @@ time: two would both take over.
 A ``FailoverStore`` is a client that knows the standby: ``refresh()`` asks the server for its
 standby's address (a launcher does it on every heartbeat). When the server is lost, the next
 call connects to the standby (waiting while it takes over) and runs again there: calls that give
-the same result when run twice (``get``, ``set``, ``compare_set``, ``wait``...) go on as if
-nothing happened. A call that is not (``add``, ``append``, ``queue_push``/``queue_pop``) may or
+the same result when run twice (``get``, ``set``, ``compare_set``, ``wait``, ``add`` of 0...)
+go on as if nothing happened. A call that is not (``add``, ``append``, ``queue_push``/``queue_pop``) may or
 may not have been applied when the server was lost: it raises ``DistNetworkError`` saying so,
 and the next call goes to the standby.
 
@@ -350,7 +350,8 @@ class FailoverStore(Store):
         return bytes(self._call("get", lambda s: s.get(key)))
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._call("add", lambda s: s.add(key, amount)))
+        # (adding 0 reads the counter: safe to run twice)
+        return int(self._call("add" if amount else "read", lambda s: s.add(key, amount)))
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         return bytes(self._call("compare_set", lambda s: s.compare_set(key, expected_value, desired_value)))
@@ -438,6 +439,19 @@ class StandbyKeeper:
                 return
             with contextlib.suppress(DistError):
                 self._store.refresh()
+
+    def settle(self, timeout: float = 2.0) -> bool:
+        """``upkeep`` until this node's client knows a standby to fail over to (one of the
+        nodes starts it at once), or this node hosts the server; whether it does. Call it once
+        at the start: a server lost before its standby is known is not survived."""
+        end = time.monotonic() + timeout
+        while True:
+            self.upkeep()
+            if self._hosting or self._store.standbys() or (self.standby is not None and self.standby.serving):
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.02)
 
     def stop(self) -> None:
         """Stop this node's standby (and the server it became)."""

@@ -420,7 +420,7 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     state = PrefixStore(f"torch.rendezvous.{params.run_id}", store)
     handler = DynamicRendezvousHandler("c10d", params, state, first=server is not None, on_shutdown=release, on_beat=keeper.upkeep)
-    keeper.upkeep()
+    keeper.settle()
     return handler
 
 
