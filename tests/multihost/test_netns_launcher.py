@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_launcher import _RESIZE_BUSY
 from tests.multihost import _netns
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -18,20 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # three nodes: all_reduce after all_reduce until one is lost (it raises, naming the lost rank);
 # then, two nodes: one all_reduce
-_RESIZE = (
-    "import os, sys, time\n"
-    "import tdist as dist, torch\n"
-    "ws = int(os.environ['WORLD_SIZE'])\n"
-    "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
-    "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
-    "if ws == 3:\n"
-    "    end = time.monotonic() + 60\n"
-    "    while time.monotonic() < end:\n"
-    "        t.fill_(1); dist.all_reduce(t); time.sleep(0.02)\n"
-    "    sys.exit(3)\n"
-    "t.fill_(1); dist.all_reduce(t)\n"
-    "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()), flush=True)\ndist.destroy_process_group()\n"
-)
+_RESIZE = _RESIZE_BUSY
 
 
 def test_kill_9_of_the_host_of_the_rendezvous_store_on_another_host(tmp_path: Path) -> None:
