@@ -87,6 +87,17 @@ WORKER = textwrap.dedent(
     elif action == "hang":
         print(f"rank {rank} ready", flush=True)
         time.sleep(60)
+    elif action == "snapshot":  # rank 0 waits in a function of its own; rank 1 fails
+        import tdist  # (its handlers of SIGUSR1 and SIGUSR2)
+        if rank == 0:
+            def waiting_in_rank_zero():
+                open(os.path.join(out, "ready0"), "w").close()
+                time.sleep(60)
+            waiting_in_rank_zero()
+        end = time.monotonic() + 20
+        while not os.path.exists(os.path.join(out, "ready0")) and time.monotonic() < end:
+            time.sleep(0.02)
+        sys.exit(4)
     elif action == "group":  # a process group (the shared-memory arena) at work
         import torch, tdist
         tdist.init_process_group("gloo")
@@ -597,6 +608,17 @@ def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
     assert res.returncode == 3, res.stderr
     post = res.stderr.split("Post-mortem:")[1]
     assert f"  flight records:\n    rank 0: {work / 'fr_0'}\n  restarts" in post
+
+
+def test_the_post_mortem_has_the_stacks_of_the_ranks_still_running(work: Path) -> None:
+    """Rank 1 fails while rank 0 waits in a function of its own: before stopping rank 0, the
+    launcher asks it for its Python stacks, and the post-mortem says where they are."""
+    res = tdist_run(work, "--nproc-per-node", "2", "worker.py", "snapshot", timeout=40)  # (no logs kept: a folder of its own)
+    assert res.returncode == 4, res.stderr
+    assert "stacks        :" in res.stderr, res.stderr
+    line = next(x for x in res.stderr.splitlines() if x.strip().startswith("rank 0: ") and "stacks_rank_0.txt" in x)
+    stacks = Path(line.split(": ", 1)[1].strip()).read_text()
+    assert "waiting_in_rank_zero" in stacks, stacks
 
 
 def test_log_dir_devnull_writes_nothing(work: Path) -> None:

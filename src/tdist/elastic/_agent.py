@@ -62,7 +62,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import IO, TYPE_CHECKING, BinaryIO
+from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from .._core import auth
 from .._core._process import die_with_parent
@@ -72,7 +72,15 @@ from ..store._api import Store
 from ..store._replica import FailoverStore, StandbyKeeper
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
-from ._inspect import STATUS_DIR_ENV, publish_status, register_job, status_key, unregister_job
+from ._inspect import (
+    STATUS_DIR_ENV,
+    gather_dump,
+    handles_signal,
+    publish_status,
+    register_job,
+    status_key,
+    unregister_job,
+)
 from ._metrics import METRICS_FD_ENV, TIMED_ENV
 from ._policy import (
     AGENT_PREFIX,
@@ -115,6 +123,7 @@ _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
 _FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
 _STATUS_INTERVAL = 0.5  # seconds between redraws of the live status line (its clock moves)
 _PUBLISH_EVERY = 1.0  # seconds between two publications of a node's rows in the job's store
+_SNAPSHOT_WAIT = 2.0  # the most seconds the running workers get to write their stacks and records
 _STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not drawn for this long
 _ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal control sequence in a worker's line
@@ -251,10 +260,11 @@ class LocalAgent:
         self._rdzv_store: Store | None = None  # (c10d, etcd: the store the rendezvous state is in)
         self._keeper: StandbyKeeper | None = None  # (c10d: the rendezvous store's standby)
         # this node's rows in the job's store, for `tdist status --rdzv-endpoint` (several nodes)
-        self._job_record: dict[str, object] | None = None
+        self._job_record: dict[str, Any] | None = None
         self._published_at = -1e9
         self._published_cpu: dict[int, tuple[float, float]] = {}
         self._settle_until: float | None = None  # (see ``_settling``; per attempt)
+        self._stacks: dict[int, str] = {}  # (see ``_snapshot``: the last failed attempt's)
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
         self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
         # the store servers this node runs, with their pidfds (the monitor loop wakes when one dies)
@@ -601,6 +611,7 @@ class LocalAgent:
                     exits=exits, outputs=outputs, dumps=dumps, dumps_looked_for=looked_for,
                     restarts=restart_count, max_restarts=cfg.max_restarts, earlier=earlier,
                     logs=self._attempt_dir(restart_count) if self._keeps_logs else None,
+                    stacks=self._stacks,
                 )
                 report = format_failure_report(
                     self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
@@ -808,6 +819,8 @@ class LocalAgent:
                     if w.exit is None and _process_state(w.proc.pid) in ("T", "t"):
                         w.stalled = True
         finally:
+            if outcome is Outcome.FAILED:
+                self._snapshot(workers, restart_count)
             self._stop(workers, exits)
             deadline = self._clock() + _READER_JOIN
             for w in workers:
@@ -1075,6 +1088,28 @@ class LocalAgent:
         # the worker is not reaped yet (w.exit is None), so its pid, and group id, are still ours
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(w.proc.pid, sig)
+
+    def _snapshot(self, workers: list[_Worker], restart_count: int) -> None:
+        """Before the workers still running are stopped after a failure: their Python stacks
+        (``SIGUSR2``) and flight records (``SIGUSR1``), where they handle those signals (a
+        worker that imported tdist does), into ``<attempt>/snapshot/`` for the post-mortem (a
+        ``tdist_snapshot_*`` folder of its own, kept, when the logs are not)."""
+        self._stacks = {}
+        attempt = self._attempt_dir(restart_count)
+        record = self._job_record
+        if attempt is None or record is None:
+            return
+        alive = {w.rank for w in workers if w.exit is None and w.proc.poll() is None}
+        entries = [e for e in record.get("workers", []) if e.get("rank") in alive]
+        if not any(handles_signal(int(e["pid"]), signal.SIGUSR2) for e in entries):
+            return
+        with contextlib.suppress(OSError):
+            dest = os.path.join(attempt, "snapshot") if self._keeps_logs else tempfile.mkdtemp(prefix="tdist_snapshot_")
+            files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT)
+            for path in files:
+                name = os.path.basename(path)
+                if name.startswith("stacks_rank_"):
+                    self._stacks[int(name[len("stacks_rank_"):-len(".txt")])] = path
 
     def _stop(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
         """SIGTERM every running worker's group, wait ``stop_timeout``, then SIGKILL; reap all."""

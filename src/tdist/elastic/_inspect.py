@@ -44,6 +44,7 @@ from .._core._process import pid_alive
 __all__ = [
     "find_job",
     "gather_dump",
+    "handles_signal",
     "job_rows",
     "jobs",
     "publish_status",
@@ -356,7 +357,7 @@ def watch_job(store: Any, run_id: str, endpoint: str, once: bool, interval: floa
         time.sleep(interval)
 
 
-def _handles(pid: int, sig: int) -> bool:
+def handles_signal(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in ``/proc``)."""
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -381,13 +382,13 @@ def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[s
     started = time.time()
     for w in workers:
         for sig in (signal.SIGUSR2, signal.SIGUSR1):
-            if _handles(int(w["pid"]), sig):  # (a signal nobody handles would end the worker)
+            if handles_signal(int(w["pid"]), sig):  # (a signal nobody handles would end the worker)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(w["pid"]), sig)
     deadline = time.monotonic() + timeout
-    stacks_of = {w["rank"]: os.path.join(w["dir"], "stacks.txt") for w in workers if _handles(int(w["pid"]), signal.SIGUSR2)}
+    stacks_of = {w["rank"]: os.path.join(w["dir"], "stacks.txt") for w in workers if handles_signal(int(w["pid"]), signal.SIGUSR2)}
     records_of = {w["rank"]: w["flight_record"] for w in workers
-                  if w.get("flight_record") and _handles(int(w["pid"]), signal.SIGUSR1)}
+                  if w.get("flight_record") and handles_signal(int(w["pid"]), signal.SIGUSR1)}
 
     def arrived() -> tuple[list[int], list[int]]:
         stacks = [r for r, p in stacks_of.items() if os.path.exists(p) and os.path.getsize(p) > sizes[r]]

@@ -612,6 +612,8 @@ class PostMortem:
         restarts: the restarts spent; max_restarts: ``--max-restarts``.
         earlier: each earlier attempt's failure, one line each, oldest first.
         logs: the directory of the last attempt's logs (None: not kept).
+        stacks: the Python stacks (every thread) of the ranks still running when the group
+            failed, taken by the launcher before it stopped them, by global rank.
     """
 
     exits: Sequence[WorkerExit] = ()
@@ -622,6 +624,7 @@ class PostMortem:
     max_restarts: int = 0
     earlier: Sequence[str] = ()
     logs: str | None = None
+    stacks: Mapping[int, str] = field(default_factory=dict)
 
 
 #: lines of output quoted for each rank that was stopped
@@ -685,6 +688,9 @@ def _format_post_mortem(
         lines.extend(f"    rank {rank}: {path}" for rank, path in sorted(pm.dumps.items()))
     elif pm.dumps_looked_for:
         lines.append(f"  flight records: none found ({pm.dumps_looked_for})")
+    if pm.stacks:
+        lines.append("  stacks        : (the ranks still running, every thread, taken before they were stopped)")
+        lines.extend(f"    rank {rank}: {path}" for rank, path in sorted(pm.stacks.items()))
     if pm.max_restarts == 0:
         lines.append("  restarts      : none allowed (--max-restarts 0)")
     else:
