@@ -176,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(c10d, etcd: a node whose heartbeat stood still that many intervals is dropped)")
     run.add_argument(*_opt("--max-restarts"), type=int, default=0, metavar="N",
                      help="restart the workers up to N times after a failure (default: 0)")
+    run.add_argument("--ft", action="store_true",
+                     help="fault-tolerant workers (tdist.elastic.ft.Manager on ft.job_store()): a worker "
+                     "that fails is restarted alone (up to --max-restarts times) and joins the running "
+                     "job; the others go on")
     run.add_argument(*_opt("--monitor-interval"), type=_seconds, default=0.5, metavar="S",
                      help="seconds between checks of the other nodes (default: 0.5)")
     run.add_argument(*_opt("--join-timeout"), type=_seconds, default=600.0, metavar="S",
@@ -368,6 +372,7 @@ def _run(ns: argparse.Namespace) -> int:
             master_port=master_port,
             run_id=run_id,
             max_restarts=ns.max_restarts,
+            ft=ns.ft,
             module=ns.module,
             no_python=ns.no_python,
             stop_timeout=ns.stop_timeout,

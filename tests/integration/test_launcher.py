@@ -613,7 +613,7 @@ def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
 def test_the_post_mortem_has_the_stacks_of_the_ranks_still_running(work: Path) -> None:
     """Rank 1 fails while rank 0 waits in a function of its own: before stopping rank 0, the
     launcher asks it for its Python stacks, and the post-mortem says where they are."""
-    res = tdist_run(work, "--nproc-per-node", "2", "worker.py", "snapshot", timeout=40)  # (no logs kept: a folder of its own)
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "snapshot", timeout=40)  # (no logs kept: a folder of its own)
     assert res.returncode == 4, res.stderr
     assert "stacks        :" in res.stderr, res.stderr
     line = next(x for x in res.stderr.splitlines() if x.strip().startswith("rank 0: ") and "stacks_rank_0.txt" in x)
@@ -1257,6 +1257,57 @@ def test_kill_9_of_the_node_that_hosts_the_rendezvous_store_leaves_a_job_that_go
     assert sorted(line.split("]:", 1)[1] for line in sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
     # (and when the node that took over leaves at the end, the other one's standby of it serves on)
     assert any("store standby: the store server at" in err for _, err in results), [err for _, err in results]
+
+
+_FT_PROGRAM = """
+import hashlib, os, signal, time
+import torch
+import tdist as dist
+from tdist.elastic import ft
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+marker = os.path.join(os.environ["TEST_OUT"], "killed")
+mgr = ft.Manager(ft.job_store(), min_size=1, max_size=3, initial_size=3, timeout=20, grace=1.0, rejoin_timeout=10,
+                 state_dict=lambda: {"m": model.state_dict(), "o": opt.state_dict()},
+                 load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), opt.load_state_dict(sd["o"])))
+mgr.start()
+print("start", os.environ["RANK"], "restart", os.environ["TORCHELASTIC_RESTART_COUNT"], "step", mgr.current_step, flush=True)
+while mgr.current_step < 30:
+    with mgr.step():
+        step = mgr.current_step
+        if os.environ["RANK"] == "1" and step == 10 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # (once: its restart joins the running job)
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= mgr.world_size
+        opt.step()
+    time.sleep(0.03)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+print("done", os.environ["RANK"], "step", mgr.current_step, "digest", digest, flush=True)
+mgr.shutdown()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ft_restarts_a_failed_worker_alone_and_it_joins_the_running_job(work: Path) -> None:
+    """``tdist run --ft``: rank 1 dies of SIGKILL at step 10; the launcher starts it again alone
+    (the others re-form without it and go on), it joins the running job at a step boundary,
+    receives the state from a peer, and all three finish with one state; exit 0."""
+    (work / "ftrun.py").write_text(_FT_PROGRAM)
+    res = tdist_run(work, "--ft", "--max-restarts", "1", "--nproc-per-node", "3", "--master-port", "0", "ftrun.py", timeout=80)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "worker rank 1 failed (exit code -9 (SIGKILL)); restarting it alone, the others go on (restart 1 of 1)" in res.stderr
+    joined = [line for line in res.stdout.splitlines() if "start 1 restart 1 step" in line]
+    assert joined and int(joined[0].rsplit(" ", 1)[1]) >= 10, res.stdout  # (it joined the running job)
+    done = [line.split("]:", 1)[1] for line in res.stdout.splitlines() if " digest " in line]
+    assert len(done) == 3 and len({line.rsplit(" ", 1)[1] for line in done}) == 1, res.stdout
+    assert all(" step 30 " in line for line in done)
 
 
 _PROGRESS = (

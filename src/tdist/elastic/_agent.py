@@ -265,6 +265,8 @@ class LocalAgent:
         self._published_cpu: dict[int, tuple[float, float]] = {}
         self._settle_until: float | None = None  # (see ``_settling``; per attempt)
         self._stacks: dict[int, str] = {}  # (see ``_snapshot``: the last failed attempt's)
+        self._ft_restarts = 0  # (--ft: workers restarted alone)
+        self._ft_earlier: list[str] = []
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
         self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
         # the store servers this node runs, with their pidfds (the monitor loop wakes when one dies)
@@ -506,6 +508,35 @@ class LocalAgent:
             log.warning("node %d: could not ask the rendezvous about its members: %s", self.config.node_rank, exc)
         return None
 
+    def _restart_alone(
+        self,
+        workers: list[_Worker],
+        exits: list[WorkerExit],
+        started: dict[int, tuple[dict[str, str], str | None]],
+        restart_count: int,
+        attempt: str | None,
+    ) -> None:
+        """``--ft``: start a failed worker again, alone, while restarts are left (it joins the
+        running job through ``tdist.elastic.ft``); the others go on. The failure is then not
+        the group's (its exit leaves ``exits``)."""
+        for i, w in enumerate(workers):
+            e = w.exit
+            if e is None or not e.failed or self._ft_restarts >= self.config.max_restarts:
+                continue
+            self._ft_restarts += 1
+            self._ft_earlier.append(f"rank {e.rank} failed (exit code {describe_returncode(e.returncode)}); restarted alone")
+            self._say(
+                f"worker rank {e.rank} failed (exit code {describe_returncode(e.returncode)}); restarting it alone, "
+                f"the others go on (restart {self._ft_restarts} of {self.config.max_restarts})"
+            )
+            for t in w.readers:
+                t.join(0.5)
+            exits.remove(e)
+            env, rank_dir = started[w.local_rank]
+            env = {**env, "TORCHELASTIC_RESTART_COUNT": str(self._ft_restarts)}
+            workers[i] = self._start_worker(w.local_rank, env, rank_dir, append=True)
+            self._register(workers, restart_count, attempt)
+
     def _settling(self, workers: list[_Worker]) -> bool:
         """Whether to wait before calling our workers' failure one: in an elastic job with room
         to lose a node, when every failed worker blames ranks of other nodes (their connection
@@ -577,7 +608,8 @@ class LocalAgent:
         earlier: list[str] = []  # each failed attempt's cause, for the post-mortem
         while True:
             outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
-            action = next_action(outcome, restart_count, cfg.max_restarts)
+            # (--ft: the restarts are spent on single workers; a failure past them ends the job)
+            action = next_action(outcome, restart_count, 0 if cfg.ft else cfg.max_restarts)
             found = failures(exits)
             root = found[0] if found else None
             if outcome is Outcome.FAILED:  # (the other nodes stop their groups: restart or end)
@@ -609,7 +641,8 @@ class LocalAgent:
                 dumps, looked_for = self._flight_records(restart_count, exits)
                 post_mortem = PostMortem(
                     exits=exits, outputs=outputs, dumps=dumps, dumps_looked_for=looked_for,
-                    restarts=restart_count, max_restarts=cfg.max_restarts, earlier=earlier,
+                    restarts=restart_count + self._ft_restarts, max_restarts=cfg.max_restarts,
+                    earlier=[*self._ft_earlier, *earlier],
                     logs=self._attempt_dir(restart_count) if self._keeps_logs else None,
                     stacks=self._stacks,
                 )
@@ -763,6 +796,7 @@ class LocalAgent:
             attempt = self._attempt_dir(restart_count)
             if self._metrics is not None:
                 self._metrics.attempt(restart_count, cfg.node_rank)
+            started: dict[int, tuple[dict[str, str], str | None]] = {}  # (what each was started with)
             for local_rank in range(cfg.nproc_per_node):
                 rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
                 env = worker_env(
@@ -774,6 +808,7 @@ class LocalAgent:
                 )
                 if rank_dir is not None:  # (``tdist status``/``tdist dump`` look there)
                     env[STATUS_DIR_ENV] = rank_dir
+                started[local_rank] = (env, rank_dir)
                 workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
                 "node %d: started %d workers (attempt %d): %s",
@@ -782,6 +817,8 @@ class LocalAgent:
             self._register(workers, restart_count, attempt)
             while True:
                 self._reap(workers, exits)
+                if cfg.ft and self._signum is None:
+                    self._restart_alone(workers, exits, started, restart_count, attempt)
                 peer, final = self._poll_peers()
                 lost = self._store_lost()
                 if lost is not None:  # (ends the job: every worker and node depends on it)
@@ -834,9 +871,10 @@ class LocalAgent:
             exits[:] = [dataclasses.replace(e, stalled=True) if e.stopped_by_agent and e.rank in blamed else e for e in exits]
         return outcome, exits, tails, outputs
 
-    def _start_worker(self, local_rank: int, env: dict[str, str], log_dir: str | None) -> _Worker:
+    def _start_worker(self, local_rank: int, env: dict[str, str], log_dir: str | None, append: bool = False) -> _Worker:
         """Start worker ``local_rank`` and the threads that copy its streams where
-        ``stream_route`` says (``log_dir``: its directory of this attempt)."""
+        ``stream_route`` says (``log_dir``: its directory of this attempt; ``append``: after
+        what an earlier process of this rank wrote there)."""
         cfg = self.config
         route = stream_route(cfg, local_rank)
         rank = cfg.global_rank(local_rank)
@@ -853,7 +891,7 @@ class LocalAgent:
                 if std in route.files and log_dir is not None:
                     path = os.path.join(log_dir, name)
                     try:
-                        files[std] = opened.enter_context(open(path, "wb", buffering=0))
+                        files[std] = opened.enter_context(open(path, "ab" if append else "wb", buffering=0))
                     except OSError as exc:
                         raise LaunchError(f"cannot write worker {local_rank}'s log {path}: {exc}") from exc
             try:

@@ -74,7 +74,7 @@ from ..transport._endpoint import host_id
 from . import _quorum as q
 from ._transfer import recv_state, send_state
 
-__all__ = ["Manager", "Quorum", "QuorumError", "StepOutcome"]
+__all__ = ["Manager", "Quorum", "QuorumError", "StepOutcome", "job_store"]
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,29 @@ class _QuorumClient:
             f"waiting for {', '.join(waiting) or 'more nodes'} ({len(q.next_members(state))} of at least "
             f"{state.min_size} ready)"
         )
+
+
+def job_store(timeout: float | timedelta = 60.0) -> Store:
+    """The job's store for a ``Manager``, from the environment: under ``tdist run`` (``--ft``)
+    the launcher's store (``TDIST_AGENT_STORE``), else ``MASTER_ADDR``:``MASTER_PORT``; a
+    ``FailoverStore`` client, so that a member keeps a standby of its server.
+
+    Raises:
+        ValueError: neither is set.
+        DistNetworkError: the store cannot be reached.
+    """
+    from ..store._replica import FailoverStore
+
+    where = os.environ.get("TDIST_AGENT_STORE")
+    if where:
+        host, _, port = where.rpartition(":")
+    elif os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    else:
+        raise ValueError("ft.job_store: no store in the environment (TDIST_AGENT_STORE under tdist run, or MASTER_ADDR "
+                         "and MASTER_PORT)")
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return FailoverStore(host.strip("[]"), int(port), timeout=timedelta(seconds=seconds))
 
 
 class Manager:

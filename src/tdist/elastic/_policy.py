@@ -111,7 +111,10 @@ class LaunchConfig:
         master_port: the store's port; 0 picks a free one (single node only).
         run_id: ``TORCHELASTIC_RUN_ID``.
         max_restarts: how many times the job's worker groups are restarted after a failure
-            (on several nodes, every node restarts its group when any worker fails).
+            (on several nodes, every node restarts its group when any worker fails); with
+            ``ft``, how many times a failed worker is restarted alone.
+        ft: fault-tolerant workers (``tdist.elastic.ft``): a failed worker is restarted alone
+            and joins the running job; the others go on.
         module: run ``python -m entrypoint``.
         no_python: run ``entrypoint`` as a program, without the Python interpreter.
         stop_timeout: seconds between SIGTERM and SIGKILL when stopping workers.
@@ -167,6 +170,7 @@ class LaunchConfig:
     master_port: int = 29500
     run_id: str = "none"
     max_restarts: int = 0
+    ft: bool = False
     module: bool = False
     no_python: bool = False
     stop_timeout: float = 10.0

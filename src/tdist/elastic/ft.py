@@ -15,10 +15,13 @@ model and optimizer in memory.
             train_one_step(mgr.rank, mgr.world_size)   # reported (outcome.committed), not raised
     mgr.shutdown()
 
+Under ``tdist run --ft --max-restarts N``, ``Manager(ft.job_store(), ...)``: a worker that fails
+is restarted alone and joins the running job; the others go on.
+
 See ``tdist.elastic._ft`` for the theory of operation and ``tdist.elastic._quorum`` for the
 quorum's state machine.
 """
 
-from ._ft import Manager, Quorum, QuorumError, StepOutcome
+from ._ft import Manager, Quorum, QuorumError, StepOutcome, job_store
 
-__all__ = ["Manager", "Quorum", "QuorumError", "StepOutcome"]
+__all__ = ["Manager", "Quorum", "QuorumError", "StepOutcome", "job_store"]

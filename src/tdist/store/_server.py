@@ -719,7 +719,8 @@ class StoreServer:
         self._conns.discard(conn)
         self._unauthed.pop(conn, None)
         if self._followers and (at := self._followers.pop(conn, None)) is not None:
-            log.warning("store server on port %d: its standby at %s is gone (%s)", self.port, at, reason)
+            # (info: at a job's end its keeper leaves first; a node's keeper starts another)
+            log.info("store server on port %d: its standby at %s is gone (%s)", self.port, at, reason)
         # its buffers go now, not when a timer that still names the connection fires
         conn.decoder = FrameDecoder(0)
         conn.out = bytearray()
