@@ -880,6 +880,19 @@ class RpcAgent:
             PeerError: a worker that did not arrive is lost (naming it).
         """
         assert self.world_size is not None
+        try:
+            self._barrier(name, timeout)
+        except DistNetworkError as exc:
+            # the store went with its host: a worker lost before it (not one that left by
+            # shutting down) is the better answer
+            for i in range(self.world_size):
+                lost = self._lost_peer(i) if i != self.rank else None
+                if lost is not None and i not in self._left:
+                    raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} was lost: {lost}", peer=i) from exc
+            raise
+
+    def _barrier(self, name: str, timeout: float | None) -> None:
+        assert self.world_size is not None
         key = f"{self._prefix}/{name}"
         self.store.set(f"{key}/{self.rank}", "1")
         if self.store.add(key, 1) >= self.world_size:
@@ -890,14 +903,6 @@ class RpcAgent:
             try:
                 self.store.wait([f"{key}/done"], timedelta(seconds=max(0.01, step)))
                 return
-            except DistNetworkError as exc:
-                # the store went with its host: a worker lost before it (not one that left by
-                # shutting down) is the better answer
-                for i in range(self.world_size):
-                    lost = self._lost_peer(i) if i != self.rank else None
-                    if lost is not None and i not in self._left:
-                        raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} was lost: {lost}", peer=i) from exc
-                raise
             except TimeoutError as exc:
                 missing = [i for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
                 for i in missing:
