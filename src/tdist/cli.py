@@ -250,12 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--pid", type=int, default=None, help="the job's launcher pid (default: the only job here)")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
     status.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between redraws (default: 1)")
-    status.add_argument(*_opt("--rdzv-endpoint"), default=None, metavar="HOST:PORT",
-                        help="a job of several nodes, from anywhere: its rendezvous endpoint (c10d, etcd) or "
-                        "MASTER_ADDR:MASTER_PORT (a fixed node count); needs the job's TDIST_SECRET")
-    status.add_argument(*_opt("--rdzv-backend"), default="c10d", choices=["c10d", "static", "etcd", "etcd-v2"],
-                        help="how the job met (default: c10d; static for --master-addr/--master-port)")
-    status.add_argument(*_opt("--rdzv-id"), default="none", metavar="ID", help="the job's run id (default: none)")
+    _job_endpoint_args(status)
     dump = sub.add_parser(
         "dump", parents=[common], help="gather every worker's Python stacks and flight record into a folder",
         description="Ask every worker of a running job for its Python stacks (all threads) and its "
@@ -264,14 +259,25 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--pid", type=int, default=None, help="the job's launcher pid (default: the only job here)")
     dump.add_argument("--out", default=None, metavar="DIR", help="where (default: ./tdist-dump-<time>)")
     dump.add_argument("--timeout", type=_seconds, default=10.0, metavar="S", help="seconds to wait for the workers (default: 10)")
+    _job_endpoint_args(dump)
     return parser
+
+
+def _job_endpoint_args(parser: argparse.ArgumentParser) -> None:
+    """``tdist status``/``tdist dump`` of a job of several nodes, through its store."""
+    parser.add_argument(*_opt("--rdzv-endpoint"), default=None, metavar="HOST:PORT",
+                        help="a job of several nodes, from anywhere: its rendezvous endpoint (c10d, etcd) or "
+                        "MASTER_ADDR:MASTER_PORT (a fixed node count); needs the job's TDIST_SECRET")
+    parser.add_argument(*_opt("--rdzv-backend"), default="c10d", choices=["c10d", "static", "etcd", "etcd-v2"],
+                        help="how the job met (default: c10d; static for --master-addr/--master-port)")
+    parser.add_argument(*_opt("--rdzv-id"), default="none", metavar="ID", help="the job's run id (default: none)")
 
 
 def _inspect(ns: argparse.Namespace) -> int:
     from .elastic import _inspect
 
-    if ns.command == "status" and ns.rdzv_endpoint:
-        return _status_of_job(ns)
+    if ns.rdzv_endpoint:
+        return _of_job(ns)
     if ns.command == "status":
         return _inspect.watch(ns.pid, ns.once, ns.interval)
     try:
@@ -288,8 +294,9 @@ def _inspect(ns: argparse.Namespace) -> int:
     return 0 if files else 1
 
 
-def _status_of_job(ns: argparse.Namespace) -> int:
-    """``tdist status --rdzv-endpoint``: a job of several nodes, through its store."""
+def _of_job(ns: argparse.Namespace) -> int:
+    """``tdist status``/``tdist dump`` ``--rdzv-endpoint``: a job of several nodes, through its
+    store."""
     import urllib.parse
     from datetime import timedelta
 
@@ -312,11 +319,22 @@ def _status_of_job(ns: argparse.Namespace) -> int:
 
             store = TCPStore(host, port, timeout=timedelta(seconds=10))
         try:
-            return _inspect.watch_job(store, ns.rdzv_id, f"{host}:{port}", ns.once, ns.interval)
+            if ns.command == "status":
+                return _inspect.watch_job(store, ns.rdzv_id, f"{host}:{port}", ns.once, ns.interval)
+            out = ns.out or f"tdist-dump-{time.strftime('%Y%m%d-%H%M%S')}"
+            try:
+                files, nodes = _inspect.collect_dump(store, ns.rdzv_id, out, ns.timeout)
+            except LookupError as exc:
+                print(f"tdist dump: {exc} at {host}:{port} (--rdzv-id names the job)", file=sys.stderr)
+                return 1
+            for path in files:
+                print(path)
+            print(f"tdist dump: {len(files)} files from {nodes} node{'s' if nodes != 1 else ''} in {out}", file=sys.stderr)
+            return 0 if files else 1
         finally:
             store.close()
     except DistError as exc:
-        print(f"tdist status: the job's store at {host}:{port}: {exc}", file=sys.stderr)
+        print(f"tdist {ns.command}: the job's store at {host}:{port}: {exc}", file=sys.stderr)
         return 1
 
 

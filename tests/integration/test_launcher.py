@@ -1365,6 +1365,14 @@ def test_status_of_a_job_of_two_nodes_through_its_rendezvous_endpoint(work: Path
         res = subprocess.run(tdist_cmd("status", "--once", "--rdzv-endpoint", endpoint, "--rdzv-id", "other"),
                              cwd=work, env=env, capture_output=True, text=True, timeout=20)
         assert res.returncode == 1 and "no node of job 'other' publishes its status" in res.stderr
+        # every rank's stacks and flight record, from both nodes, into one folder
+        res = subprocess.run(tdist_cmd("dump", "--rdzv-endpoint", endpoint, "--rdzv-id", "job7", "--out", str(work / "d")),
+                             cwd=work, env=env, capture_output=True, text=True, timeout=40)
+        assert res.returncode == 0, res.stderr
+        assert "from 2 nodes" in res.stderr, res.stderr
+        names = sorted(p.name for p in (work / "d").iterdir())
+        assert names == sorted([f"rank_{r}" for r in range(4)] + [f"stacks_rank_{r}.txt" for r in range(4)]), names
+        assert "progress.py" in (work / "d" / "stacks_rank_3.txt").read_text()
     finally:
         for n in nodes:
             n.send_signal(signal.SIGTERM)

@@ -74,6 +74,8 @@ from ..store._server import StoreServer
 from ..store._tcp import TCPStore
 from ._inspect import (
     STATUS_DIR_ENV,
+    answer_dump,
+    dump_request,
     gather_dump,
     handles_signal,
     publish_status,
@@ -123,6 +125,7 @@ _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
 _FLIGHT_RECORD_NAME = os.path.basename(DEFAULT_FLIGHT_RECORD_PREFIX)
 _STATUS_INTERVAL = 0.5  # seconds between redraws of the live status line (its clock moves)
 _PUBLISH_EVERY = 1.0  # seconds between two publications of a node's rows in the job's store
+_DUMP_WAIT = 8.0  # the most seconds the workers get to answer a job-wide dump request
 _SNAPSHOT_WAIT = 2.0  # the most seconds the running workers get to write their stacks and records
 _STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not drawn for this long
 _ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
@@ -263,6 +266,7 @@ class LocalAgent:
         self._job_record: dict[str, Any] | None = None
         self._published_at = -1e9
         self._published_cpu: dict[int, tuple[float, float]] = {}
+        self._dump_served: str | None = None  # (the last dump request answered)
         self._settle_until: float | None = None  # (see ``_settling``; per attempt)
         self._stacks: dict[int, str] = {}  # (see ``_snapshot``: the last failed attempt's)
         self._ft_restarts = 0  # (--ft: workers restarted alone)
@@ -1013,8 +1017,19 @@ class LocalAgent:
         self._published_at = now
         try:
             publish_status(store, self._job_record, self._published_cpu)
+            token = dump_request(store, self.config.run_id)  # (`tdist dump --rdzv-endpoint`)
+            if token is not None and token != self._dump_served:
+                self._dump_served = token
+                threading.Thread(target=self._answer_dump, args=(store, dict(self._job_record), token),
+                                 name="tdist-run-dump", daemon=True).start()
         except Exception as exc:  # (looking in is not worth a failure)
             log.debug("node %d: could not publish its status: %s", self.config.node_rank, exc)
+
+    def _answer_dump(self, store: Store, record: dict[str, Any], token: str) -> None:
+        try:
+            answer_dump(store, record, token, _DUMP_WAIT)
+        except Exception as exc:
+            log.warning("node %d: could not answer a dump request: %s", self.config.node_rank, exc)
 
     def _unpublish_status(self) -> None:
         store = self._status_store()

@@ -21,7 +21,11 @@ launcher publishes its rows each second in the job's store (the rendezvous store
 job store), under ``tdist.status/<run id>/<host>:<launcher pid>`` (``publish_status``), and
 ``tdist status --rdzv-endpoint HOST:PORT`` (with the job's secret) reads every node's rows into
 one table (``watch_job``). A node's rows older than ``_STALE`` seconds are not shown (its
-launcher stopped publishing: gone, or stopped).
+launcher stopped publishing: gone, or stopped). ``tdist dump --rdzv-endpoint`` puts a request
+in the store (``DUMP_KEY/<run id>/request``); each launcher, at its next publication, gathers its
+workers' stacks and flight records (``gather_dump``, in a thread of its own) and puts the files
+in the store under the request's token (``answer_dump``), and the command writes every node's
+files into one folder (``collect_dump``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from typing import Any
 from .._core._process import pid_alive
 
 __all__ = [
+    "answer_dump",
+    "collect_dump",
+    "dump_request",
     "find_job",
     "gather_dump",
     "handles_signal",
@@ -61,6 +68,7 @@ STATUS_DIR_ENV = "TDIST_STATUS_DIR"
 _STATUS_EVERY = 1.0  # seconds between two writes of a worker's status.json
 _STALE = 10.0  # seconds after which a node's published rows are not shown
 STATUS_KEY = "tdist.status"
+DUMP_KEY = "tdist.dump"
 
 
 def _registry() -> str:
@@ -355,6 +363,69 @@ def watch_job(store: Any, run_id: str, endpoint: str, once: bool, interval: floa
         if once:
             return 0
         time.sleep(interval)
+
+
+def dump_request(store: Any, run_id: str) -> str | None:
+    """The token of the job's pending dump request, if any (a launcher looks each second)."""
+    key = f"{DUMP_KEY}/{run_id}/request"
+    if not store.check([key]):
+        return None
+    return bytes(store.get(key)).decode()
+
+
+def answer_dump(store: Any, job: dict[str, Any], token: str, timeout: float) -> None:
+    """A launcher's answer to dump request ``token``: its workers' stacks and flight records,
+    gathered here, as keys of the job's store (then ``.../done``: their names)."""
+    run_id = str(job.get("run_id"))
+    base = f"{DUMP_KEY}/{run_id}/{token}/{socket.gethostname()}:{os.getpid()}"
+    names: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="tdist_dump_") as tmp:
+        for path in gather_dump(job, tmp, timeout):
+            name = os.path.basename(path)
+            with open(path, "rb") as f:
+                store.set(f"{base}/{name}", f.read())
+            names.append(name)
+    store.set(f"{base}/done", json.dumps(names).encode())
+
+
+def collect_dump(store: Any, run_id: str, dest: str, timeout: float) -> tuple[list[str], int]:
+    """``tdist dump --rdzv-endpoint``: ask every launcher of job ``run_id`` for its workers'
+    stacks and flight records and write them into ``dest``; (the files, the nodes that
+    answered). Waits for the nodes that publish their status (at most ``timeout`` + 5 s)."""
+    nodes, _ = job_rows(store, run_id)
+    if not nodes:
+        raise LookupError(f"no node of job {run_id!r} publishes its status in this store")
+    token = f"{int(time.time())}-{os.getpid()}-{threading.get_ident() % 10000}"
+    request = f"{DUMP_KEY}/{run_id}/request"
+    store.set(request, token.encode())
+    expected = {f"{n['host']}:{n['launcher']}" for n in nodes}
+    base = f"{DUMP_KEY}/{run_id}/{token}/"
+    deadline = time.monotonic() + timeout + 5.0  # (a launcher looks once a second, then gathers)
+    done: dict[str, list[str]] = {}
+    try:
+        while time.monotonic() < deadline and set(done) < expected:
+            for node in expected - set(done):
+                key = f"{base}{node}/done"
+                if store.check([key]):
+                    done[node] = json.loads(store.get(key))
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(Exception):
+            store.delete_key(request)
+    os.makedirs(dest, exist_ok=True)
+    files: list[str] = []
+    for node, names in sorted(done.items()):
+        for name in names:
+            key = f"{base}{node}/{name}"
+            target = os.path.join(dest, name)
+            with open(target, "wb") as f:
+                f.write(bytes(store.get(key)))
+            files.append(target)
+            with contextlib.suppress(Exception):
+                store.delete_key(key)
+        with contextlib.suppress(Exception):
+            store.delete_key(f"{base}{node}/done")
+    return files, len(done)
 
 
 def handles_signal(pid: int, sig: int) -> bool:
