@@ -77,8 +77,8 @@ class StoreStandby:
         on_takeover: called (in the standby's thread) with the new server once it serves.
 
     Raises:
-        DistNetworkError: the server cannot be reached, or it has a standby already
-            (``DistStoreError``).
+        DistNetworkError: the server cannot be reached.
+        DistStoreError: the server has a standby already (or does not take one).
     """
 
     def __init__(
@@ -101,7 +101,8 @@ class StoreStandby:
         self.server: StoreServer | None = None
         self._stop = threading.Event()
         self.synced = threading.Event()
-        self._sock = self._listen(listen_host)
+        # (listening from the start; nobody is accepted until the take-over)
+        self._sock = StoreServer._bind_tcp(listen_host, 0, 2048)
         self.port: int = self._sock.getsockname()[1]
         try:
             self._client = TCPStore(host, port, timeout=timeout, secret=secret)
@@ -122,28 +123,6 @@ class StoreStandby:
         self._primary = f"{host}:{port}"
         self._thread = threading.Thread(target=self._follow, name=f"tdist-store-standby-{self.port}", daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _listen(host: str) -> socket.socket:
-        """A TCP socket listening on a free port (nobody is accepted until the take-over)."""
-        if host in ("", "0.0.0.0", "::", "*"):
-            try:
-                sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                addr: tuple[Any, ...] = ("::", 0)
-            except OSError:
-                sock, addr = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", 0)
-        else:
-            family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-            sock, addr = socket.socket(family, socket.SOCK_STREAM), sockaddr
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-            sock.listen(2048)
-        except OSError as exc:
-            sock.close()
-            raise DistNetworkError(f"store standby: cannot bind {host or '*'}: {exc}") from exc
-        return sock
 
     @property
     def serving(self) -> bool:
