@@ -244,6 +244,49 @@ def test_the_executor_waits_on_the_next_versions_marker_bounded_by_the_decision(
     assert clock.waits == [(["changed/2"], 1.0), (["changed/2"], 1.0), (["changed/2"], 0.5)]
 
 
+class StallingStore(HashStore):
+    """A store whose next compare-and-set takes ``stall`` seconds of the fake clock (a server
+    that stopped, then a fail-over to its standby)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock, self.stall = clock, 0.0
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        self.clock.now += self.stall
+        self.stall = 0.0
+        return super().compare_set(key, expected_value, desired_value)
+
+
+def test_a_stalled_store_is_nobodys_silence() -> None:
+    """While the store stalls, no node can beat: the time a compare-and-set took (here 20 s,
+    with a keep-alive timeout of 3 s) does not drop the others; their silence counts again
+    from when the store answers."""
+    clock = FakeClock()
+    store = StallingStore(clock)
+    s = Settings(2, 2, keep_alive_interval=1, keep_alive_max_attempt=3)
+    a = StateExecutor(store, "a", s, clock=clock, wait=clock.wait)
+    b = StateExecutor(store, "b", s, clock=clock, wait=clock.wait)
+    a.refresh()
+    b.refresh()
+    a.step(Op.JOIN, FAR)
+    b.refresh()
+    b.step(Op.JOIN, FAR)
+    a.refresh()
+    assert a.state.complete
+    clock.now = 1.0
+    assert a.run(Op.KEEP_ALIVE, deadline=FAR).heartbeats  # (a beats)
+    b.refresh()  # (b sees a's beat)
+    store.stall = 20.0  # b's next read: the store stood still 20 s (a could not beat either)
+    b.refresh()
+    assert dead_nodes(b.state, b.view, "b", clock.now, s) == frozenset()
+    # from the store's answer on, a's silence counts: 3 s of it and a is dead to b
+    clock.now += 2.9
+    assert dead_nodes(b.state, b.view, "b", clock.now, s) == frozenset()
+    clock.now += 0.2
+    assert dead_nodes(b.state, b.view, "b", clock.now, s) == {"a"}
+
+
 def test_a_corrupt_state_is_a_state_error() -> None:
     store = HashStore()
     store.set(STATE_KEY, b"garbage")

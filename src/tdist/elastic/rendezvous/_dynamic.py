@@ -53,6 +53,7 @@ from ._state import (
     Step,
     View,
     apply,
+    blind,
     decide,
     nodes_waiting,
     observe,
@@ -122,10 +123,21 @@ class StateExecutor:
         self.state, self._raw = state, raw
         self.view = observe(self.view, state, self._clock())
 
+    def _compare_set(self, expected: bytes, desired: bytes) -> bytes:
+        """The store's compare-and-set of the state. One that took longer than a heartbeat
+        interval (a stalled store, a fail-over to its standby) was time in which no node could
+        beat: it does not count towards anyone's keep-alive timeout."""
+        t0 = self._clock()
+        current = self.store.compare_set(STATE_KEY, expected, desired)
+        took = self._clock() - t0
+        if took > self.settings.keep_alive_interval:
+            self.view = blind(self.view, took)
+        return current
+
     def refresh(self) -> State:
         """Read the state (one request: a compare-and-set that writes only to a missing key)."""
         fresh = State.fresh(self.settings).encode()
-        self._seen(self.store.compare_set(STATE_KEY, b"", fresh))
+        self._seen(self._compare_set(b"", fresh))
         return self.state
 
     def step(self, op: Op, deadline: float) -> tuple[Action, bool]:
@@ -149,7 +161,7 @@ class StateExecutor:
             return action, False
         new = apply(state, action, self.me)
         data = new.encode()
-        current = self.store.compare_set(STATE_KEY, self._raw, data)
+        current = self._compare_set(self._raw, data)
         won = current == data
         if won:
             log.debug("%s: node %s: %s -> version %d (round %d)", self.describe, self.me, action.step.value, new.version, new.round)
@@ -189,7 +201,11 @@ class StateExecutor:
                     raise RendezvousClosedError(f"{self.describe}: interrupted")
                 now = self._clock()
                 until = now + _POLL if action.until is None else min(action.until, now + _POLL)
-                self._wait([f"changed/{self.state.version + 1}"], max(0.001, until - now))
+                planned = max(0.001, until - now)
+                self._wait([f"changed/{self.state.version + 1}"], planned)
+                late = self._clock() - now - planned
+                if late > self.settings.keep_alive_interval:  # (the store stalled: see _compare_set)
+                    self.view = blind(self.view, late)
                 self.refresh()
 
     def _timeout_message(self, op: Op, timeout: float | None) -> str:

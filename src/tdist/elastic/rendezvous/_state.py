@@ -219,6 +219,12 @@ def observe(view: View, state: State, now: float) -> View:
     return View(beats, quorum)
 
 
+def blind(view: View, seconds: float) -> View:
+    """``view`` after ``seconds`` in which this node could not look at the state (its store
+    stalled or failed over): nobody could beat then either, so that time is nobody's silence."""
+    return View({node: (beat, since + seconds) for node, (beat, since) in view.beats.items()}, view.quorum)
+
+
 def dead_nodes(state: State, view: View, me: str, now: float, settings: Settings) -> frozenset[str]:
     """The nodes (never ``me``) whose heartbeat has stood still for the keep-alive timeout."""
     timeout = settings.keep_alive_timeout
