@@ -281,18 +281,16 @@ def job_store(timeout: float | timedelta = 60.0) -> Store:
         ValueError: neither is set.
         DistNetworkError: the store cannot be reached.
     """
+    from ..store._rendezvous import _agent_store
     from ..store._replica import FailoverStore
 
-    where = os.environ.get("TDIST_AGENT_STORE")
-    if where:
-        host, _, port = where.rpartition(":")
-    elif os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    else:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
         raise ValueError("ft.job_store: no store in the environment (TDIST_AGENT_STORE under tdist run, or MASTER_ADDR "
                          "and MASTER_PORT)")
+    host, number = _agent_store(addr, int(port)) or (addr, int(port))  # (tdist run: the launcher's)
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    return FailoverStore(host.strip("[]"), int(port), timeout=timedelta(seconds=seconds))
+    return FailoverStore(host, number, timeout=timedelta(seconds=seconds))
 
 
 class Manager:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -395,7 +396,7 @@ def collect_dump(store: Any, run_id: str, dest: str, timeout: float) -> tuple[li
     nodes, _ = job_rows(store, run_id)
     if not nodes:
         raise LookupError(f"no node of job {run_id!r} publishes its status in this store")
-    token = f"{int(time.time())}-{os.getpid()}-{threading.get_ident() % 10000}"
+    token = secrets.token_hex(8)
     request = f"{DUMP_KEY}/{run_id}/request"
     store.set(request, token.encode())
     expected = {f"{n['host']}:{n['launcher']}" for n in nodes}
