@@ -26,6 +26,7 @@ members only.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import socket
@@ -44,7 +45,7 @@ from ..store import Store
 from . import _flight_recorder as fr
 from ._backend import Backend
 from ._checks import CollectiveArgumentError
-from ._tcp_backend import _Flat, bytes_view
+from ._tcp_backend import _NUMPY_DTYPES, _Flat, bytes_view
 from ._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -213,6 +214,15 @@ def _settle_reduced(flat: _Flat, op: RedOpType, size: int) -> Callable[[], None]
     return settle
 
 
+def _averaged(t: torch.Tensor, size: int) -> Callable[[], None]:
+    """AVG's division once MPI has summed into ``t`` itself."""
+
+    def settle() -> None:
+        t.div_(size)
+
+    return settle
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -281,8 +291,9 @@ class _MPIWork(Work):
         self._keep = keep  # (staging buffers MPI writes into until the requests complete)
         self._poll_lock = threading.Lock()
 
-    def _poll(self) -> bool:
-        """Test the requests once; complete the work if they are done."""
+    def _poll(self, tries: int = 1) -> bool:
+        """Test the requests (up to ``tries`` times in a tight loop, as a blocking MPI call
+        drives its progress engine); complete the work if they are done."""
         if self._is_done:
             return True
         if not self._poll_lock.acquire(blocking=False):
@@ -292,12 +303,17 @@ class _MPIWork(Work):
                 return True
             requests = self._requests
             try:
+                test: Callable[[], Any]
                 if self._status is not None:
-                    done = bool(requests[0].Test(self._status))
+                    test = functools.partial(requests[0].Test, self._status)
                 elif len(requests) == 1:  # (the usual case: one call, tested without a list)
-                    done = bool(requests[0].Test())
+                    test = requests[0].Test
                 else:
-                    done = bool(MPI.Request.Testall(requests))
+                    test = functools.partial(MPI.Request.Testall, requests)
+                done = bool(test())
+                while not done and tries > 1:
+                    tries -= 1
+                    done = bool(test())
             except MPI.Exception as exc:
                 err = DistBackendError(f"rank {self._backend.rank()}: {self._op} failed in MPI: {exc.Get_error_string()}")
                 self._backend._broken = err
@@ -329,11 +345,7 @@ class _MPIWork(Work):
         mine = to_seconds(timeout)
         until = time.monotonic() + mine if mine else None
         slow = time.monotonic() + 1.0
-        polls = 0
-        while not self._poll():
-            polls += 1
-            if polls % _POLLS:
-                continue
+        while not self._poll(_POLLS):
             now = time.monotonic()
             if now >= self._deadline:
                 err = self._backend._timed_out(self._op, self._peer, now - self._started, self._entry)
@@ -432,8 +444,10 @@ class ProcessGroupMPI(Backend):
         if peer == -1:  # (a collective: numbered, as every rank numbers it)
             self._seq += 1
             if rec is not None:
-                ins = tuple(t.shape for t in result)
-                entry = rec.collective(what, ins, result[0].dtype if result else None)
+                if len(result) == 1:
+                    entry = rec.one(what, result[0])
+                else:
+                    entry = rec.collective(what, tuple(t.shape for t in result), result[0].dtype if result else None)
             what = f"{what} #{self._seq}"
         elif rec is not None and result:
             t0 = result[0]
@@ -521,12 +535,17 @@ class ProcessGroupMPI(Backend):
         t = tensors[0]
         op = as_red_op(opts.reduceOp)
         mpi_type = _typed(t, op, "all_reduce")
-        flat = _Flat(t)
-        buf = bytes_view(flat.flat)
-        n = flat.flat.numel()
+        if t.dim() and t.dtype in _NUMPY_DTYPES and t.is_contiguous():  # (the quick way: MPI on t's own memory)
+            arr: Any = t.numpy()
+            n = arr.size
+            settle = _averaged(t, self._size) if op == RedOpType.AVG else None
+        else:
+            flat = _Flat(t)
+            arr = bytes_view(flat.flat)
+            n = flat.flat.numel()
+            settle = _settle_reduced(flat, op, self._size)
         return self._start(
-            "all_reduce", opts, lambda: [self._comm.Iallreduce(MPI.IN_PLACE, [buf, n, mpi_type], _OPS[op])], [t],
-            _settle_reduced(flat, op, self._size),
+            "all_reduce", opts, lambda: [self._comm.Iallreduce(MPI.IN_PLACE, [arr, n, mpi_type], _OPS[op])], [t], settle,
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions) -> Work:
