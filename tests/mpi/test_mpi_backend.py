@@ -42,8 +42,14 @@ def _mpiexec(
 
 
 def test_mpiexec_runs_every_op_with_torchs_results() -> None:
+    check_ops(_mpiexec(3, "ops"))
+
+
+def check_ops(res: list[dict[str, Any]]) -> None:
+    """The results of mpi_worker.py's ``ops`` case on 3 ranks (also run under srun, in
+    test_srun.py) against torch's."""
     n = 3
-    res = _mpiexec(n, "ops")
+    assert len(res) == n
     for r, got in enumerate(res):
         assert got["rank"] == r and got["size"] == n and got["backend"] == "mpi" and got["avail"]
         for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
