@@ -7,15 +7,15 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # the multi-host tests make network namespaces with iproute2's `ip` (as root); the etcd store
 # and rendezvous tests start a private etcd server (the etcd-server package; its own service is
-# not used); the srun test starts a private one-node SLURM (slurm-wlm's slurmctld and slurmd, and
-# munge's munged; their own services are not used)
+# not used); the srun test starts a private one-node SLURM (slurmctld, slurmd and munge's munged;
+# their own services are not used)
 missing=""
 command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || missing="$missing etcd-server"
-command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || missing="$missing slurm-wlm"
+command -v slurmd >/dev/null 2>&1 || [ -x /usr/sbin/slurmd ] || missing="$missing slurmd slurmctld slurm-client"
 command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || missing="$missing munge"
 if [ -n "$missing" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(90)
 def _binary(name: str) -> str:
     path = shutil.which(name) or next((p for d in ("/usr/sbin", "/usr/bin") if os.access(p := f"{d}/{name}", os.X_OK)), None)
     if path is None:
-        pytest.fail(f"{name} is not installed: run scripts/setup.sh (it installs the slurm-wlm and munge packages)")
+        pytest.fail(f"{name} is not installed: run scripts/setup.sh (it installs slurmd, slurmctld, slurm-client and munge)")
     return path
 
 
@@ -55,17 +55,20 @@ class Slurm:
             f"--- {p.name}:\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(self.root.glob("*.log"))
         )
 
-    def srun(self, n: int, case: str, timeout: float = 60) -> list[dict[str, Any]]:
-        """Run ``case`` on ``n`` ranks (more than the node's 2 CPUs: ``--overcommit``); every
-        rank's result, by rank."""
-        out = Path(tempfile.mkdtemp(dir=self.root, prefix="out-"))
-        env = dict(self.env, PYTHONPATH=os.pathsep.join(sys.path), MPI_TEST_OUT=str(out))
-        cmd = [_binary("srun"), "-n", str(n), "--overcommit", "--mpi=pmi2", "--kill-on-bad-exit=1", "--time=1",
-               "--job-name=tdist-test", sys.executable, WORKER, case]
+    def run(self, n: int, args: list[str], env: dict[str, str], mpi: str = "pmi2", timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``srun`` of ``args`` on ``n`` tasks (more than the node's 2 CPUs: ``--overcommit``)."""
+        cmd = [_binary("srun"), "-n", str(n), "--overcommit", f"--mpi={mpi}", "--kill-on-bad-exit=1", "--time=1",
+               "--job-name=tdist-test", *args]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"srun ran past {timeout} s: {exc.stdout!r} {exc.stderr!r}\n{self.logs()}") from None
+
+    def srun(self, n: int, case: str, timeout: float = 60) -> list[dict[str, Any]]:
+        """Run ``case`` on ``n`` ranks; every rank's result, by rank."""
+        out = Path(tempfile.mkdtemp(dir=self.root, prefix="out-"))
+        env = dict(self.env, PYTHONPATH=os.pathsep.join(sys.path), MPI_TEST_OUT=str(out))
+        proc = self.run(n, [sys.executable, WORKER, case], env, timeout=timeout)
         files = sorted(out.glob("*.json"), key=lambda p: int(p.stem))
         results = [json.loads(p.read_text()) for p in files]
         assert proc.returncode == 0 and len(results) == n, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:], self.logs())
@@ -190,3 +193,15 @@ def test_srun_runs_every_op_with_torchs_results(slurm: Slurm) -> None:
 def test_srun_rank_and_world_size_come_from_mpi_and_are_checked(slurm: Slurm) -> None:
     for got in slurm.srun(2, "args"):
         assert "MPI says this process is rank" in got["error"]
+
+
+def test_srun_without_pmi_fails_at_once_saying_what_to_pass(slurm: Slurm) -> None:
+    """``srun`` without ``--mpi=pmi2`` (SLURM's default ``none``) makes every task a one-rank MPI
+    job: ``init_process_group("mpi")`` raises on each, naming the flag, instead of a job of
+    lone ranks that fails later on an out-of-range peer."""
+    env = dict(slurm.env, PYTHONPATH=os.pathsep.join(sys.path))
+    program = "import tdist\ntdist.init_process_group('mpi')\nprint('formed', tdist.get_world_size())"
+    proc = slurm.run(2, [sys.executable, "-c", program], env, mpi="none")
+    assert proc.returncode != 0 and "formed" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert "srun started 2 tasks, but MPI sees a world of 1" in proc.stderr, proc.stderr[-3000:]
+    assert "--mpi=pmi2" in proc.stderr

@@ -109,6 +109,13 @@ def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Sto
 
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if n == 1 and tasks.isdigit() and int(tasks) > 1 and "SLURM_PROCID" in os.environ:
+        raise RuntimeError(
+            f"init_process_group('mpi'): srun started {tasks} tasks, but MPI sees a world of 1 "
+            f"(this is task {os.environ['SLURM_PROCID']}): srun did not hand MPI its PMI; run "
+            "`srun --mpi=pmi2 ...` (or set MpiDefault=pmi2 in slurm.conf)"
+        )
     if rank >= 0 and rank != me:
         raise ValueError(f"init_process_group('mpi'): rank={rank} given, but MPI says this process is rank {me}")
     if world_size >= 0 and world_size != n:
