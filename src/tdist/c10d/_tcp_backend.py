@@ -301,7 +301,8 @@ class ProcessGroupTCP(Backend):
         self._timeout = timeout.total_seconds()
         self._group_name = name
         self._store = store
-        self._ep = Endpoint(store, rank, size, timeout=self._timeout, name=name)
+        # (the connections are made in a thread while the arena is set up: both wait on peers)
+        self._ep = Endpoint(store, rank, size, timeout=self._timeout, name=name, connect_later=True)
         self._seq = 0
         self._lock = threading.Lock()  # serializes execution of collectives
         self._queue: deque[tuple[Work, Callable[[], list[torch.Tensor]], list[Any] | None]] = deque()
@@ -337,6 +338,13 @@ class ProcessGroupTCP(Backend):
                 except BaseException:
                     self._ep.close()
                     raise
+        try:
+            self._ep.connected()
+        except BaseException:
+            if self._arena is not None:
+                self._arena.close()
+            self._ep.close()
+            raise
         # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
         # diagnosis requests (``_desync``)
         self._fr = fr.make_recorder(rank, size, self._timeout)

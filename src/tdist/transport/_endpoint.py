@@ -223,9 +223,13 @@ class Endpoint:
         heartbeat_interval: seconds between heartbeats on a quiet connection.
         stall_timeout: seconds without a byte from a peer before a waiter calls it stalled.
         name: a label for messages (the group's name).
+        connect_later: return once every rank's address is known (``peer_host`` and the like
+            answer), connecting in a thread meanwhile; the caller must call ``connected()``
+            before anything else (the group's other set-up overlaps the connections).
 
     Raises:
-        DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
+        DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built
+        (with ``connect_later``, from ``connected()``).
     """
 
     def __init__(
@@ -239,6 +243,7 @@ class Endpoint:
         heartbeat_interval: float | None = None,
         stall_timeout: float | None = None,
         name: str = "",
+        connect_later: bool = False,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -261,16 +266,33 @@ class Endpoint:
         self._ack_thread: threading.Thread | None = None
         self._copying = 0  # cross-memory copies whose ack is not queued yet
         self._copying_cv = threading.Condition()
-        if size > 1:
-            self._build_mesh(store, timeout)
         # (stalls are found by the operations waiting on a peer, which name themselves)
         self._heartbeats = Heartbeats(
             f"tdist-hb-{name}-{rank}", self.heartbeat_interval, self.stall_timeout,
             lambda: self._peers.values(), lambda p: b"".join(self._frame(cast(_Peer, p), Kind.HEARTBEAT, 0)[0]),
             lambda p: cast(_Peer, p).error is not None,
         )
+        self._mesh: threading.Thread | None = None
+        self._mesh_errors: list[BaseException] = []
         if size > 1:
-            self._heartbeats.start()
+            self._build_mesh(store, timeout)
+        if not connect_later:
+            self.connected()
+
+    def connected(self) -> None:
+        """Wait until the connections to every peer are made (``connect_later``), and start
+        the heartbeats.
+
+        Raises:
+            DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
+        """
+        mesh, self._mesh = self._mesh, None
+        if mesh is None:
+            return
+        mesh.join()  # (its own deadline bounds it)
+        if self._mesh_errors:
+            raise self._mesh_errors[0]
+        self._heartbeats.start()
 
     # -- building the mesh ---------------------------------------------------------------------
     def _build_mesh(self, store: Any, timeout: float) -> None:
@@ -287,8 +309,7 @@ class Endpoint:
         tcp.listen(max(16, self.size))
         port = tcp.getsockname()[1]
         unix_name = f"\0tdist-ep-{secrets.token_hex(8)}-{self.rank}"
-        unix: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        assert unix is not None
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             unix.bind(unix_name)
             unix.listen(max(16, self.size))
@@ -299,35 +320,62 @@ class Endpoint:
                 f"rank {self.rank}: cannot listen on the Unix socket @{unix_name[1:]}: {exc}"
             ) from exc
         if self.rank == 0:
-            token = secrets.token_bytes(TOKEN_SIZE)
-            store.set("ep/token", token)
-        else:
-            token = store.get("ep/token")
-        self._token = token
+            self._token = secrets.token_bytes(TOKEN_SIZE)
+            store.set("ep/token", self._token)
         info = {
             "host": self.host_id,
             "addr": addr,
             "port": port,
-            "unix": unix_name[1:] if unix is not None else None,
+            "unix": unix_name[1:],
             "pid": os.getpid(),
         }
         store.set(f"ep/{self.rank}", json.dumps(info))
+        try:  # (every rank's address first, in one request: the group's other set-up may go on while we connect)
+            peers = [peer for peer in range(self.size) if peer != self.rank]
+            got = store.multi_get([f"ep/{peer}" for peer in peers] + ([] if self.rank == 0 else ["ep/token"]))
+            if self.rank != 0:
+                self._token = got.pop()
+            infos = {peer: json.loads(raw) for peer, raw in zip(peers, got, strict=True)}
+        except BaseException:
+            tcp.close()
+            unix.close()
+            raise
+        for peer, pinfo in infos.items():
+            self._peer_hosts[peer] = pinfo["host"]
+            self._peer_pids[peer] = int(pinfo["pid"])
+        self._mesh = threading.Thread(
+            target=self._connect_all, args=(tcp, unix, infos, deadline, timeout),
+            name=f"tdist-mesh-{self.rank}", daemon=True,
+        )
+        self._mesh.start()
+
+    def _connect_all(
+        self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
+    ) -> None:
+        """Connect to the lower ranks and accept the higher ones (the mesh thread; its error
+        goes to ``connected()``)."""
+        try:
+            self._connect_mesh(tcp, unix, infos, deadline, timeout)
+        except BaseException as exc:
+            self._mesh_errors.append(exc)
+
+    def _connect_mesh(
+        self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
+    ) -> None:
         expected_in = self.size - 1 - self.rank
         errors: list[BaseException] = []
         acceptor = threading.Thread(
             target=self._accept_all,
-            args=([s for s in (tcp, unix) if s is not None], expected_in, deadline, errors),
+            args=([tcp, unix], expected_in, deadline, errors),
             name=f"tdist-accept-{self.rank}",
             daemon=True,
         )
         acceptor.start()
         try:
             for peer in range(self.rank):
-                raw = store.get(f"ep/{peer}")
-                pinfo = json.loads(raw)
-                self._peer_hosts[peer] = pinfo["host"]
-                self._peer_pids[peer] = int(pinfo["pid"])
-                self._connect(peer, pinfo, deadline)
+                if self._closing:
+                    raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
+                self._connect(peer, infos[peer], deadline)
             acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
             if errors:
                 raise errors[0]
@@ -337,10 +385,6 @@ class Endpoint:
                     f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
                     f"connection from rank(s) {missing}: are they running and in this group?"
                 )
-            for peer in range(self.rank + 1, self.size):
-                pinfo = json.loads(store.get(f"ep/{peer}"))
-                self._peer_hosts[peer] = pinfo["host"]
-                self._peer_pids[peer] = int(pinfo["pid"])
         except BaseException:
             self._closing = True
             for p in self._peers.values():
@@ -349,8 +393,7 @@ class Endpoint:
             raise
         finally:
             tcp.close()
-            if unix is not None:
-                unix.close()
+            unix.close()
         for p in self._peers.values():
             p.cma = p.addr == "unix" and _memory.cma_possible()
             p.sock.settimeout(self.heartbeat_interval)
@@ -664,6 +707,9 @@ class Endpoint:
         if self._closing:
             return
         self._closing = True
+        mesh, self._mesh = self._mesh, None
+        if mesh is not None:  # (closed before connected(): its thread sees _closing)
+            mesh.join(2.0)
         self._heartbeats.stop()
         # A receive may be complete here while its sender still waits for our ack (the ack leaves
         # from the ack thread a moment later): send every ack before the goodbye, or the sender
