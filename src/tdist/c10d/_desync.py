@@ -127,25 +127,14 @@ class Responder:
         rec: this rank's recorder of the group.
     """
 
-    def __init__(self, store: Any, rec: fr.Recorder, start: bool = True) -> None:
+    def __init__(self, store: Any, rec: fr.Recorder) -> None:
         self._store = store
         self._rec = rec
         self._next = 1
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, name=f"tdist-fr-{rec.rank}", daemon=True)
+        self._thread.start()
         _responders.add(self)
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        """Start answering (once; not after ``stop``)."""
-        if self._thread is None and not self._stopped:
-            self._thread = threading.Thread(target=self._run, name=f"tdist-fr-{self._rec.rank}", daemon=True)
-            self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         store = clone_store(self._store)
@@ -197,7 +186,7 @@ class Responder:
         if self._stopped:
             return
         self._stopped = True
-        if self.running:
+        if self._thread.is_alive():
             # (from a thread: a store whose host is stopped must not hold up destroy_process_group)
             threading.Thread(target=self._wake, name=f"tdist-fr-stop-{self._rec.rank}", daemon=True).start()
 
@@ -208,8 +197,7 @@ class Responder:
             pass
 
     def join(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._thread.join(timeout)
 
 
 _responders: weakref.WeakSet[Responder] = weakref.WeakSet()
@@ -219,7 +207,7 @@ def _stop_responders_at_exit() -> None:
     """Let every responder leave its store's wait before the interpreter ends: a thread still
     blocked in a C++ store's wait (torch's TCPStore, for groups torch made) when the process
     tears its objects down aborts it ("terminate called without an active exception")."""
-    live = [r for r in list(_responders) if r.running]
+    live = [r for r in list(_responders) if r._thread.is_alive()]
     for r in live:
         if not r._stopped:
             r._stopped = True
@@ -359,17 +347,15 @@ class _Watchdog:
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[weakref.ref[fr.Recorder], weakref.WeakMethod[Callable[[list[Any]], None]]]] = {}
         self._due: dict[tuple[int, int, int], float] = {}
-        self._pending: list[Responder] = []  # (started at the next tick: not while their group forms)
         self._thread: threading.Thread | None = None
 
-    def watch(self, rec: fr.Recorder, check: Callable[[list[Any]], None], responder: Responder | None = None) -> None:
+    def watch(self, rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
         after = check_after()
+        if after <= 0:
+            return
         with self._lock:
-            if after > 0:
-                self._watched[rec.pg_id] = (weakref.ref(rec), weakref.WeakMethod(check))
-            if responder is not None:
-                self._pending.append(responder)
-            if (self._watched or self._pending) and (self._thread is None or not self._thread.is_alive()):
+            self._watched[rec.pg_id] = (weakref.ref(rec), weakref.WeakMethod(check))
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, args=(after,), name="tdist-fr-watchdog", daemon=True)
                 self._thread.start()
 
@@ -377,16 +363,10 @@ class _Watchdog:
         while True:
             time.sleep(self._PERIOD)
             with self._lock:
-                pending, self._pending = self._pending, []
                 items = list(self._watched.items())
-                if not items and not pending:  # (every group is gone: the next one starts a new thread)
+                if not items:  # (every group is gone: the next one starts a new thread)
                     self._thread = None
                     return
-            for r in pending:
-                try:
-                    r.start()
-                except RuntimeError as exc:  # (the interpreter is ending: no new threads)
-                    log.debug("flight recorder: responder not started: %s", exc)
             now = time.time_ns()
             for pg_id, (rref, mref) in items:
                 rec, check = rref(), mref()
@@ -426,15 +406,10 @@ _watchdog = _Watchdog()
 os.register_at_fork(after_in_child=_watchdog.forget)
 
 
-def watch(rec: fr.Recorder, check: Callable[[list[Any]], None], store: Any = None) -> Responder | None:
+def watch(rec: fr.Recorder, check: Callable[[list[Any]], None]) -> None:
     """Have ``check(entry)`` (a bound method of the group's backend, held weakly) run when a
-    collective of ``rec`` blocks for ``check_after()`` seconds, then at growing intervals; with
-    ``store``, also answer the group's diagnosis and dump requests (returns the ``Responder``,
-    which the watchdog starts at its next tick, within half a second: a request waits for it in
-    the store, and the group's set-up does not share the machine with its start)."""
-    responder = Responder(store, rec, start=False) if store is not None else None
-    _watchdog.watch(rec, check, responder)
-    return responder
+    collective of ``rec`` blocks for ``check_after()`` seconds, then at growing intervals."""
+    _watchdog.watch(rec, check)
 
 
 def unwatch(rec: fr.Recorder) -> None:

@@ -354,7 +354,8 @@ class ProcessGroupTCP(Backend):
         if self._fr is not None:
             self._fr.identify(name=name or None)
             if size > 1:
-                self._responder = watch(self._fr, self._desync_check, store)
+                self._responder = Responder(store, self._fr)
+                watch(self._fr, self._desync_check)
 
     @property
     def flight_recorder(self) -> Recorder | None:
