@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -217,3 +219,21 @@ def test_sigusr1_handler_only_where_the_program_has_none(monkeypatch: pytest.Mon
         assert signal.getsignal(signal.SIGUSR1) is F._on_signal
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_dump_being_written_has_a_name_torchs_analyzer_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's analyzer takes every file whose name contains the prefix (anywhere) for a rank's
+    dump: the file a dump is written to before its rename must not contain it."""
+    moves: list[tuple[str, str]] = []
+    real_replace = os.replace
+
+    def replace(src: str, dst: str) -> None:
+        moves.append((src, dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(F.os, "replace", replace)
+    path = str(tmp_path / "nccl_trace_rank_3")
+    assert F.write_dump(path, 3) == path
+    [(tmp, dst)] = moves
+    assert dst == path and "rank_" not in os.path.basename(tmp) and os.path.dirname(tmp) == str(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nccl_trace_rank_3"]

@@ -549,9 +549,9 @@ def write_dump(path: str, global_rank: int | None = None) -> str:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    # (a hidden name: torch's analyzer, reading the folder meanwhile, takes every file that
-    # starts with the prefix for a rank's dump)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}.{threading.get_ident()}")
+    # (a name without the dump's: torch's analyzer, reading the folder meanwhile, takes every
+    # file whose name contains the prefix anywhere for a rank's dump)
+    tmp = os.path.join(directory, f".tdist-fr-partial.{os.getpid()}.{threading.get_ident()}")
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
