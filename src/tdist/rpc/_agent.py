@@ -178,7 +178,6 @@ class RpcAgent:
         self._timer.start()
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
         # by caller: its recent remote()s whose reply waited for a fetch in vain (``_run_remote``)
-        self._ack_misses: dict[int, int] = {}
         self._active_async = 0  # async_execution requests waiting for their future
         self._gil_probe: _GilProbe | None = None
         self.store: Any = None  # the group's store (set by subclasses)
@@ -720,45 +719,17 @@ class RpcAgent:
 
             result.add_done_callback(done)
             return
-        # a fetch from the caller that came right behind the request (maybe read ahead for
-        # this) is answered when the value is set, and its reply answers this request too;
-        # when it has not come yet, this reply waits for it a little (``to_here()`` usually
-        # follows at once) and then goes alone
-        if _tls.ack is not None:  # an earlier one, put off: it goes first
-            _tls.ack[0]._send_ack(_tls.ack)
+        # a fetch from the caller that came before the value was set is answered as it is
+        # set (``_send_owned``, in this thread), and its reply answers this request too
         ack = _tls.ack = (self, src, tag, reply)
         try:
             if not fut.done():
                 fut.set_result(result)
-        except BaseException:
-            _tls.ack = None
-            raise
-        if _tls.ack is not ack:  # a fetch reply took it
-            return
-        # waiting is worth it while this caller's remote()s are fetched at once: after two
-        # that were not, only one in 16 waits (to notice when they are again)
-        misses = self._ack_misses.get(src, 0)
-        if (misses < 2 or misses % 16 == 0) and self._defer(lambda: self._send_ack(ack, waited=True)):
-            return
-        if misses >= 2:
-            self._ack_misses[src] = misses + 1
-        self._send_ack(ack)
-
-    def _send_ack(self, ack: tuple[Any, int, int, Any], waited: bool = False) -> None:
-        """The reply to a ``remote()`` that no fetch reply took along (see ``_run_remote``);
-        ``waited``: it waited for a fetch in vain."""
-        if _tls.ack is not ack:  # a fetch reply took it (while it waited)
-            return
-        _tls.ack = None
-        if waited:
-            self._ack_misses[ack[1]] = self._ack_misses.get(ack[1], 0) + 1
-        # (an answer: its caller may wait on the creation, and send its next request at once)
-        self._reply(ack[1], ack[2], ack[3])
-
-    def _defer(self, send: Callable[[], None]) -> bool:
-        """Call ``send`` a little later, where the transport can (see ``Messenger.defer``):
-        False when it cannot (send now)."""
-        return False
+        finally:
+            taken, _tls.ack = _tls.ack is not ack, None
+        if not taken:
+            # (an answer: its caller may wait on the creation, and send its next request at once)
+            self._reply(src, tag, reply)
 
     def _serve_fetch(self, src: int, tag: int, rref_id: Any) -> None:
         fut = self._owner_future(rref_id)
@@ -778,8 +749,6 @@ class RpcAgent:
         if ack is not None and ack[0] is self and ack[1] == src:
             # the caller's remote() of this value is not answered yet: this reply does it
             _tls.ack = None
-            if self._ack_misses.get(src):
-                self._ack_misses[src] = 0
             try:
                 self._transmit(src, tag, MsgKind.REPLY_OK_ACK, (ack[2], value, ack[3]), None, True)
             except (DistError, OSError) as exc:

@@ -57,7 +57,6 @@ class _ThreadState(threading.local):
     claim_for: int | None = None
     claimed: Any = None
     job: Any = None
-    job_remote: bool = False
 
 
 class TensorPipeAgent(RpcAgent):
@@ -240,23 +239,14 @@ class TensorPipeAgent(RpcAgent):
             and not self._tls.self_call
         ):
             self._tls.job = job
-            self._tls.job_remote = remote
         else:
             super()._schedule(job)
 
     def _run_deferred(self) -> None:
         job = self._tls.job
         if job is not None:
-            if self._tls.job_remote:
-                # a remote(): the fetch of its value may be right behind it (to_here()); read
-                # it first (requests read meanwhile go to the pool: the job is still kept),
-                # so that its answer leaves with the remote()'s own
-                self.messenger.read_ahead()
             self._tls.job = None
             self.messenger.run_inline(lambda: self._run_job(job))
-
-    def _defer(self, send: Any) -> bool:
-        return self.messenger.defer(send)
 
     def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: object) -> Any:
         # take the callee's connection before sending, so that the reply is read here and no

@@ -28,10 +28,9 @@ request, a fetch right behind a ``remote()``) waits for this poller, which reads
 done, instead of waking another poller that would fight it for the GIL. A guard thread, ticking
 only while holds happen, arms again a connection held longer than ``_HOLD_MAX`` (a request that
 blocks, maybe on the very next message) and leaves that connection unheld for ``_HOLD_OFF``.
-Before it runs a request it kept, the poller may read on the held connection (``read_ahead``):
-a fetch right behind a ``remote()`` is then waiting on the value when the value is made, and
-one reply answers both. When the fetch has not come yet, the ``remote()``'s reply waits for it
-(``defer``) while the poller polls for it as after an answer.
+(Earlier versions also read ahead on a held connection before running the request, and let a
+``remote()``'s reply wait for the fetch behind it: measured against this, idle and on a busy
+host, they gained nothing, and went.)
 
 Failure. EOF or a reset loses the connection; a heartbeat thread writes a small frame on quiet
 connections and calls a peer stalled when nothing has come from it for ``stall_timeout``
@@ -197,8 +196,6 @@ class _ThreadState(threading.local):
     lost: list[tuple[int, PeerError, bool]] | None = None
     answered: bool = False
     delivering: bool = False
-    deferred: Callable[[], None] | None = None  # a message to send later (``defer``)
-    held_conn: _Conn | None = None
     poller: bool = False  # this thread is a poller thread
 
 
@@ -512,8 +509,6 @@ class Messenger:
             PeerError: the peer is gone.
             DistNetworkError, DistTimeoutError: connecting or writing failed.
         """
-        if self._tls.deferred is not None:
-            self.send_deferred()  # (what this thread put off goes first: order is kept)
         c = self._conn_for(peer, deadline)
         if answer:  # a poller that answers a caller waits a little for its next request
             self._tls.answered = True
@@ -555,29 +550,6 @@ class Messenger:
                 copied.done.wait(0.05)  # another thread reads it, and sets ``done``
         if copied.err < 0:  # the connection was lost first
             raise self._error_for(c)
-
-    def defer(self, send: Callable[[], None]) -> bool:
-        """In a poller thread: call ``send`` (which sends a message) later, before this thread
-        sends anything else or when its poller stops waiting for the next request, and wait for
-        that request meanwhile as after an answer (``_POLLER_SPIN``). For a reply nobody waits
-        for that may be answered with the next request's own (a ``remote()``'s, with its
-        fetch). Returns False (nothing kept: send now) in any other thread."""
-        if not self._tls.poller or self._closing:
-            return False
-        if self._tls.deferred is not None:
-            self.send_deferred()
-        self._tls.deferred = send
-        self._tls.answered = True
-        return True
-
-    def send_deferred(self) -> None:
-        """Send what this thread put off with ``defer`` (if anything); a failure is logged."""
-        send, self._tls.deferred = self._tls.deferred, None
-        if send is not None:
-            try:
-                send()
-            except Exception:
-                log.exception("%s: sending a deferred message failed", self.label)
 
     def _write(self, c: _Conn, kind: Kind, tag: int, meta: bytes, payload: list[memoryview], deadline: float | None) -> None:
         """Write one frame whole, tagged when the connection has a session. Once part of it
@@ -731,35 +703,6 @@ class Messenger:
                     return done()
         return True
 
-    def read_ahead(self) -> None:
-        """From ``on_batch_end``, before the request a poller kept runs: read and deliver what
-        has come meanwhile on the connection it read, when it still holds it (see "Holding").
-        A request that others wait behind (a ``fetch`` right behind its ``remote()``) is then
-        known before the request runs, so its answer can leave with the request's own."""
-        c = self._tls.held_conn
-        if c is None or c.closed or c not in self._held:
-            return
-        # (the read lock first: a thread that claimed the connection polls it meanwhile, and a
-        # poll object is not for two threads at once)
-        if not c.rlock.acquire(blocking=False):
-            return
-        batch: list[tuple[int, int, bytes, Payload]] = []
-        lost: list[tuple[int, PeerError, bool]] = []
-        self._tls.batch = batch
-        self._tls.lost = lost
-        try:
-            if c.spin_poll.poll(0):
-                self._drain(c)
-        except Exception:
-            log.exception("%s: reading from %s failed", self.label, self.describe(c.peer))
-            self._lose(c, None)
-        finally:
-            self._tls.batch = None
-            c.rlock.release()
-            if c not in self._held:  # the guard armed it meanwhile; a poller may have skipped it
-                self._rearm(c)
-        self._deliver_batch(batch, lost, as_poller=True)
-
     def _deliver_batch(self, batch: list[tuple[int, int, bytes, Payload]], lost: list[tuple[int, PeerError, bool]], as_poller: bool) -> None:
         """Deliver what this thread read (``as_poller``: as a poller does, so a request may be
         kept to run here), then report the connections lost meanwhile."""
@@ -837,8 +780,6 @@ class Messenger:
             if spun is not None:
                 events = [(spun.fd, 0)]
             else:
-                if self._tls.deferred is not None:
-                    self.send_deferred()  # (never sleep on a message put off)
                 try:
                     events = self._ep.poll(1.0, 1)
                 except InterruptedError:
@@ -886,7 +827,6 @@ class Messenger:
                     continue
                 self._occupied()
                 self._tls.answered = False
-                carried = self._tls.deferred is not None  # put off during the last batch
                 try:
                     self._tls.delivering = True
                     for item in batch:
@@ -899,12 +839,10 @@ class Messenger:
                     self._report_lost(lost)
                 try:
                     if self.on_batch_end is not None:
-                        self._tls.held_conn = c if held else None
                         self.on_batch_end()
                 except Exception:
                     log.exception("%s: running a request failed", self.label)
                 finally:
-                    self._tls.held_conn = None
                     self._free()
                 # still held (not armed by the guard meanwhile): arming it is ours to do
                 held = held and self._held.pop(c, None) is not None
@@ -912,9 +850,6 @@ class Messenger:
                     spun = self._await_next(c, held)
                 elif held:
                     spun = self._read_on(c)
-                if self._tls.deferred is not None and (spun is None or carried):
-                    self.send_deferred()  # put off for no longer than one wait and one batch
-        self.send_deferred()
         if spun is not None:  # closing: close() waits for every read lock
             spun.rlock.release()
 
