@@ -177,7 +177,6 @@ class RpcAgent:
         self._timer = threading.Thread(target=self._timer_loop, name=f"tdist-rpc-timer-{rank}", daemon=True)
         self._timer.start()
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
-        # by caller: its recent remote()s whose reply waited for a fetch in vain (``_run_remote``)
         self._active_async = 0  # async_execution requests waiting for their future
         self._gil_probe: _GilProbe | None = None
         self.store: Any = None  # the group's store (set by subclasses)
@@ -563,7 +562,7 @@ class RpcAgent:
             rref_id = GloballyUniqueId(*rid)
             self._owner_future(rref_id)
             self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, GloballyUniqueId(*fid), src)
-            self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id), remote=True)
+            self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
         elif kind == MsgKind.FETCH:
             self._serve_fetch(src, tag, body)
         elif kind == MsgKind.JOIN:
@@ -572,9 +571,9 @@ class RpcAgent:
             func, args, kwargs = body
             self._schedule(lambda: self._run_call(src, tag, func, args, kwargs))
 
-    def _schedule(self, job: Callable[[], None], remote: bool = False) -> None:
+    def _schedule(self, job: Callable[[], None]) -> None:
         """Run a request's job: on the worker pool here (a subclass may run it where the
-        message arrived). ``remote``: the job makes an RRef's value."""
+        message arrived)."""
         self._to_pool(job)
 
     def _to_pool(self, job: Callable[[], None]) -> None:

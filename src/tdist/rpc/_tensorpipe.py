@@ -229,7 +229,7 @@ class TensorPipeAgent(RpcAgent):
             self._tls.claimed = self.messenger.claim(dst)
         self.messenger.send(dst, tag, encode_meta(kind), parts, deadline, answer)
 
-    def _schedule(self, job: Any, remote: bool = False) -> None:
+    def _schedule(self, job: Any) -> None:
         # a poller thread runs the first request of what it read itself (no hand-off) unless
         # another poller is running one already; the rest go to the pool, side by side
         if (
