@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import random
 import os
 import shutil
 import signal
@@ -115,6 +116,7 @@ def slurm() -> Iterator[Slurm]:
     (root / "plugstack.conf").write_text("")
     (root / "slurm.conf").write_text(
         f"""ClusterName=tdist
+FirstJobId={random.randrange(1000, 60_000_000)}
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}

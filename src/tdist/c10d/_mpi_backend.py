@@ -349,6 +349,10 @@ class _MPIWork(Work):
         """Poll the requests until done. Past the operation's deadline the work fails and the
         group is broken (its ranks no longer agree on what is in flight); past a shorter
         ``timeout`` of this call only, it raises and the operation goes on."""
+        if self._poll(_POLLS):  # (the usual case: done within one round of tests)
+            if timeout is None and self._exc is None:
+                return True
+            return super().wait(timeout)
         mine = to_seconds(timeout)
         until = time.monotonic() + mine if mine else None
         slow = time.monotonic() + 1.0
