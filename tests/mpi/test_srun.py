@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import json
-import random
 import os
+import random
 import shutil
 import signal
 import socket
