@@ -6,6 +6,7 @@ plugin hands each task)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tdist.testing import free_port
 from tests.mpi.test_mpi_backend import WORKER, check_ops
 
 pytestmark = pytest.mark.timeout(90)
@@ -33,12 +35,6 @@ def _binary(name: str) -> str:
     if path is None:
         pytest.fail(f"{name} is not installed: run scripts/setup.sh (it installs slurmd, slurmctld, slurm-client and munge)")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # (in the child, before exec: SIGTERM when pytest goes, even by os._exit)
@@ -92,11 +88,9 @@ def _processes_under(root: Path) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
+            with contextlib.suppress(OSError):
                 if mark in (d / "environ").read_bytes():
                     pids.append(int(d.name))
-            except OSError:
-                pass
     return pids
 
 
@@ -118,8 +112,8 @@ def slurm() -> Iterator[Slurm]:
         f"""ClusterName=tdist
 FirstJobId={random.randrange(1000, 60_000_000)}
 SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -178,10 +172,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 p.kill()
                 p.wait(10)
         for pid in _processes_under(root):  # (a job's tasks or step daemon that outlived it)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -356,7 +356,7 @@ class Endpoint:
         goes to ``connected()``)."""
         try:
             self._connect_mesh(tcp, unix, infos, deadline, timeout)
-        except BaseException as exc:
+        except BaseException as exc:  # (raised in the caller's thread by connected())
             self._mesh_errors.append(exc)
 
     def _connect_mesh(
