@@ -246,7 +246,7 @@ class _RecvWork(Work):
         return super().wait(timeout)
 
     def is_completed(self) -> bool:
-        if not super().is_completed() and self._handle.finished:
+        if not super().is_completed() and self._backend._ep.progress(self._handle):
             self._settle()
         return super().is_completed()
 
@@ -345,6 +345,10 @@ class ProcessGroupTCP(Backend):
                 self._arena.close()
             self._ep.close()
             raise
+        if self._arena is not None:
+            # (the arena proves what lanes need: x86's store order, and that these processes
+            # may open each other's descriptors): small point-to-point messages go by lane
+            self._ep.enable_lanes()
         # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
         # diagnosis requests (``_desync``)
         self._fr = fr.make_recorder(rank, size, self._timeout)
@@ -693,7 +697,7 @@ class ProcessGroupTCP(Backend):
             while sr.next < len(sr.handles):
                 h = sr.handles[sr.next]
                 if not block:
-                    if not h.finished:
+                    if not self._ep.progress(h):
                         break
                     c = r.chunks[0]
                     if sent_pieces is not None and c in sent_pieces and sr.next >= sent_pieces[c]:

@@ -11,6 +11,13 @@ the destination memory of a posted receive, or into a fresh buffer kept until a 
 posted. Because readers always drain, a blocking send can never deadlock against its peer.
 Senders write with scatter-gather ``sendmsg`` under the connection's send lock.
 
+Lanes (``enable_lanes``, which the backend calls when its shared-memory arena is up): a small
+message to a peer of this host goes into a shared-memory ring (``_lane``) instead of the
+socket. Its waiter polls the rings it may hear from for the spin budget (``_core.spin``), then
+counts itself asleep there, and the producer wakes it with a frame on the socket, which its
+reader answers by reading the ring. Every message to a peer that has our lane is numbered, and
+the receiver matches lane and socket messages in their numbers' order (``_turn``).
+
 Failure: EOF or a reset marks the peer dead, and every receive waiting on it fails at once with
 a ``PeerError`` naming the rank, its address and the operation; a heartbeat thread sends a
 small frame on every connection that has been quiet for ``heartbeat_interval``, so a peer that
@@ -32,6 +39,7 @@ import os
 import queue
 import secrets
 import socket
+import struct
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -39,7 +47,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from .._core import auth
+from .._core import auth, spin
 from .._core.errors import (
     AuthenticationError,
     CollectiveMismatchError,
@@ -51,6 +59,7 @@ from .._core.errors import (
 )
 from .._core.floods import Admission, Starvation
 from . import _handshake, _memory
+from ._lane import MAX_RECORD, RECORD, Lane, Record
 from ._liveness import Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -72,6 +81,7 @@ __all__ = ["Endpoint", "RecvHandle", "host_id"]
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
+_SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of its meta
 # how long a reader waits for the receive of a cross-memory message before buffering it
 _CMA_DEFER = 0.005
 
@@ -183,6 +193,13 @@ class _Pending:
         self.handle: RecvHandle | None = None
 
 
+def _numbered(meta: bytes) -> tuple[int, bytes]:
+    """A numbered frame's number and its own meta."""
+    if len(meta) < _SEQ.size:
+        raise RemoteProtocolError("a numbered frame without its number")
+    return _SEQ.unpack_from(meta)[0], meta[_SEQ.size:]
+
+
 class _Peer:
     def __init__(self, rank: int, sock: socket.socket, addr: str, session: _handshake.Session | None) -> None:
         self.rank = rank
@@ -206,6 +223,14 @@ class _Peer:
         self.session = session  # frame tags, when the group has a secret
         # the frames of the connection, as its reader reads them
         self.decoder = FrameDecoder(None if session is None else session.recv)
+        # shared-memory lanes (``enable_lanes``): ours to the peer and the peer's to us, and the
+        # sequence numbers that order what goes by lane and what by socket
+        self.lane_ok = False  # may small messages to this peer go by lane?
+        self.lane_out: Lane | None = None
+        self.lane_ready = False  # has the peer mapped ``lane_out`` (``LANE_OK``)?
+        self.tx_seq = 0  # the number of the next message to the peer, once ``lane_out`` exists
+        self.lane_in: Lane | None = None
+        self.rx_seq = 0  # the number of the next message from the peer to match
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.addr})"
@@ -262,7 +287,7 @@ class Endpoint:
         self._peer_pids: dict[int, int] = {}
         self._xfer_ids = itertools.count(1)
         self._pid = os.getpid()
-        self._acks: queue.SimpleQueue[tuple[_Peer, int, bytes] | None] | None = None
+        self._acks: queue.SimpleQueue[tuple[_Peer, Kind, int, bytes] | None] | None = None
         self._ack_thread: threading.Thread | None = None
         self._copying = 0  # cross-memory copies whose ack is not queued yet
         self._copying_cv = threading.Condition()
@@ -274,6 +299,8 @@ class Endpoint:
         )
         self._mesh: threading.Thread | None = None
         self._mesh_errors: list[BaseException] = []
+        self._lanes_in: tuple[_Peer, ...] = ()  # peers whose lane to us is open
+        self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
             self._build_mesh(store, timeout)
         if not connect_later:
@@ -293,6 +320,15 @@ class Endpoint:
         if self._mesh_errors:
             raise self._mesh_errors[0]
         self._heartbeats.start()
+
+    def enable_lanes(self) -> None:
+        """Let small messages to peers of this host go through shared-memory lanes (``_lane``)
+        from now on. For a caller that knows the machine keeps x86's store order and that
+        these processes may open each other's descriptors through ``/proc`` (the backend's
+        shared-memory arena proves both)."""
+        for q, p in self._peers.items():
+            if self.same_host(q) and self._peer_pids.get(q, 0) > 0:
+                p.lane_ok = True
 
     # -- building the mesh ---------------------------------------------------------------------
     def _build_mesh(self, store: Any, timeout: float) -> None:
@@ -573,10 +609,58 @@ class Endpoint:
         p = self._peer(peer, what)
         views = [memoryview(b).cast("B") if not isinstance(b, bytes) else memoryview(b) for b in buffers]
         nbytes = sum(v.nbytes for v in views)
+        if p.lane_ok and RECORD.size + len(meta) + nbytes <= MAX_RECORD:
+            with p.send_lock:
+                if self._lane_put(p, tag, meta, views, nbytes, deadline, what):
+                    return
+                self._send_data(p, tag, meta, views, nbytes, deadline, what)  # (the lane is full)
+            return
         if p.cma and nbytes >= CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
             return
         with p.send_lock:
+            self._send_data(p, tag, meta, views, nbytes, deadline, what)
+
+    def _send_data(
+        self, p: _Peer, tag: int, meta: bytes, views: list[memoryview], nbytes: int, deadline: float | None, what: str
+    ) -> None:
+        """One message by socket (send lock held), numbered when the peer has our lane."""
+        if p.lane_out is None:
             self._sendmsg(p, *self._frame(p, Kind.DATA, tag, meta, views, nbytes), deadline, what)
+            return
+        seq = p.tx_seq
+        p.tx_seq += 1
+        try:
+            self._sendmsg(p, *self._frame(p, Kind.DATA_SEQ, tag, _SEQ.pack(seq) + meta, views, nbytes), deadline, what)
+        except DistTimeoutError:  # (nothing went out: its number is free again)
+            p.tx_seq = seq
+            raise
+
+    def _lane_put(
+        self, p: _Peer, tag: int, meta: bytes, views: list[memoryview], nbytes: int, deadline: float | None, what: str
+    ) -> bool:
+        """Put one message in our lane to ``p`` (send lock held); False if it is full."""
+        lane = p.lane_out
+        if lane is None:
+            try:
+                lane = Lane.create()
+            except OSError as exc:
+                log.info("rank %d: no shared-memory lane to rank %d (%s); sending by socket", self.rank, p.rank, exc)
+                p.lane_ok = False
+                return False
+            p.lane_out = lane  # (before the frame: the answer may come at once)
+            try:  # (the peer opens it when this frame comes; messages are numbered from here on)
+                self._sendmsg(p, *self._frame(p, Kind.LANE, lane.fd), deadline, what)
+            except BaseException:
+                p.lane_out = None
+                lane.close()
+                raise
+            return False  # (until the peer has mapped it, by socket: a lane may outlive us only then)
+        if not p.lane_ready or not lane.put(p.tx_seq, tag, meta, views, nbytes):
+            return False
+        p.tx_seq += 1
+        if lane.sleepers():  # a waiter of the peer sleeps: any frame wakes its reader, which reads the lane
+            self._sendmsg(p, *self._frame(p, Kind.HEARTBEAT, 0), None, what)
+        return True
 
     def _send_cma(
         self,
@@ -604,7 +688,19 @@ class Endpoint:
             p.acks[xfer] = ack
         try:
             with p.send_lock:
-                self._sendmsg(p, *self._frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc)), deadline, what)
+                if p.lane_out is None:
+                    self._sendmsg(p, *self._frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc)), deadline, what)
+                else:
+                    seq = p.tx_seq
+                    p.tx_seq += 1
+                    try:
+                        self._sendmsg(
+                            p, *self._frame(p, Kind.DATA_CMA_SEQ, tag, _SEQ.pack(seq) + meta, [memoryview(desc)], len(desc)),
+                            deadline, what,
+                        )
+                    except DistTimeoutError:  # (nothing went out: its number is free again)
+                        p.tx_seq = seq
+                        raise
             # the peer reads our buffers now: they must stay untouched until it says so
             event: threading.Event = ack[0]
             step = max(0.05, self.heartbeat_interval / 2)
@@ -651,6 +747,8 @@ class Endpoint:
                 p = self._peers.get(peer)
                 if p is None:
                     raise ValueError(f"rank {self.rank}: no peer rank {peer} in a group of {self.size}")
+                if p.lane_in is not None:
+                    self._drain(p)
                 if self._take_unexpected(p, handle):
                     return handle
                 if p.error is not None:
@@ -659,6 +757,8 @@ class Endpoint:
                 p.posted.setdefault(tag, deque()).append(handle)
                 self._posted_cv.notify_all()
             else:
+                for p in self._lanes_in:
+                    self._drain(p)
                 for p in self._peers.values():
                     if self._take_unexpected(p, handle):
                         return handle
@@ -668,8 +768,35 @@ class Endpoint:
 
     def wait(self, handle: RecvHandle, deadline: float | None, what: str | None = None) -> RecvHandle:
         """Block until ``handle`` completes; raise its error, a stall or the deadline."""
+        if not handle.finished and self._lanes_in:
+            lanes = self._lanes_for(handle)
+            if lanes:
+                self._spin(handle, lanes)
+                if not handle.finished:
+                    self._sleep_on(handle, lanes, deadline, what)
+        return self._wait(handle, deadline, what)
+
+    def _sleep_on(self, handle: RecvHandle, lanes: tuple[_Peer, ...], deadline: float | None, what: str | None) -> None:
+        """Wait for ``handle`` counted among the sleepers of ``lanes``: their producers wake
+        this process's readers, which read the lanes (``_lane_put``)."""
+        for p in lanes:
+            with self._lock:
+                cast(Lane, p.lane_in).sleep(1)
+        try:
+            self._poll_lanes(lanes)  # (what came before the count was seen)
+            self._wait(handle, deadline, what)
+        finally:
+            for p in lanes:
+                with self._lock:
+                    cast(Lane, p.lane_in).sleep(-1)
+
+    def _wait(self, handle: RecvHandle, deadline: float | None, what: str | None) -> RecvHandle:
         step = max(0.05, self.heartbeat_interval / 2)
         while not handle.wait_finished(step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))):
+            if self._lanes_in:  # (a lane that opened while this waiter slept has no count of it)
+                self._poll_lanes(self._lanes_for(handle))
+                if handle.finished:
+                    break
             now = time.monotonic()
             if handle.peer >= 0:
                 p = self._peers.get(handle.peer)
@@ -736,6 +863,8 @@ class Endpoint:
                 p.reader.join(2.0)
             with contextlib.suppress(OSError):
                 p.sock.close()
+            if p.lane_out is not None:  # (the peer's mapping stays valid: the memory goes with it)
+                p.lane_out.close()
         self._heartbeats.join(2.0)
         self._break(DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed"))
 
@@ -766,7 +895,13 @@ class Endpoint:
         return parts, None
 
     def _sendmsg(
-        self, p: _Peer, parts: list[memoryview], tagging: auth.Tagging | None, deadline: float | None, what: str
+        self,
+        p: _Peer,
+        parts: list[memoryview],
+        tagging: auth.Tagging | None,
+        deadline: float | None,
+        what: str,
+        quiet: bool = False,
     ) -> None:
         """Write the frame ``parts`` whole (send lock held), and, with a ``tagging`` (see
         ``_frame``), the tag of the payload that follows the head, made piece by piece as the
@@ -795,6 +930,8 @@ class Endpoint:
                     p.session.send.seq -= 1  # (this frame never left: its number is free again)
                 raise failure from None
             except OSError as exc:
+                if quiet:  # (the reader finds the loss once it has read what came before it)
+                    raise DistNetworkError(f"rank {self.rank}: {what}: {exc}") from exc
                 err = self._lost(p, exc, what)
                 raise err from exc
             started = True
@@ -954,8 +1091,21 @@ class Endpoint:
                             self._on_data_in(p, event.payload)
                         else:
                             self._on_data(p, event.tag, event.meta, event.payload)
+                    elif kind == Kind.DATA_SEQ:
+                        if event.placed:
+                            self._on_data_in(p, event.payload)
+                        else:
+                            seq, meta = _numbered(event.meta)
+                            self._on_data(p, event.tag, meta, event.payload, seq)
                     elif kind == Kind.DATA_CMA:
                         self._on_cma(p, event.tag, event.meta, bytes(event.payload))
+                    elif kind == Kind.DATA_CMA_SEQ:
+                        seq, meta = _numbered(event.meta)
+                        self._on_cma(p, event.tag, meta, bytes(event.payload), seq)
+                    elif kind == Kind.LANE:
+                        self._on_lane(p, event.tag)
+                    elif kind == Kind.LANE_OK:
+                        self._on_lane_ok(p, event.tag, event.meta)
                     elif kind == Kind.CMA_ACK:
                         with self._lock:
                             ack = p.acks.get(event.tag)
@@ -969,7 +1119,14 @@ class Endpoint:
                         self._break(err)
                     elif kind == Kind.GOODBYE:
                         p.said_goodbye = True
+                    lane = p.lane_in  # (a frame may be a wake-up: see ``_lane_put``)
+                    if lane is not None and lane.ready():
+                        with self._lock:
+                            self._drain(p)
         except (OSError, RemoteProtocolError) as exc:
+            if p.lane_in is not None:  # what the peer put in its lane before it went is delivered
+                with contextlib.suppress(RemoteProtocolError), self._lock:
+                    self._drain(p)
             if not self._closing:
                 arriving = p.arriving
                 what = arriving.what if isinstance(arriving, RecvHandle) else "a pending operation"
@@ -995,10 +1152,12 @@ class Endpoint:
         dec.received(k)
         p.last_rx = time.monotonic()
 
-    def _on_data(self, p: _Peer, tag: int, meta: bytes, payload: memoryview) -> None:
-        """A small message, whole (``payload``: the decoder's memory, copied out here)."""
+    def _on_data(self, p: _Peer, tag: int, meta: bytes, payload: memoryview, seq: int = -1) -> None:
+        """A small message, whole (``payload``: the decoder's memory, copied out here; ``seq``:
+        its number, when the peer has a lane to us)."""
         nbytes = payload.nbytes
         with self._lock:
+            self._turn(p, seq)
             handle, _ = self._match(p, tag)
             if handle is None:
                 pending = _Pending(meta, nbytes)
@@ -1006,7 +1165,9 @@ class Endpoint:
                 data[:] = payload
                 pending.done = True
                 p.unexpected.setdefault(tag, deque()).append(pending)
+                self._turned(p, seq)
                 return
+            self._turned(p, seq)
         handle.meta = meta
         handle.nbytes = nbytes
         err = self._check(p.rank, handle, meta, nbytes)
@@ -1021,17 +1182,22 @@ class Endpoint:
         """A large message's head: its payload goes straight into its receive's buffer when
         one is posted (else into a buffer it waits in; ``_on_data_in`` when it is in)."""
         dec = p.decoder
-        if event.kind != Kind.DATA:  # (a long cross-memory descriptor)
+        tag, meta, nbytes = event.tag, event.meta, event.nbytes
+        seq = -1
+        if event.kind == Kind.DATA_SEQ:
+            seq, meta = _numbered(meta)
+        elif event.kind != Kind.DATA:  # (a long cross-memory descriptor)
             dec.place(None)
             return
-        tag, meta, nbytes = event.tag, event.meta, event.nbytes
         with self._lock:
+            self._turn(p, seq)
             handle, _ = self._match(p, tag)
             pending: _Pending | None = None
             if handle is None:
                 pending = _Pending(meta, nbytes)
                 p.unexpected.setdefault(tag, deque()).append(pending)
             p.arriving = handle or pending
+            self._turned(p, seq)
         if handle is not None:
             handle.meta = meta
             handle.nbytes = nbytes
@@ -1058,25 +1224,27 @@ class Endpoint:
         elif arriving is not None and waiting is not None:
             self._deliver_copy(p.rank, arriving, waiting)
 
-    def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
+    def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes, seq: int = -1) -> None:
         with self._copying_cv:
             self._copying += 1
         try:
-            self._on_cma_counted(p, tag, meta, desc)
+            self._on_cma_counted(p, tag, meta, desc, seq)
         finally:
             with self._copying_cv:
                 self._copying -= 1
                 self._copying_cv.notify_all()
 
-    def _on_cma_counted(self, p: _Peer, tag: int, meta: bytes, desc: bytes) -> None:
+    def _on_cma_counted(self, p: _Peer, tag: int, meta: bytes, desc: bytes, seq: int) -> None:
         xfer, pid, segments, prefix = unpack_cma(desc)
         if prefix.nbytes:
             raise RemoteProtocolError("a process group's cross-memory message carries no inline prefix")
         nbytes = sum(n for _, n in segments)
         # The sender waits for our ack anyway: give its receive a moment to be posted, so the
-        # data goes straight to the destination (one copy instead of two, no buffer).
+        # data goes straight to the destination (one copy instead of two, no buffer). The lane's
+        # later messages wait meanwhile (``_turn``: this one is matched first).
         deadline = time.monotonic() + _CMA_DEFER
         with self._posted_cv:
+            self._turn(p, seq)
             handle, from_any = self._match(p, tag)
             while handle is None:
                 remaining = deadline - time.monotonic()
@@ -1084,17 +1252,19 @@ class Endpoint:
                     break
                 self._posted_cv.wait(remaining)
                 handle, from_any = self._match(p, tag)
+            if handle is not None:
+                self._turned(p, seq)
         if handle is not None:
             status = self._cma_into(p, handle, from_any, tag, pid, segments, meta, nbytes)
         else:
-            status = self._cma_buffer(p, tag, pid, segments, meta, nbytes)
+            status = self._cma_buffer(p, tag, pid, segments, meta, nbytes, seq)
         ack_meta = pack_ack(status)
         # Never block the reader on a send: if both ranks stream large messages at each other,
         # a reader waiting for its send lock (held by a sender stuck on a full socket, because
         # the other reader waits the same way) deadlocks the pair. A small thread sends acks.
-        self._ack_queue().put((p, xfer, ack_meta))
+        self._ack_queue().put((p, Kind.CMA_ACK, xfer, ack_meta))
 
-    def _ack_queue(self) -> queue.SimpleQueue[tuple[_Peer, int, bytes] | None]:
+    def _ack_queue(self) -> queue.SimpleQueue[tuple[_Peer, Kind, int, bytes] | None]:
         with self._lock:
             if self._acks is None:
                 self._acks = queue.SimpleQueue()
@@ -1104,14 +1274,19 @@ class Endpoint:
                 self._ack_thread.start()
             return self._acks
 
-    def _ack_loop(self, acks: queue.SimpleQueue[tuple[_Peer, int, bytes] | None]) -> None:
+    def _ack_loop(self, acks: queue.SimpleQueue[tuple[_Peer, Kind, int, bytes] | None]) -> None:
+        """Send the readers' answers (``CMA_ACK``, ``LANE_OK``)."""
         while True:
             item = acks.get()
             if item is None:
                 return
-            p, xfer, ack_meta = item
+            p, kind, tag, meta = item
             with p.send_lock, contextlib.suppress(DistError):  # (a loss is reported)
-                self._sendmsg(p, *self._frame(p, Kind.CMA_ACK, xfer, ack_meta), None, "acknowledging a cross-memory copy")
+                # (a peer that sent us its lane and left at once is no loss: what it sent is read)
+                self._sendmsg(
+                    p, *self._frame(p, kind, tag, meta), None, f"answering rank {p.rank} ({kind.name})",
+                    quiet=kind == Kind.LANE_OK,
+                )
 
     def _cma_into(
         self,
@@ -1149,12 +1324,19 @@ class Endpoint:
         return 0
 
     def _cma_buffer(
-        self, p: _Peer, tag: int, pid: int, segments: list[tuple[int, int]], meta: bytes, nbytes: int
+        self, p: _Peer, tag: int, pid: int, segments: list[tuple[int, int]], meta: bytes, nbytes: int, seq: int
     ) -> int:
         """Keep a cross-memory message whose receive is not posted yet; returns 0 or an errno."""
-        data = fresh_buffer(nbytes)
-        status = cma_read(pid, segments, data) if nbytes else 0
+        try:
+            data = fresh_buffer(nbytes)
+            status = cma_read(pid, segments, data) if nbytes else 0
+        except BaseException:
+            with self._lock:
+                self._turned(p, seq)
+            raise
         if status:
+            with self._lock:
+                self._turned(p, seq)
             return status
         pending = _Pending(meta, nbytes)
         pending.data = data
@@ -1163,9 +1345,138 @@ class Endpoint:
             handle, _ = self._match(p, tag)
             if handle is None:
                 p.unexpected.setdefault(tag, deque()).append(pending)
+            self._turned(p, seq)
         if handle is not None:
             self._deliver_copy(p.rank, pending, handle)
         return 0
+
+    # -- lanes ----------------------------------------------------------------------------------
+    def _on_lane(self, p: _Peer, fd: int) -> None:
+        """The peer's lane to us: map it and say so (its messages are numbered from here on,
+        and go by lane once our ``LANE_OK`` is in)."""
+        pid = self._peer_pids.get(p.rank, 0)
+        try:
+            lane: Lane | None = Lane.open(pid, fd)
+        except DistError as exc:
+            log.info("rank %d: cannot use rank %d's shared-memory lane (%s); it sends by socket", self.rank, p.rank, exc)
+            lane = None
+            answer: tuple[int, bytes] = (1, str(exc).encode()[:4000])
+        else:
+            answer = (0, b"")
+        with self._lock:
+            p.rx_seq = 0
+            if lane is not None:
+                p.lane_in = lane
+                self._lanes_in = (*self._lanes_in, p)
+        self._ack_queue().put((p, Kind.LANE_OK, *answer))
+
+    def _on_lane_ok(self, p: _Peer, refused: int, why: bytes) -> None:
+        """The peer's answer to our ``LANE``."""
+        lane = p.lane_out
+        if lane is None:
+            raise RemoteProtocolError(f"rank {p.rank} answered a lane that was never offered")
+        if refused:
+            log.info("rank %d: rank %d cannot map our lane (%s); sending by socket", self.rank, p.rank, why.decode(errors="replace"))
+            p.lane_ok = False
+        else:
+            p.lane_ready = True
+        lane.close()  # (the peer's mapping holds the memory now)
+
+    def _turn(self, p: _Peer, seq: int) -> None:
+        """Under the lock, before the socket message numbered ``seq`` (-1: not numbered) is
+        matched: match the lane's messages sent before it."""
+        if seq < 0:
+            return
+        self._drain(p)
+        if p.rx_seq != seq:
+            raise RemoteProtocolError(
+                f"rank {p.rank}'s message number {seq} came while number {p.rx_seq} is missing from its lane"
+            )
+
+    def _turned(self, p: _Peer, seq: int) -> None:
+        """Under the lock, once the socket message numbered ``seq`` is matched (or kept): the
+        lane's next messages may go."""
+        if seq >= 0:
+            p.rx_seq = seq + 1
+            self._drain(p)
+
+    def _drain(self, p: _Peer) -> None:
+        """Under the lock: match the messages in ``p``'s lane whose turn it is."""
+        lane = p.lane_in
+        if lane is None:
+            return
+        while True:
+            rec = lane.peek()
+            if rec is None or rec.seq != p.rx_seq:  # (none, or a socket message's turn)
+                return
+            self._deliver_record(p, rec)
+            lane.pop(rec)
+            p.rx_seq += 1
+
+    def _deliver_record(self, p: _Peer, rec: Record) -> None:
+        """Under the lock: one message out of a lane, to its receive or kept (copied out)."""
+        payload = rec.payload
+        n = payload.nbytes
+        handle, _ = self._match(p, rec.tag)
+        if handle is None:
+            pending = _Pending(rec.meta, n)
+            data = pending.data = fresh_buffer(n)
+            data[:] = payload
+            pending.done = True
+            p.unexpected.setdefault(rec.tag, deque()).append(pending)
+            return
+        handle.meta = rec.meta
+        handle.nbytes = n
+        err = self._check(p.rank, handle, rec.meta, n)
+        if err is None:
+            if handle.buffer is not None:
+                handle.buffer[:n] = payload
+            else:
+                handle.data = bytearray(payload)
+        handle._finish(p.rank, err)
+
+    def _lanes_for(self, handle: RecvHandle) -> tuple[_Peer, ...]:
+        if handle.peer < 0:
+            return self._lanes_in
+        p = self._peers.get(handle.peer)
+        return (p,) if p is not None and p.lane_in is not None else ()
+
+    def _poll_lanes(self, lanes: tuple[_Peer, ...]) -> None:
+        for p in lanes:
+            lane = p.lane_in
+            if lane is not None and lane.ready():
+                with self._lock:
+                    self._drain(p)
+
+    def progress(self, handle: RecvHandle) -> bool:
+        """Whether ``handle`` has finished, after matching what the lanes it may come by hold."""
+        if not handle.finished and self._lanes_in:
+            self._poll_lanes(self._lanes_for(handle))
+        return handle.finished
+
+    def _spin(self, handle: RecvHandle, lanes: tuple[_Peer, ...]) -> None:
+        """Poll the lanes ``handle`` may come by for the spin budget (``_core.spin``)."""
+        budget = self._budget
+        total = budget.seconds()
+        if not total:
+            return
+        pure = budget.pure()
+        clock = time.perf_counter
+        start = clock()
+        yields = 0
+        poll = self._poll_lanes
+        while True:
+            poll(lanes)
+            if handle.finished:
+                budget.caught(yields > 0)
+                return
+            elapsed = clock() - start
+            if elapsed >= total:
+                budget.missed()
+                return
+            if elapsed >= pure and yields < spin.YIELDS:
+                yields += 1
+                os.sched_yield()
 
     def _match(self, p: _Peer, tag: int) -> tuple[RecvHandle | None, bool]:
         """Under the lock: the receive a message from ``p`` with ``tag`` goes to."""

@@ -28,6 +28,15 @@ connection proven alive; ``ABORT`` carries a reason (in ``meta``) when a peer gi
 up; ``GOODBYE`` says the peer is closing on purpose. Only ``DATA`` and ``DATA_CMA`` frames
 carry a payload.
 
+Lanes (process groups, one host). Small messages to a peer of the same host go through a
+shared-memory ring (``_lane``) that the sender announces with a ``LANE`` frame (tag: the ring's
+descriptor in the sender, opened through ``/proc``) and uses once the peer has answered
+``LANE_OK`` (it has mapped the ring, which then outlives the sender). From the ``LANE`` frame
+on, every message to that peer
+has a sequence number, in the lane's record or, on the socket, as the first 8 bytes of the
+meta of a ``DATA_SEQ`` or ``DATA_CMA_SEQ`` frame (otherwise ``DATA`` and ``DATA_CMA``), so the
+receiver matches messages in the order they were sent, whichever way each went.
+
 One same-host copy format, for process groups and RPC alike. A ``DATA_CMA`` payload is::
 
     transfer id u64 | sender pid u32 | segment count u32 | prefix length u64
@@ -86,7 +95,7 @@ __all__ = [
 ]
 
 MAGIC = b"TDPE"
-VERSION = 2  # (2: one same-host copy format for process groups and RPC)
+VERSION = 3  # (2: one same-host copy format for process groups and RPC; 3: lanes)
 TOKEN_SIZE = 16
 MAX_META = 0xFFFF
 MAX_PAYLOAD = 1 << 40
@@ -104,6 +113,10 @@ class Kind(enum.IntEnum):
     GOODBYE = 4
     DATA_CMA = 5  # a DATA message whose payload the receiver copies from the sender's memory
     CMA_ACK = 6  # the receiver has copied it (tag: transfer id; meta: b"" or an errno)
+    LANE = 7  # the sender's shared-memory lane to this peer (tag: its descriptor; ``_lane``)
+    DATA_SEQ = 8  # DATA after a LANE: meta starts with the message's u64 sequence number
+    DATA_CMA_SEQ = 9  # DATA_CMA after a LANE, likewise
+    LANE_OK = 10  # the receiver of a LANE has mapped it (tag 0), or cannot (tag 1, meta: why)
 
 
 # DATA_CMA payload: transfer id, sender pid, segment count, prefix length; the segments; the prefix
@@ -140,7 +153,7 @@ def unpack_header(data: bytes | bytearray | memoryview, max_payload: int) -> Fra
 
 
 KINDS = frozenset(int(k) for k in Kind)
-_WITH_PAYLOAD = frozenset((Kind.DATA, Kind.DATA_CMA))
+_WITH_PAYLOAD = frozenset((Kind.DATA, Kind.DATA_CMA, Kind.DATA_SEQ, Kind.DATA_CMA_SEQ))
 
 
 def check_magic(magic: bytes, version: int, what: str) -> None:
