@@ -30,7 +30,6 @@ import numbers
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -306,10 +305,10 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
     base = f"{_RDZV}/{n}/"
 
     def abort(round_base: str, message: str) -> ValueError:
+        # (the round's "full" key says either: a round that is full is not aborted)
         message = f"the rendezvous at {where}: {message}"
         with contextlib.suppress(Exception):
-            if not store.check([round_base + "full"]):
-                store.compare_set(round_base + "abort", "", message)
+            store.compare_set(round_base + "full", "", _ABORTED + message)
         return _rendezvous_error(message)
 
     if n > 1:  # this rank joined this store before: was the one before released?
@@ -334,22 +333,36 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
             "(WORLD_SIZE / world_size=)",
         )
     if int(store.add(base + "joined", 1)) >= world_size:
-        store.set(base + "full", "1")
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check([base + "full"]):
-        if store.check([base + "abort"]):
-            raise _rendezvous_error(store.get(base + "abort").decode())
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        verdict = store.compare_set(base + "full", "", "1")  # (unless an abort came first)
+    else:
+        try:  # (one request: waits for the key, within the store's timeout, which is ours)
+            verdict = store.multi_get([base + "full"])[0] if _waits(store, timeout) else _wait_get(store, base + "full", timeout)
+        except StoreTimeoutError:
             missing = [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
             raise DistTimeoutError(
                 f"rank {rank}: the rendezvous at {where} timed out after {timeout.total_seconds():g} s: "
                 f"rank(s) {missing} of {world_size} never joined; are they running, with this "
                 "address and world size?"
-            )
-        with contextlib.suppress(StoreTimeoutError):
-            store.wait([base + "full"], timedelta(seconds=min(0.2, remaining)))
+            ) from None
+    if verdict != b"1":
+        raise _rendezvous_error(verdict.decode(errors="replace").removeprefix(_ABORTED))
     store._rdzv_claim = (base + f"rank_{rank}", me)
+
+
+_ABORTED = "aborted: "
+
+
+def _waits(store: Any, timeout: timedelta) -> bool:
+    """Whether ``store.multi_get`` waits for its keys for ``timeout`` (tdist's TCPStore made
+    with it: one request instead of a wait and a get)."""
+    from ._tcp import TCPStore
+
+    return type(store) is TCPStore and store.timeout == timeout
+
+
+def _wait_get(store: Any, key: str, timeout: timedelta) -> bytes:
+    store.wait([key], timeout)
+    return bytes(store.get(key))
 
 
 def release_claim(store: Any) -> None:
