@@ -353,13 +353,9 @@ class ArenaCore:
         )
         self._hb_thread.start()
 
-        # every rank has mapped the segment and opened every pipe once all have arrived here:
-        # rank 0's descriptor of the segment is needed no more (the mappings keep it)
-        self._op = "init"
-        self._sync(_Kind.INIT, deadline)
-        if seg_fd >= 0:
-            self._fds.remove(seg_fd)
-            os.close(seg_fd)
+        # (no barrier here: the first operation waits for every rank anyway, and a peer whose
+        # heartbeat is still 0 is only subject to the deadline; rank 0 keeps its descriptor of
+        # the segment open until close, for peers that open it later)
         log.debug(
             "rank %s: shared-memory arena %s ready: %s ranks, %s frames of %s bytes",
             self.rank, self.name, self.size, self._K, self._F,
