@@ -242,7 +242,8 @@ def test_survivors_of_a_sigkill_mid_step_finish_in_place() -> None:
 
 
 def test_a_joiner_receives_the_state_from_a_live_peer_and_takes_part() -> None:
-    out = _run({"a": {}, "b": {}, "late": {"start_after": 8}})
+    # (the members wait at step 12 until the joiner asks: however slow its start, it joins a running job)
+    out = _run({"a": {"hold_at": 12}, "b": {"hold_at": 12}, "late": {"start_after": 8}})
     results = [out["a"], out["b"], out["late"]]
     _check_same(results, _reference())
     late = out["late"]
@@ -254,7 +255,7 @@ def test_a_joiner_receives_the_state_from_a_live_peer_and_takes_part() -> None:
 
 def test_ddp_on_tdist_survives_a_kill_and_takes_a_joiner() -> None:
     out = _run({
-        "a": {"ddp": True}, "b": {"ddp": True}, "victim": {"ddp": True, "kill_at": 6},
+        "a": {"ddp": True, "hold_at": 16}, "b": {"ddp": True, "hold_at": 16}, "victim": {"ddp": True, "kill_at": 6},
         "late": {"ddp": True, "start_after": 12},
     })
     assert out["victim"] == -signal.SIGKILL

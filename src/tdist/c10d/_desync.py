@@ -64,6 +64,11 @@ log = logging.getLogger(__name__)
 
 GRACE = 2.0  # seconds the asking rank waits for the others' answers
 _WAIT = timedelta(hours=1)  # one blocking wait of a responder (it waits again after)
+# a responder connects this long after its group forms: the connection (a new client of the
+# store, with its handshake) would otherwise compete with the group's own set-up, and a group
+# that fails at once leaves with no responder to stop
+_DEFER = 0.2
+_DEFERRING, _CONNECTING, _CONNECTED = 0, 1, 2
 _RECENT = 4
 _POLL = 0.01  # seconds between two looks at the answers
 
@@ -132,14 +137,25 @@ class Responder:
         self._rec = rec
         self._next = 1
         self._stopped = False
+        self._go = threading.Event()  # (set: stop waiting to connect)
+        self._state = _DEFERRING
+        root = store
+        while isinstance(root, PrefixStore):
+            root = root.underlying_store
+        self._ours = isinstance(root, Store)  # (tdist's store: its client is Python through and through)
         self._thread = threading.Thread(target=self._run, name=f"tdist-fr-{rec.rank}", daemon=True)
         self._thread.start()
         _responders.add(self)
 
     def _run(self) -> None:
+        self._go.wait(_DEFER)
+        if self._stopped:
+            return
+        self._state = _CONNECTING
         store = clone_store(self._store)
         if store is None:
             return
+        self._state = _CONNECTED
         rank = self._rec.rank
         failures = 0
         try:
@@ -186,7 +202,8 @@ class Responder:
         if self._stopped:
             return
         self._stopped = True
-        if self._thread.is_alive():
+        self._go.set()
+        if self._state == _CONNECTED and self._thread.is_alive():
             # (from a thread: a store whose host is stopped must not hold up destroy_process_group)
             threading.Thread(target=self._wake, name=f"tdist-fr-stop-{self._rec.rank}", daemon=True).start()
 
@@ -211,9 +228,15 @@ def _stop_responders_at_exit() -> None:
     for r in live:
         if not r._stopped:
             r._stopped = True
-            r._wake()
+            r._go.set()  # (one still deferring leaves at once, never connected)
+            if r._state == _CONNECTED:
+                r._wake()
     deadline = time.monotonic() + 2.0
     for r in live:
+        if r._state == _CONNECTING and r._ours:
+            # (still connecting, perhaps to a store that is gone: tdist's client has nothing to
+            # abort at teardown, and waiting for its connect would hold up the exit)
+            continue
         r.join(max(0.0, deadline - time.monotonic()))
 
 
