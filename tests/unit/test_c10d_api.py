@@ -6,7 +6,6 @@ backend, and the public surface against ``torch.distributed``."""
 from __future__ import annotations
 
 import threading
-import time
 import types
 import warnings
 from collections.abc import Iterator
