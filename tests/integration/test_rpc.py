@@ -540,7 +540,7 @@ def _blocked_by_the_next_call(w: Worker) -> None:
         t0 = time.monotonic()
         rpc.rpc_sync(p, f.set_event, args=(key,))
         assert blocked.wait() is True
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10  # released by the next call (not at its wait's 20 s)
         rpc.rpc_sync(p, f.clear_event, args=(key,))
     w.barrier()
 
@@ -858,7 +858,7 @@ def _ungraceful(w: Worker) -> None:
         t0 = time.monotonic()
         with pytest.raises(RuntimeError):
             rpc.rpc_sync("worker0", f.add, args=(1, 2), timeout=5)
-        assert time.monotonic() - t0 < 2  # it is gone: no waiting for the timeout
+        assert time.monotonic() - t0 < 4  # it is gone: no waiting for the timeout (5 s)
         assert rpc.rpc_sync(name(1 + w.rank % 3), f.add, args=(1, 2)) == 3  # the others still talk
         w.barrier()
         w.shutdown(graceful=False)
