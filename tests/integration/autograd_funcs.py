@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -46,6 +47,9 @@ def explode_in_backward(x: torch.Tensor) -> torch.Tensor:
     return _Explode.apply(x) * 2  # type: ignore[no-untyped-call]
 
 
+slow_started = threading.Event()  # set as the backward of a ``slow`` starts (in this process)
+
+
 class _Slow(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
@@ -54,6 +58,7 @@ class _Slow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        slow_started.set()
         time.sleep(ctx.seconds)
         return g, None
 

@@ -50,6 +50,17 @@ def sleep_then(seconds: float, value: Any = None) -> Any:
     return value
 
 
+arrived: Any = None  # a multiprocessing Value a scenario gives its callee (``arrive_then_sleep``)
+
+
+def arrive_then_sleep(seconds: float, value: Any = None) -> Any:
+    """``sleep_then``, counted in ``arrived`` as it starts (a count every process can read)."""
+    with arrived.get_lock():
+        arrived.value += 1
+    time.sleep(seconds)
+    return value
+
+
 def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
     """What the callee received: shape, strides, flags and a checksum."""
     return {

@@ -4,6 +4,7 @@ object collectives, ``monitored_barrier``, debug-mode mismatch reports, destroy 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -657,15 +658,20 @@ def test_work_source_rank_as_torch_spells_it() -> None:
 
 # -- monitored barrier -----------------------------------------------------------------------------
 def test_monitored_barrier_names_the_late_rank() -> None:
+    reported = threading.Event()
+
     def body(rank: int, ws: int) -> str:
         dist.monitored_barrier(timeout=timedelta(seconds=5))
-        if rank == 2:
-            time.sleep(1.0)
+        if rank == 2:  # late: comes once rank 0 has given up on it
+            assert reported.wait(20), "rank 0's monitored barrier never ended"
         try:
             dist.monitored_barrier(timeout=timedelta(milliseconds=300), wait_all_ranks=True)
             return "passed"
         except dist.DistBackendError as exc:
             return str(exc)
+        finally:
+            if rank == 0:
+                reported.set()
 
     res = spmd(body, 3)
     assert res[0] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 300 ms"

@@ -53,8 +53,14 @@ def _gradients(w: Worker) -> dict[str, Any]:
             out["chain"] = torch.allclose(grads[a], ga) and torch.allclose(grads[b], gb)
             out["not_in_grad"] = a.grad is None and b.grad is None
             chain_cid = cid
-        time.sleep(0.3)  # the release travels on (not awaited)
-        out["released"] = [rpc.rpc_sync(p, f.context_released, args=(chain_cid,)) for p in w.others()]
+        # the release travels on (not awaited): look until the others have let go (10 s at most)
+        deadline = time.monotonic() + 10
+        while True:
+            released = [rpc.rpc_sync(p, f.context_released, args=(chain_cid,)) for p in w.others()]
+            if all(released) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        out["released"] = released
         # rpc_async, the same tensors used twice: gradients add up
         with dist_autograd.context() as cid:
             r1 = rpc.rpc_async(w.peer(1), f.mul_add, args=(a, b)).wait()
@@ -115,8 +121,10 @@ def _two_passes(w: Worker) -> dict[str, Any]:
 
             first = threading.Thread(target=pass_, args=(r1.sum() + sx.sum(),))
             second = threading.Thread(target=pass_, args=(r2.sum() + sy.sum(),))
+            f.slow_started.clear()
             first.start()
-            time.sleep(0.1)  # the first pass has sent its gradients to worker1 and sleeps
+            # the first pass has sent its gradients to worker1 and sleeps (in sx's backward)
+            assert f.slow_started.wait(20), "the first pass never reached its slow backward"
             second.start()
             second.join(20)
             # the second pass returned only when the gradients it sent on were carried through

@@ -42,6 +42,26 @@ WORKER = textwrap.dedent(
     out = os.environ["TEST_OUT"]
     with open(os.path.join(out, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
+
+    def wait_for(ready, within=20):
+        end = time.monotonic() + within
+        while not ready() and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def mark(name):
+        open(os.path.join(out, name), "w").close()
+
+    def marked(name):
+        return lambda: os.path.exists(os.path.join(out, name))
+
+    def stopped(rank):  # (its process state: T, stopped by a signal)
+        try:
+            with open(os.path.join(out, f"pid{rank}")) as f:
+                pid = int(f.read())
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, ValueError):
+            return False
     if action == "env":
         keys = ["RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
@@ -67,22 +87,24 @@ WORKER = textwrap.dedent(
         print(f"rank {rank} waiting for rank 1", file=sys.stderr, flush=True)
         open(os.path.join(out, f"said{rank}"), "w").close()
         time.sleep(60)
-    elif action == "dump":  # rank 0 dumps a flight record and hangs, rank 1 fails
+    elif action == "dump":  # rank 0 dumps a flight record and hangs, rank 1 fails then
         if rank == 0:
             with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0", "wb") as f:
                 f.write(b"record")
+            mark("dumped0")
             time.sleep(60)
-        time.sleep(0.5)
+        wait_for(marked("dumped0"))
         sys.exit(3)
     elif action == "kill":  # rank 0 dies of SIGKILL, the others hang
         if rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-    elif action == "stubborn":  # rank 0 fails, rank 1 ignores SIGTERM
+    elif action == "stubborn":  # rank 0 fails once rank 1 ignores SIGTERM
         if rank == 0:
-            time.sleep(0.3)
+            wait_for(marked("ignoring1"))
             sys.exit(5)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        mark("ignoring1")
         time.sleep(60)
     elif action == "hang":
         print(f"rank {rank} ready", flush=True)
@@ -112,9 +134,10 @@ WORKER = textwrap.dedent(
         if rank == 1:
             if action == "stall":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            mark("hangs1")
             time.sleep(60)
-        if rank == 0:
-            time.sleep(0.5)
+        if rank == 0:  # once rank 1 is stopped (or hangs)
+            wait_for((lambda: stopped(1)) if action == "stall" else marked("hangs1"))
             print("tdist._core.errors.PeerError: rank 0: peer rank 1 (pid 1) stalled during "
                   "all_reduce: no heartbeat for 10.0 s", file=sys.stderr)
             sys.exit(1)
@@ -978,7 +1001,12 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) 
         "import os, sys, time\n"
         "attempt, rank = int(os.environ['TORCHELASTIC_RESTART_COUNT']), int(os.environ['RANK'])\n"
         "if attempt == 0:\n"
-        "    if rank == 3:\n        time.sleep(0.5); sys.exit(9)\n"
+        "    open(f'up{rank}', 'w').close()\n"
+        "    if rank == 3:  # (fails once the others wait)\n"
+        "        end = time.monotonic() + 20\n"
+        "        while not all(os.path.exists(f'up{r}') for r in range(3)) and time.monotonic() < end:\n"
+        "            time.sleep(0.01)\n"
+        "        sys.exit(9)\n"
         "    time.sleep(60)\n"
         "import tdist as dist, torch\n"
         "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
@@ -1049,9 +1077,15 @@ def test_a_node_that_comes_later_joins_a_running_elastic_job(work: Path) -> None
 
 def test_a_signal_ends_a_wait_in_the_elastic_rendezvous(work: Path) -> None:
     # two nodes at least, one comes: it waits in the rendezvous until Ctrl-C, not for join_timeout
+    port = free_port()
     proc = start_launcher(work, "--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                          f"127.0.0.1:{free_port()}", "worker.py", "env")
-    time.sleep(1.5)
+                          f"127.0.0.1:{port}", "worker.py", "env")
+    # it has joined once the rendezvous's state is in the store it hosts: it waits from then on
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20), secret="multi-node-secret")
+    try:
+        store.wait(["torch.rendezvous.none/state"])
+    finally:
+        store.close()
     proc.send_signal(signal.SIGINT)
     start = time.monotonic()
     _, err = outputs([proc])[0]
@@ -1070,10 +1104,16 @@ def test_c10d_rendezvous_on_one_node_with_a_free_port(work: Path) -> None:
 
 def test_failure_on_one_node_stops_the_other(two_nodes: tuple[Path, int]) -> None:
     work, port = two_nodes
-    # node 1 runs ranks 2 and 3: rank 3 fails at once (exit 9); node 0's ranks hang
+    # node 1 runs ranks 2 and 3: rank 3 fails (exit 9) once the others run; node 0's ranks hang
     (work / "n.py").write_text(
         "import os, sys, time\n"
-        "if os.environ['RANK'] == '3':\n    time.sleep(0.5); sys.exit(9)\n"
+        "rank = int(os.environ['RANK'])\n"
+        "open(f'up{rank}', 'w').close()\n"
+        "if rank == 3:\n"
+        "    end = time.monotonic() + 20\n"
+        "    while not all(os.path.exists(f'up{r}') for r in range(3)) and time.monotonic() < end:\n"
+        "        time.sleep(0.01)\n"
+        "    sys.exit(9)\n"
         "time.sleep(60)\n"
     )
     nodes = [start_node(work, port, k, "n.py") for k in (0, 1)]

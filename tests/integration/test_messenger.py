@@ -265,7 +265,7 @@ def test_a_waiting_poller_lets_go_of_the_connection_for_a_thread_that_claims_it(
         assert c.spinner, "b's poller should be waiting on the connection"
         t0 = time.monotonic()
         token = b.m.claim(0)
-        assert token is not None and time.monotonic() - t0 < 0.5
+        assert token is not None and time.monotonic() - t0 < 4  # (not once the 5 s wait ended)
         b.inbox.get(timeout=1)  # the ping
         a.send(1, 2, "read by the claiming thread")
         assert b.m.read_until(0, lambda: not b.inbox.empty(), time.monotonic() + 5, claimed=token)
@@ -362,7 +362,8 @@ def test_a_held_connection_is_armed_again_when_its_job_blocks(monkeypatch: pytes
             t0 = time.monotonic()
             a.send(1, 2, "releases it")
             assert b.get()[1] == 2
-            assert time.monotonic() - t0 < 1.0  # read by another poller once the guard armed it
+            # read by another poller once the guard armed it (not once the 10 s job ended)
+            assert time.monotonic() - t0 < 5
             assert b.get()[1] == 1
             assert b.threads[2] != b.threads[1]
             c = _conn_to(b, 0)

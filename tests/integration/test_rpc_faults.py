@@ -30,6 +30,7 @@ from ._rpc_harness import (
     rpc,
     run,
     settle,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,6 +62,7 @@ def _victim_fails(w: Worker) -> dict[str, Any] | None:
     sig = w.shared["signal"]
     if w.rank == VICTIM:
         def serve() -> None:
+            f.arrived = w.shared["arrived"]
             w.init()
             time.sleep(300)  # serves until killed
 
@@ -81,9 +83,14 @@ def _victim_fails(w: Worker) -> dict[str, Any] | None:
     # the pending calls below hold the victim's workers (the process-group agent has only
     # num_send_recv_threads=4 of them): a slow rank's answered calls must not queue behind them
     w.barrier()
-    pending = rpc.rpc_async(victim, f.sleep_then, args=(300, "never"), timeout=0)
-    pending_rref = rpc.remote(victim, f.sleep_then, args=(300, "never"), timeout=0)
-    time.sleep(0.3)  # the requests have arrived
+    pending = rpc.rpc_async(victim, f.arrive_then_sleep, args=(300, "never"), timeout=0)
+    pending_rref = rpc.remote(victim, f.arrive_then_sleep, args=(300, "never"), timeout=0)
+    # the requests have arrived: every caller's run on the victim (the process-group agent's
+    # 4 threads run 4 of them; the others wait in its queue)
+    running = 2 * (w.world_size - 1)
+    if w.backend != "tensorpipe":
+        running = min(running, 4)
+    wait_until(lambda: w.shared["arrived"].value >= running, 20, "the pending calls run on the victim")
     w.barrier()
     if w.rank == 0:
         os.kill(w.shared["victim_pid"].value, sig)
@@ -105,7 +112,8 @@ def _victim_fails(w: Worker) -> dict[str, Any] | None:
 def _observe_victim(backend: str, sig: int) -> list[dict[str, Any]]:
     import multiprocessing
 
-    shared = {"signal": sig, "victim_pid": multiprocessing.get_context("fork").Value("i", 0)}
+    ctx = multiprocessing.get_context("fork")
+    shared = {"signal": sig, "victim_pid": ctx.Value("i", 0), "arrived": ctx.Value("i", 0)}
     env = HEARTBEAT_ENV if sig == signal.SIGSTOP else {}
     outs = observe(_victim_fails, backend, signal.Signals(sig).name, init=False, env=env,
                    shared=shared, timeout=50)
@@ -255,7 +263,10 @@ def _dynamic(w: Worker) -> None:
     caller.start()
     w.barrier()
     w.barrier()  # the leaver's shutdown() returned
-    time.sleep(0.2)
+    after = len(calls)  # calls go on without it
+    deadline = time.monotonic() + 10
+    while len(calls) < after + 5 and not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
     stop.set()
     caller.join(10)
     assert not errors, errors

@@ -300,7 +300,7 @@ def _timed_out_remote(w: Worker) -> dict[str, Any]:
     if w.rank == 0:
         p = w.peer()
         rref = rpc.remote(p, f.tracked_after, args=(0.8, "late"), timeout=0.2)
-        time.sleep(0.4)
+        wait_until(lambda: rref._get_future().done(), 10, "the creation timed out")
         try:
             rref.to_here()
         except RuntimeError as exc:  # (not pytest.raises: it would keep the RRef alive)

@@ -23,7 +23,7 @@ import torch
 
 from tdist._core.errors import DistBackendError, DistTimeoutError, PeerError
 from tdist.c10d._shm import SHM_DIR, CollectiveMismatchError, ShmArena, cleanup_stale
-from tdist.c10d._shm._layout import _CLOSED, _STATE
+from tdist.c10d._shm._layout import _CLOSED, _SLEEP, _STATE
 from tdist.c10d._types import RedOpType
 from tdist.store import HashStore, Store, TCPStore
 from tdist.testing import LocalStore, local_store, run_processes, run_threads
@@ -64,6 +64,15 @@ def arena(rank: int, ws: int, where: int | Store, name: str, **kw: Any) -> ShmAr
         torch.set_num_threads(1)
     store = where if isinstance(where, Store) else TCPStore("127.0.0.1", where, timeout=timedelta(seconds=30))
     return ShmArena(store, rank, ws, name=name, **{**OPTS, **kw})
+
+
+def wait_blocked(a: ShmArena, q: int, timeout: float = 20.0) -> None:
+    """Until rank ``q`` of ``a`` waits in the kernel for its peers (its sleep word is set: it
+    is inside an operation, blocked)."""
+    deadline = time.monotonic() + timeout
+    while a._w[a._base[q] + _SLEEP] != 1:
+        assert time.monotonic() < deadline, f"rank {q} never blocked in a wait"
+        time.sleep(0.001)
 
 
 def data(rank: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -434,7 +443,7 @@ def test_mismatch_raises_on_every_rank_naming_both_sides(call: str) -> None:
             t0 = time.monotonic()
             with pytest.raises(DistBackendError, match="broken"):
                 a.barrier()
-            assert time.monotonic() - t0 < 1
+            assert time.monotonic() - t0 < 10  # at once: not at the timeout (30 s)
             return str(info.value)
         finally:
             a.close()
@@ -458,20 +467,28 @@ def test_a_peers_dtype_is_named_even_if_this_process_never_used_it(monkeypatch: 
 
 
 def test_timeout_names_the_missing_rank_and_breaks_the_arena() -> None:
+    import threading
+
+    timed_out = threading.Event()
+
     def body(rank: int, ws: int, store: Store, name: str) -> str:
         a = arena(rank, ws, store, name, heartbeat_interval=0.2)
         try:
-            if rank == 1:
-                time.sleep(1.0)
+            if rank == 1:  # stays away until rank 0 has timed out
+                assert timed_out.wait(20), "rank 0 never timed out"
                 t0 = time.monotonic()
                 with pytest.raises(PeerError, match=r"rank 0 .*failed: DistTimeoutError"):
                     a.all_reduce(torch.ones(3))
-                assert time.monotonic() - t0 < 1
+                assert time.monotonic() - t0 < 10  # at once: not after a timeout of its own (30 s)
                 return ""
             t0 = time.monotonic()
-            with pytest.raises(DistTimeoutError) as info:
-                a.all_reduce(torch.ones(3), timeout=0.3)
-            assert 0.25 < time.monotonic() - t0 < 1.5
+            try:
+                with pytest.raises(DistTimeoutError) as info:
+                    a.all_reduce(torch.ones(3), timeout=0.3)
+            finally:
+                timed_out.set()
+            # at the timeout, not later (the peer never comes: a hang ends at run_threads' 30 s)
+            assert 0.25 < time.monotonic() - t0 < 10
             return str(info.value)
         finally:
             a.close()
@@ -482,16 +499,17 @@ def test_timeout_names_the_missing_rank_and_breaks_the_arena() -> None:
 
 def test_close_of_a_peer_wakes_waiters() -> None:
     def body(rank: int, ws: int, store: Store, name: str) -> None:
-        a = arena(rank, ws, store, name)
+        # (heartbeats 20 s apart: a waiter the close did not wake would look again only then)
+        a = arena(rank, ws, store, name, heartbeat_interval=20)
         try:
             if rank == 1:
-                time.sleep(0.2)
+                wait_blocked(a, 0)  # rank 0 waits for this rank in its all_reduce
                 a.close()
                 return
             t0 = time.monotonic()
             with pytest.raises(PeerError, match=r"rank 1 .*closed"):
                 a.all_reduce(torch.ones(3))
-            assert time.monotonic() - t0 < 2
+            assert time.monotonic() - t0 < 20  # woken: not at the timeout (30 s)
         finally:
             a.close()
 
@@ -506,7 +524,7 @@ def test_a_peer_that_did_its_part_and_closed_meanwhile_is_no_error() -> None:
         try:
             x = torch.arange(5.0) if rank == 0 else torch.zeros(5)
             if rank == 0:
-                time.sleep(0.3)  # rank 1 waits in the kernel by then
+                wait_blocked(a, 1)  # rank 1 waits in the kernel
                 a.broadcast(x, 0)
                 return True
             a._spin_s = 0.0
@@ -532,19 +550,30 @@ def test_a_peer_that_did_its_part_and_closed_meanwhile_is_no_error() -> None:
 def test_abort_from_another_thread_ends_the_wait_and_tells_the_peers() -> None:
     import threading
 
+    aborted = threading.Event()
+
     def body(rank: int, ws: int, store: Store, name: str) -> None:
-        a = arena(rank, ws, store, name)
+        # (heartbeats 20 s apart: a waiter the abort did not wake would look again only then)
+        a = arena(rank, ws, store, name, heartbeat_interval=20)
         try:
-            if rank == 1:
-                time.sleep(0.6)
+            if rank == 1:  # comes once rank 0's wait was aborted
+                assert aborted.wait(20), "rank 0's all_reduce never ended"
                 with pytest.raises(PeerError, match="watchdog"):
                     a.all_reduce(torch.ones(3))
                 return
-            threading.Timer(0.2, a.abort, args=("watchdog",)).start()
+
+            def watchdog() -> None:
+                wait_blocked(a, 0)  # this rank waits in its all_reduce
+                a.abort("watchdog")
+
+            threading.Thread(target=watchdog, daemon=True).start()
             t0 = time.monotonic()
-            with pytest.raises(DistBackendError, match="aborted: watchdog"):
-                a.all_reduce(torch.ones(3))
-            assert time.monotonic() - t0 < 0.5 + 0.2
+            try:
+                with pytest.raises(DistBackendError, match="aborted: watchdog"):
+                    a.all_reduce(torch.ones(3))
+            finally:
+                aborted.set()
+            assert time.monotonic() - t0 < 10  # woken by the abort (not 20 s later, nor at 30 s)
         finally:
             a.close()
 

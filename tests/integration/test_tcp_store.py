@@ -309,8 +309,7 @@ def test_set_to_a_gone_server_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         client = client_of(master)
         client.set("a", "1")
         assert client.get("a") == b"1"
-        master.close()
-        time.sleep(0.1)
+        master.close()  # (returns once its server has stopped)
         with pytest.raises(DistNetworkError, match="lost the connection"):
             client.set("b", "2")
         with pytest.raises(DistNetworkError):
@@ -411,7 +410,11 @@ def test_bad_input_never_takes_the_server_down(master: dist.TCPStore) -> None:
 
     th = threading.Thread(target=parked_get)
     th.start()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while not waiting._lock.locked():  # (held by a call in flight: the get has started)
+        assert time.monotonic() < deadline, "the get never started"
+        time.sleep(0.001)
+    time.sleep(0.05)  # (nothing shows when the server has parked it: a moment more)
     waiting._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
     th.join(10)
     assert len(outcome) == 1  # the client saw its connection go, at once

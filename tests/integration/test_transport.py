@@ -123,6 +123,7 @@ def _fault_rank(rank: int, n: int, port: int) -> None:
         os._exit(0)
     store.wait(["armed"])
     t0 = time.monotonic()
+    store.set(f"waiting{rank}", "1")
     try:
         ep.wait(ep.post_recv(1, 9), t0 + 30, "recv from the victim")
         store.set(f"result{rank}", json.dumps(["no error"]))
@@ -143,7 +144,10 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
         master.wait(["pid0", "pid1", "pid2"])
         victim = int(master.get("pid1"))
         master.set("armed", "1")
-        time.sleep(0.3)
+        master.wait(["waiting0", "waiting2"])
+        # they are about to wait for the victim's message; nothing shows when they are inside
+        # the wait: a moment more
+        time.sleep(0.05)
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         results = [json.loads(master.get(f"result{r}")) for r in (0, 2)]
         for elapsed, message, peer in results:
@@ -204,7 +208,10 @@ def _big_exchange(rank: int, n: int, port: int, refuse: bool, slow_acks: bool = 
             else:  # receive posted late: the message waits in a pooled buffer
                 if rank == 0:
                     ep.send(peer, i, [view(mine)])
-                time.sleep(0.05)
+                deadline = time.monotonic() + 10  # (rank 1 sends once it has rank 0's message)
+                while i not in ep._peers[peer].unexpected:  # until it is here, unclaimed
+                    assert time.monotonic() < deadline, f"message {i} never arrived"
+                    time.sleep(0.001)
                 h = ep.post_recv(peer, i, view(got))
                 if rank == 1:
                     ep.send(peer, i, [view(mine)])

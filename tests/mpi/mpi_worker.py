@@ -110,7 +110,12 @@ def _stuck() -> dict[str, Any]:
     if r == 2:
         out["skipped"] = True
         _write(out)
-        time.sleep(8)  # (stands apart while the others time out; mpiexec ends it once they exit)
+        # stands apart while the others time out, until they have written their results (its
+        # leaving ends the job: mpiexec would kill a rank still diagnosing)
+        others = [os.path.join(os.environ["MPI_TEST_OUT"], f"{q}.json") for q in (0, 1)]
+        wait_until = time.monotonic() + 60
+        while time.monotonic() < wait_until and not all(map(os.path.exists, others)):
+            time.sleep(0.01)
         os._exit(0)
     else:
         t0 = time.monotonic()

@@ -51,6 +51,7 @@ def main() -> None:
         if rank == 1:
             print(json.dumps({"victim": os.getpid()}), flush=True)
             time.sleep(60)
+        print(json.dumps({"calling": rank}), flush=True)  # (the test kills rank 1 once both said so)
         t0 = time.monotonic()
         try:
             dist.all_reduce(torch.ones(100))

@@ -6,7 +6,6 @@ backend, and the public surface against ``torch.distributed``."""
 from __future__ import annotations
 
 import threading
-import time
 import types
 import warnings
 from collections.abc import Iterator
@@ -526,19 +525,22 @@ def test_monitored_barrier_passes_and_names_missing_ranks() -> None:
 
     assert run_threads(ok, 3, timeout=20) == ["ok"] * 3
 
-    def late(rank: int, ws: int, wait_all: bool) -> str:
-        if rank in (1, 3):
-            time.sleep(0.6)
+    def late(rank: int, ws: int, wait_all: bool, reported: threading.Event) -> str:
+        if rank in (1, 3):  # late: they come once rank 0 has given up on them
+            assert reported.wait(15), "rank 0's monitored barrier never ended"
         try:
             G.monitored_barrier_via_store(store, rank, ws, 1 + wait_all, timedelta(milliseconds=200), wait_all)
         except dist.DistBackendError as exc:
             return str(exc)
+        finally:
+            if rank == 0:
+                reported.set()
         return "ok"
 
-    first = run_threads(late, 4, False, timeout=20)
+    first = run_threads(late, 4, False, threading.Event(), timeout=20)
     assert first[0] == "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 200 ms"
     assert all("Rank 1 failed to pass monitoredBarrier in 200 ms (as reported by rank 0)" in m for m in first[1:])
-    every = run_threads(late, 4, True, timeout=20)
+    every = run_threads(late, 4, True, threading.Event(), timeout=20)
     assert every[0] == "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 200 ms"
 
 
