@@ -60,7 +60,7 @@ def as_tensor(param: object, param_name: str) -> torch.Tensor:
         ValueError: a numpy array torch cannot view (negative strides, read-only).
     """
     if isinstance(param, torch.Tensor):
-        if param.layout != torch.strided or param.device.type != "cpu":
+        if param.layout is not torch.strided or not param.is_cpu:
             dense_cpu(_caller(), [param])
         return param
     if _is_numpy(param):
@@ -180,6 +180,8 @@ def check_bitwise_dtype(op: RedOpType, tensors: Sequence[torch.Tensor], what: st
 
 
 def check_int(value: object, what: str) -> int:
+    if type(value) is int:  # (the common case, before the slower checks)
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int, got {type(value).__name__}: {value!r}")
     return int(value)

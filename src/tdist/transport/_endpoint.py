@@ -1458,7 +1458,8 @@ class Endpoint:
         """Poll the lanes ``handle`` may come by for the spin budget (``_core.spin``)."""
         budget = self._budget
         total = budget.seconds()
-        if not total:
+        if not total:  # (paused: this wait sleeps, and counts towards the next try)
+            budget.missed()
             return
         pure = budget.pure()
         clock = time.perf_counter
