@@ -41,8 +41,8 @@ def _recv(ep: Endpoint, src: int, tag: int, out: torch.Tensor) -> torch.Tensor:
 SIZES = [1, 7000, 300_000, 1, 7500, 1, *([7600] * 40), 1]
 
 
-def _mixed(rank: int, n: int, store: Any) -> list[str]:
-    ep = _endpoint(store, rank, n)
+def _mixed(rank: int, n: int, store: Any, secret: str | None) -> list[str]:
+    ep = _endpoint(store, rank, n, secret=secret)  # (with a secret, socket frames are sealed; lanes are not sockets)
     try:
         peer = 1 - rank
         # a first exchange: the lanes are offered, mapped and answered
@@ -78,11 +78,12 @@ def _mixed(rank: int, n: int, store: Any) -> list[str]:
         ep.close()
 
 
-def test_messages_that_go_different_ways_are_received_in_the_order_they_were_sent() -> None:
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_messages_that_go_different_ways_are_received_in_the_order_they_were_sent(secret: str | None) -> None:
     assert 7600 * 4 * 9 > 256 << 10 and 7600 * 4 < MAX_RECORD  # (the run fills the lane)
     master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
     try:
-        results = run_processes(_mixed, 2, master, timeout=60)
+        results = run_processes(_mixed, 2, master, secret, timeout=60)
     finally:
         master.close()
     assert results == [["lane", "in"], ["lane", "in"]]
