@@ -648,6 +648,7 @@ class Endpoint:
                 p.lane_ok = False
                 return False
             p.lane_out = lane  # (before the frame: the answer may come at once)
+            p.tx_seq = 0  # (numbers start with the frame, as the peer's count does)
             try:  # (the peer opens it when this frame comes; messages are numbered from here on)
                 self._sendmsg(p, *self._frame(p, Kind.LANE, lane.fd), deadline, what)
             except BaseException:
