@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tdist import HashStore
 from tdist.c10d import _desync as D
 from tdist.c10d import _flight_recorder as F
 
@@ -237,3 +238,39 @@ def test_a_dump_being_written_has_a_name_torchs_analyzer_skips(tmp_path: Path, m
     [(tmp, dst)] = moves
     assert dst == path and "rank_" not in os.path.basename(tmp) and os.path.dirname(tmp) == str(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nccl_trace_rank_3"]
+
+
+class _CountingStore(HashStore):
+    """A store whose clones are counted (a responder's connection is a clone)."""
+
+    clones = 0
+
+    def clone(self) -> HashStore:
+        type(self).clones += 1
+        return self
+
+
+def test_a_responder_connects_after_its_group_forms_and_one_stopped_before_never_does() -> None:
+    # stopped (destroy_process_group, or the process's exit) during the deferral: no connection,
+    # and the thread is gone at once (an exit never waits on a connect to a store that is gone)
+    _CountingStore.clones = 0
+    r = D.Responder(_CountingStore(), _rec(0))
+    r.stop()
+    r.join(10)
+    assert not r._thread.is_alive() and _CountingStore.clones == 0
+    r = D.Responder(_CountingStore(), _rec(1))
+    D._stop_responders_at_exit()
+    r.join(10)
+    assert not r._thread.is_alive() and _CountingStore.clones == 0
+    # left alone, it connects once the deferral is over, and answers
+    store = _CountingStore()
+    rec = _rec(2)
+    r = D.Responder(store, rec)
+    try:
+        store.set("fr/ask/2/1", json.dumps({"k": 7, "from": 0, "dump": None}))
+        store.wait(["fr/head/7/2"])
+        assert json.loads(store.get("fr/head/7/2"))["rank"] == 2
+        assert _CountingStore.clones == 1
+    finally:
+        r.stop()
+        r.join(10)
