@@ -313,6 +313,7 @@ class ProcessGroupTCP(Backend):
         self._arena: Any = None
         self._stage_buf: torch.Tensor | None = None
         self._topo: S.Topology | None = None
+        self._schedules: dict[int, S.Schedule] = {}  # (all_reduce's, by size)
         if size > 1 and os.environ.get("TDIST_SHM", "1") != "0" and all(
             self._ep.same_host(p) for p in range(size) if p != rank
         ):
@@ -568,7 +569,16 @@ class ProcessGroupTCP(Backend):
     def _all_reduce_schedule(self, nbytes: int) -> S.Schedule:
         """The schedule ``choose_algorithm`` picks for this size and this group's hosts:
         recursive doubling or ring, or hierarchical when ranks share some hosts (only one rank
-        per host then crosses the network)."""
+        per host then crosses the network). Kept per size (a schedule is immutable): a
+        training loop reduces the same few sizes again and again."""
+        sched = self._schedules.get(nbytes)
+        if sched is None:
+            if len(self._schedules) >= 64:
+                self._schedules.clear()
+            sched = self._schedules[nbytes] = self._make_all_reduce_schedule(nbytes)
+        return sched
+
+    def _make_all_reduce_schedule(self, nbytes: int) -> S.Schedule:
         topo = self._topology
         n = self._size
         alg = S.choose_algorithm(S.Collective.ALL_REDUCE, nbytes, n, topo, cost=_COST)
