@@ -1156,19 +1156,26 @@ class Endpoint:
     def _on_data(self, p: _Peer, tag: int, meta: bytes, payload: memoryview, seq: int = -1) -> None:
         """A small message, whole (``payload``: the decoder's memory, copied out here; ``seq``:
         its number, when the peer has a lane to us)."""
-        nbytes = payload.nbytes
         with self._lock:
             self._turn(p, seq)
             handle, _ = self._match(p, tag)
             if handle is None:
-                pending = _Pending(meta, nbytes)
-                data = pending.data = fresh_buffer(nbytes)
-                data[:] = payload
-                pending.done = True
-                p.unexpected.setdefault(tag, deque()).append(pending)
-                self._turned(p, seq)
-                return
+                self._keep(p, tag, meta, payload)
             self._turned(p, seq)
+        if handle is not None:
+            self._fill(p, handle, meta, payload)
+
+    def _keep(self, p: _Peer, tag: int, meta: bytes, payload: memoryview) -> None:
+        """Under the lock: a small message that came before its receive, copied out."""
+        pending = _Pending(meta, payload.nbytes)
+        data = pending.data = fresh_buffer(payload.nbytes)
+        data[:] = payload
+        pending.done = True
+        p.unexpected.setdefault(tag, deque()).append(pending)
+
+    def _fill(self, p: _Peer, handle: RecvHandle, meta: bytes, payload: memoryview) -> None:
+        """A small message into its matched receive (checked against it first)."""
+        nbytes = payload.nbytes
         handle.meta = meta
         handle.nbytes = nbytes
         err = self._check(p.rank, handle, meta, nbytes)
@@ -1416,25 +1423,11 @@ class Endpoint:
 
     def _deliver_record(self, p: _Peer, rec: Record) -> None:
         """Under the lock: one message out of a lane, to its receive or kept (copied out)."""
-        payload = rec.payload
-        n = payload.nbytes
         handle, _ = self._match(p, rec.tag)
         if handle is None:
-            pending = _Pending(rec.meta, n)
-            data = pending.data = fresh_buffer(n)
-            data[:] = payload
-            pending.done = True
-            p.unexpected.setdefault(rec.tag, deque()).append(pending)
-            return
-        handle.meta = rec.meta
-        handle.nbytes = n
-        err = self._check(p.rank, handle, rec.meta, n)
-        if err is None:
-            if handle.buffer is not None:
-                handle.buffer[:n] = payload
-            else:
-                handle.data = bytearray(payload)
-        handle._finish(p.rank, err)
+            self._keep(p, rec.tag, rec.meta, rec.payload)
+        else:
+            self._fill(p, handle, rec.meta, rec.payload)
 
     def _lanes_for(self, handle: RecvHandle) -> tuple[_Peer, ...]:
         if handle.peer < 0:
