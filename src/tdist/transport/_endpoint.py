@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
 _SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of its meta
+_NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
 _CMA_DEFER = 0.005
 
@@ -613,24 +614,33 @@ class Endpoint:
             with p.send_lock:
                 if self._lane_put(p, tag, meta, views, nbytes, deadline, what):
                     return
-                self._send_data(p, tag, meta, views, nbytes, deadline, what)  # (the lane is full)
+                self._send_frame(p, Kind.DATA, tag, meta, views, nbytes, deadline, what)  # (the lane is full)
             return
         if p.cma and nbytes >= CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
             return
         with p.send_lock:
-            self._send_data(p, tag, meta, views, nbytes, deadline, what)
+            self._send_frame(p, Kind.DATA, tag, meta, views, nbytes, deadline, what)
 
-    def _send_data(
-        self, p: _Peer, tag: int, meta: bytes, views: list[memoryview], nbytes: int, deadline: float | None, what: str
+    def _send_frame(
+        self,
+        p: _Peer,
+        kind: Kind,
+        tag: int,
+        meta: bytes,
+        views: list[memoryview],
+        nbytes: int,
+        deadline: float | None,
+        what: str,
     ) -> None:
-        """One message by socket (send lock held), numbered when the peer has our lane."""
+        """One ``DATA`` or ``DATA_CMA`` frame by socket (send lock held); its numbered form
+        when the peer has our lane."""
         if p.lane_out is None:
-            self._sendmsg(p, *self._frame(p, Kind.DATA, tag, meta, views, nbytes), deadline, what)
+            self._sendmsg(p, *self._frame(p, kind, tag, meta, views, nbytes), deadline, what)
             return
         seq = p.tx_seq
         p.tx_seq += 1
         try:
-            self._sendmsg(p, *self._frame(p, Kind.DATA_SEQ, tag, _SEQ.pack(seq) + meta, views, nbytes), deadline, what)
+            self._sendmsg(p, *self._frame(p, _NUMBERED[kind], tag, _SEQ.pack(seq) + meta, views, nbytes), deadline, what)
         except DistTimeoutError:  # (nothing went out: its number is free again)
             p.tx_seq = seq
             raise
@@ -689,19 +699,7 @@ class Endpoint:
             p.acks[xfer] = ack
         try:
             with p.send_lock:
-                if p.lane_out is None:
-                    self._sendmsg(p, *self._frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc)), deadline, what)
-                else:
-                    seq = p.tx_seq
-                    p.tx_seq += 1
-                    try:
-                        self._sendmsg(
-                            p, *self._frame(p, Kind.DATA_CMA_SEQ, tag, _SEQ.pack(seq) + meta, [memoryview(desc)], len(desc)),
-                            deadline, what,
-                        )
-                    except DistTimeoutError:  # (nothing went out: its number is free again)
-                        p.tx_seq = seq
-                        raise
+                self._send_frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc), deadline, what)
             # the peer reads our buffers now: they must stay untouched until it says so
             event: threading.Event = ack[0]
             step = max(0.05, self.heartbeat_interval / 2)
