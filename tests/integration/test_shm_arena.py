@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tdist._core.errors import DistBackendError, DistTimeoutError, PeerError
+from tdist._core.errors import DistBackendError, DistTimeoutError, PeerError, StoreTimeoutError
 from tdist.c10d._shm import SHM_DIR, CollectiveMismatchError, ShmArena, cleanup_stale
 from tdist.c10d._shm._layout import _CLOSED, _SLEEP, _STATE
 from tdist.c10d._types import RedOpType
@@ -749,3 +749,14 @@ def test_a_rank_killed_while_the_arena_forms_leaves_nothing_behind(server: Local
         if p.is_alive():
             p.kill()
             p.join(5)
+
+
+def test_setting_up_waits_for_the_other_ranks_within_the_arenas_timeout_not_the_stores() -> None:
+    # the store waits up to 300 s by default; a rank that never comes fails the set-up at the
+    # arena's own timeout, naming the key of the rank it waited for
+    store = HashStore()
+    assert store.timeout == timedelta(seconds=300)
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="rank/1"):
+        ShmArena(store, 0, 2, name=unique("alone"), timeout=0.5)
+    assert time.monotonic() - t0 < 60  # (the test's own limit; a wait of the store's 300 s fails it)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from .._core.deadline import to_seconds
 from .._core.errors import DistStoreError
 
-__all__ = ["DEFAULT_TIMEOUT", "Store", "as_bytes", "check_key"]
+__all__ = ["DEFAULT_TIMEOUT", "Store", "as_bytes", "check_key", "multi_get_within"]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -40,6 +41,20 @@ def check_key(key: object) -> str:
         raise TypeError(f"store key must be str, got {type(key).__name__}: {key!r}")
     return key
 
+
+
+def multi_get_within(store: Any, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+    """The values of ``keys``, waiting up to ``timeout`` for all of them: one waiting
+    ``multi_get`` where the store's own timeout is ``timeout`` (the usual case: a group's store
+    has the group's timeout), else a ``wait`` with it, then the ``multi_get``. Any store,
+    torch's included.
+
+    Raises:
+        the store's timeout error: a key is still missing at the timeout.
+    """
+    if getattr(store, "timeout", None) != timeout:
+        store.wait(list(keys), timeout)
+    return list(store.multi_get(list(keys)))
 
 class Store:
     """Base class of every store; a Python subclass may implement the abstract methods.

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
-from ._api import Store
+from ._api import Store, multi_get_within
 
 __all__ = ["RendezvousHandler", "register_rendezvous_handler", "rendezvous"]
 
@@ -335,8 +335,8 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
     if int(store.add(base + "joined", 1)) >= world_size:
         verdict = store.compare_set(base + "full", "", "1")  # (unless an abort came first)
     else:
-        try:  # (one request: waits for the key, within the store's timeout, which is ours)
-            verdict = store.multi_get([base + "full"])[0] if _waits(store, timeout) else _wait_get(store, base + "full", timeout)
+        try:  # (one request where the store's timeout is ours, as for the store made here)
+            verdict = multi_get_within(store, [base + "full"], timeout)[0]
         except StoreTimeoutError:
             missing = [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
             raise DistTimeoutError(
@@ -350,19 +350,6 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
 
 
 _ABORTED = "aborted: "
-
-
-def _waits(store: Any, timeout: timedelta) -> bool:
-    """Whether ``store.multi_get`` waits for its keys for ``timeout`` (tdist's TCPStore made
-    with it: one request instead of a wait and a get)."""
-    from ._tcp import TCPStore
-
-    return type(store) is TCPStore and store.timeout == timeout
-
-
-def _wait_get(store: Any, key: str, timeout: timedelta) -> bytes:
-    store.wait([key], timeout)
-    return bytes(store.get(key))
 
 
 def release_claim(store: Any) -> None:

@@ -94,7 +94,7 @@ from ..._core.errors import (
     DistTimeoutError,
     PeerError,
 )
-from ...store._api import Store
+from ...store._api import Store, multi_get_within
 from .._types import RedOpType
 from ._layout import (
     _CLOSED,
@@ -239,15 +239,14 @@ class ArenaCore:
         self._base = [_HEADER_WORDS + q * self._rank_words for q in range(size)]
         self._my = self._base[rank]
 
-        deadline = time.monotonic() + seconds
         try:
-            self._setup(store, deadline)
+            self._setup(store)
         except BaseException:
             self._teardown()
             raise
 
     # -- construction ----------------------------------------------------------------------------
-    def _setup(self, store: Store, deadline: float) -> None:
+    def _setup(self, store: Store) -> None:
         # the k-th arena of this name that this rank makes pairs with everyone's k-th: a group
         # re-created over the same store does not read the keys of the one before
         gen = store.add(f"shm/{self.name}/generation/{self.rank}", 1)
@@ -278,7 +277,8 @@ class ArenaCore:
         keys = [prefix + f"rank/{q}" for q in range(self.size)]
         if self.rank != 0:
             keys.append(prefix + "seg")
-        values = store.multi_get(keys)  # (one request: waits for every rank's, and rank 0's segment)
+        # (every rank's, and rank 0's segment: one request where the store's timeout is ours)
+        values = multi_get_within(store, keys, timedelta(seconds=self._timeout))
         if self.rank != 0:
             seg = json.loads(values[-1].decode())
             seg_path = f"/proc/{seg['pid']}/fd/{seg['fd']}"
