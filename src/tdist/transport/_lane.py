@@ -58,10 +58,6 @@ class Record(NamedTuple):
     size: int  # bytes the record takes in the ring, padding and skip included
 
 
-def _fence_lock() -> threading.Lock:
-    return threading.Lock()
-
-
 class Lane:
     """One direction of a lane, as its producer (``Lane.create``) or its consumer
     (``Lane.open``) sees it. Not thread-safe: the producer's calls under its connection's
@@ -73,7 +69,7 @@ class Lane:
         self._mm = mm
         self._w = memoryview(mm).cast("Q")
         self._buf = memoryview(mm)[_HEADER_BYTES:]
-        self._fence = _fence_lock()
+        self._fence = threading.Lock()  # (acquired and released: a locked instruction, the fence)
         self.fd = fd  # (the producer's descriptor, which the consumer opens; -1 for a consumer)
         self.producer = producer
 
