@@ -288,6 +288,19 @@ def test_client_retries_until_server_starts() -> None:
     holder[0].close()
 
 
+def test_a_clone_of_a_store_whose_server_is_gone_fails_at_once_not_after_the_timeout() -> None:
+    """A clone's server was up when its original connected: a refused connection is its end
+    (the desync diagnosis clones the store of a dead host and must not wait the timeout)."""
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=30))
+    master.close()  # (its server stops: nothing listens on the port any more)
+    t0 = time.monotonic()
+    with pytest.raises(DistNetworkError, match="could not connect"):
+        client.clone()
+    assert time.monotonic() - t0 < 15  # (the failure it guards against: waiting 30 s)
+    client.close()
+
+
 def test_tcp_and_unix_paths_agree(master: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     assert master.transport == "unix"
     monkeypatch.setenv("TDIST_STORE_UNIX", "0")

@@ -185,6 +185,7 @@ class TCPStore(Store):
         *,
         secret: str | bytes | None = None,
         max_frame: int | None = None,
+        _clone: bool = False,
     ) -> None:
         super().__init__(timeout)
         if not isinstance(host_name, str):
@@ -218,6 +219,9 @@ class TCPStore(Store):
         self._closed = False
         self._quiet_sent = False
         self._budget = spin.Budget(_client_spin())
+        # a clone's server was up when the original connected: a refusal means it is gone
+        # (waiting the timeout for it would only delay the error, e.g. a desync diagnosis)
+        self._refused_is_final = _clone
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
         else:
@@ -331,6 +335,8 @@ class TCPStore(Store):
                 if sock is not None:
                     sock.close()
                 last_exc = exc
+                if self._refused_is_final and isinstance(exc, ConnectionRefusedError):
+                    break
             if time.monotonic() + delay > deadline:
                 break
             time.sleep(delay)
@@ -747,7 +753,8 @@ class TCPStore(Store):
         return fields[0] if fields else b""
 
     def clone(self) -> TCPStore:
-        """A new client connection to the same server, for use from another thread."""
+        """A new client connection to the same server, for use from another thread. (The server
+        was up: a refused connection raises at once, not after the timeout.)"""
         return TCPStore(
             self._connect_host,
             self._port,
@@ -756,6 +763,7 @@ class TCPStore(Store):
             self._timeout,
             wait_for_workers=False,
             secret=self._secret,
+            _clone=True,
         )
 
     @property
