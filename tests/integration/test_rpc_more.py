@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from . import rpc_funcs as f
-from ._rpc_harness import BACKENDS, TORCH, Worker, rpc, run
+from ._rpc_harness import BACKENDS, TORCH, Worker, rpc, run, wait_until
 
 pytestmark = pytest.mark.skipif(TORCH, reason="tdist internals")
 
@@ -230,3 +230,34 @@ def test_processes_exit_after_a_non_graceful_shutdown(backend: str, tmp_path: An
     assert alive == [False, False], outputs
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert all(f"left {r}" in out for r, out in enumerate(outputs)), outputs
+
+
+def _one_way_calls(w: Worker) -> Any:
+    from tdist.rpc._agent import current_agent
+
+    agent = current_agent()
+    assert agent is not None
+    handler = _Catch()
+    logger = logging.getLogger("tdist.rpc")
+    logger.addHandler(handler)
+    try:
+        w.barrier()
+        if w.rank == 0:
+            peer = rpc.get_worker_info(w.peer()).id
+            agent.cast(peer, f.raise_error, ("value", "cast went wrong"))  # nobody waits: logged there
+            agent.cast(peer, f.set_event, ("cast",))
+            assert rpc.rpc_sync(w.peer(), f.wait_event, args=("cast", 10.0))
+            assert rpc.rpc_sync(w.peer(), f.add, args=(1, 2)) == 3  # (the failure left it serving)
+        else:
+            wait_until(lambda: any("a one-way call from" in r for r in handler.records), 10, "the failure's log")
+        w.barrier()
+    finally:
+        logger.removeHandler(handler)
+    return [r for r in handler.records if "one-way" in r]
+
+
+def test_a_one_way_call_runs_on_the_peer_and_its_failure_is_logged_there(backend: str) -> None:
+    """``RpcAgent.cast`` (an autograd context's release uses it): no reply, no future; the
+    callee runs it as a request and logs what fails, and serves on."""
+    out = run(_one_way_calls, backend, world_size=2, timeout=30)
+    assert out[0] == [] and len(out[1]) == 1 and "failed" in out[1][0], out

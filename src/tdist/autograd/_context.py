@@ -181,10 +181,12 @@ class context:
 
 
 def _release_on(peers: list[int], context_id: int) -> None:
-    me = _rank()
-    for p in peers:  # not waited for (a worker releasing it may be the one that asks us)
+    agent = current_agent()
+    assert agent is not None
+    me = int(agent.rank)
+    for p in peers:  # one-way: not waited for (a worker releasing it may be the one that asks us)
         with contextlib.suppress(Exception):  # a worker that is gone has nothing to release
-            _internal_call(p, _release, (context_id, me))
+            agent.cast(p, _release, (context_id, me))
 
 
 def _internal_call(dst: int, func: Any, args: tuple[Any, ...]) -> Any:

@@ -406,6 +406,23 @@ class RpcAgent:
             raise
         return fut
 
+    def cast(self, dst: int, func: Any, args: tuple[Any, ...]) -> None:
+        """A one-way call: ``func(*args)`` runs on ``dst`` (as a request does), nothing answers
+        and nothing here waits or keeps track of it (tdist's own notices, e.g. an autograd
+        context's release; a failure there is logged there).
+
+        Raises:
+            RuntimeError: this agent is shut down. PeerError / DistError: ``dst`` is lost, or
+                the message could not be sent.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.label}: RPC agent is shut down; cannot send a one-way call")
+            dead = self._dead.get(dst)
+        if dead is not None:
+            raise PeerError(str(dead), peer=dst)
+        self._transmit(dst, 0, MsgKind.CAST, (func, args, {}), time.monotonic() + 30.0)
+
     def call_sync(self, dst: int, kind: MsgKind, body: Any, timeout: float | None, what: object) -> Any:
         """``request`` and wait for the reply: its value, or its exception raised."""
         return self.wait(self.request(dst, kind, body, timeout, what, sync=True), dst, timeout)
@@ -497,6 +514,14 @@ class RpcAgent:
                 log.exception("%s: undecodable RRef message from %s", self.label, self.describe(src))
                 return
             self._on_rref_message(src, body)
+            return
+        if kind == MsgKind.CAST:
+            try:
+                func, args, kwargs = self._decode(src, decode)
+            except BaseException:
+                log.exception("%s: undecodable one-way call from %s", self.label, self.describe(src))
+                return
+            self._schedule(lambda: self._run_cast(src, func, args, kwargs))
             return
         if kind == MsgKind.LEAVE:
             self._on_leave(src)
@@ -625,6 +650,12 @@ class RpcAgent:
             self._reply_when_done(src, tag, result, func)
         else:
             self._reply(src, tag, result)
+
+    def _run_cast(self, src: int, func: Any, args: Any, kwargs: Any) -> None:
+        try:
+            dispatch(func, args, kwargs)
+        except BaseException:  # (nobody waits for it: said here)
+            log.warning("%s: a one-way call from %s failed", self.label, self.describe(src), exc_info=True)
 
     def _reply_when_done(self, src: int, tag: int, fut: Any, func: Any) -> None:
         if not isinstance(fut, torch._C.Future):

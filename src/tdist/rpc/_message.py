@@ -4,7 +4,7 @@ Theory of operation. An RPC message rides in one transport frame: the frame's ta
 message id, its metadata is one byte naming the kind below, its payload is the
 ``transport.serialization`` encoding of the body (tensors out of band). A request
 (``CALL``, ``REMOTE``, ``FETCH``, ``JOIN``) is answered by exactly one ``REPLY_OK`` or
-``REPLY_ERR`` carrying the request's id; ``RREF`` and ``LEAVE`` are one-way::
+``REPLY_ERR`` carrying the request's id; ``RREF``, ``LEAVE`` and ``CAST`` are one-way::
 
     CALL       (func, args, kwargs)                 -> REPLY_OK result | REPLY_ERR record
     REMOTE     (rref_id, fork_id, func, args, kwargs) -> REPLY_OK None once the value is set
@@ -13,6 +13,8 @@ message id, its metadata is one byte naming the kind below, its payload is the
     RREF       an RRef protocol message (fork request, accept, delete)
     JOIN       (id, name, address)                  -> REPLY_OK None (dynamic membership)
     LEAVE      id                                   (a worker leaves a dynamic group)
+    CAST       (func, args, kwargs)                 (run there, nothing answers: tdist's own
+                                                     notices, e.g. an autograd context's release)
 
 ``REPLY_ERR`` carries an ``_errors.RemoteExceptionRecord``. ``REPLY_OK_ACK`` answers a fetch and
 also the ``REMOTE`` of id ``remote_tag`` (``REPLY_OK None``): the owner sends it when the fetch
@@ -35,6 +37,7 @@ class MsgKind(enum.IntEnum):
     RREF = 4
     JOIN = 5
     LEAVE = 6
+    CAST = 7
     REPLY_OK = 16
     REPLY_ERR = 17
     REPLY_OK_ACK = 18
