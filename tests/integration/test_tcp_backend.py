@@ -308,3 +308,39 @@ def test_no_arena_where_memory_order_is_weaker_than_x86s(path: str, monkeypatch:
     assert results == [(False, [1.0, 3.0, 5.0])] * 2
     if path == "shm":  # (asked for the arena: told why there is none)
         assert any("aarch64" in r.getMessage() and "over sockets" in r.getMessage() for r in caplog.records)
+
+
+def _half_without_arena(rank: int, world: int, port: int) -> dict[str, object]:
+    if rank == 1:
+        os.environ["TDIST_SHM"] = "0"  # (this rank alone: it offers no part of an arena)
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
+    pg = group(store, rank, world)
+    try:
+        t = torch.full((1000,), float(rank + 1))
+        pg.allreduce([t], AllreduceOptions()).wait()
+        if rank == 0:
+            pg.send([torch.arange(10.0)], 1, 0).wait()
+            got = None
+        else:
+            got = torch.empty(10)
+            pg.recv([got], 0, 0).wait()
+        return {"arena": pg._arena is not None, "sum": t[0].item(), "p2p": None if got is None else got.tolist()}
+    finally:
+        pg.shutdown()
+        store.close()
+
+
+def test_a_rank_without_its_part_of_the_arena_makes_every_rank_use_sockets() -> None:
+    """Each rank offers its half of the shared-memory arena with its address; a rank that
+    offers none (``TDIST_SHM=0`` there alone, or a failure to make it) takes the whole group
+    over sockets, on every rank, instead of leaving the others waiting for its half."""
+    from tdist.testing import free_port, run_processes
+
+    port = free_port()
+    master = tdist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    try:
+        out = run_processes(_half_without_arena, 2, port, timeout=60)
+    finally:
+        master.close()
+    assert [o["arena"] for o in out] == [False, False]
+    assert [o["sum"] for o in out] == [3.0, 3.0] and out[1]["p2p"] == [float(i) for i in range(10)]

@@ -45,8 +45,8 @@ from .._core.errors import (
     DistTimeoutError,
     PeerError,
 )
-from ..store import PrefixStore
 from ..transport import Endpoint, RecvHandle
+from ..transport._liveness import default_interval, default_stall_timeout
 from ..transport._serialization import dumps, loads
 from . import _flight_recorder as fr
 from . import _schedules as S
@@ -301,8 +301,6 @@ class ProcessGroupTCP(Backend):
         self._timeout = timeout.total_seconds()
         self._group_name = name
         self._store = store
-        # (the connections are made in a thread while the arena is set up: both wait on peers)
-        self._ep = Endpoint(store, rank, size, timeout=self._timeout, name=name, connect_later=True)
         self._seq = 0
         self._lock = threading.Lock()  # serializes execution of collectives
         self._queue: deque[tuple[Work, Callable[[], list[torch.Tensor]], list[Any] | None]] = deque()
@@ -314,31 +312,32 @@ class ProcessGroupTCP(Backend):
         self._stage_buf: torch.Tensor | None = None
         self._topo: S.Topology | None = None
         self._schedules: dict[int, S.Schedule] = {}  # (all_reduce's, by size)
-        if size > 1 and os.environ.get("TDIST_SHM", "1") != "0" and all(
-            self._ep.same_host(p) for p in range(size) if p != rank
-        ):
-            # Every rank of the group is on this host (a symmetric fact, so all ranks agree):
-            # collectives go through the shared-memory arena, never through sockets, where the
-            # machine's memory order allows it (the same for every rank of a host)
-            from ._shm import ShmArena, memory_order_ok
-
-            refused = memory_order_ok()
-            if refused is not None:
-                _log_no_arena(refused)
-            else:
+        # The shared-memory arena's half of this rank goes out with its address: one exchange
+        # through the store, one wait for the other ranks. (The connections are then made in a
+        # thread while the arena is joined.)
+        offer = self._offer_arena(rank, size, name)
+        try:
+            self._ep = Endpoint(
+                store, rank, size, timeout=self._timeout, name=name, connect_later=True,
+                extra=None if offer is None else {"shm": offer.record},
+            )
+        except BaseException:
+            if offer is not None:
+                offer.close()
+            raise
+        if offer is not None:
+            # Every rank of the group on this host, each with its half made (symmetric facts, so
+            # all ranks agree): collectives go through the arena, never through sockets
+            records = {q: (x or {}).get("shm") for q, x in self._ep.peer_extras.items()}
+            if all(self._ep.same_host(q) for q in records) and all(r is not None for r in records.values()):
                 try:
-                    self._arena = ShmArena(
-                        PrefixStore("shm", store),
-                        rank,
-                        size,
-                        name=name or "pg",
-                        timeout=self._timeout,
-                        heartbeat_interval=self._ep.heartbeat_interval,
-                        stall_timeout=self._ep.stall_timeout,
-                    )
+                    offer.join({**records, rank: offer.record})
                 except BaseException:
                     self._ep.close()
                     raise
+                self._arena = offer
+            else:
+                offer.close()
         try:
             self._ep.connected()
         except BaseException:
@@ -361,6 +360,28 @@ class ProcessGroupTCP(Backend):
             if size > 1:
                 self._responder = Responder(store, self._fr)
                 watch(self._fr, self._desync_check)
+
+    def _offer_arena(self, rank: int, size: int, name: str) -> Any:
+        """This rank's half of a shared-memory arena (``ShmArena(store=None)``), or None where
+        there can be none: one rank, ``TDIST_SHM=0``, a memory order weaker than x86's (the same
+        for every rank of a host), or a failure to make it (said once; the group then runs
+        over sockets, as every rank learns from this one's missing half)."""
+        if size <= 1 or os.environ.get("TDIST_SHM", "1") == "0":
+            return None
+        from ._shm import ShmArena, memory_order_ok
+
+        refused = memory_order_ok()
+        if refused is not None:
+            _log_no_arena(refused)
+            return None
+        try:
+            return ShmArena(
+                None, rank, size, name=name or "pg", timeout=self._timeout,
+                heartbeat_interval=default_interval(), stall_timeout=default_stall_timeout(10.0),
+            )
+        except (OSError, DistError) as exc:
+            _log_no_arena(f"rank {rank} could not make its part of a shared-memory arena ({exc})")
+            return None
 
     @property
     def flight_recorder(self) -> Recorder | None:

@@ -252,6 +252,9 @@ class Endpoint:
         connect_later: return once every rank's address is known (``peer_host`` and the like
             answer), connecting in a thread meanwhile; the caller must call ``connected()``
             before anything else (the group's other set-up overlaps the connections).
+        extra: JSON-able data published with this rank's address; every peer's is in
+            ``peer_extras`` once the constructor returns (one exchange through the store for
+            the group's other set-up too: the backend's shared-memory arena).
 
     Raises:
         DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built
@@ -270,6 +273,7 @@ class Endpoint:
         stall_timeout: float | None = None,
         name: str = "",
         connect_later: bool = False,
+        extra: Any = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -286,6 +290,7 @@ class Endpoint:
         self._closing = False
         self._peer_hosts: dict[int, str] = {}
         self._peer_pids: dict[int, int] = {}
+        self.peer_extras: dict[int, Any] = {}  # (each peer's ``extra``)
         self._xfer_ids = itertools.count(1)
         self._pid = os.getpid()
         self._acks: queue.SimpleQueue[tuple[_Peer, Kind, int, bytes] | None] | None = None
@@ -303,7 +308,7 @@ class Endpoint:
         self._lanes_in: tuple[_Peer, ...] = ()  # peers whose lane to us is open
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
-            self._build_mesh(store, timeout)
+            self._build_mesh(store, timeout, extra)
         if not connect_later:
             self.connected()
 
@@ -332,7 +337,7 @@ class Endpoint:
                 p.lane_ok = True
 
     # -- building the mesh ---------------------------------------------------------------------
-    def _build_mesh(self, store: Any, timeout: float) -> None:
+    def _build_mesh(self, store: Any, timeout: float, extra: Any) -> None:
         deadline = time.monotonic() + timeout
         addr = _advertised_address(store)
         tcp = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
@@ -366,6 +371,8 @@ class Endpoint:
             "unix": unix_name[1:],
             "pid": os.getpid(),
         }
+        if extra is not None:
+            info["x"] = extra
         store.set(f"ep/{self.rank}", json.dumps(info))
         try:  # (every rank's address first, in one request: the group's other set-up may go on while we connect)
             peers = [peer for peer in range(self.size) if peer != self.rank]
@@ -380,6 +387,7 @@ class Endpoint:
         for peer, pinfo in infos.items():
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
+            self.peer_extras[peer] = pinfo.get("x")
         self._mesh = threading.Thread(
             target=self._connect_all, args=(tcp, unix, infos, deadline, timeout),
             name=f"tdist-mesh-{self.rank}", daemon=True,

@@ -53,12 +53,15 @@ class ShmArena(ArenaCore):
     """A shared-memory arena for the collectives of ``size`` ranks on one host.
 
     Every rank of the group constructs one, with the same ``name``, at the same time; the
-    constructor exchanges file names and pids through ``store`` and returns once every rank
-    has mapped the segment.
+    constructor exchanges each rank's ``record`` (its pid, its wake-up pipe, rank 0's segment)
+    through ``store`` and returns once it has every rank's and has mapped the segment. With
+    ``store=None`` it returns at once, its own half made: the caller exchanges the records
+    itself and calls ``join(records)`` (or ``close()`` to give it up).
 
     Args:
         store: a store private to the group (a ``PrefixStore``); keys go under ``shm/<name>/``.
-            Arenas of one name are paired by the order in which each rank makes them.
+            Arenas of one name are paired by the order in which each rank makes them. ``None``:
+            see above.
         rank: this rank, ``0 <= rank < size``.
         size: the number of ranks.
         name: names the arena in keys, file names and messages; unique among the live arenas

@@ -79,9 +79,9 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Self
+from typing import Any, Self
 
 import torch
 
@@ -161,7 +161,7 @@ class ArenaCore:
 
     def __init__(
         self,
-        store: Store,
+        store: Store | None,
         rank: int,
         size: int,
         *,
@@ -239,19 +239,20 @@ class ArenaCore:
         self._base = [_HEADER_WORDS + q * self._rank_words for q in range(size)]
         self._my = self._base[rank]
 
+        self._joined = False
         try:
-            self._setup(store)
+            self._prepare()
+            if store is not None:
+                self._exchange(store)
         except BaseException:
             self._teardown()
             raise
 
     # -- construction ----------------------------------------------------------------------------
-    def _setup(self, store: Store) -> None:
-        # the k-th arena of this name that this rank makes pairs with everyone's k-th: a group
-        # re-created over the same store does not read the keys of the one before
-        gen = store.add(f"shm/{self.name}/generation/{self.rank}", 1)
-        prefix = f"shm/{self.name}/{gen}/"
-        seg_fd = -1
+    def _prepare(self) -> None:
+        """This rank's half of the set-up, before it hears of the others: rank 0 makes and
+        maps the segment; every rank makes its wake-up pipe (``record`` says where both are)."""
+        self._seg_fd = -1
         if self.rank == 0:
             cleanup_stale()  # (files that arenas of earlier tdist versions may have left)
             # a memfd: shared memory without a name, gone with the last process that holds it
@@ -267,21 +268,52 @@ class ArenaCore:
             # (no posix_fallocate: a memfd lives on the kernel's own shmem mount, which has no
             # size limit, so a page that cannot be had is the memory controller's business, as
             # for any tensor's page; allocating 8 MiB up front cost every group 1.6 ms of CPU)
-            store.set(prefix + "seg", json.dumps({"pid": self._pid, "fd": seg_fd}))
+            self._seg_fd = seg_fd
         # our wake-up pipe: peers open its read end as writers through /proc; we keep its write
         # end open too (a pipe with no writer would read EOF, and abort() wakes us through it)
         self._fifo_r, self._fifo_self = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._fds += [self._fifo_r, self._fifo_self]
-        store.set(prefix + f"rank/{self.rank}", json.dumps({"pid": self._pid, "wake": self._fifo_r}))
 
+    @property
+    def record(self) -> dict[str, int]:
+        """What the other ranks need of this one to join it (JSON-able): its pid, its wake-up
+        pipe, and on rank 0 the segment. A caller that exchanges the records itself (the
+        ``tcp`` backend, with its connection addresses) constructs the arena with
+        ``store=None`` and then calls ``join``."""
+        out = {"pid": self._pid, "wake": self._fifo_r}
+        if self.rank == 0:
+            out["seg"] = self._seg_fd
+        return out
+
+    def _exchange(self, store: Store) -> None:
+        # the k-th arena of this name that this rank makes pairs with everyone's k-th: a group
+        # re-created over the same store does not read the keys of the one before
+        gen = store.add(f"shm/{self.name}/generation/{self.rank}", 1)
+        prefix = f"shm/{self.name}/{gen}/"
+        store.set(prefix + f"rank/{self.rank}", json.dumps(self.record))
+        # (every rank's record in one request, where the store's timeout is ours)
         keys = [prefix + f"rank/{q}" for q in range(self.size)]
-        if self.rank != 0:
-            keys.append(prefix + "seg")
-        # (every rank's, and rank 0's segment: one request where the store's timeout is ours)
         values = multi_get_within(store, keys, timedelta(seconds=self._timeout))
+        self.join({q: json.loads(v.decode()) for q, v in enumerate(values)})
+
+    def join(self, records: Mapping[int, Mapping[str, Any]]) -> None:
+        """Finish the set-up with every rank's ``record`` (by rank): map rank 0's segment, open
+        the peers' wake-up pipes, start the heartbeat.
+
+        Raises:
+            DistError / PeerError: a peer's segment or pipe cannot be opened, or it exited.
+        """
+        try:
+            self._join(records)
+        except BaseException:
+            self._teardown()
+            raise
+        self._joined = True
+
+    def _join(self, records: Mapping[int, Mapping[str, Any]]) -> None:
         if self.rank != 0:
-            seg = json.loads(values[-1].decode())
-            seg_path = f"/proc/{seg['pid']}/fd/{seg['fd']}"
+            seg = records[0]
+            seg_path = f"/proc/{seg['pid']}/fd/{seg['seg']}"
             try:
                 fd = os.open(seg_path, os.O_RDWR | os.O_CLOEXEC)
             except OSError as exc:
@@ -312,7 +344,7 @@ class ArenaCore:
         self._poll = select.poll()
         self._poll.register(self._fifo_r, select.POLLIN)
         for q in self._peers:
-            info = json.loads(values[q].decode())
+            info = records[q]
             pid = int(info["pid"])
             self._peer_pids[q] = pid
             try:
@@ -720,7 +752,7 @@ class ArenaCore:
         if self._closed:
             return
         self._closed = True
-        if self._mm is not None and self._broken is None and os.getpid() == self._pid:
+        if self._mm is not None and self._joined and self._broken is None and os.getpid() == self._pid:
             with contextlib.suppress(ValueError, OSError):
                 self._w[self._my + _STATE] = _CLOSED
                 self._fence()
