@@ -409,22 +409,30 @@ class Endpoint:
     ) -> None:
         expected_in = self.size - 1 - self.rank
         errors: list[BaseException] = []
-        acceptor = threading.Thread(
-            target=self._accept_all,
-            args=([tcp, unix], expected_in, deadline, errors),
-            name=f"tdist-accept-{self.rank}",
-            daemon=True,
-        )
-        acceptor.start()
+        # (an acceptor thread of its own only where this rank also connects: rank 0 accepts in
+        # this thread, the last rank accepts nothing; each thread started costs the group's
+        # set-up, which runs while every process's interpreter is busy)
+        acceptor = None
+        if expected_in and self.rank:
+            acceptor = threading.Thread(
+                target=self._accept_all,
+                args=([tcp, unix], expected_in, deadline, errors),
+                name=f"tdist-accept-{self.rank}",
+                daemon=True,
+            )
+            acceptor.start()
         try:
             for peer in range(self.rank):
                 if self._closing:
                     raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
                 self._connect(peer, infos[peer], deadline)
-            acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            if acceptor is not None:
+                acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            elif expected_in:
+                self._accept_all([tcp, unix], expected_in, deadline, errors)
             if errors:
                 raise errors[0]
-            if acceptor.is_alive() or len(self._peers) != self.size - 1:
+            if (acceptor is not None and acceptor.is_alive()) or len(self._peers) != self.size - 1:
                 missing = sorted(set(range(self.size)) - set(self._peers) - {self.rank})
                 raise DistTimeoutError(
                     f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
