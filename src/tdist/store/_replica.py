@@ -189,11 +189,13 @@ class StoreStandby:
             self._client.close()
         try:
             server = StoreServer(self._listen_host, listen_fd=self._sock.detach(), secret=self._secret, state=self._state)
+            # (``serving`` before it serves: a client it answers finds it serving)
+            self.server = server
             server.start("thread")
         except Exception as exc:
+            self.server = None
             log.error("store standby of %s: could not take over: %s", self._primary, exc)
             return
-        self.server = server
         log.warning("store standby: the store server at %s was lost (%s); serving its data at %s now",
                     self._primary, why, self.address)
         if self._on_takeover is not None:
