@@ -41,6 +41,7 @@ at once (each gets its own request number).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -130,25 +131,41 @@ class Responder:
     Args:
         store: the group's store (cloned for the responder's thread).
         rec: this rank's recorder of the group.
+        start: start its thread now (it connects after a short deferral); ``False``: the owner
+            calls ``start()`` later, from a thread of its own (the ``tcp`` backend: from its
+            heartbeat thread, so that forming the group starts a thread fewer).
     """
 
-    def __init__(self, store: Any, rec: fr.Recorder) -> None:
+    def __init__(self, store: Any, rec: fr.Recorder, start: bool = True) -> None:
         self._store = store
         self._rec = rec
         self._next = 1
         self._stopped = False
+        self._started = False
+        self._start_lock = threading.Lock()
         self._go = threading.Event()  # (set: stop waiting to connect)
         self._state = _DEFERRING
         root = store
         while isinstance(root, PrefixStore):
             root = root.underlying_store
         self._ours = isinstance(root, Store)  # (tdist's store: its client is Python through and through)
-        self._thread = threading.Thread(target=self._run, name=f"tdist-fr-{rec.rank}", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, args=(_DEFER if start else 0.0,), name=f"tdist-fr-{rec.rank}", daemon=True)
         _responders.add(self)
+        if start:
+            self.start()
 
-    def _run(self) -> None:
-        self._go.wait(_DEFER)
+    def start(self) -> None:
+        """Start answering (once; not after ``stop``). Never raises."""
+        with self._start_lock:
+            if self._started or self._stopped:
+                return
+            self._started = True
+        with contextlib.suppress(RuntimeError):  # (the interpreter is shutting down)
+            self._thread.start()
+
+    def _run(self, defer: float) -> None:
+        if defer:
+            self._go.wait(defer)
         if self._stopped:
             return
         self._state = _CONNECTING
@@ -199,9 +216,10 @@ class Responder:
     def stop(self) -> None:
         """Stop answering (the group is being destroyed): wake the thread, which then closes
         its connection."""
-        if self._stopped:
-            return
-        self._stopped = True
+        with self._start_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self._go.set()
         if self._state == _CONNECTED and self._thread.is_alive():
             # (from a thread: a store whose host is stopped must not hold up destroy_process_group)
@@ -214,7 +232,8 @@ class Responder:
             pass
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        if self._started:
+            self._thread.join(timeout)
 
 
 _responders: weakref.WeakSet[Responder] = weakref.WeakSet()

@@ -336,6 +336,7 @@ class ProcessGroupTCP(Backend):
                     self._ep.close()
                     raise
                 self._arena = offer
+                self._ep.add_tick(offer.beat)  # (its heartbeat rides on the endpoint's thread)
             else:
                 offer.close()
         try:
@@ -358,7 +359,10 @@ class ProcessGroupTCP(Backend):
         if self._fr is not None:
             self._fr.identify(name=name or None)
             if size > 1:
-                self._responder = Responder(store, self._fr)
+                # (started by the endpoint's heartbeat thread on its first round: forming the
+                # group starts a thread fewer, and the responder connects once the group is up)
+                self._responder = Responder(store, self._fr, start=False)
+                self._ep.add_tick(self._responder.start)
                 watch(self._fr, self._desync_check)
 
     def _offer_arena(self, rank: int, size: int, name: str) -> Any:
@@ -377,7 +381,7 @@ class ProcessGroupTCP(Backend):
         try:
             return ShmArena(
                 None, rank, size, name=name or "pg", timeout=self._timeout,
-                heartbeat_interval=default_interval(), stall_timeout=default_stall_timeout(10.0),
+                heartbeat_interval=default_interval(), stall_timeout=default_stall_timeout(10.0), beats=False,
             )
         except (OSError, DistError) as exc:
             _log_no_arena(f"rank {rank} could not make its part of a shared-memory arena ({exc})")

@@ -327,6 +327,12 @@ class Endpoint:
             raise self._mesh_errors[0]
         self._heartbeats.start()
 
+    def add_tick(self, tick: Callable[[], None]) -> None:
+        """Have the heartbeat thread call ``tick()`` on each of its rounds (at least every
+        ``min(heartbeat_interval, stall_timeout / 2) / 2`` seconds once ``connected()``); it
+        must not raise."""
+        self._heartbeats.add_tick(tick)
+
     def enable_lanes(self) -> None:
         """Let small messages to peers of this host go through shared-memory lanes (``_lane``)
         from now on. For a caller that knows the machine keeps x86's store order and that

@@ -13,6 +13,7 @@ thread per endpoint or messenger (``Heartbeats``) wakes every half ``interval``:
 - a link silent on the way in for more than ``stall_timeout`` is reported to ``on_stall``
   (RPC fails the connection there; process groups pass none: the operation waiting on the
   peer checks ``silent_for`` itself and names itself in the error);
+- the owner's ``add_tick`` callbacks run (a shared-memory arena's heartbeat rides along);
 - a thread that wakes much later than it asked (this process was stopped, or starved) first
   counts every link as just heard: the peers had no chance to be heard meanwhile, and must not
   be blamed for this process's own pause.
@@ -83,7 +84,13 @@ class Heartbeats:
         self._dead = dead
         self._on_stall = on_stall
         self._stop = threading.Event()
+        self._ticks: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def add_tick(self, tick: Callable[[], None]) -> None:
+        """Have ``tick()`` called on every round too (its errors are its own business: it must
+        not raise), e.g. the heartbeat of the owner's shared-memory arena."""
+        self._ticks.append(tick)
 
     def start(self) -> None:
         self._thread.start()
@@ -99,6 +106,8 @@ class Heartbeats:
         period = min(self.interval, self.stall_timeout / 2) / 2
         last_tick = time.monotonic()
         while not self._stop.wait(period):
+            for tick in self._ticks:
+                tick()
             now = time.monotonic()
             paused = now - last_tick > max(2 * self.interval, self.stall_timeout / 2)
             last_tick = now

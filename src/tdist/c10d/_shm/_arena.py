@@ -75,6 +75,8 @@ class ShmArena(ArenaCore):
         frames: frames per rank ring (at least 3).
         small_bytes: ``all_reduce``/``reduce`` of at most this many bytes take the one-frame path.
         spin_us: how long a waiter spins before it blocks in the kernel (``_core.spin``).
+        beats: write this rank's heartbeat from a thread of the arena's own; ``False``: the
+            owner calls ``beat()`` from one of its own (a thread fewer to start).
 
     Raises:
         ValueError: bad arguments.

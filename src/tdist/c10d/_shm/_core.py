@@ -44,7 +44,8 @@ Nothing hangs silently:
 * a peer process that exits (kill -9 included) makes its pidfd readable: every rank waiting on
   it raises ``PeerError`` naming the rank, its pid and the operation, at once;
 * a peer that stops without exiting (SIGSTOP, a frozen machine) stops its heartbeat thread,
-  which writes ``time.monotonic()`` into its control block every ``heartbeat_interval / 3``; a
+  which writes ``time.monotonic()`` into its control block every ``heartbeat_interval / 3`` (or
+  its owner's thread, through ``beat()``: the ``tcp`` backend's endpoint heartbeat); a
   waiter that finds a peer's heartbeat older than ``stall_timeout`` (default
   ``3 * heartbeat_interval``, measured against its own heartbeat so that a paused host accuses
   nobody) raises ``PeerError`` naming it as stalled;
@@ -122,7 +123,7 @@ from ._layout import (
     default_frame_bytes,
     memory_order_ok,
 )
-from ._lifetime import _heartbeat_loop, _release, cleanup_stale
+from ._lifetime import _heartbeat_loop, _prefault, _release, cleanup_stale
 
 __all__ = ["ArenaCore"]
 
@@ -173,6 +174,7 @@ class ArenaCore:
         frames: int = _DEFAULT_FRAMES,
         small_bytes: int = _DEFAULT_SMALL_BYTES,
         spin_us: float = _DEFAULT_SPIN_US,
+        beats: bool = True,
     ) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"ShmArena: need 0 <= rank < size, got rank={rank}, size={size}")
@@ -226,6 +228,8 @@ class ArenaCore:
         self._mm: mmap.mmap | None = None
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._own_beats = beats  # (False: the owner calls ``beat()``, from its own heartbeat thread)
+        self._unfaulted: mmap.mmap | None = None  # (faulted in by the first ``beat()`` after join)
         self._fds: list[int] = []  # every descriptor we hold, for close and for the finalizer
         # an arena dropped without close(): stop its heartbeat, close its descriptors
         self._finalizer = weakref.finalize(self, _release, self._hb_stop, self._fds)
@@ -377,13 +381,16 @@ class ArenaCore:
         w[self._my + _PID] = self._pid
         fw[self._my + _HB] = time.monotonic()
         w[self._my + _STATE] = _READY
-        self._hb_thread = threading.Thread(
-            target=_heartbeat_loop,
-            args=(fw, self._my + _HB, self._hb_interval / 3.0, self._hb_stop, self._mm),
-            name=f"tdist-shm-heartbeat-{self.name}-r{self.rank}",
-            daemon=True,
-        )
-        self._hb_thread.start()
+        if self._own_beats:
+            self._hb_thread = threading.Thread(
+                target=_heartbeat_loop,
+                args=(fw, self._my + _HB, self._hb_interval / 3.0, self._hb_stop, self._mm),
+                name=f"tdist-shm-heartbeat-{self.name}-r{self.rank}",
+                daemon=True,
+            )
+            self._hb_thread.start()
+        else:
+            self._unfaulted = self._mm
 
         # (no barrier here: the first operation waits for every rank anyway, and a peer whose
         # heartbeat is still 0 is only subject to the deadline; rank 0 keeps its descriptor of
@@ -392,6 +399,20 @@ class ArenaCore:
             "rank %s: shared-memory arena %s ready: %s ranks, %s frames of %s bytes",
             self.rank, self.name, self.size, self._K, self._F,
         )
+
+    def beat(self) -> None:
+        """This rank's heartbeat, for an arena made with ``beats=False``: its owner calls it
+        from a thread of its own (the ``tcp`` backend: its endpoint's heartbeat thread) more
+        often than every ``stall_timeout / 3``. The first call after ``join`` faults the
+        segment in (a chunk at a time). Never raises; a closed arena ignores it."""
+        fw = self.__dict__.get("_fw")
+        if fw is None or self._closed or not self._joined:
+            return
+        with contextlib.suppress(ValueError):  # (released by a close meanwhile)
+            fw[self._my + _HB] = time.monotonic()
+        mm, self._unfaulted = self._unfaulted, None
+        if mm is not None:
+            _prefault(mm, self._hb_stop)
 
     def _map(self, fd: int) -> None:
         # (not pre-faulted here: MAP_POPULATE costs 3 ms for the default 8 MiB, on every rank,
