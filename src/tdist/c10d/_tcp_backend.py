@@ -355,15 +355,29 @@ class ProcessGroupTCP(Backend):
         self._fr = fr.make_recorder(rank, size, self._timeout)
         self._timed = self._fr is not None and self._fr.timed  # (stamp inline completions)
         self._responder: Responder | None = None
+        self._watching = False  # (the desync check's watch started: ``_after_forming``)
         self._verdict: CollectiveMismatchError | None = None  # the desync check's
         if self._fr is not None:
             self._fr.identify(name=name or None)
             if size > 1:
-                # (started by the endpoint's heartbeat thread on its first round: forming the
-                # group starts a thread fewer, and the responder connects once the group is up)
+                # (the responder, and the watch of the desync check, start from the endpoint's
+                # heartbeat thread on its first round: forming the group starts no thread for
+                # them, and the responder connects once the group is up)
                 self._responder = Responder(store, self._fr, start=False)
-                self._ep.add_tick(self._responder.start)
-                watch(self._fr, self._desync_check)
+                self._ep.add_tick(self._after_forming)
+
+    def _after_forming(self) -> None:
+        """The endpoint's heartbeat thread, each round: the first starts the desync responder
+        and the watch of this group's collectives (never raises)."""
+        if self._watching or self._closed or self._fr is None:
+            return
+        self._watching = True
+        try:
+            if self._responder is not None:
+                self._responder.start()
+            watch(self._fr, self._desync_check)
+        except Exception as exc:  # (the interpreter is shutting down)
+            log.debug("rank %d: the flight recorder's watch did not start: %s", self._rank, exc)
 
     def _offer_arena(self, rank: int, size: int, name: str) -> Any:
         """This rank's half of a shared-memory arena (``ShmArena(store=None)``), or None where
