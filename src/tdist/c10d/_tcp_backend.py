@@ -313,9 +313,8 @@ class ProcessGroupTCP(Backend):
         self._topo: S.Topology | None = None
         self._schedules: dict[int, S.Schedule] = {}  # (all_reduce's, by size)
         # The shared-memory arena's half of this rank goes out with its address: one exchange
-        # through the store, one wait for the other ranks; the arena is joined, then the
-        # connections are made, in this thread (each thread started while the group forms
-        # costs more than the overlap it buys)
+        # through the store, one wait for the other ranks. (The connections are then made in a
+        # thread while the arena is joined.)
         offer = self._offer_arena(rank, size, name)
         try:
             self._ep = Endpoint(

@@ -250,8 +250,8 @@ class Endpoint:
         stall_timeout: seconds without a byte from a peer before a waiter calls it stalled.
         name: a label for messages (the group's name).
         connect_later: return once every rank's address is known (``peer_host`` and the like
-            answer); the caller must call ``connected()``, which makes the connections, before
-            anything else (the group's other set-up, which needs the addresses, comes first).
+            answer), connecting in a thread meanwhile; the caller must call ``connected()``
+            before anything else (the group's other set-up overlaps the connections).
         extra: JSON-able data published with this rank's address; every peer's is in
             ``peer_extras`` once the constructor returns (one exchange through the store for
             the group's other set-up too: the backend's shared-memory arena).
@@ -303,8 +303,8 @@ class Endpoint:
             lambda: self._peers.values(), lambda p: b"".join(self._frame(cast(_Peer, p), Kind.HEARTBEAT, 0)[0]),
             lambda p: cast(_Peer, p).error is not None,
         )
-        # (what ``connected()`` needs to make the connections: listeners, addresses, deadline)
-        self._mesh: tuple[socket.socket, socket.socket, dict[int, dict[str, Any]], float, float] | None = None
+        self._mesh: threading.Thread | None = None
+        self._mesh_errors: list[BaseException] = []
         self._lanes_in: tuple[_Peer, ...] = ()  # peers whose lane to us is open
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
@@ -313,7 +313,8 @@ class Endpoint:
             self.connected()
 
     def connected(self) -> None:
-        """Make the connections to every peer (``connect_later``), and start the heartbeats.
+        """Wait until the connections to every peer are made (``connect_later``), and start
+        the heartbeats.
 
         Raises:
             DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
@@ -321,7 +322,9 @@ class Endpoint:
         mesh, self._mesh = self._mesh, None
         if mesh is None:
             return
-        self._connect_mesh(*mesh)  # (its own deadline bounds it)
+        mesh.join()  # (its own deadline bounds it)
+        if self._mesh_errors:
+            raise self._mesh_errors[0]
         self._heartbeats.start()
 
     def add_tick(self, tick: Callable[[], None]) -> None:
@@ -391,12 +394,25 @@ class Endpoint:
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
             self.peer_extras[peer] = pinfo.get("x")
-        self._mesh = (tcp, unix, infos, deadline, timeout)  # (made by ``connected()``, in its caller's thread)
+        self._mesh = threading.Thread(
+            target=self._connect_all, args=(tcp, unix, infos, deadline, timeout),
+            name=f"tdist-mesh-{self.rank}", daemon=True,
+        )
+        self._mesh.start()
+
+    def _connect_all(
+        self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
+    ) -> None:
+        """Connect to the lower ranks and accept the higher ones (the mesh thread; its error
+        goes to ``connected()``)."""
+        try:
+            self._connect_mesh(tcp, unix, infos, deadline, timeout)
+        except BaseException as exc:  # (raised in the caller's thread by connected())
+            self._mesh_errors.append(exc)
 
     def _connect_mesh(
         self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
     ) -> None:
-        """Connect to the lower ranks and accept the higher ones, in the caller's thread."""
         expected_in = self.size - 1 - self.rank
         errors: list[BaseException] = []
         # (an acceptor thread of its own only where this rank also connects: rank 0 accepts in
@@ -840,10 +856,8 @@ class Endpoint:
             return
         self._closing = True
         mesh, self._mesh = self._mesh, None
-        if mesh is not None:  # (closed before connected(): the listeners go)
-            for listener in mesh[:2]:
-                with contextlib.suppress(OSError):
-                    listener.close()
+        if mesh is not None:  # (closed before connected(): its thread sees _closing)
+            mesh.join(2.0)
         self._heartbeats.stop()
         # A receive may be complete here while its sender still waits for our ack (the ack leaves
         # from the ack thread a moment later): send every ack before the goodbye, or the sender
