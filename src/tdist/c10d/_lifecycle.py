@@ -215,13 +215,17 @@ def _store_based_barrier(store: Store, key: str, rank: int, world_size: int, tim
         ) from exc
 
 
-def _incarnation(store: Store, rank: int) -> int:
+def _incarnation(store: Store, rank: int, joined: int | None = None) -> int:
     """How many times rank ``rank`` has made a default group on ``store`` (this one included).
 
     A group made again on the same store after ``destroy_process_group`` gets a fresh key
     namespace from it, so no rank can read a key its predecessor left behind. Every rank counts
-    its own, so ranks agree as long as they all re-initialize together.
+    its own, so ranks agree as long as they all re-initialize together. A store that a
+    rendezvous made has that count already (``joined``: the round of its checked join, which
+    every rank of the group shares by construction): no store round trip.
     """
+    if joined is not None:
+        return joined
     return int(store.add(f"tdist_incarnation/rank_{rank}", 1))
 
 
@@ -300,6 +304,7 @@ def init_process_group(
                 store = PrefixStore("default_pg", store)
             else:
                 rank, world_size = mpi_world()
+        joined: int | None = None
         if store is None:
             assert init_method is not None
             # rank 0 hosts the group's store in a thread, as torch does: a process of its own
@@ -309,12 +314,13 @@ def init_process_group(
                 store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
             store.set_timeout(timeout)
             world.owned_store = store  # (its claim of this rank goes with the group)
+            joined = getattr(store, "_rdzv_round", None)
             store = PrefixStore("default_pg", store)
         if not 0 <= rank < world_size:
             raise ValueError(
                 f"Invalid rank {rank} for world size {world_size}: ranks go from 0 to world_size - 1"
             )
-        incarnation = _incarnation(store, rank)
+        incarnation = _incarnation(store, rank, joined)
         if incarnation > 1:
             store = PrefixStore(f"tdist_incarnation_{incarnation}", store)
         name = str(world.group_count)

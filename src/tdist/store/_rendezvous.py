@@ -347,6 +347,7 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
     if verdict != b"1":
         raise _rendezvous_error(verdict.decode(errors="replace").removeprefix(_ABORTED))
     store._rdzv_claim = (base + f"rank_{rank}", me)
+    store._rdzv_round = n  # (every rank of the round has the same: the group's key namespace)
 
 
 _ABORTED = "aborted: "
