@@ -7,8 +7,10 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -344,3 +346,34 @@ def test_a_rank_without_its_part_of_the_arena_makes_every_rank_use_sockets() -> 
         master.close()
     assert [o["arena"] for o in out] == [False, False]
     assert [o["sum"] for o in out] == [3.0, 3.0] and out[1]["p2p"] == [float(i) for i in range(10)]
+
+
+def test_no_rank_finishes_forming_the_group_before_every_rank_has_joined_its_arena(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that forms a group and destroys it at once must not close its arena under a peer
+    that has not opened it yet: a rank's set-up ends only once every higher rank has joined (it
+    connects after joining). Rank 1's join waits (at most 2 s) for rank 0 to finish forming the
+    group; with the order right, rank 0 cannot, and rank 1 joins, connects, and both finish."""
+    from tdist.c10d._shm import ShmArena
+
+    formed = threading.Event()
+    seen: list[bool] = []
+    real_join = ShmArena.join
+
+    def join(self: ShmArena, records: Any) -> None:
+        if self.rank == 1:
+            seen.append(formed.wait(2.0))
+        real_join(self, records)
+
+    monkeypatch.setattr(ShmArena, "join", join)
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n)
+        if rank == 0:
+            formed.set()
+        pg.shutdown()
+
+    run_threads(body, 2, timeout=60)
+    assert seen == ([False] if path == "shm" else [])  # (over sockets there is no arena to join)

@@ -250,8 +250,10 @@ class Endpoint:
         stall_timeout: seconds without a byte from a peer before a waiter calls it stalled.
         name: a label for messages (the group's name).
         connect_later: return once every rank's address is known (``peer_host`` and the like
-            answer), connecting in a thread meanwhile; the caller must call ``connected()``
-            before anything else (the group's other set-up overlaps the connections).
+            answer), accepting connections in a thread meanwhile; the caller must call
+            ``connected()`` before anything else, and this rank connects to the lower ranks only
+            then (what the caller does before it, all ranks have done before any rank's
+            ``connected()`` returns).
         extra: JSON-able data published with this rank's address; every peer's is in
             ``peer_extras`` once the constructor returns (one exchange through the store for
             the group's other set-up too: the backend's shared-memory arena).
@@ -305,6 +307,13 @@ class Endpoint:
         )
         self._mesh: threading.Thread | None = None
         self._mesh_errors: list[BaseException] = []
+        # (``connect_later``: the mesh thread accepts at once but connects only once the owner
+        # calls ``connected()``: so no rank's set-up ends before every higher rank has done
+        # what precedes its ``connected()``, e.g. opened this rank's arena descriptors, which a
+        # rank that destroys its group at once would otherwise close under it)
+        self._may_connect = threading.Event()
+        if not connect_later:
+            self._may_connect.set()
         self._lanes_in: tuple[_Peer, ...] = ()  # peers whose lane to us is open
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
@@ -319,6 +328,7 @@ class Endpoint:
         Raises:
             DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
         """
+        self._may_connect.set()
         mesh, self._mesh = self._mesh, None
         if mesh is None:
             return
@@ -428,6 +438,8 @@ class Endpoint:
             )
             acceptor.start()
         try:
+            if self.rank:
+                self._may_connect.wait(max(0.0, deadline - time.monotonic()))
             for peer in range(self.rank):
                 if self._closing:
                     raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
@@ -855,6 +867,7 @@ class Endpoint:
         if self._closing:
             return
         self._closing = True
+        self._may_connect.set()  # (a mesh thread waiting to connect sees the close)
         mesh, self._mesh = self._mesh, None
         if mesh is not None:  # (closed before connected(): its thread sees _closing)
             mesh.join(2.0)
