@@ -50,3 +50,12 @@ def test_no_budget_never_counts() -> None:
         b.missed()
     assert b.seconds() == 0.0 and b.misses == 0
     assert spin.YIELDS >= 1
+
+
+def test_poll_calls_until_true_and_learns_a_miss_when_the_budget_runs_out() -> None:
+    b = Budget(200e-6)
+    calls = iter([False, False, True])
+    assert b.poll(lambda: next(calls)) and b.misses == 0
+    assert not b.poll(lambda: False) and b.misses == 1
+    paused = Budget(0.0)  # (no budget: it does not poll at all)
+    assert not paused.poll(lambda: True)

@@ -1,6 +1,6 @@
 """One spin policy for every tdist waiter whose answer is due within microseconds: a store client
 waiting for its reply, the store server waiting for the next request, a rank waiting in the
-shared-memory arena.
+shared-memory arena, a receive waiting on a shared-memory lane.
 
 Theory of operation. Sleeping in the kernel and being woken costs a waiter 5-50 us and its
 waker a system call; polling first catches an answer that a peer on another core gives within
@@ -33,6 +33,8 @@ The one knob is ``TDIST_SPIN_US``, the budget in microseconds (150; 0 turns poll
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 __all__ = ["MISS_LIMIT", "RETRY_AFTER", "SPIN", "YIELDS", "Budget"]
 
@@ -77,6 +79,30 @@ class Budget:
         self.late += 1
         if self.late >= MISS_LIMIT + RETRY_AFTER:
             self.late = 0
+
+    def poll(self, check: Callable[[], bool]) -> bool:
+        """Call ``check()`` by this policy until it is true (True) or the budget is spent
+        (False), and learn from it. For waiters whose poll is a call anyway; the hot loops of
+        the store and the arena inline the same steps."""
+        total = self.seconds()
+        if not total:  # (paused: this wait sleeps, and counts towards the next try)
+            self.missed()
+            return False
+        pure = self.pure()
+        clock = time.perf_counter
+        start = clock()
+        yields = 0
+        while True:
+            if check():
+                self.caught(yields > 0)
+                return True
+            elapsed = clock() - start
+            if elapsed >= total:
+                self.missed()
+                return False
+            if elapsed >= pure and yields < YIELDS:
+                yields += 1
+                os.sched_yield()
 
     def missed(self) -> None:
         """The waiter went to sleep: the answer came after the spin (or there was none)."""

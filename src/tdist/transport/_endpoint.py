@@ -1483,28 +1483,13 @@ class Endpoint:
 
     def _spin(self, handle: RecvHandle, lanes: tuple[_Peer, ...]) -> None:
         """Poll the lanes ``handle`` may come by for the spin budget (``_core.spin``)."""
-        budget = self._budget
-        total = budget.seconds()
-        if not total:  # (paused: this wait sleeps, and counts towards the next try)
-            budget.missed()
-            return
-        pure = budget.pure()
-        clock = time.perf_counter
-        start = clock()
-        yields = 0
         poll = self._poll_lanes
-        while True:
+
+        def done() -> bool:
             poll(lanes)
-            if handle.finished:
-                budget.caught(yields > 0)
-                return
-            elapsed = clock() - start
-            if elapsed >= total:
-                budget.missed()
-                return
-            if elapsed >= pure and yields < spin.YIELDS:
-                yields += 1
-                os.sched_yield()
+            return handle.finished
+
+        self._budget.poll(done)
 
     def _match(self, p: _Peer, tag: int) -> tuple[RecvHandle | None, bool]:
         """Under the lock: the receive a message from ``p`` with ``tag`` goes to."""
