@@ -46,7 +46,7 @@ from .._core.errors import (
     PeerError,
 )
 from ..transport import Endpoint, RecvHandle
-from ..transport._liveness import default_interval, default_stall_timeout
+from ..transport._liveness import GROUP_STALL, default_interval, default_stall_timeout
 from ..transport._serialization import dumps, loads
 from . import _flight_recorder as fr
 from . import _schedules as S
@@ -395,7 +395,7 @@ class ProcessGroupTCP(Backend):
         try:
             return ShmArena(
                 None, rank, size, name=name or "pg", timeout=self._timeout,
-                heartbeat_interval=default_interval(), stall_timeout=default_stall_timeout(10.0), beats=False,
+                heartbeat_interval=default_interval(), stall_timeout=default_stall_timeout(GROUP_STALL), beats=False,
             )
         except (OSError, DistError) as exc:
             _log_no_arena(f"rank {rank} could not make its part of a shared-memory arena ({exc})")

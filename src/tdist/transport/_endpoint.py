@@ -60,7 +60,7 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake, _memory
 from ._lane import MAX_RECORD, RECORD, Lane, Record
-from ._liveness import Heartbeats, default_interval, default_stall_timeout
+from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     NEED_DATA,
@@ -282,7 +282,7 @@ class Endpoint:
         self.name = name
         self.secret = auth.resolve_secret(secret)
         self.heartbeat_interval = heartbeat_interval or default_interval()
-        self.stall_timeout = stall_timeout or default_stall_timeout(10.0)
+        self.stall_timeout = stall_timeout or default_stall_timeout(GROUP_STALL)
         self.host_id = host_id()
         self._lock = threading.Lock()
         self._posted_cv = threading.Condition(self._lock)  # notified when a receive is posted

@@ -31,7 +31,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-__all__ = ["Heartbeats", "Link", "default_interval", "default_stall_timeout"]
+__all__ = ["GROUP_STALL", "Heartbeats", "Link", "default_interval", "default_stall_timeout"]
+
+GROUP_STALL = 10.0  # a process group's stall timeout unless TDIST_HEARTBEAT_TIMEOUT says
 
 
 def default_interval() -> float:
