@@ -83,7 +83,7 @@ def memory_order_ok() -> str | None:
 
 
 class _Kind(enum.IntEnum):
-    INIT = 1  # (no operation of this kind any more: an arena forms without a barrier)
+    # (1 was the set-up barrier's: an arena forms without one)
     BARRIER = 2
     ALL_REDUCE = 3
     BROADCAST = 4
