@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tdist
-from tdist._core.errors import DistError, PeerError
+from tdist._core.errors import DistError, DistTimeoutError, PeerError
 from tdist.testing import run_processes, run_threads
 from tdist.transport import Endpoint
 
@@ -368,3 +368,60 @@ def test_a_receive_matched_to_a_message_still_arriving_fails_with_its_connection
     results = run_threads(body, 2, timeout=50)
     assert results[0].startswith("PeerError"), results
     assert "rank 1" in results[0]
+
+
+def test_a_waiting_thread_reads_its_own_message_and_the_reader_reads_on_after_it() -> None:
+    # A thread waiting for a message from one peer reads that connection itself: the message
+    # (small, or large and placed straight into the receive) is delivered by the waiting thread,
+    # with no hand-off from the reader thread. A wait that ends at its deadline gives the
+    # connection back: the reader delivers what comes next.
+    store = tdist.HashStore()
+    eps: dict[int, Endpoint] = {}
+    formed = threading.Barrier(2)
+    timed_out = threading.Event()
+    delivered: list[tuple[str, int, str]] = []  # (how, tag, the thread that delivered it)
+    size = 1 << 20
+
+    def body(rank: int, n: int) -> str:
+        ep = eps[rank] = Endpoint(tdist.PrefixStore("own", store), rank, n, timeout=10, heartbeat_interval=30)
+        try:
+            formed.wait(10)
+            if rank == 0:
+                peer = eps[1]._peers[0]
+                for tag, payload in ((1, b"small"), (2, bytes(range(256)) * (size // 256))):
+                    deadline = time.monotonic() + 10
+                    while tag not in peer.posted or not peer.rlock.locked():  # rank 1 waits, reading
+                        assert time.monotonic() < deadline, "rank 1 never read its connection"
+                    ep.send(1, tag, [payload])
+                assert timed_out.wait(10)
+                ep.send(1, 3, [b"later"])
+                return "sent"
+            on_data, on_data_in = ep._on_data, ep._on_data_in
+
+            def spy_data(p: Any, tag: int, meta: bytes, payload: memoryview, seq: int = -1) -> None:
+                delivered.append(("small", tag, threading.current_thread().name))
+                on_data(p, tag, meta, payload, seq)
+
+            def spy_data_in(p: Any, payload: memoryview) -> None:
+                delivered.append(("large", -1, threading.current_thread().name))
+                on_data_in(p, payload)
+
+            ep._on_data = spy_data  # type: ignore[method-assign]
+            ep._on_data_in = spy_data_in  # type: ignore[method-assign]
+            small = ep.wait(ep.post_recv(0, 1), time.monotonic() + 10)
+            big = bytearray(size)
+            ep.wait(ep.post_recv(0, 2, memoryview(big)), time.monotonic() + 10)
+            later = ep.post_recv(0, 3)
+            with pytest.raises(DistTimeoutError):
+                ep.wait(later, time.monotonic() + 0.2)
+            timed_out.set()
+            assert later.wait_finished(10), "the reader did not read on after the wait ended"
+            assert small.data == b"small" and big == bytes(range(256)) * (size // 256) and later.data == b"later"
+            return threading.current_thread().name
+        finally:
+            ep.close()
+
+    waiter = run_threads(body, 2, timeout=40)[1]
+    assert [(how, tag) for how, tag, _ in delivered] == [("small", 1), ("large", -1), ("small", 3)], delivered
+    assert delivered[0][2] == waiter and delivered[1][2] == waiter, (waiter, delivered)
+    assert delivered[2][2].startswith("tdist-rd-"), delivered

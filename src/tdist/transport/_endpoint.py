@@ -38,6 +38,7 @@ import logging
 import os
 import queue
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -85,6 +86,7 @@ _SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of it
 _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
 _CMA_DEFER = 0.005
+_ARMED = select.EPOLLIN | select.EPOLLONESHOT
 
 
 def host_id() -> str:
@@ -214,6 +216,16 @@ class _Peer:
         self.posted: dict[int, deque[RecvHandle]] = {}
         self.unexpected: dict[int, deque[_Pending]] = {}
         self.reader: threading.Thread | None = None
+        self.fd = sock.fileno()
+        # whoever reads the connection holds ``rlock``: its reader thread, or a thread waiting
+        # for a message from the peer (``_read_own``), which disarms ``ep`` (the reader's
+        # one-shot readiness) meanwhile so that the reader is not woken for that message
+        self.rlock = threading.Lock()
+        self.ep: select.epoll | None = None
+        self.ready = select.poll()  # (the connection's readiness, for a thread holding rlock)
+        self.ready.register(self.fd, select.POLLIN)
+        self.budget = spin.Budget()  # (a waiter's spin there)
+        self.read_over = False  # the connection broke the protocol or ended: nobody reads on
         self.cma = False  # may this peer read our memory (same host, and not refused yet)?
         self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
         self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
@@ -467,7 +479,9 @@ class Endpoint:
             unix.close()
         for p in self._peers.values():
             p.cma = p.addr == "unix" and _memory.cma_possible()
-            p.sock.settimeout(self.heartbeat_interval)
+            p.sock.settimeout(self.heartbeat_interval)  # (its reads go by ``os.readv``: non-blocking)
+            p.ep = select.epoll(1)
+            p.ep.register(p.fd, _ARMED)
             p.reader = threading.Thread(target=self._read_loop, args=(p,), name=f"tdist-rd-{self.rank}<{p.rank}", daemon=True)
             p.reader.start()
 
@@ -801,12 +815,16 @@ class Endpoint:
 
     def wait(self, handle: RecvHandle, deadline: float | None, what: str | None = None) -> RecvHandle:
         """Block until ``handle`` completes; raise its error, a stall or the deadline."""
-        if not handle.finished and self._lanes_in:
-            lanes = self._lanes_for(handle)
+        if not handle.finished:
+            lanes = self._lanes_for(handle) if self._lanes_in else ()
             if lanes:
                 self._spin(handle, lanes)
                 if not handle.finished:
                     self._sleep_on(handle, lanes, deadline, what)
+            elif handle.peer >= 0:
+                p = self._peers.get(handle.peer)
+                if p is not None and p.error is None and p.lane_in is None:
+                    self._read_own(p, handle, deadline, what)
         return self._wait(handle, deadline, what)
 
     def _sleep_on(self, handle: RecvHandle, lanes: tuple[_Peer, ...], deadline: float | None, what: str | None) -> None:
@@ -836,10 +854,7 @@ class Endpoint:
                 if p is not None and not handle.finished:
                     self._stalled(p, what or handle.what, now)
             if deadline is not None and now >= deadline and not handle.finished:
-                src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
-                raise DistTimeoutError(
-                    f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})"
-                )
+                raise self._timed_out(handle, what)
         failure = handle.error
         if failure is not None:
             if isinstance(failure, PeerError):
@@ -847,6 +862,10 @@ class Endpoint:
                 raise PeerError(f"{what or handle.what} failed: {failure}", peer=failure.peer) from failure
             raise failure
         return handle
+
+    def _timed_out(self, handle: RecvHandle, what: str | None) -> DistTimeoutError:
+        src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
+        return DistTimeoutError(f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})")
 
     def abort(self, reason: str) -> None:
         """Give the group up: tell every peer why, fail everything pending here."""
@@ -897,6 +916,8 @@ class Endpoint:
                 p.reader.join(2.0)
             with contextlib.suppress(OSError):
                 p.sock.close()
+            if p.ep is not None:
+                p.ep.close()
             if p.lane_out is not None:  # (the peer's mapping stays valid: the memory goes with it)
                 p.lane_out.close()
         self._heartbeats.join(2.0)
@@ -1108,83 +1129,183 @@ class Endpoint:
         return None
 
     def _read_loop(self, p: _Peer) -> None:
-        """The connection's reader (its own thread): frames out of ``p.decoder``, delivered."""
-        dec = p.decoder
+        """The connection's reader (its own thread): once the connection is readable and no
+        waiting thread reads it (``_read_own``), reads and delivers what came."""
+        ep = cast(select.epoll, p.ep)
         try:
-            while True:
-                event = dec.next_event()
-                if event is NEED_DATA:
-                    self._read_more(p, dec)
-                elif type(event) is Arriving:
-                    self._on_arriving(p, event)
-                else:
-                    assert type(event) is Frame
-                    kind = event.kind
-                    if kind == Kind.DATA:
-                        if event.placed:
-                            self._on_data_in(p, event.payload)
-                        else:
-                            self._on_data(p, event.tag, event.meta, event.payload)
-                    elif kind == Kind.DATA_SEQ:
-                        if event.placed:
-                            self._on_data_in(p, event.payload)
-                        else:
-                            seq, meta = _numbered(event.meta)
-                            self._on_data(p, event.tag, meta, event.payload, seq)
-                    elif kind == Kind.DATA_CMA:
-                        self._on_cma(p, event.tag, event.meta, bytes(event.payload))
-                    elif kind == Kind.DATA_CMA_SEQ:
-                        seq, meta = _numbered(event.meta)
-                        self._on_cma(p, event.tag, meta, bytes(event.payload), seq)
-                    elif kind == Kind.LANE:
-                        self._on_lane(p, event.tag)
-                    elif kind == Kind.LANE_OK:
-                        self._on_lane_ok(p, event.tag, event.meta)
-                    elif kind == Kind.CMA_ACK:
-                        with self._lock:
-                            ack = p.acks.get(event.tag)
-                        if ack is not None:
-                            ack[1] = unpack_ack(event.meta)
-                            ack[0].set()
-                    elif kind == Kind.ABORT:
-                        reason = event.meta.decode(errors="replace")
-                        err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)
-                        self._fail_peer(p, err)
-                        self._break(err)
-                    elif kind == Kind.GOODBYE:
-                        p.said_goodbye = True
-                    lane = p.lane_in  # (a frame may be a wake-up: see ``_lane_put``)
-                    if lane is not None and lane.ready():
-                        with self._lock:
-                            self._drain(p)
+            while not p.read_over:
+                try:
+                    ready = ep.poll(self.heartbeat_interval, 1)
+                except ValueError:  # (closed: the endpoint is gone)
+                    return
+                if not ready:
+                    if self._closing:
+                        raise ConnectionResetError("closing")
+                    continue
+                if not p.rlock.acquire(blocking=False):
+                    continue  # a waiting thread reads it, and arms it again when done
+                try:
+                    if not p.read_over:
+                        self._pump(p, None)
+                finally:
+                    p.rlock.release()
+                    self._arm(p)
         except (OSError, RemoteProtocolError) as exc:
-            if p.lane_in is not None:  # what the peer put in its lane before it went is delivered
-                with contextlib.suppress(RemoteProtocolError), self._lock:
-                    self._drain(p)
-            if not self._closing:
-                arriving = p.arriving
-                what = arriving.what if isinstance(arriving, RecvHandle) else "a pending operation"
-                err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, what)
-                log.debug("rank %d: %s", self.rank, err)
-            else:
-                self._fail_peer(p, DistError(f"rank {self.rank}: process group {self.name!r} is closed"))
+            self._read_failed(p, exc)
 
-    def _read_more(self, p: _Peer, dec: FrameDecoder) -> None:
-        """Read what the socket has into the decoder (a short read takes all there is, so a
-        small frame costs one system call; a placed payload is read straight into place)."""
-        buf = dec.buffer()
-        while True:
+    def _read_failed(self, p: _Peer, exc: BaseException) -> None:
+        """Reading ``p``'s connection failed (``exc``): fail what waits on the peer."""
+        p.read_over = True
+        if p.lane_in is not None:  # what the peer put in its lane before it went is delivered
+            with contextlib.suppress(RemoteProtocolError), self._lock:
+                self._drain(p)
+        if not self._closing:
+            arriving = p.arriving
+            what = arriving.what if isinstance(arriving, RecvHandle) else "a pending operation"
+            err = self._lost(p, None if isinstance(exc, ConnectionResetError) else exc, what)
+            log.debug("rank %d: %s", self.rank, err)
+        else:
+            self._fail_peer(p, DistError(f"rank {self.rank}: process group {self.name!r} is closed"))
+
+    def _arm(self, p: _Peer) -> None:
+        """Let ``p``'s reader wait for the connection again (after its read lock is given back:
+        what came while it was held wakes the reader now)."""
+        if not p.read_over and p.ep is not None:
             try:
-                k = p.sock.recv_into(buf)
-            except TimeoutError:
-                if self._closing:
-                    raise ConnectionResetError("closing") from None
-                continue
-            break
-        if not k:
-            raise ConnectionResetError("connection closed" if dec.at_boundary else "connection closed inside a frame")
-        dec.received(k)
-        p.last_rx = time.monotonic()
+                p.ep.modify(p.fd, _ARMED)
+            except (OSError, ValueError):
+                pass
+
+    def _pump(self, p: _Peer, stop: Callable[[], bool] | None) -> None:
+        """Read what ``p``'s connection has and deliver its frames (read lock held). Returns once
+        nothing more is there at a frame boundary; inside a frame it waits for the rest (until
+        ``stop()`` says to give up, which it may raise instead: a waiting thread's deadline).
+        A short read took all there was, so a small frame costs one system call.
+
+        Raises:
+            OSError, RemoteProtocolError: the connection is lost or broke the protocol.
+        """
+        dec = p.decoder
+        fd = p.fd
+        short = False
+        while True:
+            event = dec.next_event()
+            if event is NEED_DATA:
+                at_boundary = dec.at_boundary
+                if short and at_boundary:
+                    return
+                buf = dec.buffer()
+                try:
+                    k = os.readv(fd, (buf,))
+                except BlockingIOError:
+                    if at_boundary:
+                        return
+                    # inside a frame: its rest is on the way
+                    while not p.ready.poll(self.heartbeat_interval * 1000):
+                        if self._closing:
+                            raise ConnectionResetError("closing") from None
+                        if stop is not None and stop():
+                            return
+                    continue
+                if not k:
+                    raise ConnectionResetError("connection closed" if at_boundary else "connection closed inside a frame")
+                dec.received(k)
+                p.last_rx = time.monotonic()
+                short = k < buf.nbytes and not dec.placing
+            elif type(event) is Arriving:
+                self._on_arriving(p, event)
+            else:
+                self._on_frame(p, cast(Frame, event), stop is None)
+
+    def _on_frame(self, p: _Peer, event: Frame, reader: bool) -> None:
+        """Deliver one whole frame (``reader``: read by the reader thread, not a waiter)."""
+        kind = event.kind
+        if kind == Kind.DATA:
+            if event.placed:
+                self._on_data_in(p, event.payload)
+            else:
+                self._on_data(p, event.tag, event.meta, event.payload)
+        elif kind == Kind.DATA_SEQ:
+            if event.placed:
+                self._on_data_in(p, event.payload)
+            else:
+                seq, meta = _numbered(event.meta)
+                self._on_data(p, event.tag, meta, event.payload, seq)
+        elif kind == Kind.DATA_CMA:
+            self._on_cma(p, event.tag, event.meta, bytes(event.payload), -1, reader)
+        elif kind == Kind.DATA_CMA_SEQ:
+            seq, meta = _numbered(event.meta)
+            self._on_cma(p, event.tag, meta, bytes(event.payload), seq, reader)
+        elif kind == Kind.LANE:
+            self._on_lane(p, event.tag)
+        elif kind == Kind.LANE_OK:
+            self._on_lane_ok(p, event.tag, event.meta)
+        elif kind == Kind.CMA_ACK:
+            with self._lock:
+                ack = p.acks.get(event.tag)
+            if ack is not None:
+                ack[1] = unpack_ack(event.meta)
+                ack[0].set()
+        elif kind == Kind.ABORT:
+            reason = event.meta.decode(errors="replace")
+            err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)
+            self._fail_peer(p, err)
+            self._break(err)
+        elif kind == Kind.GOODBYE:
+            p.said_goodbye = True
+        lane = p.lane_in  # (a frame may be a wake-up: see ``_lane_put``)
+        if lane is not None and lane.ready():
+            with self._lock:
+                self._drain(p)
+
+    def _read_own(self, p: _Peer, handle: RecvHandle, deadline: float | None, what: str | None) -> None:
+        """Wait for ``handle`` (from ``p``) by reading ``p``'s connection in this thread, so
+        that its message comes with no hand-off from the reader thread; polls first, for the
+        spin budget (``_core.spin``). Returns at once when another thread reads the connection
+        now (then the reader delivers it); raises the deadline's ``DistTimeoutError``."""
+        if p.read_over or not p.rlock.acquire(blocking=False):
+            return
+        try:
+            try:
+                cast(select.epoll, p.ep).modify(p.fd, select.EPOLLONESHOT)  # disarmed: the reader leaves it to us
+            except (OSError, ValueError):
+                return
+            label = what or handle.what
+            ready = p.ready.poll
+
+            def stop() -> bool:  # (inside a frame: a stall or the deadline ends the wait)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline and not handle.finished:
+                    raise self._timed_out(handle, what)
+                return self._stalled(p, label, now) is not None or handle.finished
+
+            spun = False
+            while not handle.finished and not p.read_over:
+                try:
+                    self._pump(p, stop)
+                except DistTimeoutError:
+                    raise
+                except (OSError, RemoteProtocolError) as exc:
+                    self._read_failed(p, exc)
+                    return
+                if handle.finished:
+                    return
+                if not spun:
+                    spun = True
+                    if p.budget.poll(lambda: bool(ready(0))):
+                        continue
+                step = self.heartbeat_interval / 2
+                if deadline is not None:
+                    step = max(0.0, min(step, deadline - time.monotonic()))
+                if not ready(step * 1000):
+                    now = time.monotonic()
+                    if self._stalled(p, label, now) is not None:
+                        return
+                    if deadline is not None and now >= deadline:
+                        raise self._timed_out(handle, what)
+        finally:
+            p.rlock.release()
+            self._arm(p)
 
     def _on_data(self, p: _Peer, tag: int, meta: bytes, payload: memoryview, seq: int = -1) -> None:
         """A small message, whole (``payload``: the decoder's memory, copied out here; ``seq``:
@@ -1265,25 +1386,26 @@ class Endpoint:
         elif arriving is not None and waiting is not None:
             self._deliver_copy(p.rank, arriving, waiting)
 
-    def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes, seq: int = -1) -> None:
+    def _on_cma(self, p: _Peer, tag: int, meta: bytes, desc: bytes, seq: int, reader: bool) -> None:
         with self._copying_cv:
             self._copying += 1
         try:
-            self._on_cma_counted(p, tag, meta, desc, seq)
+            self._on_cma_counted(p, tag, meta, desc, seq, _CMA_DEFER if reader else 0.0)
         finally:
             with self._copying_cv:
                 self._copying -= 1
                 self._copying_cv.notify_all()
 
-    def _on_cma_counted(self, p: _Peer, tag: int, meta: bytes, desc: bytes, seq: int) -> None:
+    def _on_cma_counted(self, p: _Peer, tag: int, meta: bytes, desc: bytes, seq: int, defer: float) -> None:
         xfer, pid, segments, prefix = unpack_cma(desc)
         if prefix.nbytes:
             raise RemoteProtocolError("a process group's cross-memory message carries no inline prefix")
         nbytes = sum(n for _, n in segments)
         # The sender waits for our ack anyway: give its receive a moment to be posted, so the
         # data goes straight to the destination (one copy instead of two, no buffer). The lane's
-        # later messages wait meanwhile (``_turn``: this one is matched first).
-        deadline = time.monotonic() + _CMA_DEFER
+        # later messages wait meanwhile (``_turn``: this one is matched first). Not when a
+        # waiting thread reads (``defer`` 0): that thread may be the one to post it.
+        deadline = time.monotonic() + defer
         with self._posted_cv:
             self._turn(p, seq)
             handle, from_any = self._match(p, tag)
