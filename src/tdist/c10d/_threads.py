@@ -24,7 +24,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["capped"]
+__all__ = ["PARALLEL_BYTES", "capped"]
+
+# torch runs an element-wise kernel on several threads from 32768 elements (its GRAIN_SIZE): a
+# collective on fewer bytes than this never starts them, so it need not cap them
+PARALLEL_BYTES = 32 << 10
 
 _omp: Callable[[int], None] | bool | None = False  # (not looked up yet)
 

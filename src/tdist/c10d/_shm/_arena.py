@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch
 
-from .._threads import capped
+from .._threads import PARALLEL_BYTES, capped
 from .._types import RedOpType, as_red_op
 from ._core import ArenaCore
 from ._layout import _D, _W, _X, _dtype_code, _Kind, _round_up
@@ -44,8 +44,6 @@ from ._tensors import Reducer, _check_tensor, _flat, _reducer
 
 __all__ = ["ShmArena"]
 
-# torch runs an element-wise kernel on several threads above 32768 elements
-_PARALLEL_BYTES = 32 << 10
 _NULL_CONTEXT = contextlib.nullcontext()
 
 
@@ -848,7 +846,7 @@ class ShmArena(ArenaCore):
         for t in tensors:
             grad = grad or t.requires_grad
             nbytes += t.numel() * t.element_size()
-        cap = nbytes > _PARALLEL_BYTES and torch.get_num_threads() > self._threads
+        cap = nbytes > PARALLEL_BYTES and torch.get_num_threads() > self._threads
         if not grad and not cap:
             return _NULL_CONTEXT
         return self._mode_slow(grad, cap)
