@@ -6,9 +6,13 @@ store, then connects to every lower rank and accepts every higher one (a full me
 builds it). Each connection is authenticated (``_protocol`` handshake) before any frame is read.
 
 Each connection has a reader thread that reads frames as they come and matches them, in order,
-to the receives posted for that peer and tag: the payload goes with ``recv_into`` straight into
-the destination memory of a posted receive, or into a fresh buffer kept until a receive is
-posted. Because readers always drain, a blocking send can never deadlock against its peer.
+to the receives posted for that peer and tag: the payload goes straight into the destination
+memory of a posted receive, or into a fresh buffer kept until a receive is posted. A thread that
+waits for a message from one peer reads that peer's connection itself (``_read_own``), as the
+RPC messenger's callers do: it takes the connection's read lock and disarms the reader's one-shot
+epoll registration, so the message reaches it with no thread hand-off (the reader, woken only
+while nobody else reads, takes the connection back when the waiter arms it again). Because the
+connection is always read by someone, a blocking send can never deadlock against its peer.
 Senders write with scatter-gather ``sendmsg`` under the connection's send lock.
 
 Lanes (``enable_lanes``, which the backend calls when its shared-memory arena is up): a small
