@@ -10,6 +10,7 @@ in this thread's ``World`` (``_group``). Where torch is loaded, the default grou
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -391,8 +392,14 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
             groups = sorted(world.groups, key=lambda g: world.groups[g].name, reverse=True)
         for g in groups:
             _shutdown_quietly(g)
-        if world.owned_store is not None:
-            release_claim(world.owned_store)
+        store = world.owned_store
+        if store is not None:
+            release_claim(store)
+            # Closed now, not when the collector finds it (it sits in reference cycles): a
+            # store served from a thread here retires, answering the other ranks until they
+            # have left, even while this process exits (its finalization stops the thread).
+            with contextlib.suppress(Exception):
+                store.close()  # type: ignore[attr-defined]
         release_world(world)
         log.info("default process group destroyed")
         return
