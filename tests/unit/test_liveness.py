@@ -25,9 +25,12 @@ class _Link:
     tail: bytes = b""
     dead: bool = False
 
+    def heartbeat(self) -> bytes:
+        return FRAME
+
 
 def _beats(links: list[_Link], on_stall: object = None, interval: float = 1.0, stall: float = 10.0) -> Heartbeats:
-    return Heartbeats("test-hb", interval, stall, lambda: links, lambda _l: FRAME, lambda link: link.dead, on_stall)
+    return Heartbeats("test-hb", interval, stall, lambda: links, lambda link: link.dead, on_stall)
 
 
 def test_a_heartbeat_goes_out_whole_or_waits_whole_in_the_tail() -> None:

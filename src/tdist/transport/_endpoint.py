@@ -65,6 +65,7 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake, _memory
 from ._lane import MAX_RECORD, RECORD, Lane, Record
+from ._link import Link
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -72,11 +73,9 @@ from ._protocol import (
     TOKEN_SIZE,
     Arriving,
     Frame,
-    FrameDecoder,
     Kind,
     pack_ack,
     pack_cma,
-    pack_header,
     unpack_ack,
     unpack_cma,
 )
@@ -85,7 +84,6 @@ __all__ = ["Endpoint", "RecvHandle", "host_id"]
 
 log = logging.getLogger(__name__)
 
-_IOV_MAX = 512
 _SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of its meta
 _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
@@ -207,39 +205,29 @@ def _numbered(meta: bytes) -> tuple[int, bytes]:
     return _SEQ.unpack_from(meta)[0], meta[_SEQ.size:]
 
 
-class _Peer:
+class _Peer(Link):
+    """A link to one rank of the group, with the group's matching state."""
+
     def __init__(self, rank: int, sock: socket.socket, addr: str, session: _handshake.Session | None) -> None:
+        super().__init__(rank, sock, addr, session)
         self.rank = rank
-        self.sock = sock
-        self.addr = addr
-        self.send_lock = threading.Lock()
-        self.last_rx = time.monotonic()  # (for the heartbeats: see _liveness)
-        self.last_tx = time.monotonic()
         self.error: DistError | None = None
         self.said_goodbye = False
         self.posted: dict[int, deque[RecvHandle]] = {}
         self.unexpected: dict[int, deque[_Pending]] = {}
         self.reader: threading.Thread | None = None
-        self.fd = sock.fileno()
-        # whoever reads the connection holds ``rlock``: its reader thread, or a thread waiting
-        # for a message from the peer (``_read_own``), which disarms ``ep`` (the reader's
-        # one-shot readiness) meanwhile so that the reader is not woken for that message
-        self.rlock = threading.Lock()
+        # the reader thread waits on ``ep`` (one-shot) for the connection to be readable; a
+        # thread waiting for a message from the peer reads it itself (``_read_own``, holding
+        # ``rlock``) and disarms ``ep`` meanwhile, so that the reader is not woken for it
         self.ep: select.epoll | None = None
-        self.ready = select.poll()  # (the connection's readiness, for a thread holding rlock)
-        self.ready.register(self.fd, select.POLLIN)
         self.budget = spin.Budget()  # (a waiter's spin there)
         self.read_over = False  # the connection broke the protocol or ended: nobody reads on
         self.cma = False  # may this peer read our memory (same host, and not refused yet)?
         self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
-        self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
-        # the message whose payload the reader is reading (its receive, or the early arrival a
+        # the message whose payload is being read (its receive, or the early arrival a
         # receive may take over meanwhile): if the connection goes, that receive fails with it
         self.arriving: RecvHandle | _Pending | None = None
         self.arriving_error: DistError | None = None  # (why that receive fails once it is in)
-        self.session = session  # frame tags, when the group has a secret
-        # the frames of the connection, as its reader reads them
-        self.decoder = FrameDecoder(None if session is None else session.recv)
         # shared-memory lanes (``enable_lanes``): ours to the peer and the peer's to us, and the
         # sequence numbers that order what goes by lane and what by socket
         self.lane_ok = False  # may small messages to this peer go by lane?
@@ -318,7 +306,7 @@ class Endpoint:
         # (stalls are found by the operations waiting on a peer, which name themselves)
         self._heartbeats = Heartbeats(
             f"tdist-hb-{name}-{rank}", self.heartbeat_interval, self.stall_timeout,
-            lambda: self._peers.values(), lambda p: b"".join(self._frame(cast(_Peer, p), Kind.HEARTBEAT, 0)[0]),
+            lambda: self._peers.values(),
             lambda p: cast(_Peer, p).error is not None,
         )
         self._mesh: threading.Thread | None = None
@@ -483,7 +471,6 @@ class Endpoint:
             unix.close()
         for p in self._peers.values():
             p.cma = p.addr == "unix" and _memory.cma_possible()
-            p.sock.settimeout(self.heartbeat_interval)  # (its reads go by ``os.readv``: non-blocking)
             p.ep = select.epoll(1)
             p.ep.register(p.fd, _ARMED)
             p.reader = threading.Thread(target=self._read_loop, args=(p,), name=f"tdist-rd-{self.rank}<{p.rank}", daemon=True)
@@ -687,12 +674,12 @@ class Endpoint:
         """One ``DATA`` or ``DATA_CMA`` frame by socket (send lock held); its numbered form
         when the peer has our lane."""
         if p.lane_out is None:
-            self._sendmsg(p, *self._frame(p, kind, tag, meta, views, nbytes), deadline, what)
+            self._sendmsg(p, *p.frame(kind, tag, meta, views, nbytes), deadline, what)
             return
         seq = p.tx_seq
         p.tx_seq += 1
         try:
-            self._sendmsg(p, *self._frame(p, _NUMBERED[kind], tag, _SEQ.pack(seq) + meta, views, nbytes), deadline, what)
+            self._sendmsg(p, *p.frame(_NUMBERED[kind], tag, _SEQ.pack(seq) + meta, views, nbytes), deadline, what)
         except DistTimeoutError:  # (nothing went out: its number is free again)
             p.tx_seq = seq
             raise
@@ -712,7 +699,7 @@ class Endpoint:
             p.lane_out = lane  # (before the frame: the answer may come at once)
             p.tx_seq = 0  # (numbers start with the frame, as the peer's count does)
             try:  # (the peer opens it when this frame comes; messages are numbered from here on)
-                self._sendmsg(p, *self._frame(p, Kind.LANE, lane.fd), deadline, what)
+                self._sendmsg(p, *p.frame(Kind.LANE, lane.fd), deadline, what)
             except BaseException:
                 p.lane_out = None
                 lane.close()
@@ -722,7 +709,7 @@ class Endpoint:
             return False
         p.tx_seq += 1
         if lane.sleepers():  # a waiter of the peer sleeps: any frame wakes its reader, which reads the lane
-            self._sendmsg(p, *self._frame(p, Kind.HEARTBEAT, 0), None, what)
+            self._sendmsg(p, *p.frame(Kind.HEARTBEAT, 0), None, what)
         return True
 
     def _send_cma(
@@ -879,7 +866,7 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    self._sendmsg(p, *self._frame(p, Kind.ABORT, 0, meta), time.monotonic() + 1.0, "abort")
+                    self._sendmsg(p, *p.frame(Kind.ABORT, 0, meta), time.monotonic() + 1.0, "abort")
                 except (DistError, OSError):
                     pass
                 finally:
@@ -907,7 +894,7 @@ class Endpoint:
         for p in list(self._peers.values()):
             if p.error is None and p.send_lock.acquire(timeout=1.0):
                 try:
-                    self._sendmsg(p, *self._frame(p, Kind.GOODBYE, 0), time.monotonic() + 1.0, "close")
+                    self._sendmsg(p, *p.frame(Kind.GOODBYE, 0), time.monotonic() + 1.0, "close")
                 except (DistError, OSError):
                     pass
                 finally:
@@ -938,21 +925,6 @@ class Endpoint:
             raise p.error
         return p
 
-    def _frame(
-        self, p: _Peer, kind: Kind, tag: int, meta: bytes = b"", payload: Sequence[memoryview] = (), nbytes: int = 0
-    ) -> tuple[list[memoryview], auth.Tagging | None]:
-        """One frame as buffers to write, and its tag when the connection has a session (send
-        lock held: tags follow the order of the frames on the wire): the tag is the last
-        buffer, or, for a large payload, still to be made as the payload is written."""
-        head = pack_header(kind, tag, nbytes, len(meta)) + meta
-        parts = [memoryview(head), *(v for v in payload if v.nbytes)]
-        if p.session is None:
-            return parts, None
-        if nbytes >= auth.BULK:
-            return parts, p.session.send.start(head, nbytes)
-        parts.append(memoryview(p.session.send.tag(head, parts[1:], nbytes)))
-        return parts, None
-
     def _sendmsg(
         self,
         p: _Peer,
@@ -962,57 +934,32 @@ class Endpoint:
         what: str,
         quiet: bool = False,
     ) -> None:
-        """Write the frame ``parts`` whole (send lock held), and, with a ``tagging`` (see
-        ``_frame``), the tag of the payload that follows the head, made piece by piece as the
-        kernel takes it. Once part of the frame is out only the rest may follow, so the
-        deadline stops a write only before its first byte (a stalled peer still ends it); a
-        frame that did not go out gives its tag's number back."""
-        sock = p.sock
-        started = False
-        untagged = parts[0].nbytes if tagging is not None else 0  # (the head: in the tag already)
-        if p.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
-            parts = [memoryview(p.tail), *parts]
-            untagged += len(p.tail)
-            p.tail = b""
-            started = True
-        while parts:
-            try:
-                sent = sock.sendmsg(parts[:_IOV_MAX])
-            except TimeoutError:
+        """Write the frame ``parts`` (``p.frame``'s) whole, send lock held (``Link.write``): a
+        stalled or lost peer ends it, the deadline only before its first byte."""
+
+        def blocked(started: bool) -> None:
+            step = max(0.05, self.heartbeat_interval / 2)
+            while True:
+                if deadline is not None and not started:
+                    step = max(0.0, min(step, deadline - time.monotonic()))
+                if p.wait_writable(step):
+                    return
                 now = time.monotonic()
                 failure: DistError | None = p.error or self._broken or self._stalled(p, what, now)
                 if failure is None and not started and deadline is not None and now >= deadline:
                     failure = DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
-                if failure is None:
-                    continue
-                if not started and p.session is not None:
-                    p.session.send.seq -= 1  # (this frame never left: its number is free again)
-                raise failure from None
-            except OSError as exc:
-                if quiet:  # (the reader finds the loss once it has read what came before it)
-                    raise DistNetworkError(f"rank {self.rank}: {what}: {exc}") from exc
-                err = self._lost(p, exc, what)
-                raise err from exc
-            started = True
-            p.last_tx = time.monotonic()
-            while sent and parts:
-                n = parts[0].nbytes
-                if sent >= n:
-                    out = parts.pop(0)
-                    sent -= n
-                else:
-                    out = parts[0][:sent]
-                    parts[0] = parts[0][sent:]
-                    sent = 0
-                if tagging is not None:
-                    if untagged >= out.nbytes:
-                        untagged -= out.nbytes
-                    else:
-                        tagging.update(out[untagged:])
-                        untagged = 0
-            if not parts and tagging is not None:
-                parts = [memoryview(tagging.digest())]
-                tagging = None
+                if failure is not None:
+                    raise failure
+
+        try:
+            p.write(parts, tagging, blocked)
+        except DistError:
+            raise
+        except OSError as exc:
+            if quiet:  # (the reader finds the loss once it has read what came before it)
+                raise DistNetworkError(f"rank {self.rank}: {what}: {exc}") from exc
+            err = self._lost(p, exc, what)
+            raise err from exc
 
     def _stalled(self, p: _Peer, what: str, now: float) -> DistError | None:
         """If nothing has come from ``p`` for ``stall_timeout``: fail it (every waiter on it
@@ -1451,7 +1398,7 @@ class Endpoint:
             with p.send_lock, contextlib.suppress(DistError):  # (a loss is reported)
                 # (a peer that sent us its lane and left at once is no loss: what it sent is read)
                 self._sendmsg(
-                    p, *self._frame(p, kind, tag, meta), None, f"answering rank {p.rank} ({kind.name})",
+                    p, *p.frame(kind, tag, meta), None, f"answering rank {p.rank} ({kind.name})",
                     quiet=kind == Kind.LANE_OK,
                 )
 

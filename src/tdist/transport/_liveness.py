@@ -2,7 +2,7 @@
 after which a peer counts as stalled.
 
 Theory of operation. Every connection (a process group's ``_Peer``, RPC's ``_Conn``) is a
-``Link``: it knows when it last received (``last_rx``) and sent (``last_tx``) anything. One
+``_link.Link``: it knows when it last received (``last_rx``) and sent (``last_tx``) anything. One
 thread per endpoint or messenger (``Heartbeats``) wakes every half ``interval``:
 
 - a link quiet on the way out for half an interval gets a heartbeat frame, written without
@@ -29,9 +29,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
-__all__ = ["GROUP_STALL", "Heartbeats", "Link", "default_interval", "default_stall_timeout"]
+from ._link import Link
+
+__all__ = ["GROUP_STALL", "Heartbeats", "default_interval", "default_stall_timeout"]
 
 GROUP_STALL = 10.0  # a process group's stall timeout unless TDIST_HEARTBEAT_TIMEOUT says
 
@@ -46,16 +47,6 @@ def default_stall_timeout(fallback: float) -> float:
     return float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", str(fallback)))
 
 
-class Link(Protocol):
-    """A connection as the heartbeat thread sees it."""
-
-    sock: socket.socket
-    send_lock: threading.Lock
-    last_rx: float
-    last_tx: float
-    tail: bytes
-
-
 class Heartbeats:
     """The heartbeat thread of one endpoint or messenger (see the module docstring).
 
@@ -64,7 +55,6 @@ class Heartbeats:
         interval: seconds: no link stays quiet on the way out for longer.
         stall_timeout: seconds of silence after which ``on_stall`` hears of a link.
         links: the links to look after, asked on every round.
-        frame: a whole heartbeat frame for a link (sealed where the link has a session).
         dead: whether a link is past caring for (failed or closed).
         on_stall: ``on_stall(link, silent_seconds)``; ``None``: nobody is told.
     """
@@ -75,14 +65,12 @@ class Heartbeats:
         interval: float,
         stall_timeout: float,
         links: Callable[[], Iterable[Link]],
-        frame: Callable[[Link], bytes],
         dead: Callable[[Link], bool],
         on_stall: Callable[[Link, float], None] | None = None,
     ) -> None:
         self.interval = interval
         self.stall_timeout = stall_timeout
         self._links = links
-        self._frame = frame
         self._dead = dead
         self._on_stall = on_stall
         self._stop = threading.Event()
@@ -130,7 +118,7 @@ class Heartbeats:
 
     def beat(self, link: Link, now: float) -> None:
         """Write a heartbeat on ``link`` without waiting (its send lock held)."""
-        out = link.tail or self._frame(link)
+        out = link.tail or link.heartbeat()
         try:
             sent = link.sock.send(out, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError, TimeoutError):  # full: data is moving, or the peer stalls

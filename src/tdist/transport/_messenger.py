@@ -71,17 +71,16 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake
 from ._endpoint import _tune_tcp, host_id
+from ._link import Link
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     NEED_DATA,
     TOKEN_SIZE,
     Arriving,
-    FrameDecoder,
     Kind,
     pack_ack,
     pack_cma,
-    pack_header,
     unpack_ack,
     unpack_cma,
 )
@@ -92,7 +91,6 @@ log = logging.getLogger(__name__)
 
 _DATA = int(Kind.DATA)
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
-_IOV_MAX = 512
 # how long a thread waiting for a reply polls its socket before sleeping in the kernel, and how
 # long a poller that delivered messages from a peer polls that connection for the next ones
 # before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up): the
@@ -107,7 +105,6 @@ _POLLER_SPIN = spin.SPIN
 _HOLD_MAX = 0.005
 # a connection the guard had to arm again is not held for this long (its requests block)
 _HOLD_OFF = 0.25
-_HEARTBEAT = pack_header(Kind.HEARTBEAT, 0, 0)
 
 PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "port": int, "pid": int}
 # a DATA payload (one buffer) or a DATA_CMA payload ([prefix, *buffers])
@@ -133,59 +130,36 @@ def _release_copies(c: _Conn) -> None:
         copied.done.set()
 
 
-class _Conn:
+class _Conn(Link):
+    """A link to one peer process, with RPC's bookkeeping."""
+
     __slots__ = (
-        "addr",
         "answered_at",
         "closed",
         "cma_ok",
         "cma_out",
-        "decoder",
-        "fd",
         "gap1",
         "gap2",
         "goodbye",
         "hold_off",
-        "last_rx",
-        "last_tx",
-        "peer",
-        "rlock",
         "same_host",
-        "send_lock",
-        "session",
-        "sock",
-        "spin_poll",
         "spinner",
-        "tail",
         "yield_req",
     )  # fmt: skip
 
     def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool, session: _handshake.Session | None = None) -> None:
-        self.session = session  # frame tags, when the job has a secret
-        self.peer = peer
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.addr = addr
+        # (DATA_CMA prefixes and large payloads in fresh memory: received tensors keep them)
+        super().__init__(peer, sock, addr, session, alloc=fresh_buffer)
         self.same_host = same_host
         self.cma_ok = same_host and CMA_MIN > 0
         self.cma_out: dict[int, _Copied] = {}  # transfers the peer copies now, by id
-        self.send_lock = threading.Lock()
-        self.rlock = threading.Lock()
         self.closed = False
         self.goodbye = False
-        now = time.monotonic()
-        self.last_rx = now
-        self.last_tx = now
-        # the frames of the connection (DATA_CMA prefixes and large payloads in fresh memory)
-        self.decoder = FrameDecoder(None if session is None else session.recv, alloc=fresh_buffer)
-        self.spin_poll = select.poll()  # readiness, for a reader that spins (rlock held)
-        self.spin_poll.register(self.fd, select.POLLIN)
         self.spinner = False  # a poller holds rlock, polling for the next message
         self.answered_at = 0.0  # when a poller last answered on it (0: a request came since)
         self.gap1 = self.gap2 = 0.0  # how long the last two requests after an answer took
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.hold_off = 0.0  # not held before this time (the guard had to arm it)
-        self.tail = b""  # the unsent rest of a heartbeat: the next write starts with it
 
 
 class _ThreadState(threading.local):
@@ -316,7 +290,7 @@ class Messenger:
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._heartbeats = Heartbeats(
             f"tdist-rpc-hb-{my_id}", self.heartbeat_interval, self.stall_timeout, lambda: self._conns.values(),
-            self._beat_frame, lambda c: cast(_Conn, c).closed,
+            lambda c: cast(_Conn, c).closed,
             lambda c, silent: self._lose(cast(_Conn, c), None, stalled=silent),
         )
         self._ctrl_thread = threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True)
@@ -552,52 +526,22 @@ class Messenger:
             raise self._error_for(c)
 
     def _write(self, c: _Conn, kind: Kind, tag: int, meta: bytes, payload: list[memoryview], deadline: float | None) -> None:
-        """Write one frame whole, tagged when the connection has a session. Once part of it
-        is out only the rest may follow (no deadline cuts a frame; a stalled peer still ends
-        the connection); a frame that did not go out gives its tag's number back."""
+        """Write one frame whole (``Link.write``): a lost or stalled peer ends it, the deadline
+        only before its first byte."""
         with c.send_lock:
             if c.closed:
                 raise self._error_for(c)
-            sock = c.sock
             parts = [p for p in payload if p.nbytes]
-            nbytes = sum(p.nbytes for p in parts)
-            head = pack_header(kind, tag, nbytes, len(meta)) + meta
-            if c.session is not None:
-                parts.append(memoryview(c.session.send.tag(head, parts, nbytes)))
-            parts.insert(0, memoryview(head))
-            started = False
-            if c.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
-                parts.insert(0, memoryview(c.tail))
-                c.tail = b""
-                started = True
-            while parts:
-                try:
-                    sent = sock.sendmsg(parts[:_IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    try:
-                        self._wait_writable(c, None if started else deadline)
-                    except BaseException:
-                        if not started and c.session is not None:
-                            c.session.send.seq -= 1  # (this frame never left: its number is free)
-                        raise
-                    continue
-                except OSError as exc:
-                    self._lose(c, exc)
-                    raise self._error_for(c) from exc
-                started = True
-                while sent and parts:
-                    n = parts[0].nbytes
-                    if sent >= n:
-                        sent -= n
-                        parts.pop(0)
-                    else:
-                        parts[0] = parts[0][sent:]
-                        sent = 0
-            c.last_tx = time.monotonic()
+            frame, tagging = c.frame(kind, tag, meta, parts, sum(p.nbytes for p in parts))
+            try:
+                c.write(frame, tagging, lambda started: self._wait_writable(c, None if started else deadline))
+            except (PeerError, DistTimeoutError):
+                raise
+            except OSError as exc:
+                self._lose(c, exc)
+                raise self._error_for(c) from exc
 
     def _wait_writable(self, c: _Conn, deadline: float | None) -> None:
-        p = select.poll()
-        p.register(c.fd, select.POLLOUT)
         while True:
             if c.closed:
                 raise self._error_for(c)
@@ -607,7 +551,7 @@ class Messenger:
             if now - c.last_rx > self.stall_timeout:
                 self._lose(c, None, stalled=now - c.last_rx)
                 raise self._error_for(c)
-            if p.poll(100):
+            if c.wait_writable(0.1):
                 return
 
     def _error_for(self, c: _Conn) -> PeerError:
@@ -680,7 +624,7 @@ class Messenger:
                     now = time.monotonic()
                     if now < spin_until:
                         # poll(0) until readable: a failed recv raises, which costs more
-                        ready, clock = c.spin_poll.poll, time.monotonic
+                        ready, clock = c.ready.poll, time.monotonic
                         while not ready(0) and clock() < spin_until and not done():
                             pass
                         continue
@@ -870,7 +814,7 @@ class Messenger:
         """After delivering what was read from held ``c``: ``c`` with its read lock taken when
         more has come (read it next, still disarmed), else None with ``c`` armed again."""
         if not c.closed and c.rlock.acquire(blocking=False):
-            if c.spin_poll.poll(0):
+            if c.ready.poll(0):
                 return c
             c.rlock.release()
         self._rearm(c)
@@ -914,7 +858,7 @@ class Messenger:
             if held:
                 self._rearm(c)
             return None
-        ready, clock = c.spin_poll.poll, time.monotonic
+        ready, clock = c.ready.poll, time.monotonic
         if ready(0):  # something came while the batch ran: read it here (a poller that it woke
             return c  # finds the connection taken and leaves it)
         try:
@@ -1090,12 +1034,6 @@ class Messenger:
         """Allow a new connection to ``peer`` (a worker that left may come back)."""
         with self._lock:
             self._lost.pop(peer, None)
-
-    @staticmethod
-    def _beat_frame(link: Any) -> bytes:
-        """A heartbeat frame for the connection ``link`` (sealed where it has a session)."""
-        c = cast(_Conn, link)
-        return _HEARTBEAT if c.session is None else _HEARTBEAT + c.session.send.tag(_HEARTBEAT)
 
     def _ctrl_loop(self) -> None:
         while True:

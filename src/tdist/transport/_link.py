@@ -1,0 +1,154 @@
+"""One connection to a peer, as both front ends of the transport hold it: a process group's
+``_endpoint._Peer`` and RPC's ``_messenger._Conn`` are ``Link``s with their own bookkeeping on
+top.
+
+Theory of operation. A link is an authenticated stream socket (``_handshake``) carrying
+``_protocol`` frames, with:
+
+- writing: ``frame`` makes a frame's buffers (sealed when the link has a session: the tag is the
+  last buffer, or, for a payload of ``auth.BULK`` bytes or more, made piece by piece as the
+  payload goes out, while it is in the cache) and ``write`` puts them on the socket whole,
+  under ``send_lock``. The socket is non-blocking; when it takes no more, the caller's
+  ``blocked`` waits (for room, within its deadline) or raises. Once part of a frame is out only
+  the rest of it may follow, so a deadline stops a write only before its first byte; a frame
+  that never left gives its sequence number back;
+- reading: whoever reads the link holds ``rlock`` (a reader or poller thread, or a thread that
+  waits for a message from this peer and reads it itself); ``ready`` polls the socket's
+  readiness for that thread; ``decoder`` holds what it has read;
+- liveness: ``last_rx`` and ``last_tx`` (when anything last came and went) and ``tail`` (the
+  unsent rest of a heartbeat, which the next write sends first) are ``_liveness.Heartbeats``'s.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from .._core import auth
+from . import _handshake
+from ._protocol import FrameDecoder, Kind, pack_header
+
+__all__ = ["IOV_MAX", "Link"]
+
+IOV_MAX = 512  # buffers per ``sendmsg``
+
+
+class Link:
+    """One connection (see the module docstring).
+
+    Args:
+        peer: the peer's id (a rank, a worker id).
+        sock: the connected, authenticated socket (made non-blocking here).
+        addr: how messages name the peer's end (``"unix"`` or ``host:port``).
+        session: the handshake's session (frame tags) when the job has a secret.
+        alloc: where the decoder puts the large payloads that nobody placed (``None``: the
+            decoder's own choice).
+    """
+
+    __slots__ = (
+        "addr", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "send_lock", "session", "sock",
+        "tail",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        peer: int,
+        sock: socket.socket,
+        addr: str,
+        session: _handshake.Session | None,
+        alloc: Callable[[int], memoryview] | None = None,
+    ) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.addr = addr
+        self.session = session
+        sock.setblocking(False)
+        self.send_lock = threading.Lock()
+        self.rlock = threading.Lock()
+        self.ready = select.poll()
+        self.ready.register(self.fd, select.POLLIN)
+        seal = None if session is None else session.recv
+        self.decoder = FrameDecoder(seal) if alloc is None else FrameDecoder(seal, alloc=alloc)
+        now = time.monotonic()
+        self.last_rx = now
+        self.last_tx = now
+        self.tail = b""
+
+    def frame(
+        self, kind: Kind, tag: int, meta: bytes = b"", payload: Sequence[memoryview] = (), nbytes: int = 0
+    ) -> tuple[list[memoryview], auth.Tagging | None]:
+        """One frame as buffers to ``write``, and its tagging when its payload is tagged as it
+        goes (send lock held: tags follow the order of the frames on the wire)."""
+        head = pack_header(kind, tag, nbytes, len(meta)) + meta
+        parts = [memoryview(head), *(v for v in payload if v.nbytes)]
+        if self.session is None:
+            return parts, None
+        if nbytes >= auth.BULK:
+            return parts, self.session.send.start(head, nbytes)
+        parts.append(memoryview(self.session.send.tag(head, parts[1:], nbytes)))
+        return parts, None
+
+    def heartbeat(self) -> bytes:
+        """A whole heartbeat frame (sealed where the link has a session)."""
+        return b"".join(self.frame(Kind.HEARTBEAT, 0)[0])
+
+    def write(
+        self, parts: list[memoryview], tagging: auth.Tagging | None, blocked: Callable[[bool], None]
+    ) -> None:
+        """Write the frame ``parts`` (from ``frame``) whole, send lock held. ``blocked(started)``
+        is called whenever the socket takes no more: it returns once there may be room, or
+        raises (``started``: part of the frame is out, so only a lost or stalled peer may end
+        the write now). A frame that did not start gives its sequence number back.
+
+        Raises:
+            OSError: the connection failed (the caller says how); what ``blocked`` raises.
+        """
+        sock = self.sock
+        started = False
+        untagged = parts[0].nbytes if tagging is not None else 0  # (the head: in the tag already)
+        if self.tail:  # a heartbeat went out in part: its rest first, or the framing breaks
+            parts = [memoryview(self.tail), *parts]
+            untagged += len(self.tail)
+            self.tail = b""
+            started = True
+        while parts:
+            try:
+                sent = sock.sendmsg(parts[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                try:
+                    blocked(started)
+                except BaseException:
+                    if not started and self.session is not None:
+                        self.session.send.seq -= 1  # (this frame never left: its number is free again)
+                    raise
+                continue
+            started = True
+            self.last_tx = time.monotonic()
+            while sent and parts:
+                n = parts[0].nbytes
+                if sent >= n:
+                    out = parts.pop(0)
+                    sent -= n
+                else:
+                    out = parts[0][:sent]
+                    parts[0] = parts[0][sent:]
+                    sent = 0
+                if tagging is not None:
+                    if untagged >= out.nbytes:
+                        untagged -= out.nbytes
+                    else:
+                        tagging.update(out[untagged:])
+                        untagged = 0
+            if not parts and tagging is not None:
+                parts = [memoryview(tagging.digest())]
+                tagging = None
+
+    def wait_writable(self, seconds: float) -> bool:
+        """Whether the socket has room within ``seconds``."""
+        p = select.poll()
+        p.register(self.fd, select.POLLOUT)
+        return bool(p.poll(seconds * 1000))
