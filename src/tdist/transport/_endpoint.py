@@ -739,8 +739,14 @@ class Endpoint:
         try:
             with p.send_lock:
                 self._send_frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc), deadline, what)
-            # the peer reads our buffers now: they must stay untouched until it says so
+            # the peer reads our buffers now: they must stay untouched until it says so (its
+            # ack read here when nobody else reads the connection: no hand-off from the reader)
             event: threading.Event = ack[0]
+
+            def timed_out() -> DistTimeoutError:
+                return DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+
+            self._read_own(p, event.is_set, deadline, what, timed_out)
             step = max(0.05, self.heartbeat_interval / 2)
             while not event.wait(step):
                 if p.error is not None:
@@ -750,7 +756,7 @@ class Endpoint:
                 if stalled is not None:
                     raise stalled
                 if deadline is not None and now >= deadline:
-                    raise DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+                    raise timed_out()
         finally:
             with self._lock:
                 p.acks.pop(xfer, None)
@@ -815,7 +821,9 @@ class Endpoint:
             elif handle.peer >= 0:
                 p = self._peers.get(handle.peer)
                 if p is not None and p.error is None and p.lane_in is None:
-                    self._read_own(p, handle, deadline, what)
+                    self._read_own(
+                        p, lambda: handle.finished, deadline, what or handle.what, lambda: self._timed_out(handle, what)
+                    )
         return self._wait(handle, deadline, what)
 
     def _sleep_on(self, handle: RecvHandle, lanes: tuple[_Peer, ...], deadline: float | None, what: str | None) -> None:
@@ -1209,11 +1217,14 @@ class Endpoint:
             with self._lock:
                 self._drain(p)
 
-    def _read_own(self, p: _Peer, handle: RecvHandle, deadline: float | None, what: str | None) -> None:
-        """Wait for ``handle`` (from ``p``) by reading ``p``'s connection in this thread, so
-        that its message comes with no hand-off from the reader thread; polls first, for the
-        spin budget (``_core.spin``). Returns at once when another thread reads the connection
-        now (then the reader delivers it); raises the deadline's ``DistTimeoutError``."""
+    def _read_own(
+        self, p: _Peer, done: Callable[[], bool], deadline: float | None, what: str, timed_out: Callable[[], DistTimeoutError]
+    ) -> None:
+        """Wait until ``done()`` (a receive from ``p`` finished, or ``p``'s ack came) by reading
+        ``p``'s connection in this thread, so that the message comes with no hand-off from the
+        reader thread; polls first, for the spin budget (``_core.spin``). Returns at once when
+        another thread reads the connection now (then the reader delivers it), and when ``p``
+        stalls or is lost (the caller finds out how); raises ``timed_out()`` at the deadline."""
         if p.read_over or not p.rlock.acquire(blocking=False):
             return
         try:
@@ -1221,17 +1232,16 @@ class Endpoint:
                 cast(select.epoll, p.ep).modify(p.fd, select.EPOLLONESHOT)  # disarmed: the reader leaves it to us
             except (OSError, ValueError):
                 return
-            label = what or handle.what
             ready = p.ready.poll
 
             def stop() -> bool:  # (inside a frame: a stall or the deadline ends the wait)
                 now = time.monotonic()
-                if deadline is not None and now >= deadline and not handle.finished:
-                    raise self._timed_out(handle, what)
-                return self._stalled(p, label, now) is not None or handle.finished
+                if deadline is not None and now >= deadline and not done():
+                    raise timed_out()
+                return self._stalled(p, what, now) is not None or done()
 
             spun = False
-            while not handle.finished and not p.read_over:
+            while not done() and not p.read_over and p.error is None:
                 try:
                     self._pump(p, stop)
                 except DistTimeoutError:
@@ -1239,7 +1249,7 @@ class Endpoint:
                 except (OSError, RemoteProtocolError) as exc:
                     self._read_failed(p, exc)
                     return
-                if handle.finished:
+                if done():
                     return
                 if not spun:
                     spun = True
@@ -1250,10 +1260,10 @@ class Endpoint:
                     step = max(0.0, min(step, deadline - time.monotonic()))
                 if not ready(step * 1000):
                     now = time.monotonic()
-                    if self._stalled(p, label, now) is not None:
+                    if self._stalled(p, what, now) is not None:
                         return
                     if deadline is not None and now >= deadline:
-                        raise self._timed_out(handle, what)
+                        raise timed_out()
         finally:
             p.rlock.release()
             self._arm(p)
