@@ -20,7 +20,7 @@ import torch
 
 from .. import rpc
 from ..rpc import _hooks
-from ..rpc._agent import current_agent
+from ..rpc._agent import current_agent, wait_replies
 from ..rpc._api import _mapped
 from ..rpc._execution import _not_a_future, run_user_function
 
@@ -465,15 +465,7 @@ def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list
 def _wait_all(sent: list[tuple[int, Any]]) -> None:
     """Wait for the gradients sent on to be carried through on their workers; raises the
     first error."""
-    agent = current_agent(required=False)
-    errors = []
-    for dst, fut in sent:
-        try:  # the agent reads the reply in this thread where it can (no hand-off)
-            agent.wait(fut, dst, None) if agent is not None else fut.wait()
-        except Exception as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+    wait_replies(sent)
 
 
 def _when_all(sent: list[tuple[int, Any]]) -> Any:

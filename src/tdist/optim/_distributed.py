@@ -26,6 +26,7 @@ import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from ..rpc._agent import wait_replies
 
 __all__ = ["DistributedOptimizer"]
 
@@ -82,19 +83,6 @@ def _local_step(local: Any, context_id: int) -> None:
     local.local_value().step(context_id)
 
 
-def _wait_all(futs: list[Any]) -> list[Any]:
-    """Every future's value; raises the first error once all are done."""
-    results, errors = [], []
-    for f in futs:
-        try:
-            results.append(f.wait())
-        except Exception as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-    return results
-
-
 class DistributedOptimizer:
     """Step parameters spread over workers with the gradients of a distributed autograd
     context (``torch.distributed.optim.DistributedOptimizer``).
@@ -124,11 +112,11 @@ class DistributedOptimizer:
                 raise TypeError(f"{optimizer_class.__name__}.__init__() got an unexpected keyword argument '{k}'")
             if not args:
                 kwargs = {**defaults, **kwargs}
-        futs = [
-            rpc.rpc_async(owner, _new_local, args=(optimizer_class, self.is_functional_optim, rrefs, args, kwargs))
+        calls = [
+            (owner.id, rpc.rpc_async(owner, _new_local, args=(optimizer_class, self.is_functional_optim, rrefs, args, kwargs)))
             for owner, rrefs in by_owner.items()
         ]
-        self.remote_optimizers = _wait_all(futs)
+        self.remote_optimizers = wait_replies(calls)
 
     def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` on every owner.
@@ -137,4 +125,8 @@ class DistributedOptimizer:
             RuntimeError: ``context_id`` is not a valid context here; any owner's error.
         """
         dist_autograd._retrieve_context(context_id)
-        _wait_all([rpc.rpc_async(opt.owner(), _local_step, args=(opt, context_id)) for opt in self.remote_optimizers])
+        calls = []
+        for opt in self.remote_optimizers:
+            owner = opt.owner()
+            calls.append((owner.id, rpc.rpc_async(owner, _local_step, args=(opt, context_id))))
+        wait_replies(calls)

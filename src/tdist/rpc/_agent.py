@@ -57,7 +57,7 @@ from ._worker_info import validate_name as validate_name  # (_pg_agent imports i
 from .constants import UNSET_RPC_TIMEOUT
 from .server_process_global_profiler import profiled_job
 
-__all__ = ["RpcAgent", "current_agent", "set_current_agent"]
+__all__ = ["RpcAgent", "current_agent", "set_current_agent", "wait_replies"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,22 @@ def current_agent(required: bool = True) -> RpcAgent | None:
     if _current is None and required:
         raise RuntimeError("RPC has not been initialized. Call torch.distributed.rpc.init_rpc first.")
     return _current
+
+
+def wait_replies(calls: list[tuple[int, Any]]) -> list[Any]:
+    """The values of the futures of ``calls`` (``(callee id, future)`` pairs), each reply read
+    in this thread where the agent can (no hand-off from a poller); raises the first error once
+    every call is done."""
+    agent = _current
+    results, errors = [], []
+    for dst, fut in calls:
+        try:
+            results.append(agent.wait(fut, dst, None) if agent is not None else fut.wait())
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
 
 
 def set_current_agent(agent: RpcAgent | None) -> None:
