@@ -5,15 +5,17 @@ plus an abstract Unix socket for ranks of the same host), publishes its address 
 store, then connects to every lower rank and accepts every higher one (a full mesh, as gloo
 builds it). Each connection is authenticated (``_protocol`` handshake) before any frame is read.
 
-Each connection has a reader thread that reads frames as they come and matches them, in order,
-to the receives posted for that peer and tag: the payload goes straight into the destination
-memory of a posted receive, or into a fresh buffer kept until a receive is posted. A thread that
-waits for a message from one peer reads that peer's connection itself (``_read_own``), as the
-RPC messenger's callers do: it takes the connection's read lock and disarms the reader's one-shot
-epoll registration, so the message reaches it with no thread hand-off (the reader, woken only
-while nobody else reads, takes the connection back when the waiter arms it again). Because the
-connection is always read by someone, a blocking send can never deadlock against its peer.
-Senders write with scatter-gather ``sendmsg`` under the connection's send lock.
+Each connection is a ``_link.Link``. One reader thread waits on an epoll set of every
+connection (one-shot registrations) and reads what comes on a readable one, matching frames, in
+order, to the receives posted for that peer and tag: the payload goes straight into the
+destination memory of a posted receive, or into a fresh buffer kept until a receive is posted.
+It reads what is there and moves on, inside a frame too (the decoder keeps its place), so one
+peer's slow frame holds up no other peer. A thread that waits for a message (or an ack) from one
+peer reads that peer's connection itself (``_read_own``), as the RPC messenger's callers do: it
+takes the connection's read lock and disarms its registration, so the message reaches it with
+no thread hand-off (the reader takes the connection back when the waiter arms it again).
+Because every connection is always read by someone, a blocking send can never deadlock against
+its peer. Senders write with scatter-gather ``sendmsg`` under the connection's send lock.
 
 Lanes (``enable_lanes``, which the backend calls when its shared-memory arena is up): a small
 message to a peer of this host goes into a shared-memory ring (``_lane``) instead of the
@@ -215,11 +217,6 @@ class _Peer(Link):
         self.said_goodbye = False
         self.posted: dict[int, deque[RecvHandle]] = {}
         self.unexpected: dict[int, deque[_Pending]] = {}
-        self.reader: threading.Thread | None = None
-        # the reader thread waits on ``ep`` (one-shot) for the connection to be readable; a
-        # thread waiting for a message from the peer reads it itself (``_read_own``, holding
-        # ``rlock``) and disarms ``ep`` meanwhile, so that the reader is not woken for it
-        self.ep: select.epoll | None = None
         self.budget = spin.Budget()  # (a waiter's spin there)
         self.read_over = False  # the connection broke the protocol or ended: nobody reads on
         self.cma = False  # may this peer read our memory (same host, and not refused yet)?
@@ -319,6 +316,12 @@ class Endpoint:
         if not connect_later:
             self._may_connect.set()
         self._lanes_in: tuple[_Peer, ...] = ()  # peers whose lane to us is open
+        # the reader thread waits on ``_ep`` (every connection, one-shot) for a readable one; a
+        # thread waiting for a message from one peer reads that connection itself (``_read_own``,
+        # holding its ``rlock``) and disarms it in ``_ep`` meanwhile, so the reader is not woken
+        self._ep: select.epoll | None = None
+        self._by_fd: dict[int, _Peer] = {}
+        self._reader: threading.Thread | None = None
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
             self._build_mesh(store, timeout, extra)
@@ -469,12 +472,14 @@ class Endpoint:
         finally:
             tcp.close()
             unix.close()
+        ep = select.epoll(len(self._peers))
         for p in self._peers.values():
             p.cma = p.addr == "unix" and _memory.cma_possible()
-            p.ep = select.epoll(1)
-            p.ep.register(p.fd, _ARMED)
-            p.reader = threading.Thread(target=self._read_loop, args=(p,), name=f"tdist-rd-{self.rank}<{p.rank}", daemon=True)
-            p.reader.start()
+            ep.register(p.fd, _ARMED)
+            self._by_fd[p.fd] = p
+        self._ep = ep
+        self._reader = threading.Thread(target=self._read_loop, name=f"tdist-rd-{self.name}-{self.rank}", daemon=True)
+        self._reader.start()
 
     def _connect(self, peer: int, info: dict[str, Any], deadline: float) -> None:
         same_host = info["host"] == self.host_id and info.get("unix")
@@ -910,13 +915,13 @@ class Endpoint:
         for p in list(self._peers.values()):
             with contextlib.suppress(OSError):
                 p.sock.shutdown(socket.SHUT_RDWR)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(2.0)
+        if self._ep is not None:
+            self._ep.close()
         for p in list(self._peers.values()):
-            if p.reader is not None and p.reader is not threading.current_thread():
-                p.reader.join(2.0)
             with contextlib.suppress(OSError):
                 p.sock.close()
-            if p.ep is not None:
-                p.ep.close()
             if p.lane_out is not None:  # (the peer's mapping stays valid: the memory goes with it)
                 p.lane_out.close()
         self._heartbeats.join(2.0)
@@ -1087,30 +1092,43 @@ class Endpoint:
             )
         return None
 
-    def _read_loop(self, p: _Peer) -> None:
-        """The connection's reader (its own thread): once the connection is readable and no
-        waiting thread reads it (``_read_own``), reads and delivers what came."""
-        ep = cast(select.epoll, p.ep)
-        try:
-            while not p.read_over:
-                try:
-                    ready = ep.poll(self.heartbeat_interval, 1)
-                except ValueError:  # (closed: the endpoint is gone)
+    def _read_loop(self) -> None:
+        """The endpoint's reader (its own thread): reads and delivers what comes on every
+        connection that is readable and that no waiting thread reads (``_read_own``). It reads
+        what is there and moves on, inside a frame too (the decoder keeps its place), so one
+        peer's slow frame keeps nobody else's messages waiting."""
+        ep = cast(select.epoll, self._ep)
+        by_fd = self._by_fd
+        while True:
+            try:
+                events = ep.poll(self.heartbeat_interval)
+            except InterruptedError:
+                continue
+            except (OSError, ValueError):  # (closed: the endpoint is gone)
+                return
+            if not events:
+                if self._closing:
+                    for q in by_fd.values():
+                        if not q.read_over:
+                            self._read_failed(q, ConnectionResetError("closing"))
                     return
-                if not ready:
-                    if self._closing:
-                        raise ConnectionResetError("closing")
-                    continue
-                if not p.rlock.acquire(blocking=False):
-                    continue  # a waiting thread reads it, and arms it again when done
+                continue
+            for fd, _ in events:
+                p = by_fd.get(fd)
+                if p is None or p.read_over or not p.rlock.acquire(blocking=False):
+                    continue  # (a waiting thread reads it, and arms it again when done)
                 try:
-                    if not p.read_over:
-                        self._pump(p, None)
+                    self._pump(p, None)
+                except (OSError, RemoteProtocolError) as exc:
+                    self._read_failed(p, exc)
+                except Exception as exc:  # a bug must not end the reader of every peer
+                    log.exception("rank %d: reading from %s failed", self.rank, p.describe())
+                    self._read_failed(p, exc)
                 finally:
                     p.rlock.release()
                     self._arm(p)
-        except (OSError, RemoteProtocolError) as exc:
-            self._read_failed(p, exc)
+            if all(q.read_over for q in by_fd.values()):
+                return  # (every connection has ended: nothing more will come)
 
     def _read_failed(self, p: _Peer, exc: BaseException) -> None:
         """Reading ``p``'s connection failed (``exc``): fail what waits on the peer."""
@@ -1129,17 +1147,17 @@ class Endpoint:
     def _arm(self, p: _Peer) -> None:
         """Let ``p``'s reader wait for the connection again (after its read lock is given back:
         what came while it was held wakes the reader now)."""
-        if not p.read_over and p.ep is not None:
+        if not p.read_over and self._ep is not None:
             try:
-                p.ep.modify(p.fd, _ARMED)
+                self._ep.modify(p.fd, _ARMED)
             except (OSError, ValueError):
                 pass
 
     def _pump(self, p: _Peer, stop: Callable[[], bool] | None) -> None:
         """Read what ``p``'s connection has and deliver its frames (read lock held). Returns once
-        nothing more is there at a frame boundary; inside a frame it waits for the rest (until
-        ``stop()`` says to give up, which it may raise instead: a waiting thread's deadline).
-        A short read took all there was, so a small frame costs one system call.
+        nothing more is there; a waiting thread (``stop`` given) waits inside a frame for its
+        rest instead (until ``stop()`` says to give up, which it may raise instead: its
+        deadline). A short read took all there was, so a small frame costs one system call.
 
         Raises:
             OSError, RemoteProtocolError: the connection is lost or broke the protocol.
@@ -1157,9 +1175,9 @@ class Endpoint:
                 try:
                     k = os.readv(fd, (buf,))
                 except BlockingIOError:
-                    if at_boundary:
+                    if at_boundary or stop is None:
                         return
-                    # inside a frame: its rest is on the way
+                    # inside a frame, for a waiting thread: its rest is on the way
                     while not p.ready.poll(self.heartbeat_interval * 1000):
                         if self._closing:
                             raise ConnectionResetError("closing") from None
@@ -1229,7 +1247,7 @@ class Endpoint:
             return
         try:
             try:
-                cast(select.epoll, p.ep).modify(p.fd, select.EPOLLONESHOT)  # disarmed: the reader leaves it to us
+                cast(select.epoll, self._ep).modify(p.fd, select.EPOLLONESHOT)  # disarmed: the reader leaves it to us
             except (OSError, ValueError):
                 return
             ready = p.ready.poll
