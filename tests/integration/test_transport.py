@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -425,3 +425,54 @@ def test_a_waiting_thread_reads_its_own_message_and_the_reader_reads_on_after_it
     assert [(how, tag) for how, tag, _ in delivered] == [("small", 1), ("large", -1), ("small", 3)], delivered
     assert delivered[0][2] == waiter and delivered[1][2] == waiter, (waiter, delivered)
     assert delivered[2][2].startswith("tdist-rd-"), delivered
+
+
+def test_a_frame_stuck_half_way_from_one_peer_holds_up_no_other_peer() -> None:
+    # One reader thread reads every connection of a rank: it reads what a connection has and
+    # moves on, inside a frame too, so rank 1's large message stuck half-way (a relay holds its
+    # rest) keeps rank 2's message to the same rank waiting for nothing.
+    store = tdist.HashStore()
+    relays: list[_CuttingRelay] = []
+    size = 1 << 20
+
+    class Rewriting(tdist.PrefixStore):
+        def get(self, key: str) -> bytes:
+            value = super().get(key)
+            if key == "ep/0":
+                info = json.loads(value)
+                relays.append(_CuttingRelay((info["addr"], info["port"]), 100_000))
+                value = json.dumps({**info, "host": "elsewhere", "port": relays[0].port}).encode()
+            return value
+
+        def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # (the endpoint reads every address at once)
+            return [self.get(k) for k in keys]
+
+    stuck = threading.Event()
+
+    def body(rank: int, n: int) -> str:
+        s = Rewriting("g", store) if rank == 1 else tdist.PrefixStore("g", store)
+        ep = Endpoint(s, rank, n, timeout=10, heartbeat_interval=0.2, stall_timeout=30)
+        try:
+            if rank == 1:
+                relays[0].hold.set()
+                with contextlib.suppress(DistError):
+                    ep.send(0, 7, [bytes(size)], deadline=time.monotonic() + 30)
+                return "sent"
+            if rank == 2:
+                assert stuck.wait(20)
+                ep.send(0, 8, [b"from rank 2"])
+                return "sent"
+            peer = ep._peers[1]
+            deadline = time.monotonic() + 20
+            while 7 not in peer.unexpected:  # rank 1's message is arriving, and stuck half-way
+                assert time.monotonic() < deadline, "the message never started to arrive"
+                time.sleep(0.005)
+            stuck.set()
+            got = ep.wait(ep.post_recv(-1, 8), time.monotonic() + 10)  # (read by the reader thread)
+            relays[0].cut.set()
+            return f"{got.source}: {bytes(cast(bytearray, got.data)).decode()}"
+        finally:
+            ep.close()
+
+    results = run_threads(body, 3, timeout=50)
+    assert results[0] == "2: from rank 2", results
