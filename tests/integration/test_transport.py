@@ -318,6 +318,43 @@ class _CuttingRelay:
                 dst.sendall(data)
 
 
+class _Relayed(tdist.PrefixStore):
+    """Rank 1's view of the group's store: rank 0's address is a ``_CuttingRelay`` to it
+    (appended to ``relays``; forwarding 100,000 bytes once held), on another "host" (TCP)."""
+
+    def __init__(self, prefix: str, store: Any, relays: list[_CuttingRelay]) -> None:
+        super().__init__(prefix, store)
+        self.relays = relays
+
+    def get(self, key: str) -> bytes:
+        value = super().get(key)
+        if key == "ep/0":
+            info = json.loads(value)
+            self.relays.append(_CuttingRelay((info["addr"], info["port"]), 100_000))
+            value = json.dumps({**info, "host": "elsewhere", "port": self.relays[0].port}).encode()
+        return value
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # (the endpoint reads every address at once)
+        return [self.get(k) for k in keys]
+
+
+def _send_held(ep: Endpoint, relay: _CuttingRelay, size: int) -> str:
+    """Rank 1: send rank 0 a message of ``size`` bytes (tag 7) that ``relay`` holds part-way."""
+    relay.hold.set()
+    with contextlib.suppress(DistError):
+        ep.send(0, 7, [bytes(size)], deadline=time.monotonic() + 30)
+    return "sent"
+
+
+def _await_arriving(ep: Endpoint) -> None:
+    """Rank 0: until rank 1's message (tag 7) is arriving, unclaimed, held by the relay."""
+    peer = ep._peers[1]
+    deadline = time.monotonic() + 20
+    while 7 not in peer.unexpected:
+        assert time.monotonic() < deadline, "the message never started to arrive"
+        time.sleep(0.005)
+
+
 def test_a_receive_matched_to_a_message_still_arriving_fails_with_its_connection() -> None:
     # A receive posted while its message is coming in takes that message over; the connection
     # then goes mid-message: the receive fails at once, naming the peer (it used to wait for
@@ -326,32 +363,13 @@ def test_a_receive_matched_to_a_message_still_arriving_fails_with_its_connection
     relays: list[_CuttingRelay] = []
     size = 1 << 20
 
-    class Rewriting(tdist.PrefixStore):
-        def get(self, key: str) -> bytes:
-            value = super().get(key)
-            if key == "ep/0":
-                info = json.loads(value)
-                relays.append(_CuttingRelay((info["addr"], info["port"]), 100_000))
-                value = json.dumps({**info, "host": "elsewhere", "port": relays[0].port}).encode()
-            return value
-
-        def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # (the endpoint reads every address at once)
-            return [self.get(k) for k in keys]
-
     def body(rank: int, n: int) -> str:
-        s = Rewriting("g", store) if rank == 1 else tdist.PrefixStore("g", store)
+        s = _Relayed("g", store, relays) if rank == 1 else tdist.PrefixStore("g", store)
         ep = Endpoint(s, rank, n, timeout=10, heartbeat_interval=0.2, stall_timeout=20)
         try:
             if rank == 1:
-                relays[0].hold.set()
-                with contextlib.suppress(DistError):
-                    ep.send(0, 7, [bytes(size)], deadline=time.monotonic() + 30)
-                return "sent"
-            peer = ep._peers[1]
-            deadline = time.monotonic() + 20
-            while 7 not in peer.unexpected:  # the message is arriving, held by the relay
-                assert time.monotonic() < deadline, "the message never started to arrive"
-                time.sleep(0.005)
+                return _send_held(ep, relays[0], size)
+            _await_arriving(ep)
             handle = ep.post_recv(1, 7, memoryview(bytearray(size)))
             relays[0].cut.set()
             t0 = time.monotonic()
@@ -435,38 +453,19 @@ def test_a_frame_stuck_half_way_from_one_peer_holds_up_no_other_peer() -> None:
     relays: list[_CuttingRelay] = []
     size = 1 << 20
 
-    class Rewriting(tdist.PrefixStore):
-        def get(self, key: str) -> bytes:
-            value = super().get(key)
-            if key == "ep/0":
-                info = json.loads(value)
-                relays.append(_CuttingRelay((info["addr"], info["port"]), 100_000))
-                value = json.dumps({**info, "host": "elsewhere", "port": relays[0].port}).encode()
-            return value
-
-        def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # (the endpoint reads every address at once)
-            return [self.get(k) for k in keys]
-
     stuck = threading.Event()
 
     def body(rank: int, n: int) -> str:
-        s = Rewriting("g", store) if rank == 1 else tdist.PrefixStore("g", store)
+        s = _Relayed("g", store, relays) if rank == 1 else tdist.PrefixStore("g", store)
         ep = Endpoint(s, rank, n, timeout=10, heartbeat_interval=0.2, stall_timeout=30)
         try:
             if rank == 1:
-                relays[0].hold.set()
-                with contextlib.suppress(DistError):
-                    ep.send(0, 7, [bytes(size)], deadline=time.monotonic() + 30)
-                return "sent"
+                return _send_held(ep, relays[0], size)
             if rank == 2:
                 assert stuck.wait(20)
                 ep.send(0, 8, [b"from rank 2"])
                 return "sent"
-            peer = ep._peers[1]
-            deadline = time.monotonic() + 20
-            while 7 not in peer.unexpected:  # rank 1's message is arriving, and stuck half-way
-                assert time.monotonic() < deadline, "the message never started to arrive"
-                time.sleep(0.005)
+            _await_arriving(ep)
             stuck.set()
             got = ep.wait(ep.post_recv(-1, 8), time.monotonic() + 10)  # (read by the reader thread)
             relays[0].cut.set()
