@@ -38,6 +38,7 @@ between two ranks with the same tag are delivered in the order they were sent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -93,19 +94,25 @@ _CMA_DEFER = 0.005
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
 
 
-def host_id() -> str:
-    """Identifies this host and network namespace (ranks with equal ids share memory and
-    abstract Unix sockets)."""
+@functools.lru_cache(maxsize=1)
+def _boot() -> str:
+    """The host's name and boot id (fixed for the life of the process)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "?"
+    return f"{socket.gethostname()}|{boot}"
+
+
+def host_id() -> str:
+    """Identifies this host and network namespace (ranks with equal ids share memory and
+    abstract Unix sockets)."""
     try:
         netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         netns = 0
-    return f"{socket.gethostname()}|{boot}|{netns}"
+    return f"{_boot()}|{netns}"
 
 
 def _store_host(store: Any) -> str | None:
