@@ -147,7 +147,7 @@ def _hosts() -> dict[str, Any]:
     import faulthandler
 
     faulthandler.dump_traceback_later(50, exit=True)
-    from tdist.transport._endpoint import host_id
+    from tdist.transport._link import host_id
 
     def sent() -> int:  # (bytes out of this namespace's interfaces but loopback: /proc/net/dev)
         total = 0

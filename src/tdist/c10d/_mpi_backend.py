@@ -105,7 +105,7 @@ def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Sto
     """
     from ..store import TCPStore
     from ..store._tcp import serving_in_a_thread
-    from ..transport._endpoint import host_id
+    from ..transport._link import host_id
 
     comm = MPI.COMM_WORLD
     me, n = comm.Get_rank(), comm.Get_size()

@@ -70,7 +70,7 @@ from ..c10d import _api as c10d
 from ..store._api import Store
 from ..store._prefix import PrefixStore
 from ..store._replica import FailoverStore, StandbyKeeper
-from ..transport._endpoint import host_id
+from ..transport._link import host_id
 from . import _quorum as q
 from ._transfer import recv_state, send_state
 

@@ -33,7 +33,7 @@ import torch
 from .._core import auth
 from .._core.errors import DistError, PeerError
 from ..transport import _serialization as ser
-from ..transport._endpoint import _advertised_address
+from ..transport._link import advertised_address
 from ..transport._memory import CMA_MIN
 from ..transport._messenger import Messenger, Payload, PeerAddress
 from ._agent import RpcAgent, set_current_agent
@@ -88,7 +88,7 @@ class TensorPipeAgent(RpcAgent):
             self.describe,
             self._on_frame,
             self.peer_lost,
-            advertise=_advertised_address(store),
+            advertise=advertised_address(store),
             heartbeat_interval=float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0")),
             stall_timeout=float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "5.0")),
             on_batch_end=self._run_deferred,

@@ -38,7 +38,6 @@ between two ranks with the same tag are delivered in the order they were sent.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import json
 import logging
@@ -68,7 +67,7 @@ from .._core.errors import (
 from .._core.floods import Admission, Starvation
 from . import _handshake, _memory
 from ._lane import MAX_RECORD, RECORD, Lane, Record
-from ._link import Link
+from ._link import Link, advertised_address, host_id, tune_tcp
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -83,7 +82,7 @@ from ._protocol import (
     unpack_cma,
 )
 
-__all__ = ["Endpoint", "RecvHandle", "host_id"]
+__all__ = ["Endpoint", "RecvHandle"]
 
 log = logging.getLogger(__name__)
 
@@ -92,58 +91,6 @@ _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
 _CMA_DEFER = 0.005
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT
-
-
-@functools.lru_cache(maxsize=1)
-def _boot() -> str:
-    """The host's name and boot id (fixed for the life of the process)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}|{boot}"
-
-
-def host_id() -> str:
-    """Identifies this host and network namespace (ranks with equal ids share memory and
-    abstract Unix sockets)."""
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{_boot()}|{netns}"
-
-
-def _store_host(store: Any) -> str | None:
-    """The host name of the TCPStore under ``store`` (through prefix stores), if any."""
-    seen = 0
-    while store is not None and seen < 16:
-        host = getattr(store, "host", None)
-        if isinstance(host, str):
-            return host
-        store = getattr(store, "underlying_store", None)
-        seen += 1
-    return None
-
-
-def _advertised_address(store: Any) -> str:
-    """The address other hosts reach this rank by: ``TDIST_ADDR``, else the local address of
-    the route to the store's host, else loopback."""
-    explicit = os.environ.get("TDIST_ADDR")
-    if explicit:
-        return explicit
-    host = _store_host(store)
-    if host:
-        try:
-            infos = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)
-            family, _, _, _, sockaddr = infos[0]
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.connect(sockaddr)
-                return str(probe.getsockname()[0])
-        except OSError:
-            pass
-    return "127.0.0.1"
 
 
 class RecvHandle:
@@ -369,7 +316,7 @@ class Endpoint:
     # -- building the mesh ---------------------------------------------------------------------
     def _build_mesh(self, store: Any, timeout: float, extra: Any) -> None:
         deadline = time.monotonic() + timeout
-        addr = _advertised_address(store)
+        addr = advertised_address(store)
         tcp = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -500,7 +447,7 @@ class Endpoint:
                     addr = "unix"
                 else:
                     sock = socket.create_connection((info["addr"], info["port"]), timeout=max(0.1, deadline - time.monotonic()))
-                    _tune_tcp(sock)
+                    tune_tcp(sock)
                     addr = f"{info['addr']}:{info['port']}"
                 break
             except OSError as exc:
@@ -599,7 +546,7 @@ class Endpoint:
         try:
             sock.setblocking(True)
             if sock.family != socket.AF_UNIX:
-                _tune_tcp(sock)
+                tune_tcp(sock)
             peer, _, session = _handshake.accept(
                 sock,
                 self.rank,
@@ -1614,13 +1561,3 @@ class Endpoint:
                 del self._any_posted[tag]
             return handle, True
         return None, False
-
-
-def _tune_tcp(sock: socket.socket) -> None:
-    """No Nagle delay for small frames; large kernel buffers for bulk transfers."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size = int(os.environ.get("TDIST_TCP_BUFFER", str(4 << 20)))
-    if size > 0:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)

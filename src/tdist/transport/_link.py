@@ -17,21 +17,28 @@ Theory of operation. A link is an authenticated stream socket (``_handshake``) c
   readiness for that thread; ``decoder`` holds what it has read;
 - liveness: ``last_rx`` and ``last_tx`` (when anything last came and went) and ``tail`` (the
   unsent rest of a heartbeat, which the next write sends first) are ``_liveness.Heartbeats``'s.
+
+Also here, for both front ends: which host a process is on (``host_id``), the address other
+hosts reach it by (``advertised_address``), and the TCP options of a connection (``tune_tcp``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._core import auth
 from . import _handshake
 from ._protocol import FrameDecoder, Kind, pack_header
 
-__all__ = ["IOV_MAX", "Link"]
+__all__ = ["IOV_MAX", "Link", "advertised_address", "host_id", "tune_tcp"]
 
 IOV_MAX = 512  # buffers per ``sendmsg``
 
@@ -152,3 +159,65 @@ class Link:
         p = select.poll()
         p.register(self.fd, select.POLLOUT)
         return bool(p.poll(seconds * 1000))
+
+
+@functools.lru_cache(maxsize=1)
+def _boot() -> str:
+    """The host's name and boot id (fixed for the life of the process)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}|{boot}"
+
+
+def host_id() -> str:
+    """Identifies this host and network namespace (ranks with equal ids share memory and
+    abstract Unix sockets)."""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{_boot()}|{netns}"
+
+
+def _store_host(store: Any) -> str | None:
+    """The host name of the TCPStore under ``store`` (through prefix stores), if any."""
+    seen = 0
+    while store is not None and seen < 16:
+        host = getattr(store, "host", None)
+        if isinstance(host, str):
+            return host
+        store = getattr(store, "underlying_store", None)
+        seen += 1
+    return None
+
+
+def advertised_address(store: Any) -> str:
+    """The address other hosts reach this rank by: ``TDIST_ADDR``, else the local address of
+    the route to the store's host, else loopback."""
+    explicit = os.environ.get("TDIST_ADDR")
+    if explicit:
+        return explicit
+    host = _store_host(store)
+    if host:
+        try:
+            infos = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)
+            family, _, _, _, sockaddr = infos[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(sockaddr)
+                return str(probe.getsockname()[0])
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def tune_tcp(sock: socket.socket) -> None:
+    """No Nagle delay for small frames; large kernel buffers for bulk transfers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size = int(os.environ.get("TDIST_TCP_BUFFER", str(4 << 20)))
+    if size > 0:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)

@@ -70,8 +70,7 @@ from .._core.errors import (
 )
 from .._core.floods import Admission, Starvation
 from . import _handshake
-from ._endpoint import _tune_tcp, host_id
-from ._link import Link
+from ._link import Link, host_id, tune_tcp
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -356,7 +355,7 @@ class Messenger:
                     s.connect("\0" + info["unix"])
                 else:
                     s = socket.create_connection((info["addr"], info["port"]), timeout=min(budget, 10.0))
-                    _tune_tcp(s)
+                    tune_tcp(s)
                 sock = s
             except OSError as exc:
                 last = exc
@@ -444,7 +443,7 @@ class Messenger:
         try:
             sock.setblocking(True)
             if sock.family != socket.AF_UNIX:
-                _tune_tcp(sock)
+                tune_tcp(sock)
             peer, _, session = _handshake.accept(
                 sock, self.my_id, self.secret, 10.0, f"connection from {where}", admit=lambda _peer, token: token == self.token
             )
