@@ -260,7 +260,10 @@ class Endpoint:
             lambda: self._peers.values(),
             lambda p: cast(_Peer, p).error is not None,
         )
+        # the mesh thread connects, then stays on as the reader (``_read_loop``); ``_meshed`` is
+        # set once its connections are made (or failed: ``_mesh_errors``)
         self._mesh: threading.Thread | None = None
+        self._meshed = threading.Event()
         self._mesh_errors: list[BaseException] = []
         # (``connect_later``: the mesh thread accepts at once but connects only once the owner
         # calls ``connected()``: so no rank's set-up ends before every higher rank has done
@@ -293,7 +296,7 @@ class Endpoint:
         mesh, self._mesh = self._mesh, None
         if mesh is None:
             return
-        mesh.join()  # (its own deadline bounds it)
+        self._meshed.wait()  # (its own deadline bounds it)
         if self._mesh_errors:
             raise self._mesh_errors[0]
         self._heartbeats.start()
@@ -365,9 +368,9 @@ class Endpoint:
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
             self.peer_extras[peer] = pinfo.get("x")
-        self._mesh = threading.Thread(
+        self._mesh = self._reader = threading.Thread(
             target=self._connect_all, args=(tcp, unix, infos, deadline, timeout),
-            name=f"tdist-mesh-{self.rank}", daemon=True,
+            name=f"tdist-rd-{self.name}-{self.rank}", daemon=True,
         )
         self._mesh.start()
 
@@ -375,11 +378,15 @@ class Endpoint:
         self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
     ) -> None:
         """Connect to the lower ranks and accept the higher ones (the mesh thread; its error
-        goes to ``connected()``)."""
+        goes to ``connected()``), then read the connections: this thread is the reader."""
         try:
             self._connect_mesh(tcp, unix, infos, deadline, timeout)
         except BaseException as exc:  # (raised in the caller's thread by connected())
             self._mesh_errors.append(exc)
+            return
+        finally:
+            self._meshed.set()
+        self._read_loop()
 
     def _connect_mesh(
         self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
@@ -432,8 +439,6 @@ class Endpoint:
             ep.register(p.fd, _ARMED)
             self._by_fd[p.fd] = p
         self._ep = ep
-        self._reader = threading.Thread(target=self._read_loop, name=f"tdist-rd-{self.name}-{self.rank}", daemon=True)
-        self._reader.start()
 
     def _connect(self, peer: int, info: dict[str, Any], deadline: float) -> None:
         same_host = info["host"] == self.host_id and info.get("unix")
@@ -847,7 +852,7 @@ class Endpoint:
         self._may_connect.set()  # (a mesh thread waiting to connect sees the close)
         mesh, self._mesh = self._mesh, None
         if mesh is not None:  # (closed before connected(): its thread sees _closing)
-            mesh.join(2.0)
+            self._meshed.wait(2.0)
         self._heartbeats.stop()
         # A receive may be complete here while its sender still waits for our ack (the ack leaves
         # from the ack thread a moment later): send every ack before the goodbye, or the sender
