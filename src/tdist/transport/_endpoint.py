@@ -286,8 +286,7 @@ class Endpoint:
             self.connected()
 
     def connected(self) -> None:
-        """Wait until the connections to every peer are made (``connect_later``), and start
-        the heartbeats.
+        """Wait until the connections to every peer are made (``connect_later``).
 
         Raises:
             DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
@@ -299,12 +298,11 @@ class Endpoint:
         self._meshed.wait()  # (its own deadline bounds it)
         if self._mesh_errors:
             raise self._mesh_errors[0]
-        self._heartbeats.start()
 
     def add_tick(self, tick: Callable[[], None]) -> None:
-        """Have the heartbeat thread call ``tick()`` on each of its rounds (at least every
-        ``min(heartbeat_interval, stall_timeout / 2) / 2`` seconds once ``connected()``); it
-        must not raise."""
+        """Have ``tick()`` called on each heartbeat round (by the reader thread, every
+        ``min(heartbeat_interval, stall_timeout / 2) / 2`` seconds once the connections are
+        made); it must not raise."""
         self._heartbeats.add_tick(tick)
 
     def enable_lanes(self) -> None:
@@ -1058,13 +1056,20 @@ class Endpoint:
         peer's slow frame keeps nobody else's messages waiting."""
         ep = cast(select.epoll, self._ep)
         by_fd = self._by_fd
+        beats = self._heartbeats
+        period = beats.period
+        next_round = time.monotonic() + period
         while True:
             try:
-                events = ep.poll(self.heartbeat_interval)
+                events = ep.poll(max(0.0, next_round - time.monotonic()))
             except InterruptedError:
                 continue
             except (OSError, ValueError):  # (closed: the endpoint is gone)
                 return
+            now = time.monotonic()
+            if now >= next_round and not self._closing:  # (the heartbeats ride on this thread)
+                beats.round(now)
+                next_round = now + period
             if not events:
                 if self._closing:
                     for q in by_fd.values():

@@ -2,8 +2,9 @@
 after which a peer counts as stalled.
 
 Theory of operation. Every connection (a process group's ``_Peer``, RPC's ``_Conn``) is a
-``_link.Link``: it knows when it last received (``last_rx``) and sent (``last_tx``) anything. One
-thread per endpoint or messenger (``Heartbeats``) wakes every half ``interval``:
+``_link.Link``: it knows when it last received (``last_rx``) and sent (``last_tx``) anything.
+Every half ``interval`` a round runs (``Heartbeats.round``: in the messenger, on a thread of its
+own; in a process group's endpoint, on its reader thread, between reads):
 
 - a link quiet on the way out for half an interval gets a heartbeat frame, written without
   waiting (``MSG_DONTWAIT``) and only if its send lock is free: a link busy writing needs none.
@@ -76,6 +77,7 @@ class Heartbeats:
         self._stop = threading.Event()
         self._ticks: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._last_round = time.monotonic()
 
     def add_tick(self, tick: Callable[[], None]) -> None:
         """Have ``tick()`` called on every round too (its errors are its own business: it must
@@ -92,29 +94,37 @@ class Heartbeats:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    @property
+    def period(self) -> float:
+        """Seconds between rounds."""
+        return min(self.interval, self.stall_timeout / 2) / 2
+
     def _run(self) -> None:
-        period = min(self.interval, self.stall_timeout / 2) / 2
-        last_tick = time.monotonic()
-        while not self._stop.wait(period):
-            for tick in self._ticks:
-                tick()
-            now = time.monotonic()
-            paused = now - last_tick > max(2 * self.interval, self.stall_timeout / 2)
-            last_tick = now
-            for link in list(self._links()):
-                if self._dead(link):
-                    continue
-                if paused:
-                    link.last_rx = now  # (we were stopped ourselves: nobody had a chance to be heard)
-                    continue
-                if self._on_stall is not None and now - link.last_rx > self.stall_timeout:
-                    self._on_stall(link, now - link.last_rx)
-                    continue
-                if (link.tail or now - link.last_tx >= self.interval / 2) and link.send_lock.acquire(blocking=False):
-                    try:
-                        self.beat(link, now)
-                    finally:
-                        link.send_lock.release()
+        while not self._stop.wait(self.period):
+            self.round(time.monotonic())
+
+    def round(self, now: float) -> None:
+        """One round (see the module docstring). Once started, this object's own thread runs
+        one every ``period`` seconds; an owner with a loop of its own (the endpoint's reader)
+        runs them there instead, and never starts the thread."""
+        for tick in self._ticks:
+            tick()
+        paused = now - self._last_round > max(2 * self.interval, self.stall_timeout / 2)
+        self._last_round = now
+        for link in list(self._links()):
+            if self._dead(link):
+                continue
+            if paused:
+                link.last_rx = now  # (we were stopped ourselves: nobody had a chance to be heard)
+                continue
+            if self._on_stall is not None and now - link.last_rx > self.stall_timeout:
+                self._on_stall(link, now - link.last_rx)
+                continue
+            if (link.tail or now - link.last_tx >= self.interval / 2) and link.send_lock.acquire(blocking=False):
+                try:
+                    self.beat(link, now)
+                finally:
+                    link.send_lock.release()
 
     def beat(self, link: Link, now: float) -> None:
         """Write a heartbeat on ``link`` without waiting (its send lock held)."""
