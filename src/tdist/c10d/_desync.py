@@ -132,8 +132,8 @@ class Responder:
         store: the group's store (cloned for the responder's thread).
         rec: this rank's recorder of the group.
         start: start its thread now (it connects after a short deferral); ``False``: the owner
-            calls ``start()`` later, from a thread of its own (the ``tcp`` backend: from its
-            heartbeat thread, so that forming the group starts a thread fewer).
+            calls ``start()`` later, from a thread of its own (the ``tcp`` backend: on its
+            endpoint's first heartbeat round, so that forming the group starts a thread fewer).
     """
 
     def __init__(self, store: Any, rec: fr.Recorder, start: bool = True) -> None:

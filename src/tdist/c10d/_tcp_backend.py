@@ -360,15 +360,15 @@ class ProcessGroupTCP(Backend):
         if self._fr is not None:
             self._fr.identify(name=name or None)
             if size > 1:
-                # (the responder, and the watch of the desync check, start from the endpoint's
-                # heartbeat thread on its first round: forming the group starts no thread for
-                # them, and the responder connects once the group is up)
+                # (the responder, and the watch of the desync check, start on the endpoint's
+                # first heartbeat round, on its reader thread: forming the group starts no
+                # thread for them, and the responder connects once the group is up)
                 self._responder = Responder(store, self._fr, start=False)
                 self._ep.add_tick(self._after_forming)
 
     def _after_forming(self) -> None:
-        """The endpoint's heartbeat thread, each round: the first starts the desync responder
-        and the watch of this group's collectives (never raises)."""
+        """Each of the endpoint's heartbeat rounds (on its reader thread): the first starts the
+        desync responder and the watch of this group's collectives (never raises)."""
         if self._watching or self._closed or self._fr is None:
             return
         self._watching = True

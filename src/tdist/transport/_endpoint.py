@@ -25,8 +25,8 @@ reader answers by reading the ring. Every message to a peer that has our lane is
 the receiver matches lane and socket messages in their numbers' order (``_turn``).
 
 Failure: EOF or a reset marks the peer dead, and every receive waiting on it fails at once with
-a ``PeerError`` naming the rank, its address and the operation; a heartbeat thread sends a
-small frame on every connection that has been quiet for ``heartbeat_interval``, so a peer that
+a ``PeerError`` naming the rank, its address and the operation; the reader thread's heartbeat
+rounds send a small frame on every connection quiet for ``heartbeat_interval``, so a peer that
 stops without closing (SIGSTOP, a hung host) is reported as stalled once nothing has come from it
 for ``stall_timeout`` seconds. ``abort(reason)`` tells every peer that this rank gives the group
 up, so that ranks waiting on a third rank do not wait for their timeout.

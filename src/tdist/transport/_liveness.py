@@ -49,7 +49,8 @@ def default_stall_timeout(fallback: float) -> float:
 
 
 class Heartbeats:
-    """The heartbeat thread of one endpoint or messenger (see the module docstring).
+    """The heartbeat rounds of one endpoint or messenger, on a thread of their own or the
+    owner's (see the module docstring).
 
     Args:
         name: the thread's name.

@@ -402,7 +402,7 @@ class ArenaCore:
 
     def beat(self) -> None:
         """This rank's heartbeat, for an arena made with ``beats=False``: its owner calls it
-        from a thread of its own (the ``tcp`` backend: its endpoint's heartbeat thread) more
+        from a thread of its own (the ``tcp`` backend: its endpoint's heartbeat rounds) more
         often than every ``stall_timeout / 3``. The first call after ``join`` faults the
         segment in (a chunk at a time). Never raises; a closed arena ignores it."""
         fw = self.__dict__.get("_fw")
@@ -416,7 +416,7 @@ class ArenaCore:
 
     def _map(self, fd: int) -> None:
         # (not pre-faulted here: MAP_POPULATE costs 3 ms for the default 8 MiB, on every rank,
-        # before the group exists; the heartbeat thread faults it in instead)
+        # before the group exists; the first heartbeat faults it in instead)
         self._mm = mmap.mmap(fd, self._nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._w = memoryview(self._mm).cast("Q")
         self._fw = memoryview(self._mm).cast("d")
