@@ -255,7 +255,7 @@ class _Recv(torch.autograd.Function):
         if sent is not None:
             sent.append((src, fut))
         else:  # not inside a pass's autograd call in this thread (a user's own): wait here
-            _wait_all([(src, fut)])
+            wait_replies([(src, fut)])
         return (None, None, None, None, *([None] * len(grads)))
 
 
@@ -462,12 +462,6 @@ def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list
     return sent
 
 
-def _wait_all(sent: list[tuple[int, Any]]) -> None:
-    """Wait for the gradients sent on to be carried through on their workers; raises the
-    first error."""
-    wait_replies(sent)
-
-
 def _when_all(sent: list[tuple[int, Any]]) -> Any:
     """A future done when every gradient sent on was carried through (the first error)."""
     out: Any = torch.futures.Future()
@@ -562,7 +556,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     pass_ = ((_rank() << 48) | next(_pass_ids), retain_graph)
     _pass_started()
     try:
-        _wait_all(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
+        wait_replies(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
     finally:
         _pass_done()
 

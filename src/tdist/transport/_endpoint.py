@@ -705,10 +705,7 @@ class Endpoint:
             # ack read here when nobody else reads the connection: no hand-off from the reader)
             event: threading.Event = ack[0]
 
-            def timed_out() -> DistTimeoutError:
-                return DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
-
-            self._read_own(p, event.is_set, deadline, what, timed_out)
+            self._read_own(p, event.is_set, deadline, what, lambda: self._send_timed_out(p, what))
             step = max(0.05, self.heartbeat_interval / 2)
             while not event.wait(step):
                 if p.error is not None:
@@ -718,7 +715,7 @@ class Endpoint:
                 if stalled is not None:
                     raise stalled
                 if deadline is not None and now >= deadline:
-                    raise timed_out()
+                    raise self._send_timed_out(p, what)
         finally:
             with self._lock:
                 p.acks.pop(xfer, None)
@@ -824,6 +821,9 @@ class Endpoint:
             raise failure
         return handle
 
+    def _send_timed_out(self, p: _Peer, what: str) -> DistTimeoutError:
+        return DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+
     def _timed_out(self, handle: RecvHandle, what: str | None) -> DistTimeoutError:
         src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
         return DistTimeoutError(f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})")
@@ -917,7 +917,7 @@ class Endpoint:
                 now = time.monotonic()
                 failure: DistError | None = p.error or self._broken or self._stalled(p, what, now)
                 if failure is None and not started and deadline is not None and now >= deadline:
-                    failure = DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+                    failure = self._send_timed_out(p, what)
                 if failure is not None:
                     raise failure
 
@@ -1145,7 +1145,7 @@ class Endpoint:
                     while not p.ready.poll(self.heartbeat_interval * 1000):
                         if self._closing:
                             raise ConnectionResetError("closing") from None
-                        if stop is not None and stop():
+                        if stop():
                             return
                     continue
                 if not k:
@@ -1216,11 +1216,13 @@ class Endpoint:
                 return
             ready = p.ready.poll
 
-            def stop() -> bool:  # (inside a frame: a stall or the deadline ends the wait)
+            def stop() -> bool:  # (after a quiet while: a stall ends the wait, the deadline raises)
                 now = time.monotonic()
+                if self._stalled(p, what, now) is not None:
+                    return True
                 if deadline is not None and now >= deadline and not done():
                     raise timed_out()
-                return self._stalled(p, what, now) is not None or done()
+                return done()
 
             spun = False
             while not done() and not p.read_over and p.error is None:
@@ -1240,12 +1242,8 @@ class Endpoint:
                 step = self.heartbeat_interval / 2
                 if deadline is not None:
                     step = max(0.0, min(step, deadline - time.monotonic()))
-                if not ready(step * 1000):
-                    now = time.monotonic()
-                    if self._stalled(p, what, now) is not None:
-                        return
-                    if deadline is not None and now >= deadline:
-                        raise timed_out()
+                if not ready(step * 1000) and stop():
+                    return
         finally:
             p.rlock.release()
             self._arm(p)

@@ -387,8 +387,7 @@ class Messenger:
     def _register(
         self, peer: int, sock: socket.socket, addr: str, same: bool, outbound: bool, session: _handshake.Session | None
     ) -> _Conn:
-        sock.setblocking(False)
-        c = _Conn(peer, sock, addr, same, session)
+        c = _Conn(peer, sock, addr, same, session)  # (non-blocking from here: a Link's socket is)
         with self._lock:
             if self._closing:
                 sock.close()
