@@ -348,13 +348,16 @@ def test_a_rank_without_its_part_of_the_arena_makes_every_rank_use_sockets() -> 
     assert [o["sum"] for o in out] == [3.0, 3.0] and out[1]["p2p"] == [float(i) for i in range(10)]
 
 
+@pytest.mark.parametrize("slow", [1, 0])
 def test_no_rank_finishes_forming_the_group_before_every_rank_has_joined_its_arena(
-    path: str, monkeypatch: pytest.MonkeyPatch
+    path: str, slow: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank that forms a group and destroys it at once must not close its arena under a peer
-    that has not opened it yet: a rank's set-up ends only once every higher rank has joined (it
-    connects after joining). Rank 1's join waits (at most 2 s) for rank 0 to finish forming the
-    group; with the order right, rank 0 cannot, and rank 1 joins, connects, and both finish."""
+    that has not opened it yet: a rank's set-up ends only once every other rank has joined (a
+    rank accepts and connects only after joining). Rank ``slow``'s join waits (at most 2 s) for
+    the other rank to finish forming the group; with the order right, the other cannot, and rank
+    ``slow`` joins, the connection is made, and both finish. (A lower rank that accepted at once
+    let the higher one finish first: a full run's failure in ``new_subgroups_by_enumeration``.)"""
     from tdist.c10d._shm import ShmArena
 
     formed = threading.Event()
@@ -362,7 +365,7 @@ def test_no_rank_finishes_forming_the_group_before_every_rank_has_joined_its_are
     real_join = ShmArena.join
 
     def join(self: ShmArena, records: Any) -> None:
-        if self.rank == 1:
+        if self.rank == slow:
             seen.append(formed.wait(2.0))
         real_join(self, records)
 
@@ -371,7 +374,7 @@ def test_no_rank_finishes_forming_the_group_before_every_rank_has_joined_its_are
 
     def body(rank: int, n: int) -> None:
         pg = group(store, rank, n)
-        if rank == 0:
+        if rank != slow:
             formed.set()
         pg.shutdown()
 

@@ -205,10 +205,9 @@ class Endpoint:
         stall_timeout: seconds without a byte from a peer before a waiter calls it stalled.
         name: a label for messages (the group's name).
         connect_later: return once every rank's address is known (``peer_host`` and the like
-            answer), accepting connections in a thread meanwhile; the caller must call
-            ``connected()`` before anything else, and this rank connects to the lower ranks only
-            then (what the caller does before it, all ranks have done before any rank's
-            ``connected()`` returns).
+            answer); the caller must call ``connected()`` before anything else, and this rank
+            accepts and makes its connections only then (what the caller does before it, all
+            ranks have done before any rank's ``connected()`` returns).
         extra: JSON-able data published with this rank's address; every peer's is in
             ``peer_extras`` once the constructor returns (one exchange through the store for
             the group's other set-up too: the backend's shared-memory arena).
@@ -265,10 +264,11 @@ class Endpoint:
         self._mesh: threading.Thread | None = None
         self._meshed = threading.Event()
         self._mesh_errors: list[BaseException] = []
-        # (``connect_later``: the mesh thread accepts at once but connects only once the owner
-        # calls ``connected()``: so no rank's set-up ends before every higher rank has done
-        # what precedes its ``connected()``, e.g. opened this rank's arena descriptors, which a
-        # rank that destroys its group at once would otherwise close under it)
+        # (``connect_later``: the mesh thread neither accepts nor connects before the owner
+        # calls ``connected()``: a connection needs both ends there, so no rank's set-up ends
+        # before every other rank has done what precedes its ``connected()``, e.g. opened this
+        # rank's arena descriptors, which a rank that destroys its group at once would otherwise
+        # close under it; accepting at once let a higher rank finish before a lower one joined)
         self._may_connect = threading.Event()
         if not connect_later:
             self._may_connect.set()
@@ -391,6 +391,8 @@ class Endpoint:
     ) -> None:
         expected_in = self.size - 1 - self.rank
         errors: list[BaseException] = []
+        # (``connect_later``: nothing is accepted or connected before the owner's ``connected()``)
+        self._may_connect.wait(max(0.0, deadline - time.monotonic()))
         # (an acceptor thread of its own only where this rank also connects: rank 0 accepts in
         # this thread, the last rank accepts nothing; each thread started costs the group's
         # set-up, which runs while every process's interpreter is busy)
@@ -404,8 +406,6 @@ class Endpoint:
             )
             acceptor.start()
         try:
-            if self.rank:
-                self._may_connect.wait(max(0.0, deadline - time.monotonic()))
             for peer in range(self.rank):
                 if self._closing:
                     raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
