@@ -56,7 +56,6 @@ from typing import Any, cast
 
 from .._core import auth, spin
 from .._core.errors import (
-    AuthenticationError,
     CollectiveMismatchError,
     DistError,
     DistNetworkError,
@@ -64,10 +63,11 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from .._core.floods import Admission, Starvation
+from .._core.floods import Admission
 from . import _handshake, _memory
+from ._dial import Listeners, PeerAddress, admit, dial
 from ._lane import MAX_RECORD, RECORD, Lane, Record
-from ._link import Link, advertised_address, host_id, tune_tcp
+from ._link import Link, advertised_address, host_id
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -164,8 +164,8 @@ def _numbered(meta: bytes) -> tuple[int, bytes]:
 class _Peer(Link):
     """A link to one rank of the group, with the group's matching state."""
 
-    def __init__(self, rank: int, sock: socket.socket, addr: str, session: _handshake.Session | None) -> None:
-        super().__init__(rank, sock, addr, session)
+    def __init__(self, rank: int, sock: socket.socket, addr: str, same_host: bool, session: _handshake.Session | None) -> None:
+        super().__init__(rank, sock, addr, same_host, session)
         self.rank = rank
         self.error: DistError | None = None
         self.said_goodbye = False
@@ -234,6 +234,7 @@ class Endpoint:
         self.rank = rank
         self.size = size
         self.name = name
+        self._label = f"rank {rank}"
         self.secret = auth.resolve_secret(secret)
         self.heartbeat_interval = heartbeat_interval or default_interval()
         self.stall_timeout = stall_timeout or default_stall_timeout(GROUP_STALL)
@@ -317,38 +318,11 @@ class Endpoint:
     # -- building the mesh ---------------------------------------------------------------------
     def _build_mesh(self, store: Any, timeout: float, extra: Any) -> None:
         deadline = time.monotonic() + timeout
-        addr = advertised_address(store)
-        tcp = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            tcp.bind((addr, 0))
-        except OSError:
-            tcp.close()
-            tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            tcp.bind(("0.0.0.0", 0))
-        tcp.listen(max(16, self.size))
-        port = tcp.getsockname()[1]
-        unix_name = f"\0tdist-ep-{secrets.token_hex(8)}-{self.rank}"
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            unix.bind(unix_name)
-            unix.listen(max(16, self.size))
-        except OSError as exc:  # (a random name: taken means someone is in the way, never ours)
-            unix.close()
-            tcp.close()
-            raise DistNetworkError(
-                f"rank {self.rank}: cannot listen on the Unix socket @{unix_name[1:]}: {exc}"
-            ) from exc
+        listeners = Listeners(advertised_address(store), self._label, f"tdist-ep-{self.rank}", max(16, self.size))
         if self.rank == 0:
             self._token = secrets.token_bytes(TOKEN_SIZE)
             store.set("ep/token", self._token)
-        info = {
-            "host": self.host_id,
-            "addr": addr,
-            "port": port,
-            "unix": unix_name[1:],
-            "pid": os.getpid(),
-        }
+        info: dict[str, Any] = dict(listeners.address)
         if extra is not None:
             info["x"] = extra
         store.set(f"ep/{self.rank}", json.dumps(info))
@@ -359,26 +333,23 @@ class Endpoint:
                 self._token = got.pop()
             infos = {peer: json.loads(raw) for peer, raw in zip(peers, got, strict=True)}
         except BaseException:
-            tcp.close()
-            unix.close()
+            listeners.close()
             raise
         for peer, pinfo in infos.items():
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
             self.peer_extras[peer] = pinfo.get("x")
         self._mesh = self._reader = threading.Thread(
-            target=self._connect_all, args=(tcp, unix, infos, deadline, timeout),
+            target=self._connect_all, args=(listeners, infos, deadline, timeout),
             name=f"tdist-rd-{self.name}-{self.rank}", daemon=True,
         )
         self._mesh.start()
 
-    def _connect_all(
-        self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
-    ) -> None:
+    def _connect_all(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
         """Connect to the lower ranks and accept the higher ones (the mesh thread; its error
         goes to ``connected()``), then read the connections: this thread is the reader."""
         try:
-            self._connect_mesh(tcp, unix, infos, deadline, timeout)
+            self._connect_mesh(listeners, infos, deadline, timeout)
         except BaseException as exc:  # (raised in the caller's thread by connected())
             self._mesh_errors.append(exc)
             return
@@ -386,9 +357,7 @@ class Endpoint:
             self._meshed.set()
         self._read_loop()
 
-    def _connect_mesh(
-        self, tcp: socket.socket, unix: socket.socket, infos: dict[int, dict[str, Any]], deadline: float, timeout: float
-    ) -> None:
+    def _connect_mesh(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
         expected_in = self.size - 1 - self.rank
         errors: list[BaseException] = []
         # (``connect_later``: nothing is accepted or connected before the owner's ``connected()``)
@@ -400,7 +369,7 @@ class Endpoint:
         if expected_in and self.rank:
             acceptor = threading.Thread(
                 target=self._accept_all,
-                args=([tcp, unix], expected_in, deadline, errors),
+                args=(listeners, expected_in, deadline, errors),
                 name=f"tdist-accept-{self.rank}",
                 daemon=True,
             )
@@ -413,7 +382,7 @@ class Endpoint:
             if acceptor is not None:
                 acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
             elif expected_in:
-                self._accept_all([tcp, unix], expected_in, deadline, errors)
+                self._accept_all(listeners, expected_in, deadline, errors)
             if errors:
                 raise errors[0]
             if (acceptor is not None and acceptor.is_alive()) or len(self._peers) != self.size - 1:
@@ -429,54 +398,23 @@ class Endpoint:
                     p.sock.close()
             raise
         finally:
-            tcp.close()
-            unix.close()
+            listeners.close()
         ep = select.epoll(len(self._peers))
         for p in self._peers.values():
-            p.cma = p.addr == "unix" and _memory.cma_possible()
+            p.cma = p.same_host and _memory.cma_possible()
             ep.register(p.fd, _ARMED)
             self._by_fd[p.fd] = p
         self._ep = ep
 
-    def _connect(self, peer: int, info: dict[str, Any], deadline: float) -> None:
-        same_host = info["host"] == self.host_id and info.get("unix")
-        last: BaseException | None = None
-        while time.monotonic() < deadline:
-            try:
-                if same_host:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.settimeout(max(0.1, deadline - time.monotonic()))
-                    sock.connect("\0" + info["unix"])
-                    addr = "unix"
-                else:
-                    sock = socket.create_connection((info["addr"], info["port"]), timeout=max(0.1, deadline - time.monotonic()))
-                    tune_tcp(sock)
-                    addr = f"{info['addr']}:{info['port']}"
-                break
-            except OSError as exc:
-                last = exc
-                time.sleep(0.05)
-        else:
-            raise DistNetworkError(
-                f"rank {self.rank}: could not connect to rank {peer} at {info.get('addr')}:"
-                f"{info.get('port')}: {last}"
-            )
-        try:
-            their_rank, session = _handshake.connect(
-                sock, self.rank, self._token, self.secret, f"rank {peer}", pid=int(info["pid"]) if addr == "unix" else None
-            )
-            if their_rank != peer:
-                raise DistNetworkError(f"expected rank {peer} at {addr}, found rank {their_rank}")
-        except (OSError, RemoteProtocolError) as exc:
-            sock.close()
-            raise DistNetworkError(f"rank {self.rank}: handshake with rank {peer} at {addr} failed: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
+    def _connect(self, peer: int, info: PeerAddress, deadline: float) -> None:
+        sock, addr, same, session = dial(
+            info, deadline, my_id=self.rank, token=self._token, secret=self.secret, expect=peer,
+            label=self._label, what=f"rank {peer}",
+        )
         with self._lock:
-            self._peers[peer] = _Peer(peer, sock, addr, session)
+            self._peers[peer] = _Peer(peer, sock, addr, same, session)
 
-    def _accept_all(self, listeners: list[socket.socket], expected: int, deadline: float, errors: list[BaseException]) -> None:
+    def _accept_all(self, listeners: Listeners, expected: int, deadline: float, errors: list[BaseException]) -> None:
         """Accept the higher ranks' connections until all ``expected`` have joined. Their
         handshakes run side by side (``_core.floods.Admission``): a silent or slow stranger on
         the port delays nobody, and costs a thread for at most the handshake's deadline."""
@@ -493,17 +431,15 @@ class Endpoint:
                     os.write(wake_w, b"x")
 
         admission = Admission(
-            f"rank {self.rank} ({self.name})",
+            f"{self._label} ({self.name})",
             lambda sock, addr: self._accept_one(sock, addr, deadline, admission.keep),
             done=wake,
         )
-        starvation = Starvation(f"rank {self.rank} ({self.name})")
         try:
             # (inside the try: the endpoint may be closed, its listeners with it, before this
             # thread gets to run; that ends accepting like any other failure)
             sel.register(wake_r, selectors.EVENT_READ)
-            for s in listeners:
-                s.setblocking(False)
+            for s in listeners.sockets:
                 sel.register(s, selectors.EVENT_READ)
             while not self._closing:
                 with self._lock:
@@ -513,24 +449,12 @@ class Endpoint:
                 if remaining <= 0:
                     return
                 for key, _ in sel.select(min(remaining, 0.5)):
-                    listener = key.fileobj
-                    if listener == wake_r:
+                    if key.fileobj == wake_r:
                         os.read(wake_r, 4096)
                         continue
-                    assert isinstance(listener, socket.socket)
-                    try:
-                        sock, peer_addr = listener.accept()
-                    except BlockingIOError:
-                        continue
-                    except OSError as exc:
-                        delay = starvation.backoff(exc)
-                        if delay is None:
-                            raise
-                        admission.shed_one()
+                    delay = listeners.accept(cast(socket.socket, key.fileobj), admission)
+                    if delay is not None:  # (out of descriptors)
                         time.sleep(delay)
-                        continue
-                    starvation.accepted()
-                    admission.admit(sock, peer_addr)
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -542,41 +466,21 @@ class Endpoint:
                     with contextlib.suppress(OSError):
                         os.close(fd)
 
-    def _accept_one(
-        self, sock: socket.socket, peer_addr: Any, deadline: float, keep: Callable[[socket.socket], None] | None = None
-    ) -> None:
-        addr = "unix" if sock.family == socket.AF_UNIX else f"{peer_addr[0]}:{peer_addr[1]}"
-        try:
-            sock.setblocking(True)
-            if sock.family != socket.AF_UNIX:
-                tune_tcp(sock)
-            peer, _, session = _handshake.accept(
-                sock,
-                self.rank,
-                self.secret,
-                max(0.1, min(10.0, deadline - time.monotonic())),
-                f"connection from {addr}",
-                admit=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
-            )
-        except AuthenticationError:
-            log.warning("rank %d (%s): connection from %s failed authentication", self.rank, self.name, addr)
-            sock.close()
+    def _accept_one(self, sock: socket.socket, peer_addr: Any, deadline: float, keep: Callable[[socket.socket], None]) -> None:
+        got = admit(
+            sock, peer_addr, my_id=self.rank, secret=self.secret, timeout=max(0.1, min(10.0, deadline - time.monotonic())),
+            label=f"{self._label} ({self.name})",
+            rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
+        )
+        if got is None:
             return
-        except _handshake.Refused as exc:
-            log.warning("rank %d (%s): rejected a connection from %s claiming rank %d", self.rank, self.name, addr, exc.peer)
-            sock.close()
-            return
-        except (OSError, RemoteProtocolError) as exc:
-            log.warning("rank %d (%s): handshake with %s failed: %s", self.rank, self.name, addr, exc)
-            sock.close()
-            return
-        if keep is not None:
-            keep(sock)  # (before it counts: the accept loop may end, and drop what is pending)
+        peer, addr, session = got
+        keep(sock)  # (before it counts: the accept loop may end, and drop what is pending)
         with self._lock:
             if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
-                self._peers[peer] = _Peer(peer, sock, addr, session)
+                self._peers[peer] = _Peer(peer, sock, addr, addr == "unix", session)
                 return
-        log.warning("rank %d (%s): a second connection claimed rank %d; dropped", self.rank, self.name, peer)
+        log.warning("%s (%s): a second connection claimed rank %d; dropped", self._label, self.name, peer)
         sock.close()
 
     # -- public API ----------------------------------------------------------------------------

@@ -50,14 +50,15 @@ class Link:
         peer: the peer's id (a rank, a worker id).
         sock: the connected, authenticated socket (made non-blocking here).
         addr: how messages name the peer's end (``"unix"`` or ``host:port``).
+        same_host: a Unix connection to a process of this host (and network namespace).
         session: the handshake's session (frame tags) when the job has a secret.
         alloc: where the decoder puts the large payloads that nobody placed (``None``: the
             decoder's own choice).
     """
 
     __slots__ = (
-        "addr", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "send_lock", "session", "sock",
-        "tail",
+        "addr", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "same_host", "send_lock", "session",
+        "sock", "tail",
     )  # fmt: skip
 
     def __init__(
@@ -65,6 +66,7 @@ class Link:
         peer: int,
         sock: socket.socket,
         addr: str,
+        same_host: bool,
         session: _handshake.Session | None,
         alloc: Callable[[int], memoryview] | None = None,
     ) -> None:
@@ -72,6 +74,7 @@ class Link:
         self.sock = sock
         self.fd = sock.fileno()
         self.addr = addr
+        self.same_host = same_host
         self.session = session
         sock.setblocking(False)
         self.send_lock = threading.Lock()

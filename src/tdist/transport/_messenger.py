@@ -52,7 +52,6 @@ import itertools
 import logging
 import os
 import queue
-import secrets
 import select
 import socket
 import threading
@@ -62,15 +61,15 @@ from typing import Any, cast
 
 from .._core import spin
 from .._core.errors import (
-    AuthenticationError,
     DistNetworkError,
     DistTimeoutError,
     PeerError,
     RemoteProtocolError,
 )
-from .._core.floods import Admission, Starvation
+from .._core.floods import Admission
 from . import _handshake
-from ._link import Link, host_id, tune_tcp
+from ._dial import Listeners, PeerAddress, admit, dial
+from ._link import Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -105,7 +104,6 @@ _HOLD_MAX = 0.005
 # a connection the guard had to arm again is not held for this long (its requests block)
 _HOLD_OFF = 0.25
 
-PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "port": int, "pid": int}
 # a DATA payload (one buffer) or a DATA_CMA payload ([prefix, *buffers])
 Payload = memoryview | list[memoryview]
 
@@ -141,15 +139,13 @@ class _Conn(Link):
         "gap2",
         "goodbye",
         "hold_off",
-        "same_host",
         "spinner",
         "yield_req",
     )  # fmt: skip
 
     def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool, session: _handshake.Session | None = None) -> None:
         # (DATA_CMA prefixes and large payloads in fresh memory: received tensors keep them)
-        super().__init__(peer, sock, addr, session, alloc=fresh_buffer)
-        self.same_host = same_host
+        super().__init__(peer, sock, addr, same_host, session, alloc=fresh_buffer)
         self.cma_ok = same_host and CMA_MIN > 0
         self.cma_out: dict[int, _Copied] = {}  # transfers the peer copies now, by id
         self.closed = False
@@ -255,37 +251,15 @@ class Messenger:
         self._guard_wake = threading.Event()
         # handshakes side by side, each within its deadline, a bounded number at once
         self._admission = Admission(f"{label} (RPC listener)", self._admit)
-        self._starvation = Starvation(f"{label} (RPC listener)")
         self._accept_lock = threading.Lock()
 
-        family = socket.AF_INET6 if ":" in advertise else socket.AF_INET
-        self._tcp = socket.socket(family, socket.SOCK_STREAM)
-        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._tcp.bind((advertise, 0))
-        self._tcp.listen(128)
-        self._unix_name = f"tdist-rpc-{self.pid}-{secrets.token_hex(6)}"
-        self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:  # (a random name: taken means someone is in the way, never ours)
-            self._unix.bind("\0" + self._unix_name)
-        except OSError as exc:
-            self._unix.close()
-            self._tcp.close()
-            raise DistNetworkError(f"{label}: cannot listen on the Unix socket @{self._unix_name}: {exc}") from exc
-        self._unix.listen(128)
-        for s in (self._tcp, self._unix):
-            s.setblocking(False)
-        self.address: PeerAddress = {
-            "host": self.host,
-            "unix": self._unix_name,
-            "addr": advertise,
-            "port": self._tcp.getsockname()[1],
-            "pid": self.pid,
-        }
+        self._listeners = Listeners(advertise, f"{label} (RPC listener)", "tdist-rpc")
+        self.address: PeerAddress = self._listeners.address
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._ep = select.epoll()
-        self._ep.register(self._tcp.fileno(), select.EPOLLIN)
-        self._ep.register(self._unix.fileno(), select.EPOLLIN)
+        for s in self._listeners.sockets:
+            self._ep.register(s.fileno(), select.EPOLLIN)
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._heartbeats = Heartbeats(
             f"tdist-rpc-hb-{my_id}", self.heartbeat_interval, self.stall_timeout, lambda: self._conns.values(),
@@ -338,51 +312,11 @@ class Messenger:
             info = self.lookup(peer)
         except KeyError as exc:
             raise PeerError(f"{self.label}: cannot reach {self.describe(peer)}: {exc.args[0] if exc.args else exc}", peer=peer) from None
-        same = info.get("host") == self.host and bool(info.get("unix"))
-        what = self.describe(peer)
-        limit = deadline if deadline is not None else time.monotonic() + 60.0
-        last: BaseException | None = None
-        sock: socket.socket | None = None
-        refused = 0
-        while sock is None:
-            budget = limit - time.monotonic()
-            if budget <= 0:
-                raise DistTimeoutError(f"{self.label}: could not connect to {what} at {_where(info, same)}: {last}")
-            try:
-                if same:
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.settimeout(min(budget, 10.0))
-                    s.connect("\0" + info["unix"])
-                else:
-                    s = socket.create_connection((info["addr"], info["port"]), timeout=min(budget, 10.0))
-                    tune_tcp(s)
-                sock = s
-            except OSError as exc:
-                last = exc
-                refused += isinstance(exc, (ConnectionRefusedError, FileNotFoundError))
-                if refused >= 5:
-                    # it published its address while listening: nobody listens any more
-                    raise PeerError(
-                        f"{self.label}: {what} refused the connection at {_where(info, same)}: it has "
-                        "shut down or died",
-                        peer=peer,
-                    ) from exc
-                time.sleep(0.02)
-        if sock is None:
-            raise DistNetworkError(f"{self.label}: could not connect to {what} at {_where(info, same)}: {last}")
-        try:
-            their, session = _handshake.connect(
-                sock, self.my_id, self.token, self.secret, what, pid=int(info["pid"]) if same and info.get("pid") else None
-            )
-            if their != peer:
-                raise DistNetworkError(f"{self.label}: expected {what} at {_where(info, same)}, found id {their}")
-        except (OSError, RemoteProtocolError) as exc:
-            sock.close()
-            raise DistNetworkError(f"{self.label}: handshake with {what} failed: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
-        return self._register(peer, sock, _where(info, same), same, outbound=True, session=session)
+        sock, addr, same, session = dial(
+            info, deadline if deadline is not None else time.monotonic() + 60.0, my_id=self.my_id, token=self.token,
+            secret=self.secret, expect=peer, label=self.label, what=self.describe(peer),
+        )
+        return self._register(peer, sock, addr, same, outbound=True, session=session)
 
     def _register(
         self, peer: int, sock: socket.socket, addr: str, same: bool, outbound: bool, session: _handshake.Session | None
@@ -407,21 +341,15 @@ class Messenger:
         if not self._accept_lock.acquire(blocking=False):
             return
         try:
-            while True:
-                try:
-                    sock, addr = listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError as exc:
-                    delay = self._starvation.backoff(exc)
-                    if delay is not None:  # out of descriptors: free one, leave the listener be
-                        self._admission.shed_one()
-                        self._rest_listener(listener, delay)
-                    return
-                self._starvation.accepted()
-                self._admission.admit(sock, addr)
+            delay = self._listeners.accept(listener, self._admission)
+        except OSError as exc:
+            if not self._closing:
+                log.warning("%s: accepting a connection failed: %s", self.label, exc)
+            return
         finally:
             self._accept_lock.release()
+        if delay is not None:  # out of descriptors: leave the listener be a while
+            self._rest_listener(listener, delay)
 
     def _rest_listener(self, listener: socket.socket, seconds: float) -> None:
         """Stop watching ``listener`` for ``seconds`` (it would wake the pollers in a loop)."""
@@ -438,28 +366,17 @@ class Messenger:
         timer.start()
 
     def _admit(self, sock: socket.socket, addr: Any) -> None:
-        where = "unix" if sock.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
+        got = admit(
+            sock, addr, my_id=self.my_id, secret=self.secret, timeout=10.0, label=self.label,
+            rule=lambda _peer, token: token == self.token, quiet=lambda: self._closing,
+        )
+        if got is None:
+            return
+        peer, where, session = got
+        self._admission.keep(sock)
         try:
-            sock.setblocking(True)
-            if sock.family != socket.AF_UNIX:
-                tune_tcp(sock)
-            peer, _, session = _handshake.accept(
-                sock, self.my_id, self.secret, 10.0, f"connection from {where}", admit=lambda _peer, token: token == self.token
-            )
-            self._admission.keep(sock)
-            self._register(peer, sock, where, sock.family == socket.AF_UNIX, outbound=False, session=session)
-        except _handshake.Refused:
-            log.warning("%s: refused a connection from %s: it belongs to another RPC job", self.label, where)
-            sock.close()
-            return
-        except AuthenticationError as exc:
-            log.warning("%s: dropped a connection: %s", self.label, exc)
-            sock.close()
-            return
-        except (OSError, RemoteProtocolError, DistNetworkError) as exc:
-            if not self._closing:
-                log.warning("%s: handshake with %s failed: %s", self.label, where, exc)
-            sock.close()
+            self._register(peer, sock, where, where == "unix", outbound=False, session=session)
+        except DistNetworkError:  # (shut down meanwhile: _register closed it)
             return
         if self.on_peer_joined is not None:
             self.on_peer_joined(peer)
@@ -713,7 +630,7 @@ class Messenger:
                 pass
 
     def _poll_loop(self) -> None:
-        listeners = {self._tcp.fileno(): self._tcp, self._unix.fileno(): self._unix}
+        listeners = {s.fileno(): s for s in self._listeners.sockets}
         batch: list[tuple[int, int, bytes, Payload]] = []
         lost: list[tuple[int, PeerError, bool]] = []
         spun: _Conn | None = None  # a connection read next (rlock held, disarmed)
@@ -1085,15 +1002,10 @@ class Messenger:
                 c.rlock.release()
             with contextlib.suppress(OSError):
                 c.sock.close()
-        for s in (self._tcp, self._unix):
-            with contextlib.suppress(OSError):
-                s.close()
+        self._listeners.close()
         with contextlib.suppress(OSError):
             self._ep.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-
-def _where(info: PeerAddress, same: bool) -> str:
-    return f"unix:{info.get('unix')}" if same else f"{info.get('addr')}:{info.get('port')}"
