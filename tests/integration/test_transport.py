@@ -217,7 +217,7 @@ def _big_exchange(rank: int, n: int, port: int, refuse: bool, slow_acks: bool = 
                     ep.send(peer, i, [view(mine)])
             ep.wait(h, time.monotonic() + 10)
             assert torch.equal(got, torch.full((size,), float(peer * 10 + i))), i
-            out.append("cma" if ep._peers[peer].cma else "inline")
+            out.append("cma" if ep._peers[peer].cma_ok else "inline")
     finally:
         ep.close()
     return out

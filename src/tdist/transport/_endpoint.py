@@ -64,10 +64,10 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from .._core.floods import Admission
-from . import _handshake, _memory
+from . import _handshake
 from ._dial import Listeners, PeerAddress, admit, dial
 from ._lane import MAX_RECORD, RECORD, Lane, Record
-from ._link import Link, advertised_address, host_id
+from ._link import Copy, Link, advertised_address, host_id
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -78,7 +78,6 @@ from ._protocol import (
     Kind,
     pack_ack,
     pack_cma,
-    unpack_ack,
     unpack_cma,
 )
 
@@ -173,8 +172,6 @@ class _Peer(Link):
         self.unexpected: dict[int, deque[_Pending]] = {}
         self.budget = spin.Budget()  # (a waiter's spin there)
         self.read_over = False  # the connection broke the protocol or ended: nobody reads on
-        self.cma = False  # may this peer read our memory (same host, and not refused yet)?
-        self.acks: dict[int, list[Any]] = {}  # transfer id -> [Event, errno]
         # the message whose payload is being read (its receive, or the early arrival a
         # receive may take over meanwhile): if the connection goes, that receive fails with it
         self.arriving: RecvHandle | _Pending | None = None
@@ -401,7 +398,6 @@ class Endpoint:
             listeners.close()
         ep = select.epoll(len(self._peers))
         for p in self._peers.values():
-            p.cma = p.same_host and _memory.cma_possible()
             ep.register(p.fd, _ARMED)
             self._by_fd[p.fd] = p
         self._ep = ep
@@ -521,7 +517,7 @@ class Endpoint:
                     return
                 self._send_frame(p, Kind.DATA, tag, meta, views, nbytes, deadline, what)  # (the lane is full)
             return
-        if p.cma and nbytes >= CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
+        if p.cma_ok and nbytes >= CMA_MIN and self._send_cma(p, tag, views, nbytes, meta, deadline, what):
             return
         with p.send_lock:
             self._send_frame(p, Kind.DATA, tag, meta, views, nbytes, deadline, what)
@@ -599,19 +595,17 @@ class Endpoint:
             segments.append((addr, v.nbytes))
         xfer = next(self._xfer_ids)
         desc = pack_cma(xfer, self._pid, segments)
-        ack: list[Any] = [threading.Event(), 0]
         with self._lock:
-            p.acks[xfer] = ack
+            copy = p.copies[xfer] = Copy()
         try:
             with p.send_lock:
                 self._send_frame(p, Kind.DATA_CMA, tag, meta, [memoryview(desc)], len(desc), deadline, what)
             # the peer reads our buffers now: they must stay untouched until it says so (its
             # ack read here when nobody else reads the connection: no hand-off from the reader)
-            event: threading.Event = ack[0]
-
-            self._read_own(p, event.is_set, deadline, what, lambda: self._send_timed_out(p, what))
+            done = copy.done
+            self._read_own(p, done.is_set, deadline, what, lambda: self._send_timed_out(p, what))
             step = max(0.05, self.heartbeat_interval / 2)
-            while not event.wait(step):
+            while not done.wait(step):
                 if p.error is not None:
                     raise p.error
                 now = time.monotonic()
@@ -622,13 +616,15 @@ class Endpoint:
                     raise self._send_timed_out(p, what)
         finally:
             with self._lock:
-                p.acks.pop(xfer, None)
-        if ack[1]:
+                p.copies.pop(xfer, None)
+        if copy.err < 0:  # (the connection was lost first)
+            raise p.error or self._lost(p, None, what)
+        if copy.err:
             log.info(
                 "rank %d: rank %d cannot read this process's memory (%s); sending inline from now on",
-                self.rank, p.rank, os.strerror(ack[1]),
+                self.rank, p.rank, os.strerror(copy.err),
             )
-            p.cma = False
+            p.cma_ok = False
             return False
         return True
 
@@ -880,6 +876,7 @@ class Endpoint:
             if p.error is not None:
                 return
             p.error = err
+            p.release_copies()  # (a sender waiting for the peer's copy raises ``err``)
             failed = [h for q in p.posted.values() for h in q]
             p.posted.clear()
             # the receive of the message that was arriving when the connection went
@@ -1087,10 +1084,7 @@ class Endpoint:
             self._on_lane_ok(p, event.tag, event.meta)
         elif kind == Kind.CMA_ACK:
             with self._lock:
-                ack = p.acks.get(event.tag)
-            if ack is not None:
-                ack[1] = unpack_ack(event.meta)
-                ack[0].set()
+                p.copied(event.tag, event.meta)
         elif kind == Kind.ABORT:
             reason = event.meta.decode(errors="replace")
             err: DistError = PeerError(f"rank {self.rank}: rank {p.rank} aborted the group: {reason}", peer=p.rank)

@@ -15,6 +15,9 @@ Theory of operation. A link is an authenticated stream socket (``_handshake``) c
 - reading: whoever reads the link holds ``rlock`` (a reader or poller thread, or a thread that
   waits for a message from this peer and reads it itself); ``ready`` polls the socket's
   readiness for that thread; ``decoder`` holds what it has read;
+- cross-memory copies (same host): ``cma_ok`` says whether the peer may copy a large payload
+  out of our memory (``DATA_CMA``); ``copies`` are the transfers it copies now, each a ``Copy``
+  that its ``CMA_ACK`` (``copied``) or the link's loss (``release_copies``) ends;
 - liveness: ``last_rx`` and ``last_tx`` (when anything last came and went) and ``tail`` (the
   unsent rest of a heartbeat, which the next write sends first) are ``_liveness.Heartbeats``'s.
 
@@ -36,11 +39,23 @@ from typing import Any
 
 from .._core import auth
 from . import _handshake
-from ._protocol import FrameDecoder, Kind, pack_header
+from ._memory import cma_possible
+from ._protocol import FrameDecoder, Kind, pack_header, unpack_ack
 
-__all__ = ["IOV_MAX", "Link", "advertised_address", "host_id", "tune_tcp"]
+__all__ = ["IOV_MAX", "Copy", "Link", "advertised_address", "host_id", "tune_tcp"]
 
 IOV_MAX = 512  # buffers per ``sendmsg``
+
+
+class Copy:
+    """A cross-memory transfer that the peer copies out of our memory: ``done`` is set by its
+    ``CMA_ACK`` (``err``: its errno, 0 when copied) or when the link is lost (``err`` -1)."""
+
+    __slots__ = ("done", "err")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.err = 0
 
 
 class Link:
@@ -57,8 +72,8 @@ class Link:
     """
 
     __slots__ = (
-        "addr", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "same_host", "send_lock", "session",
-        "sock", "tail",
+        "addr", "cma_ok", "copies", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "same_host",
+        "send_lock", "session", "sock", "tail",
     )  # fmt: skip
 
     def __init__(
@@ -75,6 +90,8 @@ class Link:
         self.fd = sock.fileno()
         self.addr = addr
         self.same_host = same_host
+        self.cma_ok = same_host and cma_possible()
+        self.copies: dict[int, Copy] = {}  # (by transfer id)
         self.session = session
         sock.setblocking(False)
         self.send_lock = threading.Lock()
@@ -101,6 +118,21 @@ class Link:
             return parts, self.session.send.start(head, nbytes)
         parts.append(memoryview(self.session.send.tag(head, parts[1:], nbytes)))
         return parts, None
+
+    def copied(self, xfer: int, ack: bytes) -> None:
+        """The peer's ``CMA_ACK`` of transfer ``xfer`` (its packed errno) came."""
+        copy = self.copies.pop(xfer, None)
+        if copy is not None:
+            copy.err = unpack_ack(ack)
+            copy.done.set()
+
+    def release_copies(self) -> None:
+        """The link is gone: the senders waiting for the peer's copies stop (``err`` -1)."""
+        copies = list(self.copies.values())
+        self.copies.clear()
+        for copy in copies:
+            copy.err = -1
+            copy.done.set()
 
     def heartbeat(self) -> bytes:
         """A whole heartbeat frame (sealed where the link has a session)."""

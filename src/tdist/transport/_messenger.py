@@ -69,7 +69,7 @@ from .._core.errors import (
 from .._core.floods import Admission
 from . import _handshake
 from ._dial import Listeners, PeerAddress, admit, dial
-from ._link import Link, host_id
+from ._link import Copy, Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -79,7 +79,6 @@ from ._protocol import (
     Kind,
     pack_ack,
     pack_cma,
-    unpack_ack,
     unpack_cma,
 )
 
@@ -108,33 +107,12 @@ _HOLD_OFF = 0.25
 Payload = memoryview | list[memoryview]
 
 
-class _Copied:
-    """A cross-memory transfer the peer is copying out of our memory: ``done`` is set by its
-    ``CMA_ACK`` (``err``: its errno, 0 when copied) or when the connection is lost (``err``
-    -1)."""
-
-    __slots__ = ("done", "err")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.err = 0
-
-
-def _release_copies(c: _Conn) -> None:
-    """The connection is gone: the senders waiting for the peer's copies stop (and raise)."""
-    for copied in list(c.cma_out.values()):
-        copied.err = -1
-        copied.done.set()
-
-
 class _Conn(Link):
     """A link to one peer process, with RPC's bookkeeping."""
 
     __slots__ = (
         "answered_at",
         "closed",
-        "cma_ok",
-        "cma_out",
         "gap1",
         "gap2",
         "goodbye",
@@ -146,8 +124,6 @@ class _Conn(Link):
     def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool, session: _handshake.Session | None = None) -> None:
         # (DATA_CMA prefixes and large payloads in fresh memory: received tensors keep them)
         super().__init__(peer, sock, addr, same_host, session, alloc=fresh_buffer)
-        self.cma_ok = same_host and CMA_MIN > 0
-        self.cma_out: dict[int, _Copied] = {}  # transfers the peer copies now, by id
         self.closed = False
         self.goodbye = False
         self.spinner = False  # a poller holds rlock, polling for the next message
@@ -416,20 +392,19 @@ class Messenger:
         xfer = next(self._xfer)
         prefix = parts[0].nbytes + parts[1].nbytes
         desc = pack_cma(xfer, self.pid, [(a, b.nbytes) for a, b in zip(addrs, bufs, strict=True)], prefix)
-        copied = _Copied()
-        c.cma_out[xfer] = copied
+        copied = c.copies[xfer] = Copy()
         try:
             self._write(c, Kind.DATA_CMA, tag, meta, [memoryview(desc), parts[0], parts[1]], deadline)
             self._await_copy(c, copied)
         finally:
-            c.cma_out.pop(xfer, None)
+            c.copies.pop(xfer, None)
         if copied.err:
             c.cma_ok = False
             log.info("%s: cross-memory copy to %s refused (%s); using the socket", self.label, self.describe(c.peer), os.strerror(copied.err))
             return False
         return True
 
-    def _await_copy(self, c: _Conn, copied: _Copied) -> None:
+    def _await_copy(self, c: _Conn, copied: Copy) -> None:
         """Wait for the peer's ``CMA_ACK`` of ``copied``, reading ``c`` in this thread when
         nobody else does (this thread may be the poller that would read it)."""
         while not copied.done.is_set():
@@ -857,10 +832,7 @@ class Messenger:
         elif kind == Kind.DATA_CMA:
             self._on_cma(c, tag, meta, payload)
         elif kind == Kind.CMA_ACK:
-            copied = c.cma_out.pop(tag, None)
-            if copied is not None:
-                copied.err = unpack_ack(meta)
-                copied.done.set()
+            c.copied(tag, meta)
         elif kind == Kind.GOODBYE:
             c.goodbye = True
         else:
@@ -931,8 +903,7 @@ class Messenger:
                 )
             if last and not self._closing:
                 self._lost[c.peer] = err
-            _release_copies(c)
-            c.cma_out.clear()
+            c.release_copies()
         with contextlib.suppress(OSError):
             c.sock.close()
         if last and not self._closing:
@@ -982,7 +953,7 @@ class Messenger:
             self._send_conn.clear()
         for c in conns:
             c.closed = True
-            _release_copies(c)
+            c.release_copies()
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
         self._heartbeats.stop()
