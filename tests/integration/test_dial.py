@@ -3,6 +3,7 @@ handshakes, a listener served from a thread."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -11,8 +12,7 @@ from typing import Any
 import pytest
 
 from tdist._core.errors import DistNetworkError, DistTimeoutError, PeerError
-from tdist._core.floods import Admission
-from tdist.transport._dial import Listeners, admit, dial
+from tdist.transport._dial import Doorway, Listeners, dial
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,39 +21,33 @@ SECRET = b"s3cret"
 
 
 class _Server:
-    """Listeners whose accepted connections are admitted as id ``my_id`` by ``rule``."""
+    """Listeners whose connections a ``Doorway`` lets in as id ``my_id`` by ``rule``, served
+    from a thread."""
 
-    def __init__(self, my_id: int, rule: Any = lambda _id, token: token == TOKEN) -> None:
+    def __init__(self, my_id: int, rule: Any = lambda _id, token: token == TOKEN, timeout: float = 5.0) -> None:
         self.listeners = Listeners("127.0.0.1", "test server", "tdist-test")
+        self.doorway = Doorway(self.listeners, my_id=my_id, secret=SECRET, label="test server", rule=rule, timeout=timeout)
         self.joined: list[tuple[int, str, socket.socket]] = []
         self.done = threading.Event()
-
-        def run(sock: socket.socket, addr: Any) -> None:
-            got = admit(sock, addr, my_id=my_id, secret=SECRET, timeout=5.0, label="test server", rule=rule)
-            if got is not None:
-                self.admission.keep(sock)
-                self.joined.append((got[0], got[1], sock))
-            self.done.set()
-
-        self.admission = Admission("test server", run)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        import selectors
-
-        with selectors.DefaultSelector() as sel:
-            for s in self.listeners.sockets:
-                sel.register(s, selectors.EVENT_READ)
-            while not self._stop:
-                for key, _ in sel.select(0.05):
-                    self.listeners.accept(key.fileobj, self.admission)  # type: ignore[arg-type]
+        ready = select.poll()
+        ready.register(self.doorway.fileno(), select.POLLIN)
+        while not self._stop:
+            ready.poll(50)
+            pending = self.doorway.pending
+            for peer, end, _, sock in self.doorway.service():
+                self.joined.append((peer, end, sock))
+            if pending > self.doorway.pending:  # (one ended, joined or not)
+                self.done.set()
 
     def close(self) -> None:
         self._stop = True
         self._thread.join(5.0)
-        self.admission.close()
+        self.doorway.close()
         self.listeners.close()
         for _, _, s in self.joined:
             s.close()
@@ -115,4 +109,52 @@ def test_a_connection_the_rule_refuses_is_not_admitted_and_the_dialler_hears_no_
             )
         assert server.done.wait(10) and server.joined == []
     finally:
+        server.close()
+
+
+def test_a_silent_stranger_holds_up_nobody_and_is_dropped_at_its_deadline() -> None:
+    server = _Server(my_id=1, timeout=0.5)
+    try:
+        stranger = socket.create_connection(("127.0.0.1", server.listeners.address["port"]))
+        try:
+            assert stranger.recv(1)  # (its HELLO came: the handshake is under way)
+            sock, _, _, _ = dial(  # (a member meanwhile gets in at once)
+                server.listeners.address, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1,
+                label="me", what="rank 1",
+            )
+            sock.close()
+            stranger.settimeout(10)
+            while stranger.recv(4096):  # (the rest of the HELLO, then the close at its deadline)
+                pass
+            assert server.doorway.pending == 0 and [j[0] for j in server.joined] == [0]
+        finally:
+            stranger.close()
+    finally:
+        server.close()
+
+
+def test_more_strangers_than_the_limit_shed_the_oldest_and_a_member_still_gets_in() -> None:
+    server = _Server(my_id=1)
+    server.doorway._limit = 4
+    strangers = []
+    try:
+        for _ in range(10):
+            s = socket.create_connection(("127.0.0.1", server.listeners.address["port"]))
+            s.settimeout(10)
+            strangers.append(s)
+            assert s.recv(1)
+        assert server.doorway.pending <= 4
+        shed = 0
+        for s in strangers[:6]:  # (the oldest were closed to make room)
+            s.recv(4096)
+            shed += s.recv(4096) == b""
+        assert shed == 6
+        sock, _, _, _ = dial(
+            server.listeners.address, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1,
+            label="me", what="rank 1",
+        )
+        sock.close()
+    finally:
+        for s in strangers:
+            s.close()
         server.close()

@@ -9,19 +9,24 @@ A process group's endpoint and the RPC messenger make their connections the same
 * ``dial``: connect to a peer's address (the Unix socket on the same host and network
   namespace, else TCP), then run the connecting side of the authenticated handshake
   (``_handshake.connect``) and check that the peer is the one we meant.
-* ``Listeners.accept`` and ``admit``: accept what waits on a listener, each handshake in a
-  thread of its own within its deadline (``_core.floods.Admission``: a silent stranger delays
-  nobody), and run the accepting side; ``rule(id, token)`` decides who may join.
+* ``Doorway``: accept what waits on the listeners and run the accepting side of each
+  handshake (``_handshake.Acceptance``) as its bytes come, from the owner's poll loop: no
+  thread per handshake, each within its deadline, a bounded number at once (the flood rules of
+  ``_core.floods``), so a silent stranger delays nobody; ``rule(id, token)`` decides who may
+  join.
 
 What the connection becomes (a ``_link.Link`` and its front end's bookkeeping) is the caller's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,11 +38,11 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from .._core.floods import Admission, Starvation
+from .._core.floods import Starvation
 from . import _handshake
 from ._link import host_id, tune_tcp
 
-__all__ = ["Listeners", "PeerAddress", "admit", "dial"]
+__all__ = ["Doorway", "Listeners", "PeerAddress", "dial"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +96,7 @@ class Listeners:
     def sockets(self) -> tuple[socket.socket, socket.socket]:
         return (self.tcp, self.unix)
 
-    def accept(self, listener: socket.socket, admission: Admission) -> float | None:
+    def accept(self, listener: socket.socket, admission: Doorway) -> float | None:
         """Accept every connection waiting on ``listener`` and start its handshake
         (``admission``). Returns None, or, when out of descriptors (one pending handshake was
         shed to free one), the seconds to leave the listener alone (``Starvation``).
@@ -192,38 +197,179 @@ def dial(
     return sock, end, same, session
 
 
-def admit(
-    sock: socket.socket,
-    addr: Any,
-    *,
-    my_id: int,
-    secret: bytes | None,
-    timeout: float,
-    label: str,
-    rule: Callable[[int, bytes], bool],
-    quiet: Callable[[], bool] = lambda: False,
-) -> tuple[int, str, _handshake.Session | None] | None:
-    """Run the accepting side of the handshake on an accepted socket (within ``timeout``);
-    ``rule(id, token)`` says whether the connector may join. Returns the peer's id, how
-    messages name its end (``"unix"`` or ``addr:port``) and the session; None when the
-    connection was refused or failed (logged, unless ``quiet()``; the socket is closed)."""
-    end = "unix" if sock.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
-    try:
-        sock.setblocking(True)
-        if sock.family != socket.AF_UNIX:
-            tune_tcp(sock)
-        peer, _, session = _handshake.accept(sock, my_id, secret, timeout, f"connection from {end}", admit=rule)
-    except AuthenticationError as exc:
-        log.warning("%s: dropped a connection from %s: %s", label, end, exc)
-        sock.close()
-        return None
-    except _handshake.Refused as exc:
-        log.warning("%s: refused a connection from %s claiming id %d: not of this job, or not expected", label, end, exc.peer)
-        sock.close()
-        return None
-    except (OSError, RemoteProtocolError, DistNetworkError) as exc:
-        if not quiet():
-            log.warning("%s: handshake with %s failed: %s", label, end, exc)
-        sock.close()
-        return None
-    return peer, end, session
+class Doorway:
+    """Where the connections to ``listeners`` come in, driven by the owner's poll loop with no
+    thread of its own or per handshake: ``fileno()`` is readable whenever something waits
+    (a new connection, or a handshake's next bytes); ``service()`` then accepts what waits,
+    advances the handshakes (``_handshake.Acceptance``, each within ``timeout``; at most
+    ``limit`` at once, the oldest dropped for a new one, as ``_core.floods.Admission`` does)
+    and returns the connections that have joined, as ``(id, end, session, socket)`` (``end``:
+    ``"unix"`` or ``addr:port``; the socket non-blocking). ``rule(id, token)`` says who may
+    join. Call ``service()`` at least every ``timeout`` too, so that silent strangers go.
+
+    Thread-safe: several threads may call ``service``; one does the work, the others return
+    at once with nothing.
+    """
+
+    def __init__(
+        self,
+        listeners: Listeners,
+        *,
+        my_id: int,
+        secret: bytes | None,
+        label: str,
+        rule: Callable[[int, bytes], bool],
+        timeout: float = 10.0,
+        limit: int = 64,
+        quiet: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.listeners = listeners
+        self._my_id = my_id
+        self._secret = secret
+        self._label = label
+        self._rule = rule
+        self._timeout = timeout
+        self._limit = limit
+        self._quiet = quiet
+        self._lock = threading.Lock()
+        self._ep = select.epoll()
+        self._by_fd: dict[int, socket.socket | _handshake.Acceptance] = {}
+        self._resting: dict[int, float] = {}  # listeners left alone until then (no descriptors)
+        for s in listeners.sockets:
+            self._ep.register(s.fileno(), select.EPOLLIN)
+            self._by_fd[s.fileno()] = s
+        self._shed = 0
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._ep.fileno()
+
+    @property
+    def pending(self) -> int:
+        """Handshakes under way."""
+        return len(self._by_fd) - len(self.listeners.sockets)
+
+    def service(self) -> list[tuple[int, str, _handshake.Session | None, socket.socket]]:
+        if not self._lock.acquire(blocking=False):
+            return []
+        try:
+            if self._closed:
+                return []
+            joined: list[tuple[int, str, _handshake.Session | None, socket.socket]] = []
+            now = time.monotonic()
+            for fd, until in list(self._resting.items()):
+                if now >= until:
+                    del self._resting[fd]
+                    with contextlib.suppress(OSError):
+                        self._ep.modify(fd, select.EPOLLIN)
+            for fd, _ in self._ep.poll(0):
+                item = self._by_fd.get(fd)
+                if isinstance(item, socket.socket):
+                    self._accept(item)
+                elif item is not None:
+                    self._step(item, joined)
+            for item in list(self._by_fd.values()):
+                if isinstance(item, _handshake.Acceptance) and now >= item.deadline:
+                    if not self._quiet():
+                        log.warning("%s: handshake with %s too slow; dropped", self._label, item.what)
+                    self._drop(item)
+            return joined
+        finally:
+            self._lock.release()
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            delay = self.listeners.accept(listener, self)
+        except OSError as exc:
+            if not self._quiet():
+                log.warning("%s: accepting a connection failed: %s", self._label, exc)
+            return
+        if delay is not None:  # out of descriptors: leave the listener alone a while
+            self._resting[listener.fileno()] = time.monotonic() + delay
+            with contextlib.suppress(OSError):
+                self._ep.modify(listener.fileno(), 0)
+
+    def admit(self, sock: socket.socket, addr: Any) -> None:
+        """A new connection (``Listeners.accept``): its handshake starts."""
+        end = "unix" if sock.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
+        try:
+            if sock.family != socket.AF_UNIX:
+                tune_tcp(sock)
+            acceptance = _handshake.Acceptance(
+                sock, self._my_id, self._secret, self._timeout, f"connection from {end}", admit=self._rule
+            )
+        except (OSError, RemoteProtocolError, AuthenticationError) as exc:
+            self._failed(sock, end, exc)
+            return
+        if self.pending >= self._limit:
+            self.shed_one()
+            self._shed += 1
+            if self._shed == 1:
+                log.warning(
+                    "%s: more than %d connections are in their handshake at once; dropping the "
+                    "oldest (said once per episode)", self._label, self._limit,
+                )
+        self._by_fd[sock.fileno()] = acceptance
+        self._ep.register(sock.fileno(), select.EPOLLIN)
+
+    def shed_one(self) -> bool:
+        """Drop the oldest handshake under way (to free its descriptor); False if none."""
+        for item in self._by_fd.values():
+            if isinstance(item, _handshake.Acceptance):
+                self._drop(item)
+                return True
+        return False
+
+    def _step(self, acceptance: _handshake.Acceptance, joined: list[tuple[int, str, _handshake.Session | None, socket.socket]]) -> None:
+        sock = acceptance.sock
+        end = acceptance.what.removeprefix("connection from ")
+        try:
+            done = acceptance.step()
+        except BaseException as exc:
+            self._forget(sock)
+            self._failed(sock, end, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if done is None:
+            return
+        self._forget(sock)
+        peer, _, session = done
+        joined.append((peer, end, session, sock))
+        if self._shed and self.pending == 0:
+            log.warning("%s: handshakes back to normal (%d connections dropped)", self._label, self._shed)
+            self._shed = 0
+
+    def _failed(self, sock: socket.socket, end: str, exc: BaseException) -> None:
+        with contextlib.suppress(OSError):
+            sock.close()
+        if isinstance(exc, AuthenticationError):
+            log.warning("%s: dropped a connection from %s: %s", self._label, end, exc)
+        elif isinstance(exc, _handshake.Refused):
+            log.warning(
+                "%s: refused a connection from %s claiming id %d: not of this job, or not expected",
+                self._label, end, exc.peer,
+            )
+        elif isinstance(exc, Exception) and not self._quiet():
+            log.warning("%s: handshake with %s failed: %s", self._label, end, exc)
+
+    def _forget(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        self._by_fd.pop(fd, None)
+        with contextlib.suppress(OSError, ValueError):
+            self._ep.unregister(fd)
+
+    def _drop(self, acceptance: _handshake.Acceptance) -> None:
+        self._forget(acceptance.sock)
+        with contextlib.suppress(OSError):
+            acceptance.sock.close()
+
+    def close(self) -> None:
+        """Drop every handshake under way and stop (the listeners stay the caller's)."""
+        with self._lock:
+            self._closed = True
+            for item in list(self._by_fd.values()):
+                if isinstance(item, _handshake.Acceptance):
+                    self._drop(item)
+            self._by_fd.clear()
+            self._ep.close()

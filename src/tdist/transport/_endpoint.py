@@ -63,9 +63,8 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from .._core.floods import Admission
 from . import _handshake
-from ._dial import Listeners, PeerAddress, admit, dial
+from ._dial import Doorway, Listeners, PeerAddress, dial
 from ._lane import MAX_RECORD, RECORD, Lane, Record
 from ._link import Copy, Link, advertised_address, host_id
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
@@ -412,31 +411,16 @@ class Endpoint:
 
     def _accept_all(self, listeners: Listeners, expected: int, deadline: float, errors: list[BaseException]) -> None:
         """Accept the higher ranks' connections until all ``expected`` have joined. Their
-        handshakes run side by side (``_core.floods.Admission``): a silent or slow stranger on
-        the port delays nobody, and costs a thread for at most the handshake's deadline."""
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        wake_r, wake_w = os.pipe()  # (a handshake that ended wakes the loop to count again)
-        wake_lock = threading.Lock()
-        woke: list[bool] = [True]  # (False once the pipe is closed: a late handshake is quiet)
-
-        def wake() -> None:
-            with wake_lock, contextlib.suppress(OSError):
-                if woke[0]:
-                    os.write(wake_w, b"x")
-
-        admission = Admission(
-            f"{self._label} ({self.name})",
-            lambda sock, addr: self._accept_one(sock, addr, deadline, admission.keep),
-            done=wake,
+        handshakes advance side by side in this thread (``_dial.Doorway``): a silent or slow
+        stranger on the port delays nobody, and costs no thread."""
+        doorway = Doorway(
+            listeners, my_id=self.rank, secret=self.secret, label=f"{self._label} ({self.name})",
+            rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
+            timeout=max(0.1, min(10.0, deadline - time.monotonic())),
         )
         try:
-            # (inside the try: the endpoint may be closed, its listeners with it, before this
-            # thread gets to run; that ends accepting like any other failure)
-            sel.register(wake_r, selectors.EVENT_READ)
-            for s in listeners.sockets:
-                sel.register(s, selectors.EVENT_READ)
+            ready = select.poll()
+            ready.register(doorway.fileno(), select.POLLIN)
             while not self._closing:
                 with self._lock:
                     if sum(1 for r in self._peers if r > self.rank) >= expected:
@@ -444,40 +428,18 @@ class Endpoint:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                for key, _ in sel.select(min(remaining, 0.5)):
-                    if key.fileobj == wake_r:
-                        os.read(wake_r, 4096)
-                        continue
-                    delay = listeners.accept(cast(socket.socket, key.fileobj), admission)
-                    if delay is not None:  # (out of descriptors)
-                        time.sleep(delay)
+                ready.poll(min(remaining, 0.5) * 1000)
+                for peer, addr, session, sock in doorway.service():
+                    with self._lock:
+                        if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
+                            self._peers[peer] = _Peer(peer, sock, addr, addr == "unix", session)
+                            continue
+                    log.warning("%s (%s): a second connection claimed rank %d; dropped", self._label, self.name, peer)
+                    sock.close()
         except BaseException as exc:
             errors.append(exc)
         finally:
-            admission.close()
-            sel.close()
-            with wake_lock:
-                woke[0] = False
-                for fd in (wake_r, wake_w):
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-
-    def _accept_one(self, sock: socket.socket, peer_addr: Any, deadline: float, keep: Callable[[socket.socket], None]) -> None:
-        got = admit(
-            sock, peer_addr, my_id=self.rank, secret=self.secret, timeout=max(0.1, min(10.0, deadline - time.monotonic())),
-            label=f"{self._label} ({self.name})",
-            rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
-        )
-        if got is None:
-            return
-        peer, addr, session = got
-        keep(sock)  # (before it counts: the accept loop may end, and drop what is pending)
-        with self._lock:
-            if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
-                self._peers[peer] = _Peer(peer, sock, addr, addr == "unix", session)
-                return
-        log.warning("%s (%s): a second connection claimed rank %d; dropped", self._label, self.name, peer)
-        sock.close()
+            doorway.close()
 
     # -- public API ----------------------------------------------------------------------------
     def same_host(self, peer: int) -> bool:

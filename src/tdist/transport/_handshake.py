@@ -1,4 +1,4 @@
-"""The authenticated opening of a peer connection, on blocking sockets.
+"""The authenticated opening of a peer connection.
 
 The records are ``_protocol``'s HELLO / JOIN / WELCOME: the accepting side sends a nonce, the
 connecting side names itself (an id and a 16-byte token that ties the connection to one group
@@ -8,6 +8,11 @@ decoder, let alone ``pickle``. With a secret, both sides then hold a ``Session``
 tag every later frame in each direction (``_core.auth``), so a relay that passed the proofs
 through can neither read a key it lacks nor change or inject a frame.
 
+The connecting side (``connect``) runs on a blocking socket in the caller's thread. The
+accepting side is a state machine (``Acceptance``) that the owner's poll loop drives, one read
+at a time, so a listener needs no thread per handshake; ``accept`` drives one in the caller's
+thread.
+
 On a Unix socket both sides first check who the other end is (``SO_PEERCRED``): a process of
 another user is refused before a byte is read or written, so a name taken by a stranger can
 neither serve nor stall a job (the connecting side learns it at once, not at a timeout).
@@ -16,6 +21,7 @@ neither serve nor stall a job (the connecting side learns it at once, not at a t
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -25,7 +31,7 @@ from .._core.errors import AuthenticationError, RemoteProtocolError
 from .._core.peercred import check_unix_peer
 from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
 
-__all__ = ["REJECTED", "Refused", "Session", "accept", "connect", "recv_exact"]
+__all__ = ["REJECTED", "Acceptance", "Refused", "Session", "accept", "connect", "recv_exact"]
 
 ZERO_PROOF = b"\0" * 32
 REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
@@ -107,6 +113,81 @@ class Refused(RemoteProtocolError):
         self.peer = peer
 
 
+class Acceptance:
+    """The accepting side of one connection, driven by the owner's poll loop: no thread per
+    handshake, so strangers on a port cost a few bytes each, not a thread. ``sock`` is made
+    non-blocking and gets the HELLO at once; call ``step()`` whenever it is readable: it
+    returns the connector's ``(id, token, session)`` (the session with a secret only) once the
+    handshake is done, None while the JOIN is still coming. ``deadline`` (monotonic) is the
+    owner's to enforce (``accept`` below does).
+
+    ``admit(id, token)`` decides, once the secret is proven and before we answer, whether the
+    connector may join; a refused one gets no answer.
+
+    Raises (from the constructor or ``step``):
+        AuthenticationError: the connector did not prove the secret (it has been told so), or
+            a Unix socket's other end is not ours.
+        Refused: ``admit`` said no.
+        RemoteProtocolError, OSError: not a tdist peer, or the connection failed.
+    """
+
+    __slots__ = ("_admit", "_buf", "_got", "_my_id", "_nonce", "_secret", "deadline", "sock", "what")
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        my_id: int,
+        secret: bytes | None,
+        timeout: float,
+        what: str,
+        admit: Callable[[int, bytes], bool] | None = None,
+    ) -> None:
+        check_unix_peer(sock, what)
+        self.sock = sock
+        self.what = what
+        self.deadline = time.monotonic() + timeout
+        self._my_id = my_id
+        self._secret = secret
+        self._admit = admit
+        self._buf = bytearray(JOIN.size)
+        self._got = 0
+        self._nonce = auth.make_nonce()
+        sock.setblocking(False)
+        _send_record(sock, HELLO.pack(MAGIC, VERSION, 1 if secret else 0, self._nonce), what)
+
+    def step(self) -> tuple[int, bytes, Session | None] | None:
+        view = memoryview(self._buf)
+        while self._got < JOIN.size:
+            try:
+                k = self.sock.recv_into(view[self._got:])
+            except (BlockingIOError, InterruptedError):
+                return None
+            if k == 0:
+                raise ConnectionResetError("connection closed during the handshake")
+            self._got += k
+        magic, version, peer, token, nonce_c, proof = JOIN.unpack(self._buf)
+        what, secret, nonce_s = self.what, self._secret, self._nonce
+        check_magic(magic, version, what)
+        if secret is not None and not auth.verify(auth.client_proof(secret, nonce_s, nonce_c), proof):
+            with contextlib.suppress(OSError, RemoteProtocolError):
+                _send_record(self.sock, WELCOME.pack(MAGIC, VERSION, REJECTED, ZERO_PROOF), what)
+            raise AuthenticationError(f"{what} failed authentication (wrong or missing TDIST_SECRET)")
+        if self._admit is not None and not self._admit(int(peer), bytes(token)):
+            raise Refused(f"{what}: refused a connection claiming id {peer}", int(peer))
+        server_proof = auth.server_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
+        _send_record(self.sock, WELCOME.pack(MAGIC, VERSION, self._my_id, server_proof), what)
+        if secret is None:
+            return int(peer), bytes(token), None
+        c2s, s2c = auth.session_keys(secret, nonce_s, nonce_c)
+        return int(peer), bytes(token), Session(s2c, c2s)
+
+
+def _send_record(sock: socket.socket, record: bytes, what: str) -> None:
+    """One handshake record on a non-blocking socket (it fits: nothing else was written)."""
+    if sock.send(record) != len(record):
+        raise RemoteProtocolError(f"{what}: the connection took only part of a handshake record")
+
+
 def accept(
     sock: socket.socket,
     my_id: int,
@@ -115,56 +196,22 @@ def accept(
     what: str,
     admit: Callable[[int, bytes], bool] | None = None,
 ) -> tuple[int, bytes, Session | None]:
-    """Run the accepting side on a blocking socket within ``timeout`` seconds in all; returns
-    the connector's ``(id, token, session)`` (the session with a secret only).
-
-    ``admit(id, token)`` decides, once the secret is proven and before we answer, whether the
-    connector may join; a refused one gets no answer.
+    """Run the accepting side (``Acceptance``) on ``sock`` within ``timeout`` seconds in all,
+    waiting in this thread; returns the connector's ``(id, token, session)``; the socket is
+    left non-blocking.
 
     Raises:
-        AuthenticationError: the connector did not prove the secret (it has been told so), or
-            a Unix socket's other end is not ours.
-        Refused: ``admit`` said no.
-        RemoteProtocolError, OSError: not a tdist peer, too slow, or the connection failed.
+        AuthenticationError, Refused, RemoteProtocolError, OSError: as ``Acceptance``; a
+        connector too slow raises ``RemoteProtocolError``.
     """
-    check_unix_peer(sock, what)
-    deadline = time.monotonic() + timeout
-    sock.settimeout(timeout)
-    nonce_s = auth.make_nonce()
-    sock.sendall(HELLO.pack(MAGIC, VERSION, 1 if secret else 0, nonce_s))
-    data = _recv_by(sock, JOIN.size, deadline, what)
-    magic, version, peer, token, nonce_c, proof = JOIN.unpack(data)
-    check_magic(magic, version, what)
-    if secret is not None and not auth.verify(auth.client_proof(secret, nonce_s, nonce_c), proof):
-        with contextlib.suppress(OSError):
-            sock.sendall(WELCOME.pack(MAGIC, VERSION, REJECTED, ZERO_PROOF))
-        raise AuthenticationError(f"{what} failed authentication (wrong or missing TDIST_SECRET)")
-    if admit is not None and not admit(int(peer), bytes(token)):
-        raise Refused(f"{what}: refused a connection claiming id {peer}", int(peer))
-    server_proof = auth.server_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
-    sock.sendall(WELCOME.pack(MAGIC, VERSION, my_id, server_proof))
-    if secret is None:
-        return int(peer), bytes(token), None
-    c2s, s2c = auth.session_keys(secret, nonce_s, nonce_c)
-    return int(peer), bytes(token), Session(s2c, c2s)
-
-
-def _recv_by(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    """``recv_exact`` within an absolute deadline (a peer that trickles bytes cannot hold the
-    handshake past it)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        remaining = deadline - time.monotonic()
+    acceptance = Acceptance(sock, my_id, secret, timeout, what, admit)
+    ready = select.poll()
+    ready.register(sock.fileno(), select.POLLIN)
+    while True:
+        done = acceptance.step()
+        if done is not None:
+            return done
+        remaining = acceptance.deadline - time.monotonic()
         if remaining <= 0:
             raise RemoteProtocolError(f"{what}: handshake too slow")
-        sock.settimeout(remaining)
-        try:
-            k = sock.recv_into(view[got:])
-        except TimeoutError:
-            raise RemoteProtocolError(f"{what}: handshake too slow") from None
-        if k == 0:
-            raise ConnectionResetError("connection closed during the handshake")
-        got += k
-    return bytes(buf)
+        ready.poll(remaining * 1000)

@@ -66,9 +66,8 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from .._core.floods import Admission
 from . import _handshake
-from ._dial import Listeners, PeerAddress, admit, dial
+from ._dial import Doorway, Listeners, PeerAddress, dial
 from ._link import Copy, Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
@@ -160,7 +159,6 @@ class Messenger:
             the thread that read it.
         on_peer_lost: ``on_peer_lost(peer, error, graceful)`` once per peer whose last
             connection went away.
-        on_peer_joined: ``on_peer_joined(peer)`` when a peer connected to us.
         advertise: the IP address other hosts reach us by.
         heartbeat_interval, stall_timeout: seconds.
         on_batch_end: called by a poller after it delivered what it read (it may run a
@@ -182,7 +180,6 @@ class Messenger:
         describe: Callable[[int], str],
         on_message: Callable[[int, int, bytes, Payload], None],
         on_peer_lost: Callable[[int, PeerError, bool], None],
-        on_peer_joined: Callable[[int], None] | None = None,
         advertise: str = "127.0.0.1",
         heartbeat_interval: float = 1.0,
         stall_timeout: float = 5.0,
@@ -199,7 +196,6 @@ class Messenger:
         self.describe = describe
         self.on_message = on_message
         self.on_peer_lost = on_peer_lost
-        self.on_peer_joined = on_peer_joined
         self.heartbeat_interval = heartbeat_interval
         self.stall_timeout = stall_timeout
         self.on_batch_end = on_batch_end
@@ -226,16 +222,18 @@ class Messenger:
         self._guard_on = False
         self._guard_wake = threading.Event()
         # handshakes side by side, each within its deadline, a bounded number at once
-        self._admission = Admission(f"{label} (RPC listener)", self._admit)
-        self._accept_lock = threading.Lock()
 
         self._listeners = Listeners(advertise, f"{label} (RPC listener)", "tdist-rpc")
         self.address: PeerAddress = self._listeners.address
+        # (handshakes advance in the pollers, each within 10 s, a bounded number at once)
+        self._doorway = Doorway(
+            self._listeners, my_id=my_id, secret=secret, label=f"{label} (RPC listener)",
+            rule=lambda _peer, their_token: their_token == token, quiet=lambda: self._closing,
+        )
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._ep = select.epoll()
-        for s in self._listeners.sockets:
-            self._ep.register(s.fileno(), select.EPOLLIN)
+        self._ep.register(self._doorway.fileno(), _ARMED)
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._heartbeats = Heartbeats(
             f"tdist-rpc-hb-{my_id}", self.heartbeat_interval, self.stall_timeout, lambda: self._conns.values(),
@@ -312,50 +310,19 @@ class Messenger:
             self._ep.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
         return c
 
-    def _accept(self, listener: socket.socket) -> None:
-        # (several pollers may wake for a listener: one accepts, the others go back)
-        if not self._accept_lock.acquire(blocking=False):
-            return
+    def _let_in(self) -> None:
+        """Advance the handshakes of connections to our listeners (a poller; see ``Doorway``)
+        and register those that joined."""
         try:
-            delay = self._listeners.accept(listener, self._admission)
-        except OSError as exc:
-            if not self._closing:
-                log.warning("%s: accepting a connection failed: %s", self.label, exc)
-            return
+            for peer, where, session, sock in self._doorway.service():
+                try:
+                    self._register(peer, sock, where, where == "unix", outbound=False, session=session)
+                except DistNetworkError:  # (shut down meanwhile: _register closed it)
+                    pass
         finally:
-            self._accept_lock.release()
-        if delay is not None:  # out of descriptors: leave the listener be a while
-            self._rest_listener(listener, delay)
-
-    def _rest_listener(self, listener: socket.socket, seconds: float) -> None:
-        """Stop watching ``listener`` for ``seconds`` (it would wake the pollers in a loop)."""
-        with contextlib.suppress(OSError, ValueError):
-            self._ep.modify(listener.fileno(), 0)
-
-        def watch_again() -> None:
             if not self._closing:
                 with contextlib.suppress(OSError, ValueError):
-                    self._ep.modify(listener.fileno(), select.EPOLLIN)
-
-        timer = threading.Timer(seconds, watch_again)
-        timer.daemon = True
-        timer.start()
-
-    def _admit(self, sock: socket.socket, addr: Any) -> None:
-        got = admit(
-            sock, addr, my_id=self.my_id, secret=self.secret, timeout=10.0, label=self.label,
-            rule=lambda _peer, token: token == self.token, quiet=lambda: self._closing,
-        )
-        if got is None:
-            return
-        peer, where, session = got
-        self._admission.keep(sock)
-        try:
-            self._register(peer, sock, where, where == "unix", outbound=False, session=session)
-        except DistNetworkError:  # (shut down meanwhile: _register closed it)
-            return
-        if self.on_peer_joined is not None:
-            self.on_peer_joined(peer)
+                    self._ep.modify(self._doorway.fileno(), _ARMED)
 
     # -- sending -------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, meta: bytes, parts: list[memoryview], deadline: float | None, answer: bool = False) -> None:
@@ -605,7 +572,7 @@ class Messenger:
                 pass
 
     def _poll_loop(self) -> None:
-        listeners = {s.fileno(): s for s in self._listeners.sockets}
+        door = self._doorway.fileno()
         batch: list[tuple[int, int, bytes, Payload]] = []
         lost: list[tuple[int, PeerError, bool]] = []
         spun: _Conn | None = None  # a connection read next (rlock held, disarmed)
@@ -620,14 +587,15 @@ class Messenger:
                     continue
                 except (OSError, ValueError):
                     return
+                if not events and self._doorway.pending:
+                    self._let_in()  # (a quiet while: handshakes past their deadline go)
             for fd, _ in events:
                 if fd == self._wake_r:
                     if self._closing:
                         return
                     continue
-                lst = listeners.get(fd)
-                if lst is not None:
-                    self._accept(lst)
+                if fd == door:
+                    self._let_in()
                     continue
                 if spun is not None:
                     c, spun = spun, None
@@ -958,7 +926,7 @@ class Messenger:
                 c.sock.shutdown(socket.SHUT_RDWR)
         self._heartbeats.stop()
         self._guard_wake.set()
-        self._admission.close()
+        self._doorway.close()
         self._ctrl.put(None)
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")  # never read: wakes every poller
