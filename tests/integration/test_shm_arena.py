@@ -12,6 +12,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -700,10 +702,20 @@ def test_stale_files_of_dead_processes_are_removed() -> None:
         with open(path, "wb"):
             pass
     try:
-        # rank 0 of a new arena sweeps them
-        ShmArena(HashStore(), 0, 1, name=unique("sweep"), **OPTS).close()
-        assert not os.path.exists(dead)
-        assert os.path.exists(live)
+        # a fresh process's first arena sweeps them once it is formed (its first heartbeat)
+        sweep = (
+            "import os, sys, time\n"
+            "from tdist import HashStore\n"
+            "from tdist.c10d._shm import ShmArena\n"
+            f"a = ShmArena(HashStore(), 0, 1, name='sweep', heartbeat_interval=0.1, stall_timeout=5, timeout=30)\n"
+            f"deadline = time.monotonic() + 20\n"
+            f"while os.path.exists({dead!r}) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.01)\n"
+            f"print(os.path.exists({dead!r}), os.path.exists({live!r}))\n"
+            "a.close()\n"
+        )
+        out = subprocess.run([sys.executable, "-c", sweep], capture_output=True, text=True, timeout=60)
+        assert out.stdout.split() == ["False", "True"], out.stderr
         assert cleanup_stale() == []
     finally:
         for path in (dead, live):

@@ -123,7 +123,7 @@ from ._layout import (
     default_frame_bytes,
     memory_order_ok,
 )
-from ._lifetime import _heartbeat_loop, _prefault, _release, cleanup_stale
+from ._lifetime import _heartbeat_loop, _prefault, _release
 
 __all__ = ["ArenaCore"]
 
@@ -134,8 +134,11 @@ _DEFAULT_SMALL_BYTES = 64 << 10
 _DEFAULT_SPIN_US = spin.SPIN * 1e6
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.]")  # (compiled at import: not on the way to a group)
+
+
 def _sanitize(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", name)[:48] or "group"
+    return _UNSAFE.sub("_", name)[:48] or "group"
 
 
 def _usable_cores() -> int:
@@ -258,7 +261,6 @@ class ArenaCore:
         maps the segment; every rank makes its wake-up pipe (``record`` says where both are)."""
         self._seg_fd = -1
         if self.rank == 0:
-            cleanup_stale()  # (files that arenas of earlier tdist versions may have left)
             # a memfd: shared memory without a name, gone with the last process that holds it
             seg_fd = os.memfd_create(f"tdist-arena-{_sanitize(self.name)}", os.MFD_CLOEXEC)
             self._fds.append(seg_fd)

@@ -5,7 +5,8 @@ block every third of ``heartbeat_interval`` (a stopped process stops beating: se
 Failures) and, after its first beat, faults the mapping in (``_prefault``), so that forming the
 group does not wait for it. ``_release`` stops it and closes an arena's descriptors, from
 ``close`` or from the finalizer of an arena dropped without it. ``cleanup_stale`` removes the
-``/dev/shm`` files of arenas of earlier tdist versions whose creator is gone.
+``/dev/shm`` files of arenas of earlier tdist versions whose creator is gone; the first
+prefault of a process runs it, after the group has formed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = ["cleanup_stale"]
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+_CREATOR = re.compile(r"(\d+)-")
+_cleaned = False  # (``cleanup_stale`` ran in this process)
 
 
 def cleanup_stale(directory: str = SHM_DIR) -> list[str]:
@@ -42,7 +45,7 @@ def cleanup_stale(directory: str = SHM_DIR) -> list[str]:
     for entry in names:
         if not entry.startswith(prefix):
             continue
-        m = re.match(r"(\d+)-", entry[len(prefix):])
+        m = _CREATOR.match(entry[len(prefix):])
         if m is None or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, entry)
@@ -81,7 +84,12 @@ _PREFAULT_CHUNK = 256 << 10  # (about 0.1 ms with the GIL held, then the others'
 def _prefault(mm: mmap.mmap, stop: threading.Event) -> None:
     """Fault every page of ``mm`` in for writing, a chunk at a time (each madvise holds the
     GIL for a fraction of a millisecond), unless ``stop`` is set; where the kernel has no
-    MADV_POPULATE_WRITE, pages fault in on first use instead."""
+    MADV_POPULATE_WRITE, pages fault in on first use instead. The first call of a process
+    also removes what arenas of earlier tdist versions left (``cleanup_stale``)."""
+    global _cleaned
+    if not _cleaned:
+        _cleaned = True
+        cleanup_stale()
     with contextlib.suppress(OSError, ValueError):
         for start in range(0, len(mm), _PREFAULT_CHUNK):
             if stop.is_set():
