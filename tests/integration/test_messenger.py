@@ -265,6 +265,8 @@ def test_a_waiting_poller_lets_go_of_the_connection_for_a_thread_that_claims_it(
         assert c.spinner, "b's poller should be waiting on the connection"
         t0 = time.monotonic()
         token = b.m.claim(0)
+        while token is None and time.monotonic() - t0 < 4:  # (a loaded host may not run the poller at once)
+            token = b.m.claim(0)
         assert token is not None and time.monotonic() - t0 < 4  # (not once the 5 s wait ended)
         b.inbox.get(timeout=1)  # the ping
         a.send(1, 2, "read by the claiming thread")

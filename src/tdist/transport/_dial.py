@@ -202,7 +202,7 @@ class Doorway:
     thread of its own or per handshake: ``fileno()`` is readable whenever something waits
     (a new connection, or a handshake's next bytes); ``service()`` then accepts what waits,
     advances the handshakes (``_handshake.Acceptance``, each within ``timeout``; at most
-    ``limit`` at once, the oldest dropped for a new one, as ``_core.floods.Admission`` does)
+    ``limit`` at once, the oldest dropped for a new one: ``_core.floods``'s rules)
     and returns the connections that have joined, as ``(id, end, session, socket)`` (``end``:
     ``"unix"`` or ``addr:port``; the socket non-blocking). ``rule(id, token)`` says who may
     join. Call ``service()`` at least every ``timeout`` too, so that silent strangers go.

@@ -10,8 +10,7 @@ through can neither read a key it lacks nor change or inject a frame.
 
 The connecting side (``connect``) runs on a blocking socket in the caller's thread. The
 accepting side is a state machine (``Acceptance``) that the owner's poll loop drives, one read
-at a time, so a listener needs no thread per handshake; ``accept`` drives one in the caller's
-thread.
+at a time, so a listener needs no thread per handshake (``_dial.Doorway``).
 
 On a Unix socket both sides first check who the other end is (``SO_PEERCRED``): a process of
 another user is refused before a byte is read or written, so a name taken by a stranger can
@@ -21,7 +20,6 @@ neither serve nor stall a job (the connecting side learns it at once, not at a t
 from __future__ import annotations
 
 import contextlib
-import select
 import socket
 import time
 from collections.abc import Callable
@@ -31,7 +29,7 @@ from .._core.errors import AuthenticationError, RemoteProtocolError
 from .._core.peercred import check_unix_peer
 from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
 
-__all__ = ["REJECTED", "Acceptance", "Refused", "Session", "accept", "connect", "recv_exact"]
+__all__ = ["REJECTED", "Acceptance", "Refused", "Session", "connect", "recv_exact"]
 
 ZERO_PROOF = b"\0" * 32
 REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
@@ -119,7 +117,7 @@ class Acceptance:
     non-blocking and gets the HELLO at once; call ``step()`` whenever it is readable: it
     returns the connector's ``(id, token, session)`` (the session with a secret only) once the
     handshake is done, None while the JOIN is still coming. ``deadline`` (monotonic) is the
-    owner's to enforce (``accept`` below does).
+    owner's to enforce.
 
     ``admit(id, token)`` decides, once the secret is proven and before we answer, whether the
     connector may join; a refused one gets no answer.
@@ -186,32 +184,3 @@ def _send_record(sock: socket.socket, record: bytes, what: str) -> None:
     """One handshake record on a non-blocking socket (it fits: nothing else was written)."""
     if sock.send(record) != len(record):
         raise RemoteProtocolError(f"{what}: the connection took only part of a handshake record")
-
-
-def accept(
-    sock: socket.socket,
-    my_id: int,
-    secret: bytes | None,
-    timeout: float,
-    what: str,
-    admit: Callable[[int, bytes], bool] | None = None,
-) -> tuple[int, bytes, Session | None]:
-    """Run the accepting side (``Acceptance``) on ``sock`` within ``timeout`` seconds in all,
-    waiting in this thread; returns the connector's ``(id, token, session)``; the socket is
-    left non-blocking.
-
-    Raises:
-        AuthenticationError, Refused, RemoteProtocolError, OSError: as ``Acceptance``; a
-        connector too slow raises ``RemoteProtocolError``.
-    """
-    acceptance = Acceptance(sock, my_id, secret, timeout, what, admit)
-    ready = select.poll()
-    ready.register(sock.fileno(), select.POLLIN)
-    while True:
-        done = acceptance.step()
-        if done is not None:
-            return done
-        remaining = acceptance.deadline - time.monotonic()
-        if remaining <= 0:
-            raise RemoteProtocolError(f"{what}: handshake too slow")
-        ready.poll(remaining * 1000)

@@ -54,6 +54,7 @@ import os
 import queue
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -101,6 +102,9 @@ _POLLER_SPIN = spin.SPIN
 _HOLD_MAX = 0.005
 # a connection the guard had to arm again is not held for this long (its requests block)
 _HOLD_OFF = 0.25
+# how long a thread that claims a connection waits for the poller waiting on it to let go: the
+# interpreter's switch interval, within which that poller gets the interpreter lock to see it
+_YIELD = sys.getswitchinterval()
 
 # a DATA payload (one buffer) or a DATA_CMA payload ([prefix, *buffers])
 Payload = memoryview | list[memoryview]
@@ -433,7 +437,7 @@ class Messenger:
             if not c.spinner:
                 return None
             c.yield_req = True  # a poller waits there for the next message: it lets go at once
-            got = c.rlock.acquire(timeout=0.001)
+            got = c.rlock.acquire(timeout=_YIELD)
             c.yield_req = False
             if not got:
                 return None
