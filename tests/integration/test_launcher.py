@@ -144,8 +144,11 @@ WORKER = textwrap.dedent(
         time.sleep(60)
     elif action == "restart":  # fail on the first attempt only
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-        print(f"rank {rank} attempt {attempt}")
-        if attempt == 0 and rank == 1:
+        print(f"rank {rank} attempt {attempt}", flush=True)
+        if attempt == 0 and rank == 0:
+            mark("printed0")
+        if attempt == 0 and rank == 1:  # (once rank 0 has printed: the launcher then stops it)
+            wait_for(marked("printed0"))
             sys.exit(7)
     elif action == "store":  # use the job's store through env://
         import tdist
