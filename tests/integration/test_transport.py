@@ -168,6 +168,33 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
         master.close()
 
 
+def _threads_started_forming(rank: int, n: int, port: int) -> list[str]:
+    started: list[str] = []
+    start = threading.Thread.start
+
+    def counted(self: threading.Thread) -> None:
+        started.append(self.name)
+        start(self)
+
+    threading.Thread.start = counted  # type: ignore[method-assign]
+    try:
+        ep = Endpoint(tdist.PrefixStore("threads", tdist.TCPStore("127.0.0.1", port)), rank, n, timeout=30)
+    finally:
+        threading.Thread.start = start  # type: ignore[method-assign]
+    ep.close()
+    return started
+
+
+def test_forming_a_mesh_starts_one_thread_per_rank_however_many_peers_it_dials_or_lets_in() -> None:
+    # rank 0 lets 3 in, rank 3 dials 3, ranks 1 and 2 do both: each starts its reader only
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        started = run_processes(_threads_started_forming, 4, master.port, timeout=60)
+    finally:
+        master.close()
+    assert [len(names) for names in started] == [1, 1, 1, 1], started
+
+
 def _big_exchange(rank: int, n: int, port: int, refuse: bool, slow_acks: bool = False) -> list[str]:
     from tdist.transport import _memory
 

@@ -6,9 +6,10 @@ A process group's endpoint and the RPC messenger make their connections the same
   socket (a random name) for processes of this host; ``address`` is what a peer needs to dial
   us (published in a store). Both listen before the address is published, so a refused
   connection means the peer is gone, not that it is not up yet.
-* ``dial``: connect to a peer's address (the Unix socket on the same host and network
+* ``Dialer``: connect to a peer's address (the Unix socket on the same host and network
   namespace, else TCP), then run the connecting side of the authenticated handshake
-  (``_handshake.connect``) and check that the peer is the one we meant.
+  (``_handshake.Connection``) and check that the peer is the one we meant, from the owner's
+  poll loop (several peers at once, no thread); ``dial`` drives one in the caller's thread.
 * ``Doorway``: accept what waits on the listeners and run the accepting side of each
   handshake (``_handshake.Acceptance``) as its bytes come, from the owner's poll loop: no
   thread per handshake, each within its deadline, a bounded number at once (the flood rules of
@@ -21,6 +22,7 @@ What the connection becomes (a ``_link.Link`` and its front end's bookkeeping) i
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -29,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from .._core.errors import (
     AuthenticationError,
@@ -42,7 +44,7 @@ from .._core.floods import Starvation
 from . import _handshake
 from ._link import host_id, tune_tcp
 
-__all__ = ["Doorway", "Listeners", "PeerAddress", "dial"]
+__all__ = ["Dialer", "Doorway", "Listeners", "PeerAddress", "dial"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "por
 # published its address), not slow
 _REFUSALS = 5
 _RETRY = 0.02  # seconds between connection attempts
+_RECORD = 10.0  # seconds for each record of a handshake (the acceptor's answer)
 
 
 class Listeners:
@@ -131,6 +134,169 @@ def where(info: PeerAddress, same_host: bool) -> str:
     return f"unix:{info.get('unix')}" if same_host else f"{info.get('addr')}:{info.get('port')}"
 
 
+class Dialer:
+    """Dialling one peer, driven by the owner's poll loop (``dial`` drives one in the caller's
+    thread): connect to the peer at ``info`` (the Unix socket on the same host and network
+    namespace, else TCP) without blocking, retrying every ``_RETRY`` seconds while the
+    connection fails, then authenticate (``_handshake.Connection``; ``what`` names the peer,
+    ``expect`` is its id; each handshake record within ``_RECORD`` seconds).
+
+    ``step()`` advances it as far as it goes without waiting and returns
+    ``(socket, end, same_host, session)`` once connected (``end``: how messages name the
+    peer's end, ``"unix"`` or ``addr:port``; the socket non-blocking), else None; ``wants()``
+    says what to wait for next: ``(fd, poll events)``, or ``(-1, 0)`` while a retry's time has
+    not come; ``until()`` when ``step`` is due even if nothing comes.
+
+    Raises (from ``step``):
+        DistTimeoutError: no connection before ``deadline``.
+        PeerError: the peer refused it ``_REFUSALS`` times in a row: it has shut down or died.
+        AuthenticationError: either side could not prove the secret.
+        DistNetworkError: the handshake failed, or another process answered.
+    """
+
+    def __init__(
+        self,
+        info: PeerAddress,
+        deadline: float,
+        *,
+        my_id: int,
+        token: bytes,
+        secret: bytes | None,
+        expect: int,
+        label: str,
+        what: str,
+    ) -> None:
+        self.info = info
+        self.deadline = deadline
+        self.expect = expect
+        self.same = info.get("host") == host_id() and bool(info.get("unix"))
+        self.at = where(info, self.same)
+        self.end = "unix" if self.same else f"{info['addr']}:{info['port']}"
+        self.wake_at = 0.0
+        self._my_id = my_id
+        self._token = token
+        self._secret = secret
+        self._label = label
+        self._what = what
+        self._sock: socket.socket | None = None
+        self._shaking: _handshake.Connection | None = None
+        self._record_by = 0.0  # (the next handshake record's deadline)
+        self._ready = select.poll()
+        self._last: BaseException | None = None
+        self._refused = 0
+
+    def wants(self) -> tuple[int, int]:
+        if self._sock is None:
+            return -1, 0
+        return self._sock.fileno(), select.POLLIN if self._shaking is not None else select.POLLOUT
+
+    def until(self) -> float:
+        """When ``step`` is due even if nothing comes (a retry, a deadline)."""
+        if self._sock is None:
+            return min(self.wake_at, self.deadline)
+        if self._shaking is not None:
+            return min(self._record_by, self.deadline)
+        return self.deadline
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def step(self) -> tuple[socket.socket, str, bool, _handshake.Session | None] | None:
+        try:
+            return self._step()
+        except BaseException:
+            self.close()
+            raise
+
+    def _step(self) -> tuple[socket.socket, str, bool, _handshake.Session | None] | None:
+        now = time.monotonic()
+        if self._sock is None:
+            if now >= self.deadline:
+                raise DistTimeoutError(f"{self._label}: could not connect to {self._what} at {self.at}: {self._last}")
+            if now < self.wake_at:
+                return None
+            self._start()
+            if self._sock is None:
+                return None
+        sock = self._sock
+        if self._shaking is None:  # connecting
+            if not self._ready.poll(0):
+                if now >= self.deadline:
+                    self._failed(TimeoutError("timed out"))
+                return None
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._failed(OSError(err, os.strerror(err)))
+                return None
+            try:
+                self._shake()
+            except (OSError, RemoteProtocolError) as exc:
+                raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
+        shaking = cast(_handshake.Connection, self._shaking)
+        try:
+            done = shaking.step()
+            if done is None:
+                if now >= min(self._record_by, self.deadline):
+                    raise TimeoutError("timed out")
+                return None
+        except (OSError, RemoteProtocolError) as exc:
+            raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
+        their, session = done
+        if their != self.expect:
+            raise DistNetworkError(f"{self._label}: expected {self._what} at {self.at}, found id {their}")
+        self._sock = None  # (the caller's now)
+        return sock, self.end, self.same, session
+
+    def _start(self) -> None:
+        """A new connection attempt (non-blocking)."""
+        info = self.info
+        if self.same:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            target: Any = "\0" + info["unix"]
+        else:
+            family = socket.AF_INET6 if ":" in str(info["addr"]) else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            target = (info["addr"], info["port"])
+        sock.setblocking(False)
+        err = sock.connect_ex(target)
+        if err not in (0, errno.EINPROGRESS):  # (a Unix listener's full backlog says EAGAIN: retry)
+            sock.close()
+            self._failed(OSError(err, os.strerror(err)))
+            return
+        if not self.same:
+            tune_tcp(sock)
+        self._sock = sock
+        self._ready = select.poll()
+        self._ready.register(sock.fileno(), select.POLLOUT)
+        if err == 0 and self.same:  # (connected at once)
+            self._shake()
+
+    def _shake(self) -> None:
+        """Connected: the handshake starts."""
+        sock = cast(socket.socket, self._sock)
+        pid = int(self.info["pid"]) if self.same and self.info.get("pid") else None
+        self._shaking = _handshake.Connection(sock, self._my_id, self._token, self._secret, self._what, pid=pid)
+        self._record_by = time.monotonic() + _RECORD
+        self._ready = select.poll()
+        self._ready.register(sock.fileno(), select.POLLIN)
+
+    def _failed(self, exc: OSError) -> None:
+        """This attempt failed: another after ``_RETRY`` (or a final error)."""
+        self.close()
+        self._last = exc
+        refused = exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
+        self._refused = self._refused + 1 if refused else 0
+        if self._refused >= _REFUSALS:
+            raise PeerError(
+                f"{self._label}: {self._what} refused the connection at {self.at}: it has shut down or died",
+                peer=self.expect,
+            ) from exc
+        self.wake_at = time.monotonic() + _RETRY
+
+
 def dial(
     info: PeerAddress,
     deadline: float,
@@ -142,59 +308,22 @@ def dial(
     label: str,
     what: str,
 ) -> tuple[socket.socket, str, bool, _handshake.Session | None]:
-    """Connect to the peer at ``info`` and authenticate (``what`` names it, ``expect`` is its
-    id). Returns the blocking socket, how messages name its end (``"unix"`` or
-    ``addr:port``), whether it is a same-host (Unix) connection, and the session.
-
-    Raises:
-        DistTimeoutError: no connection before ``deadline``.
-        PeerError: the peer refused it ``_REFUSALS`` times: it has shut down or died.
-        AuthenticationError: either side could not prove the secret.
-        DistNetworkError: the handshake failed, or another process answered.
-    """
-    same = info.get("host") == host_id() and bool(info.get("unix"))
-    at = where(info, same)
-    last: BaseException | None = None
-    refused = 0
+    """Dial the peer at ``info`` in this thread (a ``Dialer``, whose arguments, result and
+    errors these are)."""
+    dialer = Dialer(info, deadline, my_id=my_id, token=token, secret=secret, expect=expect, label=label, what=what)
+    ready = select.poll()
     while True:
-        budget = deadline - time.monotonic()
-        if budget <= 0:
-            raise DistTimeoutError(f"{label}: could not connect to {what} at {at}: {last}")
-        try:
-            if same:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    sock.settimeout(min(budget, 10.0))
-                    sock.connect("\0" + info["unix"])
-                except BaseException:
-                    sock.close()
-                    raise
-            else:
-                sock = socket.create_connection((info["addr"], info["port"]), timeout=min(budget, 10.0))
-                tune_tcp(sock)
-            break
-        except OSError as exc:
-            last = exc
-            refused = refused + 1 if isinstance(exc, (ConnectionRefusedError, FileNotFoundError)) else 0
-            if refused >= _REFUSALS:
-                raise PeerError(
-                    f"{label}: {what} refused the connection at {at}: it has shut down or died", peer=expect
-                ) from exc
-            time.sleep(min(_RETRY, max(0.0, deadline - time.monotonic())))
-    end = "unix" if same else f"{info['addr']}:{info['port']}"
-    try:
-        their, session = _handshake.connect(
-            sock, my_id, token, secret, what, pid=int(info["pid"]) if same and info.get("pid") else None
-        )
-        if their != expect:
-            raise DistNetworkError(f"{label}: expected {what} at {at}, found id {their}")
-    except (OSError, RemoteProtocolError) as exc:
-        sock.close()
-        raise DistNetworkError(f"{label}: handshake with {what} at {at} failed: {exc}") from exc
-    except BaseException:
-        sock.close()
-        raise
-    return sock, end, same, session
+        done = dialer.step()
+        if done is not None:
+            return done
+        fd, events = dialer.wants()
+        wait = max(0.0, dialer.until() - time.monotonic())
+        if fd < 0:
+            time.sleep(wait)
+            continue
+        ready.register(fd, events)
+        ready.poll(wait * 1000)
+        ready.unregister(fd)
 
 
 class Doorway:

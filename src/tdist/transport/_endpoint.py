@@ -64,7 +64,7 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from . import _handshake
-from ._dial import Doorway, Listeners, PeerAddress, dial
+from ._dial import Dialer, Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
 from ._link import Copy, Link, advertised_address, host_id
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
@@ -354,46 +354,72 @@ class Endpoint:
         self._read_loop()
 
     def _connect_mesh(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
-        expected_in = self.size - 1 - self.rank
-        errors: list[BaseException] = []
+        """Dial every lower rank and let every higher one in, all side by side in this thread
+        (``_dial.Dialer``s and a ``Doorway``: no thread per connection, and a silent or slow
+        stranger on the port delays nobody)."""
         # (``connect_later``: nothing is accepted or connected before the owner's ``connected()``)
         self._may_connect.wait(max(0.0, deadline - time.monotonic()))
-        # (an acceptor thread of its own only where this rank also connects: rank 0 accepts in
-        # this thread, the last rank accepts nothing; each thread started costs the group's
-        # set-up, which runs while every process's interpreter is busy)
-        acceptor = None
-        if expected_in and self.rank:
-            acceptor = threading.Thread(
-                target=self._accept_all,
-                args=(listeners, expected_in, deadline, errors),
-                name=f"tdist-accept-{self.rank}",
-                daemon=True,
+        dialers = {
+            peer: Dialer(
+                infos[peer], deadline, my_id=self.rank, token=self._token, secret=self.secret, expect=peer,
+                label=self._label, what=f"rank {peer}",
             )
-            acceptor.start()
+            for peer in range(self.rank)
+        }
+        doorway = None
+        if self.rank < self.size - 1:
+            doorway = Doorway(
+                listeners, my_id=self.rank, secret=self.secret, label=f"{self._label} ({self.name})",
+                rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
+                timeout=max(0.1, min(10.0, deadline - time.monotonic())),
+            )
         try:
-            for peer in range(self.rank):
+            while True:
                 if self._closing:
                     raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
-                self._connect(peer, infos[peer], deadline)
-            if acceptor is not None:
-                acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
-            elif expected_in:
-                self._accept_all(listeners, expected_in, deadline, errors)
-            if errors:
-                raise errors[0]
-            if (acceptor is not None and acceptor.is_alive()) or len(self._peers) != self.size - 1:
-                missing = sorted(set(range(self.size)) - set(self._peers) - {self.rank})
-                raise DistTimeoutError(
-                    f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
-                    f"connection from rank(s) {missing}: are they running and in this group?"
-                )
+                for peer, dialer in list(dialers.items()):
+                    got = dialer.step()
+                    if got is not None:
+                        del dialers[peer]
+                        self._add_peer(peer, *got)
+                if doorway is not None:
+                    for peer, addr, session, sock in doorway.service():
+                        if peer in self._peers:  # (two handshakes may claim one rank: the first wins)
+                            log.warning("%s (%s): a second connection claimed rank %d; dropped", self._label, self.name, peer)
+                            sock.close()
+                        else:
+                            self._add_peer(peer, sock, addr, addr == "unix", session)
+                if len(self._peers) == self.size - 1:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = sorted(set(range(self.size)) - set(self._peers) - {self.rank})
+                    raise DistTimeoutError(
+                        f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
+                        f"connection with rank(s) {missing}: are they running and in this group?"
+                    )
+                ready = select.poll()
+                due = deadline
+                if doorway is not None:
+                    ready.register(doorway.fileno(), select.POLLIN)
+                    due = min(due, now + 0.5)  # (handshakes past their deadline go)
+                for dialer in dialers.values():
+                    fd, events = dialer.wants()
+                    if fd >= 0:
+                        ready.register(fd, events)
+                    due = min(due, dialer.until())
+                ready.poll(max(0.0, due - now) * 1000)
         except BaseException:
             self._closing = True
+            for dialer in dialers.values():
+                dialer.close()
             for p in self._peers.values():
                 with contextlib.suppress(OSError):
                     p.sock.close()
             raise
         finally:
+            if doorway is not None:
+                doorway.close()
             listeners.close()
         ep = select.epoll(len(self._peers))
         for p in self._peers.values():
@@ -401,45 +427,9 @@ class Endpoint:
             self._by_fd[p.fd] = p
         self._ep = ep
 
-    def _connect(self, peer: int, info: PeerAddress, deadline: float) -> None:
-        sock, addr, same, session = dial(
-            info, deadline, my_id=self.rank, token=self._token, secret=self.secret, expect=peer,
-            label=self._label, what=f"rank {peer}",
-        )
+    def _add_peer(self, peer: int, sock: socket.socket, addr: str, same: bool, session: _handshake.Session | None) -> None:
         with self._lock:
             self._peers[peer] = _Peer(peer, sock, addr, same, session)
-
-    def _accept_all(self, listeners: Listeners, expected: int, deadline: float, errors: list[BaseException]) -> None:
-        """Accept the higher ranks' connections until all ``expected`` have joined. Their
-        handshakes advance side by side in this thread (``_dial.Doorway``): a silent or slow
-        stranger on the port delays nobody, and costs no thread."""
-        doorway = Doorway(
-            listeners, my_id=self.rank, secret=self.secret, label=f"{self._label} ({self.name})",
-            rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
-            timeout=max(0.1, min(10.0, deadline - time.monotonic())),
-        )
-        try:
-            ready = select.poll()
-            ready.register(doorway.fileno(), select.POLLIN)
-            while not self._closing:
-                with self._lock:
-                    if sum(1 for r in self._peers if r > self.rank) >= expected:
-                        return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                ready.poll(min(remaining, 0.5) * 1000)
-                for peer, addr, session, sock in doorway.service():
-                    with self._lock:
-                        if peer not in self._peers:  # (two handshakes may claim one rank: the first wins)
-                            self._peers[peer] = _Peer(peer, sock, addr, addr == "unix", session)
-                            continue
-                    log.warning("%s (%s): a second connection claimed rank %d; dropped", self._label, self.name, peer)
-                    sock.close()
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            doorway.close()
 
     # -- public API ----------------------------------------------------------------------------
     def same_host(self, peer: int) -> bool:

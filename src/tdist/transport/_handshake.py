@@ -8,9 +8,10 @@ decoder, let alone ``pickle``. With a secret, both sides then hold a ``Session``
 tag every later frame in each direction (``_core.auth``), so a relay that passed the proofs
 through can neither read a key it lacks nor change or inject a frame.
 
-The connecting side (``connect``) runs on a blocking socket in the caller's thread. The
-accepting side is a state machine (``Acceptance``) that the owner's poll loop drives, one read
-at a time, so a listener needs no thread per handshake (``_dial.Doorway``).
+Both sides are state machines on non-blocking sockets that their owner's poll loop drives, a
+read at a time: ``Connection`` (the connecting side; ``_dial.Dialer``, and ``connect`` drives
+one in the caller's thread) and ``Acceptance`` (``_dial.Doorway``), so neither a listener nor a
+process that dials several peers needs a thread per handshake.
 
 On a Unix socket both sides first check who the other end is (``SO_PEERCRED``): a process of
 another user is refused before a byte is read or written, so a name taken by a stranger can
@@ -20,6 +21,7 @@ neither serve nor stall a job (the connecting side learns it at once, not at a t
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from .._core.errors import AuthenticationError, RemoteProtocolError
 from .._core.peercred import check_unix_peer
 from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
 
-__all__ = ["REJECTED", "Acceptance", "Refused", "Session", "connect", "recv_exact"]
+__all__ = ["REJECTED", "Acceptance", "Connection", "Refused", "Session", "connect"]
 
 ZERO_PROOF = b"\0" * 32
 REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
@@ -46,61 +48,108 @@ class Session:
         self.recv = auth.Seal(recv_key)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from a blocking socket.
-
-    Raises:
-        ConnectionResetError: the peer closed first.
-    """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionResetError("connection closed during the handshake")
-        got += k
-    return bytes(buf)
-
-
-def connect(
-    sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str, pid: int | None = None
-) -> tuple[int, Session | None]:
-    """Run the connecting side; returns the acceptor's id and, with a secret, the session.
+class Connection:
+    """The connecting side of one connection, driven by the owner's poll loop: ``sock`` (a
+    connected socket) is made non-blocking; call ``step()`` whenever it is readable: it sends
+    the JOIN once the HELLO is in and returns the acceptor's ``(id, session)`` (the session
+    with a secret only) once the WELCOME is in, None meanwhile. Deadlines are the owner's.
 
     ``pid``: the process expected at the other end of a Unix socket.
 
-    Raises:
+    Raises (from the constructor or ``step``):
         AuthenticationError: either side could not prove the secret, or a Unix socket's other
             end is not ours.
         RemoteProtocolError: the acceptor is not a tdist peer of this version.
         OSError: the connection failed.
     """
-    check_unix_peer(sock, what, pid)
-    magic, version, auth_required, nonce_s = HELLO.unpack(recv_exact(sock, HELLO.size))
-    check_magic(magic, version, what)
-    nonce_c = auth.make_nonce()
-    if auth_required and secret is None:
-        raise AuthenticationError(f"{what} requires the job secret; set TDIST_SECRET on every process")
-    if secret is not None and not auth_required:
-        raise AuthenticationError(
-            f"{what} does not ask for the job secret that this process holds: it is not a member "
-            "of this job (or was started without TDIST_SECRET); refused"
-        )
-    proof = auth.client_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
-    sock.sendall(JOIN.pack(MAGIC, VERSION, my_id, token, nonce_c, proof))
-    magic, version, their_id, their_proof = WELCOME.unpack(recv_exact(sock, WELCOME.size))
-    check_magic(magic, version, what)
-    if their_id == REJECTED:
-        raise AuthenticationError(
-            f"{what} rejected our proof of the job secret: every process must use the same TDIST_SECRET"
-        )
-    if secret is None:
-        return int(their_id), None
-    if not auth.verify(auth.server_proof(secret, nonce_s, nonce_c), their_proof):
-        raise AuthenticationError(f"{what} could not prove the job secret")
-    c2s, s2c = auth.session_keys(secret, nonce_s, nonce_c)
-    return int(their_id), Session(c2s, s2c)
+
+    __slots__ = ("_buf", "_got", "_my_id", "_nonce_c", "_nonce_s", "_secret", "_token", "sock", "what")
+
+    def __init__(
+        self, sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str, pid: int | None = None
+    ) -> None:
+        check_unix_peer(sock, what, pid)
+        sock.setblocking(False)
+        self.sock = sock
+        self.what = what
+        self._my_id = my_id
+        self._token = token
+        self._secret = secret
+        self._buf = bytearray(HELLO.size)
+        self._got = 0
+        self._nonce_s = b""  # (the HELLO's, once it is in)
+        self._nonce_c = auth.make_nonce()
+
+    def _read(self) -> bool:
+        """Read into ``_buf``; True once it is full."""
+        view = memoryview(self._buf)
+        while self._got < len(self._buf):
+            try:
+                k = self.sock.recv_into(view[self._got:])
+            except (BlockingIOError, InterruptedError):
+                return False
+            if k == 0:
+                raise ConnectionResetError("connection closed during the handshake")
+            self._got += k
+        return True
+
+    def step(self) -> tuple[int, Session | None] | None:
+        what, secret = self.what, self._secret
+        if not self._nonce_s:
+            if not self._read():
+                return None
+            magic, version, auth_required, nonce_s = HELLO.unpack(self._buf)
+            check_magic(magic, version, what)
+            if auth_required and secret is None:
+                raise AuthenticationError(f"{what} requires the job secret; set TDIST_SECRET on every process")
+            if secret is not None and not auth_required:
+                raise AuthenticationError(
+                    f"{what} does not ask for the job secret that this process holds: it is not a member "
+                    "of this job (or was started without TDIST_SECRET); refused"
+                )
+            self._nonce_s = nonce_s
+            proof = auth.client_proof(secret, nonce_s, self._nonce_c) if secret else ZERO_PROOF
+            _send_record(self.sock, JOIN.pack(MAGIC, VERSION, self._my_id, self._token, self._nonce_c, proof), what)
+            self._buf = bytearray(WELCOME.size)
+            self._got = 0
+        if not self._read():
+            return None
+        magic, version, their_id, their_proof = WELCOME.unpack(self._buf)
+        check_magic(magic, version, what)
+        if their_id == REJECTED:
+            raise AuthenticationError(
+                f"{what} rejected our proof of the job secret: every process must use the same TDIST_SECRET"
+            )
+        if secret is None:
+            return int(their_id), None
+        nonce_s, nonce_c = self._nonce_s, self._nonce_c
+        if not auth.verify(auth.server_proof(secret, nonce_s, nonce_c), their_proof):
+            raise AuthenticationError(f"{what} could not prove the job secret")
+        c2s, s2c = auth.session_keys(secret, nonce_s, nonce_c)
+        return int(their_id), Session(c2s, s2c)
+
+
+def connect(
+    sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str, pid: int | None = None,
+    timeout: float = 10.0,
+) -> tuple[int, Session | None]:
+    """Run the connecting side (``Connection``) on ``sock`` in this thread, each record within
+    ``timeout`` seconds; returns the acceptor's id and, with a secret, the session. The socket
+    is left non-blocking.
+
+    Raises:
+        AuthenticationError, RemoteProtocolError, OSError: as ``Connection``; an acceptor too
+        slow raises ``TimeoutError``.
+    """
+    connection = Connection(sock, my_id, token, secret, what, pid)
+    ready = select.poll()
+    ready.register(sock.fileno(), select.POLLIN)
+    while True:
+        done = connection.step()
+        if done is not None:
+            return done
+        if not ready.poll(timeout * 1000):
+            raise TimeoutError(f"{what}: no answer within {timeout:g} s during the handshake")
 
 
 class Refused(RemoteProtocolError):
