@@ -3,6 +3,7 @@ handshakes, a listener served from a thread."""
 
 from __future__ import annotations
 
+import errno
 import select
 import socket
 import threading
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from tdist._core.errors import DistNetworkError, DistTimeoutError, PeerError
+from tdist.transport import _dial
 from tdist.transport._dial import Doorway, Listeners, dial
 
 pytestmark = pytest.mark.timeout(60)
@@ -158,3 +160,109 @@ def test_more_strangers_than_the_limit_shed_the_oldest_and_a_member_still_gets_i
         for s in strangers:
             s.close()
         server.close()
+
+
+def test_more_members_at_once_than_the_door_holds_all_get_in() -> None:
+    # a shed member (its HELLO never came) dials again; none is lost to a full door
+    server = _Server(my_id=1)
+    server.doorway._limit = 3
+    got: dict[int, Any] = {}
+
+    def member(i: int) -> None:
+        try:
+            sock, _, _, _ = dial(
+                server.listeners.address, time.monotonic() + 30, my_id=100 + i, token=TOKEN, secret=SECRET,
+                expect=1, label=f"member {i}", what="server",
+            )
+            sock.close()
+            got[i] = "in"
+        except Exception as exc:  # (reported below)
+            got[i] = exc
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(12)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert got == {i: "in" for i in range(12)}
+        assert sorted(j[0] for j in server.joined) == [100 + i for i in range(12)]
+    finally:
+        server.close()
+
+
+def test_a_peer_that_answers_late_is_waited_for_until_the_deadline_not_a_record_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a process-group peer sends its HELLO only once its owner is ready (connect_later)
+    monkeypatch.setattr(_dial, "_RECORD", 0.2)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    info = {"host": "another host", "addr": "127.0.0.1", "port": listener.getsockname()[1], "unix": "", "pid": 0}
+    late = Listeners("127.0.0.1", "late", "tdist-test")
+    try:
+        # (a listener that is not serviced yet: the connection waits in its backlog)
+        with pytest.raises(DistNetworkError, match="timed out"):
+            dial(info, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1",
+                 hello_within=0.2)
+        info = {**late.address, "host": "another host"}
+        door = Doorway(late, my_id=1, secret=SECRET, label="late", rule=lambda _i, t: t == TOKEN)
+        result: list[Any] = []
+        t = threading.Thread(target=lambda: result.append(dial(
+            info, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1")))
+        t.start()
+        ready = select.poll()
+        ready.register(door.fileno(), select.POLLIN)
+        end = time.monotonic() + 0.6  # (three record limits pass before the door opens)
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        joined: list[Any] = []
+        while not joined and time.monotonic() < end + 10:
+            ready.poll(100)
+            joined += door.service()
+        t.join(10)
+        assert [j[0] for j in joined] == [0] and len(result) == 1
+        result[0][0].close()
+        joined[0][3].close()
+        door.close()
+    finally:
+        listener.close()
+        late.close()
+
+
+class _Starved(socket.socket):
+    """A listener whose first ``accept`` finds no descriptor."""
+
+    failed = False
+
+    def accept(self) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_a_listener_left_alone_for_want_of_descriptors_is_watched_again_when_due() -> None:
+    server_listeners = Listeners("127.0.0.1", "starved", "tdist-test")
+    server_listeners.tcp = _Starved(socket.AF_INET, socket.SOCK_STREAM, fileno=server_listeners.tcp.detach())
+    door = Doorway(server_listeners, my_id=1, secret=SECRET, label="starved", rule=lambda _i, t: t == TOKEN)
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(dial(
+        {**server_listeners.address, "host": "another host"}, time.monotonic() + 20, my_id=0, token=TOKEN,
+        secret=SECRET, expect=1, label="me", what="rank 1")))
+    t.start()
+    try:
+        ready = select.poll()
+        ready.register(door.fileno(), select.POLLIN)
+        joined: list[Any] = []
+        end = time.monotonic() + 15
+        while not joined and time.monotonic() < end:
+            ready.poll(max(0.0, min(door.due() - time.monotonic(), 1.0)) * 1000)  # (as owners do)
+            joined += door.service()
+        assert [j[0] for j in joined] == [0]
+        t.join(10)
+        assert len(result) == 1
+        result[0][0].close()
+        joined[0][3].close()
+    finally:
+        door.close()
+        server_listeners.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import secrets
 import select
@@ -54,21 +55,31 @@ PeerAddress = dict[str, Any]  # {"host": host id, "unix": name, "addr": ip, "por
 # published its address), not slow
 _REFUSALS = 5
 _RETRY = 0.02  # seconds between connection attempts
+# a listener that closes this many connections in a row before its HELLO is no tdist peer (a
+# full door sheds a few; about a second of attempts)
+_RESETS = 50
 _RECORD = 10.0  # seconds for each record of a handshake (the acceptor's answer)
 
 
 class Listeners:
-    """A TCP listener on ``advertise`` (any address if that one cannot be bound) and an
-    abstract Unix listener named ``prefix-<pid>-<random>``, both non-blocking."""
+    """A TCP listener on ``advertise`` (with ``any_address``, on every address if that one
+    cannot be bound; else that is an error) and an abstract Unix listener named
+    ``prefix-<pid>-<random>``, both non-blocking.
 
-    def __init__(self, advertise: str, label: str, prefix: str, backlog: int = 128) -> None:
+    Raises:
+        DistNetworkError: a listener could not be made.
+    """
+
+    def __init__(self, advertise: str, label: str, prefix: str, backlog: int = 128, any_address: bool = True) -> None:
         self.label = label
         tcp = socket.socket(socket.AF_INET6 if ":" in advertise else socket.AF_INET, socket.SOCK_STREAM)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             tcp.bind((advertise, 0))
-        except OSError:  # (not an address of ours: listen on all, peers dial the advertised one)
+        except OSError as exc:  # (not an address of ours: listen on all, peers dial the advertised one)
             tcp.close()
+            if not any_address:
+                raise DistNetworkError(f"{label}: cannot listen on {advertise}: {exc}") from exc
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             tcp.bind(("0.0.0.0", 0))
@@ -93,33 +104,10 @@ class Listeners:
             "unix": name,
             "pid": os.getpid(),
         }
-        self._starvation = Starvation(label)
 
     @property
     def sockets(self) -> tuple[socket.socket, socket.socket]:
         return (self.tcp, self.unix)
-
-    def accept(self, listener: socket.socket, admission: Doorway) -> float | None:
-        """Accept every connection waiting on ``listener`` and start its handshake
-        (``admission``). Returns None, or, when out of descriptors (one pending handshake was
-        shed to free one), the seconds to leave the listener alone (``Starvation``).
-
-        Raises:
-            OSError: accepting failed for another reason (the listener was closed).
-        """
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return None
-            except OSError as exc:
-                delay = self._starvation.backoff(exc)
-                if delay is None:
-                    raise
-                admission.shed_one()
-                return delay
-            self._starvation.accepted()
-            admission.admit(sock, addr)
 
     def close(self) -> None:
         for s in self.sockets:
@@ -139,7 +127,9 @@ class Dialer:
     thread): connect to the peer at ``info`` (the Unix socket on the same host and network
     namespace, else TCP) without blocking, retrying every ``_RETRY`` seconds while the
     connection fails, then authenticate (``_handshake.Connection``; ``what`` names the peer,
-    ``expect`` is its id; each handshake record within ``_RECORD`` seconds).
+    ``expect`` is its id). The acceptor's first record may take ``hello_within`` seconds
+    (``None``: until ``deadline``; a process-group peer answers only once its owner is ready),
+    its answer to ours ``_RECORD``.
 
     ``step()`` advances it as far as it goes without waiting and returns
     ``(socket, end, same_host, session)`` once connected (``end``: how messages name the
@@ -165,8 +155,10 @@ class Dialer:
         expect: int,
         label: str,
         what: str,
+        hello_within: float | None = None,
     ) -> None:
         self.info = info
+        self._hello_within = hello_within
         self.deadline = deadline
         self.expect = expect
         self.same = info.get("host") == host_id() and bool(info.get("unix"))
@@ -184,6 +176,7 @@ class Dialer:
         self._ready = select.poll()
         self._last: BaseException | None = None
         self._refused = 0
+        self._resets = 0
 
     def wants(self) -> tuple[int, int]:
         if self._sock is None:
@@ -237,11 +230,26 @@ class Dialer:
                 raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
         shaking = cast(_handshake.Connection, self._shaking)
         try:
+            hello = shaking.hello_in
             done = shaking.step()
             if done is None:
-                if now >= min(self._record_by, self.deadline):
+                if shaking.hello_in and not hello:  # (our JOIN is out: its answer is due soon)
+                    self._record_by = now + _RECORD
+                elif now >= min(self._record_by, self.deadline):
                     raise TimeoutError("timed out")
                 return None
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            # closed without an answer: the acceptor shed it (its door was full), or is going;
+            # another attempt tells which (a listener that does nothing else is no tdist peer)
+            self._shaking = None
+            self._resets += 1
+            if self._resets > _RESETS:
+                raise DistNetworkError(
+                    f"{self._label}: {self._what} at {self.at} closed {self._resets} connections before "
+                    f"the handshake began: {exc}"
+                ) from exc
+            self._failed(exc)
+            return None
         except (OSError, RemoteProtocolError) as exc:
             raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
         their, session = done
@@ -272,14 +280,17 @@ class Dialer:
         self._ready = select.poll()
         self._ready.register(sock.fileno(), select.POLLOUT)
         if err == 0 and self.same:  # (connected at once)
-            self._shake()
+            try:
+                self._shake()
+            except (OSError, RemoteProtocolError) as exc:
+                raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
 
     def _shake(self) -> None:
         """Connected: the handshake starts."""
         sock = cast(socket.socket, self._sock)
         pid = int(self.info["pid"]) if self.same and self.info.get("pid") else None
         self._shaking = _handshake.Connection(sock, self._my_id, self._token, self._secret, self._what, pid=pid)
-        self._record_by = time.monotonic() + _RECORD
+        self._record_by = self.deadline if self._hello_within is None else time.monotonic() + self._hello_within
         self._ready = select.poll()
         self._ready.register(sock.fileno(), select.POLLIN)
 
@@ -307,34 +318,47 @@ def dial(
     expect: int,
     label: str,
     what: str,
+    hello_within: float | None = None,
 ) -> tuple[socket.socket, str, bool, _handshake.Session | None]:
     """Dial the peer at ``info`` in this thread (a ``Dialer``, whose arguments, result and
     errors these are)."""
-    dialer = Dialer(info, deadline, my_id=my_id, token=token, secret=secret, expect=expect, label=label, what=what)
+    dialer = Dialer(
+        info, deadline, my_id=my_id, token=token, secret=secret, expect=expect, label=label, what=what,
+        hello_within=hello_within,
+    )
     ready = select.poll()
-    while True:
-        done = dialer.step()
-        if done is not None:
-            return done
-        fd, events = dialer.wants()
-        wait = max(0.0, dialer.until() - time.monotonic())
-        if fd < 0:
-            time.sleep(wait)
-            continue
-        ready.register(fd, events)
-        ready.poll(wait * 1000)
-        ready.unregister(fd)
+    try:
+        while True:
+            done = dialer.step()
+            if done is not None:
+                return done
+            fd, events = dialer.wants()
+            wait = max(0.0, dialer.until() - time.monotonic())
+            if fd < 0:
+                time.sleep(wait)
+                continue
+            ready.register(fd, events)
+            ready.poll(wait * 1000)
+            ready.unregister(fd)
+    except BaseException:
+        dialer.close()
+        raise
 
 
 class Doorway:
     """Where the connections to ``listeners`` come in, driven by the owner's poll loop with no
     thread of its own or per handshake: ``fileno()`` is readable whenever something waits
-    (a new connection, or a handshake's next bytes); ``service()`` then accepts what waits,
-    advances the handshakes (``_handshake.Acceptance``, each within ``timeout``; at most
-    ``limit`` at once, the oldest dropped for a new one: ``_core.floods``'s rules)
-    and returns the connections that have joined, as ``(id, end, session, socket)`` (``end``:
-    ``"unix"`` or ``addr:port``; the socket non-blocking). ``rule(id, token)`` says who may
-    join. Call ``service()`` at least every ``timeout`` too, so that silent strangers go.
+    (a new connection, or a handshake's next bytes); ``service()`` then advances the
+    handshakes under way (``_handshake.Acceptance``, each within ``timeout``), accepts what
+    waits, and returns the connections that have joined, as ``(id, end, session, socket)``
+    (``end``: ``"unix"`` or ``addr:port``; the socket non-blocking). ``rule(id, token)`` says
+    who may join. The owner also calls ``service()`` once ``due()`` has come, readable or not
+    (deadlines, a listener left alone for a while).
+
+    Floods (``_core.floods``'s rules): at most ``limit`` handshakes at once; with the door
+    full, a newcomer takes the place of the oldest (whose JOIN is read first if it is there:
+    a member that answered is let in, not dropped). Out of descriptors, the oldest is dropped
+    and the listener left alone for a while (``Starvation``).
 
     Thread-safe: several threads may call ``service``; one does the work, the others return
     at once with nothing.
@@ -361,14 +385,20 @@ class Doorway:
         self._limit = limit
         self._quiet = quiet
         self._lock = threading.Lock()
-        self._ep = select.epoll()
-        self._by_fd: dict[int, socket.socket | _handshake.Acceptance] = {}
-        self._resting: dict[int, float] = {}  # listeners left alone until then (no descriptors)
-        for s in listeners.sockets:
-            self._ep.register(s.fileno(), select.EPOLLIN)
-            self._by_fd[s.fileno()] = s
+        self._starvation = Starvation(label)
+        self._by_fd: dict[int, socket.socket | _handshake.Acceptance] = {}  # (handshakes oldest first)
+        self._paused: dict[int, float] = {}  # listeners left alone until then (no descriptors)
+        self._due = math.inf  # (``due()``: kept by ``service``, read by any thread)
         self._shed = 0
         self._closed = False
+        self._ep = select.epoll()
+        try:
+            for s in listeners.sockets:
+                self._ep.register(s.fileno(), select.EPOLLIN)
+                self._by_fd[s.fileno()] = s
+        except BaseException:
+            self._ep.close()
+            raise
 
     def fileno(self) -> int:
         return self._ep.fileno()
@@ -378,6 +408,11 @@ class Doorway:
         """Handshakes under way."""
         return len(self._by_fd) - len(self.listeners.sockets)
 
+    def due(self) -> float:
+        """When ``service`` is due even if nothing is readable (``inf``: only once something
+        is)."""
+        return self._due
+
     def service(self) -> list[tuple[int, str, _handshake.Session | None, socket.socket]]:
         if not self._lock.acquire(blocking=False):
             return []
@@ -385,41 +420,72 @@ class Doorway:
             if self._closed:
                 return []
             joined: list[tuple[int, str, _handshake.Session | None, socket.socket]] = []
-            now = time.monotonic()
-            for fd, until in list(self._resting.items()):
-                if now >= until:
-                    del self._resting[fd]
-                    with contextlib.suppress(OSError):
-                        self._ep.modify(fd, select.EPOLLIN)
-            for fd, _ in self._ep.poll(0):
+            listeners: list[socket.socket] = []
+            for fd, _ in self._ep.poll(0):  # (the handshakes first: a member's JOIN may be in)
                 item = self._by_fd.get(fd)
                 if isinstance(item, socket.socket):
-                    self._accept(item)
+                    listeners.append(item)
                 elif item is not None:
                     self._step(item, joined)
+            now = time.monotonic()
             for item in list(self._by_fd.values()):
                 if isinstance(item, _handshake.Acceptance) and now >= item.deadline:
                     if not self._quiet():
                         log.warning("%s: handshake with %s too slow; dropped", self._label, item.what)
                     self._drop(item)
+            for fd, until in list(self._paused.items()):
+                if now >= until:
+                    del self._paused[fd]
+                    with contextlib.suppress(OSError):
+                        self._ep.modify(fd, select.EPOLLIN)
+            for listener in listeners:
+                if listener.fileno() not in self._paused:
+                    self._accept(listener, now, joined)
+            times = [a.deadline for a in self._by_fd.values() if isinstance(a, _handshake.Acceptance)]
+            self._due = min(times + list(self._paused.values()), default=math.inf)
             return joined
         finally:
             self._lock.release()
 
-    def _accept(self, listener: socket.socket) -> None:
-        try:
-            delay = self.listeners.accept(listener, self)
-        except OSError as exc:
-            if not self._quiet():
-                log.warning("%s: accepting a connection failed: %s", self._label, exc)
-            return
-        if delay is not None:  # out of descriptors: leave the listener alone a while
-            self._resting[listener.fileno()] = time.monotonic() + delay
-            with contextlib.suppress(OSError):
-                self._ep.modify(listener.fileno(), 0)
+    def _accept(self, listener: socket.socket, now: float, joined: list[tuple[int, str, _handshake.Session | None, socket.socket]]) -> None:
+        while True:
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                delay = self._starvation.backoff(exc)
+                if delay is None:  # (closed meanwhile)
+                    if not self._quiet():
+                        log.warning("%s: accepting a connection failed: %s", self._label, exc)
+                    return
+                self.shed_one()  # (out of descriptors: free one, leave the listener alone a while)
+                self._paused[listener.fileno()] = now + delay
+                with contextlib.suppress(OSError):
+                    self._ep.modify(listener.fileno(), 0)
+                return
+            self._starvation.accepted()
+            if self.pending >= self._limit:
+                self._make_room(joined)
+            self._admit(sock, addr)
 
-    def admit(self, sock: socket.socket, addr: Any) -> None:
-        """A new connection (``Listeners.accept``): its handshake starts."""
+    def _make_room(self, joined: list[tuple[int, str, _handshake.Session | None, socket.socket]]) -> None:
+        """The door is full: the oldest handshake goes (let in if its JOIN is there)."""
+        oldest = next((a for a in self._by_fd.values() if isinstance(a, _handshake.Acceptance)), None)
+        if oldest is None:
+            return
+        self._step(oldest, joined)
+        if oldest.sock.fileno() in self._by_fd:  # (still waiting: dropped)
+            self._drop(oldest)
+            self._shed += 1
+            if self._shed == 1:
+                log.warning(
+                    "%s: more than %d connections are in their handshake at once; dropping the oldest "
+                    "(said once per episode)", self._label, self._limit,
+                )
+
+    def _admit(self, sock: socket.socket, addr: Any) -> None:
+        """A new connection: its handshake starts."""
         end = "unix" if sock.family == socket.AF_UNIX else f"{addr[0]}:{addr[1]}"
         try:
             if sock.family != socket.AF_UNIX:
@@ -427,19 +493,11 @@ class Doorway:
             acceptance = _handshake.Acceptance(
                 sock, self._my_id, self._secret, self._timeout, f"connection from {end}", admit=self._rule
             )
+            self._ep.register(sock.fileno(), select.EPOLLIN)
         except (OSError, RemoteProtocolError, AuthenticationError) as exc:
             self._failed(sock, end, exc)
             return
-        if self.pending >= self._limit:
-            self.shed_one()
-            self._shed += 1
-            if self._shed == 1:
-                log.warning(
-                    "%s: more than %d connections are in their handshake at once; dropping the "
-                    "oldest (said once per episode)", self._label, self._limit,
-                )
         self._by_fd[sock.fileno()] = acceptance
-        self._ep.register(sock.fileno(), select.EPOLLIN)
 
     def shed_one(self) -> bool:
         """Drop the oldest handshake under way (to free its descriptor); False if none."""

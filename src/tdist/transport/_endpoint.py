@@ -367,13 +367,14 @@ class Endpoint:
             for peer in range(self.rank)
         }
         doorway = None
-        if self.rank < self.size - 1:
-            doorway = Doorway(
-                listeners, my_id=self.rank, secret=self.secret, label=f"{self._label} ({self.name})",
-                rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
-                timeout=max(0.1, min(10.0, deadline - time.monotonic())),
-            )
         try:
+            if self.rank < self.size - 1:
+                doorway = Doorway(
+                    listeners, my_id=self.rank, secret=self.secret, label=f"{self._label} ({self.name})",
+                    rule=lambda rank, token: token == self._token and self.rank < rank < self.size and rank not in self._peers,
+                    timeout=max(0.1, min(10.0, deadline - time.monotonic())),
+                    limit=max(64, self.size),  # (every higher rank at once, and room for strangers)
+                )
             while True:
                 if self._closing:
                     raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
@@ -402,7 +403,7 @@ class Endpoint:
                 due = deadline
                 if doorway is not None:
                     ready.register(doorway.fileno(), select.POLLIN)
-                    due = min(due, now + 0.5)  # (handshakes past their deadline go)
+                    due = min(due, doorway.due())
                 for dialer in dialers.values():
                     fd, events = dialer.wants()
                     if fd >= 0:

@@ -31,10 +31,11 @@ from .._core.errors import AuthenticationError, RemoteProtocolError
 from .._core.peercred import check_unix_peer
 from ._protocol import HELLO, JOIN, MAGIC, VERSION, WELCOME, check_magic
 
-__all__ = ["REJECTED", "Acceptance", "Connection", "Refused", "Session", "connect"]
+__all__ = ["REFUSED", "REJECTED", "Acceptance", "Connection", "Refused", "Session", "connect"]
 
 ZERO_PROOF = b"\0" * 32
 REJECTED = 0xFFFFFFFF  # the id a WELCOME carries when authentication failed
+REFUSED = 0xFFFFFFFE  # ... when the connector proved the secret but may not join (``admit``)
 
 
 class Session:
@@ -80,6 +81,11 @@ class Connection:
         self._nonce_s = b""  # (the HELLO's, once it is in)
         self._nonce_c = auth.make_nonce()
 
+    @property
+    def hello_in(self) -> bool:
+        """The acceptor's HELLO came (and our JOIN went)."""
+        return bool(self._nonce_s)
+
     def _read(self) -> bool:
         """Read into ``_buf``; True once it is full."""
         view = memoryview(self._buf)
@@ -120,6 +126,8 @@ class Connection:
             raise AuthenticationError(
                 f"{what} rejected our proof of the job secret: every process must use the same TDIST_SECRET"
             )
+        if their_id == REFUSED:
+            raise Refused(f"{what} did not let us in: we belong to another job or group, or are not expected", -1)
         if secret is None:
             return int(their_id), None
         nonce_s, nonce_c = self._nonce_s, self._nonce_c
@@ -169,7 +177,7 @@ class Acceptance:
     owner's to enforce.
 
     ``admit(id, token)`` decides, once the secret is proven and before we answer, whether the
-    connector may join; a refused one gets no answer.
+    connector may join; a refused one is told so (``REFUSED``) and closed.
 
     Raises (from the constructor or ``step``):
         AuthenticationError: the connector did not prove the secret (it has been told so), or
@@ -220,6 +228,10 @@ class Acceptance:
                 _send_record(self.sock, WELCOME.pack(MAGIC, VERSION, REJECTED, ZERO_PROOF), what)
             raise AuthenticationError(f"{what} failed authentication (wrong or missing TDIST_SECRET)")
         if self._admit is not None and not self._admit(int(peer), bytes(token)):
+            # (said, so that the connector stops; a connection closed without a word was shed
+            # by a full door, and its connector tries again)
+            with contextlib.suppress(OSError, RemoteProtocolError):
+                _send_record(self.sock, WELCOME.pack(MAGIC, VERSION, REFUSED, ZERO_PROOF), what)
             raise Refused(f"{what}: refused a connection claiming id {peer}", int(peer))
         server_proof = auth.server_proof(secret, nonce_s, nonce_c) if secret else ZERO_PROOF
         _send_record(self.sock, WELCOME.pack(MAGIC, VERSION, self._my_id, server_proof), what)

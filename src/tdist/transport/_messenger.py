@@ -227,13 +227,17 @@ class Messenger:
         self._guard_wake = threading.Event()
         # handshakes side by side, each within its deadline, a bounded number at once
 
-        self._listeners = Listeners(advertise, f"{label} (RPC listener)", "tdist-rpc")
+        self._listeners = Listeners(advertise, f"{label} (RPC listener)", "tdist-rpc", any_address=False)
         self.address: PeerAddress = self._listeners.address
         # (handshakes advance in the pollers, each within 10 s, a bounded number at once)
-        self._doorway = Doorway(
-            self._listeners, my_id=my_id, secret=secret, label=f"{label} (RPC listener)",
-            rule=lambda _peer, their_token: their_token == token, quiet=lambda: self._closing,
-        )
+        try:
+            self._doorway = Doorway(
+                self._listeners, my_id=my_id, secret=secret, label=f"{label} (RPC listener)",
+                rule=lambda _peer, their_token: their_token == token, quiet=lambda: self._closing,
+            )
+        except BaseException:
+            self._listeners.close()
+            raise
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._ep = select.epoll()
@@ -292,7 +296,7 @@ class Messenger:
             raise PeerError(f"{self.label}: cannot reach {self.describe(peer)}: {exc.args[0] if exc.args else exc}", peer=peer) from None
         sock, addr, same, session = dial(
             info, deadline if deadline is not None else time.monotonic() + 60.0, my_id=self.my_id, token=self.token,
-            secret=self.secret, expect=peer, label=self.label, what=self.describe(peer),
+            secret=self.secret, expect=peer, label=self.label, what=self.describe(peer), hello_within=10.0,
         )
         return self._register(peer, sock, addr, same, outbound=True, session=session)
 
@@ -304,14 +308,19 @@ class Messenger:
             if self._closing:
                 sock.close()
                 raise DistNetworkError(f"{self.label}: the RPC agent is shut down")
-            self._lost.pop(peer, None)
+            # (in the table before epoll: a poller woken for it at once must find it there)
             self._conns[c.fd] = c
+            try:
+                self._ep.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
+            except BaseException:
+                del self._conns[c.fd]
+                raise
+            self._lost.pop(peer, None)
             self._by_peer.setdefault(peer, []).append(c)
             if outbound:
                 self._send_conn[peer] = c
             else:
                 self._send_conn.setdefault(peer, c)
-            self._ep.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
         return c
 
     def _let_in(self) -> None:
@@ -323,6 +332,10 @@ class Messenger:
                     self._register(peer, sock, where, where == "unix", outbound=False, session=session)
                 except DistNetworkError:  # (shut down meanwhile: _register closed it)
                     pass
+                except Exception as exc:  # (no descriptor for epoll, ...): this one goes, not the poller
+                    log.warning("%s: could not take the connection of %s: %s", self.label, self.describe(peer), exc)
+                    with contextlib.suppress(OSError):
+                        sock.close()
         finally:
             if not self._closing:
                 with contextlib.suppress(OSError, ValueError):
@@ -586,13 +599,13 @@ class Messenger:
                 events = [(spun.fd, 0)]
             else:
                 try:
-                    events = self._ep.poll(1.0, 1)
+                    events = self._ep.poll(max(0.0, min(1.0, self._doorway.due() - time.monotonic())), 1)
                 except InterruptedError:
                     continue
                 except (OSError, ValueError):
                     return
-                if not events and self._doorway.pending:
-                    self._let_in()  # (a quiet while: handshakes past their deadline go)
+                if not events and time.monotonic() >= self._doorway.due():
+                    self._let_in()  # (handshakes past their deadline go; a listener rested enough)
             for fd, _ in events:
                 if fd == self._wake_r:
                     if self._closing:
