@@ -14,7 +14,7 @@ import pytest
 
 from tdist._core.errors import DistNetworkError, DistTimeoutError, PeerError
 from tdist.transport import _dial
-from tdist.transport._dial import Doorway, Listeners, dial
+from tdist.transport._dial import Dialer, Doorway, Listeners
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,9 +62,9 @@ def test_dial_reaches_the_peer_by_unix_socket_on_its_host_and_by_tcp_from_anothe
         info = dict(server.listeners.address)
         if not same_host:
             info["host"] = "another host"
-        sock, end, same, session = dial(
+        sock, end, same, session = Dialer(
             info, time.monotonic() + 10, my_id=3, token=TOKEN, secret=SECRET, expect=7, label="me", what="peer 7"
-        )
+        ).run()
         try:
             assert server.done.wait(10)
             assert same is same_host and (end == "unix") is same_host and session is not None
@@ -85,7 +85,7 @@ def test_dial_says_that_a_peer_whose_listener_is_gone_has_shut_down_at_once_not_
     server.close()
     start = time.monotonic()
     with pytest.raises(PeerError, match=r"refused the connection .* shut down or died"):
-        dial(info, time.monotonic() + 30, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1")
+        Dialer(info, time.monotonic() + 30, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1").run()
     assert time.monotonic() - start < 20  # (the failure it guards against: waiting the 30 s out)
 
 
@@ -93,10 +93,10 @@ def test_dial_refuses_a_listener_that_answers_as_another_id() -> None:
     server = _Server(my_id=5)
     try:
         with pytest.raises(DistNetworkError, match=r"expected rank 4 .* found id 5"):
-            dial(
+            Dialer(
                 server.listeners.address, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=4,
                 label="me", what="rank 4",
-            )
+            ).run()
     finally:
         server.close()
 
@@ -105,10 +105,10 @@ def test_a_connection_the_rule_refuses_is_not_admitted_and_the_dialler_hears_no_
     server = _Server(my_id=1)
     try:
         with pytest.raises((DistNetworkError, DistTimeoutError)):
-            dial(
+            Dialer(
                 server.listeners.address, time.monotonic() + 10, my_id=0, token=b"x" * 16, secret=SECRET, expect=1,
                 label="me", what="rank 1",
-            )
+            ).run()
         assert server.done.wait(10) and server.joined == []
     finally:
         server.close()
@@ -120,10 +120,10 @@ def test_a_silent_stranger_holds_up_nobody_and_is_dropped_at_its_deadline() -> N
         stranger = socket.create_connection(("127.0.0.1", server.listeners.address["port"]))
         try:
             assert stranger.recv(1)  # (its HELLO came: the handshake is under way)
-            sock, _, _, _ = dial(  # (a member meanwhile gets in at once)
+            sock, _, _, _ = Dialer(  # (a member meanwhile gets in at once)
                 server.listeners.address, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1,
                 label="me", what="rank 1",
-            )
+            ).run()
             sock.close()
             stranger.settimeout(10)
             while stranger.recv(4096):  # (the rest of the HELLO, then the close at its deadline)
@@ -151,10 +151,10 @@ def test_more_strangers_than_the_limit_shed_the_oldest_and_a_member_still_gets_i
             s.recv(4096)
             shed += s.recv(4096) == b""
         assert shed == 6
-        sock, _, _, _ = dial(
+        sock, _, _, _ = Dialer(
             server.listeners.address, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1,
             label="me", what="rank 1",
-        )
+        ).run()
         sock.close()
     finally:
         for s in strangers:
@@ -170,10 +170,10 @@ def test_more_members_at_once_than_the_door_holds_all_get_in() -> None:
 
     def member(i: int) -> None:
         try:
-            sock, _, _, _ = dial(
+            sock, _, _, _ = Dialer(
                 server.listeners.address, time.monotonic() + 30, my_id=100 + i, token=TOKEN, secret=SECRET,
                 expect=1, label=f"member {i}", what="server",
-            )
+            ).run()
             sock.close()
             got[i] = "in"
         except Exception as exc:  # (reported below)
@@ -202,13 +202,13 @@ def test_a_peer_that_answers_late_is_waited_for_until_the_deadline_not_a_record_
     try:
         # (a listener that is not serviced yet: the connection waits in its backlog)
         with pytest.raises(DistNetworkError, match="timed out"):
-            dial(info, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1",
-                 hello_within=0.2)
+            Dialer(info, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1",
+                 hello_within=0.2).run()
         info = {**late.address, "host": "another host"}
         door = Doorway(late, my_id=1, secret=SECRET, label="late", rule=lambda _i, t: t == TOKEN)
         result: list[Any] = []
-        t = threading.Thread(target=lambda: result.append(dial(
-            info, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1")))
+        t = threading.Thread(target=lambda: result.append(Dialer(
+            info, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1").run()))
         t.start()
         ready = select.poll()
         ready.register(door.fileno(), select.POLLIN)
@@ -246,9 +246,9 @@ def test_a_listener_left_alone_for_want_of_descriptors_is_watched_again_when_due
     server_listeners.tcp = _Starved(socket.AF_INET, socket.SOCK_STREAM, fileno=server_listeners.tcp.detach())
     door = Doorway(server_listeners, my_id=1, secret=SECRET, label="starved", rule=lambda _i, t: t == TOKEN)
     result: list[Any] = []
-    t = threading.Thread(target=lambda: result.append(dial(
+    t = threading.Thread(target=lambda: result.append(Dialer(
         {**server_listeners.address, "host": "another host"}, time.monotonic() + 20, my_id=0, token=TOKEN,
-        secret=SECRET, expect=1, label="me", what="rank 1")))
+        secret=SECRET, expect=1, label="me", what="rank 1").run()))
     t.start()
     try:
         ready = select.poll()

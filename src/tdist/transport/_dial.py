@@ -9,7 +9,7 @@ A process group's endpoint and the RPC messenger make their connections the same
 * ``Dialer``: connect to a peer's address (the Unix socket on the same host and network
   namespace, else TCP), then run the connecting side of the authenticated handshake
   (``_handshake.Connection``) and check that the peer is the one we meant, from the owner's
-  poll loop (several peers at once, no thread); ``dial`` drives one in the caller's thread.
+  poll loop (several peers at once, no thread), or in the caller's thread (``run``).
 * ``Doorway``: accept what waits on the listeners and run the accepting side of each
   handshake (``_handshake.Acceptance``) as its bytes come, from the owner's poll loop: no
   thread per handshake, each within its deadline, a bounded number at once (the flood rules of
@@ -45,7 +45,7 @@ from .._core.floods import Starvation
 from . import _handshake
 from ._link import host_id, tune_tcp
 
-__all__ = ["Dialer", "Doorway", "Listeners", "PeerAddress", "dial"]
+__all__ = ["Dialer", "Doorway", "Listeners", "PeerAddress"]
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def where(info: PeerAddress, same_host: bool) -> str:
 
 
 class Dialer:
-    """Dialling one peer, driven by the owner's poll loop (``dial`` drives one in the caller's
+    """Dialling one peer, driven by the owner's poll loop (``run`` drives it in the caller's
     thread): connect to the peer at ``info`` (the Unix socket on the same host and network
     namespace, else TCP) without blocking, retrying every ``_RETRY`` seconds while the
     connection fails, then authenticate (``_handshake.Connection``; ``what`` names the peer,
@@ -196,6 +196,26 @@ class Dialer:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+
+    def run(self) -> tuple[socket.socket, str, bool, _handshake.Session | None]:
+        """Dial in this thread, waiting as needed; returns what ``step`` does at the end."""
+        ready = select.poll()
+        try:
+            while True:
+                done = self.step()
+                if done is not None:
+                    return done
+                fd, events = self.wants()
+                wait = max(0.0, self.until() - time.monotonic())
+                if fd < 0:
+                    time.sleep(wait)
+                    continue
+                ready.register(fd, events)
+                ready.poll(wait * 1000)
+                ready.unregister(fd)
+        except BaseException:
+            self.close()
+            raise
 
     def step(self) -> tuple[socket.socket, str, bool, _handshake.Session | None] | None:
         try:
@@ -306,43 +326,6 @@ class Dialer:
                 peer=self.expect,
             ) from exc
         self.wake_at = time.monotonic() + _RETRY
-
-
-def dial(
-    info: PeerAddress,
-    deadline: float,
-    *,
-    my_id: int,
-    token: bytes,
-    secret: bytes | None,
-    expect: int,
-    label: str,
-    what: str,
-    hello_within: float | None = None,
-) -> tuple[socket.socket, str, bool, _handshake.Session | None]:
-    """Dial the peer at ``info`` in this thread (a ``Dialer``, whose arguments, result and
-    errors these are)."""
-    dialer = Dialer(
-        info, deadline, my_id=my_id, token=token, secret=secret, expect=expect, label=label, what=what,
-        hello_within=hello_within,
-    )
-    ready = select.poll()
-    try:
-        while True:
-            done = dialer.step()
-            if done is not None:
-                return done
-            fd, events = dialer.wants()
-            wait = max(0.0, dialer.until() - time.monotonic())
-            if fd < 0:
-                time.sleep(wait)
-                continue
-            ready.register(fd, events)
-            ready.poll(wait * 1000)
-            ready.unregister(fd)
-    except BaseException:
-        dialer.close()
-        raise
 
 
 class Doorway:

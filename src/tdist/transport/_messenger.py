@@ -68,7 +68,7 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from . import _handshake
-from ._dial import Doorway, Listeners, PeerAddress, dial
+from ._dial import Dialer, Doorway, Listeners, PeerAddress
 from ._link import Copy, Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
@@ -294,10 +294,10 @@ class Messenger:
             info = self.lookup(peer)
         except KeyError as exc:
             raise PeerError(f"{self.label}: cannot reach {self.describe(peer)}: {exc.args[0] if exc.args else exc}", peer=peer) from None
-        sock, addr, same, session = dial(
+        sock, addr, same, session = Dialer(
             info, deadline if deadline is not None else time.monotonic() + 60.0, my_id=self.my_id, token=self.token,
             secret=self.secret, expect=peer, label=self.label, what=self.describe(peer), hello_within=10.0,
-        )
+        ).run()
         return self._register(peer, sock, addr, same, outbound=True, session=session)
 
     def _register(
