@@ -30,6 +30,7 @@ class _Server:
         self.listeners = Listeners("127.0.0.1", "test server", "tdist-test")
         self.doorway = Doorway(self.listeners, my_id=my_id, secret=SECRET, label="test server", rule=rule, timeout=timeout)
         self.joined: list[tuple[int, str, socket.socket]] = []
+        self.changed = threading.Condition()  # (notified when one joins)
         self.done = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -42,7 +43,9 @@ class _Server:
             ready.poll(50)
             pending = self.doorway.pending
             for peer, end, _, sock in self.doorway.service():
-                self.joined.append((peer, end, sock))
+                with self.changed:
+                    self.joined.append((peer, end, sock))
+                    self.changed.notify_all()
             if pending > self.doorway.pending:  # (one ended, joined or not)
                 self.done.set()
 
@@ -186,6 +189,8 @@ def test_more_members_at_once_than_the_door_holds_all_get_in() -> None:
         for t in threads:
             t.join(40)
         assert got == {i: "in" for i in range(12)}
+        with server.changed:  # (a member is in once it has the WELCOME; the server's loop then takes it)
+            assert server.changed.wait_for(lambda: len(server.joined) == 12, 10)
         assert sorted(j[0] for j in server.joined) == [100 + i for i in range(12)]
     finally:
         server.close()

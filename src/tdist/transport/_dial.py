@@ -244,10 +244,7 @@ class Dialer:
             if err:
                 self._failed(OSError(err, os.strerror(err)))
                 return None
-            try:
-                self._shake()
-            except (OSError, RemoteProtocolError) as exc:
-                raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
+            self._shake()
         shaking = cast(_handshake.Connection, self._shaking)
         try:
             hello = shaking.hello_in
@@ -271,7 +268,7 @@ class Dialer:
             self._failed(exc)
             return None
         except (OSError, RemoteProtocolError) as exc:
-            raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
+            raise self._handshake_failed(exc) from exc
         their, session = done
         if their != self.expect:
             raise DistNetworkError(f"{self._label}: expected {self._what} at {self.at}, found id {their}")
@@ -300,19 +297,22 @@ class Dialer:
         self._ready = select.poll()
         self._ready.register(sock.fileno(), select.POLLOUT)
         if err == 0 and self.same:  # (connected at once)
-            try:
-                self._shake()
-            except (OSError, RemoteProtocolError) as exc:
-                raise DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}") from exc
+            self._shake()
 
     def _shake(self) -> None:
         """Connected: the handshake starts."""
         sock = cast(socket.socket, self._sock)
         pid = int(self.info["pid"]) if self.same and self.info.get("pid") else None
-        self._shaking = _handshake.Connection(sock, self._my_id, self._token, self._secret, self._what, pid=pid)
+        try:
+            self._shaking = _handshake.Connection(sock, self._my_id, self._token, self._secret, self._what, pid=pid)
+        except (OSError, RemoteProtocolError) as exc:
+            raise self._handshake_failed(exc) from exc
         self._record_by = self.deadline if self._hello_within is None else time.monotonic() + self._hello_within
         self._ready = select.poll()
         self._ready.register(sock.fileno(), select.POLLIN)
+
+    def _handshake_failed(self, exc: BaseException) -> DistNetworkError:
+        return DistNetworkError(f"{self._label}: handshake with {self._what} at {self.at} failed: {exc}")
 
     def _failed(self, exc: OSError) -> None:
         """This attempt failed: another after ``_RETRY`` (or a final error)."""
