@@ -369,7 +369,8 @@ class Doorway:
         self._quiet = quiet
         self._lock = threading.Lock()
         self._starvation = Starvation(label)
-        self._by_fd: dict[int, socket.socket | _handshake.Acceptance] = {}  # (handshakes oldest first)
+        self._listening: dict[int, socket.socket] = {}
+        self._shaking: dict[int, _handshake.Acceptance] = {}  # handshakes under way, oldest first
         self._paused: dict[int, float] = {}  # listeners left alone until then (no descriptors)
         self._due = math.inf  # (``due()``: kept by ``service``, read by any thread)
         self._shed = 0
@@ -378,7 +379,7 @@ class Doorway:
         try:
             for s in listeners.sockets:
                 self._ep.register(s.fileno(), select.EPOLLIN)
-                self._by_fd[s.fileno()] = s
+                self._listening[s.fileno()] = s
         except BaseException:
             self._ep.close()
             raise
@@ -389,7 +390,7 @@ class Doorway:
     @property
     def pending(self) -> int:
         """Handshakes under way."""
-        return len(self._by_fd) - len(self.listeners.sockets)
+        return len(self._shaking)
 
     def due(self) -> float:
         """When ``service`` is due even if nothing is readable (``inf``: only once something
@@ -405,17 +406,17 @@ class Doorway:
             joined: list[tuple[int, str, _handshake.Session | None, socket.socket]] = []
             listeners: list[socket.socket] = []
             for fd, _ in self._ep.poll(0):  # (the handshakes first: a member's JOIN may be in)
-                item = self._by_fd.get(fd)
-                if isinstance(item, socket.socket):
-                    listeners.append(item)
-                elif item is not None:
-                    self._step(item, joined)
+                acceptance = self._shaking.get(fd)
+                if acceptance is not None:
+                    self._step(acceptance, joined)
+                elif fd in self._listening:
+                    listeners.append(self._listening[fd])
             now = time.monotonic()
-            for item in list(self._by_fd.values()):
-                if isinstance(item, _handshake.Acceptance) and now >= item.deadline:
+            for acceptance in list(self._shaking.values()):
+                if now >= acceptance.deadline:
                     if not self._quiet():
-                        log.warning("%s: handshake with %s too slow; dropped", self._label, item.what)
-                    self._drop(item)
+                        log.warning("%s: handshake with %s too slow; dropped", self._label, acceptance.what)
+                    self._drop(acceptance)
             for fd, until in list(self._paused.items()):
                 if now >= until:
                     del self._paused[fd]
@@ -424,8 +425,7 @@ class Doorway:
             for listener in listeners:
                 if listener.fileno() not in self._paused:
                     self._accept(listener, now, joined)
-            times = [a.deadline for a in self._by_fd.values() if isinstance(a, _handshake.Acceptance)]
-            self._due = min(times + list(self._paused.values()), default=math.inf)
+            self._due = min([a.deadline for a in self._shaking.values()] + list(self._paused.values()), default=math.inf)
             return joined
         finally:
             self._lock.release()
@@ -454,11 +454,11 @@ class Doorway:
 
     def _make_room(self, joined: list[tuple[int, str, _handshake.Session | None, socket.socket]]) -> None:
         """The door is full: the oldest handshake goes (let in if its JOIN is there)."""
-        oldest = next((a for a in self._by_fd.values() if isinstance(a, _handshake.Acceptance)), None)
+        oldest = self._oldest()
         if oldest is None:
             return
         self._step(oldest, joined)
-        if oldest.sock.fileno() in self._by_fd:  # (still waiting: dropped)
+        if self._oldest() is oldest:  # (still waiting: dropped)
             self._drop(oldest)
             self._shed += 1
             if self._shed == 1:
@@ -480,15 +480,17 @@ class Doorway:
         except (OSError, RemoteProtocolError, AuthenticationError) as exc:
             self._failed(sock, end, exc)
             return
-        self._by_fd[sock.fileno()] = acceptance
+        self._shaking[sock.fileno()] = acceptance
+
+    def _oldest(self) -> _handshake.Acceptance | None:
+        return next(iter(self._shaking.values()), None)
 
     def shed_one(self) -> bool:
         """Drop the oldest handshake under way (to free its descriptor); False if none."""
-        for item in self._by_fd.values():
-            if isinstance(item, _handshake.Acceptance):
-                self._drop(item)
-                return True
-        return False
+        oldest = self._oldest()
+        if oldest is not None:
+            self._drop(oldest)
+        return oldest is not None
 
     def _step(self, acceptance: _handshake.Acceptance, joined: list[tuple[int, str, _handshake.Session | None, socket.socket]]) -> None:
         sock = acceptance.sock
@@ -525,7 +527,7 @@ class Doorway:
 
     def _forget(self, sock: socket.socket) -> None:
         fd = sock.fileno()
-        self._by_fd.pop(fd, None)
+        self._shaking.pop(fd, None)
         with contextlib.suppress(OSError, ValueError):
             self._ep.unregister(fd)
 
@@ -538,8 +540,7 @@ class Doorway:
         """Drop every handshake under way and stop (the listeners stay the caller's)."""
         with self._lock:
             self._closed = True
-            for item in list(self._by_fd.values()):
-                if isinstance(item, _handshake.Acceptance):
-                    self._drop(item)
-            self._by_fd.clear()
+            for acceptance in list(self._shaking.values()):
+                self._drop(acceptance)
+            self._listening.clear()
             self._ep.close()
