@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 from tdist._core import spin
-from tdist._core.spin import MISS_LIMIT, RETRY_AFTER, Budget
+from tdist._core.spin import LATE_LIMIT, RETRY_AFTER, WINDOW, Budget
 
 
 def test_polls_half_without_yielding_while_answers_come_early() -> None:
     b = Budget(100e-6)
-    for _ in range(3 * MISS_LIMIT):
+    for _ in range(3 * WINDOW):
         b.caught()
     assert b.seconds() == 100e-6 and b.pure() == 50e-6
 
 
-def test_a_run_of_misses_pauses_spinning_then_it_tries_again() -> None:
+def test_by_default_only_a_whole_window_of_misses_pauses_spinning_then_it_tries_again() -> None:
     b = Budget(100e-6)
-    for _ in range(MISS_LIMIT - 1):
+    for _ in range(WINDOW - 1):
         b.missed()
-    b.caught()  # (a catch ends the run)
-    for _ in range(MISS_LIMIT):
+    b.caught()  # (a catch in the window keeps it spinning)
+    for _ in range(WINDOW - 1):
         b.missed()
+    assert b.seconds() == 100e-6
+    b.missed()
     assert b.seconds() == 0.0
     for _ in range(RETRY_AFTER - 1):
         b.missed()  # (every wait while paused sleeps at once)
@@ -28,13 +30,42 @@ def test_a_run_of_misses_pauses_spinning_then_it_tries_again() -> None:
     assert b.seconds() == 100e-6
 
 
+def test_a_budget_that_tolerates_one_late_answer_pauses_at_the_second_in_its_window() -> None:
+    b = Budget(100e-6, tolerate=1)
+    b.missed()
+    for _ in range(WINDOW - 2):
+        b.caught()
+    assert b.seconds() == 100e-6
+    b.missed()  # (two of the last eight)
+    assert b.seconds() == 0.0
+    b.ended(50e-6)  # a wait that slept but took less than the budget: a catch
+    assert b.seconds() == 100e-6  # (the first miss has left the window)
+    b.missed()
+    assert b.seconds() == 0.0
+
+
+def test_a_slow_wait_that_slept_while_paused_tells_nothing_a_quick_one_counts() -> None:
+    b = Budget(100e-6, tolerate=1)
+    b.missed()
+    b.missed()
+    assert b.seconds() == 0.0
+    for _ in range(RETRY_AFTER - 1):
+        b.ended(1e-3)  # (a sleeper's wake-up may have made it late: no evidence either way)
+    assert b.seconds() == 0.0 and b.paused == RETRY_AFTER - 1
+    b.ended(1e-3)  # ...but after RETRY_AFTER of them it tries spinning again
+    assert b.seconds() == 100e-6 and b.window == 0
+    b.missed()
+    b.ended(20e-6)  # (within the budget: a catch, even though it slept)
+    assert b.window == 0b10 and b.seconds() == 100e-6
+
+
 def test_answers_that_come_only_after_a_yield_make_it_yield_at_once() -> None:
     b = Budget(100e-6)
-    for _ in range(MISS_LIMIT - 1):
+    for _ in range(LATE_LIMIT - 1):
         b.caught(after_yield=True)
     b.caught()  # (an early answer ends the run)
     assert b.pure() == 50e-6
-    for _ in range(MISS_LIMIT):
+    for _ in range(LATE_LIMIT):
         b.caught(after_yield=True)
     assert b.pure() == 0.0 and b.seconds() == 100e-6
     b.caught()  # (no early answer is possible then: it keeps yielding at once...)
@@ -46,16 +77,17 @@ def test_answers_that_come_only_after_a_yield_make_it_yield_at_once() -> None:
 
 def test_no_budget_never_counts() -> None:
     b = Budget(0.0)
-    for _ in range(2 * MISS_LIMIT):
+    for _ in range(2 * WINDOW):
         b.missed()
-    assert b.seconds() == 0.0 and b.misses == 0
+        b.ended(1e-6)
+    assert b.seconds() == 0.0 and b.window == 0 and b.paused == 0
     assert spin.YIELDS >= 1
 
 
 def test_poll_calls_until_true_and_learns_a_miss_when_the_budget_runs_out() -> None:
     b = Budget(200e-6)
     calls = iter([False, False, True])
-    assert b.poll(lambda: next(calls)) and b.misses == 0
-    assert not b.poll(lambda: False) and b.misses == 1
+    assert b.poll(lambda: next(calls)) and b.window == 0
+    assert not b.poll(lambda: False) and b.window == 1
     paused = Budget(0.0)  # (no budget: it does not poll at all)
     assert not paused.poll(lambda: True)

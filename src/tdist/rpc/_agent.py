@@ -8,7 +8,10 @@ deadline passed; a lost peer fails every entry that waits on it at once. Incomin
 on ``num_worker_threads`` pool threads; a function marked ``async_execution`` returns a future
 and its reply leaves when that future completes. A blocking ``rpc_sync`` asks the subclass to
 read the callee's connection in the calling thread (``_wait_reply``), so its reply needs no
-thread hand-off.
+thread hand-off. Whether that thread polls before it sleeps is learnt per callee and function
+(``spin_budget``; ``_core.spin``'s rule): a call whose replies come within the spin budget is
+polled for, one whose callee computes for longer (a parameter server's forward or backward)
+is slept on, so that the wait leaves the cores to that work.
 
 RRefs: values owned here live in ``_owners`` (a future per RRef id, created on first sight so a
 fetch or fork request that overtakes the ``REMOTE`` finds it); the reference counting is
@@ -30,12 +33,14 @@ import math
 import queue
 import threading
 import time
+import types
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from .._core import spin
 from .._core.errors import DistError, DistNetworkError, DistStoreError, DistTimeoutError, PeerError
 from ..transport import _serialization as ser
 from . import _errors, _remote_profiling
@@ -114,6 +119,10 @@ def current_agent(required: bool = True) -> RpcAgent | None:
     return _current
 
 
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
+_MAX_BUDGETS = 4096
+
+
 def wait_replies(calls: list[tuple[int, Any]]) -> list[Any]:
     """The values of the futures of ``calls`` (``(callee id, future)`` pairs), each reply read
     in this thread where the agent can (no hand-off from a poller); raises the first error once
@@ -175,6 +184,7 @@ class RpcAgent:
         # for the real outcome (a remote()'s owner made the value and holds a fork for us)
         self._late: dict[int, tuple[int, Callable[[Any, BaseException | None], None]]] = {}
         self._ids = itertools.count(1)
+        self._budgets: dict[tuple[int, Any], spin.Budget] = {}  # (callee, function) -> its waits
         # the earliest deadline of a pending call (a lower bound: calls that completed may
         # have had it); the timer thread sleeps until then, then scans what is pending
         self._soonest = math.inf
@@ -383,6 +393,7 @@ class RpcAgent:
         seconds = self.timeout_seconds(timeout)
         deadline = None if seconds is None else time.monotonic() + seconds
         fut: Any = _SyncReply() if sync else Future()
+        fut._tdist_spin = self.spin_budget(dst, what)
         tag = next(self._ids)
         # (a negative timeout, spent already, is named as given in the timeout error, as torch's)
         shown = seconds if seconds != _EXPIRED or timeout is None else float(timeout)
@@ -421,6 +432,22 @@ class RpcAgent:
                 return fut
             raise
         return fut
+
+    def spin_budget(self, dst: int, what: object) -> spin.Budget:
+        """The spin budget of a wait for a reply from ``dst`` to the call ``what`` describes:
+        one per callee and function (a ``CallText``'s function; else the kind of description),
+        which learns how soon those replies come."""
+        func = getattr(what, "func", None)
+        if isinstance(func, types.MethodType):
+            func = func.__func__  # (a bound method is made anew at each access; its object may go)
+        site = func if isinstance(func, _FUNCTIONS) else type(func if func is not None else what)
+        key = (dst, site)
+        budget = self._budgets.get(key)
+        if budget is None:
+            if len(self._budgets) >= _MAX_BUDGETS:  # (functions made on the fly: forget them all)
+                self._budgets.clear()
+            budget = self._budgets[key] = spin.Budget()
+        return budget
 
     def cast(self, dst: int, func: Any, args: tuple[Any, ...]) -> None:
         """A one-way call: ``func(*args)`` runs on ``dst`` (as a request does), nothing answers

@@ -65,13 +65,14 @@ class _SyncReply:
     user ever holds one: what a blocking call waits on (``rpc_sync`` returns the value) and an
     owned RRef value (users get copies or ``local_value()``)."""
 
-    __slots__ = ("_callbacks", "_done", "_exc", "_value")
+    __slots__ = ("_callbacks", "_done", "_exc", "_tdist_spin", "_value")
 
     def __init__(self) -> None:
         self._done = False
         self._value: Any = None
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[[Any], None]] | None = None
+        self._tdist_spin: Any = None  # (the agent's spin budget for the wait on it)
 
     def done(self) -> bool:
         return self._done

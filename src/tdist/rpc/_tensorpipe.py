@@ -263,7 +263,7 @@ class TensorPipeAgent(RpcAgent):
         if not fut.done():
             seconds = self.timeout_seconds(timeout)
             deadline = None if seconds is None else time.monotonic() + seconds + 1.0
-            if self.messenger.read_until(dst, fut.done, deadline, claimed=token):
+            if self.messenger.read_until(dst, fut.done, deadline, claimed=token, budget=fut._tdist_spin):
                 return fut.wait()
             token = None
             super()._wait_reply(dst, fut, deadline)
@@ -272,7 +272,7 @@ class TensorPipeAgent(RpcAgent):
         return fut.wait()
 
     def _wait_reply(self, dst: int, fut: Any, deadline: float | None) -> None:
-        if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline):
+        if dst != self.rank and self.messenger.read_until(dst, fut.done, deadline, budget=getattr(fut, "_tdist_spin", None)):
             return
         super()._wait_reply(dst, fut, deadline)
 
