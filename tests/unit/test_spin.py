@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tdist._core import spin
-from tdist._core.spin import LATE_LIMIT, RETRY_AFTER, WINDOW, Budget
+from tdist._core.spin import RETRY_AFTER, WINDOW, Budget
 
 
 def test_polls_half_without_yielding_while_answers_come_early() -> None:
@@ -11,6 +11,9 @@ def test_polls_half_without_yielding_while_answers_come_early() -> None:
     for _ in range(3 * WINDOW):
         b.caught()
     assert b.seconds() == 100e-6 and b.pure() == 50e-6
+    for _ in range(WINDOW // 2):
+        b.caught(after_yield=True)  # (half the window after a yield: it still polls first)
+    assert b.pure() == 50e-6
 
 
 def test_by_default_only_a_whole_window_of_misses_pauses_spinning_then_it_tries_again() -> None:
@@ -59,19 +62,18 @@ def test_a_slow_wait_that_slept_while_paused_tells_nothing_a_quick_one_counts() 
     assert b.window == 0b10 and b.seconds() == 100e-6
 
 
-def test_answers_that_come_only_after_a_yield_make_it_yield_at_once() -> None:
+def test_answers_that_come_mostly_after_a_yield_make_it_yield_at_once() -> None:
     b = Budget(100e-6)
-    for _ in range(LATE_LIMIT - 1):
+    for _ in range(WINDOW // 2):
         b.caught(after_yield=True)
-    b.caught()  # (an early answer ends the run)
-    assert b.pure() == 50e-6
-    for _ in range(LATE_LIMIT):
-        b.caught(after_yield=True)
-    assert b.pure() == 0.0 and b.seconds() == 100e-6
-    b.caught()  # (no early answer is possible then: it keeps yielding at once...)
+    assert b.pure() == 50e-6  # (half of the window: not yet)
+    b.caught()  # an early answer now and then (the scheduler's tick let the peer run)...
+    b.caught(after_yield=True)
+    assert b.pure() == 0.0 and b.seconds() == 100e-6  # ...does not keep it from learning
+    for _ in range(RETRY_AFTER - 2):
+        b.caught(after_yield=True)  # (no early answer is possible then: it keeps yielding at once...)
     assert b.pure() == 0.0
-    for _ in range(RETRY_AFTER):
-        b.caught(after_yield=True)
+    b.caught(after_yield=True)
     assert b.pure() == 50e-6  # (...until it tries polling first again)
 
 
