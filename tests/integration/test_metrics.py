@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import IO, Any
@@ -174,3 +175,89 @@ def test_metrics_endpoint_counts_a_job_across_a_restart(tmp_path: Path) -> None:
             proc.wait()
         for t in readers:
             t.join(5)
+
+
+# 4 all_reduce per rank (256 float32), the step reported, "ready", then a wait for the gate
+TWO_NODES_JOB = textwrap.dedent(
+    """
+    import os, time, torch, tdist
+    from tdist.elastic import report_progress
+
+    tdist.init_process_group("gloo")
+    t = torch.ones(256)
+    for _ in range(4):
+        tdist.all_reduce(t)
+    report_progress(3)
+    print("ready", flush=True)
+    while not os.path.exists(os.path.join(os.environ["TEST_OUT"], "gate")):
+        time.sleep(0.01)
+    tdist.destroy_process_group()
+    """
+)
+
+
+def _launcher(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], queue.Queue[str | None], queue.Queue[str | None]]:
+    env = dict(os.environ)
+    for var in ("TDIST_SECRET", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TDIST_METRICS_PORT"):
+        env.pop(var, None)
+    env["TDIST_SECRET"] = "two-nodes-secret"  # (a job of several nodes needs one)
+    env["TEST_OUT"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tdist.cli", "run", *args], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    out: queue.Queue[str | None] = queue.Queue()
+    err: queue.Queue[str | None] = queue.Queue()
+    for s, q in ((proc.stdout, out), (proc.stderr, err)):
+        threading.Thread(target=_lines, args=(s, q), daemon=True).start()
+    return proc, out, err
+
+
+@pytest.mark.timeout(120)
+def test_each_node_of_a_job_of_two_serves_the_whole_jobs_metrics(tmp_path: Path) -> None:
+    """Two nodes (c10d rendezvous), two workers each, each node with its own endpoint: either
+    endpoint serves all four ranks (the other node's part comes through the job's store)."""
+    from tdist.testing import free_port
+
+    (tmp_path / "job.py").write_text(TWO_NODES_JOB)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        _launcher(tmp_path, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", "job9", "--monitor-interval", "0.1", "--metrics-port", "0", "--metrics-addr", "127.0.0.1",
+                  "job.py")
+        for _ in range(2)
+    ]
+    said: list[str] = []
+    seen: list[str] = []
+    try:
+        ports = [int(_next_match(err, r"metrics: http://127\.0\.0\.1:(\d+)/metrics", said).group(1)) for _, _, err in nodes]
+        for _, out, _ in nodes:
+            for _ in range(2):
+                _next_match(out, r"^\[rank\d\]:ready$", seen)
+        for port in ports:
+            # (the other node's part is at most about a second old: wait for it to show)
+            deadline = time.monotonic() + 30
+            while True:
+                m = _scrape(port)
+                ranks = {dict(k[1]).get("rank") for k in m if k[0] == "tdist_collective_ops_total"}
+                if ranks == {"0", "1", "2", "3"} and all(
+                    _value(m, "tdist_progress_step", rank=str(r)) == 3 for r in range(4)
+                ):
+                    break
+                assert time.monotonic() < deadline, (port, sorted(ranks), said)
+                time.sleep(0.1)
+            for r in range(4):
+                assert _value(m, "tdist_collective_ops_total", rank=str(r), op="all_reduce") == 4
+                assert _value(m, "tdist_collective_bytes_total", rank=str(r), op="all_reduce") == 4 * 1024
+                assert _value(m, "tdist_collective_latency_seconds_count", rank=str(r), op="all_reduce") == 4
+                assert _value(m, "tdist_worker_state", rank=str(r), state="running") == 1
+            assert _value(m, "tdist_restarts_total") == 0
+        (tmp_path / "gate").touch()
+        for proc, _, _ in nodes:
+            assert proc.wait(timeout=40) == 0, said
+    finally:
+        for proc, _, _ in nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -111,6 +111,25 @@ def test_aggregate_keeps_a_ranks_counts_across_its_processes() -> None:
     assert agg.by_rank()[0]["ops"]["all_reduce"][M.COUNT] == 7
 
 
+def test_nodes_parts_add_up_by_rank() -> None:
+    def totals(n: int, step: int | None) -> dict[str, Any]:
+        op = M._new_op()
+        op[M.COUNT], op[M.BYTES], op[M.BUCKETS][1] = n, 4 * n, n
+        return {"ops": {"all_reduce": op}, "rpc": {"call": [n, 0]}, "missed": 1, "step": step}
+
+    mine = {0: totals(5, 7), 1: totals(5, 7)}
+    # another node: ranks 2 and 3, and what it saw of rank 1 before a re-rendezvous moved it here
+    other = {"restarts": 1, "totals": {"1": totals(2, 3), "2": totals(4, 6), "3": totals(4, None)}}
+    merged = M.merge_nodes(mine, [other, {"totals": {}}])
+    assert sorted(merged) == [0, 1, 2, 3]
+    assert merged[1]["ops"]["all_reduce"][M.COUNT] == 7 and merged[1]["ops"]["all_reduce"][M.BUCKETS][1] == 7
+    assert merged[1]["rpc"]["call"] == [7, 0] and merged[1]["missed"] == 2
+    assert merged[1]["step"] == 7  # (this node runs it: its step)
+    assert merged[2]["step"] == 6 and merged[3]["step"] is None
+    assert merged[0]["ops"]["all_reduce"][M.BYTES] == 20
+    assert mine[0]["ops"]["all_reduce"][M.COUNT] == 5  # (the inputs are left alone)
+
+
 def test_rpc_counts_requests_by_kind() -> None:
     from tdist.rpc._message import MsgKind
 

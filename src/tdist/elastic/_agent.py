@@ -78,6 +78,9 @@ from ._inspect import (
     dump_request,
     gather_dump,
     handles_signal,
+    metrics_key,
+    node_metrics,
+    publish_metrics,
     publish_status,
     register_job,
     status_key,
@@ -1017,6 +1020,9 @@ class LocalAgent:
         self._published_at = now
         try:
             publish_status(store, self._job_record, self._published_cpu)
+            if self._metrics is not None:  # (every node's endpoint serves the whole job)
+                publish_metrics(store, self.config.run_id, self._metrics.snapshot())
+                self._metrics.set_others(node_metrics(store, self.config.run_id))
             token = dump_request(store, self.config.run_id)  # (`tdist dump --rdzv-endpoint`)
             if token is not None and token != self._dump_served:
                 self._dump_served = token
@@ -1037,6 +1043,8 @@ class LocalAgent:
             return
         with contextlib.suppress(Exception):
             store.delete_key(status_key(self.config.run_id))
+            if self._metrics is not None:
+                store.delete_key(metrics_key(self.config.run_id))
 
     def _update_status(self, workers: list[_Worker], exits: list[WorkerExit], restart_count: int) -> None:
         """Count the group's workers and redraw the status line (monitor loop, each tick)."""

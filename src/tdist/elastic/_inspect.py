@@ -55,6 +55,9 @@ __all__ = [
     "handles_signal",
     "job_rows",
     "jobs",
+    "metrics_key",
+    "node_metrics",
+    "publish_metrics",
     "publish_status",
     "register_job",
     "report_progress",
@@ -69,6 +72,7 @@ STATUS_DIR_ENV = "TDIST_STATUS_DIR"
 _STATUS_EVERY = 1.0  # seconds between two writes of a worker's status.json
 _STALE = 10.0  # seconds after which a node's published rows are not shown
 STATUS_KEY = "tdist.status"
+METRICS_KEY = "tdist.metrics"
 DUMP_KEY = "tdist.dump"
 
 
@@ -308,6 +312,32 @@ def publish_status(store: Any, job: dict[str, Any], previous: dict[int, tuple[fl
               "node_rank": job.get("node_rank", 0), "attempt": job.get("attempt", 0),
               "entrypoint": job.get("entrypoint", ""), "rows": rows}
     store.set(status_key(str(job.get("run_id"))), json.dumps(record).encode())
+
+
+def metrics_key(run_id: str) -> str:
+    """This launcher's key for its part of the job's metrics (``--metrics-port``)."""
+    return f"{METRICS_KEY}/{run_id}/{socket.gethostname()}:{os.getpid()}"
+
+
+def publish_metrics(store: Any, run_id: str, part: dict[str, Any]) -> None:
+    """Put this node's part of the job's metrics (``MetricsServer.snapshot``) in ``store``."""
+    store.set(metrics_key(run_id), json.dumps({"time": time.time(), **part}).encode())
+
+
+def node_metrics(store: Any, run_id: str) -> list[dict[str, Any]]:
+    """The other nodes' fresh parts of the job's metrics, from ``store``."""
+    prefix, mine = f"{METRICS_KEY}/{run_id}/", metrics_key(run_id)
+    keys = [k for k in store.list_keys() if k.startswith(prefix) and k != mine]
+    now, parts = time.time(), []
+    for raw in (store.multi_get(keys) if keys else []):
+        try:
+            part = json.loads(raw)
+            fresh = now - float(part["time"]) <= _STALE
+        except (ValueError, KeyError, TypeError):
+            continue
+        if fresh:
+            parts.append(part)
+    return parts
 
 
 def job_rows(store: Any, run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -66,6 +66,7 @@ __all__ = [
     "Aggregate",
     "Reporter",
     "Tally",
+    "merge_nodes",
     "worker_side",
 ]
 
@@ -404,3 +405,27 @@ class Aggregate:
         for rank, totals in out.items():
             totals["step"] = self._steps.get(rank)
         return out
+
+
+def merge_nodes(
+    totals: Mapping[int, Mapping[str, Any]], others: Iterable[Mapping[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """This node's totals by rank and other nodes' published ones (``{"totals": {rank: ...}}``,
+    as ``MetricsServer.snapshot`` makes them) added up by rank: a rank that ran on one node in
+    one round and on another after a re-rendezvous counts what both saw of it. A rank's step
+    is this node's, else the highest another node reported."""
+    out: dict[int, dict[str, Any]] = {}
+    steps: dict[int, Any] = {}
+    for rank, t in totals.items():
+        _add(out.setdefault(int(rank), {}), t)
+        steps[int(rank)] = t.get("step")
+    for snap in others:
+        for key, t in snap.get("totals", {}).items():
+            rank = int(key)
+            _add(out.setdefault(rank, {}), t)
+            theirs = t.get("step")
+            if steps.get(rank) is None or (theirs is not None and rank not in totals and theirs > steps[rank]):
+                steps[rank] = theirs
+    for rank, t in out.items():
+        t["step"] = steps.get(rank)
+    return out

@@ -13,8 +13,17 @@ its totals join its rank's base: counters only grow across restarts. The agent a
 attempt runs (``attempt``: ``tdist_restarts_total``) and each worker's fate (the up and state
 gauges).
 
-Thread-safety: the agent's thread calls ``connect``/``started``/``exited``/``attempt``/``close``;
-the reader and the HTTP threads share the state under ``_lock``.
+A job of several nodes has one view: each node's launcher publishes its part (``snapshot``:
+its ranks' totals, workers and restarts) in the job's store once a second, beside its status
+rows, reads the other nodes' parts from there and hands them to its endpoint (``set_others``).
+Every node's endpoint then serves the whole job, its own ranks fresh as of the scrape and the
+other nodes' as of their last publication (at most about a second old); scrape one of them (a
+rank's series would come once from each node scraped). ``_metrics.merge_nodes`` adds the parts
+up by rank.
+
+Thread-safety: the agent's thread calls ``connect``/``started``/``exited``/``attempt``/
+``snapshot``/``set_others``/``close``; the reader and the HTTP threads share the state under
+``_lock``.
 """
 
 from __future__ import annotations
@@ -36,7 +45,16 @@ from typing import TYPE_CHECKING, Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ._agent import LaunchError
-from ._metrics import BUCKETS, BYTES, COUNT, ERRORS, LATENCY_BUCKETS, LATENCY_SUM, Aggregate
+from ._metrics import (
+    BUCKETS,
+    BYTES,
+    COUNT,
+    ERRORS,
+    LATENCY_BUCKETS,
+    LATENCY_SUM,
+    Aggregate,
+    merge_nodes,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -46,6 +64,7 @@ __all__ = ["MetricsServer"]
 log = logging.getLogger(__name__)
 
 _ANSWER_WAIT = 1.0  # seconds a scrape waits for the workers' fresh totals
+_STALE = 10.0  # seconds after which another node's last published part is no longer served
 _READ_CHUNK = 1 << 16
 _STATES = ("running", "succeeded", "failed", "stopped")
 
@@ -109,6 +128,7 @@ class MetricsServer:
         self._ids = itertools.count(1)
         self._requests = itertools.count(1)
         self._restarts = 0
+        self._others: list[dict[str, Any]] = []  # the other nodes' parts of the job (``set_others``)
         self._closed = False
         self._commands: deque[tuple[str, int]] = deque()
         self._wake_r, self._wake_w = os.pipe()
@@ -175,6 +195,25 @@ class MetricsServer:
         with self._lock:
             self._restarts = restarts
             self._job = dict(self._job, node=str(node_rank))
+
+    def snapshot(self) -> dict[str, Any]:
+        """This node's part of the job, for the other nodes' endpoints (JSON-able): its ranks'
+        totals as its workers last wrote them, its workers' states and its restarts."""
+        with self._lock:
+            return {
+                "restarts": self._restarts,
+                "workers": [[c.rank, c.local_rank, c.state] for c in self._current_conns()],
+                "totals": {str(rank): t for rank, t in self._agg.by_rank().items()},
+            }
+
+    def set_others(self, parts: list[dict[str, Any]]) -> None:
+        """The other nodes' parts (their ``snapshot``s, fresh ones only), served with ours."""
+        with self._lock:
+            self._others = list(parts)
+
+    def _current_conns(self) -> list[_Conn]:
+        """(``_lock`` held.) Each rank's newest worker here, by rank."""
+        return [self._conns[w] for _, w in sorted(self._current.items())]
 
     def close(self) -> None:
         """Stop serving and reading."""
@@ -316,10 +355,16 @@ class MetricsServer:
 
         self._fresh()
         with self._lock:
-            totals = self._agg.by_rank()
-            restarts, job = self._restarts, self._job
-            current = [self._conns[w] for _, w in sorted(self._current.items())]
-            workers = [(c.rank, c.local_rank, c.state) for c in current]
+            now = time.time()  # (a node that stopped publishing is gone from the view)
+            others = [o for o in self._others if now - float(o.get("time", 0.0)) <= _STALE]
+            totals = merge_nodes(self._agg.by_rank(), others)
+            restarts, job = max([self._restarts, *(int(o.get("restarts", 0)) for o in others)]), self._job
+            states = {c.rank: (c.local_rank, c.state) for c in self._current_conns()}
+        for part in others:  # (a rank another node runs now, or that only another node knew)
+            for rank, local_rank, st in part.get("workers", []):
+                if int(rank) not in states or (st == "running" and states[int(rank)][1] != "running"):
+                    states[int(rank)] = (int(local_rank), str(st))
+        workers = [(rank, local_rank, st) for rank, (local_rank, st) in sorted(states.items())]
         yield InfoMetricFamily("tdist_job", "The job this launcher runs", value=job)
         restarts_metric = CounterMetricFamily(
             "tdist_restarts", "Restarts of the worker group after a failure (tdist run --max-restarts)",
