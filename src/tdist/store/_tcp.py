@@ -303,8 +303,13 @@ class TCPStore(Store):
         return f"{self._host}:{self._port}"
 
     def _connect(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.001  # (a master started a moment later is found at once; doubling to 0.5 s)
+        start = time.monotonic()
+        deadline = start + timeout
+        # A master started a moment later is found within a fraction of a millisecond: retries
+        # come every 0.25-5 ms for the first seconds (ranks start together, and a loaded host
+        # delays the master's bind by milliseconds: doubling from 1 ms had a rank sleep 15 ms for
+        # a master up after 2), then doubling to 0.5 s.
+        delay = 0.00025
         last_exc: BaseException | None = None
         try_unix = _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
         while True:
@@ -337,10 +342,11 @@ class TCPStore(Store):
                 last_exc = exc
                 if self._refused_is_final and isinstance(exc, ConnectionRefusedError):
                     break
-            if time.monotonic() + delay > deadline:
+            now = time.monotonic()
+            if now + delay > deadline:
                 break
             time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            delay = min(delay * 2, 0.005 if now - start < 5.0 else 0.5)
         raise DistNetworkError(
             f"could not connect to the store at {self._addr} within {timeout:g} s "
             f"(last error: {last_exc}); check that the master process is running and that "
