@@ -380,3 +380,61 @@ def test_no_rank_finishes_forming_the_group_before_every_rank_has_joined_its_are
 
     run_threads(body, 2, timeout=60)
     assert seen == ([False] if path == "shm" else [])  # (over sockets there is no arena to join)
+
+
+def test_the_arena_does_not_wait_for_the_connections_and_p2p_or_destroy_do_not_miss_them(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the shared-memory arena, forming a group does not wait for its socket connections:
+    rank 1 cannot reach rank 0 yet (its dials are held back), and still the group forms and an
+    all_reduce (the arena's) completes; a send/recv then waits for the connections, and works
+    once they are let through. A group destroyed while its connections are still being made
+    stops its connecting thread at once, not after its 2 s wait for it. Over sockets, forming
+    the group is what makes the connections."""
+    from tdist.transport import _dial
+
+    let_through = threading.Event()
+    real_step = _dial.Dialer.step
+
+    def step(self: Any) -> Any:
+        return real_step(self) if let_through.is_set() else None  # (rank 1's dial to rank 0 waits)
+
+    monkeypatch.setattr(_dial.Dialer, "step", step)
+    if path == "sockets":
+        let_through.set()
+    store = tdist.HashStore()
+    formed = threading.Barrier(2)
+    results: dict[int, Any] = {}
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n, "ok")
+        t = torch.full((4,), float(rank + 1))
+        pg.allreduce([t]).wait()
+        results[rank] = t.tolist()
+        formed.wait(30)
+        let_through.set()
+        x = torch.zeros(3)
+        if rank == 0:
+            pg.send([torch.arange(3.0)], 1, 5).wait()
+        else:
+            pg.recv([x], 0, 5).wait()
+            results["p2p"] = x.tolist()
+        pg.shutdown()
+
+    run_threads(body, 2, timeout=60)
+    assert results[0] == results[1] == [3.0] * 4 and results["p2p"] == [0.0, 1.0, 2.0]
+    if path == "sockets":
+        return
+    let_through.clear()
+    closed: dict[int, tuple[float, bool]] = {}
+
+    def destroyed_at_once(rank: int, n: int) -> None:
+        pg = group(store, rank, n, "early")
+        t0 = time.monotonic()
+        pg.shutdown()
+        closed[rank] = (time.monotonic() - t0, pg.endpoint._meshed.is_set())
+
+    run_threads(destroyed_at_once, 2, timeout=60)
+    for rank, (seconds, stopped) in closed.items():
+        assert stopped, f"rank {rank}: its connecting thread still runs after shutdown"
+        assert seconds < 1.5, f"rank {rank}: shutdown waited {seconds:.2f} s for the connections"
