@@ -17,6 +17,7 @@ import pytest
 import tdist as dist
 from tdist._core.errors import (
     AuthenticationError,
+    DistError,
     DistNetworkError,
     DistStoreError,
     LocalProtocolError,
@@ -25,6 +26,8 @@ from tdist._core.errors import (
     StoreValueError,
 )
 from tdist.store._protocol import HEADER, FrameDecoder, Op, Status, encode_frame, encode_int
+
+from .._sync import wait_inside, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,6 +238,18 @@ def test_barrier_and_wait_from_many_threads(master: dist.TCPStore) -> None:
         s.close()
 
 
+def _joined(port: int) -> int:
+    """How many clients joined the store on ``port`` (0 while it does not answer yet)."""
+    try:
+        probe = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=0.5))
+    except DistError:
+        return 0
+    try:
+        return probe.add("init/", 0)
+    finally:
+        probe.close()
+
+
 def test_master_waits_for_workers() -> None:
     port_holder: list[int] = []
     store_holder: list[dist.TCPStore] = []
@@ -247,7 +262,9 @@ def test_master_waits_for_workers() -> None:
 
     t = threading.Thread(target=make_master)
     t.start()
-    time.sleep(0.3)
+    # the master has counted itself (a client that joins nothing reads the count)
+    wait_until(lambda: _joined(port) == 1, 10, "the master joined its own store")
+    t.join(0.3)
     assert t.is_alive()  # still waiting for the second worker
     worker = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=10))
     t.join(10)
@@ -423,11 +440,12 @@ def test_bad_input_never_takes_the_server_down(master: dist.TCPStore) -> None:
 
     th = threading.Thread(target=parked_get)
     th.start()
-    deadline = time.monotonic() + 10
-    while not waiting._lock.locked():  # (held by a call in flight: the get has started)
-        assert time.monotonic() < deadline, "the get never started"
-        time.sleep(0.001)
-    time.sleep(0.05)  # (nothing shows when the server has parked it: a moment more)
+    # its request is out once it reads the reply: the server parks it before it reads the end
+    # of the connection (in order, on one stream); a server in this process shows it parked
+    wait_inside(th, "_read_reply", "_tcp.py", timeout=10)
+    server = master._server
+    if server is not None and server.pid is None:
+        wait_until(lambda: "never" in server._parked, 10, "the server parked the get")
     waiting._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
     th.join(10)
     assert len(outcome) == 1  # the client saw its connection go, at once
