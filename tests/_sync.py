@@ -14,8 +14,8 @@ deadline, and fails naming what never happened:
   in the process that will block, which tells the test (a store key, a line of output).
 
 A claim that something must *not* happen can only be watched for a while: those tests keep a
-bounded window (``Event.wait(window)``, ``Thread.join(window)``), which ends early when the
-claim breaks.
+bounded window that ends early when the claim breaks (``holds_for(pred, window, what)``,
+``Event.wait(window)``, ``Thread.join(window)``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: flo
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not true after {timeout:g} s")
+        time.sleep(interval)
+
+
+def holds_for(pred: Callable[[], Any], seconds: float, what: str, interval: float = 0.01) -> None:
+    """A claim that must not break: poll ``pred`` for ``seconds`` and fail naming ``what`` as
+    soon as it is false (a window for a wrong change to show, ended early when one does)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if not pred():
+            raise AssertionError(f"{what}: no longer true")
+        if time.monotonic() > deadline:
+            return
         time.sleep(interval)
 
 
