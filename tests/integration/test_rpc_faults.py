@@ -161,18 +161,25 @@ def test_stopped_callee_fails_pending_calls_by_heartbeat(backend: str) -> None:
 # -- graceful shutdown ------------------------------------------------------------------------
 
 
-def _late_to_shutdown(w: Worker) -> float:
+def _late_to_shutdown(w: Worker) -> tuple[float, bool]:
+    late_in = w.shared["late_in"]
     if w.rank == 1:
         time.sleep(2.5)  # longer than the RPC timeout: shutdown waits all the same (as torch)
+        late_in.set()
     t0 = time.monotonic()
     in_thread(w.shutdown, 20)
-    return time.monotonic() - t0
+    # (rank 0: back only once the late worker had reached shutdown)
+    return time.monotonic() - t0, late_in.is_set()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_graceful_shutdown_waits_for_a_late_worker_beyond_the_rpc_timeout(backend: str) -> None:
-    took = run(_late_to_shutdown, backend, world_size=2, rpc_timeout=1.0)
-    assert took[0] > 2.0 and took[1] < 2.0, took
+    import multiprocessing
+
+    late_in = multiprocessing.get_context("fork").Event()
+    took = run(_late_to_shutdown, backend, world_size=2, rpc_timeout=1.0, shared={"late_in": late_in})
+    assert took[0][1], took  # rank 0 waited for the late worker
+    assert took[1][0] < 2.0, took  # (the late one finds rank 0 waiting: no wait of its own)
 
 
 def _lost_before_shutdown(w: Worker) -> dict[str, Any] | None:
