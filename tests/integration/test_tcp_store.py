@@ -27,7 +27,7 @@ from tdist._core.errors import (
 )
 from tdist.store._protocol import HEADER, FrameDecoder, Op, Status, encode_frame, encode_int
 
-from .._sync import wait_inside, wait_until
+from .._sync import wait_inside, wait_until, when_inside
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -120,10 +120,12 @@ def test_same_answers_as_torch(master: dist.TCPStore) -> None:
 
 def test_get_waits_for_set(master: dist.TCPStore) -> None:
     other = client_of(master)
-    threading.Timer(0.2, lambda: other.set("late", b"here")).start()
+    # (set once the get waits for its reply: only a wake-up on the server can answer it)
+    setter = when_inside("_read_reply", lambda: other.set("late", b"here"), "_tcp.py")
     t0 = time.monotonic()
     assert master.get("late") == b"here"
-    assert 0.1 < time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 5  # woken by the set, not at the 10 s timeout
+    setter.join(5)
     other.close()
 
 
@@ -204,8 +206,10 @@ def test_queue(master: dist.TCPStore) -> None:
     with pytest.raises(QueueEmptyError):
         master.queue_pop("q", block=False)
     other = client_of(master)
-    threading.Timer(0.1, lambda: other.queue_push("q", b"item")).start()
+    # (pushed once the pop waits for its reply)
+    pusher = when_inside("_read_reply", lambda: other.queue_push("q", b"item"), "_tcp.py")
     assert master.queue_pop("q") == b"item"
+    pusher.join(5)
     master.queue_push("w", "x")
     master.wait(["w"], timedelta(seconds=1))  # wait works on a non-empty queue
     other.close()
@@ -294,8 +298,8 @@ def test_client_retries_until_server_starts() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     holder: list[dist.TCPStore] = []
-    starter = threading.Timer(0.3, lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True)))
-    starter.start()
+    # (the server starts once the client is trying to connect)
+    starter = when_inside("_connect", lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True)), "_tcp.py")
     client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
     client.set("x", "1")
     assert client.get("x") == b"1"
