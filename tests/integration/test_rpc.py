@@ -172,7 +172,7 @@ def _destinations(w: Worker) -> dict[str, Any]:
             rpc.rpc_sync("worker1", f.sleep_then, args=(1.0,), timeout=0.2)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"ran for more than set timeout \(-5000 ms\)"):
-            rpc.rpc_sync("worker1", f.sleep_then, args=(0.5,), timeout=-5)
+            rpc.rpc_sync("worker1", f.sleep_then, args=(1.0,), timeout=-5)
         out["negative_s"] = time.monotonic() - t0
     w.barrier()
     return out
@@ -180,7 +180,8 @@ def _destinations(w: Worker) -> dict[str, Any]:
 
 def test_destinations_worker_infos_argument_types_and_negative_timeouts(backend: str) -> None:
     out = run(_destinations, backend, world_size=2, init=False)[0]
-    assert out["unknown_s"] < 2 and out["negative_s"] < 0.4, out
+    # (negative_s: failed at once, not when the callee answered, 1 s later)
+    assert out["unknown_s"] < 2 and out["negative_s"] < 0.9, out
 
 
 def _registered_backend(w: Worker) -> dict[str, Any]:
