@@ -284,9 +284,10 @@ def test_killed_worker_fails_pending_calls_fast() -> None:
     for r in reports:
         assert r["error"] is not None and r["peer_error"], r
         assert "worker3" in r["error"], r
-        assert r["failed_after_s"] < 5.0, r
+        # (fast: at the loss of the connection, not at the group's stall timeout, 10 s)
+        assert r["failed_after_s"] < 8.0, r
         assert r["next"] is not None and "worker3" in r["next"], r
-        assert r["next_s"] < 2.0, r
+        assert r["next_s"] < 8.0, r
 
 
 # -- a worker that leaves in an orderly way: the others go on ----------------------------------------
@@ -335,7 +336,7 @@ def test_a_worker_that_leaves_fails_calls_to_it_and_the_others_go_on() -> None:
     ctx = multiprocessing.get_context("fork")
     results = run_processes(_leaves, WORLD, free_port(), ctx.Barrier(WORLD), ctx.Barrier(WORLD - 1), ctx.Event(),
                             timeout=40)
-    assert results[0]["failed_after_s"] < 3.0, results[0]
+    assert results[0]["failed_after_s"] < 8.0, results[0]  # (not at the stall timeout, 10 s)
     assert "left" in results[0]["error"], results[0]
 
 
