@@ -33,6 +33,8 @@ import pytest
 
 from tdist.testing import RankTimeoutError, free_port, run_processes
 
+from .._sync import wait_until as wait_until  # (the scenarios' modules take it from here)
+
 IMPL = os.environ.get("TDIST_RPC_TEST_IMPL", "tdist")
 if IMPL == "torch":
     import torch.distributed.rpc as rpc
@@ -205,18 +207,6 @@ def observe(scenario: Callable[[Worker], Any], backend: str, variant: str = "",
     if status == "error":
         raise value
     return value
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll ``pred`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not true after {timeout:g} s")
-        time.sleep(interval)
 
 
 def settle(fut: Any, timeout: float) -> tuple[bool, Any]:

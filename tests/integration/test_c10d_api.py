@@ -788,20 +788,29 @@ def test_init_method_urls(server: LocalStore, monkeypatch: pytest.MonkeyPatch) -
     assert res == [(3, 0, 2), (3, 1, 2)]
 
 
-def _reinit_cycles(rank: int, world_size: int, port: int, cycles: int, host_lags: bool = False) -> int:
+def _reinit_cycles(rank: int, world_size: int, port: int, cycles: int, marks: str | None = None) -> int:
+    """``cycles`` times init, all_reduce, destroy. With ``marks`` (a folder), rank 0 (the store's
+    host) lags every other cycle: it destroys its group only once the others are in the next
+    group's init_process_group (each marks it there from a watcher of its stack), on its store."""
     import os
+
+    from .._sync import wait_until, when_inside
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     done = 0
     for c in range(cycles):
-        if not host_lags:
+        if marks is None:
             time.sleep(0.05 * rank)  # the ranks come 50 ms apart
+        elif rank:
+            mark = os.path.join(marks, f"{rank}-{c}")
+            when_inside("init_process_group", lambda mark=mark: open(mark, "w").close())  # type: ignore[misc]
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         t = torch.ones(4)
         dist.all_reduce(t)
         assert t[0].item() == world_size
-        if host_lags and rank == 0 and c % 2:
-            time.sleep(0.3)  # the others are in the next group's rendezvous, on this store
+        if marks is not None and rank == 0 and c % 2 and c + 1 < cycles:
+            wanted = [os.path.join(marks, f"{r}-{c + 1}") for r in range(1, world_size)]
+            wait_until(lambda w=wanted: all(map(os.path.exists, w)), 30, "the others are in the next init")
         dist.destroy_process_group()
         done += 1
     return done
@@ -834,10 +843,10 @@ def test_destroy_retires_the_store_that_rank_0_serves_so_that_it_answers_the_oth
 
 
 @pytest.mark.timeout(120)
-def test_ranks_quicker_than_the_store_host_to_init_again_find_the_next_group() -> None:
+def test_ranks_quicker_than_the_store_host_to_init_again_find_the_next_group(tmp_path: Any) -> None:
     from tdist.testing import run_processes
 
-    done = run_processes(_reinit_cycles, 3, free_port(), 6, True, timeout=100, start_method="spawn")
+    done = run_processes(_reinit_cycles, 3, free_port(), 6, str(tmp_path), timeout=100, start_method="spawn")
     assert done == [6, 6, 6]
 
 

@@ -57,12 +57,11 @@ def test_parameters_and_registry_as_torchs() -> None:
         get_rendezvous_handler(RendezvousParameters("static", "127.0.0.1:1", "job", 1, 1))
 
 
-def nodes(n: int, make: Callable[[], RendezvousHandler], stagger: float = 0.0) -> list[Any]:
+def nodes(n: int, make: Callable[[], RendezvousHandler]) -> list[Any]:
     """``n`` nodes (threads) that each make a handler and join; their RendezvousInfo or error."""
     out: list[Any] = [None] * n
 
     def node(i: int) -> None:
-        time.sleep(stagger * i)
         try:
             h = make()
             out[i] = (h, h.next_rendezvous())

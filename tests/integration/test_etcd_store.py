@@ -12,6 +12,8 @@ import pytest
 from tdist._core.errors import DistNetworkError, DistStoreError, StoreTimeoutError, StoreValueError
 from tdist.store._etcd import EtcdStore
 
+from .._sync import inside, wait_until, when_inside
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -56,22 +58,33 @@ def test_stores_with_other_prefixes_do_not_see_each_other(store: EtcdStore, etcd
 
 
 def test_wait_wakes_when_another_client_sets_the_keys(store: EtcdStore) -> None:
-    def later() -> None:
-        time.sleep(0.3)
-        writer = store.clone()
-        writer.set("k1", "1")
-        time.sleep(0.1)
-        writer.set("k2", "2")
+    writer = store.clone()
+    returned = threading.Event()
+    errors: list[BaseException] = []
 
-    t = threading.Thread(target=later)
-    start = time.monotonic()
+    def waiter() -> None:
+        try:
+            store.wait(["k1", "k2"])
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            returned.set()
+
+    t = threading.Thread(target=waiter, daemon=True)
     t.start()
-    store.wait(["k1", "k2"])
-    assert 0.35 <= time.monotonic() - start < 3
-    assert store.get("k2") == b"2"  # (and get waits too:)
-    threading.Timer(0.2, lambda: store.clone().set("k3", "3")).start()
+    watching = lambda: inside(t, "_watch_once", "_etcd.py")  # noqa: E731  (it sleeps in etcd)
+    wait_until(watching, 10, "the waiter watches etcd")
+    writer.set("k1", "1")
+    assert not returned.wait(0.3), f"wait() returned with k2 still missing: {errors}"
+    assert watching(), "the waiter should watch on for k2"
+    writer.set("k2", "2")
+    assert returned.wait(4), "wait() was not woken by the set (the store's timeout is 5 s)"
+    assert not errors, errors
+    t.join(5)
+    # get waits too: its key comes while it watches
+    late = when_inside("_watch_once", lambda: store.clone().set("k3", "3"), "_etcd.py")
     assert store.get("k3") == b"3"
-    t.join()
+    late.join(5)
 
 
 def test_counters_under_contention(store: EtcdStore) -> None:

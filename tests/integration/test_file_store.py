@@ -23,6 +23,8 @@ from tdist.store import _file
 from tdist.store._file import FILE_MAGIC, FileOp, Kind, encode_record, parse_records
 from tdist.testing import run_processes, run_threads
 
+from .._sync import wait_inside, when_inside
+
 pytestmark = pytest.mark.timeout(60)
 
 SHORT = timedelta(milliseconds=200)
@@ -169,9 +171,12 @@ def test_two_handles_share_one_file(path: str) -> None:
     assert isinstance(c, tdist.FileStore)
     assert c.get("k2") == b"2"
 
-    def later() -> None:
-        time.sleep(0.1)
+    reader = threading.current_thread()
+
+    def later() -> None:  # (each write while the reader waits for it)
+        wait_inside(reader, "queue_pop", "_file.py")
         a.queue_push("q", "item")
+        wait_inside(reader, "get", "_file.py")
         a.set("late", "1")
 
     t = threading.Thread(target=later, daemon=True)
@@ -432,18 +437,19 @@ def test_same_outcomes_as_torch_filestore(tmp_path: Path) -> None:
 def test_timeout_zero_waits_forever_like_torch(tmp_path: Path) -> None:
     import torch.distributed as tdd
 
+    # (the key is set only once the get waits: a zero timeout that expired at once would fail)
+    def reading(s: Any) -> bytes:  # (torch's get is C code, not on the Python stack: this is)
+        return bytes(s.get("k"))
+
     for name, cls in (("ours", tdist.FileStore), ("torch", tdd.FileStore)):
         p = str(tmp_path / name)
         reader, writer = cls(p), cls(p)
         reader.set_timeout(timedelta(0))
-
-        def later(w: Any = writer) -> None:
-            time.sleep(0.3)
-            w.set("k", "v")
-
-        t = threading.Thread(target=later, daemon=True)
-        t.start()
-        assert reader.get("k") == b"v", name
+        if name == "ours":
+            t = when_inside("_poll", lambda w=writer: w.set("k", "v"), "_file.py")  # type: ignore[misc]
+        else:
+            t = when_inside("reading", lambda w=writer: w.set("k", "v"))  # type: ignore[misc]
+        assert reading(reader) == b"v", name
         t.join()
 
 
@@ -512,13 +518,20 @@ def _wait_or_set(rank: int, world_size: int, path: str) -> float:
     s = tdist.FileStore(path)
     s.set_timeout(timedelta(seconds=30))
     if rank == 0:
+        # (rank 1 sets the key once this rank waits for it: its own handle says so)
+        def say_waiting() -> None:
+            with tdist.FileStore(path) as mine:
+                mine.set("waiting", "1")
+
+        when_inside("wait", say_waiting, "_file.py")
         start = time.monotonic()
         s.wait(["ready"])
+        assert s.check(["ready"])  # (not back before it was set)
         value = s.get("ready")
         assert value == b"go"
         waited = time.monotonic() - start
     else:
-        time.sleep(0.3)
+        s.wait(["waiting"])
         s.set("ready", "go")
         waited = 0.0
     s.close()
@@ -527,7 +540,7 @@ def _wait_or_set(rank: int, world_size: int, path: str) -> float:
 
 def test_process_waits_for_a_key_another_sets(path: str) -> None:
     waited, _ = run_processes(_wait_or_set, 2, path, timeout=60)
-    assert 0.1 < waited < 20
+    assert waited < 20  # woken by the set, not at the 30 s timeout
 
 
 def _queue_worker(rank: int, world_size: int, path: str, items: int) -> list[int]:

@@ -18,6 +18,8 @@ from tdist.testing import run_processes, run_threads
 from tdist.transport import Endpoint
 from tdist.transport._lane import MAX_RECORD
 
+from .._sync import wait_until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -157,8 +159,10 @@ def test_a_receiver_asleep_past_its_spin_is_woken_by_a_lane_message() -> None:
                 received.set()
                 return 0.0
             assert waiting.wait(10)
-            time.sleep(0.05)  # (a slow sender: the receiver has spun its budget and sleeps)
-            assert ep._peers[peer].lane_out is not None and ep._peers[peer].lane_out.sleepers() == 1
+            lane = ep._peers[peer].lane_out
+            assert lane is not None
+            # (a slow sender: it sends once the receiver has spun its budget and sleeps)
+            wait_until(lambda: lane.sleepers() == 1, 10, "the receiver sleeps on the lane")
             ep.send(peer, 3, [b"late"])
             assert received.wait(20)  # (no frame of ours, a goodbye included, may wake it meanwhile)
             return 0.0

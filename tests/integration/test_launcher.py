@@ -335,7 +335,7 @@ def test_agent_in_process_and_without_pidfd(work: Path, monkeypatch: pytest.Monk
     start = time.monotonic()
     code = launch(config, stdout=out, stderr=err, env=launcher_env(work), handle_signals=False)
     assert code == 1
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 20  # the others stopped, not waited for (their 60 s)
     assert b"[rank1]:ValueError: rank 1 gives up" in err.getvalue()
     assert b"worker.py FAILED" in err.getvalue()
 
@@ -344,7 +344,7 @@ def test_agent_in_process_and_without_pidfd(work: Path, monkeypatch: pytest.Monk
 def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> None:
     start = time.monotonic()
     res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "fail")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 15  # the others stopped, not waited for (their 60 s)
     assert res.returncode == 1  # an uncaught exception
     for pid in pids(work, 3):
         assert wait_gone(pid)
@@ -444,7 +444,7 @@ def test_worker_ignoring_sigterm_is_killed(work: Path) -> None:
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--stop-timeout", "0.5",
                     "worker.py", "stubborn")
     assert res.returncode == 5
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 15  # killed, not waited for (its 60 s)
     assert "did not stop within 0.5 s of SIGTERM: sending SIGKILL" in res.stderr
     for pid in pids(work, 2):
         assert wait_gone(pid)
@@ -1092,7 +1092,7 @@ def test_a_signal_ends_a_wait_in_the_elastic_rendezvous(work: Path) -> None:
     proc.send_signal(signal.SIGINT)
     start = time.monotonic()
     _, err = outputs([proc])[0]
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15  # at the signal, not at the join timeout (600 s)
     assert proc.returncode != 0 and "c10d rendezvous of 'none': interrupted" in err, err
 
 
@@ -1133,7 +1133,7 @@ def test_missing_node_fails_the_join(work: Path, node_rank: int) -> None:
     res = tdist_run(work, "--nnodes", "2", "--node-rank", str(node_rank), "--master-port",
                     str(free_port()), "--join-timeout", "1", "worker.py", "env", TDIST_SECRET="s")
     assert res.returncode == 1
-    assert time.monotonic() - start < 10  # no exit barrier for a job that never formed
+    assert time.monotonic() - start < 15  # no exit barrier (300 s) for a job that never formed
     if node_rank == 0:
         assert "node 0: nodes [1] of 2 did not join within 1 s" in res.stderr
     else:

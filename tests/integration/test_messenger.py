@@ -22,6 +22,7 @@ from tdist.transport import _handshake
 from tdist.transport import _serialization as ser
 from tdist.transport._messenger import Messenger
 
+from .._sync import wait_until
 from ._faults import ShortOnce
 
 TOKEN = b"t" * 16
@@ -180,8 +181,8 @@ def test_a_connection_from_another_job_is_refused() -> None:
             other.send(0, 1, "hi")  # refused during the handshake
         except (PeerError, DistNetworkError):
             pass
-        time.sleep(1.0)
-        assert a.inbox.empty()  # never delivered
+        with pytest.raises(queue.Empty):  # never delivered (watched for a second)
+            print("delivered:", a.get(timeout=1.0))
         assert not a.m.is_connected(1)
     finally:
         other.m.close()
@@ -251,7 +252,8 @@ def test_requests_that_come_while_a_poller_waits_for_them_are_all_answered(monke
             assert a.get()[1:] == (i, b"\x01", ("re", i))
         c = _conn_to(b, 0)
         assert c.gaps.seconds() > 0  # requests came while b waited: the waits go on
-        time.sleep(0.01)  # the wait ended: the connection is armed again for any poller
+        # the wait ends (its 2 ms): the connection is armed again for any poller
+        wait_until(lambda: not c.spinner and not c.rlock.locked(), 10, "b's poller stops waiting on the connection")
         a.send(1, 999, "late")
         assert a.get()[3] == ("re", 999)
         assert b.inbox.qsize() == 301
@@ -318,13 +320,18 @@ class Holding(Node):
         self.job = job
         self.release = threading.Event()
         self.started = threading.Event()
+        self.running = False  # the job of tag 1 runs
         self.threads: dict[int, str] = {}
+        self.during_job: dict[int, bool] = {}  # whether each tag was delivered while the job ran
 
     def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
         self.threads[tag] = threading.current_thread().name
+        self.during_job[tag] = self.running
         if tag == 1:
+            self.running = True
             self.started.set()
             self.release.wait(self.job)
+            self.running = False
         elif tag == 2:
             self.release.set()
         super()._on_message(peer, tag, meta, payload)
@@ -348,10 +355,9 @@ def test_a_message_that_comes_while_its_connection_is_held_is_read_by_the_same_p
     with _holding(monkeypatch, hold_max=2.0, job=0.2) as (a, b):
         a.send(1, 1, "a short job")
         assert b.started.wait(5)
-        a.send(1, 3, "comes while the job runs")
-        time.sleep(0.05)
-        assert 3 not in b.threads  # no other poller woke for it: the connection is held
+        a.send(1, 3, "comes while the job runs")  # (the job takes 0.2 s)
         assert [b.get()[1], b.get()[1]] == [1, 3]
+        assert not b.during_job[3]  # no other poller woke for it: the connection is held
         assert b.threads[3] == b.threads[1]  # read on by the poller that ran the job
 
 

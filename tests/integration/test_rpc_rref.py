@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from .._sync import holds_for
 from . import rpc_funcs as f
 from ._rpc_harness import (
     BACKENDS,
@@ -147,8 +148,13 @@ def _chain_and_deletion(w: Worker) -> dict[str, Any]:
     rpc.rpc_sync(b, f.store_rref, args=(tag, rref))  # a second user
     del rref
     collect()
-    time.sleep(0.3)
-    out["alive_while_a_user_holds_it"] = rpc.rpc_sync(owner, f.is_alive, args=(tag,))
+    # (our release reaches the owner as a message: nothing here shows when it has been handled,
+    # so the value is watched for a while, and the watch ends at once if it goes)
+    try:
+        holds_for(lambda: rpc.rpc_sync(owner, f.is_alive, args=(tag,)), 0.3, "the value lives")
+        out["alive_while_a_user_holds_it"] = True
+    except AssertionError:
+        out["alive_while_a_user_holds_it"] = False
     rpc.rpc_sync(b, f.drop_rref, args=(tag,))
     t0 = time.monotonic()
     deadline = t0 + 5
@@ -162,8 +168,11 @@ def _chain_and_deletion(w: Worker) -> dict[str, Any]:
     rpc.rpc_sync(b, f.store_rref, args=(tag, local))
     del local
     collect()
-    time.sleep(0.3)
-    out["local_alive_while_lent"] = f.is_alive(tag)
+    try:
+        holds_for(lambda: f.is_alive(tag), 0.3, "the value lives")
+        out["local_alive_while_lent"] = True
+    except AssertionError:
+        out["local_alive_while_lent"] = False
     rpc.rpc_sync(b, f.drop_rref, args=(tag,))
     deadline = time.monotonic() + 5
     while f.is_alive(tag) and time.monotonic() < deadline:
@@ -426,7 +435,7 @@ def _debug_info(w: Worker) -> list[tuple[str, str]]:
     assert "agent.gil_average_wait_time_us" not in info
     rpc.enable_gil_profiling(True)
     assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3
-    time.sleep(0.05)
+    wait_until(lambda: "agent.gil_average_wait_time_us" in rpc._get_debug_info(), 5, "the GIL wait is reported")
     assert float(rpc._get_debug_info()["agent.gil_average_wait_time_us"]) >= 0.0
     rpc.enable_gil_profiling(False)
     assert "agent.gil_average_wait_time_us" not in rpc._get_debug_info()

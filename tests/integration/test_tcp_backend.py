@@ -29,6 +29,8 @@ from tdist.c10d._types import (
 )
 from tdist.testing import run_threads
 
+from .._sync import when_inside
+
 pytestmark = pytest.mark.timeout(90)
 
 
@@ -243,7 +245,8 @@ def _killed_rank(rank: int, n: int, port: int) -> None:
         os._exit(0)
     store.wait(["armed"])
     t0 = time.monotonic()
-    store.set(f"calling{rank}", "1")
+    # (the test kills rank 1 once this rank is inside the all_reduce: a watcher of its stack says so)
+    when_inside("allreduce", lambda: store.clone().set(f"inside{rank}", "1"), "_tcp_backend.py")
     try:
         pg.allreduce([torch.ones(1000)], AllreduceOptions(asyncOp=False)).wait()
         store.set(f"result{rank}", json.dumps(["no error"]))
@@ -263,10 +266,7 @@ def test_killed_rank_fails_the_collective_everywhere_within_5s() -> None:
         master.wait([f"pid{r}" for r in range(4)])
         victim = int(master.get("pid1"))
         master.set("armed", "1")
-        master.wait([f"calling{r}" for r in (0, 2, 3)])
-        # the others are about to wait on rank 1 in the all_reduce; nothing shows when they are
-        # inside it: a moment more
-        time.sleep(0.05)
+        master.wait([f"inside{r}" for r in (0, 2, 3)])  # the others wait on rank 1 in the all_reduce
         os.kill(victim, signal.SIGKILL)
         for r in (0, 2, 3):
             elapsed, message, _is_peer_error = json.loads(master.get(f"result{r}"))

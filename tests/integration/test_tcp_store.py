@@ -17,6 +17,7 @@ import pytest
 import tdist as dist
 from tdist._core.errors import (
     AuthenticationError,
+    DistError,
     DistNetworkError,
     DistStoreError,
     LocalProtocolError,
@@ -25,6 +26,8 @@ from tdist._core.errors import (
     StoreValueError,
 )
 from tdist.store._protocol import HEADER, FrameDecoder, Op, Status, encode_frame, encode_int
+
+from .._sync import wait_inside, wait_until, when_inside
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -117,10 +120,12 @@ def test_same_answers_as_torch(master: dist.TCPStore) -> None:
 
 def test_get_waits_for_set(master: dist.TCPStore) -> None:
     other = client_of(master)
-    threading.Timer(0.2, lambda: other.set("late", b"here")).start()
+    # (set once the get waits for its reply: only a wake-up on the server can answer it)
+    setter = when_inside("_read_reply", lambda: other.set("late", b"here"), "_tcp.py")
     t0 = time.monotonic()
     assert master.get("late") == b"here"
-    assert 0.1 < time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 5  # woken by the set, not at the 10 s timeout
+    setter.join(5)
     other.close()
 
 
@@ -201,8 +206,10 @@ def test_queue(master: dist.TCPStore) -> None:
     with pytest.raises(QueueEmptyError):
         master.queue_pop("q", block=False)
     other = client_of(master)
-    threading.Timer(0.1, lambda: other.queue_push("q", b"item")).start()
+    # (pushed once the pop waits for its reply)
+    pusher = when_inside("_read_reply", lambda: other.queue_push("q", b"item"), "_tcp.py")
     assert master.queue_pop("q") == b"item"
+    pusher.join(5)
     master.queue_push("w", "x")
     master.wait(["w"], timedelta(seconds=1))  # wait works on a non-empty queue
     other.close()
@@ -235,6 +242,18 @@ def test_barrier_and_wait_from_many_threads(master: dist.TCPStore) -> None:
         s.close()
 
 
+def _joined(port: int) -> int:
+    """How many clients joined the store on ``port`` (0 while it does not answer yet)."""
+    try:
+        probe = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=0.5))
+    except DistError:
+        return 0
+    try:
+        return probe.add("init/", 0)
+    finally:
+        probe.close()
+
+
 def test_master_waits_for_workers() -> None:
     port_holder: list[int] = []
     store_holder: list[dist.TCPStore] = []
@@ -247,7 +266,9 @@ def test_master_waits_for_workers() -> None:
 
     t = threading.Thread(target=make_master)
     t.start()
-    time.sleep(0.3)
+    # the master has counted itself (a client that joins nothing reads the count)
+    wait_until(lambda: _joined(port) == 1, 10, "the master joined its own store")
+    t.join(0.3)
     assert t.is_alive()  # still waiting for the second worker
     worker = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=10))
     t.join(10)
@@ -277,8 +298,8 @@ def test_client_retries_until_server_starts() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     holder: list[dist.TCPStore] = []
-    starter = threading.Timer(0.3, lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True)))
-    starter.start()
+    # (the server starts once the client is trying to connect)
+    starter = when_inside("_connect", lambda: holder.append(dist.TCPStore("127.0.0.1", port, is_master=True)), "_tcp.py")
     client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10))
     client.set("x", "1")
     assert client.get("x") == b"1"
@@ -423,11 +444,12 @@ def test_bad_input_never_takes_the_server_down(master: dist.TCPStore) -> None:
 
     th = threading.Thread(target=parked_get)
     th.start()
-    deadline = time.monotonic() + 10
-    while not waiting._lock.locked():  # (held by a call in flight: the get has started)
-        assert time.monotonic() < deadline, "the get never started"
-        time.sleep(0.001)
-    time.sleep(0.05)  # (nothing shows when the server has parked it: a moment more)
+    # its request is out once it reads the reply: the server parks it before it reads the end
+    # of the connection (in order, on one stream); a server in this process shows it parked
+    wait_inside(th, "_read_reply", "_tcp.py", timeout=10)
+    server = master._server
+    if server is not None and server.pid is None:
+        wait_until(lambda: "never" in server._parked, 10, "the server parked the get")
     waiting._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
     th.join(10)
     assert len(outcome) == 1  # the client saw its connection go, at once

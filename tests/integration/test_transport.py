@@ -23,6 +23,7 @@ from tdist._core.errors import DistError, DistTimeoutError, PeerError
 from tdist.testing import run_processes, run_threads
 from tdist.transport import Endpoint
 
+from .._sync import when_inside
 from ._faults import ShortOnce
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,7 +124,8 @@ def _fault_rank(rank: int, n: int, port: int) -> None:
         os._exit(0)
     store.wait(["armed"])
     t0 = time.monotonic()
-    store.set(f"waiting{rank}", "1")
+    # (the test stops rank 1 once this rank waits for it: a watcher of its stack says so)
+    when_inside("wait", lambda: store.clone().set(f"waiting{rank}", "1"), "_endpoint.py")
     try:
         ep.wait(ep.post_recv(1, 9), t0 + 30, "recv from the victim")
         store.set(f"result{rank}", json.dumps(["no error"]))
@@ -144,10 +146,7 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
         master.wait(["pid0", "pid1", "pid2"])
         victim = int(master.get("pid1"))
         master.set("armed", "1")
-        master.wait(["waiting0", "waiting2"])
-        # they are about to wait for the victim's message; nothing shows when they are inside
-        # the wait: a moment more
-        time.sleep(0.05)
+        master.wait(["waiting0", "waiting2"])  # they wait for the victim's message
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         results = [json.loads(master.get(f"result{r}")) for r in (0, 2)]
         for elapsed, message, peer in results:

@@ -11,6 +11,7 @@ import torch
 
 import tdist as dist
 from tdist.c10d._api import _default_group
+from tests._sync import when_inside
 
 
 def main() -> None:
@@ -51,7 +52,8 @@ def main() -> None:
         if rank == 1:
             print(json.dumps({"victim": os.getpid()}), flush=True)
             time.sleep(60)
-        print(json.dumps({"calling": rank}), flush=True)  # (the test kills rank 1 once both said so)
+        # (the test kills rank 1 once both are inside the all_reduce: a watcher of the stack says so)
+        when_inside("allreduce", lambda: print(json.dumps({"inside": rank}), flush=True), "_tcp_backend.py")
         t0 = time.monotonic()
         try:
             dist.all_reduce(torch.ones(100))

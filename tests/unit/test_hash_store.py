@@ -15,21 +15,17 @@ import tdist
 from tdist._core.errors import DistStoreError, QueueEmptyError, StoreTimeoutError, StoreValueError
 from tdist.testing import run_threads
 
+from .._sync import wait_inside, when_inside
+
 pytestmark = pytest.mark.timeout(30)
 
 SHORT = timedelta(milliseconds=200)
 
 
-def later(delay: float, fn: Callable[[], object]) -> threading.Thread:
-    """Run ``fn`` on a thread after ``delay`` seconds; the caller joins it."""
-
-    def body() -> None:
-        time.sleep(delay)
-        fn()
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    return t
+def when_waiting(fn: Callable[[], object]) -> threading.Thread:
+    """Run ``fn`` on a thread once the calling thread waits (on the store's condition); the
+    caller joins it."""
+    return when_inside("wait", fn, "threading.py")
 
 
 @pytest.fixture
@@ -65,10 +61,10 @@ def test_set_rejects_bad_types(store: tdist.HashStore) -> None:
 
 def test_get_waits_for_another_thread(store: tdist.HashStore) -> None:
     store.set_timeout(timedelta(seconds=5))
-    t = later(0.1, lambda: store.set("late", "v"))
+    t = when_waiting(lambda: store.set("late", "v"))  # (so only a wake-up can answer it)
     start = time.monotonic()
     assert store.get("late") == b"v"
-    assert 0.05 < time.monotonic() - start < 4
+    assert time.monotonic() - start < 4  # woken by the set, not at the 5 s timeout
     t.join()
 
 
@@ -87,10 +83,17 @@ def test_get_timeout_names_key_and_timeout(store: tdist.HashStore) -> None:
 
 def test_timeout_zero_waits_forever_like_torch() -> None:
     # torch's Store::kNoTimeout: a zero timeout means no timeout for HashStore
+    # (the key is set only once the get waits: a zero timeout that expired at once would fail)
+    def reading(s: Any) -> bytes:  # (torch's get is C code, not on the Python stack: this is)
+        return bytes(s.get("k"))
+
     for s in (tdist.HashStore(), tdd.HashStore()):
         s.set_timeout(timedelta(0))
-        t = later(0.3, lambda s=s: s.set("k", "v"))  # type: ignore[misc]
-        assert s.get("k") == b"v"
+        if isinstance(s, tdist.HashStore):
+            t = when_waiting(lambda s=s: s.set("k", "v"))  # type: ignore[misc]
+        else:
+            t = when_inside("reading", lambda s=s: s.set("k", "v"))  # type: ignore[misc]
+        assert reading(s) == b"v"
         t.join()
 
 
@@ -113,11 +116,17 @@ def test_wait_explicit_timeout_overrides_default(store: tdist.HashStore) -> None
 
 def test_wait_returns_when_all_keys_set_by_threads(store: tdist.HashStore) -> None:
     store.set_timeout(timedelta(seconds=5))
-    threads = [later(0.02 * i, lambda i=i: store.set(f"k{i}", str(i))) for i in range(4)]  # type: ignore[misc]
-    store.wait([f"k{i}" for i in range(4)])
-    assert store.check([f"k{i}" for i in range(4)])
-    for t in threads:
-        t.join()
+    keys = [f"k{i}" for i in range(4)]
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (store.wait(keys), returned.set()), daemon=True)
+    waiter.start()
+    for k in keys[:3]:  # each set while the waiter waits
+        wait_inside(waiter, "wait", "threading.py")
+        store.set(k, "v")
+    assert not returned.wait(0.1), "wait() returned with k3 still missing"
+    store.set("k3", "v")
+    assert returned.wait(4)  # woken by the last set, not at the 5 s timeout
+    waiter.join(5)
 
 
 def test_wait_on_nothing_returns(store: tdist.HashStore) -> None:
@@ -164,7 +173,7 @@ def test_compare_set(store: tdist.HashStore) -> None:
 
 def test_compare_set_wakes_waiters(store: tdist.HashStore) -> None:
     store.set_timeout(timedelta(seconds=5))
-    t = later(0.05, lambda: store.compare_set("cs", "", "v"))
+    t = when_waiting(lambda: store.compare_set("cs", "", "v"))
     assert store.get("cs") == b"v"
     t.join()
 
@@ -203,7 +212,7 @@ def test_multi_get_waits_and_times_out_naming_missing(store: tdist.HashStore) ->
     with pytest.raises(StoreTimeoutError, match=r"keys: b \(HashStore"):
         store.multi_get(["a", "b"])
     store.set_timeout(timedelta(seconds=5))
-    t = later(0.05, lambda: store.multi_set(["b"], ["2"]))
+    t = when_waiting(lambda: store.multi_set(["b"], ["2"]))
     assert store.multi_get(["a", "b"]) == [b"1", b"2"]
     t.join()
 
@@ -237,7 +246,7 @@ def test_wait_and_check_see_non_empty_queues(store: tdist.HashStore) -> None:
 
 def test_blocking_pop_waits_for_push(store: tdist.HashStore) -> None:
     store.set_timeout(timedelta(seconds=5))
-    t = later(0.05, lambda: store.queue_push("q", "v"))
+    t = when_waiting(lambda: store.queue_push("q", "v"))
     assert store.queue_pop("q") == b"v"
     t.join()
 
@@ -253,7 +262,8 @@ def test_concurrent_consumers_each_value_once(store: tdist.HashStore) -> None:
         for i in range(n_items):
             store.queue_push("jobs", str(i))
 
-    producer = later(0.0, produce)
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
     results = run_threads(consume, n_consumers, timeout=20)
     producer.join()
     got = sorted(int(v) for r in results for v in r)

@@ -14,6 +14,8 @@ import tdist
 from tdist._core.errors import QueueEmptyError, StoreTimeoutError, StoreValueError
 from tdist.testing import run_threads
 
+from .._sync import inside, wait_until
+
 pytestmark = pytest.mark.timeout(30)
 
 SHORT = timedelta(milliseconds=200)
@@ -133,9 +135,15 @@ def test_blocking_calls_wake_on_writes_through_another_prefix_store(
     base.set_timeout(timedelta(seconds=5))
     one, two = tdist.PrefixStore("p", base), tdist.PrefixStore("p", base.clone())
 
+    reader = threading.current_thread()
+
+    def waits_in(call: str) -> bool:  # (each write comes while the reader waits for it)
+        return inside(reader, call, "_prefix.py") and inside(reader, "wait", "threading.py")
+
     def writer() -> None:
-        time.sleep(0.05)
+        wait_until(lambda: waits_in("get"), 10, "the reader waits in get")
         two.set("k", "v")
+        wait_until(lambda: waits_in("queue_pop"), 10, "the reader waits in queue_pop")
         two.queue_push("q", "item")
 
     t = threading.Thread(target=writer, daemon=True)
