@@ -22,7 +22,7 @@ from tdist.transport import _handshake
 from tdist.transport import _serialization as ser
 from tdist.transport._messenger import Messenger
 
-from .._sync import wait_until
+from .._sync import holds_for, wait_until
 from ._faults import ShortOnce
 
 TOKEN = b"t" * 16
@@ -292,22 +292,64 @@ def test_no_poller_waits_on_a_connection_while_other_work_runs(monkeypatch: pyte
 
 def test_a_poller_does_not_wait_on_a_connection_whose_requests_come_seldom(monkeypatch: pytest.MonkeyPatch) -> None:
     with _answering(monkeypatch, 0.005, quiet=True, ping=False) as (a, b):
-        for i in range(3):  # answered, then silence longer than a wait
+        for i in range(spin.WINDOW + 1):  # answered, then silence longer than a wait (a gap each, the first excepted)
             a.send(1, i, i)
             a.get()
             time.sleep(0.03)
         c = _conn_to(b, 0)
-        assert c.gaps.seconds() == 0  # (more than one of its last requests came late)
+        assert c.gaps.seconds() == 0  # (its last requests all came late)
         a.send(1, 100, "seldom")
         assert a.get()[3] == ("re", 100)
         end = time.monotonic() + 0.05
         while time.monotonic() < end:
             assert not c.spinner
             time.sleep(0.0005)
-        for i in range(spin.WINDOW):  # requests soon after their answers: b waits for the next one again
-            a.send(1, 200 + i, i)
+        for i in range(2):  # (the first comes after the watch above:) a request soon after its
+            a.send(1, 200 + i, i)  # answer: b waits for the next one again
             a.get()
         assert c.gaps.seconds() > 0
+
+
+class SlowAnswering(Answering):
+    """An answering node whose every request computes for ``job`` seconds first."""
+
+    def __init__(self, my_id: int, book: dict[int, Any], job: float) -> None:
+        super().__init__(my_id, book)
+        self.job = job
+
+    def _on_message(self, peer: int, tag: int, meta: bytes, payload: Any) -> None:
+        end = time.monotonic() + self.job
+        while time.monotonic() < end:  # (computing, as a parameter server's forward does)
+            pass
+        super()._on_message(peer, tag, meta, payload)
+
+
+def test_a_poller_does_not_wait_for_the_next_request_after_one_that_ran_longer_than_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request that computed for longer than the poller's budget leaves torch's intra-op
+    threads spinning and its caller computing: the poller sleeps instead of polling then (it
+    would take one core of two). A quick request is followed by a wait as before."""
+    from tdist.transport import _messenger
+
+    monkeypatch.setattr(_messenger, "_POLLER_SPIN", 0.05)
+    book: dict[int, Any] = {}
+    a, b = Node(0, book), SlowAnswering(1, book, job=0.1)
+    try:
+        for i in range(3):
+            a.send(1, i, i)
+            assert a.get()[3] == ("re", i)
+        c = _conn_to(b, 0)
+        assert c.gaps.seconds() > 0  # (its requests come soon after their answers...)
+        # (...but what ran was long: b's poller sleeps)
+        holds_for(lambda: not c.spinner, 0.2, "b's poller waits for a request after a long one", interval=0.001)
+        b.job = 0.0
+        a.send(1, 9, "quick")
+        assert a.get()[3] == ("re", 9)
+        wait_until(lambda: c.spinner, 5, "after a quick request the poller waits for the next", interval=0.0005)
+    finally:
+        a.m.close()
+        b.m.close()
 
 
 class Holding(Node):

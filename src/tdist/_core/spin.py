@@ -20,21 +20,16 @@ through its spin ran at a quarter of its idle speed there, and below torch's.
 
 A waiter learns from where its answers land (``Budget``):
 
-- answers that come after its spin (it slept): it spins only while at most ``tolerate`` of its
-  last ``WINDOW`` waits ended after the budget; else it sleeps at once, and tries again after
-  ``RETRY_AFTER`` waits. A wait that slept but ended within the budget counts as a catch
-  (``ended``); one that ended after it tells nothing more than that it slept (a sleeper's
+- answers that come after its spin (it slept): after ``WINDOW`` in a row it sleeps at once, and
+  tries again after ``RETRY_AFTER`` waits. Spinning that never catches only burns CPU the peer
+  may need (a loaded machine, many clients of one server). A wait that slept but ended within
+  the budget counts as a catch (``ended``), so a waiter comes back to polling as soon as its
+  answers are quick again; one that ended after it says no more than that it slept (a sleeper's
   wake-up, 5-200 us on a loaded VM, may have made a quick answer late: counting those as
-  evidence kept both sides of an RPC asleep, each making the other late). The default
-  tolerates all but a whole window of misses: spinning that never catches only burns CPU the
-  peer may need (a loaded machine, many clients of one server), while a waiter whose answers
-  mostly come in time keeps polling through the odd late one. A waiter that sees many kinds of
-  answers in one place tolerates fewer: a spin that misses takes a core for the whole budget,
-  exactly while the peer works on the answer, and one that catches saves a wake-up, so with a
-  150 us budget mixed answers do not pay (an RPC poller that polled after every answer for the
-  caller's next request, which a parameter server's trainer sends only after computing for a
-  while, left the trainer and torch's intra-op threads one core of two: 0.62-0.69x torch's
-  steps/s, against 0.80-0.83x where it tolerates one late request in eight);
+  evidence kept both sides of an RPC asleep, each making the other late). Where answers of
+  different kinds come to one place, a budget per kind learns better: RPC keeps one per callee
+  and function (a parameter server's forward and backward compute for long, its optimizer's
+  step does not);
 - answers that come only once it yielded: its peer shares its core, and polling without
   yielding only kept the peer from answering (the scheduler puts a waker and its wakee on one
   core where the other cores run other work: a socket's wake-up is a "sync" one, which places
@@ -71,11 +66,10 @@ class Budget:
     an outcome may be lost now and then, which only blurs what it learns.
     """
 
-    __slots__ = ("paused", "shared", "spin", "tolerate", "window", "yielded")
+    __slots__ = ("paused", "shared", "spin", "window", "yielded")
 
-    def __init__(self, spin: float = SPIN, tolerate: int = WINDOW - 1) -> None:
+    def __init__(self, spin: float = SPIN) -> None:
         self.spin = spin
-        self.tolerate = tolerate  # late answers among the last WINDOW for which it still spins
         self.window = 0  # the last WINDOW waits, newest in bit 0: 1 where it ended after the budget
         self.paused = 0  # waits since spinning paused that could not tell how long they took
         self.yielded = 0  # the last WINDOW catches, newest in bit 0: 1 where it came only after a yield
@@ -83,7 +77,7 @@ class Budget:
 
     def seconds(self) -> float:
         """How long to poll this time: the budget, or 0 while paused."""
-        return self.spin if self.window.bit_count() <= self.tolerate else 0.0
+        return self.spin if self.window != _FULL else 0.0
 
     def pure(self) -> float:
         """How much of it to poll without yielding: half, or none while the peer seems to
@@ -113,7 +107,7 @@ class Budget:
         """The waiter went to sleep, and cannot tell how long the answer then took."""
         if not self.spin:
             return
-        if self.window.bit_count() > self.tolerate:  # paused already: try again after a while
+        if self.window == _FULL:  # paused already: try again after a while
             self.paused += 1
             if self.paused >= RETRY_AFTER:
                 self.window = 0

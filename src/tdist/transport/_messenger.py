@@ -17,12 +17,14 @@ connection while it is held, so the reply reaches the waiting thread with no thr
 Whoever reads a frame delivers it through ``on_message`` (from the thread that read it).
 A poller that just answered a caller (``send(answer=True)``) keeps that connection's read lock
 and polls it for up to ``_POLLER_SPIN`` before it sleeps, when nothing else of the process runs
-(``quiet``) and nearly all of the recent requests after an answer on it came that soon
-(``_core.spin``'s rule, on those gaps): a caller's next request then costs its sender no
-wake-up of a sleeping thread, and sporadic traffic, or a caller that computes between its calls,
-costs no CPU. A thread that claims the connection meanwhile asks the poller to let go
-(``yield_req``). A thread waiting for its reply spins by the same rule, on how long its replies
-took.
+(``quiet``), the requests after an answer on it come that soon (``_core.spin``'s rule, on those
+gaps: sporadic traffic costs no CPU), and what it just ran took less than that budget: a request
+that computed for longer leaves torch's intra-op threads spinning for a while (OpenMP's wait
+policy) and its caller computing too, and a poller polling then left them one core of two (a
+parameter server, pytorch/examples', at 0.62-0.69x torch's steps/s; 0.86-1.01x since). A
+caller's next request then costs its sender no wake-up of a sleeping thread. A thread that
+claims the connection meanwhile asks the poller to let go (``yield_req``). A thread waiting for
+its reply polls by the same policy, learnt per call site (``read_until(budget=)``).
 
 Holding. A poller leaves the connection it read disarmed while it delivers what it read and
 runs the request it kept (``_held``): what comes meanwhile on that connection (a caller's next
@@ -132,8 +134,8 @@ class _Conn(Link):
         self.spinner = False  # a poller holds rlock, polling for the next message
         self.answered_at = 0.0  # when a poller last answered on it (0: a request came since)
         # how soon its caller's next requests came after an answer: a poller that answered
-        # waits for the next one (``_await_next``) only while nearly all came within the budget
-        self.gaps = spin.Budget(_POLLER_SPIN, tolerate=1)
+        # waits for the next one (``_await_next``) only while they come within the budget
+        self.gaps = spin.Budget(_POLLER_SPIN)
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.hold_off = 0.0  # not held before this time (the guard had to arm it)
         self.budget = spin.Budget(_SPIN)  # a waiting caller's spin for its reply (read_until)
@@ -671,6 +673,7 @@ class Messenger:
                     continue
                 self._occupied()
                 self._tls.answered = False
+                ran_from = time.monotonic()
                 try:
                     self._tls.delivering = True
                     for item in batch:
@@ -690,7 +693,7 @@ class Messenger:
                     self._free()
                 # still held (not armed by the guard meanwhile): arming it is ours to do
                 held = held and self._held.pop(c, None) is not None
-                if _POLLER_SPIN > 0 and self._tls.answered and self._busy_pollers == 0 and (self.quiet is None or self.quiet()):
+                if _POLLER_SPIN > 0 and self._tls.answered and self._busy_pollers == 0 and (self.quiet is None or self.quiet()) and time.monotonic() - ran_from < _POLLER_SPIN:
                     spun = self._await_next(c, held)
                 elif held:
                     spun = self._read_on(c)
