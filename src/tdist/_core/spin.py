@@ -81,8 +81,11 @@ class Budget:
 
     def pure(self) -> float:
         """How much of it to poll without yielding: half, or none while the peer seems to
-        share this core."""
-        return self.spin * 0.5 if self.yielded.bit_count() <= WINDOW // 2 else 0.0
+        share this core or while spinning is paused (a waiter that tests ``pure()`` before
+        ``seconds()``, as the store server's loop does, polled through a pause before)."""
+        if self.window == _FULL or self.yielded.bit_count() > WINDOW // 2:
+            return 0.0
+        return self.spin * 0.5
 
     def caught(self, after_yield: bool = False) -> None:
         """The answer came while polling (``after_yield``: only once this waiter yielded)."""
