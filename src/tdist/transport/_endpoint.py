@@ -262,9 +262,6 @@ class Endpoint:
         self._meshed = threading.Event()
         self._mesh_errors: list[BaseException] = []
         self._lanes_wanted = False  # (``enable_lanes`` before the mesh was made)
-        # (``close`` wakes a mesh thread still connecting: a group destroyed right after it was
-        # formed, before its connections, which it did not wait for, were made)
-        self._mesh_wake_r = self._mesh_wake_w = -1
         # (``connect_later``: the mesh thread neither accepts nor connects before the owner
         # calls ``connected()``: a connection needs both ends there, so no rank's set-up ends
         # before every other rank has done what precedes its ``connected()``, e.g. opened this
@@ -357,7 +354,6 @@ class Endpoint:
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
             self.peer_extras[peer] = pinfo.get("x")
-        self._mesh_wake_r, self._mesh_wake_w = os.pipe()
         self._mesh = self._reader = threading.Thread(
             target=self._connect_all, args=(listeners, infos, deadline, timeout),
             name=f"tdist-rd-{self.name}-{self.rank}", daemon=True,
@@ -427,7 +423,6 @@ class Endpoint:
                         f"connection with rank(s) {missing}: are they running and in this group?"
                     )
                 ready = select.poll()
-                ready.register(self._mesh_wake_r, select.POLLIN)  # (``close``: stop at once)
                 due = deadline
                 if doorway is not None:
                     ready.register(doorway.fileno(), select.POLLIN)
@@ -450,11 +445,6 @@ class Endpoint:
             if doorway is not None:
                 doorway.close()
             listeners.close()
-            with self._lock:  # (not while ``close`` may write to it)
-                for fd in (self._mesh_wake_r, self._mesh_wake_w):
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                self._mesh_wake_r = self._mesh_wake_w = -1
         ep = select.epoll(len(self._peers))
         for p in self._peers.values():
             ep.register(p.fd, _ARMED)
@@ -737,11 +727,7 @@ class Endpoint:
         self._closing = True
         self._may_connect.set()  # (a mesh thread waiting to connect sees the close)
         mesh, self._mesh = self._mesh, None
-        if mesh is not None:  # (closed before its connections were made: its thread sees _closing)
-            with self._lock:
-                if self._mesh_wake_w >= 0:
-                    with contextlib.suppress(OSError):
-                        os.write(self._mesh_wake_w, b"\0")
+        if mesh is not None:  # (closed before connected(): its thread sees _closing)
             self._meshed.wait(2.0)
         self._heartbeats.stop()
         # A receive may be complete here while its sender still waits for our ack (the ack leaves
