@@ -340,16 +340,7 @@ class ProcessGroupTCP(Backend):
             else:
                 offer.close()
         try:
-            if self._arena is not None:
-                # Collectives need no socket here, so forming the group does not wait for the
-                # connections (about half a millisecond of handshakes): they are made meanwhile,
-                # and the first operation that needs one waits for them. A barrier on the arena
-                # instead says that every rank has joined it (opened every peer's descriptors),
-                # so that no rank, done at once, destroys the group under a slower one.
-                self._ep.connected(wait=False)
-                self._arena.barrier(timeout=self._timeout)
-            else:
-                self._ep.connected()
+            self._ep.connected()
         except BaseException:
             if self._arena is not None:
                 self._arena.close()

@@ -261,7 +261,6 @@ class Endpoint:
         self._mesh: threading.Thread | None = None
         self._meshed = threading.Event()
         self._mesh_errors: list[BaseException] = []
-        self._lanes_wanted = False  # (``enable_lanes`` before the mesh was made)
         # (``connect_later``: the mesh thread neither accepts nor connects before the owner
         # calls ``connected()``: a connection needs both ends there, so no rank's set-up ends
         # before every other rank has done what precedes its ``connected()``, e.g. opened this
@@ -283,27 +282,17 @@ class Endpoint:
         if not connect_later:
             self.connected()
 
-    def connected(self, wait: bool = True) -> None:
-        """Let the connections to every peer be made (``connect_later``), and wait until they
-        are. ``wait=False``: return at once; the first operation that needs a connection
-        (``send``, ``post_recv``) waits for them, and raises the mesh's error if it failed. For
-        an owner that has another way to know that every rank is there (the backend's
-        shared-memory arena, after a barrier on it) and that may never need the sockets.
+    def connected(self) -> None:
+        """Wait until the connections to every peer are made (``connect_later``).
 
         Raises:
             DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
         """
         self._may_connect.set()
-        if wait:
-            self._ensure_meshed()
-
-    def _ensure_meshed(self) -> None:
-        """(Before anything that needs the connections.) Wait for the mesh thread's
-        connections, once; raise its error if it failed."""
-        if self._mesh is None:
+        mesh, self._mesh = self._mesh, None
+        if mesh is None:
             return
         self._meshed.wait()  # (its own deadline bounds it)
-        self._mesh = None
         if self._mesh_errors:
             raise self._mesh_errors[0]
 
@@ -315,17 +304,9 @@ class Endpoint:
 
     def enable_lanes(self) -> None:
         """Let small messages to peers of this host go through shared-memory lanes (``_lane``)
-        from now on (once the connections are made, where they are still being made). For a
-        caller that knows the machine keeps x86's store order and that these processes may open
-        each other's descriptors through ``/proc`` (the backend's shared-memory arena proves
-        both)."""
-        with self._lock:
-            self._lanes_wanted = True
-            if not self._meshed.is_set():  # (the mesh thread enables them as it finishes)
-                return
-        self._open_lanes()
-
-    def _open_lanes(self) -> None:
+        from now on. For a caller that knows the machine keeps x86's store order and that
+        these processes may open each other's descriptors through ``/proc`` (the backend's
+        shared-memory arena proves both)."""
         for q, p in self._peers.items():
             if self.same_host(q) and self._peer_pids.get(q, 0) > 0:
                 p.lane_ok = True
@@ -367,13 +348,9 @@ class Endpoint:
             self._connect_mesh(listeners, infos, deadline, timeout)
         except BaseException as exc:  # (raised in the caller's thread by connected())
             self._mesh_errors.append(exc)
-            self._meshed.set()
             return
-        with self._lock:  # (lanes asked for meanwhile open before anyone may use a peer)
-            lanes = self._lanes_wanted
+        finally:
             self._meshed.set()
-        if lanes:
-            self._open_lanes()
         self._read_loop()
 
     def _connect_mesh(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
@@ -618,8 +595,6 @@ class Endpoint:
         with ``None`` the payload is kept as ``handle.data``.
         """
         handle = RecvHandle(peer, tag, buffer, expect_meta, what)
-        if self._mesh is not None:
-            self._ensure_meshed()
         with self._lock:
             if self._broken is not None:
                 handle._finish(peer, self._broken)
@@ -766,8 +741,6 @@ class Endpoint:
     def _peer(self, peer: int, what: str) -> _Peer:
         if self._broken is not None:
             raise self._broken
-        if self._mesh is not None:
-            self._ensure_meshed()
         p = self._peers.get(peer)
         if p is None:
             raise ValueError(f"rank {self.rank}: no peer rank {peer} in a group of {self.size}")
