@@ -380,3 +380,52 @@ def test_no_rank_finishes_forming_the_group_before_every_rank_has_joined_its_are
 
     run_threads(body, 2, timeout=60)
     assert seen == ([False] if path == "shm" else [])  # (over sockets there is no arena to join)
+
+
+def _with_its_own_secret(rank: int, world: int, path: str) -> str:
+    os.environ["TDIST_SECRET"] = f"not-the-same-{rank}"  # (a misconfigured job)
+    store = tdist.FileStore(path, world)  # (a store that asks for no secret: the group must)
+    try:
+        pg = ProcessGroupTCP(tdist.PrefixStore("g", store), rank, world, timedelta(seconds=2))
+    except DistError as exc:
+        return type(exc).__name__
+    pg.shutdown()
+    return "formed"
+
+
+def test_ranks_that_do_not_share_the_job_secret_do_not_form_a_group(path: str) -> None:
+    """Forming a group proves the job secret both ways on every connection, on the arena path
+    too, where the collectives then need no socket: ranks with different secrets get an error
+    from forming the group, not a group whose collectives run."""
+    import tempfile
+
+    from tdist.testing import run_processes
+
+    with tempfile.TemporaryDirectory() as d:
+        out = run_processes(_with_its_own_secret, 2, os.path.join(d, "store"), timeout=60)
+    assert "formed" not in out, out
+
+
+def test_a_rank_that_leaves_at_once_leaves_the_others_point_to_point_working(path: str) -> None:
+    """Rank 0 destroys the group as soon as it is formed (it has no use for it); ranks 1 and 2
+    still exchange messages over it."""
+    store = tdist.HashStore()
+    formed = threading.Barrier(3)
+    out: dict[int, Any] = {}
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n, "leave")
+        formed.wait(30)
+        if rank == 0:
+            pg.shutdown()
+            return
+        if rank == 1:
+            pg.send([torch.arange(3.0)], 2, 7).wait()
+        else:
+            x = torch.zeros(3)
+            pg.recv([x], 1, 7).wait()
+            out[rank] = x.tolist()
+        pg.shutdown()
+
+    run_threads(body, 3, timeout=60)
+    assert out == {2: [0.0, 1.0, 2.0]}
