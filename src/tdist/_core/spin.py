@@ -96,6 +96,8 @@ class Budget:
             if self.shared >= RETRY_AFTER:
                 self.yielded = 0
                 self.shared = 0
+        else:
+            self.shared = 0
 
     def ended(self, seconds: float) -> None:
         """A wait that slept took ``seconds`` in all: within the budget it counts as a catch

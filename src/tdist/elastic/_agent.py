@@ -76,14 +76,13 @@ from ._inspect import (
     STATUS_DIR_ENV,
     answer_dump,
     dump_request,
+    expire_status,
     gather_dump,
     handles_signal,
-    metrics_key,
     node_metrics,
     publish_metrics,
     publish_status,
     register_job,
-    status_key,
     unregister_job,
 )
 from ._metrics import METRICS_FD_ENV, TIMED_ENV
@@ -1042,9 +1041,10 @@ class LocalAgent:
         if store is None or self._job_record is None:
             return
         with contextlib.suppress(Exception):
-            store.delete_key(status_key(self.config.run_id))
-            if self._metrics is not None:
-                store.delete_key(metrics_key(self.config.run_id))
+            expire_status(store, self.config.run_id)
+        if self._metrics is not None:  # (its last counts stay part of the job's)
+            with contextlib.suppress(Exception):
+                publish_metrics(store, self.config.run_id, self._metrics.snapshot())
 
     def _update_status(self, workers: list[_Worker], exits: list[WorkerExit], restart_count: int) -> None:
         """Count the group's workers and redraw the status line (monitor loop, each tick)."""

@@ -20,7 +20,7 @@ A job of several nodes is also seen whole from anywhere that reaches its store: 
 launcher publishes its rows each second in the job's store (the rendezvous store, or node 0's
 job store), under ``tdist.status/<run id>/<host>:<launcher pid>`` (``publish_status``), and
 ``tdist status --rdzv-endpoint HOST:PORT`` (with the job's secret) reads every node's rows into
-one table (``watch_job``). A node's rows older than ``_STALE`` seconds are not shown (its
+one table (``watch_job``). A node's rows older than ``STALE`` seconds are not shown (its
 launcher stopped publishing: gone, or stopped). ``tdist dump --rdzv-endpoint`` puts a request
 in the store (``DUMP_KEY/<run id>/request``); each launcher, at its next publication, gathers its
 workers' stacks and flight records (``gather_dump``, in a thread of its own) and puts the files
@@ -47,9 +47,11 @@ from typing import Any
 from .._core._process import pid_alive
 
 __all__ = [
+    "STALE",
     "answer_dump",
     "collect_dump",
     "dump_request",
+    "expire_status",
     "find_job",
     "gather_dump",
     "handles_signal",
@@ -70,7 +72,8 @@ __all__ = [
 
 STATUS_DIR_ENV = "TDIST_STATUS_DIR"
 _STATUS_EVERY = 1.0  # seconds between two writes of a worker's status.json
-_STALE = 10.0  # seconds after which a node's published rows are not shown
+STALE = 10.0  # seconds after which a node's published rows (and metrics' workers) are not shown
+
 STATUS_KEY = "tdist.status"
 METRICS_KEY = "tdist.metrics"
 DUMP_KEY = "tdist.dump"
@@ -325,19 +328,28 @@ def publish_metrics(store: Any, run_id: str, part: dict[str, Any]) -> None:
 
 
 def node_metrics(store: Any, run_id: str) -> list[dict[str, Any]]:
-    """The other nodes' fresh parts of the job's metrics, from ``store``."""
+    """Every other node's last part of the job's metrics, from ``store``, fresh or not (a node
+    that left keeps its counts in the job's; its ``time`` says how old it is). The keys are
+    never deleted (a launcher's last publication stays), so every key listed can be read at
+    once."""
     prefix, mine = f"{METRICS_KEY}/{run_id}/", metrics_key(run_id)
     keys = [k for k in store.list_keys() if k.startswith(prefix) and k != mine]
-    now, parts = time.time(), []
+    parts = []
     for raw in (store.multi_get(keys) if keys else []):
         try:
             part = json.loads(raw)
-            fresh = now - float(part["time"]) <= _STALE
+            float(part["time"])
         except (ValueError, KeyError, TypeError):
             continue
-        if fresh:
-            parts.append(part)
+        parts.append(part)
     return parts
+
+
+def expire_status(store: Any, run_id: str) -> None:
+    """Take this node's rows out of ``tdist status``: its record is overwritten as stale, not
+    deleted (a reader lists the keys, then reads them all in one request, which would wait
+    for a key deleted in between)."""
+    store.set(status_key(run_id), json.dumps({"time": 0.0, "rows": []}).encode())
 
 
 def job_rows(store: Any, run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -352,7 +364,7 @@ def job_rows(store: Any, run_id: str) -> tuple[list[dict[str, Any]], list[dict[s
             age = max(0.0, now - float(record["time"]))
         except (ValueError, KeyError, TypeError):
             continue
-        if age > _STALE:
+        if age > STALE:
             continue
         nodes.append(record)
         for row in record.get("rows", []):

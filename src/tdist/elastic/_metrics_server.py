@@ -15,11 +15,12 @@ gauges).
 
 A job of several nodes has one view: each node's launcher publishes its part (``snapshot``:
 its ranks' totals, workers and restarts) in the job's store once a second, beside its status
-rows, reads the other nodes' parts from there and hands them to its endpoint (``set_others``).
-Every node's endpoint then serves the whole job, its own ranks fresh as of the scrape and the
-other nodes' as of their last publication (at most about a second old); scrape one of them (a
-rank's series would come once from each node scraped). ``_metrics.merge_nodes`` adds the parts
-up by rank.
+rows, and once more as it leaves; it reads the other nodes' parts from there and hands them to
+its endpoint (``set_others``). Every node's endpoint then serves the whole job, its own ranks
+fresh as of the scrape and the other nodes' as of their last publication (at most about a second
+old); scrape one of them (a rank's series would come once from each node scraped).
+``_metrics.merge_nodes`` adds the parts up by rank. A node that left keeps its counts in the
+job's (counters never go down); its workers are not shown once its part is ``_STALE``.
 
 Thread-safety: the agent's thread calls ``connect``/``started``/``exited``/``attempt``/
 ``snapshot``/``set_others``/``close``; the reader and the HTTP threads share the state under
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ._agent import LaunchError
+from ._inspect import STALE as _STALE  # (a node's part older than this: its workers are not shown)
 from ._metrics import (
     BUCKETS,
     BYTES,
@@ -64,7 +66,6 @@ __all__ = ["MetricsServer"]
 log = logging.getLogger(__name__)
 
 _ANSWER_WAIT = 1.0  # seconds a scrape waits for the workers' fresh totals
-_STALE = 10.0  # seconds after which another node's last published part is no longer served
 _READ_CHUNK = 1 << 16
 _STATES = ("running", "succeeded", "failed", "stopped")
 
@@ -355,12 +356,12 @@ class MetricsServer:
 
         self._fresh()
         with self._lock:
-            now = time.time()  # (a node that stopped publishing is gone from the view)
-            others = [o for o in self._others if now - float(o.get("time", 0.0)) <= _STALE]
+            others = self._others  # (every node's counts stay in the job's, a node gone too)
             totals = merge_nodes(self._agg.by_rank(), others)
             restarts, job = max([self._restarts, *(int(o.get("restarts", 0)) for o in others)]), self._job
             states = {c.rank: (c.local_rank, c.state) for c in self._current_conns()}
-        for part in others:  # (a rank another node runs now, or that only another node knew)
+        now = time.time()  # (the workers of a node that no longer publishes are not shown)
+        for part in (o for o in others if now - float(o.get("time", 0.0)) <= _STALE):
             for rank, local_rank, st in part.get("workers", []):
                 if int(rank) not in states or (st == "running" and states[int(rank)][1] != "running"):
                     states[int(rank)] = (int(local_rank), str(st))

@@ -305,10 +305,11 @@ class TCPStore(Store):
     def _connect(self, timeout: float) -> None:
         start = time.monotonic()
         deadline = start + timeout
-        # A master started a moment later is found within a fraction of a millisecond: retries
-        # come every 0.25-5 ms for the first seconds (ranks start together, and a loaded host
-        # delays the master's bind by milliseconds: doubling from 1 ms had a rank sleep 15 ms for
-        # a master up after 2), then doubling to 0.5 s.
+        # A master that is not listening yet (refused) is tried again every 0.25-2 ms for the
+        # first 0.1 s: ranks start together, and a loaded host delays the master's bind by
+        # milliseconds (doubling from 1 ms had a rank sleep 15 ms for a master up after 2). Then,
+        # and for any other error, the delay doubles to 0.5 s, so that many ranks waiting for a
+        # late master do not flood its host.
         delay = 0.00025
         last_exc: BaseException | None = None
         try_unix = _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
@@ -346,7 +347,8 @@ class TCPStore(Store):
             if now + delay > deadline:
                 break
             time.sleep(delay)
-            delay = min(delay * 2, 0.005 if now - start < 5.0 else 0.5)
+            early = now - start < 0.1 and isinstance(last_exc, (ConnectionRefusedError, FileNotFoundError))
+            delay = min(delay * 2, 0.002) if early else min(max(delay, 0.001) * 2, 0.5)
         raise DistNetworkError(
             f"could not connect to the store at {self._addr} within {timeout:g} s "
             f"(last error: {last_exc}); check that the master process is running and that "
