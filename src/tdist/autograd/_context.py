@@ -215,13 +215,21 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 # -- send / recv --------------------------------------------------------------------------------
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors in ``obj`` (nested tuples, lists, dicts), in order."""
+    out: list[torch.Tensor] = []
+    _collect(obj, out)
+    return out
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    # (one list filled in one walk: a call's arguments are walked on every recorded call)
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in _tensors(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors(x)]
-    return []
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _collect(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect(x, out)
 
 
 def _replace(obj: Any, new: Iterator[torch.Tensor]) -> Any:
@@ -277,10 +285,11 @@ def _recv(context_id: int, src: int, msg_id: int, obj: Any, mask: list[bool]) ->
 
 def _record_send(ctx: DistAutogradContext, dst: int, obj: Any) -> tuple[int, list[bool]]:
     msg_id = (_rank() << 48) | next(_msg_ids)
-    mask = _mask(obj)
+    tensors = _tensors(obj)
+    mask = [t.requires_grad for t in tensors]
     with ctx.lock:
         if any(mask):
-            ctx.sends[msg_id] = [t for t in _tensors(obj) if t.requires_grad]
+            ctx.sends[msg_id] = [t for t, m in zip(tensors, mask, strict=True) if m]
         ctx.peers.add(dst)
     return msg_id, mask
 
