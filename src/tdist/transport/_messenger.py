@@ -693,6 +693,8 @@ class Messenger:
                     self._free()
                 # still held (not armed by the guard meanwhile): arming it is ours to do
                 held = held and self._held.pop(c, None) is not None
+                # (after a request that ran longer than the budget nothing waits, and the gap
+                # to the next request is not measured either: the gaps learn from quick ones)
                 if _POLLER_SPIN > 0 and self._tls.answered and self._busy_pollers == 0 and (self.quiet is None or self.quiet()) and time.monotonic() - ran_from < _POLLER_SPIN:
                     spun = self._await_next(c, held)
                 elif held:
