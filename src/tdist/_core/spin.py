@@ -53,9 +53,9 @@ __all__ = ["RETRY_AFTER", "SPIN", "WINDOW", "YIELDS", "Budget"]
 
 SPIN = float(os.environ.get("TDIST_SPIN_US", "150")) * 1e-6
 YIELDS = 2
-WINDOW = 8  # the waits a budget remembers
+WINDOW = 8  # misses in a row that pause spinning; the catches whose majority says "yield at once"
 RETRY_AFTER = 256
-_FULL = (1 << WINDOW) - 1
+_FULL = (1 << WINDOW) - 1  # (the window of catches)
 
 
 class Budget:
@@ -66,24 +66,24 @@ class Budget:
     an outcome may be lost now and then, which only blurs what it learns.
     """
 
-    __slots__ = ("paused", "shared", "spin", "window", "yielded")
+    __slots__ = ("misses", "paused", "shared", "spin", "yielded")
 
     def __init__(self, spin: float = SPIN) -> None:
         self.spin = spin
-        self.window = 0  # the last WINDOW waits, newest in bit 0: 1 where it ended after the budget
+        self.misses = 0  # waits in a row that ended after the budget (WINDOW: paused)
         self.paused = 0  # waits since spinning paused that could not tell how long they took
         self.yielded = 0  # the last WINDOW catches, newest in bit 0: 1 where it came only after a yield
         self.shared = 0  # waits since it took its peer to share its core (it yields at once)
 
     def seconds(self) -> float:
         """How long to poll this time: the budget, or 0 while paused."""
-        return self.spin if self.window != _FULL else 0.0
+        return self.spin if self.misses < WINDOW else 0.0
 
     def pure(self) -> float:
         """How much of it to poll without yielding: half, or none while the peer seems to
         share this core or while spinning is paused (a waiter that tests ``pure()`` before
         ``seconds()``, as the store server's loop does, polled through a pause before)."""
-        if self.window == _FULL or self.yielded.bit_count() > WINDOW // 2:
+        if self.misses >= WINDOW or self.yielded.bit_count() > WINDOW // 2:
             return 0.0
         return self.spin * 0.5
 
@@ -112,16 +112,15 @@ class Budget:
         """The waiter went to sleep, and cannot tell how long the answer then took."""
         if not self.spin:
             return
-        if self.window == _FULL:  # paused already: try again after a while
+        if self.misses >= WINDOW:  # paused already: try again after a while
             self.paused += 1
             if self.paused >= RETRY_AFTER:
-                self.window = 0
-                self.paused = 0
+                self.misses = self.paused = 0
             return
-        self._outcome(True)
+        self.misses += 1
 
     def _outcome(self, miss: bool) -> None:
-        self.window = ((self.window << 1) | miss) & _FULL
+        self.misses = self.misses + 1 if miss else 0
         self.paused = 0
 
     def poll(self, check: Callable[[], bool]) -> bool:
