@@ -24,6 +24,20 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _flight_record_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The flight-record dumps that failing groups write (on by default) go to the session's
+    temporary folder, not /tmp/nccl_trace_rank_N (tests that look at dumps set their own)."""
+    if "TDIST_FR_DUMP_TEMP_FILE" in os.environ or "TORCH_FR_DUMP_TEMP_FILE" in os.environ:
+        yield
+        return
+    os.environ["TDIST_FR_DUMP_TEMP_FILE"] = str(tmp_path_factory.mktemp("fr") / "rank_")
+    try:
+        yield
+    finally:
+        os.environ.pop("TDIST_FR_DUMP_TEMP_FILE", None)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
