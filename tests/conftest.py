@@ -31,11 +31,12 @@ def _flight_record_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     if "TDIST_FR_DUMP_TEMP_FILE" in os.environ or "TORCH_FR_DUMP_TEMP_FILE" in os.environ:
         yield
         return
-    os.environ["TDIST_FR_DUMP_TEMP_FILE"] = str(tmp_path_factory.mktemp("fr") / "rank_")
+    # (torch's name, which tdist reads too: tests that start programs strip every TDIST_ variable)
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(tmp_path_factory.mktemp("fr") / "rank_")
     try:
         yield
     finally:
-        os.environ.pop("TDIST_FR_DUMP_TEMP_FILE", None)
+        os.environ.pop("TORCH_FR_DUMP_TEMP_FILE", None)
 
 
 def _free_port() -> int:

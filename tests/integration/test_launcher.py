@@ -171,14 +171,19 @@ def work(tmp_path: Path) -> Path:
 def launcher_env(work: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     for var in ("TDIST_SECRET", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_USE_AGENT_STORE"):
+                "TORCHELASTIC_USE_AGENT_STORE", "TORCH_FR_DUMP_TEMP_FILE"):
         env.pop(var, None)
+    # (the flight records that ranks dump when a peer dies go to the test's folder, not /tmp;
+    # TORCH_FR_DUMP_TEMP_FILE="" leaves torch's default, for the tests that look at it)
+    env["TORCH_FR_DUMP_TEMP_FILE"] = str(work / "nccl_trace_rank_")
     env["TEST_OUT"] = str(work)
     # (the registry of running jobs is under $TMPDIR: `tdist status` sees this test's jobs only)
     (work / "tmp").mkdir(exist_ok=True)
     env["TMPDIR"] = str(work / "tmp")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env.update(extra)
+    if not env["TORCH_FR_DUMP_TEMP_FILE"]:
+        del env["TORCH_FR_DUMP_TEMP_FILE"]
     return env
 
 
@@ -343,7 +348,7 @@ def test_agent_in_process_and_without_pidfd(work: Path, monkeypatch: pytest.Monk
 # -- failures ----------------------------------------------------------------------------------
 def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> None:
     start = time.monotonic()
-    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "fail")
+    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "fail", TORCH_FR_DUMP_TEMP_FILE="")
     assert time.monotonic() - start < 15  # the others stopped, not waited for (their 60 s)
     assert res.returncode == 1  # an uncaught exception
     for pid in pids(work, 3):
@@ -618,7 +623,7 @@ def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
     # with --log-dir, each worker's TORCH_FR_DUMP_TEMP_FILE is in its log folder
     logs = work / "logs"
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs),
-                    "worker.py", "dump")
+                    "worker.py", "dump", TORCH_FR_DUMP_TEMP_FILE="")
     assert res.returncode == 3, res.stderr
     attempt = run_dir(logs) / "attempt_0"
     assert (attempt / "0/nccl_trace_rank_0").read_bytes() == b"record"

@@ -501,3 +501,58 @@ def test_a_frame_stuck_half_way_from_one_peer_holds_up_no_other_peer() -> None:
 
     results = run_threads(body, 3, timeout=50)
     assert results[0] == "2: from rank 2", results
+
+
+def test_a_send_to_a_peer_that_left_waits_for_its_goodbye_to_be_read_and_breaks_nothing() -> None:
+    # Rank 0 leaves (GOODBYE, then it closes). Rank 1 writes to it before its reader has read
+    # that GOODBYE: the write fails (EPIPE). The sender must not judge the loss itself (a loss
+    # without a goodbye breaks the whole group): whoever reads the connection reads the goodbye,
+    # then the end. Rank 1's reader is kept from reading until the send has failed.
+    from .._sync import holds_for, inside, wait_until
+
+    store = tdist.HashStore()
+    eps: dict[int, Endpoint] = {}
+    formed, closed = threading.Barrier(2), threading.Event()
+    judged: list[str] = []
+
+    def body(rank: int, n: int) -> Any:
+        ep = eps[rank] = Endpoint(tdist.PrefixStore("bye", store), rank, n, timeout=10, heartbeat_interval=30)
+        formed.wait(10)
+        if rank == 0:
+            ep.close()
+            closed.set()
+            return None
+        p = ep._peers[0]
+        assert p.rlock.acquire(timeout=10)  # (the reader cannot read rank 0's connection now)
+        real_lost = ep._lost
+
+        def lost(q: Any, exc: BaseException | None, what: str) -> Any:
+            judged.append(threading.current_thread().name)
+            return real_lost(q, exc, what)
+
+        ep._lost = lost  # type: ignore[method-assign]
+        try:
+            assert closed.wait(10)
+            outcome: list[BaseException] = []
+
+            def send() -> None:
+                try:
+                    for _ in range(100):  # (the first writes may still go into the socket's buffer)
+                        ep.send(0, 1, [b"x" * 65536])
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            sender = threading.Thread(target=send, name="sender")
+            sender.start()
+            wait_until(lambda: inside(sender, "_sendmsg") or outcome, 10, "the sender writes")
+            holds_for(lambda: "sender" not in judged, 0.3, "the sender judged the loss before the goodbye was read")
+        finally:
+            p.rlock.release()
+            ep._arm(p)
+        sender.join(10)
+        assert outcome and isinstance(outcome[0], PeerError) and "left the process group" in str(outcome[0]), outcome
+        broken = ep.broken
+        ep.close()
+        return broken
+
+    assert run_threads(body, 2, timeout=40)[1] is None  # (an orderly leave breaks nothing)

@@ -781,6 +781,14 @@ class Endpoint:
         except OSError as exc:
             if quiet:  # (the reader finds the loss once it has read what came before it)
                 raise DistNetworkError(f"rank {self.rank}: {what}: {exc}") from exc
+            # The peer closed its end. What it sent before (a GOODBYE: an orderly leave, which
+            # breaks nothing) may still wait unread: whoever reads the connection reads it, then
+            # the end, and judges the loss; wait a moment for that rather than call a peer that
+            # left a failure that breaks the group (a rank's write raced its own reading of the
+            # GOODBYE under load, and broke an RPC agent's group when one worker left)
+            end = time.monotonic() + 1.0
+            while p.error is None and not p.read_over and not self._closing and time.monotonic() < end:
+                time.sleep(0.001)
             err = self._lost(p, exc, what)
             raise err from exc
 
