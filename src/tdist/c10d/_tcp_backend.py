@@ -780,7 +780,8 @@ class ProcessGroupTCP(Backend):
         opts = opts or AllreduceOptions()
         op = as_red_op(opts.reduceOp)
         for t in tensors:
-            _check_op(op, t.dtype, "all_reduce")
+            dtype = t.dtype
+            _check_op(op, dtype, "all_reduce")
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
@@ -817,14 +818,13 @@ class ProcessGroupTCP(Backend):
         rec = self._fr
         if rec is None:
             entry = None
-        elif len(tensors) == 1:  # (Recorder.one, inlined: the hot path of a small all_reduce)
-            t0 = tensors[0]
+        elif len(tensors) == 1 and not rec.stack:  # (Recorder.one, inlined: a small all_reduce's hot path)
             n = rec.n
             rec.n = n + 1
             now = _time_ns()
-            entry = [0, 0, rec.p2p_seq, "all_reduce", t0.shape, t0.dtype, None, None, None, now, now, 0,
-                     fr.capture() if rec.stack else None, None]
-            rec.ring[n % rec.cap] = entry
+            rec.ring[n % rec.cap] = entry = [
+                0, 0, rec.p2p_seq, "all_reduce", t.shape, dtype, None, None, None, now, now, 0, None, None,
+            ]
         else:
             entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
         return self._submit("all_reduce", opts, run, entry)
