@@ -581,3 +581,51 @@ def test_the_server_is_a_fresh_process_not_a_fork_of_a_threaded_one() -> None:
         assert s.get("k") == b"v"
     finally:
         s.close()
+
+
+def test_a_master_serving_from_a_thread_talks_to_it_over_a_socket_pair_and_others_still_prove_the_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), secret="s3cret")
+    try:
+        server = master._server
+        assert server is not None
+        # (its own connection: no accept, no HELLO, no proof through the server's thread)
+        wait_until(lambda: [c.addr for c in server._conns] == ["this process"], 10, "the server takes in its master's pair")
+        assert master._sock is not None and master._sock.family == socket.AF_UNIX and master._send_seal is None
+        master.set("k", "from the master")
+        peer = dist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=10), secret="s3cret")
+        assert peer.get("k") == b"from the master"
+        peer.set("k2", "from a peer")
+        assert master.get("k2") == b"from a peer"
+        assert peer._send_seal is not None  # (a peer's frames carry the session's tags)
+        peer.close()
+        with pytest.raises(AuthenticationError):
+            dist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=5), secret="wrong")
+        assert master.add("n", 2) == 2
+    finally:
+        master.close()
+
+
+def test_a_forked_child_of_a_master_serving_from_a_thread_connects_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    try:
+        master.set("before", "fork")
+        pid = os.fork()
+        if pid == 0:  # (the child: its parent's socket pair is not its connection)
+            code = 1
+            try:
+                ok = master.get("before") == b"fork" and master._transport == "unix"
+                master.set("child", "was here")
+                code = 0 if ok else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert master.get("child") == b"was here"
+        assert master.add("n", 1) == 1  # (the master's own pair still works)
+    finally:
+        master.close()

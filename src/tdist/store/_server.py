@@ -44,6 +44,7 @@ from .._core.errors import (
     StoreValueError,
 )
 from .._core.floods import Starvation
+from .._core.net import literal_family
 from .._core.peercred import check_unix_peer, unix_peer
 from ._protocol import (
     DEFAULT_MAX_FRAME,
@@ -228,6 +229,7 @@ class StoreServer:
         self._status_w: int | None = None
         self._control_w: int | None = None
         self._listeners: list[socket.socket] = []
+        self._adopted: list[socket.socket] = []  # (``adopt``: served from the loop's start)
         self._fdmap: dict[int, object] = {}
         self._ep: select.epoll | None = None
         if listen_fd is not None:
@@ -275,6 +277,13 @@ class StoreServer:
             Op.REPLICAS: self._op_replicas,
         }
 
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve ``sock`` as a client that has nothing to prove: one end of a socket pair whose
+        other end a client in this very process holds (the master's own client, which holds the
+        secret already, so its frames go untagged, as over any connection without a secret). No
+        HELLO is sent on it. Call before ``start``: the loop takes it in as it starts."""
+        self._adopted.append(sock)
+
     # -- binding -------------------------------------------------------------------------------
     @staticmethod
     def _bind_tcp(host: str, port: int, backlog: int) -> socket.socket:
@@ -287,6 +296,9 @@ class StoreServer:
                 family, addr = socket.AF_INET, ("0.0.0.0", port)
                 sock = socket.socket(family, socket.SOCK_STREAM)
             bind_addr: tuple[str, int] | tuple[str, int, int, int] = addr
+        elif (literal := literal_family(host)) is not None:  # (no resolver: see _core.net)
+            bind_addr = (host, port)
+            sock = socket.socket(literal, socket.SOCK_STREAM)
         else:
             try:
                 infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -546,6 +558,13 @@ class StoreServer:
         if control_fd is not None:
             ep.register(control_fd, select.EPOLLIN)
             self._fdmap[control_fd] = None
+        adopted, self._adopted = self._adopted, []
+        for sock in adopted:
+            sock.setblocking(False)
+            conn = _Conn(sock, "this process", True, self.max_frame)
+            self._conns.add(conn)
+            ep.register(sock.fileno(), select.EPOLLIN)
+            self._fdmap[sock.fileno()] = conn
         spin = self.spin if parent_pid is not None else 0.0
         clock = self._clock
         fdmap = self._fdmap

@@ -33,6 +33,7 @@ from .._core.errors import (
     StoreTimeoutError,
     StoreValueError,
 )
+from .._core.net import literal_loopback
 from .._core.peercred import check_unix_peer
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
 from ._protocol import (
@@ -89,7 +90,7 @@ def _drain_retired_servers() -> None:
 @functools.lru_cache(maxsize=64)
 def _is_local(host: str) -> bool:
     """Whether ``host`` names an address of this machine (in this network namespace)."""
-    if host in _WILDCARD:
+    if host in _WILDCARD or literal_loopback(host):
         return True
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
@@ -222,6 +223,7 @@ class TCPStore(Store):
         # a clone's server was up when the original connected: a refusal means it is gone
         # (waiting the timeout for it would only delay the error, e.g. a desync diagnosis)
         self._refused_is_final = _clone
+        self._own: socket.socket | None = None  # (a master serving from a thread: ``_start_server``)
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
         else:
@@ -270,6 +272,12 @@ class TCPStore(Store):
                 max_frame=DEFAULT_MAX_FRAME if max_frame is None else max_frame,
             )
             mode = _server_mode()
+            if mode == "thread":
+                # this client's connection to a server in this process: a socket pair, served as
+                # one that has nothing to prove (it holds the secret already), so forming a group
+                # costs no connect, accept and handshake through the server's thread
+                self._own, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                server.adopt(theirs)
             server.start(mode)
             if mode == "thread":
                 _thread_servers.add(id(server))
@@ -312,11 +320,18 @@ class TCPStore(Store):
         # late master do not flood its host.
         delay = 0.00025
         last_exc: BaseException | None = None
-        try_unix = _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
+        own, self._own = self._own, None
+        if own is not None and os.getpid() != self._pid:  # (a forked child: its parent's pair)
+            own = None
+        try_unix = own is None and _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
         while True:
             sock: socket.socket | None = None
             try:
-                if try_unix:
+                if own is not None:
+                    sock, own = own, None
+                    self._transport = "unix"
+                    self._send_seal = self._recv_seal = None
+                elif try_unix:
                     sock = self._try_unix(deadline)
                 if sock is None:
                     remaining = max(0.05, deadline - time.monotonic())
@@ -812,10 +827,11 @@ class TCPStore(Store):
         # wait (briefly) for a call in flight on another thread rather than close under it
         locked = self._lock.acquire(timeout=5.0)
         try:
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.close()
-                self._sock = None
+            for sock in (self._sock, self._own):
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.close()
+            self._sock = self._own = None
         finally:
             if locked:
                 self._lock.release()

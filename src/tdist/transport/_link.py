@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._core import auth
+from .._core.net import literal_family
 from . import _handshake
 from ._memory import cma_possible
 from ._protocol import FrameDecoder, Kind, pack_header, unpack_ack
@@ -197,8 +198,9 @@ class Link:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _boot() -> str:
-    """The host's name and boot id (fixed for the life of the process)."""
+    """The host's name and boot id (fixed for the life of the process: read once)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -238,8 +240,12 @@ def advertised_address(store: Any) -> str:
     host = _store_host(store)
     if host:
         try:
-            infos = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)
-            family, _, _, _, sockaddr = infos[0]
+            literal = literal_family(host)
+            sockaddr: Any
+            if literal is not None:  # (no resolver: see _core.net)
+                family, sockaddr = literal, (host, 1)
+            else:
+                family, _, _, _, sockaddr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.connect(sockaddr)
                 return str(probe.getsockname()[0])
