@@ -629,3 +629,44 @@ def test_a_forked_child_of_a_master_serving_from_a_thread_connects_anew(monkeypa
         assert master.add("n", 1) == 1  # (the master's own pair still works)
     finally:
         master.close()
+
+
+def test_a_rank_that_disagrees_on_the_world_size_never_completes_the_others_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank that says 4 where the others say 3 must not be counted among them: were it counted
+    # before its abort lands, the two others would form a group of 3 without it. Rounds of three
+    # threads, started in every order: every rank must fail, naming the problem.
+    from tdist.store._rendezvous import _checked_join
+
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+    try:
+        for order in ([0, 1, 2], [2, 0, 1], [0, 2, 1], [1, 2, 0], [2, 1, 0], [1, 0, 2]) * 2:
+            for key in master.list_keys():  # (each time the join's first round)
+                master.delete_key(key)
+            outcomes: dict[int, str] = {}
+            go = [threading.Event() for _ in range(3)]
+
+            def join(rank: int) -> None:
+                client = dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=10))
+                try:
+                    go[rank].wait(10)
+                    _checked_join(client, rank, 4 if rank == 2 else 3, timedelta(seconds=8), "test")
+                    outcomes[rank] = "joined"
+                except ValueError as exc:
+                    outcomes[rank] = str(exc)
+                finally:
+                    client.close()
+
+            threads = [threading.Thread(target=join, args=(r,)) for r in range(3)]
+            for t in threads:
+                t.start()
+            for r in order:  # (one after the other, each at once: the joins overlap)
+                go[r].set()
+            for t in threads:
+                t.join(20)
+            assert sorted(outcomes) == [0, 1, 2], (order, outcomes)
+            for rank, text in outcomes.items():
+                assert "disagree on the world size" in text, (order, rank, outcomes)
+    finally:
+        master.close()
+
