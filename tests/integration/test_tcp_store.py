@@ -646,7 +646,7 @@ def test_a_rank_that_disagrees_on_the_world_size_never_completes_the_others_join
             outcomes: dict[int, str] = {}
             go = [threading.Event() for _ in range(3)]
 
-            def join(rank: int) -> None:
+            def join(rank: int, go: list[threading.Event] = go, outcomes: dict[int, str] = outcomes) -> None:
                 client = dist.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=10))
                 try:
                     go[rank].wait(10)
