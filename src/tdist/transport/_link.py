@@ -201,9 +201,12 @@ class Link:
 @functools.lru_cache(maxsize=1)
 def _boot() -> str:
     """The host's name and boot id (fixed for the life of the process: read once)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+    try:  # (os.read: a text file object's first opening in a process costs 50 us more)
+        fd = os.open("/proc/sys/kernel/random/boot_id", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            boot = os.read(fd, 256).decode(errors="replace").strip() or "?"
+        finally:
+            os.close(fd)
     except OSError:
         boot = "?"
     return f"{socket.gethostname()}|{boot}"
