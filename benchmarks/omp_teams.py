@@ -14,29 +14,23 @@ state for good. Compare with ``OMP_NUM_THREADS=1``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import threading
 import time
 
 import torch
 
-
-class _Mlp(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(784, 128)
-        self.fc2 = torch.nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.fc2(torch.relu(self.fc1(x.flatten(1)))), dim=1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dist_autograd import make_server
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=800)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model, x = _Mlp(), torch.randn(32, 1, 28, 28)
+    model, x = make_server(), torch.randn(32, 1, 28, 28)
     results: dict[str, float] = {}
     stop = threading.Event()
 
