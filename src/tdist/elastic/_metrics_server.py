@@ -208,7 +208,8 @@ class MetricsServer:
             }
 
     def set_others(self, parts: list[dict[str, Any]]) -> None:
-        """The other nodes' parts (their ``snapshot``s, fresh ones only), served with ours."""
+        """The other nodes' parts (their ``snapshot``s with their ``time``), served with ours:
+        every part's counts, the workers of the fresh ones only."""
         with self._lock:
             self._others = list(parts)
 

@@ -198,7 +198,6 @@ class Link:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def _boot() -> str:
     """The host's name and boot id (fixed for the life of the process: read once)."""
     try:  # (os.read: a text file object's first opening in a process costs 50 us more)
