@@ -223,7 +223,7 @@ class Answering(Node):
 
 
 def _conn_to(node: Node, peer: int) -> Any:
-    return node.m._by_peer[peer][0]
+    return node.m._table.links(peer)[0]
 
 
 @contextlib.contextmanager
@@ -442,7 +442,7 @@ def test_a_heartbeat_written_in_part_is_finished_before_the_next_frame(pair: tup
     a, b = pair
     a.send(1, 1, "hello")
     assert b.get()[3] == "hello"
-    c = a.m._send_conn[1]
+    c = a.m._table.peers[1]
     short = c.sock = ShortOnce(c.sock)  # type: ignore[assignment]
     assert short.cut.wait(5)  # a heartbeat went out in part
     for i in range(3):

@@ -335,8 +335,8 @@ def test_a_relay_cannot_change_an_rpc_message(size: int) -> None:
         real = dict(book[1])
         relay = Relay((real["addr"], real["port"]), 1 << 40, flip_last_byte)
         book[1] = {**real, "host": "elsewhere", "port": relay.port}
-        a.m._send_conn.pop(1, None)
-        a.m._by_peer.pop(1, None)
+        a.m._table.peers.pop(1, None)  # (a forgets its connection: it dials anew)
+        a.m._table._all.pop(1, None)
         a.m.send(1, 2, b"\x01", ser.dumps("through the relay"), time.monotonic() + 10)
         assert b.inbox.get(timeout=10) == "through the relay"  # an honest relay is harmless
         relay.after = relay.sent_up  # (the next bytes a sends: its message, or a heartbeat)

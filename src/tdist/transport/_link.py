@@ -73,7 +73,7 @@ class Link:
     """
 
     __slots__ = (
-        "addr", "cma_ok", "copies", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "same_host",
+        "addr", "closed", "cma_ok", "copies", "decoder", "fd", "last_rx", "last_tx", "peer", "ready", "rlock", "same_host",
         "send_lock", "session", "sock", "tail",
     )  # fmt: skip
 
@@ -105,6 +105,7 @@ class Link:
         self.last_rx = now
         self.last_tx = now
         self.tail = b""
+        self.closed = False  # out of its connection table (``_table``): its descriptor may be reused
 
     def frame(
         self, kind: Kind, tag: int, meta: bytes = b"", payload: Sequence[memoryview] = (), nbytes: int = 0

@@ -72,7 +72,7 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from . import _handshake
-from ._dial import Dialer, Doorway, Listeners, PeerAddress
+from ._dial import Doorway, Listeners, PeerAddress
 from ._link import Copy, Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
@@ -85,13 +85,13 @@ from ._protocol import (
     pack_cma,
     unpack_cma,
 )
+from ._table import ARMED, Table
 
 __all__ = ["Messenger", "Payload", "PeerAddress"]
 
 log = logging.getLogger(__name__)
 
 _DATA = int(Kind.DATA)
-_ARMED = select.EPOLLIN | select.EPOLLONESHOT
 # how long a thread waiting for a reply polls its socket before sleeping in the kernel, and how
 # long a poller that delivered messages from a peer polls that connection for the next ones
 # before it sleeps in epoll (a request that comes meanwhile costs its sender no wake-up): the
@@ -118,7 +118,6 @@ class _Conn(Link):
     __slots__ = (
         "answered_at",
         "budget",
-        "closed",
         "gaps",
         "goodbye",
         "hold_off",
@@ -129,7 +128,6 @@ class _Conn(Link):
     def __init__(self, peer: int, sock: socket.socket, addr: str, same_host: bool, session: _handshake.Session | None = None) -> None:
         # (DATA_CMA prefixes and large payloads in fresh memory: received tensors keep them)
         super().__init__(peer, sock, addr, same_host, session, alloc=fresh_buffer)
-        self.closed = False
         self.goodbye = False
         self.spinner = False  # a poller holds rlock, polling for the next message
         self.answered_at = 0.0  # when a poller last answered on it (0: a request came since)
@@ -217,11 +215,8 @@ class Messenger:
         self.host = host_id()
         self.pid = os.getpid()
         self._lock = threading.Lock()
-        self._conns: dict[int, _Conn] = {}  # by fd
-        self._by_peer: dict[int, list[_Conn]] = {}
-        self._send_conn: dict[int, _Conn] = {}
-        self._connect_locks: dict[int, threading.Lock] = {}
-        self._lost: dict[int, PeerError] = {}  # peers whose connections failed, and why
+        self._table: Table[_Conn] = Table(_Conn, my_id=my_id, token=token, secret=secret, label=label, shut="the RPC agent is shut down")
+        self._conns = self._table.by_fd
         self._xfer = itertools.count(1)
         self._closing = False
         self._ctrl: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -245,8 +240,8 @@ class Messenger:
             raise
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._ep = select.epoll()
-        self._ep.register(self._doorway.fileno(), _ARMED)
+        self._ep = self._table.ep  # (the connections', the doorway's and the wake-up pipe's)
+        self._ep.register(self._doorway.fileno(), ARMED)
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._heartbeats = Heartbeats(
             f"tdist-rpc-hb-{my_id}", self.heartbeat_interval, self.stall_timeout, lambda: self._conns.values(),
@@ -266,7 +261,7 @@ class Messenger:
 
     # -- connections ---------------------------------------------------------------------------
     def is_connected(self, peer: int) -> bool:
-        return peer in self._send_conn
+        return peer in self._table.peers
 
     def connect(self, peer: int, deadline: float | None) -> None:
         """Make sure a connection to ``peer`` exists (connecting now if needed).
@@ -278,73 +273,22 @@ class Messenger:
         self._conn_for(peer, deadline)
 
     def _conn_for(self, peer: int, deadline: float | None) -> _Conn:
-        c = self._send_conn.get(peer)
+        c = self._table.peers.get(peer)
         if c is not None:
             return c
-        with self._lock:
-            if self._closing:
-                raise DistNetworkError(f"{self.label}: the RPC agent is shut down")
-            lock = self._connect_locks.setdefault(peer, threading.Lock())
-        with lock:
-            c = self._send_conn.get(peer)
-            if c is not None:
-                return c
-            lost = self._lost.get(peer)
-            if lost is not None:
-                raise PeerError(str(lost), peer=peer)
-            return self._dial(peer, deadline)
-
-    def _dial(self, peer: int, deadline: float | None) -> _Conn:
-        try:
-            info = self.lookup(peer)
-        except KeyError as exc:
-            raise PeerError(f"{self.label}: cannot reach {self.describe(peer)}: {exc.args[0] if exc.args else exc}", peer=peer) from None
-        sock, addr, same, session = Dialer(
-            info, deadline if deadline is not None else time.monotonic() + 60.0, my_id=self.my_id, token=self.token,
-            secret=self.secret, expect=peer, label=self.label, what=self.describe(peer), hello_within=10.0,
-        ).run()
-        return self._register(peer, sock, addr, same, outbound=True, session=session)
-
-    def _register(
-        self, peer: int, sock: socket.socket, addr: str, same: bool, outbound: bool, session: _handshake.Session | None
-    ) -> _Conn:
-        c = _Conn(peer, sock, addr, same, session)  # (non-blocking from here: a Link's socket is)
-        with self._lock:
-            if self._closing:
-                sock.close()
-                raise DistNetworkError(f"{self.label}: the RPC agent is shut down")
-            # (in the table before epoll: a poller woken for it at once must find it there)
-            self._conns[c.fd] = c
-            try:
-                self._ep.register(c.fd, select.EPOLLIN | select.EPOLLONESHOT)
-            except BaseException:
-                del self._conns[c.fd]
-                raise
-            self._lost.pop(peer, None)
-            self._by_peer.setdefault(peer, []).append(c)
-            if outbound:
-                self._send_conn[peer] = c
-            else:
-                self._send_conn.setdefault(peer, c)
-        return c
+        return self._table.connect(
+            peer, self.lookup, deadline if deadline is not None else time.monotonic() + 60.0, self.describe(peer), hello_within=10.0
+        )
 
     def _let_in(self) -> None:
         """Advance the handshakes of connections to our listeners (a poller; see ``Doorway``)
-        and register those that joined."""
+        and take in those that joined."""
         try:
-            for peer, where, session, sock in self._doorway.service():
-                try:
-                    self._register(peer, sock, where, where == "unix", outbound=False, session=session)
-                except DistNetworkError:  # (shut down meanwhile: _register closed it)
-                    pass
-                except Exception as exc:  # (no descriptor for epoll, ...): this one goes, not the poller
-                    log.warning("%s: could not take the connection of %s: %s", self.label, self.describe(peer), exc)
-                    with contextlib.suppress(OSError):
-                        sock.close()
+            self._table.admit(self._doorway)
         finally:
             if not self._closing:
                 with contextlib.suppress(OSError, ValueError):
-                    self._ep.modify(self._doorway.fileno(), _ARMED)
+                    self._ep.modify(self._doorway.fileno(), ARMED)
 
     # -- sending -------------------------------------------------------------------------------
     def send(self, peer: int, tag: int, meta: bytes, parts: list[memoryview], deadline: float | None, answer: bool = False) -> None:
@@ -435,7 +379,7 @@ class Messenger:
 
     def _error_for(self, c: _Conn) -> PeerError:
         # a fresh exception each time: a stored one would grow its traceback with every raise
-        lost = self._lost.get(c.peer)
+        lost = self._table.lost.get(c.peer)
         return PeerError(str(lost) if lost else f"{self.label}: connection to {self.describe(c.peer)} is closed", peer=c.peer)
 
     def _send_ctrl(self, c: _Conn, kind: Kind, tag: int, meta: bytes = b"") -> None:
@@ -447,10 +391,9 @@ class Messenger:
         """Take ``peer``'s connection for reading in this thread, before sending a request
         whose reply this thread will wait for (so no poller wakes for the reply). Returns a
         token for ``read_until``, or None when that is not possible now."""
-        conns = self._by_peer.get(peer)
-        if not conns or len(conns) != 1:
+        c = self._table.only(peer)
+        if c is None:
             return None
-        c = conns[0]
         if not c.rlock.acquire(blocking=False):
             if not c.spinner:
                 return None
@@ -459,25 +402,15 @@ class Messenger:
             c.yield_req = False
             if not got:
                 return None
-        with self._lock:  # not closed (its descriptor may belong to a new connection then)
-            if c.closed:
-                c.rlock.release()
-                return None
-            try:  # (not contextlib.suppress: this runs on every call)
-                self._ep.modify(c.fd, select.EPOLLONESHOT)  # disarmed: pollers leave it to us
-            except (OSError, ValueError):
-                pass
+        if not self._table.disarm(c):  # (disarmed: pollers leave it to us)
+            c.rlock.release()
+            return None
         return c
-
-    def _only_conn(self, peer: int) -> _Conn | None:
-        conns = self._by_peer.get(peer)
-        return conns[0] if conns and len(conns) == 1 else None
 
     def release(self, token: Any) -> None:
         """Give back a ``claim`` that was not passed to ``read_until``."""
         if token is not None:
-            token.rlock.release()
-            self._rearm(token)
+            self._table.give(token)
 
     def read_until(self, peer: int, done: Callable[[], bool], deadline: float | None, claimed: Any = None, budget: spin.Budget | None = None) -> bool:
         """Read ``peer``'s connection in this thread until ``done()`` (or the deadline).
@@ -496,7 +429,7 @@ class Messenger:
         # 200 us against 49 us without)
         c = claimed
         if budget is None:
-            c = c if c is not None else self._only_conn(peer)
+            c = c if c is not None else self._table.only(peer)
             budget = c.budget if c is not None else spin.Budget(0.0)
         start = time.monotonic()
         spin_until = start + budget.seconds()
@@ -534,8 +467,7 @@ class Messenger:
                     p.poll(wait * 1000)
             finally:
                 self._tls.batch = None
-                c.rlock.release()
-                self._rearm(c)
+                self._table.give(c)
             # requests read here are not this thread's to run (it waits for a reply, maybe
             # inside a poller's delivery): they go to the pool
             self._deliver_batch(batch, lost, as_poller=False)
@@ -606,14 +538,7 @@ class Messenger:
         lost.clear()
 
     def _rearm(self, c: _Conn) -> None:
-        # Always after releasing the read lock: a poller that got the event while we held the
-        # lock skipped the connection (leaving it disarmed); arming it now raises the event
-        # again for whoever is free.
-        if not c.closed:
-            try:
-                self._ep.modify(c.fd, _ARMED)
-            except (OSError, ValueError):
-                pass
+        self._table.arm(c)
 
     def _poll_loop(self) -> None:
         door = self._doorway.fileno()
@@ -766,9 +691,7 @@ class Messenger:
         ready, clock = c.ready.poll, time.monotonic
         if ready(0):  # something came while the batch ran: read it here (a poller that it woke
             return c  # finds the connection taken and leaves it)
-        try:
-            self._ep.modify(c.fd, select.EPOLLONESHOT)
-        except (OSError, ValueError):
+        if not self._table.disarm(c):
             c.rlock.release()
             return None
         c.spinner = True
@@ -879,46 +802,32 @@ class Messenger:
 
     # -- failure -------------------------------------------------------------------------------
     def _lose(self, c: _Conn, exc: BaseException | None, stalled: float | None = None) -> None:
-        with self._lock:
-            if c.closed:
-                return
-            c.closed = True
-            self._conns.pop(c.fd, None)
-            with contextlib.suppress(OSError, ValueError):
-                self._ep.unregister(c.fd)
-            conns = self._by_peer.get(c.peer, [])
-            if c in conns:
-                conns.remove(c)
-            if self._send_conn.get(c.peer) is c:
-                del self._send_conn[c.peer]
-                if conns:
-                    self._send_conn[c.peer] = conns[0]
-            last = not conns
-            if last:
-                self._by_peer.pop(c.peer, None)
-            graceful = c.goodbye or self._closing
-            what = self.describe(c.peer)
-            if stalled is not None:
-                err = PeerError(
-                    f"{self.label}: {what} has sent nothing for {stalled:.1f} s (no heartbeat): it is "
-                    f"stalled (stopped, hung or cut off); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
-                    peer=c.peer,
-                )
-            elif graceful:
-                err = PeerError(f"{self.label}: {what} left (shut down its RPC agent)", peer=c.peer)
-            else:
-                detail = f": {exc}" if exc is not None else ""
-                pid = None
-                with contextlib.suppress(Exception):
-                    pid = self.lookup(c.peer).get("pid")
-                err = PeerError(
-                    f"{self.label}: connection to {what}{f' (pid {pid})' if pid else ''} at {c.addr} was "
-                    f"lost{detail}; the process died or closed its socket",
-                    peer=c.peer,
-                )
-            if last and not self._closing:
-                self._lost[c.peer] = err
-            c.release_copies()
+        if c.closed:
+            return
+        graceful = c.goodbye or self._closing
+        what = self.describe(c.peer)
+        if stalled is not None:
+            err = PeerError(
+                f"{self.label}: {what} has sent nothing for {stalled:.1f} s (no heartbeat): it is "
+                f"stalled (stopped, hung or cut off); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
+                peer=c.peer,
+            )
+        elif graceful:
+            err = PeerError(f"{self.label}: {what} left (shut down its RPC agent)", peer=c.peer)
+        else:
+            detail = f": {exc}" if exc is not None else ""
+            pid = None
+            with contextlib.suppress(Exception):
+                pid = self.lookup(c.peer).get("pid")
+            err = PeerError(
+                f"{self.label}: connection to {what}{f' (pid {pid})' if pid else ''} at {c.addr} was "
+                f"lost{detail}; the process died or closed its socket",
+                peer=c.peer,
+            )
+        last = self._table.drop(c, err)
+        if last is None:  # (another thread lost it first)
+            return
+        c.release_copies()
         with contextlib.suppress(OSError):
             c.sock.close()
         if last and not self._closing:
@@ -933,8 +842,7 @@ class Messenger:
 
     def forget(self, peer: int) -> None:
         """Allow a new connection to ``peer`` (a worker that left may come back)."""
-        with self._lock:
-            self._lost.pop(peer, None)
+        self._table.forget(peer)
 
     def _ctrl_loop(self) -> None:
         while True:
@@ -962,12 +870,8 @@ class Messenger:
             self._send_ctrl(c, Kind.GOODBYE, 0)
         with self._lock:
             self._closing = True
-            conns = list(self._conns.values())
-            self._conns.clear()
-            self._by_peer.clear()
-            self._send_conn.clear()
+        conns = self._table.close()
         for c in conns:
-            c.closed = True
             c.release_copies()
             with contextlib.suppress(OSError):
                 c.sock.shutdown(socket.SHUT_RDWR)
