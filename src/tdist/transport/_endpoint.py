@@ -5,7 +5,8 @@ plus an abstract Unix socket for ranks of the same host), publishes its address 
 store, then connects to every lower rank and accepts every higher one (a full mesh, as gloo
 builds it). Each connection is authenticated (``_protocol`` handshake) before any frame is read.
 
-Each connection is a ``_link.Link``. One reader thread waits on an epoll set of every
+Each connection is a ``_link.Link`` in the connection table both front ends share
+(``_table.Table``: the mesh is its ``mesh``). One reader thread waits on its epoll set of every
 connection (one-shot registrations) and reads what comes on a readable one, matching frames, in
 order, to the receives posted for that peer and tag: the payload goes straight into the
 destination memory of a posted receive, or into a fresh buffer kept until a receive is posted.
@@ -44,7 +45,6 @@ import logging
 import os
 import queue
 import secrets
-import select
 import socket
 import struct
 import threading
@@ -64,7 +64,7 @@ from .._core.errors import (
     RemoteProtocolError,
 )
 from . import _handshake
-from ._dial import Dialer, Doorway, Listeners, PeerAddress
+from ._dial import Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
 from ._link import Copy, Link, advertised_address, host_id
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
@@ -79,6 +79,7 @@ from ._protocol import (
     pack_cma,
     unpack_cma,
 )
+from ._table import ARMED, Table
 
 __all__ = ["Endpoint", "RecvHandle"]
 
@@ -88,7 +89,6 @@ _SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of it
 _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
 _CMA_DEFER = 0.005
-_ARMED = select.EPOLLIN | select.EPOLLONESHOT
 
 
 class RecvHandle:
@@ -237,7 +237,12 @@ class Endpoint:
         self.host_id = host_id()
         self._lock = threading.Lock()
         self._posted_cv = threading.Condition(self._lock)  # notified when a receive is posted
-        self._peers: dict[int, _Peer] = {}
+        # the connections (``_table``: by rank, by descriptor, and the one epoll set of them all)
+        self._table: Table[_Peer] = Table(
+            _Peer, my_id=rank, token=None, secret=self.secret, label=self._label,
+            shut=f"the process group {name!r} was destroyed",
+        )
+        self._peers = self._table.peers
         self._any_posted: dict[int, deque[RecvHandle]] = {}
         self._broken: DistError | None = None
         self._closing = False
@@ -273,8 +278,8 @@ class Endpoint:
         # the reader thread waits on ``_ep`` (every connection, one-shot) for a readable one; a
         # thread waiting for a message from one peer reads that connection itself (``_read_own``,
         # holding its ``rlock``) and disarms it in ``_ep`` meanwhile, so the reader is not woken
-        self._ep: select.epoll | None = None
-        self._by_fd: dict[int, _Peer] = {}
+        self._ep = self._table.ep
+        self._by_fd = self._table.by_fd
         self._reader: threading.Thread | None = None
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
@@ -327,6 +332,7 @@ class Endpoint:
             got = store.multi_get([f"ep/{peer}" for peer in peers] + ([] if self.rank == 0 else ["ep/token"]))
             if self.rank != 0:
                 self._token = got.pop()
+            self._table.token = self._token
             infos = {peer: json.loads(raw) for peer, raw in zip(peers, got, strict=True)}
         except BaseException:
             listeners.close()
@@ -359,13 +365,6 @@ class Endpoint:
         stranger on the port delays nobody)."""
         # (``connect_later``: nothing is accepted or connected before the owner's ``connected()``)
         self._may_connect.wait(max(0.0, deadline - time.monotonic()))
-        dialers = {
-            peer: Dialer(
-                infos[peer], deadline, my_id=self.rank, token=self._token, secret=self.secret, expect=peer,
-                label=self._label, what=f"rank {peer}",
-            )
-            for peer in range(self.rank)
-        }
         doorway = None
         try:
             if self.rank < self.size - 1:
@@ -375,46 +374,18 @@ class Endpoint:
                     timeout=max(0.1, min(10.0, deadline - time.monotonic())),
                     limit=max(64, self.size),  # (every higher rank at once, and room for strangers)
                 )
-            while True:
-                if self._closing:
-                    raise DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
-                for peer, dialer in list(dialers.items()):
-                    got = dialer.step()
-                    if got is not None:
-                        del dialers[peer]
-                        self._add_peer(peer, *got)
-                if doorway is not None:
-                    for peer, addr, session, sock in doorway.service():
-                        if peer in self._peers:  # (two handshakes may claim one rank: the first wins)
-                            log.warning("%s (%s): a second connection claimed rank %d; dropped", self._label, self.name, peer)
-                            sock.close()
-                        else:
-                            self._add_peer(peer, sock, addr, addr == "unix", session)
-                if len(self._peers) == self.size - 1:
-                    break
-                now = time.monotonic()
-                if now >= deadline:
-                    missing = sorted(set(range(self.size)) - set(self._peers) - {self.rank})
-                    raise DistTimeoutError(
-                        f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
-                        f"connection with rank(s) {missing}: are they running and in this group?"
-                    )
-                ready = select.poll()
-                due = deadline
-                if doorway is not None:
-                    ready.register(doorway.fileno(), select.POLLIN)
-                    due = min(due, doorway.due())
-                for dialer in dialers.values():
-                    fd, events = dialer.wants()
-                    if fd >= 0:
-                        ready.register(fd, events)
-                    due = min(due, dialer.until())
-                ready.poll(max(0.0, due - now) * 1000)
+            missing = self._table.mesh(
+                {peer: infos[peer] for peer in range(self.rank)}, doorway,
+                (peer for peer in range(self.size) if peer != self.rank), deadline, self._destroyed,
+            )
+            if missing:
+                raise DistTimeoutError(
+                    f"rank {self.rank}: timed out after {timeout:g} s building connections; no "
+                    f"connection with rank(s) {missing}: are they running and in this group?"
+                )
         except BaseException:
             self._closing = True
-            for dialer in dialers.values():
-                dialer.close()
-            for p in self._peers.values():
+            for p in self._table.close():
                 with contextlib.suppress(OSError):
                     p.sock.close()
             raise
@@ -422,15 +393,11 @@ class Endpoint:
             if doorway is not None:
                 doorway.close()
             listeners.close()
-        ep = select.epoll(len(self._peers))
-        for p in self._peers.values():
-            ep.register(p.fd, _ARMED)
-            self._by_fd[p.fd] = p
-        self._ep = ep
 
-    def _add_peer(self, peer: int, sock: socket.socket, addr: str, same: bool, session: _handshake.Session | None) -> None:
-        with self._lock:
-            self._peers[peer] = _Peer(peer, sock, addr, same, session)
+    def _destroyed(self) -> DistError | None:
+        if self._closing:
+            return DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed")
+        return None
 
     # -- public API ----------------------------------------------------------------------------
     def same_host(self, peer: int) -> bool:
@@ -727,8 +694,7 @@ class Endpoint:
                 p.sock.shutdown(socket.SHUT_RDWR)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(2.0)
-        if self._ep is not None:
-            self._ep.close()
+        self._ep.close()
         for p in list(self._peers.values()):
             with contextlib.suppress(OSError):
                 p.sock.close()
@@ -736,6 +702,7 @@ class Endpoint:
                 p.lane_out.close()
         self._heartbeats.join(2.0)
         self._break(DistError(f"rank {self.rank}: the process group {self.name!r} was destroyed"))
+        self._table.close()
 
     # -- internals -----------------------------------------------------------------------------
     def _peer(self, peer: int, what: str) -> _Peer:
@@ -916,7 +883,7 @@ class Endpoint:
         connection that is readable and that no waiting thread reads (``_read_own``). It reads
         what is there and moves on, inside a frame too (the decoder keeps its place), so one
         peer's slow frame keeps nobody else's messages waiting."""
-        ep = cast(select.epoll, self._ep)
+        ep = self._ep
         by_fd = self._by_fd
         beats = self._heartbeats
         period = beats.period
@@ -973,9 +940,9 @@ class Endpoint:
     def _arm(self, p: _Peer) -> None:
         """Let ``p``'s reader wait for the connection again (after its read lock is given back:
         what came while it was held wakes the reader now)."""
-        if not p.read_over and self._ep is not None:
+        if not p.read_over:
             try:
-                self._ep.modify(p.fd, _ARMED)
+                self._ep.modify(p.fd, ARMED)
             except (OSError, ValueError):
                 pass
 
@@ -1066,13 +1033,9 @@ class Endpoint:
         reader thread; polls first, for the spin budget (``_core.spin``). Returns at once when
         another thread reads the connection now (then the reader delivers it), and when ``p``
         stalls or is lost (the caller finds out how); raises ``timed_out()`` at the deadline."""
-        if p.read_over or not p.rlock.acquire(blocking=False):
+        if p.read_over or not self._table.take(p):  # (disarmed: the reader leaves it to us)
             return
         try:
-            try:
-                cast(select.epoll, self._ep).modify(p.fd, select.EPOLLONESHOT)  # disarmed: the reader leaves it to us
-            except (OSError, ValueError):
-                return
             ready = p.ready.poll
 
             def stop() -> bool:  # (after a quiet while: a stall ends the wait, the deadline raises)

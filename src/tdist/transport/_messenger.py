@@ -1,7 +1,8 @@
 """Message connections between named processes that come and go: the RPC agent's transport.
 
 Theory of operation. Every process listens (an abstract Unix socket for processes of its host,
-TCP for the others) and connects lazily to a peer the first time it sends to it. Connections
+TCP for the others) and connects lazily to a peer the first time it sends to it (the
+connection table both front ends share, ``_table.Table``: its ``connect``). Connections
 are authenticated (``_handshake``) before a frame is read. Frames are ``_protocol``'s: a 24-byte
 header, metadata, payload. A payload is a list of buffers written with scatter-gather
 ``sendmsg``; between processes of one host, a message whose out-of-band buffers are large
