@@ -70,7 +70,6 @@ from ._link import Copy, Link, advertised_address, host_id
 from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
-    NEED_DATA,
     TOKEN_SIZE,
     Arriving,
     Frame,
@@ -911,7 +910,7 @@ class Endpoint:
                 if p is None or p.read_over or not p.rlock.acquire(blocking=False):
                     continue  # (a waiting thread reads it, and arms it again when done)
                 try:
-                    self._pump(p, None)
+                    p.pump(self._on_frame, self._on_arriving)
                 except (OSError, RemoteProtocolError) as exc:
                     self._read_failed(p, exc)
                 except Exception as exc:  # a bug must not end the reader of every peer
@@ -946,48 +945,11 @@ class Endpoint:
             except (OSError, ValueError):
                 pass
 
-    def _pump(self, p: _Peer, stop: Callable[[], bool] | None) -> None:
-        """Read what ``p``'s connection has and deliver its frames (read lock held). Returns once
-        nothing more is there; a waiting thread (``stop`` given) waits inside a frame for its
-        rest instead (until ``stop()`` says to give up, which it may raise instead: its
-        deadline). A short read took all there was, so a small frame costs one system call.
+    def _on_own_frame(self, p: _Peer, event: Frame) -> None:
+        """``_on_frame`` for a frame that a waiting thread read (``_read_own``)."""
+        self._on_frame(p, event, False)
 
-        Raises:
-            OSError, RemoteProtocolError: the connection is lost or broke the protocol.
-        """
-        dec = p.decoder
-        fd = p.fd
-        short = False
-        while True:
-            event = dec.next_event()
-            if event is NEED_DATA:
-                at_boundary = dec.at_boundary
-                if short and at_boundary:
-                    return
-                buf = dec.buffer()
-                try:
-                    k = os.readv(fd, (buf,))
-                except BlockingIOError:
-                    if at_boundary or stop is None:
-                        return
-                    # inside a frame, for a waiting thread: its rest is on the way
-                    while not p.ready.poll(self.heartbeat_interval * 1000):
-                        if self._closing:
-                            raise ConnectionResetError("closing") from None
-                        if stop():
-                            return
-                    continue
-                if not k:
-                    raise ConnectionResetError("connection closed" if at_boundary else "connection closed inside a frame")
-                dec.received(k)
-                p.last_rx = time.monotonic()
-                short = k < buf.nbytes and not dec.placing
-            elif type(event) is Arriving:
-                self._on_arriving(p, event)
-            else:
-                self._on_frame(p, cast(Frame, event), stop is None)
-
-    def _on_frame(self, p: _Peer, event: Frame, reader: bool) -> None:
+    def _on_frame(self, p: _Peer, event: Frame, reader: bool = True) -> None:
         """Deliver one whole frame (``reader``: read by the reader thread, not a waiter)."""
         kind = event.kind
         if kind == Kind.DATA:
@@ -1046,10 +1008,15 @@ class Endpoint:
                     raise timed_out()
                 return done()
 
+            def inside() -> bool:  # (waiting inside a frame for its rest)
+                if self._closing:
+                    raise ConnectionResetError("closing")
+                return stop()
+
             spun = False
             while not done() and not p.read_over and p.error is None:
                 try:
-                    self._pump(p, stop)
+                    p.pump(self._on_own_frame, self._on_arriving, inside, self.heartbeat_interval)
                 except DistTimeoutError:
                     raise
                 except (OSError, RemoteProtocolError) as exc:

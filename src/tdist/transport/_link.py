@@ -14,7 +14,9 @@ Theory of operation. A link is an authenticated stream socket (``_handshake``) c
   that never left gives its sequence number back;
 - reading: whoever reads the link holds ``rlock`` (a reader or poller thread, or a thread that
   waits for a message from this peer and reads it itself); ``ready`` polls the socket's
-  readiness for that thread; ``decoder`` holds what it has read;
+  readiness for that thread; ``pump`` reads what the socket has and hands its frames to the
+  front end's callbacks (one read loop for both front ends); ``decoder`` holds its place
+  between reads, inside a frame too; ``closed``: the link is out of its table (``_table``);
 - cross-memory copies (same host): ``cma_ok`` says whether the peer may copy a large payload
   out of our memory (``DATA_CMA``); ``copies`` are the transfers it copies now, each a ``Copy``
   that its ``CMA_ACK`` (``copied``) or the link's loss (``release_copies``) ends;
@@ -35,17 +37,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .._core import auth
 from .._core.net import literal_family
 from . import _handshake
 from ._memory import cma_possible
-from ._protocol import FrameDecoder, Kind, pack_header, unpack_ack
+from ._protocol import NEED_DATA, Arriving, Frame, FrameDecoder, Kind, pack_header, unpack_ack
 
-__all__ = ["IOV_MAX", "Copy", "Link", "advertised_address", "host_id", "tune_tcp"]
+__all__ = ["IOV_MAX", "Closed", "Copy", "Link", "advertised_address", "host_id", "tune_tcp"]
 
 IOV_MAX = 512  # buffers per ``sendmsg``
+
+
+class Closed(ConnectionResetError):
+    """The peer closed the connection (end of stream), as ``Link.pump`` reports it."""
 
 
 class Copy:
@@ -190,6 +196,56 @@ class Link:
             if not parts and tagging is not None:
                 parts = [memoryview(tagging.digest())]
                 tagging = None
+
+    def pump(
+        self,
+        on_frame: Callable[[Any, Frame], None],
+        on_arriving: Callable[[Any, Arriving], None],
+        stop: Callable[[], bool] | None = None,
+        wait: float = 0.5,
+    ) -> None:
+        """Read what the socket has and hand out its frames in order, ``on_frame(link, frame)``
+        and ``on_arriving(link, arriving)`` (which must ``place`` the payload), read lock
+        held: whoever reads a link reads it here. Returns once nothing more is there, or
+        the link is ``closed``; a short read took all there was, so a small frame costs one
+        system call. A waiting thread (``stop`` given) waits inside a frame for its rest
+        instead, ``wait`` seconds at a time, until ``stop()`` says to give up (or raises).
+
+        Raises:
+            Closed: the peer closed the connection; OSError: it failed;
+            RemoteProtocolError: the peer broke the protocol.
+        """
+        dec = self.decoder
+        fd = self.fd
+        short = False
+        while True:
+            event = dec.next_event()
+            if event is NEED_DATA:
+                at_boundary = dec.at_boundary
+                if short and at_boundary:
+                    return
+                buf = dec.buffer()
+                try:
+                    k = os.readv(fd, (buf,))
+                except BlockingIOError:
+                    if at_boundary or stop is None:
+                        return
+                    # inside a frame, for a waiting thread: its rest is on the way
+                    while not self.ready.poll(wait * 1000):
+                        if stop():
+                            return
+                    continue
+                if not k:
+                    raise Closed("connection closed" if at_boundary else "connection closed inside a frame")
+                dec.received(k)
+                self.last_rx = time.monotonic()
+                short = k < buf.nbytes and not dec.placing
+            elif type(event) is Arriving:
+                on_arriving(self, event)
+            else:
+                on_frame(self, cast(Frame, event))
+                if self.closed:
+                    return
 
     def wait_writable(self, seconds: float) -> bool:
         """Whether the socket has room within ``seconds``."""

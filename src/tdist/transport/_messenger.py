@@ -74,13 +74,13 @@ from .._core.errors import (
 )
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
-from ._link import Copy, Link, host_id
+from ._link import Closed, Copy, Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
-    NEED_DATA,
     TOKEN_SIZE,
     Arriving,
+    Frame,
     Kind,
     pack_ack,
     pack_cma,
@@ -138,6 +138,10 @@ class _Conn(Link):
         self.yield_req = False  # a thread that wants rlock asks that poller to let go
         self.hold_off = 0.0  # not held before this time (the guard had to arm it)
         self.budget = spin.Budget(_SPIN)  # a waiting caller's spin for its reply (read_until)
+
+
+def _place_fresh(c: Link, _event: Arriving) -> None:
+    c.decoder.place(None)  # (fresh memory: a received tensor may keep it)
 
 
 class _ThreadState(threading.local):
@@ -715,63 +719,29 @@ class Messenger:
     def _drain(self, c: _Conn) -> bool:
         """Read whatever is available on ``c`` and deliver complete frames (rlock held).
         Returns False when the connection is gone."""
-        dec = c.decoder
-        short = False
         try:
-            while True:
-                event = dec.next_event()
-                if event is NEED_DATA:
-                    if short:
-                        # a short read took all there was: skip the recv that would fail (its
-                        # exception costs more than the epoll event that re-arming raises if
-                        # more has come)
-                        return True
-                    buf = dec.buffer()
-                    n = self._recv(c, buf)
-                    if n <= 0:
-                        return n == 0
-                    dec.received(n)
-                    short = n < buf.nbytes and not dec.placing
-                elif type(event) is Arriving:
-                    dec.place(None)  # (fresh memory: a received tensor may keep it)
-                else:
-                    kind, tag, meta, payload, placed = event  # type: ignore[misc]
-                    if kind == _DATA:
-                        # owned (tensors will view it), and straight to its reader
-                        self._deliver(c.peer, tag, meta, payload if placed else memoryview(bytearray(payload)))
-                    else:
-                        self._frame(c, kind, tag, meta, payload)
-                    if c.closed:
-                        return False
+            c.pump(self._frame, _place_fresh)
+        except Closed:
+            self._lose(c, None)
+        except OSError as exc:
+            self._lose(c, exc)
         except RemoteProtocolError as exc:
             log.warning("%s: %s broke the protocol: %s", self.label, self.describe(c.peer), exc)
             self._lose(c, exc)
-            return False
+        return not c.closed
 
-    def _recv(self, c: _Conn, into: memoryview) -> int:
-        """Bytes read into ``into``; 0: nothing there now; -1: the connection is gone."""
-        try:
-            n = c.sock.recv_into(into)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError as exc:
-            self._lose(c, exc)
-            return -1
-        if n == 0:
-            self._lose(c, None)
-            return -1
-        c.last_rx = time.monotonic()
-        return n
-
-    def _frame(self, c: _Conn, kind: int, tag: int, meta: bytes, payload: memoryview) -> None:
-        if kind == Kind.DATA:
-            self._deliver(c.peer, tag, meta, payload)
+    def _frame(self, c: _Conn, event: Frame) -> None:
+        kind = event.kind
+        if kind == _DATA:
+            # owned (tensors will view it), and straight to its reader
+            payload = event.payload
+            self._deliver(c.peer, event.tag, event.meta, payload if event.placed else memoryview(bytearray(payload)))
         elif kind == Kind.HEARTBEAT:
             pass
         elif kind == Kind.DATA_CMA:
-            self._on_cma(c, tag, meta, payload)
+            self._on_cma(c, event.tag, event.meta, event.payload)
         elif kind == Kind.CMA_ACK:
-            c.copied(tag, meta)
+            c.copied(event.tag, event.meta)
         elif kind == Kind.GOODBYE:
             c.goodbye = True
         else:
