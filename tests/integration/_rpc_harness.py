@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import pytest
 
-from tdist.testing import RankTimeoutError, free_port, run_processes
+from tdist.testing import RankFailedError, RankTimeoutError, free_port, run_processes
 
 from .._sync import wait_until as wait_until  # (the scenarios' modules take it from here)
 
@@ -143,6 +143,7 @@ def _worker_main(rank: int, world_size: int, scenario: Callable[[Worker], Any], 
     # a rank killed for running past the timeout (SIGTERM) first writes where it hung
     stacks = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")  # open for the handler
     faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # (and one that crashes, where)
     w = Worker(rank, world_size, backend, port, barrier, shared, dict(options_kwargs))
     if init:
         w.init()
@@ -181,12 +182,14 @@ def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WO
                 init, options_kwargs, env or {}, stacks_dir, timeout=timeout,
                 start_method=start_method,
             )
-        except RankTimeoutError as exc:
-            for rank in exc.ranks:
+        except (RankTimeoutError, RankFailedError) as exc:
+            for rank in exc.ranks if isinstance(exc, RankTimeoutError) else [exc.rank]:
                 path = os.path.join(stacks_dir, f"rank{rank}.txt")
                 if os.path.exists(path):
                     with open(path) as stacks:
-                        exc.add_note(f"--- rank {rank} ({name(rank)}) was at:\n{stacks.read()}")
+                        text = stacks.read()
+                    if text:
+                        exc.add_note(f"--- rank {rank} ({name(rank)}) was at:\n{text}")
             raise
 
 

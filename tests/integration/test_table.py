@@ -3,6 +3,9 @@ real sockets, real handshakes, tables served from threads."""
 
 from __future__ import annotations
 
+import gc
+import json
+import os
 import select
 import socket
 import threading
@@ -10,8 +13,10 @@ import time
 
 import pytest
 
-from tdist._core.errors import DistError, PeerError
-from tdist.transport._dial import Doorway, Listeners, PeerAddress
+from tdist._core.errors import DistError, DistNetworkError, DistTimeoutError, PeerError
+from tdist.store import HashStore
+from tdist.transport import Endpoint
+from tdist.transport._dial import Dialer, Doorway, Listeners, PeerAddress
 from tdist.transport._link import Link
 from tdist.transport._table import Table
 
@@ -24,7 +29,8 @@ SECRET = b"s3cret"
 class _Node:
     """A table with listeners whose connections a thread lets in (``admit``)."""
 
-    def __init__(self, my_id: int, admit: bool = True) -> None:
+    def __init__(self, my_id: int, admit: bool = True, one_each: bool = False) -> None:
+        self.one_each = one_each
         self.table: Table[Link] = Table(Link, my_id=my_id, token=TOKEN, secret=SECRET, label=f"node {my_id}", shut="closed")
         self.listeners = Listeners("127.0.0.1", f"node {my_id}", "tdist-test")
         self.doorway = Doorway(self.listeners, my_id=my_id, secret=SECRET, label=f"node {my_id}", rule=lambda _id, token: token == TOKEN)
@@ -43,7 +49,7 @@ class _Node:
         ready.register(self.doorway.fileno(), select.POLLIN)
         while not self._stop:
             ready.poll(20)
-            for _ in self.table.admit(self.doorway):
+            for _ in self.table.admit(self.doorway, self.one_each):
                 self.admitted.release()
 
     def close(self) -> None:
@@ -192,7 +198,7 @@ def test_a_mesh_names_the_peers_still_missing_at_its_deadline_and_a_stopped_one_
         # rank 1 of 3 dials rank 0 and waits for rank 2, which never comes
         missing: dict[int, list[int]] = {}
         errors: list[BaseException] = []
-        for t in _mesh(nodes, time.monotonic() + 1.0, missing, errors, 3):
+        for t in _mesh(nodes, time.monotonic() + 2.5, missing, errors, 3):
             t.join(30)
         assert not errors and missing == {0: [2], 1: [2]}
         assert list(nodes[1].table.peers) == [0]
@@ -212,10 +218,58 @@ def test_a_closed_table_takes_no_link() -> None:
     ours, theirs = socket.socketpair()
     try:
         a.table.close()
-        with pytest.raises(Exception, match="closed"):
+        with pytest.raises(DistNetworkError, match="node 0: closed"):
             a.table.add(1, ours, "unix", True, None)
         assert ours.fileno() < 0  # (add closed it)
     finally:
         theirs.close()
         a.close()
 
+
+
+def test_a_second_connection_claiming_a_peer_that_has_one_is_dropped_where_one_each_is_asked() -> None:
+    a, b = _Node(0, admit=False), _Node(1, one_each=True)
+    socks = []
+    try:
+        for _ in range(2):  # (two whole handshakes, both claiming id 0)
+            sock, *_rest = Dialer(
+                b.address, time.monotonic() + 10, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="node 0", what="node 1"
+            ).run()
+            socks.append(sock)
+        assert b.admitted.acquire(timeout=10)
+        second = socks[1]
+        second.setblocking(True)
+        second.settimeout(10)
+        assert second.recv(1) == b""  # (dropped: the first one stays)
+        assert len(b.table.links(0)) == 1 and not b.admitted.acquire(timeout=0.2)
+    finally:
+        for sock in socks:
+            sock.close()
+        a.close()
+        b.close()
+
+
+def _epolls() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "eventpoll" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def test_a_group_whose_mesh_fails_leaves_no_descriptor_open() -> None:
+    gc.disable()  # (a leaked epoll set would otherwise close when the collector finds it)
+    try:
+        before = _epolls()
+        store = HashStore()
+        store.set("ep/1", json.dumps({"host": "nowhere", "addr": "127.0.0.1", "port": 1, "unix": "", "pid": 1}))
+        ep = Endpoint(store, 0, 2, timeout=0.5, connect_later=True)  # (rank 1 never comes)
+        with pytest.raises(DistTimeoutError, match=r"no connection with rank\(s\) \[1\]"):
+            ep.connected()
+        ep.close()
+        assert _epolls() == before
+        del ep
+    finally:
+        gc.enable()

@@ -383,10 +383,11 @@ class Endpoint:
                     f"connection with rank(s) {missing}: are they running and in this group?"
                 )
         except BaseException:
-            self._closing = True
+            self._closing = True  # (so ``close()`` has nothing left to do: it is done here)
             for p in self._table.close():
                 with contextlib.suppress(OSError):
                     p.sock.close()
+            self._ep.close()  # (no reader starts after a failed mesh)
             raise
         finally:
             if doorway is not None:
@@ -723,25 +724,13 @@ class Endpoint:
         what: str,
         quiet: bool = False,
     ) -> None:
-        """Write the frame ``parts`` (``p.frame``'s) whole, send lock held (``Link.write``): a
+        """Write the frame ``parts`` (``p.frame``'s) whole, send lock held (``Link.put``): a
         stalled or lost peer ends it, the deadline only before its first byte."""
-
-        def blocked(started: bool) -> None:
-            step = max(0.05, self.heartbeat_interval / 2)
-            while True:
-                if deadline is not None and not started:
-                    step = max(0.0, min(step, deadline - time.monotonic()))
-                if p.wait_writable(step):
-                    return
-                now = time.monotonic()
-                failure: DistError | None = p.error or self._broken or self._stalled(p, what, now)
-                if failure is None and not started and deadline is not None and now >= deadline:
-                    failure = self._send_timed_out(p, what)
-                if failure is not None:
-                    raise failure
-
         try:
-            p.write(parts, tagging, blocked)
+            p.put(
+                parts, tagging, deadline, lambda now: p.error or self._broken or self._stalled(p, what, now),
+                lambda: self._send_timed_out(p, what), max(0.05, self.heartbeat_interval / 2),
+            )
         except DistError:
             raise
         except OSError as exc:
@@ -825,9 +814,10 @@ class Endpoint:
         with self._lock:
             if self._broken is None:
                 self._broken = err
-            failed = [h for p in self._peers.values() for q in p.posted.values() for h in q]
+            peers = list(self._peers.values())  # (the mesh may add to it meanwhile, under the table's lock)
+            failed = [h for p in peers for q in p.posted.values() for h in q]
             failed += [h for q in self._any_posted.values() for h in q]
-            for p in self._peers.values():
+            for p in peers:
                 p.posted.clear()
             self._any_posted.clear()
         for h in failed:

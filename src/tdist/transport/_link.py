@@ -45,13 +45,9 @@ from . import _handshake
 from ._memory import cma_possible
 from ._protocol import NEED_DATA, Arriving, Frame, FrameDecoder, Kind, pack_header, unpack_ack
 
-__all__ = ["IOV_MAX", "Closed", "Copy", "Link", "advertised_address", "host_id", "tune_tcp"]
+__all__ = ["IOV_MAX", "Copy", "Link", "advertised_address", "host_id", "tune_tcp"]
 
 IOV_MAX = 512  # buffers per ``sendmsg``
-
-
-class Closed(ConnectionResetError):
-    """The peer closed the connection (end of stream), as ``Link.pump`` reports it."""
 
 
 class Copy:
@@ -197,6 +193,41 @@ class Link:
                 parts = [memoryview(tagging.digest())]
                 tagging = None
 
+    def put(
+        self,
+        parts: list[memoryview],
+        tagging: auth.Tagging | None,
+        deadline: float | None,
+        failure: Callable[[float], BaseException | None],
+        timed_out: Callable[[], BaseException],
+        step: float,
+    ) -> None:
+        """``write``, with the wait both front ends make while the socket takes no more:
+        ``step`` seconds at a time, until there is room, or ``failure(now)`` says why the
+        peer cannot take the frame (lost, stalled), or ``deadline`` passes before the frame's
+        first byte is out (``timed_out()``; once part of it is out only the rest may follow).
+
+        Raises:
+            OSError: the connection failed (the caller says how); what ``failure`` returns;
+            ``timed_out()``.
+        """
+
+        def blocked(started: bool) -> None:
+            while True:
+                wait = step
+                if deadline is not None and not started:
+                    wait = max(0.0, min(step, deadline - time.monotonic()))
+                if self.wait_writable(wait):
+                    return
+                now = time.monotonic()
+                err = failure(now)
+                if err is None and not started and deadline is not None and now >= deadline:
+                    err = timed_out()
+                if err is not None:
+                    raise err
+
+        self.write(parts, tagging, blocked)
+
     def pump(
         self,
         on_frame: Callable[[Any, Frame], None],
@@ -212,11 +243,12 @@ class Link:
         instead, ``wait`` seconds at a time, until ``stop()`` says to give up (or raises).
 
         Raises:
-            Closed: the peer closed the connection; OSError: it failed;
+            ConnectionResetError without an ``errno``: the peer closed the connection (the
+            end of the stream); OSError: it failed;
             RemoteProtocolError: the peer broke the protocol.
         """
         dec = self.decoder
-        fd = self.fd
+        recv = self.sock.recv_into  # (not the descriptor's number: a closed link's may be reused)
         short = False
         while True:
             event = dec.next_event()
@@ -226,7 +258,7 @@ class Link:
                     return
                 buf = dec.buffer()
                 try:
-                    k = os.readv(fd, (buf,))
+                    k = recv(buf)
                 except BlockingIOError:
                     if at_boundary or stop is None:
                         return
@@ -236,7 +268,7 @@ class Link:
                             return
                     continue
                 if not k:
-                    raise Closed("connection closed" if at_boundary else "connection closed inside a frame")
+                    raise ConnectionResetError("connection closed" if at_boundary else "connection closed inside a frame")
                 dec.received(k)
                 self.last_rx = time.monotonic()
                 short = k < buf.nbytes and not dec.placing

@@ -74,7 +74,7 @@ from .._core.errors import (
 )
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
-from ._link import Closed, Copy, Link, host_id
+from ._link import Copy, Link, host_id
 from ._liveness import Heartbeats
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
@@ -362,25 +362,21 @@ class Messenger:
             parts = [p for p in payload if p.nbytes]
             frame, tagging = c.frame(kind, tag, meta, parts, sum(p.nbytes for p in parts))
             try:
-                c.write(frame, tagging, lambda started: self._wait_writable(c, None if started else deadline))
+                c.put(
+                    frame, tagging, deadline, lambda now: self._unwritable(c, now),
+                    lambda: DistTimeoutError(f"{self.label}: writing to {self.describe(c.peer)} timed out"), 0.1,
+                )
             except (PeerError, DistTimeoutError):
                 raise
             except OSError as exc:
                 self._lose(c, exc)
                 raise self._error_for(c) from exc
 
-    def _wait_writable(self, c: _Conn, deadline: float | None) -> None:
-        while True:
-            if c.closed:
-                raise self._error_for(c)
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise DistTimeoutError(f"{self.label}: writing to {self.describe(c.peer)} timed out")
-            if now - c.last_rx > self.stall_timeout:
-                self._lose(c, None, stalled=now - c.last_rx)
-                raise self._error_for(c)
-            if c.wait_writable(0.1):
-                return
+    def _unwritable(self, c: _Conn, now: float) -> PeerError | None:
+        """Why ``c`` cannot take a frame now (lost, or stalled: then it is lost), or None."""
+        if not c.closed and now - c.last_rx > self.stall_timeout:
+            self._lose(c, None, stalled=now - c.last_rx)
+        return self._error_for(c) if c.closed else None
 
     def _error_for(self, c: _Conn) -> PeerError:
         # a fresh exception each time: a stored one would grow its traceback with every raise
@@ -721,10 +717,8 @@ class Messenger:
         Returns False when the connection is gone."""
         try:
             c.pump(self._frame, _place_fresh)
-        except Closed:
-            self._lose(c, None)
-        except OSError as exc:
-            self._lose(c, exc)
+        except OSError as exc:  # (no errno: the end of the stream, which needs no detail)
+            self._lose(c, exc if exc.errno is not None else None)
         except RemoteProtocolError as exc:
             log.warning("%s: %s broke the protocol: %s", self.label, self.describe(c.peer), exc)
             self._lose(c, exc)
@@ -841,7 +835,7 @@ class Messenger:
             self._send_ctrl(c, Kind.GOODBYE, 0)
         with self._lock:
             self._closing = True
-        conns = self._table.close()
+            conns = self._table.close()  # (with ``_closing``: no dial starts after it)
         for c in conns:
             c.release_copies()
             with contextlib.suppress(OSError):

@@ -118,6 +118,7 @@ class Table(Generic[L]):
                 self.ep.register(link.fd, ARMED)
             except BaseException:
                 del self.by_fd[link.fd]
+                sock.close()
                 raise
             self.lost.pop(peer, None)
             self._all.setdefault(peer, []).append(link)
@@ -153,12 +154,16 @@ class Table(Generic[L]):
             return last
 
     def links(self, peer: int) -> list[L]:
-        return self._all.get(peer, [])
+        """The peer's links (a copy)."""
+        return list(self._all.get(peer, ()))
 
     def only(self, peer: int) -> L | None:
         """The peer's one link, or None when it has none or several."""
         links = self._all.get(peer)
-        return links[0] if links and len(links) == 1 else None
+        if links is None:
+            return None
+        first = links[:2]  # (one step under the interpreter lock: a ``drop`` may change the list)
+        return first[0] if len(first) == 1 else None
 
     def forget(self, peer: int) -> None:
         """Allow a new connection to a peer that was lost (a worker may come back)."""
@@ -169,7 +174,8 @@ class Table(Generic[L]):
     def arm(self, link: L) -> None:
         """Let a reader wait for ``link`` again. Always after its read lock is given back: a
         reader woken while it was held skipped it (leaving it disarmed); arming it now raises
-        the event again for whoever is free."""
+        the event again for whoever is free. (Not under ``lock``: arming a descriptor that a
+        new link took over meanwhile only wakes a reader for nothing.)"""
         if not link.closed:
             try:
                 self.ep.modify(link.fd, ARMED)
@@ -335,12 +341,13 @@ class Table(Generic[L]):
                     due = min(due, dialer.until())
                 ready.poll(max(0.0, due - now) * 1000)
         except BaseException:
-            for dialer in dialers.values():
-                dialer.close()
             for link in self.close():
                 with contextlib.suppress(OSError):
                     link.sock.close()
             raise
+        finally:
+            for dialer in dialers.values():
+                dialer.close()
 
     # -- closing -------------------------------------------------------------------------------
     def close(self) -> list[L]:
