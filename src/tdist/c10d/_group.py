@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import operator
 import sys
 import threading
 import time
@@ -96,9 +97,26 @@ def _even_split(t: torch.Tensor, size: int) -> list[int]:
 
 
 def _d(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors as the backend gets them: detached, same memory. Collectives write outside
-    autograd, as torch's C++ ones do, so a parameter that requires grad may be broadcast into."""
-    return [t.detach() for t in ts]
+    """The tensors as the backend gets them: the same memory outside autograd (``.data``), as
+    torch's C++ collectives write it: a parameter that requires grad may be broadcast into, the
+    tensor's autograd version does not change (a loss all-reduced for logging may still be
+    backpropagated, as with gloo), and an inference tensor may be written outside
+    ``torch.inference_mode``."""
+    out = []
+    for t in ts:
+        try:
+            t._version  # noqa: B018 (an inference tensor has none: its views may not be written)
+        except RuntimeError:
+            out.append(_writable_alias(t))
+            continue
+        out.append(t.data)
+    return out
+
+
+def _writable_alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor on an inference tensor's memory (same shape and strides), whose views
+    may be written outside ``torch.inference_mode``, as torch's C++ collectives write it."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _dd(tss: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -897,6 +915,13 @@ def global_rank_of(ranks: Mapping[int, int], group_rank: int, label: object) -> 
     raise ValueError(f"Group rank {group_rank} is not part of group {label}")
 
 
+def _as_rank(rank: object) -> int:
+    try:
+        return operator.index(rank)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"a rank must be an int, got {type(rank).__name__} {rank!r}") from None
+
+
 def canonical_rank(
     ranks: Mapping[int, int] | None,
     global_rank: int | None,
@@ -910,7 +935,13 @@ def canonical_rank(
 
     Raises:
         ValueError: both or neither given, or a rank outside the group (torch's messages).
+        TypeError: a rank that is not an integer (``src=0.0``: torch's argument check refuses
+            it too, before anything is sent).
     """
+    if global_rank is not None and type(global_rank) is not int:
+        global_rank = _as_rank(global_rank)
+    if group_rank is not None and type(group_rank) is not int:
+        group_rank = _as_rank(group_rank)
     if group_rank is not None:
         if global_rank is not None:
             raise ValueError("Can't specify both group_rank and global_rank")

@@ -42,7 +42,7 @@ from ..store._api import Store
 from . import _types as T
 from ._backend_config import Backend
 from ._checks import dense_cpu as _check
-from ._group import GroupInfo, ProcessGroup, chain_work
+from ._group import GroupInfo, ProcessGroup, _d, _dd, chain_work
 from ._reduce import sparse_all_reduce
 
 __all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
@@ -367,7 +367,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     # -- collectives ---------------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("broadcast", tensors)
-        return TorchWork(self._b.broadcast(tensors, _opts(T.BroadcastOptions, opts)), tensors)
+        return TorchWork(self._b.broadcast(_d(tensors), _opts(T.BroadcastOptions, opts)), tensors)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         if opts is not None and not hasattr(opts, "reduceOp"):  # allreduce(tensors, op)
@@ -377,24 +377,24 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
             sparse_all_reduce(tensors[0], o.reduceOp, self.size(), lambda outs, inp: self._b.allgather([outs], [inp]).wait())
             return TorchWork(T.Work.completed(tensors, "allreduce"), tensors)
         _check("allreduce", tensors)
-        return TorchWork(self._b.allreduce(tensors, _opts(T.AllreduceOptions, opts)), tensors)
+        return TorchWork(self._b.allreduce(_d(tensors), _opts(T.AllreduceOptions, opts)), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allreduce_coalesced", tensors)
         o = _opts(T.AllreduceOptions, opts)
-        return _all(tensors, [self._b.allreduce([t], o) for t in tensors])
+        return _all(tensors, [self._b.allreduce([t], o) for t in _d(tensors)])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("reduce", tensors)
-        return TorchWork(self._b.reduce(tensors, _opts(T.ReduceOptions, opts)), tensors)
+        return TorchWork(self._b.reduce(_d(tensors), _opts(T.ReduceOptions, opts)), tensors)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allgather", inputs, *outputs)
-        return TorchWork(self._b.allgather(outputs, inputs, _opts(T.AllgatherOptions, opts)), outputs)
+        return TorchWork(self._b.allgather(_dd(outputs), inputs, _opts(T.AllgatherOptions, opts)), outputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("all_gather_into_tensor", [output, input])
-        return TorchWork(self._b._allgather_base(output, input, _opts(T.AllgatherOptions, opts)), [output])
+        return TorchWork(self._b._allgather_base(_d([output])[0], input, _opts(T.AllgatherOptions, opts)), [output])
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -403,22 +403,22 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("gather", inputs, *outputs)
-        return TorchWork(self._b.gather(outputs, inputs, _opts(T.GatherOptions, opts)), outputs)
+        return TorchWork(self._b.gather(_dd(outputs), inputs, _opts(T.GatherOptions, opts)), outputs)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
         _check("scatter", outputs, *inputs)
-        return TorchWork(self._b.scatter(outputs, inputs, _opts(T.ScatterOptions, opts)), outputs)
+        return TorchWork(self._b.scatter(_d(outputs), inputs, _opts(T.ScatterOptions, opts)), outputs)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> TorchWork:
         _check("reduce_scatter", outputs, *inputs)
-        return TorchWork(self._b.reduce_scatter(outputs, inputs, _opts(T.ReduceScatterOptions, opts)), outputs)
+        return TorchWork(self._b.reduce_scatter(_d(outputs), inputs, _opts(T.ReduceScatterOptions, opts)), outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("reduce_scatter_tensor", [output, input])
         o = _opts(T.ReduceScatterOptions, opts)
-        return TorchWork(self._b._reduce_scatter_base(output, input, o), [output])
+        return TorchWork(self._b._reduce_scatter_base(_d([output])[0], input, o), [output])
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -427,7 +427,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("all_to_all", outputs, inputs)
-        return TorchWork(self._b.alltoall(outputs, inputs, _opts(T.AllToAllOptions, opts)), outputs)
+        return TorchWork(self._b.alltoall(_d(outputs), inputs, _opts(T.AllToAllOptions, opts)), outputs)
 
     def alltoall_base(
         self,
@@ -439,7 +439,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     ) -> TorchWork:
         _check("all_to_all_single", [output, input])
         o = _opts(T.AllToAllOptions, opts)
-        return TorchWork(self._b.alltoall_base(output, input, output_split_sizes, input_split_sizes, o), [output])
+        return TorchWork(self._b.alltoall_base(_d([output])[0], input, output_split_sizes, input_split_sizes, o), [output])
 
     def barrier(self, opts: Any = None) -> TorchWork:
         return TorchWork(self._b.barrier(_opts(T.BarrierOptions, opts)), [])
@@ -454,7 +454,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         o = _opts(T.AllgatherOptions, opts)
-        return _all(outputs, [self._b.allgather([out], [inp], o) for out, inp in zip(outputs, inputs, strict=True)])
+        return _all(outputs, [self._b.allgather([_d(out)], [inp], o) for out, inp in zip(outputs, inputs, strict=True)])
 
     # torch's Python-facing names of the same operations (``all_gather_into_tensor``,
     # ``reduce_scatter_tensor``, ``all_to_all_single`` and the coalescing manager call these)
@@ -471,11 +471,11 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
         _check("recv", tensors)
-        return TorchWork(self._b.recv(tensors, src, tag), tensors)
+        return TorchWork(self._b.recv(_d(tensors), src, tag), tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
         _check("recv", tensors)
-        return TorchWork(self._b.recv_anysource(tensors, tag), tensors)
+        return TorchWork(self._b.recv_anysource(_d(tensors), tag), tensors)
 
     # -- lifetime ------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -509,7 +509,7 @@ def _all(outputs: Any, works: list[T.Work]) -> TorchWork:
 
 def _pairwise(op: Callable[..., T.Work], outputs: list[torch.Tensor], inputs: list[torch.Tensor], o: Any) -> TorchWork:
     """``op(output, input, options)`` for each pair, as one Work."""
-    return _all(outputs, [op(out, inp, o) for out, inp in zip(outputs, inputs, strict=True)])
+    return _all(outputs, [op(out, inp, o) for out, inp in zip(_d(outputs), inputs, strict=True)])
 
 
 _adopting: Any = None  # a tdist backend the next group torch asks for is to run on

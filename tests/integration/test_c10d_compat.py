@@ -1,0 +1,88 @@
+"""What real programs rely on that gloo does and torch's documentation does not spell out:
+collectives write a tensor's memory outside autograd (its version does not change, an inference
+tensor is written too), and an argument torch refuses before anything is sent leaves the group
+usable. Real processes, 2 ranks, through tdist's API and through torch's with the ``tdist``
+backend; each expectation was observed with gloo."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tdist.testing import free_port, run_processes
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _program(rank: int, world: int, port: int, through_torch: bool) -> dict[str, Any]:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if through_torch:
+        import tdist  # noqa: F401 (registers the "tdist" backend with torch)
+        import torch.distributed as d
+
+        d.init_process_group("tdist", timeout=timedelta(seconds=20))
+    else:
+        import tdist as d
+
+        d.init_process_group("gloo", timeout=timedelta(seconds=20))
+    out: dict[str, Any] = {}
+    try:
+        # a loss all-reduced for logging, then backpropagated: sqrt saved its output
+        torch.manual_seed(rank)
+        w = torch.nn.Parameter(torch.ones(3))
+        x, y = torch.randn(8, 3), torch.randn(8)
+        loss = torch.sqrt(F.mse_loss(x @ w, y))
+        before = loss.item()
+        d.all_reduce(loss)
+        out["loss_summed"] = loss.item()
+        out["loss_local"] = before
+        out["loss_version"] = loss._version
+        loss.backward()
+        out["grad"] = w.grad is not None and bool(torch.isfinite(w.grad).all())
+        # parameters broadcast from rank 0 (a leaf that requires grad): values and version
+        m = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            m.weight.fill_(rank + 1)
+        v = m.weight._version
+        d.broadcast(m.weight, 0)
+        out["bcast"] = m.weight.flatten().tolist()
+        out["bcast_version_kept"] = m.weight._version == v
+        # metrics computed under inference mode, reduced after the block (an eval loop)
+        with torch.inference_mode():
+            correct = torch.tensor([float(rank + 1), 1.0])
+        d.all_reduce(correct)
+        out["inference"] = correct.tolist()
+        # a root that is not an int: refused on every rank before anything is sent...
+        if not through_torch:  # (torch's own check refuses it there)
+            try:
+                d.broadcast(torch.ones(2), src=0.0)  # type: ignore[arg-type]
+                out["float_root"] = "accepted"
+            except TypeError as exc:
+                out["float_root"] = f"TypeError: {exc}"
+        # ...and the group goes on
+        t = torch.ones(2)
+        d.all_reduce(t)
+        out["after"] = t.tolist()
+    finally:
+        d.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("through_torch", [False, True], ids=["tdist_api", "torch_api"])
+def test_collectives_write_outside_autograd_and_a_refused_argument_breaks_nothing(through_torch: bool) -> None:
+    outs = run_processes(_program, 2, free_port(), through_torch, timeout=90)
+    total = outs[0]["loss_local"] + outs[1]["loss_local"]
+    for rank, out in enumerate(outs):
+        assert out["loss_summed"] == pytest.approx(total), rank
+        assert out["loss_version"] == 0 and out["grad"], out
+        assert out["bcast"] == [1.0] * 6 and out["bcast_version_kept"], out
+        assert out["inference"] == [3.0, 2.0], out
+        if not through_torch:
+            assert out["float_root"].startswith("TypeError: a rank must be an int, got float 0.0"), out
+        assert out["after"] == [2.0, 2.0], out
