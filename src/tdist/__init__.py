@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # torch's package has these loaded; ours imports them on first use (and master_worker, torch
 # 0.3's master-worker mode)
-_SUBMODULES = ("autograd", "elastic", "master_worker", "optim", "rpc")
+_SUBMODULES = ("autograd", "elastic", "flight_recorder", "master_worker", "optim", "rpc")
 
 
 def _load() -> None:

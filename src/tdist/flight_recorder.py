@@ -65,9 +65,9 @@ def _backend_of(group: Any) -> Any:
         if world is None or world.default_pg is None:
             raise ValueError("dump_all: no default process group; call init_process_group first or pass group=")
         group = world.default_pg
-    from .c10d._group import ProcessGroup
+    from .c10d._group import is_ours
 
-    backend = group._get_backend() if isinstance(group, ProcessGroup) else getattr(group, "backend", None)
+    backend = group._get_backend() if is_ours(group) else getattr(group, "backend", None)
     if backend is None:
         raise ValueError(f"dump_all: {group!r} is not a process group of tdist's")
     return backend

@@ -23,8 +23,9 @@ def _program(rank: int, world: int, port: int, through_torch: bool) -> dict[str,
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     if through_torch:
-        import tdist  # noqa: F401 (registers the "tdist" backend with torch)
         import torch.distributed as d
+
+        import tdist  # noqa: F401 (registers the "tdist" backend with torch)
 
         d.init_process_group("tdist", timeout=timedelta(seconds=20))
     else:
@@ -65,6 +66,9 @@ def _program(rank: int, world: int, port: int, through_torch: bool) -> dict[str,
                 out["float_root"] = "accepted"
             except TypeError as exc:
                 out["float_root"] = f"TypeError: {exc}"
+        # the groups handed out are process groups (torch's own objects, which run on ours)
+        sub = d.new_group([0, 1])
+        out["isinstance"] = [isinstance(g, d.ProcessGroup) for g in (d.group.WORLD, sub)]
         # ...and the group goes on
         t = torch.ones(2)
         d.all_reduce(t)
@@ -86,3 +90,4 @@ def test_collectives_write_outside_autograd_and_a_refused_argument_breaks_nothin
         if not through_torch:
             assert out["float_root"].startswith("TypeError: a rank must be an int, got float 0.0"), out
         assert out["after"] == [2.0, 2.0], out
+        assert out["isinstance"] == [True, True], out

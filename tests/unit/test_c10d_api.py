@@ -608,7 +608,9 @@ def test_init_twice_destroy_and_again() -> None:
     assert isinstance(world, torch.distributed.ProcessGroup) and world.rank() == 0 and world.size() == 1
     assert torch.distributed.distributed_c10d._get_default_group() is world
     pg = _default_group()
-    assert isinstance(pg, dist.ProcessGroup) and not isinstance(world, dist.ProcessGroup)
+    # (both count as groups, as with torch.distributed; only the first is tdist's own)
+    assert isinstance(pg, dist.ProcessGroup) and isinstance(world, dist.ProcessGroup)
+    assert G.is_ours(pg) and not G.is_ours(world)
     assert pg.group_name == "0" and pg.group_desc == "default_pg" and pg.name() == "fake1"
     assert pg.rank() == 0 and pg.size() == 1
     with pytest.raises(ValueError, match=r"^trying to initialize the default process group twice!$"):

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -168,7 +168,24 @@ def chain_work(
     return outer
 
 
-class ProcessGroup:
+class _GroupClass(type):
+    """The class of ``ProcessGroup``: ``isinstance(g, tdist.ProcessGroup)`` holds for every
+    group tdist hands out (``group.WORLD``, ``new_group``'s), which are torch's own
+    ``ProcessGroup`` objects running on ours, as it does for them with ``torch.distributed``.
+    tdist itself tells its own groups from torch's with ``is_ours``."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        if type.__instancecheck__(cls, obj):
+            return True
+        return cls is ProcessGroup and isinstance(obj, torch.distributed.ProcessGroup)
+
+
+def is_ours(obj: object) -> TypeGuard[ProcessGroup]:
+    """Whether ``obj`` is one of tdist's own groups (not torch's, which ``isinstance`` counts)."""
+    return type.__instancecheck__(ProcessGroup, obj)
+
+
+class ProcessGroup(metaclass=_GroupClass):
     """A group of ranks and its backend (``torch.distributed.ProcessGroup``).
 
     Made by ``init_process_group`` and ``new_group``; methods take group-local ranks and

@@ -35,6 +35,7 @@ from ._group import (
     World,
     check_disjoint,
     current_world,
+    is_ours,
     new_group_ranks,
     new_world,
     publish_world,
@@ -372,7 +373,7 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
             "(or was destroyed already)"
         )
     pg = world.default_pg if group is None else _from_torch(group) or group
-    if not isinstance(pg, ProcessGroup) or pg not in world.groups:
+    if not is_ours(pg) or pg not in world.groups:
         raise ValueError("Invalid process group specified")
     if world.adopted is not None:  # (torch's groups, torch's to destroy: it shuts them down)
         twin, everything = world.twin_of(pg), pg is world.default_pg

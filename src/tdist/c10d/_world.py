@@ -25,6 +25,7 @@ from ._group import (
     current_world,
     global_rank_of,
     group_rank_of,
+    is_ours,
 )
 
 __all__ = [
@@ -87,7 +88,7 @@ def _resolve(group: object) -> ProcessGroup:
     """
     if group is None:
         return _default_group()
-    if isinstance(group, ProcessGroup):
+    if is_ours(group):
         return group
     if isinstance(group, torch.distributed.ProcessGroup):
         twin = _from_torch(group)
