@@ -212,6 +212,13 @@ __all__ += [
     "supports_complex",
 ]
 
+# -- debugging one rank, and torch's device meshes (which run on tdist's groups) ------------------
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+
+from .c10d._breakpoint import breakpoint  # noqa: E402
+
+__all__ += ["DeviceMesh", "breakpoint", "init_device_mesh"]
+
 # -- torch 0.3's master-worker mode (its API for the master: tdist.master_worker) -----------------
 from ._master_worker import init_master_worker  # noqa: E402
 

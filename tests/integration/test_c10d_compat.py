@@ -69,6 +69,11 @@ def _program(rank: int, world: int, port: int, through_torch: bool) -> dict[str,
         # the groups handed out are process groups (torch's own objects, which run on ours)
         sub = d.new_group([0, 1])
         out["isinstance"] = [isinstance(g, d.ProcessGroup) for g in (d.group.WORLD, sub)]
+        if not through_torch:  # torch's device meshes, by tdist's names, on tdist's groups
+            mesh = d.init_device_mesh("cpu", (2,))
+            m = torch.tensor([float(rank)])
+            d.all_reduce(m, group=mesh.get_group())
+            out["mesh"] = (isinstance(mesh, d.DeviceMesh), m.item())
         # ...and the group goes on
         t = torch.ones(2)
         d.all_reduce(t)
@@ -91,3 +96,46 @@ def test_collectives_write_outside_autograd_and_a_refused_argument_breaks_nothin
             assert out["float_root"].startswith("TypeError: a rank must be an int, got float 0.0"), out
         assert out["after"] == [2.0, 2.0], out
         assert out["isinstance"] == [True, True], out
+        assert through_torch or out["mesh"] == (True, 1.0), out
+
+
+_BREAKPOINT = """
+import sys
+import torch
+import tdist as dist
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+for i in range(2):
+    dist.breakpoint(rank=0, skip=1)  # (the first call passes)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"after {i}: {t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_breakpoint_stops_one_rank_in_the_debugger_and_the_others_wait_for_it(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BREAKPOINT, str(rank), str(port)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        # rank 0 reads its commands from its terminal (here its stdin: /dev/stdin)
+        out0, _ = procs[0].communicate("p 6 * 7\nc\n", timeout=60)
+        out1, _ = procs[1].communicate("", timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, (out0, out1)
+    assert out0.count("!!! ATTENTION !!!") == 1 and "Skip the breakpoint, counter=1" in out0, out0
+    assert "\n42\n" in out0 or "(Pdb) 42" in out0, out0
+    assert "ATTENTION" not in out1 and "after 0: 2.0" in out1 and "after 1: 2.0" in out1, out1
+    assert out0.index("42") > out0.index("after 0: 2.0"), out0  # (it stopped on the second call)

@@ -307,6 +307,8 @@ def get_group_rank(group: ProcessGroup | int, global_rank: int) -> int:
     Raises:
         ValueError: ``global_rank`` is not a member, or ``group`` is not registered.
     """
+    if group is None:  # (as torch: the default group is ``group.WORLD`` here, not None)
+        raise ValueError("Group None is not registered, please create group with torch.distributed.new_group API")
     if _not_member(group):
         return group_rank_of(_non_member_ranks("get_group_rank"), global_rank, group)
     pg = _resolve(group)
@@ -323,6 +325,8 @@ def get_global_rank(group: ProcessGroup | int, group_rank: int) -> int:
     Raises:
         ValueError: no such rank in ``group``, or ``group`` is not registered.
     """
+    if group is None:  # (as torch: the default group is ``group.WORLD`` here, not None)
+        raise ValueError("Group None is not registered, please create group with torch.distributed.new_group API")
     if _not_member(group):
         return global_rank_of(_non_member_ranks("get_global_rank"), group_rank, group)
     return _to_global(_resolve(group), group_rank)
