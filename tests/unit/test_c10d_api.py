@@ -660,6 +660,9 @@ def test_groups_of_one_rank() -> None:
         dist.get_group_rank(sub, 4)
     with pytest.raises(ValueError, match=r"^Group rank 4 is not part of group"):
         dist.get_global_rank(sub, 4)
+    for lookup in (dist.get_group_rank, dist.get_global_rank):  # (None is no group here, as torch)
+        with pytest.raises(ValueError, match=r"^Group None is not registered"):
+            lookup(None, 0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"group must be a ProcessGroup"):
         dist.all_reduce(torch.ones(1), group=5)  # type: ignore[arg-type]
     mine, subs = dist.new_subgroups(1)
