@@ -123,6 +123,38 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _signals(value: str) -> tuple[int, ...]:
+    out = []
+    for name in (v.strip() for v in value.split(",")):
+        if not name:
+            continue
+        try:
+            out.append(int(signal.Signals[name if name.startswith("SIG") else "SIG" + name]))
+        except KeyError:
+            raise argparse.ArgumentTypeError(f"unknown signal {name!r}") from None
+    return tuple(out)
+
+
+# torchrun's environment defaults: PET_<its option's name> (Kubeflow's PyTorchJob sets them)
+_PET_NAMES = {"run_id": "rdzv_id", "stop_timeout": "shutdown_timeout", "entrypoint": "", "args": ""}
+
+
+def _pet_defaults(parser: argparse.ArgumentParser) -> None:
+    """Defaults from ``PET_<OPTION>`` for every option of ``parser``, as torchrun's (a flag's
+    value is a number: ``PET_STANDALONE=1``)."""
+    for action in parser._actions:
+        name = _PET_NAMES.get(action.dest, action.dest)
+        if not name or not action.option_strings or action.dest == "help":
+            continue
+        value = os.environ.get(f"PET_{name.upper()}")
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip() not in ("", "0")
+        else:
+            action.default = value  # (a string default goes through ``type``, as a given value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tdist`` argument parser."""
     from .elastic._policy import START_METHODS, Std
@@ -152,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="this node's rank; node 0 hosts the store (default: 0)")
     run.add_argument(*_opt("--master-addr"), default="127.0.0.1", metavar="HOST",
                      help="the store's address, as the workers reach it (default: 127.0.0.1)")
-    run.add_argument(*_opt("--master-port"), type=_port, default=29500, metavar="PORT",
-                     help="the store's port; 0 picks a free one (default: 29500)")
+    run.add_argument(*_opt("--master-port"), type=_port, default=None, metavar="PORT",
+                     help="the store's port; 0 picks a free one (default: 29500; as torchrun's, one "
+                     "node with neither this nor --rdzv-endpoint runs as --standalone)")
     run.add_argument("--standalone", action="store_true",
                      help="one node, a free port on 127.0.0.1 (overrides --master-addr/--master-port)")
     run.add_argument(*_opt("--rdzv-id", "--run-id"), dest="run_id", default="none", metavar="ID",
@@ -184,8 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between checks of the other nodes (default: 0.5)")
     run.add_argument(*_opt("--join-timeout"), type=_seconds, default=600.0, metavar="S",
                      help="seconds to wait for every node to join (default: 600)")
-    run.add_argument(*_opt("--stop-timeout"), type=_seconds, default=10.0, metavar="S",
-                     help="seconds between SIGTERM and SIGKILL when stopping workers (default: 10)")
+    run.add_argument(*_opt("--stop-timeout", "--shutdown-timeout"), type=_seconds,
+                     default=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip() or "30", metavar="S",
+                     help="seconds between the stop signal and SIGKILL when stopping workers "
+                     "(default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30, as torchrun's)")
+    run.add_argument(*_opt("--signals-to-handle"), type=_signals, default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                     metavar="SIG,...",
+                     help="the signals that stop the job: the launcher sends each to the workers as "
+                     "it comes, then SIGKILL after --stop-timeout (default: SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
     run.add_argument(*_opt("--local-ranks-filter"), type=_ranks, default=None, metavar="R,R,...",
                      help="show only these local ranks' output, e.g. 0 (default: every rank's)")
     run.add_argument("--role", default="default", metavar="NAME",
@@ -226,8 +265,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the entrypoint as a module (python -m)")
     run.add_argument(*_opt("--no-python"), action="store_true",
                      help="run the entrypoint as a program, not a Python script")
+    run.add_argument(*_opt("--run-path"), action="store_true",
+                     help="torchrun's: run the script with runpy.run_path in its interpreter, "
+                     "which is what a worker does with a script here anyway (a script, not -m or "
+                     "--no-python)")
+    # torchrun's options that change nothing here: accepted, so that its command lines run
+    for flag, default, what in (
+        ("--event-log-handler", "null", "torchrun's event log handler (tdist run logs its events itself)"),
+        ("--logs-specs", None, "torchrun's LogsSpecs entry point (tdist run lays out --log-dir as torchrun's default)"),
+        ("--duplicate-stdout-filters", "", "torchrun's duplicated stdout lines (not done here)"),
+        ("--duplicate-stderr-filters", "", "torchrun's duplicated stderr lines (not done here)"),
+        ("--numa-binding", None, "torchrun's NUMA binding to GPUs (CPU workers here: none)"),
+    ):
+        run.add_argument(*_opt(flag), default=default, metavar="VALUE", help=f"{what}; accepted and not used")
+    run.add_argument(*_opt("--virtual-local-rank"), action="store_true",
+                     help="torchrun's LOCAL_RANK 0 for every worker with one GPU each: accepted and "
+                     "not used (CPU workers keep their local ranks)")
     run.add_argument("entrypoint", metavar="script", help="the script (or module, or program) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    _pet_defaults(run)
 
     store = sub.add_parser(
         "store",
@@ -350,7 +406,10 @@ def _run(ns: argparse.Namespace) -> int:
     join_timeout, is_host = ns.join_timeout, None
     rdzv_host, rdzv_port = "", 2379
     try:
-        if ns.standalone:  # (a run id of its own, as torchrun's --standalone makes one)
+        # (one node that names no address of its own runs as --standalone, as torchrun's does:
+        # a free port and a run id of its own, so two such jobs on one host do not collide)
+        alone = backend == "static" and not ns.rdzv_endpoint and master_port is None and nnodes == 1
+        if ns.standalone or alone:  # (a run id of its own, as torchrun's --standalone makes one)
             master_addr, master_port, nnodes, run_id, backend = "127.0.0.1", 0, 1, str(uuid.uuid4()), "static"
             elastic = False
         elif backend == "etcd":  # etcd is where the nodes meet; node 0 hosts the store here
@@ -359,7 +418,7 @@ def _run(ns: argparse.Namespace) -> int:
             rdzv_host, rdzv_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 2379)
             master_addr, master_port = ns.local_addr or socket.getfqdn(), 0
         elif ns.rdzv_endpoint:
-            master_addr, master_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port)
+            master_addr, master_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port or 29500)
         elif backend == "c10d":
             raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
         if "join_timeout" in conf:
@@ -380,6 +439,10 @@ def _run(ns: argparse.Namespace) -> int:
             is_host = text in ("1", "true", "t", "yes", "y")
         for key in conf:
             log.warning("--rdzv-conf %s is not used by tdist run; ignored", key)
+        if master_port is None:
+            master_port = 29500
+        if ns.run_path:  # (as torchrun's: it runs a script, whatever -m or --no-python say)
+            ns.module = ns.no_python = False
         config = LaunchConfig(
             entrypoint=ns.entrypoint,
             args=tuple(ns.args),
@@ -394,6 +457,8 @@ def _run(ns: argparse.Namespace) -> int:
             module=ns.module,
             no_python=ns.no_python,
             stop_timeout=ns.stop_timeout,
+            signals=ns.signals_to_handle,
+            python=os.environ.get("PYTHON_EXEC") or sys.executable,
             monitor_interval=ns.monitor_interval,
             join_timeout=join_timeout,
             rdzv_backend=backend,

@@ -109,6 +109,14 @@ WORKER = textwrap.dedent(
     elif action == "hang":
         print(f"rank {rank} ready", flush=True)
         time.sleep(60)
+    elif action == "interrupt":  # what a worker's Ctrl-C handler sees
+        try:
+            print(f"rank {rank} ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            mark(f"interrupted{rank}")
+    elif action == "id":
+        print(f"rank {rank} of {os.environ['WORLD_SIZE']} in {os.environ['TORCHELASTIC_RUN_ID']}")
     elif action == "snapshot":  # rank 0 waits in a function of its own; rank 1 fails
         import tdist  # (its handlers of SIGUSR1 and SIGUSR2)
         if rank == 0:
@@ -408,7 +416,8 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert "rank      : 1 (local_rank: 1)" in root
     error_file = next(line for line in root.splitlines() if line.startswith("  error_file: ")).split(": ", 1)[1]
     assert error_file.endswith("attempt_0/1/error.json")
-    assert not Path(error_file).exists()  # the launcher's run directory is gone with it
+    assert Path(error_file).exists()  # (the report names it: it stays, as torchrun's)
+    assert "KeyError" in json.loads(Path(error_file).read_text())["message"]["message"]
     assert "Traceback (most recent call last):" in root
     assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
     first = next(line for line in root.splitlines() if "first failure" in line)
@@ -750,9 +759,9 @@ def test_no_status_line_with_quiet_or_without_a_terminal(work: Path) -> None:
 
 
 # -- signals -----------------------------------------------------------------------------------
-def start_hanging(work: Path, n: int, action: str = "hang") -> subprocess.Popen[str]:
+def start_hanging(work: Path, n: int, action: str = "hang", port: tuple[str, ...] = ("--master-port", "0")) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        tdist_cmd("run", "--nproc-per-node", str(n), "--master-port", "0", "worker.py", action),
+        tdist_cmd("run", "--nproc-per-node", str(n), *port, "worker.py", action),
         cwd=work, env=launcher_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
@@ -785,6 +794,53 @@ def test_signal_to_the_launcher_stops_the_workers(work: Path, sig: int, code: in
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_the_signal_that_stops_the_launcher_goes_on_to_the_workers(work: Path, sig: int, code: int) -> None:
+    # (as torchrun's --signals-to-handle: Ctrl-C reaches a worker as SIGINT, its KeyboardInterrupt)
+    proc = start_hanging(work, 2, "interrupt")
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == code, err
+        assert f"stopped the workers on {signal.Signals(sig).name}" in err
+        interrupted = sorted(p.name for p in work.glob("interrupted*"))
+        assert interrupted == (["interrupted0", "interrupted1"] if sig == signal.SIGINT else []), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_single_node_jobs_without_a_port_run_side_by_side(work: Path) -> None:
+    # (as torchrun's: one node with neither --master-port nor --rdzv-endpoint is --standalone,
+    # a free port and a run id of its own)
+    first = start_hanging(work, 1, port=())
+    try:
+        res = tdist_run(work, "--nproc-per-node", "2", "worker.py", "id")
+        assert res.returncode == 0, res.stderr
+        ids = {line.split(" in ")[1] for line in res.stdout.splitlines()}
+        assert len(ids) == 1 and "none" not in ids, res.stdout
+        assert sorted(line.split(" in ")[0] for line in res.stdout.splitlines()) == ["[rank0]:rank 0 of 2", "[rank1]:rank 1 of 2"]
+    finally:
+        first.terminate()
+        first.communicate(timeout=15)
+
+
+def test_torchrun_environment_defaults_and_options(work: Path) -> None:
+    # PET_<option> (Kubeflow's PyTorchJob sets them), and torchrun's options that change
+    # nothing here are accepted
+    res = tdist_run(
+        work, "--run-path", "--shutdown-timeout", "5", "--event-log-handler", "null", "--logs-specs", "x",
+        "--duplicate-stdout-filters", "a,b", "--duplicate-stderr-filters", "c", "--virtual-local-rank",
+        "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "worker.py", "id", PET_NPROC_PER_NODE="2", PET_RDZV_ID="job9",
+        PET_MASTER_PORT="0",
+    )
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[rank0]:rank 0 of 2 in job9", "[rank1]:rank 1 of 2 in job9"], res.stdout
+    bad = tdist_run(work, "--signals-to-handle", "SIGNOPE", "worker.py", "id")
+    assert bad.returncode == 2 and "unknown signal 'SIGNOPE'" in bad.stderr, bad.stderr
 
 
 def test_kill_9_of_the_launcher_takes_its_workers_along(work: Path) -> None:

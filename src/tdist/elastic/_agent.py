@@ -19,8 +19,10 @@ pipe that signal handlers write to, so it wakes as soon as a worker exits or a s
 After each wake-up it records what exited and asks ``_policy`` what that means and what to do;
 the decisions (the root cause, restarts, the exit code) live there as pure functions.
 
-Stopping a group sends SIGTERM to each worker's process group, waits ``stop_timeout``
-seconds (a second SIGINT/SIGTERM to the launcher cuts the wait short), then sends SIGKILL. Every
+Stopping a group sends each worker's process group the signal that stopped the launcher (one of
+``signals``, torchrun's ``--signals-to-handle``: Ctrl-C's SIGINT reaches the workers as SIGINT)
+or else SIGTERM, waits ``stop_timeout`` seconds (a second signal to the launcher cuts the wait
+short), then sends SIGKILL. Every
 worker is reaped before the agent returns. A failed job's report ends with a post-mortem built
 from what was observed: each worker's exit, its last lines, its ``@record`` error file, the
 flight-recorder dumps the ranks left, the restarts.
@@ -133,8 +135,12 @@ _STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not dr
 _ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal control sequence in a worker's line
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+
+
+def _error_files(base: str) -> list[str]:
+    """The ``@record`` error files workers wrote under ``base``."""
+    return [os.path.join(d, f) for d, _, files in os.walk(base) for f in files if f == "error.json"]
 
 class LaunchError(DistError):
     """The launcher could not set the job up (bad options, store not reachable, nodes missing)."""
@@ -214,7 +220,7 @@ class LocalAgent:
         stderr: where their stderr, and the failure report, go (default: this process's stderr).
         env: the environment workers inherit (default ``os.environ``).
         clock: the monotonic clock.
-        handle_signals: install SIGINT/SIGTERM handlers that stop the workers (only possible in
+        handle_signals: install handlers of ``config.signals`` that stop the workers (only possible in
             the main thread).
     """
 
@@ -357,8 +363,9 @@ class LocalAgent:
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
-                if self._temp_base is not None and not self._keeps_logs:
-                    # (only error files were there, quoted in the report already)
+                if self._temp_base is not None and not self._keeps_logs and not _error_files(self._temp_base):
+                    # (nothing was there: an error file a worker wrote stays, as torchrun's do,
+                    # since the report names it)
                     shutil.rmtree(self._temp_base, ignore_errors=True)
 
     def _serve_metrics(self) -> None:
@@ -1107,7 +1114,7 @@ class LocalAgent:
                 timestamp=time.time(),
                 # (one that failed on its own while being stopped still failed: only our
                 # signals' own ends are consequences)
-                stopped_by_agent=w.signalled and rc in (-signal.SIGTERM, -signal.SIGKILL),
+                stopped_by_agent=w.signalled and rc in (-signal.SIGTERM, -signal.SIGKILL, -(self._signum or signal.SIGTERM)),
                 stalled=w.stalled,
             )
             exits.append(w.exit)
@@ -1180,10 +1187,13 @@ class LocalAgent:
         if not alive:
             return
         log.info("stopping %d workers: %s", len(alive), [w.rank for w in alive])
+        # the signal that stopped the job goes on to the workers (Ctrl-C: SIGINT, so that
+        # their ``except KeyboardInterrupt`` runs), as torchrun's; any other stop: SIGTERM
+        sig = self._signum if self._signum in self.config.signals else signal.SIGTERM
         for w in alive:
             w.signalled = True
-            # (a stopped process would not act on SIGTERM: it goes at once)
-            self._signal_group(w, signal.SIGKILL if w.stalled else signal.SIGTERM)
+            # (a stopped process would not act on it: it goes at once)
+            self._signal_group(w, signal.SIGKILL if w.stalled else sig)
         signals_before = self._signal_count
         deadline = self._clock() + self.config.stop_timeout
         while any(w.exit is None for w in alive):
@@ -1195,8 +1205,8 @@ class LocalAgent:
         for w in alive:
             if w.exit is None:
                 log.warning(
-                    "worker rank %d (pid %d) did not stop within %g s of SIGTERM: sending SIGKILL",
-                    w.rank, w.proc.pid, self.config.stop_timeout,
+                    "worker rank %d (pid %d) did not stop within %g s of %s: sending SIGKILL",
+                    w.rank, w.proc.pid, self.config.stop_timeout, signal.Signals(sig).name,
                 )
                 self._signal_group(w, signal.SIGKILL)
         for w in alive:
@@ -1216,7 +1226,7 @@ class LocalAgent:
         if not self._handle_signals or threading.current_thread() is not threading.main_thread():
             return {}
         previous: dict[int, object] = {}
-        for sig in _STOP_SIGNALS:
+        for sig in self.config.signals:
             previous[sig] = signal.signal(sig, self._on_signal)
         return previous
 

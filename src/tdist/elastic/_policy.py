@@ -117,7 +117,10 @@ class LaunchConfig:
             and joins the running job; the others go on.
         module: run ``python -m entrypoint``.
         no_python: run ``entrypoint`` as a program, without the Python interpreter.
-        stop_timeout: seconds between SIGTERM and SIGKILL when stopping workers.
+        stop_timeout: seconds between the stop signal and SIGKILL when stopping workers (30,
+            torchrun's ``--shutdown-timeout``).
+        signals: the signals that stop the job (torchrun's ``--signals-to-handle``): each is
+            sent on to the workers as it comes (a stop for another reason sends SIGTERM).
         monitor_interval: seconds between checks of the other nodes' state (multi-node).
         join_timeout: seconds to wait for every node to join (multi-node).
         exit_barrier_timeout: seconds node 0 keeps the store up for the other nodes to finish.
@@ -173,7 +176,8 @@ class LaunchConfig:
     ft: bool = False
     module: bool = False
     no_python: bool = False
-    stop_timeout: float = 10.0
+    stop_timeout: float = 30.0
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     monitor_interval: float = 0.5
     join_timeout: float = 600.0
     exit_barrier_timeout: float = 300.0
