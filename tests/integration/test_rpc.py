@@ -423,6 +423,11 @@ def _futures(w: Worker) -> None:
     assert "future boom" in failed.then(handle).wait()
     with pytest.raises(Exception, match="future boom"):
         failed.then(lambda x: x.wait()).wait()  # a callback's error fails its future
+    # what the callback raised is a RuntimeError with torch's message, as with torch's futures,
+    # and still of its own type
+    for catch in (RuntimeError, KeyError):
+        with pytest.raises(catch, match=r"^Got the following error when running the callback: KeyError: 'k'$"):
+            fut.then(lambda x: {}["k"]).wait()
 
 
 def test_futures_then_wait_value_wait_all_and_errors(backend: str) -> None:

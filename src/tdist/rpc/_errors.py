@@ -249,6 +249,11 @@ def capture(exc: BaseException, worker: str) -> RemoteExceptionRecord:
         The record. Never raises: a broken ``__str__``, ``__repr__`` or ``__reduce__`` only
         costs the part of the record it spoils.
     """
+    # (a ``then`` callback's error, a RuntimeError too for the callers of torch's futures: the
+    # caller gets what the callback raised, ``rpc._future``)
+    original = getattr(exc, "_tdist_original", None)
+    if isinstance(original, BaseException):
+        exc = original
     try:
         return _capture(exc, worker)
     except BaseException as err:  # a last fence: the caller must hear about the failure

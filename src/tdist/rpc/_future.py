@@ -6,7 +6,10 @@ torch's ``Future.then`` runs the callback in C++ and turns an exception it raise
 and the object are gone. An ``@async_execution`` function that chains its reply with ``then``
 (``rpc_async(...).then(check)``) would then send the caller a ``RuntimeError`` instead of the
 ``ValueError`` its callback raised. These futures run ``then`` callbacks through
-``add_done_callback`` and fail the next future with the exception object itself.
+``add_done_callback`` and fail the next future with an exception that is both: an instance of
+the callback's exception type and of ``RuntimeError`` (so code written for torch's
+``except RuntimeError`` catches it, and ``except ValueError`` as well), with torch's message,
+which pickles as the callback's exception itself (what a remote caller gets).
 """
 
 from __future__ import annotations
@@ -32,9 +35,51 @@ class Future(torch.futures.Future[Any]):
             try:
                 value = callback(done)
             except BaseException as exc:
-                out.set_exception(exc)
+                out.set_exception(_as_runtime_error(exc))
                 return
             out.set_result(value)
 
         self.add_done_callback(run)
         return out
+
+
+_BOTH: dict[type[BaseException], type[BaseException] | None] = {}
+
+
+def _reduce_to_original(self: BaseException) -> Any:
+    return self._tdist_original.__reduce__()  # type: ignore[attr-defined]
+
+
+def _torch_text(self: BaseException) -> str:
+    original = self._tdist_original  # type: ignore[attr-defined]
+    return f"Got the following error when running the callback: {type(original).__name__}: {original}"
+
+
+def _as_runtime_error(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of a class derived from its own type and ``RuntimeError`` (see
+    the module docstring); ``exc`` itself where it is a ``RuntimeError`` already, not an
+    ``Exception``, or of a type that cannot be combined (``OSError``'s layout, for one)."""
+    kind = type(exc)
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    both = _BOTH.get(kind, ...)
+    if both is ...:
+        try:
+            both = type(kind.__name__, (kind, RuntimeError), {
+                "__module__": kind.__module__, "__reduce__": _reduce_to_original, "__str__": _torch_text,
+            })
+        except TypeError:  # (instance layouts that conflict)
+            both = None
+        _BOTH[kind] = both
+    if both is None:
+        return exc
+    try:
+        out = both.__new__(both, *exc.args)
+        out.__dict__.update(getattr(exc, "__dict__", {}))
+        out.args = exc.args
+    except Exception:  # (a constructor of its own that __new__ cannot mimic)
+        return exc
+    out._tdist_original = exc  # type: ignore[attr-defined]
+    out.__cause__ = exc.__cause__
+    out.__context__ = exc.__context__
+    return out.with_traceback(exc.__traceback__)
