@@ -69,6 +69,14 @@ def _program(rank: int, world: int, port: int, through_torch: bool) -> dict[str,
         # the groups handed out are process groups (torch's own objects, which run on ours)
         sub = d.new_group([0, 1])
         out["isinstance"] = [isinstance(g, d.ProcessGroup) for g in (d.group.WORLD, sub)]
+        if not through_torch:  # torch's collectives that autograd differentiates, by tdist's names
+            from tdist.nn.functional import all_reduce as differentiable_all_reduce
+
+            xg = torch.ones(2, requires_grad=True)
+            yg = differentiable_all_reduce(xg * (rank + 1))
+            yg.sum().backward()
+            assert xg.grad is not None
+            out["nn_functional"] = (yg.tolist(), xg.grad.tolist())
         if not through_torch:  # torch's device meshes, by tdist's names, on tdist's groups
             mesh = d.init_device_mesh("cpu", (2,))
             m = torch.tensor([float(rank)])
@@ -97,6 +105,7 @@ def test_collectives_write_outside_autograd_and_a_refused_argument_breaks_nothin
         assert out["after"] == [2.0, 2.0], out
         assert out["isinstance"] == [True, True], out
         assert through_torch or out["mesh"] == (True, 1.0), out
+        assert through_torch or out["nn_functional"] == ([3.0, 3.0], [2.0 * (rank + 1)] * 2), out
 
 
 _BREAKPOINT = """

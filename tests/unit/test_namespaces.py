@@ -23,7 +23,8 @@ NOT_COVERED = {
     "torch.distributed.distributed_c10d": {"GroupName", "split_group", "shrink_group", "record_comm", "ProcessGroupGloo"},
     "torch.distributed.rpc": {"AllGatherStates", "method_factory", "new_method"},  # api internals
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
-    "torch.distributed.optim": {"as_functional_optim", "PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"},
+    "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
+    "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch"},  # its imports
     # torchelastic's own launcher internals (tdist run reports failures itself)
     "torch.distributed.elastic.multiprocessing.errors": {"ChildFailedError", "ProcessFailure"},
 }
@@ -38,6 +39,8 @@ PAIRS = [
     ("torch.distributed.rpc.options", "tdist.rpc.options"),
     ("torch.distributed.autograd", "tdist.autograd"),
     ("torch.distributed.optim", "tdist.optim"),
+    ("torch.distributed.nn", "tdist.nn"),
+    ("torch.distributed.nn.functional", "tdist.nn.functional"),
     ("torch.distributed.nn.api.remote_module", "tdist.nn.api.remote_module"),
     ("torch.distributed.elastic.rendezvous", "tdist.elastic.rendezvous"),
     ("torch.distributed.elastic.rendezvous.registry", "tdist.elastic.rendezvous.registry"),
