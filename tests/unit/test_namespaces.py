@@ -24,7 +24,7 @@ NOT_COVERED = {
     "torch.distributed.rpc": {"AllGatherStates", "method_factory", "new_method"},  # api internals
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
-    "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch"},  # its imports
+    "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch", "warnings"},  # its imports
     # torchelastic's own launcher internals (tdist run reports failures itself)
     "torch.distributed.elastic.multiprocessing.errors": {"ChildFailedError", "ProcessFailure"},
 }
