@@ -183,6 +183,31 @@ def test_graceful_shutdown_waits_for_a_late_worker_beyond_the_rpc_timeout(backen
     assert took[1][0] < 2.0, took  # (the late one finds rank 0 waiting: no wait of its own)
 
 
+def _shutdown_timeout_with_a_late_worker(w: Worker) -> str:
+    early_done = w.shared["early_done"]
+    early = w.shared["early"]
+    if w.rank == early:
+        rpc.shutdown(graceful=True, timeout=1.0)  # (the other comes only after this returned)
+        w.initialized = False
+        early_done.set()
+        return "early: returned"
+    assert early_done.wait(20)
+    w.shutdown()
+    return "late: returned"
+
+
+@pytest.mark.parametrize("early", [0, 1], ids=["store_host_early", "store_host_late"])
+def test_a_shutdown_timeout_bounds_the_wait_for_a_late_worker_and_both_shut_down(early: int) -> None:
+    # (as torch's: the timeout bounds the wait and raises nothing for a worker that is only
+    # late; the late one then shuts down alone, without the other's store or its barrier)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    outs = run(_shutdown_timeout_with_a_late_worker, "tensorpipe", world_size=2, timeout=40,
+               shared={"early_done": ctx.Event(), "early": early})
+    assert outs[early] == "early: returned" and outs[1 - early] == "late: returned", outs
+
+
 def _lost_before_shutdown(w: Worker) -> dict[str, Any] | None:
     sig = w.shared["signal"]
     if w.rank == VICTIM:

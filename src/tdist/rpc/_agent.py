@@ -931,6 +931,12 @@ class RpcAgent:
                 lost = self._lost_peer(i) if i != self.rank else None
                 if lost is not None and i not in self._left:
                     raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} was lost: {lost}", peer=i) from exc
+            if 0 in self._left:
+                # the store's host shut down before this worker came (its wait timed out, as
+                # torch's shutdown timeout lets it): nobody is left to wait for through it
+                log.warning("%s: RPC shutdown: %s shut down before this worker reached %r; going on alone",
+                            self.label, self.describe(0), name)
+                return
             raise
 
     def _barrier(self, name: str, timeout: float | None) -> None:
@@ -947,6 +953,12 @@ class RpcAgent:
                 return
             except TimeoutError as exc:
                 missing = [i for i in range(self.world_size) if not self.store.check([f"{key}/{i}"])]
+                if missing and all(i in self._left for i in missing):
+                    # they shut down before this worker came (their wait timed out, as torch's
+                    # shutdown timeout lets it): nobody is left to wait for
+                    log.warning("%s: RPC shutdown: %s shut down before this worker reached %r; going on alone",
+                                self.label, ", ".join(self.describe(i) for i in missing), name)
+                    return
                 for i in missing:
                     lost = self._lost_peer(i)
                     if lost is not None:
@@ -971,7 +983,9 @@ class RpcAgent:
                 self.store.add(key, 1)
                 return
             end = time.monotonic() + timeout
-            while self.store.add(key, 0) < self.world_size - 1 and time.monotonic() < end:
+            others = set(range(1, self.world_size))
+            # (one that shut down already, as a worker whose shutdown timed out does, is done)
+            while self.store.add(key, 0) < self.world_size - 1 and time.monotonic() < end and not others <= self._left:
                 time.sleep(0.0005)
         except Exception as exc:  # the store is only being given back
             log.debug("%s: store release: %s", self.label, exc)
