@@ -25,8 +25,6 @@ NOT_COVERED = {
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
     "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch", "warnings"},  # its imports
-    # torchelastic's own launcher internals (tdist run reports failures itself)
-    "torch.distributed.elastic.multiprocessing.errors": {"ChildFailedError", "ProcessFailure"},
 }
 
 PAIRS = [
@@ -110,3 +108,17 @@ def test_rpc_and_autograd_helpers() -> None:
     assert autograd.is_available() is True
     assert rpc.register_backend is rpc.backend_registry.register_backend
     assert rpc.BackendValue is rpc.backend_registry.BackendValue
+
+
+def test_rref_takes_a_type_parameter_as_torchs() -> None:
+    import typing
+
+    from tdist.rpc import RRef
+
+    hinted = RRef[int]
+    assert typing.get_origin(hinted) is RRef and typing.get_args(hinted) == (int,)
+
+    def f(r: RRef[int]) -> int:  # (annotations that name it work at import, as with torch)
+        return 0
+
+    assert typing.get_type_hints(f, localns={"RRef": RRef})["r"] == RRef[int]

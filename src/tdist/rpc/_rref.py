@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import types
 import weakref
 from typing import Any
 
@@ -272,7 +273,9 @@ class RRef:
         return obj
 
     def __class_getitem__(cls, item: Any) -> Any:
-        return cls
+        # (a generic alias, as torch's ``RRef[T]``: ``typing.get_args(RRef[int]) == (int,)``,
+        # and ``isinstance(x, RRef[int])`` is refused as for any parameterized generic)
+        return types.GenericAlias(cls, item)
 
     # -- queries --------------------------------------------------------------------------------
     def is_owner(self) -> bool:

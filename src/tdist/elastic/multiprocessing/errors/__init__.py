@@ -20,7 +20,19 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ErrorHandler", "get_error_handler", "record"]
+__all__ = ["ChildFailedError", "ErrorHandler", "ProcessFailure", "get_error_handler", "record"]
+
+# torch's classes of a failed launch (``elastic_launch`` raises them): the same classes, loaded
+# on first use (this module imports no torch: the launcher reads error files without it)
+_TORCHS = ("ChildFailedError", "ProcessFailure")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCHS:
+        from torch.distributed.elastic.multiprocessing import errors
+
+        return getattr(errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
