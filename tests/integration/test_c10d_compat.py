@@ -82,6 +82,12 @@ def _program(rank: int, world: int, port: int, through_torch: bool) -> dict[str,
             m = torch.tensor([float(rank)])
             d.all_reduce(m, group=mesh.get_group())
             out["mesh"] = (isinstance(mesh, d.DeviceMesh), m.item())
+        # the default group's device, as distributed checkpoints' state-dict loading asks it
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's deprecation of the helper)
+            out["default_device"] = str(torch.distributed.distributed_c10d._get_pg_default_device())
         # ...and the group goes on
         t = torch.ones(2)
         d.all_reduce(t)
@@ -104,6 +110,7 @@ def test_collectives_write_outside_autograd_and_a_refused_argument_breaks_nothin
             assert out["float_root"].startswith("TypeError: a rank must be an int, got float 0.0"), out
         assert out["after"] == [2.0, 2.0], out
         assert out["isinstance"] == [True, True], out
+        assert out["default_device"] == "cpu", out
         assert through_torch or out["mesh"] == (True, 1.0), out
         assert through_torch or out["nn_functional"] == ([3.0, 3.0], [2.0 * (rank + 1)] * 2), out
 

@@ -333,6 +333,18 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
+    # (a group written in Python registers no per-device backend with torch, whose Python code
+    # asks for them: ``_get_pg_default_device`` (distributed checkpoints' state-dict loading),
+    # ``_device_capability``, ``_set_pg_timeout``; this group is its own CPU backend)
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device: Any = None) -> Any:
+        if device is not None and torch.device(device).type != "cpu":
+            raise RuntimeError(f"No backend type associated with device type {torch.device(device).type}")
+        return self
+
     # (torch keeps a group's name and description on its backend; a group written in Python
     # keeps its own, and torch's DeviceMesh, DTensor and functional collectives look it up)
     def getGroupName(self) -> str:
