@@ -115,6 +115,9 @@ WORKER = textwrap.dedent(
             time.sleep(60)
         except KeyboardInterrupt:
             mark(f"interrupted{rank}")
+    elif action == "prefixed":  # a line that says its rank already (torch's traceback hook)
+        print(f"[rank{rank}]: said by torch")
+        print("plain")
     elif action == "id":
         print(f"rank {rank} of {os.environ['WORLD_SIZE']} in {os.environ['TORCHELASTIC_RUN_ID']}")
     elif action == "snapshot":  # rank 0 waits in a function of its own; rank 1 fails
@@ -826,6 +829,14 @@ def test_two_single_node_jobs_without_a_port_run_side_by_side(work: Path) -> Non
     finally:
         first.terminate()
         first.communicate(timeout=15)
+
+
+def test_a_line_that_names_its_rank_already_is_not_prefixed_twice(work: Path) -> None:
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "prefixed")
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == [
+        "[rank0]: said by torch", "[rank0]:plain", "[rank1]: said by torch", "[rank1]:plain",
+    ], res.stdout
 
 
 def test_torchrun_environment_defaults_and_options(work: Path) -> None:

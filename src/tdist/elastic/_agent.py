@@ -981,7 +981,9 @@ class LocalAgent:
                     shown = _ANSI.sub("", text.rstrip("\r\n").rsplit("\r", 1)[-1]).strip()
                     progress = f"rank{rank}: {shown}" if shown else None
                 if out is not None or progress is not None:
-                    self._write(out, prefix + line, progress)
+                    # (a line that says its rank already, as torch's own traceback hook prefixes
+                    # an uncaught exception's lines, is not prefixed twice)
+                    self._write(out, line if line.startswith(prefix) else prefix + line, progress)
         except (OSError, ValueError):
             pass
         finally:
