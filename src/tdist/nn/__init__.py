@@ -9,19 +9,6 @@ from __future__ import annotations
 
 from . import functional
 from .api.remote_module import RemoteModule
-from .functional import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    broadcast,
-    gather,
-    reduce,
-    reduce_scatter,
-    scatter,
-)
+from .functional import *  # noqa: F403 (torch.distributed.nn has them at its top too)
 
-__all__ = [
-    "RemoteModule", "all_gather", "all_reduce", "all_to_all", "all_to_all_single", "broadcast", "functional",
-    "gather", "reduce", "reduce_scatter", "scatter",
-]  # fmt: skip
+__all__ = ["RemoteModule", "functional", *functional.__all__]
