@@ -173,6 +173,10 @@ def test_worker_env_matches_torchrun() -> None:
     env = worker_env({}, cfg, 2, master_port=1234, restart_count=0, secret="s", torch_port=4321)
     assert env["MASTER_PORT"] == "4321" and env["TDIST_AGENT_STORE"] == "10.0.0.1:1234"
     assert "TORCHELASTIC_USE_AGENT_STORE" not in env
+    # (nor when the launcher's own environment has it: a job started inside a torchrun job)
+    env = worker_env({"TORCHELASTIC_USE_AGENT_STORE": "True"}, cfg, 2, master_port=1234, restart_count=0, secret="s",
+                     torch_port=4321)
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in env
 
 
 def test_worker_env_flight_record_prefix_unless_given() -> None:

@@ -338,6 +338,8 @@ def worker_env(
     )
     if torch_port is None:
         env["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
+    else:  # (one inherited from an enclosing torchrun job would send torch's client to MASTER_PORT)
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if flight_record_prefix is not None and not any(base.get(var) for var in FLIGHT_RECORD_VARS):
