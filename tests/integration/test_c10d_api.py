@@ -393,6 +393,9 @@ def test_sub_groups_map_ranks_and_skip_non_members(recwarn: pytest.WarningsRecor
             assert dist.all_reduce(torch.ones(1), group=sub) is None
             assert dist.broadcast(torch.ones(1), 1, group=sub) is None
             assert dist.recv(torch.ones(1), group=sub) == -1
+            with pytest.raises(ValueError, match=r"^Invalid process group specified$"):
+                dist.send(torch.ones(1), 1, group=sub)  # (torch's send refuses it; its isend warns)
+            assert dist.isend(torch.ones(1), 1, group=sub) is None
             dist.all_gather_object([None], 1, group=sub)
             out["ranks"] = (dist.get_rank(sub), dist.get_world_size(sub))
         dist.barrier()

@@ -113,9 +113,8 @@ def send(
     """
     t = C.as_tensor(tensor, "tensor")
     tag = C.check_tag(tag)
-    if _not_member(group):
-        warn_not_in_group("send", _global_rank_or_minus_one())
-        return
+    if _not_member(group):  # (torch's send refuses it, where isend and recv warn and return)
+        raise ValueError("Invalid process group specified")
     pg = _resolve(group)
     peer = _group_rank(pg, dst, group_dst)
     C.check_not_self_rank(pg.rank(), peer, "destination")
