@@ -257,6 +257,8 @@ def test_reduce_op_and_its_deprecated_alias() -> None:
     for name in ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"]:
         assert int(getattr(dist.ReduceOp, name)) == int(getattr(tdd.ReduceOp.RedOpType, name))
     assert dist.ReduceOp(dist.ReduceOp.MIN) == dist.ReduceOp.MIN
+    with pytest.raises(TypeError):
+        dist.ReduceOp()  # type: ignore[call-arg]  # (an op must be named, as torch's)
     with pytest.warns(FutureWarning, match=r"reduce_op"):
         assert dist.reduce_op.SUM == dist.ReduceOp.SUM
     assert C.supports_complex(RedOpType.SUM) and not C.supports_complex(RedOpType.MAX)

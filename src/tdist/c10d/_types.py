@@ -85,7 +85,7 @@ class ReduceOp(metaclass=_ReduceOpMeta):
     PREMUL_SUM = RedOpType.PREMUL_SUM
     UNUSED = RedOpType.UNUSED
 
-    def __init__(self, op: _RedOpType = _RedOpType.SUM) -> None:
+    def __init__(self, op: _RedOpType) -> None:  # (no default: torch's ReduceOp() is a TypeError too)
         self.op = as_red_op(op)
 
     def __eq__(self, other: object) -> bool:
