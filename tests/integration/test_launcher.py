@@ -263,7 +263,7 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
             "ROLE_NAME": "default", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": None,
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
             "OMP_NUM_THREADS": "1", "TDIST_SECRET": secret,
         }
     assert sorted(res.stdout.splitlines()) == ["[rank0]:out from 0", "[rank1]:out from 1"]

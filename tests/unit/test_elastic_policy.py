@@ -165,6 +165,8 @@ def test_worker_env_matches_torchrun() -> None:
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": "job7",
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "TDIST_AGENT_STORE": "10.0.0.1:1234",
         "TDIST_SECRET": "s3cret",
         "OMP_NUM_THREADS": "1",
@@ -172,11 +174,11 @@ def test_worker_env_matches_torchrun() -> None:
     # with a port for torch's own store: MASTER_PORT is that one, and nobody is the agent's client
     env = worker_env({}, cfg, 2, master_port=1234, restart_count=0, secret="s", torch_port=4321)
     assert env["MASTER_PORT"] == "4321" and env["TDIST_AGENT_STORE"] == "10.0.0.1:1234"
-    assert "TORCHELASTIC_USE_AGENT_STORE" not in env
-    # (nor when the launcher's own environment has it: a job started inside a torchrun job)
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    # (also when the launcher's own environment says True: a job started inside a torchrun job)
     env = worker_env({"TORCHELASTIC_USE_AGENT_STORE": "True"}, cfg, 2, master_port=1234, restart_count=0, secret="s",
                      torch_port=4321)
-    assert "TORCHELASTIC_USE_AGENT_STORE" not in env
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
 def test_worker_env_flight_record_prefix_unless_given() -> None:

@@ -336,10 +336,11 @@ def worker_env(
             "TDIST_SECRET": secret,
         }
     )
-    if torch_port is None:
-        env["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
-    else:  # (one inherited from an enclosing torchrun job would send torch's client to MASTER_PORT)
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    # (said either way, as torchrun's: one inherited from an enclosing torchrun job would send
+    # torch's client to a MASTER_PORT that nobody serves)
+    env["TORCHELASTIC_USE_AGENT_STORE"] = str(torch_port is None)
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # (torchrun's default, for NCCL groups)
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in config.signals)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if flight_record_prefix is not None and not any(base.get(var) for var in FLIGHT_RECORD_VARS):
