@@ -263,7 +263,11 @@ def test_ddp_on_tdist_survives_a_kill_and_takes_a_joiner() -> None:
     _check_same(results, _reference())
     sizes = [size for _, committed, size in out["a"]["steps"] if committed]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3
-    assert out["late"]["quorums"][0][1] == 3 and out["late"]["quorums"][0][4] >= 12
+    late = out["late"]["quorums"]
+    # (the joiner joins the running job from step 12 on and ends in the whole group; on a loaded
+    # machine a survivor that was slow to come back from the kill's abort may join that round
+    # one quorum later)
+    assert late[0][1] in (2, 3) and late[0][4] >= 12 and late[-1][1] == 3, late
 
 
 def test_the_job_outlives_the_host_of_its_store() -> None:
