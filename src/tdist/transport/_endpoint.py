@@ -78,7 +78,7 @@ from ._protocol import (
     pack_cma,
     unpack_cma,
 )
-from ._table import ARMED, Table
+from ._table import Table
 
 __all__ = ["Endpoint", "RecvHandle"]
 
@@ -928,12 +928,9 @@ class Endpoint:
 
     def _arm(self, p: _Peer) -> None:
         """Let ``p``'s reader wait for the connection again (after its read lock is given back:
-        what came while it was held wakes the reader now)."""
+        what came while it was held wakes the reader now); not once its reading has ended."""
         if not p.read_over:
-            try:
-                self._ep.modify(p.fd, ARMED)
-            except (OSError, ValueError):
-                pass
+            self._table.arm(p)
 
     def _on_own_frame(self, p: _Peer, event: Frame) -> None:
         """``_on_frame`` for a frame that a waiting thread read (``_read_own``)."""

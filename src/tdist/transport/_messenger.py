@@ -538,9 +538,6 @@ class Messenger:
             self.on_peer_lost(*report)
         lost.clear()
 
-    def _rearm(self, c: _Conn) -> None:
-        self._table.arm(c)
-
     def _poll_loop(self) -> None:
         door = self._doorway.fileno()
         batch: list[tuple[int, int, bytes, Payload]] = []
@@ -590,7 +587,7 @@ class Messenger:
                     if batch and _HOLD_MAX > 0 and not c.closed:
                         held = self._hold(c)
                     if not held:
-                        self._rearm(c)
+                        self._table.arm(c)
                 # deliver after the read lock is free again (a thread that waits for a reply
                 # may read the connection meanwhile); the connection itself stays disarmed
                 # while held (see "Holding")
@@ -648,7 +645,7 @@ class Messenger:
             if c.ready.poll(0):
                 return c
             c.rlock.release()
-        self._rearm(c)
+        self._table.arm(c)
         return None
 
     def _guard(self) -> None:
@@ -665,7 +662,7 @@ class Messenger:
             for c, since in list(self._held.items()):
                 if now - since >= _HOLD_MAX / 2 and self._held.pop(c, None) is not None:
                     c.hold_off = now + _HOLD_OFF  # its requests block: not held for a while
-                    self._rearm(c)
+                    self._table.arm(c)
             if self._holds != seen:
                 seen, still = self._holds, 0
             else:
@@ -687,7 +684,7 @@ class Messenger:
             return self._read_on(c) if held else None
         if c.closed or not c.rlock.acquire(blocking=False):
             if held:
-                self._rearm(c)
+                self._table.arm(c)
             return None
         ready, clock = c.ready.poll, time.monotonic
         if ready(0):  # something came while the batch ran: read it here (a poller that it woke
@@ -709,7 +706,7 @@ class Messenger:
         # worst, disarmed while nobody reads it would lose the connection)
         c.yield_req = False
         c.rlock.release()
-        self._rearm(c)
+        self._table.arm(c)
         return None
 
     def _drain(self, c: _Conn) -> bool:
