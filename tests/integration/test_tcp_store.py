@@ -670,3 +670,58 @@ def test_a_rank_that_disagrees_on_the_world_size_never_completes_the_others_join
     finally:
         master.close()
 
+
+
+# -- bursts of set (the server applies a run of them straight from the bytes) ----------------
+
+
+def test_a_burst_of_sets_is_applied_in_order_with_the_requests_around_it(master: dist.TCPStore) -> None:
+    sock, dec = raw_connect(master.port)
+    burst = [encode_frame(Op.SET_QUIET, (f"b{i}".encode(), f"v{i}".encode())) for i in range(100)]
+    burst += [encode_frame(Op.SET_QUIET, (b"same", str(i).encode())) for i in range(50)]
+    burst.append(encode_frame(Op.SET_QUIET, (b"\xff\xfe", b"bad key")))  # (not UTF-8: an error)
+    burst.append(encode_frame(Op.SET_QUIET, (b"after", b"the bad one")))
+    burst.append(encode_frame(Op.GET, (b"b99", encode_int(1000))))
+    burst.append(encode_frame(Op.SET_QUIET, (b"last", b"one")))
+    burst.append(encode_frame(Op.SET_QUIET, (b"half",)))  # (one field: an error too)
+    burst.append(encode_frame(Op.GET, (b"last", encode_int(1000))))
+    sock.sendall(b"".join(burst))
+    replies = [read_frame(sock, dec) for _ in range(4)]
+    assert [r.code for r in replies] == [Status.ASYNC_ERROR, Status.OK, Status.ASYNC_ERROR, Status.OK]  # type: ignore[attr-defined]
+    assert b"not UTF-8" in replies[0].fields[1]  # type: ignore[attr-defined]
+    assert replies[1].fields == [b"v99"] and replies[3].fields == [b"one"]  # type: ignore[attr-defined]
+    sock.close()
+    assert master.multi_get([f"b{i}" for i in range(100)]) == [f"v{i}".encode() for i in range(100)]
+    assert master.get("same") == b"49" and master.get("after") == b"the bad one"
+
+
+def test_a_burst_of_sealed_sets_wakes_a_waiter_and_a_forged_tag_inside_one_closes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TDIST_STORE_SERVER", "process")
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), secret="s3cret")
+    try:
+        writer = client_of(master, secret="s3cret")
+        waiter = client_of(master, secret="s3cret")
+        got: list[bytes] = []
+        thread = threading.Thread(target=lambda: got.append(waiter.get("k2500")))
+        thread.start()
+        wait_inside(thread, "_read_reply")  # (its request sent before the burst)
+        for i in range(5000):
+            writer.set(f"k{i}", f"v{i}".encode())
+        thread.join(10)
+        assert got == [b"v2500"]
+        assert writer.get("k4999") == b"v4999" and master.get("k0") == b"v0"
+        # two frames in one write: the first sealed as it should be, the second with a bad tag
+        assert writer._send_seal is not None and writer._sock is not None
+        good = encode_frame(Op.SET_QUIET, (b"sealed", b"yes"))
+        good += writer._send_seal.tag(good)
+        forged = encode_frame(Op.SET_QUIET, (b"forged", b"no"))
+        forged += bytes(len(writer._send_seal.tag(forged)))
+        writer._sock.sendall(good + forged)
+        with pytest.raises(DistError, match=r"authentication tag|lost the connection|closed"):
+            writer.get("sealed")
+        assert master.get("sealed") == b"yes" and not master.check(["forged"])
+        waiter.close()
+    finally:
+        master.close()

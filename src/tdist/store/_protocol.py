@@ -240,13 +240,15 @@ class FrameDecoder:
             return None
         return parse_body(code, count, data, HEADER.size, n)
 
+    TAMPERED = (
+        "a frame failed its authentication tag: the connection was tampered with (or the "
+        "peer is not the one that proved the secret)"
+    )
+
     def _check(self, data: bytes | memoryview, start: int, end: int) -> None:
         """The tag after ``data[start:end]`` (one frame) must be that frame's."""
         if not self.seal.check_trailed(data, start, end):  # type: ignore[union-attr]
-            raise RemoteProtocolError(
-                "a frame failed its authentication tag: the connection was tampered with (or the "
-                "peer is not the one that proved the secret)"
-            )
+            raise RemoteProtocolError(self.TAMPERED)
 
     def pending_length(self) -> int | None:
         """The announced body length of the frame being received, if its header is in."""

@@ -86,6 +86,8 @@ _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
 _BEAT_EVERY = 1.0  # seconds between beats to a standby when nothing changes
 _FOLLOWER_BACKLOG = 64 << 20  # bytes queued for a standby that reads none: it is dropped
 _OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
+_SET_HEAD = struct.Struct("<IBII")  # a frame's length, code, field count, first field's length
+_SET_VALUE = struct.Struct("<I")  # the second field's length
 _INT = struct.Struct("<q")
 
 
@@ -768,6 +770,12 @@ class StoreServer:
                         else "client closed the connection in the middle of a request")
             return
         if conn.blocked is None and conn.authed:
+            if len(data) > 4 and data[4] == _SET_QUIET and not conn.decoder.buffered:
+                # a burst of ``set``s (they wait for no reply): applied straight from the bytes
+                pos = self._apply_sets(conn, data)
+                if pos == len(data) or conn.closed:
+                    return
+                data = data[pos:]
             try:
                 frame = conn.decoder.parse_whole(data)
             except RemoteProtocolError:
@@ -794,6 +802,48 @@ class StoreServer:
             return
         self._process(conn)
 
+    def _apply_sets(self, conn: _Conn, data: bytes) -> int:
+        """Apply the well-formed SET_QUIET frames at the head of ``data`` (nothing buffered
+        before it), as ``_op_set_quiet`` would, without making a ``Frame`` of each: a client's
+        burst of ``set``s costs the server a quarter of the general path's time. Returns where
+        the run ends: another request, a partial frame, or one that the general path must judge
+        (and answer) is left there."""
+        decoder = conn.decoder
+        seal = decoder.seal
+        mac = 0 if seal is None else auth.TAG_SIZE
+        limit = decoder.max_frame
+        table = self._state.data
+        head, value_len = _SET_HEAD.unpack_from, _SET_VALUE.unpack_from
+        size = len(data)
+        pos = 0
+        while pos + 17 <= size:
+            body_len, code, count, key_len = head(data, pos)
+            end = pos + 4 + body_len
+            key_end = pos + 13 + key_len
+            if (code != _SET_QUIET or count != 2 or body_len > limit or end + mac > size
+                    or key_end + 4 > end or key_end + 4 + value_len(data, key_end)[0] != end):
+                break
+            try:
+                key = data[pos + 13 : key_end].decode()
+            except UnicodeDecodeError:
+                break
+            if seal is not None and not seal.check_trailed(data, pos, end):
+                self._refuse(conn, ErrorKind.PROTOCOL, RemoteProtocolError(decoder.TAMPERED))
+                return size
+            table[key] = data[key_end + 4 : end]
+            if self._followers:
+                self._replicate(key)
+            if self._parked:
+                self._changed(key)
+            pos = end + mac
+        return pos
+
+    def _refuse(self, conn: _Conn, kind: bytes, exc: Exception) -> None:
+        """Answer a request that breaks the protocol with its error, then close the connection."""
+        self._reply_error(conn, kind, str(exc))
+        self._flush(conn)
+        self._close(conn, str(exc))
+
     def _process(self, conn: _Conn) -> None:
         while not conn.closed and conn.blocked is None:
             try:
@@ -803,9 +853,7 @@ class StoreServer:
                 if not conn.authed and kind == ErrorKind.TOO_LARGE:
                     kind = ErrorKind.AUTH
                     exc = RemoteProtocolError("the first frame must be a small AUTH frame")
-                self._reply_error(conn, kind, str(exc))
-                self._flush(conn)
-                self._close(conn, str(exc))
+                self._refuse(conn, kind, exc)
                 return
             if frame is None:
                 break

@@ -63,6 +63,9 @@ _WILDCARD = ("", "0.0.0.0", "::", "*")
 _ADD_HEAD = struct.Struct("<IBII")  # an ADD frame's header and key length
 _INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
 _INT = struct.Struct("<q")
+_SET_HEAD = struct.Struct("<IBII")  # a SET frame's length, code, field count and key length
+_LEN = struct.Struct("<I")  # a field's length
+_SET_QUIET = int(Op.SET_QUIET)
 
 # the pid, refreshed in a forked child (os.getpid() is a system call on every use)
 _current_pid = [os.getpid()]
@@ -372,6 +375,7 @@ class TCPStore(Store):
 
     def _try_unix(self, deadline: float) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
         try:
             sock.settimeout(max(0.05, deadline - time.monotonic()))
             sock.connect(unix_address(self._port))
@@ -493,7 +497,6 @@ class TCPStore(Store):
         already gone is noticed here, and a failure of the request at the next call.
         """
         frame_bytes = encode_frame(op, fields)
-        io_timeout = self._timeout.total_seconds()
         with self._lock:
             sock = self._ready_socket()
             if self._send_seal is not None:
@@ -503,12 +506,20 @@ class TCPStore(Store):
                 # the first send after the server closed still succeeds, so look for its EOF.
                 if self._transport == "tcp":
                     self._check_open(sock)
-                self._send(sock, frame_bytes, io_timeout)
-                self._quiet_sent = True
-            except TimeoutError as exc:
-                raise self._stalled(op, io_timeout, "take") from exc
             except OSError as exc:
                 raise self._lost(op, exc) from exc
+            self._send_rest(op, sock, frame_bytes)
+
+    def _send_rest(self, op: Op, sock: socket.socket, data: bytes) -> None:
+        """Send the bytes of a quiet request, within the store's timeout (the lock held)."""
+        io_timeout = self._timeout.total_seconds()
+        try:
+            self._send(sock, data, io_timeout)
+            self._quiet_sent = True
+        except TimeoutError as exc:
+            raise self._stalled(op, io_timeout, "take") from exc
+        except OSError as exc:
+            raise self._lost(op, exc) from exc
 
     @staticmethod
     def _check_open(sock: socket.socket) -> None:
@@ -697,6 +708,25 @@ class TCPStore(Store):
         return False
 
     def set(self, key: str, value: str | bytes) -> None:
+        if type(key) is str and type(value) is bytes and self._transport == "unix":
+            # the common case, kept tight: one send to the Unix socket, which takes it whole
+            k = key.encode()
+            frame = b"".join((_SET_HEAD.pack(13 + len(k) + len(value), _SET_QUIET, 2, len(k)), k,
+                              _LEN.pack(len(value)), value))
+            with self._lock:
+                sock = self._sock
+                if sock is not None and self._pid == _current_pid[0] and self._broken is None and not self._closed:
+                    if self._send_seal is not None:
+                        frame += self._send_seal.tag(frame)
+                    try:
+                        sent = sock.send(frame)
+                    except OSError:  # (full, or the server gone: the general path tells)
+                        sent = 0
+                    if sent == len(frame):
+                        self._quiet_sent = True
+                    else:  # (the rest, with the general path's deadline and errors)
+                        self._send_rest(Op.SET_QUIET, sock, frame[sent:])
+                    return
         self._call_quiet(Op.SET_QUIET, (check_key(key).encode(), as_bytes(value)))
 
     def get(self, key: str) -> bytes:
