@@ -83,6 +83,7 @@ _OPEN_WARNED = False
 _SET_QUIET = int(Op.SET_QUIET)
 _CHECK_TRUE = encode_frame(Status.OK, (b"\x01",))
 _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
+_BURST_PAUSE = 30e-6  # seconds that the loop rests after a wake-up for sets only (see serve_forever)
 _BEAT_EVERY = 1.0  # seconds between beats to a standby when nothing changes
 _FOLLOWER_BACKLOG = 64 << 20  # bytes queued for a standby that reads none: it is dropped
 _OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
@@ -215,6 +216,7 @@ class StoreServer:
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._ready: deque[_Conn] = deque()
+        self._burst = False  # the last wake-up brought only quiet sets (see serve_forever)
         self._conns: set[_Conn] = set()
         # connections that have not proved the secret yet, oldest first: the first to go when
         # descriptors run out or too many strangers wait (``_core.floods``)
@@ -548,7 +550,11 @@ class StoreServer:
         owns its process: in a thread it would fight the caller for the GIL), so that a
         client's next request finds it awake: a kernel wake-up costs more than the whole
         request. It polls as ``_core.spin`` says: without yielding for half of it, then with a
-        few yields, then it sleeps.
+        few yields, then it sleeps. A wake-up that brought only ``set``s (which want no answer)
+        is followed by a short pause (``_BURST_PAUSE``) out of the kernel's wait list: a client
+        on this core that sets many keys would otherwise wake the loop with each one, and each
+        wake-up takes the core from it (5.7 us a set instead of 2.3-3.1, measured with both
+        pinned to one core of a busy host).
         """
         ep = select.epoll()
         self._ep = ep
@@ -588,6 +594,13 @@ class StoreServer:
                     timeout = 0.0
                     yields += 1
                     os.sched_yield()  # a client sharing this core runs at once
+                elif self._burst:
+                    # the last wake-up brought only sets, which want no answer: let a client
+                    # that shares this core go on writing them (each would wake this loop and
+                    # take the core back from it), then take in what it wrote
+                    self._burst = False
+                    timeout = 0.0
+                    time.sleep(_BURST_PAUSE)
                 else:
                     if spinning:
                         budget.missed()
@@ -774,6 +787,7 @@ class StoreServer:
                 # a burst of ``set``s (they wait for no reply): applied straight from the bytes
                 pos = self._apply_sets(conn, data)
                 if pos == len(data) or conn.closed:
+                    self._burst = True
                     return
                 data = data[pos:]
             try:
