@@ -274,3 +274,42 @@ def test_a_responder_connects_after_its_group_forms_and_one_stopped_before_never
     finally:
         r.stop()
         r.join(10)
+
+
+def test_short_entries_read_as_full_ones_and_run_only_while_their_group_is_busy() -> None:
+    rec = _rec(0, cap=4)
+    busy = [True]
+    rec.busy = lambda: busy[0]
+    t = torch.ones(2, 3)
+    first = rec.quick("all_reduce", t)
+    assert type(first) is tuple and len(first) == F.SHORT
+    # the newest, its group busy: running (the live view, the copies, the backend's own form)
+    (live,) = rec.live(8)
+    assert (live[F.OP], live[F.INS], live[F.INDT], live[F.DONE]) == ("all_reduce", t.shape, t.dtype, 0)
+    assert live[F.STARTED] == live[F.CREATED] == first[0] and rec.index_of(live) == 0
+    assert F.entry_dict(rec, rec.entries()[0])["state"] == "started"
+    assert F.normalized(rec, first)[F.DONE] == 0 and F.current_op([rec]) is not None
+    busy[0] = False  # (its lock free: it ended)
+    assert F.entry_dict(rec, rec.entries()[0])["state"] == "completed" and F.current_op([rec]) is None
+    busy[0] = True
+    second = rec.quick("all_reduce", t)
+    es = rec.entries()
+    assert es[0][F.DONE] == second[0] and es[1][F.DONE] == 0  # (the first's end discovered by the second)
+    assert [e[F.CSEQ] for e in es] == [1, 2] and es[1][F.INS] == (t.shape,)
+    # a short entry whose backend must write into it (queued, or failed) takes its full form in place
+    wide = rec.widen(second)
+    assert rec.ring[1] is wide and rec.index_of(wide) == 1
+    F.Recorder.failed(wide, RuntimeError("boom"))
+    d = F.entry_dict(rec, rec.entries()[1])
+    assert d["state"] == "started" and "boom" in str(rec.entries()[1][F.ERROR])
+    # around the ring, short and full entries mixed: the last 4, in order, none running but the newest
+    busy[0] = False
+    for i in range(5):
+        if i % 2:
+            _done(rec.collective("broadcast", (t.shape,), t.dtype))
+        else:
+            rec.quick("all_reduce", t)
+    assert [(e[F.OP], e[F.CSEQ]) for e in rec.entries()] == [
+        ("broadcast", 4), ("all_reduce", 5), ("broadcast", 6), ("all_reduce", 7)]
+    assert all(F.state_of(e) == "completed" for e in rec.entries())
+    assert not any(isinstance(x, torch.Tensor) for e in rec.ring for x in e or ())

@@ -420,7 +420,7 @@ class _Watchdog:
                     if e[fr.PEER] is not None or e[fr.DONE] or e[fr.ERROR]:
                         continue
                     if e[fr.STARTED]:  # (the oldest running collective: what the group waits on)
-                        key = (pg_id, id(e), e[fr.CREATED])
+                        key = (pg_id, e[fr.CREATED], e[fr.OP])  # (a short entry's full form is a new list each time)
                         due = self._due.get(key, after)
                         if (now - e[fr.STARTED]) / 1e9 >= due:
                             if len(self._due) > 1000:

@@ -109,6 +109,7 @@ def _stacked(n: int, t: torch.Tensor) -> tuple[torch.Size]:
 
 
 _time_ns = time.time_ns
+Entry = list[Any] | tuple[Any, ...]  # a flight-record entry: full, or short (``_flight_recorder``)
 _MARK = "What the ranks of group"  # (how ``_desync.explain`` starts)
 _MISMATCH = "collective mismatch in group"  # (the desync check's verdict)
 # a failure that quotes one of these says already what went wrong, naming both sides
@@ -354,6 +355,8 @@ class ProcessGroupTCP(Backend):
         # diagnosis requests (``_desync``)
         self._fr = fr.make_recorder(rank, size, self._timeout)
         self._timed = self._fr is not None and self._fr.timed  # (stamp inline completions)
+        if self._fr is not None:
+            self._fr.busy = self._lock.locked  # (a short entry runs under the lock)
         self._responder: Responder | None = None
         self._watching = False  # (the desync check's watch started: ``_after_forming``)
         self._verdict: CollectiveMismatchError | None = None  # the desync check's
@@ -498,7 +501,7 @@ class ProcessGroupTCP(Backend):
         return time.monotonic() + seconds
 
     def _submit(
-        self, what: str, opts: Any, fn: Callable[[], list[torch.Tensor]], entry: list[Any] | None = None
+        self, what: str, opts: Any, fn: Callable[[], list[torch.Tensor]], entry: Entry | None = None
     ) -> Work:
         if self._closed:
             raise DistBackendError(f"rank {self._rank}: {what} on a destroyed process group")
@@ -511,6 +514,8 @@ class ProcessGroupTCP(Backend):
             inline = not getattr(opts, "asyncOp", True) and not self._queue and self._lock.acquire(blocking=False)
             if not inline:
                 if entry is not None:
+                    if isinstance(entry, tuple):  # (a short entry runs where it was issued)
+                        entry = self._widen(entry)
                     entry[STARTED] = 0  # (queued: the worker stamps its start)
                 self._queue.append((work, fn, entry))
                 self._ensure_worker()
@@ -522,13 +527,19 @@ class ProcessGroupTCP(Backend):
             self._lock.release()
         return work
 
-    def _execute(self, work: Work, fn: Callable[[], list[torch.Tensor]], entry: list[Any] | None) -> None:
+    def _widen(self, entry: tuple[Any, ...]) -> list[Any]:
+        rec = self._fr
+        return rec.widen(entry) if rec is not None else fr.full(entry, 0)
+
+    def _execute(self, work: Work, fn: Callable[[], list[torch.Tensor]], entry: Entry | None) -> None:
         try:
             result = fn()
         except BaseException as exc:
             verdict = self._verdict
             if verdict is not None and isinstance(exc, DistError) and exc is not verdict:
                 exc = verdict  # (the desync check broke the group under this call: say why)
+            if isinstance(entry, tuple):
+                entry = self._widen(entry)
             if entry is not None:
                 Recorder.failed(entry, exc)
             if isinstance(exc, DistError) and self._broken is None and not self._closed:
@@ -541,8 +552,8 @@ class ProcessGroupTCP(Backend):
                     self._arena.abort(reason)
             work._fail(exc)
             return
-        if entry is not None:  # (its time is discovered when the next one is issued, unless timed)
-            entry[DONE] = _time_ns() if self._timed else UNTIMED
+        if type(entry) is list:  # (its time is discovered when the next one is issued, unless timed;
+            entry[DONE] = _time_ns() if self._timed else UNTIMED  # a short entry is done once the lock is free)
         work._complete(result)
 
     def _explain(self, entry: list[Any], exc: DistError) -> None:
@@ -816,15 +827,14 @@ class ProcessGroupTCP(Backend):
             return tensors
 
         rec = self._fr
+        entry: Entry | None
         if rec is None:
             entry = None
-        elif len(tensors) == 1 and not rec.stack:  # (Recorder.one, inlined: a small all_reduce's hot path)
+        elif len(tensors) == 1 and rec.short:
+            # (Recorder.quick, inlined: a small all_reduce's hot path)
             n = rec.n
             rec.n = n + 1
-            now = _time_ns()
-            rec.ring[n % rec.cap] = entry = [
-                0, 0, rec.p2p_seq, "all_reduce", t.shape, dtype, None, None, None, now, now, 0, None, None,
-            ]
+            rec.ring[n % rec.cap] = entry = (_time_ns(), 0, rec.p2p_seq, "all_reduce", t.shape, dtype)
         else:
             entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
         return self._submit("all_reduce", opts, run, entry)

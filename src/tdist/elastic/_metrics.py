@@ -177,7 +177,8 @@ class Tally:
                 stats = self.ops[e[fr.OP]] = _new_op()
             stats[COUNT] += 1
             stats[BYTES] += self._nbytes(fr, e)
-            walk.pending.append(e)
+            if len(e) != fr.SHORT:  # (a short entry has no times to settle: TDIST_FR_TIMED is off)
+                walk.pending.append(e)
             i += 1
         walk.next = i
         return i - first
