@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from . import autograd_funcs as f
-from ._rpc_harness import BACKENDS, TORCH, Worker, name, rpc, run
+from ._rpc_harness import BACKENDS, TORCH, Worker, free_port, name, rpc, run
 
 if TORCH:
     import torch.distributed.autograd as dist_autograd
@@ -359,3 +359,50 @@ def test_distributed_optimizer_defaults_grad_fields_and_argument_errors_as_torch
 def test_distributed_optimizer_steps_parameters_on_their_owners_as_a_local_one(backend: str) -> None:
     out = run(_optimizer, backend, world_size=3)[0]
     assert out == {"SGD": True, "Adam": True}
+
+
+def _ddp(w: Worker) -> dict[str, Any]:
+    if TORCH:
+        import torch.distributed as pg_api
+    else:
+        import tdist as pg_api  # type: ignore[no-redef]
+    from torch.nn.parallel import DistributedDataParallel
+
+    pg_api.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{w.shared['port']}", rank=w.rank, world_size=2)
+    out: dict[str, Any] = {}
+    try:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(2, 1)
+        ddp = DistributedDataParallel(lin)
+        x = torch.full((1, 2), float(w.rank + 1))
+        lin.weight.grad = torch.full_like(lin.weight, 7.0)  # (whatever .grad held: left alone)
+        with dist_autograd.context() as cid:
+            # DDP's reducer runs where each leaf's gradient is accumulated: the ranks' average
+            dist_autograd.backward(cid, [ddp(x).sum()])
+            first = dist_autograd.get_gradients(cid)[lin.weight]
+            out["average"] = first.tolist()
+            out["grad_untouched"] = torch.equal(lin.weight.grad, torch.full_like(lin.weight, 7.0))
+            # a second pass in the context adds up, into the tensor already handed out
+            dist_autograd.backward(cid, [ddp(x).sum()])
+            out["in_place"] = first.tolist()
+        # a hook on a leaf's gradient-accumulation node runs, as in torch's engine
+        leaf = torch.ones(2, requires_grad=True)
+        node = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        calls: list[int] = []
+        node.register_hook(lambda grad_in, grad_out: calls.append(1))
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [(leaf * 3).sum()])
+            out["hook"] = (calls, dist_autograd.get_gradients(cid)[leaf].tolist(), leaf.grad)
+    finally:
+        w.barrier()
+        pg_api.destroy_process_group()
+    return out
+
+
+def test_ddp_averages_gradients_under_distributed_autograd_and_leaves_grad_alone(backend: str) -> None:
+    # ("Combining Distributed DataParallel with Distributed RPC Framework": DDP's reducer must run)
+    outs = run(_ddp, backend, world_size=2, shared={"port": free_port()})
+    for out in outs:
+        assert out["average"] == [[1.5, 1.5]], outs
+        assert out["grad_untouched"] and out["in_place"] == [[3.0, 3.0]], outs
+        assert out["hook"] == ([1], [3.0, 3.0], None), outs

@@ -70,9 +70,16 @@ class DistAutogradContext:
         return self.id
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` to ``tensor``'s gradient, in place where it can be (as torch's: a
+        tensor taken from ``get_gradients`` earlier sees later passes)."""
         with self.lock:
             old = self.grads.get(tensor)
-            self.grads[tensor] = grad.detach().clone() if old is None else old + grad
+            if old is None:
+                self.grads[tensor] = grad.detach().clone()
+            elif old.is_sparse and not grad.is_sparse:
+                self.grads[tensor] = grad.detach() + old
+            else:
+                old.add_(grad.detach())
 
 
 def _get_debug_info() -> dict[str, int]:
@@ -462,13 +469,42 @@ def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list
     sent: list[tuple[int, Any]] = []
     _tls.sent, _tls.pass_ = sent, pass_
     try:  # (when it fails half-way, what it sent on finishes on its own)
-        computed = torch.autograd.grad(roots, inputs, grads, retain_graph=retain_graph, allow_unused=True)
+        computed = _through_leaves(roots, inputs, grads, retain_graph)
     finally:
         _tls.sent, _tls.pass_ = outer
     for leaf, g in zip(inputs, computed, strict=True):
         if g is not None and not getattr(leaf, "_tdist_recv_marker", False):
             ctx.accumulate(leaf, g)
     return sent
+
+
+# (a pass's leaves hold its gradients in ``.grad`` from the pass's start to its end: one pass at
+# a time in this process; re-entrant, for a pass that runs another in its own thread)
+_leaves_lock = threading.RLock()
+
+
+def _through_leaves(
+    roots: list[torch.Tensor], leaves: list[torch.Tensor], grads: list[torch.Tensor], retain_graph: bool
+) -> list[torch.Tensor | None]:
+    """The gradients of ``leaves`` from ``roots`` (``None``: not reached), as torch's engine
+    computes them for distributed autograd: each leaf's gradient-accumulation node runs, with its
+    hooks, which is where DistributedDataParallel's reducer averages a gradient across its
+    ranks (and where ``AccumulateGrad.register_hook``'s hooks run). Those hooks read and write
+    the leaf's ``.grad``, so the pass goes through ``.grad``: emptied for it, read back after it
+    (the reducer's work done: it ends with the pass), and given back its value, so that
+    distributed autograd leaves ``.grad`` as it found it, as torch's does."""
+    if not leaves:
+        return []
+    with _leaves_lock:
+        saved = [leaf.grad for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        try:
+            torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=leaves)
+            return [leaf.grad for leaf in leaves]
+        finally:
+            for leaf, old in zip(leaves, saved, strict=True):
+                leaf.grad = old
 
 
 def _when_all(sent: list[tuple[int, Any]]) -> Any:
