@@ -361,3 +361,10 @@ def test_format_status() -> None:
     cut = format_status(running=2, finished=0, failed=0, restarts=0, max_restarts=0, elapsed=1,
                         progress="rank1: " + "x" * 200, width=40)
     assert len(cut) == 39 and cut.endswith("...")
+
+
+def test_a_launch_config_takes_a_command_line_and_says_where_a_function_goes() -> None:
+    with pytest.raises(TypeError, match="elastic_launch"):
+        LaunchConfig(print)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="strs"):
+        LaunchConfig("train.py", args=("--epochs", 3))  # type: ignore[arg-type]

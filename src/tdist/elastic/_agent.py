@@ -242,6 +242,11 @@ class LocalAgent:
         self._handle_signals = handle_signals
         self._write_lock = threading.Lock()
         self._signum: int | None = None
+        # how the last attempt's workers ended, and its number (``error_file``): what a
+        # programmatic caller (``tdist.launcher.api``) reports
+        self.last_exits: list[WorkerExit] = []
+        self.last_attempt = 0
+        self.title = ""  # what the failure report calls the job (default: its entrypoint)
         self._signal_count = 0
         self._wake_r = -1
         self._wake_w = -1
@@ -306,15 +311,16 @@ class LocalAgent:
         """
         cfg = self.config
         secret = job_secret(self._env, cfg.nnodes)
+        log.info(
+            "node %d: workers start as new processes (%s); --start-method %s recorded",
+            cfg.node_rank, " ".join(worker_command(cfg)[:3]), cfg.start_method,
+        )
+        # (nothing raises between taking these and the ``try`` that gives them back)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         previous = self._install_signal_handlers()
         server: StoreServer | None = None
-        log.info(
-            "node %d: workers start as new processes (%s); --start-method %s recorded",
-            cfg.node_rank, " ".join(worker_command(cfg)[:3]), cfg.start_method,
-        )
         try:
             self._make_run_dir()
             self._serve_metrics()
@@ -621,6 +627,7 @@ class LocalAgent:
         earlier: list[str] = []  # each failed attempt's cause, for the post-mortem
         while True:
             outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
+            self.last_exits, self.last_attempt = exits, restart_count
             # (--ft: the restarts are spent on single workers; a failure past them ends the job)
             action = next_action(outcome, restart_count, 0 if cfg.ft else cfg.max_restarts)
             found = failures(exits)
@@ -764,6 +771,17 @@ class LocalAgent:
         for local_rank in range(self.config.nproc_per_node):
             os.makedirs(os.path.join(attempt, str(local_rank)))
 
+    @property
+    def signum(self) -> int | None:
+        """The signal that stopped the job, if one did."""
+        return self._signum
+
+    def error_file(self, restart_count: int, local_rank: int) -> str:
+        """Where worker ``local_rank`` of attempt ``restart_count`` wrote its ``@record`` error,
+        if it did (``""``: nowhere)."""
+        path = self._error_file(restart_count, local_rank)
+        return path if path and os.path.exists(path) else ""
+
     def _error_file(self, restart_count: int, local_rank: int) -> str:
         """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (torchrun's
         layout: ``attempt_<n>/<local rank>/error.json``; ``""``, none, with no log directory)."""
@@ -788,6 +806,8 @@ class LocalAgent:
 
     def _title(self) -> str:
         cfg = self.config
+        if self.title:
+            return self.title
         return cfg.entrypoint if not cfg.module else f"-m {cfg.entrypoint}"
 
     # -- one worker group ----------------------------------------------------------------------

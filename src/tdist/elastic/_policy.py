@@ -203,6 +203,14 @@ class LaunchConfig:
     metrics_addr: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.entrypoint, str):
+            raise TypeError(
+                f"LaunchConfig.entrypoint must be a str (a script, module or program), got "
+                f"{type(self.entrypoint).__name__}; to run a Python function on every worker use "
+                "tdist.launcher.api.elastic_launch(config, function)"
+            )
+        if not all(isinstance(a, str) for a in self.args):
+            raise TypeError(f"LaunchConfig.args must be strs (a command line), got {self.args!r}")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.nnodes < 1:

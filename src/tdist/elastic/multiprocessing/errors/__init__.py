@@ -13,7 +13,9 @@ from __future__ import annotations
 import faulthandler
 import functools
 import json
+import logging
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -35,6 +37,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 class ErrorHandler:
@@ -69,6 +72,32 @@ class ErrorHandler:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f)
 
+    def dump_error_file(self, rootcause_error_file: str, error_code: int = 0) -> None:
+        """Copy a child's error file (the root cause of a failed launch) to this process's
+        error file, its ``errorCode`` set to ``error_code`` unless 0 (torch's); without an
+        error file of its own, the data is logged."""
+        with open(rootcause_error_file, encoding="utf-8") as f:
+            data = json.load(f)
+        message = data.get("message") if isinstance(data, dict) else None
+        if error_code and isinstance(message, dict):
+            message["errorCode"] = error_code
+        elif error_code:
+            log.warning("the child error file %s holds no message to put error code %d in", rootcause_error_file, error_code)
+        path = self._get_error_file_path()
+        if not path:
+            log.error("no TORCHELASTIC_ERROR_FILE to copy the child's error to; it was: %s", json.dumps(data))
+            return
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+
+
+def _first_failure(exc: BaseException) -> Any:
+    """The first failure of torch's ``ChildFailedError`` ``exc``; ``None`` for any other."""
+    errors = sys.modules.get("torch.distributed.elastic.multiprocessing.errors")
+    if errors is None or not isinstance(exc, errors.ChildFailedError):
+        return None
+    return exc.get_first_failure()[1]
+
 
 def get_error_handler() -> ErrorHandler:
     """The default ``ErrorHandler``."""
@@ -93,7 +122,13 @@ def record(fn: _F | None = None, error_handler: ErrorHandler | None = None) -> A
                     return None
                 raise
             except Exception as exc:
-                handler.record_exception(exc)
+                failure = _first_failure(exc)
+                if failure is None:
+                    handler.record_exception(exc)
+                elif os.path.isfile(failure.error_file):
+                    # a launch that failed (``elastic_launch``, ``tdist.run.main``): what its
+                    # first failed worker wrote is this process's error too, with its exit code
+                    handler.dump_error_file(failure.error_file, failure.exitcode)
                 raise
 
         return wrapper  # type: ignore[return-value]

@@ -1,0 +1,89 @@
+"""torchrun's programmatic interface on tdist's launcher, as a program calls it:
+``tdist.launcher.api.elastic_launch`` (functions and programs, real worker processes) and
+``tdist.run``'s ``get_args_parser``/``config_from_args``/``run``/``main``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+import tdist.run as tdist_run
+from tdist.elastic.multiprocessing.errors import record
+from tdist.launcher.api import LaunchConfig, elastic_launch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def reduce_ranks(scale: float) -> float:
+    """A worker: joins the job's group (env://, as under torchrun) and sums the ranks + 1."""
+    import torch
+
+    import tdist
+
+    tdist.init_process_group("gloo")
+    t = torch.ones(1) * (tdist.get_rank() + 1)
+    tdist.all_reduce(t)
+    tdist.destroy_process_group()
+    return float(t.item()) * scale
+
+
+def fail_on_rank_one() -> int:
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one fails")
+    return 0
+
+
+def _config(**kw: object) -> LaunchConfig:
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                        rdzv_endpoint="127.0.0.1:0", max_restarts=0, run_id="api", **kw)  # type: ignore[arg-type]
+
+
+def test_elastic_launch_returns_each_workers_value_by_rank_and_runs_programs() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    assert elastic_launch(_config(), reduce_ranks)(2.0) == {0: 6.0, 1: 6.0}
+    out = elastic_launch(_config(), sys.executable)("-c", "import os; assert os.environ['WORLD_SIZE'] == '2'")
+    assert out == {0: None, 1: None}
+    assert signal.getsignal(signal.SIGINT) is before  # (the launcher's handlers are gone)
+
+
+def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_error_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine = tmp_path / "launcher_error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(mine))
+
+    @record
+    def launcher() -> None:
+        elastic_launch(_config(), fail_on_rank_one)()
+
+    with pytest.raises(ChildFailedError) as info:
+        launcher()
+    rank, failure = info.value.get_first_failure()
+    assert (rank, failure.local_rank, failure.exitcode) == (1, 1, 1)
+    assert "rank one fails" in str(failure.message) and "fail_on_rank_one" in str(info.value)
+    # the root cause's error file, as this process's, with the worker's exit code
+    data = json.loads(mine.read_text())
+    assert data["message"]["errorCode"] == 1 and "rank one fails" in data["message"]["message"]
+
+
+def test_torchruns_functions_parse_its_options_and_run_the_job(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nassert sys.argv[1:] == ['--lr', '0.1'] and os.environ['LOCAL_WORLD_SIZE'] == '2'\n")
+    ns = tdist_run.parse_args(["--nproc_per_node", "2", "--standalone", str(script), "--lr", "0.1"])
+    assert (ns.training_script, ns.training_script_args, ns.nproc_per_node, ns.nnodes) == (
+        str(script), ["--lr", "0.1"], "2", "1:1")
+    config, cmd, args = tdist_run.config_from_args(ns)
+    assert (config.rdzv_backend, config.min_nodes, config.max_nodes, config.nproc_per_node) == ("c10d", 1, 1, 2)
+    assert (cmd, args) == (sys.executable, ["-u", str(script), "--lr", "0.1"])
+    tdist_run.run(ns)
+    assert isinstance(tdist_run.get_args_parser().parse_args(["x.py"]).rdzv_id, str)
+    script.write_text("raise SystemExit(3)\n")
+    with pytest.raises(ChildFailedError) as info:
+        tdist_run.main(["--nproc-per-node", "1", "--standalone", str(script)])
+    assert info.value.get_first_failure()[1].exitcode == 3
