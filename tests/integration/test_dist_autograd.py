@@ -174,6 +174,9 @@ def _errors(w: Worker) -> dict[str, Any]:
                 out["remote_error"] = None
             except Exception as exc:
                 out["remote_error"] = str(exc)
+                # (torch's engine raises any failure of a pass as a RuntimeError "Error on Node
+                # N: ..."; tdist's is that and still the ValueError it was)
+                out["remote_error_types"] = (isinstance(exc, RuntimeError), TORCH or isinstance(exc, ValueError))
         with pytest.raises(RuntimeError, match="Could not find autograd context with id"):
             dist_autograd.backward(cid, [x.sum()])
         with pytest.raises(RuntimeError, match="Could not find autograd context with id"):
@@ -185,6 +188,7 @@ def _errors(w: Worker) -> dict[str, Any]:
 def test_errors_nested_context_unknown_context_and_a_remote_backward_failure(backend: str) -> None:
     out = run(_errors, backend, world_size=2)[0]
     assert out["remote_error"] is not None and "backward exploded on purpose" in out["remote_error"]
+    assert out["remote_error"].startswith("Error on Node 0: ") and out["remote_error_types"] == (True, True)
 
 
 def _graph_semantics(w: Worker) -> dict[str, Any]:

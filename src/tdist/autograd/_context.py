@@ -23,6 +23,7 @@ from ..rpc import _hooks
 from ..rpc._agent import current_agent, wait_replies
 from ..rpc._api import _mapped
 from ..rpc._execution import _not_a_future, run_user_function
+from ..rpc._future import _as_runtime_error
 
 __all__ = [
     "DistAutogradContext",
@@ -602,6 +603,13 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     _pass_started()
     try:
         wait_replies(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
+    except Exception as exc:
+        # (torch's engine raises every failure of a pass as a RuntimeError "Error on Node N:
+        # ..."; this one is that and still its own type, which pickles as itself)
+        failure = _as_runtime_error(exc, f"Error on Node {_rank()}: {exc}")
+        if failure is exc:
+            raise
+        raise failure from exc.__cause__
     finally:
         _pass_done()
 

@@ -51,14 +51,18 @@ def _reduce_to_original(self: BaseException) -> Any:
 
 
 def _torch_text(self: BaseException) -> str:
+    text = getattr(self, "_tdist_text", None)
+    if text is not None:
+        return str(text)
     original = self._tdist_original  # type: ignore[attr-defined]
     return f"Got the following error when running the callback: {type(original).__name__}: {original}"
 
 
-def _as_runtime_error(exc: BaseException) -> BaseException:
+def _as_runtime_error(exc: BaseException, text: str | None = None) -> BaseException:
     """``exc`` as an instance of a class derived from its own type and ``RuntimeError`` (see
-    the module docstring); ``exc`` itself where it is a ``RuntimeError`` already, not an
-    ``Exception``, or of a type that cannot be combined (``OSError``'s layout, for one)."""
+    the module docstring), whose message is ``text`` (default: torch's for a callback);
+    ``exc`` itself where it is a ``RuntimeError`` already, not an ``Exception``, or of a type
+    that cannot be combined (``OSError``'s layout, for one)."""
     kind = type(exc)
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
@@ -80,6 +84,7 @@ def _as_runtime_error(exc: BaseException) -> BaseException:
     except Exception:  # (a constructor of its own that __new__ cannot mimic)
         return exc
     out._tdist_original = exc  # type: ignore[attr-defined]
+    out._tdist_text = text  # type: ignore[attr-defined]
     out.__cause__ = exc.__cause__
     out.__context__ = exc.__context__
     return out.with_traceback(exc.__traceback__)
