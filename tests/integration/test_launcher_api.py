@@ -87,3 +87,14 @@ def test_torchruns_functions_parse_its_options_and_run_the_job(tmp_path: Path) -
     with pytest.raises(ChildFailedError) as info:
         tdist_run.main(["--nproc-per-node", "1", "--standalone", str(script)])
     assert info.value.get_first_failure()[1].exitcode == 3
+
+
+def test_logs_specs_send_the_workers_streams_to_torchs_layout(tmp_path: Path) -> None:
+    from tdist.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.OUT)
+    out = elastic_launch(_config(logs_specs=specs), sys.executable)("-c", "import os; print('hello from', os.environ['RANK'])")
+    assert out == {0: None, 1: None}
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    for rank in (0, 1):
+        assert (run_dir / "attempt_0" / str(rank) / "stdout.log").read_text().strip() == f"hello from {rank}"

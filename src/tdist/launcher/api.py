@@ -49,9 +49,10 @@ class LaunchConfig:
     Attributes:
         min_nodes, max_nodes: the job's node count, or its elastic range (c10d or etcd).
         nproc_per_node: workers on this node.
-        logs_specs: where the workers' logs go: torch's ``DefaultLogsSpecs`` (its log
-            directory, redirects, tee and local ranks filter are read), or ``None`` (a temporary
-            directory, removed at the end unless a worker wrote an error file).
+        logs_specs: where the workers' logs go: ``tdist.elastic.multiprocessing.DefaultLogsSpecs``
+            or torch's (its log directory, redirects, tee and local ranks filter are read), or
+            ``None`` (a temporary directory, removed at the end unless a worker wrote an error
+            file).
         run_id: the job's id (``TORCHELASTIC_RUN_ID``; empty: a random one).
         role: ``ROLE_NAME``.
         rdzv_endpoint: ``host[:port]``: static, node 0's store (port required); c10d, where the
