@@ -27,6 +27,20 @@ def _get_default_group() -> Any:
     return GroupMember.WORLD
 
 
+def _get_default_store() -> Any:
+    """The default group's store (torch's private helper): its namespace of the store the
+    group was made on, as torch's.
+
+    Raises:
+        ValueError: the default group is not initialized.
+    """
+    from .c10d._world import _world
+
+    world = _world()
+    default = _default_group()
+    return world.groups[default].store
+
+
 def _rank_not_in_group(group: object) -> bool:
     """True when ``group`` is the placeholder a non-member holds (``GroupMember.NON_GROUP_MEMBER``);
     None (the default group) is never that."""
@@ -36,6 +50,7 @@ def _rank_not_in_group(group: object) -> bool:
 __all_private__ = [
     "_all_gather_base",
     "_get_default_group",
+    "_get_default_store",
     "_rank_not_in_group",
     "_reduce_scatter_base",
 ]

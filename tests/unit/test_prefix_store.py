@@ -180,7 +180,7 @@ def test_concurrent_adds_and_barrier_through_prefix(base: tdist.HashStore) -> No
 def test_constructor_checks_types(base: tdist.HashStore) -> None:
     with pytest.raises(TypeError, match="prefix must be str"):
         tdist.PrefixStore(1, base)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="must be a tdist Store"):
+    with pytest.raises(TypeError, match="must be a Store"):
         tdist.PrefixStore("p", object())  # type: ignore[arg-type]
     assert tdist.PrefixStore("p", base).has_extended_api()
 

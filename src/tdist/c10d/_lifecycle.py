@@ -276,6 +276,10 @@ def init_process_group(
             raise AssertionError("world_size must be positive if using store")
         if not rank >= 0:
             raise AssertionError("rank must be non-negative if using store")
+        if not isinstance(store, Store):  # (torch's store, made by code not ported yet)
+            from ..store._foreign import as_store
+
+            store = as_store(store)
     elif init_method is None:
         init_method = "env://"
     if isinstance(device_id, int) and not isinstance(device_id, bool):

@@ -36,6 +36,18 @@ def as_bytes(value: str | bytes | bytearray | memoryview, what: str = "value") -
     raise TypeError(f"store {what} must be str or bytes, got {type(value).__name__}")
 
 
+def key_list(keys: object, what: str) -> Sequence[str]:
+    """``keys``, a list (or other sequence) of keys; one ``str`` is refused, as torch's binding
+    refuses it (taken as its characters, ``wait("key")`` would wait for ``k``, ``e`` and ``y``).
+
+    Raises:
+        TypeError: ``keys`` is a str or bytes.
+    """
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"{what}(): keys must be a list of str, got {type(keys).__name__}: {keys!r}")
+    return keys  # type: ignore[return-value]
+
+
 def check_key(key: object) -> str:
     if not isinstance(key, str):
         raise TypeError(f"store key must be str, got {type(key).__name__}: {key!r}")
@@ -148,8 +160,16 @@ class Store:
             self.set(k, v)
 
     def append(self, key: str, value: str | bytes) -> None:
-        """Append ``value`` to the bytes at ``key`` (set it if missing)."""
-        raise NotImplementedError
+        """Append ``value`` to the bytes at ``key`` (set it if missing). This default, for a
+        subclass that implements only the core API, goes through ``compare_set`` until no other
+        writer came in between (as torch's base class does)."""
+        tail = as_bytes(value)
+        expected = self.get(key) if self.check([key]) else b""  # (a missing key holds b"")
+        while True:
+            current = self.compare_set(key, expected, expected + tail)
+            if current == expected + tail:
+                return
+            expected = current
 
     def list_keys(self) -> list[str]:
         """Every key in the store."""
@@ -173,7 +193,10 @@ class Store:
         raise NotImplementedError
 
     def has_extended_api(self) -> bool:
-        return True
+        """Whether the store has the queue and key-listing calls: every tdist store; a Python
+        subclass where it implements them (``queue_push`` and the rest), as torch's base
+        class says ``False``."""
+        return type(self).queue_push is not Store.queue_push
 
     def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
         """Block until ``world_size`` callers have called ``barrier`` with this ``key``."""

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._core.errors import DistNetworkError, DistStoreError, StoreTimeoutError, StoreValueError
-from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
+from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 
 __all__ = ["EtcdStore"]
 
@@ -254,6 +254,7 @@ class EtcdStore(Store):
         self._update(key, lambda current: (current or b"") + data)
 
     def check(self, keys: Sequence[str]) -> bool:
+        keys = key_list(keys, "check")
         return not self._missing(keys)[0]
 
     def _missing(self, keys: Sequence[str]) -> tuple[list[str], int]:
@@ -302,6 +303,7 @@ class EtcdStore(Store):
         return int(out.get("deleted", 0))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        keys = key_list(keys, "wait")
         seconds = self._timeout_seconds(timeout)
         deadline = time.monotonic() + seconds
         keys = [check_key(k) for k in keys]

@@ -49,9 +49,9 @@ from typing import NamedTuple
 
 from .._core.deadline import Deadline
 from .._core.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
-from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
+from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 from ._hash import timeout_message
-from ._state import KVState, parse_counter
+from ._state import KVState, check_amount, parse_counter, wrap_int64
 
 __all__ = ["FileOp", "FileStore", "Kind", "encode_record", "parse_records"]
 
@@ -499,11 +499,10 @@ class FileStore(Store):
                 written; the store stays usable).
         """
         key = check_key(key)
-        if isinstance(amount, bool) or not isinstance(amount, int):
-            raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
+        check_amount(amount)
         with self._lock, self._flocked(exclusive=True):
             raw = self._state.data.get(key)
-            value = amount if raw is None else parse_counter(key, raw) + amount
+            value = wrap_int64(amount if raw is None else parse_counter(key, raw) + amount)
             self._write([FileOp(Kind.SET, key, str(value).encode())])
         return value
 
@@ -533,11 +532,13 @@ class FileStore(Store):
         Raises:
             StoreTimeoutError: naming the keys still missing when the timeout expired.
         """
+        keys = key_list(keys, "wait")
         wanted = [check_key(k) for k in keys]
         self._poll(lambda state: state.missing(wanted), timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key in ``keys`` is set (or is a non-empty queue), without waiting."""
+        keys = key_list(keys, "check")
         wanted = [check_key(k) for k in keys]
         with self._lock, self._flocked(exclusive=False):
             return not self._state.missing(wanted)
@@ -566,6 +567,7 @@ class FileStore(Store):
         Raises:
             StoreTimeoutError: naming the keys still missing when the timeout expired.
         """
+        keys = key_list(keys, "multi_get")
         wanted = [check_key(k) for k in keys]
         values: list[bytes] = []
 
@@ -581,6 +583,7 @@ class FileStore(Store):
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set every key to the matching value, in one record (all or none are written)."""
+        keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         ops = [

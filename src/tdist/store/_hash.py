@@ -16,8 +16,8 @@ from datetime import timedelta
 from typing import TypeVar
 
 from .._core.errors import QueueEmptyError, StoreTimeoutError
-from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
-from ._state import KVState
+from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
+from ._state import KVState, check_amount
 
 __all__ = ["HashStore", "timeout_message"]
 
@@ -116,8 +116,7 @@ class HashStore(Store):
                 unchanged and stays usable).
         """
         key = check_key(key)
-        if isinstance(amount, bool) or not isinstance(amount, int):
-            raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
+        check_amount(amount)
         with self._shared.cond:
             value = self._shared.state.add(key, amount)
             self._shared.cond.notify_all()
@@ -146,11 +145,13 @@ class HashStore(Store):
         Raises:
             StoreTimeoutError: naming the keys still missing when the timeout expired.
         """
+        keys = key_list(keys, "wait")
         wanted = [check_key(k) for k in keys]
         self._wait_for(lambda state: state.missing(wanted), lambda state: None, timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key in ``keys`` is set (or is a non-empty queue), without waiting."""
+        keys = key_list(keys, "check")
         wanted = [check_key(k) for k in keys]
         with self._shared.cond:
             return not self._shared.state.missing(wanted)
@@ -172,6 +173,7 @@ class HashStore(Store):
         Raises:
             StoreTimeoutError: naming the keys still missing when the timeout expired.
         """
+        keys = key_list(keys, "multi_get")
         wanted = [check_key(k) for k in keys]
         return self._wait_for(
             self._unset(wanted), lambda state: [state.data[k] for k in wanted], None
@@ -179,6 +181,7 @@ class HashStore(Store):
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set every key to the matching value, all at once (no reader sees half of them)."""
+        keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         pairs = [(check_key(k), as_bytes(v)) for k, v in zip(keys, values, strict=True)]

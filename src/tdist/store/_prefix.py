@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ._api import Store, check_key
+from ._api import Store, check_key, key_list
 
 __all__ = ["PrefixStore"]
 
@@ -26,8 +26,13 @@ class PrefixStore(Store):
     def __init__(self, prefix: str, store: Store) -> None:
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore prefix must be str, got {type(prefix).__name__}")
-        if not isinstance(store, Store):
-            raise TypeError(f"PrefixStore store must be a tdist Store, got {type(store).__name__}")
+        if not isinstance(store, Store):  # (torch's store: wrapped; anything else: TypeError)
+            from ._foreign import as_store
+
+            try:
+                store = as_store(store)
+            except TypeError:
+                raise TypeError(f"PrefixStore store must be a Store, got {type(store).__name__}") from None
         super().__init__(store.timeout)
         self._prefix = prefix
         self._store = store
@@ -100,10 +105,12 @@ class PrefixStore(Store):
         Raises:
             StoreTimeoutError: naming the (prefixed) keys still missing.
         """
+        keys = key_list(keys, "wait")
         self._store.wait(self._keys(keys), timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every ``prefix/key`` is set, without waiting."""
+        keys = key_list(keys, "check")
         return self._store.check(self._keys(keys))
 
     def delete_key(self, key: str) -> bool:
@@ -116,10 +123,12 @@ class PrefixStore(Store):
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of every ``prefix/key``, waiting for all of them."""
+        keys = key_list(keys, "multi_get")
         return self._store.multi_get(self._keys(keys))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set every ``prefix/key`` to the matching value."""
+        keys = key_list(keys, "multi_set")
         self._store.multi_set(self._keys(keys), values)
 
     def append(self, key: str, value: str | bytes) -> None:

@@ -10,7 +10,28 @@ from collections import deque
 
 from .._core.errors import StoreValueError
 
-__all__ = ["KVState", "parse_counter"]
+__all__ = ["KVState", "check_amount", "parse_counter", "wrap_int64"]
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` as a signed 64-bit integer (a counter wraps around, as torch's stores'
+    ``int64_t`` does)."""
+    if -(1 << 63) <= value < (1 << 63):
+        return value
+    return ((value + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
+
+
+def check_amount(amount: object) -> int:
+    """``add``'s ``amount``: an int of 64 bits (torch's binding takes an ``int64_t``).
+
+    Raises:
+        TypeError: not an int, or one outside the signed 64-bit range.
+    """
+    if isinstance(amount, bool) or not isinstance(amount, int):
+        raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
+    if not -(1 << 63) <= amount < (1 << 63):
+        raise TypeError(f"add: amount {amount} does not fit in a signed 64-bit integer")
+    return amount
 
 
 def parse_counter(key: str, raw: bytes) -> int:
@@ -61,6 +82,8 @@ class KVState:
                 value = int(raw) + amount  # int() of bytes: ASCII digits, as parse_counter takes
             except ValueError:
                 value = parse_counter(key, raw) + amount  # raises the clear error
+        if not -(1 << 63) <= value < (1 << 63):
+            value = wrap_int64(value)
         data[key] = b"%d" % value
         return value
 

@@ -35,7 +35,7 @@ from .._core.errors import (
 )
 from .._core.net import literal_loopback
 from .._core.peercred import check_unix_peer
-from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key
+from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 from ._protocol import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
@@ -49,6 +49,7 @@ from ._protocol import (
     encode_int,
 )
 from ._server import StoreServer, unix_address
+from ._state import check_amount
 
 __all__ = ["TCPStore"]
 
@@ -744,7 +745,8 @@ class TCPStore(Store):
         try:  # encode_frame(Op.ADD, (k, encode_int(amount))) in one step
             frame = prefix + _INT_FIELD.pack(8, amount)
         except struct.error:
-            frame = encode_frame(Op.ADD, (key.encode(), encode_int(amount)))  # raises the clear error
+            check_amount(amount)  # (raises the clear error)
+            raise
         reply = self._call_frame(Op.ADD, frame)[0]
         if len(reply) == 8:
             value: int = _INT.unpack(reply)[0]
@@ -756,10 +758,12 @@ class TCPStore(Store):
         return self._call(Op.COMPARE_SET, fields)[0]
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        keys = key_list(keys, "wait")
         ms, seconds = self._wait_ms(timeout)
         self._call(Op.WAIT, (ms, *(check_key(k).encode() for k in keys)), seconds)
 
     def check(self, keys: Sequence[str]) -> bool:
+        keys = key_list(keys, "check")
         return self._call(Op.CHECK, [check_key(k).encode() for k in keys])[0] == b"\x01"
 
     def delete_key(self, key: str) -> bool:
@@ -769,10 +773,12 @@ class TCPStore(Store):
         return decode_int(self._call(Op.NUM_KEYS, ())[0])
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        keys = key_list(keys, "multi_get")
         ms, seconds = self._wait_ms(None)
         return self._call(Op.MULTI_GET, (ms, *(check_key(k).encode() for k in keys)), seconds)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         fields: list[bytes] = []

@@ -1,0 +1,110 @@
+"""Stores as a program ported one file at a time meets them: torch's store handed to tdist
+(``init_process_group(store=...)``, ``PrefixStore``), keys given as one string, counters at the
+edge of 64 bits, and a Python ``Store`` subclass that implements only the core calls."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+import tdist
+from tdist.distributed_c10d import _get_default_store
+from tdist.testing import free_port, run_processes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _group_on_torchs_store(rank: int, world_size: int, port: int) -> list[float]:
+    store = torch_dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timedelta(seconds=20))
+    tdist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        t = torch.full((3,), float(rank + 1))
+        tdist.all_reduce(t)
+        # the group's namespace of the store it was made on, as torch's helper gives it
+        _get_default_store().set(f"from{rank}", "x")
+        assert store.get(f"0//from{rank}") == b"x"  # (torch's layout: the namespace is "0/")
+        return t.tolist()
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_group_forms_on_torchs_tcp_store() -> None:
+    assert run_processes(_group_on_torchs_store, 2, free_port(), timeout=40) == [[3.0, 3.0, 3.0]] * 2
+
+
+def test_a_prefix_store_over_torchs_store_and_a_torch_error_through_it() -> None:
+    inner = torch_dist.HashStore()
+    outer = tdist.PrefixStore("a", tdist.PrefixStore("b", inner))
+    outer.set("k", "v")
+    assert inner.get("b/a/k") == b"v" and outer.add("n", 2) == 2 and outer.check(["k"])
+    outer.set_timeout(timedelta(milliseconds=50))
+    with pytest.raises(torch_dist.DistStoreError):
+        outer.get("missing")
+    with pytest.raises(TypeError, match="must be a Store"):
+        tdist.PrefixStore("p", object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["hash", "file", "tcp"])
+def test_one_string_is_not_a_list_of_keys_and_counters_wrap_at_64_bits(kind: str, tmp_path: object) -> None:
+    master = None
+    if kind == "hash":
+        store: tdist.Store = tdist.HashStore()
+    elif kind == "file":
+        store = tdist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
+    else:
+        master = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
+        store = tdist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=5))
+    store.set("abc", "1")
+    for call in (store.check, store.wait, store.multi_get):
+        with pytest.raises(TypeError, match="keys must be a list of str"):
+            call("abc")  # type: ignore[arg-type]  (torch's binding refuses it; not keys a, b, c)
+    # torch's int64 counter wraps around; the connection stays usable
+    assert store.add("c", 2**63 - 1) == 2**63 - 1
+    assert store.add("c", 1) == -(2**63)
+    assert store.get("c") == b"-9223372036854775808" and store.add("c", 0) == -(2**63)
+    with pytest.raises(TypeError, match="64-bit"):
+        store.add("c", 2**64)
+    assert store.get("abc") == b"1"
+    if master is not None:
+        master.close()
+
+
+class CoreOnly(tdist.Store):
+    """A store that implements the core calls alone (a dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value if isinstance(value, bytes) else value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: object) -> bool:
+        return all(k in self.data for k in keys)  # type: ignore[attr-defined]
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        expected = expected_value if isinstance(expected_value, bytes) else expected_value.encode()
+        desired = desired_value if isinstance(desired_value, bytes) else desired_value.encode()
+        current = self.data.get(key)
+        if current is None and expected:
+            return expected
+        if current is None or current == expected:
+            self.data[key] = desired
+            return desired
+        return current
+
+
+def test_a_subclass_with_the_core_calls_gets_append_and_says_it_has_no_extended_api() -> None:
+    store = CoreOnly()
+    assert not store.has_extended_api() and tdist.HashStore().has_extended_api()
+    store.append("a", "x")
+    store.append("a", b"x")
+    store.set("b", "")
+    store.append("b", "y")
+    assert store.data == {"a": b"xx", "b": b"y"}
