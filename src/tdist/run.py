@@ -78,7 +78,8 @@ def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
 def run_script_path(training_script: str, *training_script_args: str) -> None:
     """Run ``training_script`` as ``__main__`` in this interpreter with ``training_script_args``
     as its ``sys.argv`` (``--run-path``)."""
-    sys.argv = [training_script, *training_script_args]
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    sys.argv = [training_script, *(a.replace("${local_rank}", local_rank) for a in training_script_args)]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
@@ -100,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         ValueError: options the launcher cannot run.
     """
     from .cli import _nnodes, _nproc
-    from .elastic._policy import parse_std
+    from .elastic._policy import LOCAL_RANK_MACRO, parse_std
     from .launcher.api import LaunchConfig
 
     min_nodes, max_nodes = _nnodes(args.nnodes)
@@ -130,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         virtual_local_rank=args.virtual_local_rank,
     )
     script_args = list(args.training_script_args)
+    if not getattr(args, "use_env", True):  # (torch.distributed.launch's --local-rank argument)
+        script_args.insert(0, f"--local-rank={LOCAL_RANK_MACRO}")
     if args.run_path:
         return config, run_script_path, [args.training_script, *script_args]
     if args.no_python:

@@ -98,3 +98,21 @@ def test_logs_specs_send_the_workers_streams_to_torchs_layout(tmp_path: Path) ->
     (run_dir,) = (tmp_path / "logs").iterdir()
     for rank in (0, 1):
         assert (run_dir / "attempt_0" / str(rank) / "stdout.log").read_text().strip() == f"hello from {rank}"
+
+
+def test_the_legacy_launcher_gives_each_worker_its_local_rank_argument(tmp_path: Path) -> None:
+    import tdist.launch
+
+    script = tmp_path / "legacy.py"
+    script.write_text(
+        "import argparse, os\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--local-rank', '--local_rank', type=int); p.add_argument('--lr')\n"
+        "a = p.parse_args()\n"
+        "assert a.local_rank == int(os.environ['LOCAL_RANK']) and a.lr == '0.1', a\n"
+    )
+    with pytest.warns(FutureWarning, match="deprecated"):
+        tdist.launch.main(["--nproc_per_node", "2", "--master_port", "0", str(script), "--lr", "0.1"])
+    with pytest.warns(FutureWarning), pytest.raises(ChildFailedError):  # (--use-env: LOCAL_RANK only)
+        tdist.launch.main(["--nproc_per_node", "1", "--use_env", "--master_port", "0", str(script), "--lr", "0.1"])
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="--use-env"):
+        tdist.launch.main(["--no-python", "--master_port", "0", "true"])

@@ -929,7 +929,7 @@ class LocalAgent:
                         raise LaunchError(f"cannot write worker {local_rank}'s log {path}: {exc}") from exc
             try:
                 proc = subprocess.Popen(
-                    worker_command(cfg),
+                    worker_command(cfg, local_rank),
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,

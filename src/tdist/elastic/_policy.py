@@ -284,13 +284,21 @@ def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
     return StreamRoute(console=Std(console), files=Std(files))
 
 
-def worker_command(config: LaunchConfig) -> list[str]:
-    """The worker's argv (torchrun's: ``python -u script args``)."""
+LOCAL_RANK_MACRO = "${local_rank}"  # (torchrun's macro: an argument's local rank)
+
+
+def worker_command(config: LaunchConfig, local_rank: int | None = None) -> list[str]:
+    """The worker's argv (torchrun's: ``python -u script args``), ``${local_rank}`` in its
+    arguments replaced by ``local_rank`` (torchrun's macro; ``python -m tdist.launch`` passes
+    ``--local-rank=${local_rank}``)."""
+    args = list(config.args)
+    if local_rank is not None:
+        args = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in args]
     if config.no_python:
-        return [config.entrypoint, *config.args]
+        return [config.entrypoint, *args]
     if config.module:
-        return [config.python, "-u", "-m", config.entrypoint, *config.args]
-    return [config.python, "-u", config.entrypoint, *config.args]
+        return [config.python, "-u", "-m", config.entrypoint, *args]
+    return [config.python, "-u", config.entrypoint, *args]
 
 
 def worker_env(
