@@ -124,15 +124,12 @@ def _seconds(value: str) -> float:
 
 
 def _signals(value: str) -> tuple[int, ...]:
-    out = []
-    for name in (v.strip() for v in value.split(",")):
-        if not name:
-            continue
-        try:
-            out.append(int(signal.Signals[name if name.startswith("SIG") else "SIG" + name]))
-        except KeyError:
-            raise argparse.ArgumentTypeError(f"unknown signal {name!r}") from None
-    return tuple(out)
+    from .elastic._policy import parse_signals
+
+    try:
+        return parse_signals(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # torchrun's environment defaults: PET_<its option's name> (Kubeflow's PyTorchJob sets them)

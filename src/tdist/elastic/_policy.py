@@ -284,6 +284,23 @@ def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
     return StreamRoute(console=Std(console), files=Std(files))
 
 
+def parse_signals(text: str) -> tuple[int, ...]:
+    """torchrun's ``--signals-to-handle``: names separated by commas (``SIGTERM,INT``).
+
+    Raises:
+        ValueError: an unknown signal.
+    """
+    out = []
+    for name in (v.strip() for v in text.split(",")):
+        if not name:
+            continue
+        try:
+            out.append(int(signal.Signals[name if name.startswith("SIG") else "SIG" + name]))
+        except KeyError:
+            raise ValueError(f"unknown signal {name!r}") from None
+    return tuple(out)
+
+
 LOCAL_RANK_MACRO = "${local_rank}"  # (torchrun's macro: an argument's local rank)
 
 

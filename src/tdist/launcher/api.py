@@ -209,7 +209,7 @@ def _tdist_config(
 ) -> Any:
     """tdist's ``elastic.LaunchConfig`` for torch's ``config``."""
     from ..elastic._policy import LaunchConfig as Config
-    from ..elastic._policy import Std
+    from ..elastic._policy import Std, parse_signals
     from ..elastic.rendezvous import parse_rendezvous_endpoint
 
     if not 1 <= config.min_nodes <= config.max_nodes:
@@ -234,13 +234,7 @@ def _tdist_config(
         raise ValueError(f"unknown rendezvous backend {config.rdzv_backend!r}: tdist's launcher runs static, c10d and etcd")
     if "is_host" in conf:
         is_host = str(conf["is_host"]).strip().lower() in ("1", "true", "t", "yes", "y")
-    signals = []
-    for sig in (s.strip() for s in config.signals_to_handle.split(",")):
-        if sig:
-            try:
-                signals.append(int(signal.Signals[sig if sig.startswith("SIG") else "SIG" + sig]))
-            except KeyError:
-                raise ValueError(f"unknown signal {sig!r} in signals_to_handle") from None
+    signals = parse_signals(config.signals_to_handle)
 
     def std(value: Any) -> Std | dict[int, Std]:
         if isinstance(value, dict):
@@ -260,7 +254,7 @@ def _tdist_config(
         run_id=config.run_id,
         max_restarts=config.max_restarts,
         stop_timeout=float(config.shutdown_timeout if config.shutdown_timeout is not None else 30),
-        signals=tuple(signals),
+        signals=signals,
         python=os.environ.get("PYTHON_EXEC") or sys.executable,
         monitor_interval=config.monitor_interval,
         join_timeout=float(conf.get("join_timeout", conf.get("timeout", _DEFAULT_RDZV_TIMEOUT))),
