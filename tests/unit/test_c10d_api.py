@@ -702,6 +702,9 @@ def test_collectives_reach_the_backend_with_group_ranks_and_options() -> None:
     assert backend.calls[-1][0] == "allreduce"
     with pytest.raises(ValueError, match=r"does not support RedOpType.MIN on complex tensors"):
         dist.all_reduce(c, op=dist.ReduceOp.MIN)
+    # (torch's all_reduce raises ValueError, gloo's reduce RuntimeError: both are caught)
+    with pytest.raises(RuntimeError, match=r"reduce does not support RedOpType.MAX on complex tensors"):
+        dist.reduce(c, dst=0, op=dist.ReduceOp.MAX)
     with pytest.raises(TypeError, match=r"Invalid ReduceOp"):
         dist.all_reduce(t, op="sum")  # type: ignore[arg-type]
     with pytest.raises(C.CollectiveArgumentError, match=r"Cannot use ReduceOp.BOR"):

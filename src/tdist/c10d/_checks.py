@@ -159,9 +159,11 @@ def real_views(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def check_complex_op(op: RedOpType, tensors: Sequence[torch.Tensor], what: str) -> None:
-    """Raises ``ValueError`` (torch's message) for an op that is garbage on complex values."""
+    """Raises ``CollectiveArgumentError`` (torch's message) for an op that is garbage on
+    complex values: the ``ValueError`` torch's ``all_reduce`` raises and the ``RuntimeError``
+    gloo raises for the other reductions."""
     if any(t.is_complex() for t in tensors) and not supports_complex(op):
-        raise ValueError(f"{what} does not support {op} on complex tensors")
+        raise CollectiveArgumentError(f"{what} does not support {op} on complex tensors")
 
 
 def check_bitwise_dtype(op: RedOpType, tensors: Sequence[torch.Tensor], what: str) -> None:
