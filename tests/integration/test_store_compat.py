@@ -48,7 +48,7 @@ def test_a_prefix_store_over_torchs_store_and_a_torch_error_through_it() -> None
 
 
 @pytest.mark.parametrize("kind", ["hash", "file", "tcp"])
-def test_one_string_is_not_a_list_of_keys_and_counters_wrap_at_64_bits(kind: str, tmp_path: object) -> None:
+def test_one_string_is_not_a_list_of_keys_bytes_are_a_key_and_counters_wrap_at_64_bits(kind: str, tmp_path: object) -> None:
     master = None
     if kind == "hash":
         store: tdist.Store = tdist.HashStore()
@@ -68,6 +68,8 @@ def test_one_string_is_not_a_list_of_keys_and_counters_wrap_at_64_bits(kind: str
     with pytest.raises(TypeError, match="64-bit"):
         store.add("c", 2**64)
     assert store.get("abc") == b"1"
+    store.set(b"bytes", "key")  # type: ignore[arg-type]  (torch's binding takes bytes keys)
+    assert store.get("bytes") == b"key" and store.check([b"bytes"])  # type: ignore[list-item]
     if master is not None:
         master.close()
 

@@ -49,7 +49,17 @@ def key_list(keys: object, what: str) -> Sequence[str]:
 
 
 def check_key(key: object) -> str:
+    """A store key: a ``str``, or ``bytes`` of UTF-8 (torch's binding takes both).
+
+    Raises:
+        TypeError: anything else.
+    """
     if not isinstance(key, str):
+        if isinstance(key, bytes):
+            try:
+                return key.decode()
+            except UnicodeDecodeError:
+                raise TypeError(f"store key must be str or UTF-8 bytes, got {key!r}") from None
         raise TypeError(f"store key must be str, got {type(key).__name__}: {key!r}")
     return key
 
