@@ -110,3 +110,15 @@ def test_a_subclass_with_the_core_calls_gets_append_and_says_it_has_no_extended_
     store.set("b", "")
     store.append("b", "y")
     assert store.data == {"a": b"xx", "b": b"y"}
+
+
+def test_a_timeout_of_none_and_a_subclass_that_skips_stores_init_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="timedelta"):
+        tdist.HashStore().set_timeout(None)  # type: ignore[arg-type]
+
+    class Bare(tdist.Store):
+        def __init__(self) -> None:  # (no Store.__init__)
+            pass
+
+    with pytest.raises(TypeError, match="must call Store.__init__"):
+        tdist.PrefixStore("p", Bare())

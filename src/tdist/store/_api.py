@@ -89,6 +89,8 @@ class Store:
 
     @staticmethod
     def _check_timeout(timeout: timedelta | float) -> timedelta:
+        if timeout is None:  # (torch's binding: a timedelta is required)
+            raise TypeError("store timeout must be a datetime.timedelta (or seconds), got None")
         seconds = to_seconds(timeout)
         assert seconds is not None
         return timedelta(seconds=seconds)
@@ -97,7 +99,10 @@ class Store:
     @property
     def timeout(self) -> timedelta:
         """The default timeout of blocking calls."""
-        return self._timeout
+        try:
+            return self._timeout
+        except AttributeError:  # (a subclass whose __init__ did not call Store's)
+            raise TypeError(f"{type(self).__name__}.__init__() must call Store.__init__()") from None
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Set the default timeout of blocking calls (``get``, ``wait``, ...)."""
