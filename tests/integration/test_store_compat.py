@@ -120,5 +120,5 @@ def test_a_timeout_of_none_and_a_subclass_that_skips_stores_init_are_type_errors
         def __init__(self) -> None:  # (no Store.__init__)
             pass
 
-    with pytest.raises(TypeError, match="must call Store.__init__"):
+    with pytest.raises(TypeError, match=r"must call Store\.__init__"):
         tdist.PrefixStore("p", Bare())
