@@ -10,9 +10,9 @@ import pytest
 from torch.distributed.elastic.utils import store as torch_store_utils
 
 import tdist
+from tdist._core.errors import StoreTimeoutError
 from tdist.elastic.utils import store as store_utils
 from tdist.elastic.utils.distributed import get_free_port
-from tdist._core.errors import StoreTimeoutError
 
 pytestmark = pytest.mark.timeout(60)
 
