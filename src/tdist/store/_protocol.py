@@ -132,8 +132,7 @@ def decode_int(field: bytes) -> int:
     return value
 
 
-_LEN1 = struct.Struct("<IBII")
-_LEN2 = struct.Struct("<I")
+HEAD_FIELD = struct.Struct("<IBII")  # a frame's header and its first field's length
 
 
 def encode_frame(code: int, fields: Sequence[bytes] = ()) -> bytes:
@@ -141,10 +140,10 @@ def encode_frame(code: int, fields: Sequence[bytes] = ()) -> bytes:
     n = len(fields)
     if n == 1:
         f0 = fields[0]
-        return _LEN1.pack(9 + len(f0), code, 1, len(f0)) + f0
+        return HEAD_FIELD.pack(9 + len(f0), code, 1, len(f0)) + f0
     if n == 2:
         f0, f1 = fields
-        return b"".join((_LEN1.pack(13 + len(f0) + len(f1), code, 2, len(f0)), f0, _LEN2.pack(len(f1)), f1))
+        return b"".join((HEAD_FIELD.pack(13 + len(f0) + len(f1), code, 2, len(f0)), f0, FIELD_LEN.pack(len(f1)), f1))
     parts = [b""]
     body = _BODY_FIXED
     pack_len = FIELD_LEN.pack
@@ -225,15 +224,15 @@ class FrameDecoder:
             if body_len + 4 != n or body_len > self.max_frame:
                 return None
             self._check(data, 0, n)
-        if n >= _LEN1.size:  # the common shapes (one or two fields) without the general loop
-            body_len, code, count, n0 = _LEN1.unpack_from(data, 0)
+        if n >= HEAD_FIELD.size:  # the common shapes (one or two fields) without the general loop
+            body_len, code, count, n0 = HEAD_FIELD.unpack_from(data, 0)
             if body_len + 4 != n or body_len > self.max_frame:
                 return None
-            if count == 1 and n0 + _LEN1.size == n:
-                return Frame(code, [data[_LEN1.size : n]])
-            end0 = _LEN1.size + n0
-            if count == 2 and end0 + 4 <= n and _LEN2.unpack_from(data, end0)[0] + end0 + 4 == n:
-                return Frame(code, [data[_LEN1.size : end0], data[end0 + 4 : n]])
+            if count == 1 and n0 + HEAD_FIELD.size == n:
+                return Frame(code, [data[HEAD_FIELD.size : n]])
+            end0 = HEAD_FIELD.size + n0
+            if count == 2 and end0 + 4 <= n and FIELD_LEN.unpack_from(data, end0)[0] + end0 + 4 == n:
+                return Frame(code, [data[HEAD_FIELD.size : end0], data[end0 + 4 : n]])
             return parse_body(code, count, data, HEADER.size, n)
         body_len, code, count = HEADER.unpack_from(data, 0)
         if body_len + 4 != n or body_len > self.max_frame:

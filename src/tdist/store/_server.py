@@ -48,6 +48,8 @@ from .._core.net import literal_family
 from .._core.peercred import check_unix_peer, unix_peer
 from ._protocol import (
     DEFAULT_MAX_FRAME,
+    FIELD_LEN,
+    HEAD_FIELD,
     MAX_AUTH_FRAME,
     PROTOCOL_VERSION,
     ErrorKind,
@@ -87,8 +89,6 @@ _BURST_PAUSE = 30e-6  # seconds that the loop rests after a wake-up for sets onl
 _BEAT_EVERY = 1.0  # seconds between beats to a standby when nothing changes
 _FOLLOWER_BACKLOG = 64 << 20  # bytes queued for a standby that reads none: it is dropped
 _OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
-_SET_HEAD = struct.Struct("<IBII")  # a frame's length, code, field count, first field's length
-_SET_VALUE = struct.Struct("<I")  # the second field's length
 _INT = struct.Struct("<q")
 
 
@@ -827,7 +827,7 @@ class StoreServer:
         mac = 0 if seal is None else auth.TAG_SIZE
         limit = decoder.max_frame
         table = self._state.data
-        head, value_len = _SET_HEAD.unpack_from, _SET_VALUE.unpack_from
+        head, value_len = HEAD_FIELD.unpack_from, FIELD_LEN.unpack_from
         size = len(data)
         pos = 0
         while pos + 17 <= size:

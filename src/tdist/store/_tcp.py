@@ -38,6 +38,7 @@ from .._core.peercred import check_unix_peer
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 from ._protocol import (
     DEFAULT_MAX_FRAME,
+    HEAD_FIELD,
     PROTOCOL_VERSION,
     ErrorKind,
     Frame,
@@ -61,11 +62,8 @@ _GRACE = 5.0
 _CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
-_ADD_HEAD = struct.Struct("<IBII")  # an ADD frame's header and key length
 _INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
 _INT = struct.Struct("<q")
-_SET_HEAD = struct.Struct("<IBII")  # a SET frame's length, code, field count and key length
-_LEN = struct.Struct("<I")  # a field's length
 _SET_QUIET = int(Op.SET_QUIET)
 
 # the pid, refreshed in a forked child (os.getpid() is a system call on every use)
@@ -711,9 +709,7 @@ class TCPStore(Store):
     def set(self, key: str, value: str | bytes) -> None:
         if type(key) is str and type(value) is bytes and self._transport == "unix":
             # the common case, kept tight: one send to the Unix socket, which takes it whole
-            k = key.encode()
-            frame = b"".join((_SET_HEAD.pack(13 + len(k) + len(value), _SET_QUIET, 2, len(k)), k,
-                              _LEN.pack(len(value)), value))
+            frame = encode_frame(_SET_QUIET, (key.encode(), value))
             with self._lock:
                 sock = self._sock
                 if sock is not None and self._pid == _current_pid[0] and self._broken is None and not self._closed:
@@ -740,7 +736,7 @@ class TCPStore(Store):
         last_key, prefix = self._add_prefix
         if key != last_key or type(key) is not str:  # (a counter is usually added to again)
             k = check_key(key).encode()
-            prefix = _ADD_HEAD.pack(21 + len(k), Op.ADD, 2, len(k)) + k
+            prefix = HEAD_FIELD.pack(21 + len(k), Op.ADD, 2, len(k)) + k
             self._add_prefix = (key, prefix)
         try:  # encode_frame(Op.ADD, (k, encode_int(amount))) in one step
             frame = prefix + _INT_FIELD.pack(8, amount)
