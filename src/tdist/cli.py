@@ -394,13 +394,14 @@ def _of_job(ns: argparse.Namespace) -> int:
 def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
     from .elastic import LaunchConfig, launch
+    from .elastic._policy import rdzv_settings
     from .elastic.rendezvous import parse_rendezvous_endpoint
 
     master_addr, master_port, run_id = ns.master_addr, ns.master_port, ns.run_id
     min_nodes, nnodes = ns.nnodes
     elastic = min_nodes != nnodes
     backend, conf = ns.rdzv_backend, dict(ns.rdzv_conf)
-    join_timeout, is_host = ns.join_timeout, None
+    join_timeout = ns.join_timeout
     rdzv_host, rdzv_port = "", 2379
     try:
         # (one node that names no address of its own runs as --standalone, as torchrun's does:
@@ -418,22 +419,7 @@ def _run(ns: argparse.Namespace) -> int:
             master_addr, master_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port or 29500)
         elif backend == "c10d":
             raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
-        if "join_timeout" in conf:
-            join_timeout = _seconds(conf.pop("join_timeout"))
-        last_call = float(conf.pop("last_call_timeout", 30.0))
-        keep_alive_interval = _seconds(conf.pop("keep_alive_interval", "3"))
-        attempts = conf.pop("keep_alive_max_attempt", "3")
-        if keep_alive_interval <= 0 or not attempts.isdigit() or int(attempts) < 1:
-            raise ValueError(
-                f"--rdzv-conf keep_alive_interval={keep_alive_interval:g}, keep_alive_max_attempt={attempts}: "
-                "expected a positive number of seconds and a whole number of at least 1"
-            )
-        keep_alive_max_attempt = int(attempts)
-        if "is_host" in conf:  # (torch's spellings of a boolean)
-            text = conf.pop("is_host").lower()
-            if text not in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):
-                raise ValueError(f"--rdzv-conf is_host={text!r}: expected true or false")
-            is_host = text in ("1", "true", "t", "yes", "y")
+        rdzv = rdzv_settings(conf, join_timeout)
         for key in conf:
             log.warning("--rdzv-conf %s is not used by tdist run; ignored", key)
         if master_port is None:
@@ -457,16 +443,11 @@ def _run(ns: argparse.Namespace) -> int:
             signals=ns.signals_to_handle,
             python=os.environ.get("PYTHON_EXEC") or sys.executable,
             monitor_interval=ns.monitor_interval,
-            join_timeout=join_timeout,
             rdzv_backend=backend,
             min_nodes=min_nodes if elastic else None,
             local_addr=ns.local_addr,
-            last_call_timeout=last_call,
-            keep_alive_interval=keep_alive_interval,
-            keep_alive_max_attempt=keep_alive_max_attempt,
             rdzv_host=rdzv_host,
             rdzv_port=rdzv_port,
-            is_host=is_host,
             local_ranks_filter=ns.local_ranks_filter,
             role=ns.role,
             log_dir=ns.log_dir,
@@ -476,6 +457,7 @@ def _run(ns: argparse.Namespace) -> int:
             quiet=ns.quiet,
             metrics_port=ns.metrics_port,
             metrics_addr=ns.metrics_addr,
+            **rdzv,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)

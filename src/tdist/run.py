@@ -78,8 +78,10 @@ def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
 def run_script_path(training_script: str, *training_script_args: str) -> None:
     """Run ``training_script`` as ``__main__`` in this interpreter with ``training_script_args``
     as its ``sys.argv`` (``--run-path``)."""
+    from .elastic._policy import LOCAL_RANK_MACRO
+
     local_rank = os.environ.get("LOCAL_RANK", "0")
-    sys.argv = [training_script, *(a.replace("${local_rank}", local_rank) for a in training_script_args)]
+    sys.argv = [training_script, *(a.replace(LOCAL_RANK_MACRO, local_rank) for a in training_script_args)]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 

@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "Action",
@@ -299,6 +300,48 @@ def parse_signals(text: str) -> tuple[int, ...]:
         except KeyError:
             raise ValueError(f"unknown signal {name!r}") from None
     return tuple(out)
+
+
+def rdzv_settings(conf: dict[str, Any], join_timeout: float) -> dict[str, Any]:
+    """The rendezvous settings of torchrun's ``--rdzv-conf`` (``rdzv_configs``), as
+    ``LaunchConfig``'s fields, taken out of ``conf``: ``join_timeout`` (default
+    ``join_timeout``), ``last_call_timeout`` (30), ``keep_alive_interval`` (3),
+    ``keep_alive_max_attempt`` (3) and ``is_host`` (torch's spellings of a boolean; None when
+    not given). What is left in ``conf`` is not for tdist's launcher.
+
+    Raises:
+        ValueError: a value out of its range or of the wrong form.
+    """
+
+    def seconds(key: str, default: object) -> float:
+        text = str(conf.pop(key, default))
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"--rdzv-conf {key}={text!r}: expected seconds") from None
+        if value < 0:
+            raise ValueError(f"--rdzv-conf {key}={text}: must not be negative")
+        return value
+
+    out: dict[str, Any] = {
+        "join_timeout": seconds("join_timeout", join_timeout),
+        "last_call_timeout": seconds("last_call_timeout", 30.0),
+        "keep_alive_interval": seconds("keep_alive_interval", 3),
+    }
+    attempts = str(conf.pop("keep_alive_max_attempt", 3))
+    if out["keep_alive_interval"] <= 0 or not attempts.isdigit() or int(attempts) < 1:
+        raise ValueError(
+            f"--rdzv-conf keep_alive_interval={out['keep_alive_interval']:g}, keep_alive_max_attempt={attempts}: "
+            "expected a positive number of seconds and a whole number of at least 1"
+        )
+    out["keep_alive_max_attempt"] = int(attempts)
+    out["is_host"] = None
+    if "is_host" in conf:
+        text = str(conf.pop("is_host")).strip().lower()
+        if text not in ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"):
+            raise ValueError(f"--rdzv-conf is_host={text!r}: expected true or false")
+        out["is_host"] = text in ("1", "true", "t", "yes", "y")
+    return out
 
 
 LOCAL_RANK_MACRO = "${local_rank}"  # (torchrun's macro: an argument's local rank)

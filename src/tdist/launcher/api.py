@@ -209,14 +209,14 @@ def _tdist_config(
 ) -> Any:
     """tdist's ``elastic.LaunchConfig`` for torch's ``config``."""
     from ..elastic._policy import LaunchConfig as Config
-    from ..elastic._policy import Std, parse_signals
+    from ..elastic._policy import Std, parse_signals, rdzv_settings
     from ..elastic.rendezvous import parse_rendezvous_endpoint
 
     if not 1 <= config.min_nodes <= config.max_nodes:
         raise ValueError(f"min_nodes {config.min_nodes}, max_nodes {config.max_nodes}: expected 1 <= min_nodes <= max_nodes")
     conf = dict(config.rdzv_configs)
     backend = {"etcd-v2": "etcd"}.get(config.rdzv_backend, config.rdzv_backend)
-    node_rank, is_host = 0, None
+    node_rank = 0
     master_addr, master_port, rdzv_host, rdzv_port = "127.0.0.1", 29500, "", 2379
     if backend == "static":
         if not config.rdzv_endpoint.strip():
@@ -232,8 +232,8 @@ def _tdist_config(
         master_addr, master_port = config.local_addr or socket.getfqdn(), 0
     else:
         raise ValueError(f"unknown rendezvous backend {config.rdzv_backend!r}: tdist's launcher runs static, c10d and etcd")
-    if "is_host" in conf:
-        is_host = str(conf["is_host"]).strip().lower() in ("1", "true", "t", "yes", "y")
+    conf.pop("rank", None)
+    rdzv = rdzv_settings(conf, float(conf.pop("timeout", _DEFAULT_RDZV_TIMEOUT)))  # (torch's "timeout": the join's)
     signals = parse_signals(config.signals_to_handle)
 
     def std(value: Any) -> Std | dict[int, Std]:
@@ -257,16 +257,11 @@ def _tdist_config(
         signals=signals,
         python=os.environ.get("PYTHON_EXEC") or sys.executable,
         monitor_interval=config.monitor_interval,
-        join_timeout=float(conf.get("join_timeout", conf.get("timeout", _DEFAULT_RDZV_TIMEOUT))),
         rdzv_backend=backend,
         min_nodes=config.min_nodes if config.min_nodes != config.max_nodes else None,
         local_addr=config.local_addr or "",
-        last_call_timeout=float(conf.get("last_call_timeout", 30.0)),
-        keep_alive_interval=float(conf.get("keep_alive_interval", 3.0)),
-        keep_alive_max_attempt=int(conf.get("keep_alive_max_attempt", 3)),
         rdzv_host=rdzv_host,
         rdzv_port=rdzv_port,
-        is_host=is_host,
         local_ranks_filter=frozenset(ranks_filter) if ranks_filter else None,
         role=config.role,
         log_dir=getattr(specs, "root_log_dir", None) if specs is not None else None,
@@ -276,4 +271,5 @@ def _tdist_config(
         quiet=True,
         module=module,
         no_python=no_python,
+        **rdzv,
     )
