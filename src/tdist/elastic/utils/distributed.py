@@ -18,7 +18,7 @@ def get_socket_with_port() -> socket.socket:
 
 
 def get_free_port() -> int:
-    """A port that was free a moment ago."""
-    with get_socket_with_port() as sock:
-        port: int = sock.getsockname()[1]
-        return port
+    """A port that was free a moment ago (the rendezvous's pick of one)."""
+    from ..rendezvous import _free_port
+
+    return _free_port()
