@@ -15,6 +15,7 @@ TYPE_CHECKING = False  # (not typing's: importing typing costs the store server 
 
 if TYPE_CHECKING:
     from . import autograd as autograd
+    from . import constants as constants
     from . import distributed_c10d as distributed_c10d
     from . import elastic as elastic
     from . import master_worker as master_worker
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 # torch's package has these loaded; ours imports them on first use (and master_worker, torch
 # 0.3's master-worker mode)
-_SUBMODULES = ("autograd", "elastic", "flight_recorder", "master_worker", "optim", "rpc")
+_SUBMODULES = ("autograd", "constants", "elastic", "flight_recorder", "master_worker", "optim", "rpc")
 
 
 def _load() -> None:

@@ -30,6 +30,8 @@ __all__ = [
 
 # -- process groups and collectives: the module-level API of torch.distributed --------------------
 from .c10d._api import (
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
     AllreduceCoalescedOptions,
     P2POp,
     all_gather,
@@ -89,6 +91,8 @@ from .c10d._api import (
     scatter_object_list,
     send,
     send_object_list,
+    shrink_group,
+    split_group,
 )
 from .c10d._api import (
     _all_gather_base as _all_gather_base,
@@ -127,6 +131,8 @@ from .c10d._types import (
 )
 
 __all__ += [
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "AllToAllOptions",
     "AllgatherOptions",
     "AllreduceCoalescedOptions",
@@ -209,6 +215,8 @@ __all__ += [
     "send_object_list",
     "set_debug_level",
     "set_debug_level_from_env",
+    "shrink_group",
+    "split_group",
     "supports_complex",
 ]
 

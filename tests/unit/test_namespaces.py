@@ -14,13 +14,13 @@ NOT_COVERED = {
     "torch.distributed": {
         "BuiltinCommHookType", "GradBucket", "Reducer", "Logger",  # DDP internals
         "device_mesh",  # torch's module (its DeviceMesh and init_device_mesh are tdist's names too)
-        "GroupName", "split_group", "shrink_group", "record_comm", "ProcessGroupGloo",
-        "algorithms", "c10d_logger", "config", "constants", "logging_handlers",
+        "GroupName", "record_comm", "ProcessGroupGloo",
+        "algorithms", "c10d_logger", "config", "logging_handlers",
         "remote_device", "utils", "RankType",
         "fsdp", "nn", "tensor",  # torch's own modules on our backend (issue 17), once imported
         "log", "logging", "sys", "timedelta", "torch", "traceback", "typing",  # torch's own imports
     },
-    "torch.distributed.distributed_c10d": {"GroupName", "split_group", "shrink_group", "record_comm", "ProcessGroupGloo"},
+    "torch.distributed.distributed_c10d": {"GroupName", "record_comm", "ProcessGroupGloo"},
     "torch.distributed.rpc": {"AllGatherStates", "method_factory", "new_method"},  # api internals
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
@@ -30,6 +30,7 @@ NOT_COVERED = {
 PAIRS = [
     ("torch.distributed", "tdist"),
     ("torch.distributed.distributed_c10d", "tdist.distributed_c10d"),
+    ("torch.distributed.constants", "tdist.constants"),
     ("torch.distributed.rpc", "tdist.rpc"),
     ("torch.distributed.rpc.backend_registry", "tdist.rpc.backend_registry"),
     ("torch.distributed.rpc.functions", "tdist.rpc.functions"),

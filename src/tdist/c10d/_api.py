@@ -81,6 +81,7 @@ from ._p2p import (
     recv,
     send,
 )
+from ._reshape import SHRINK_ABORT, SHRINK_DEFAULT, shrink_group, split_group
 from ._world import _default_group as _default_group
 from ._world import _not_member as _not_member
 from ._world import (
@@ -104,6 +105,8 @@ from ._world import (
 )
 
 __all__ = [
+    "SHRINK_ABORT",
+    "SHRINK_DEFAULT",
     "AllreduceCoalescedOptions",
     "P2POp",
     "all_gather",
@@ -163,4 +166,6 @@ __all__ = [
     "scatter_object_list",
     "send",
     "send_object_list",
+    "shrink_group",
+    "split_group",
 ]

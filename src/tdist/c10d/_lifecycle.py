@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._core.errors import DistBackendError
+from ..constants import default_pg_timeout
 from ..store import PrefixStore, Store
 from ..store._rendezvous import release_claim, rendezvous
 from ..store._tcp import serving_in_a_thread
@@ -66,8 +67,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: torch's default timeout of process groups (gloo's; NCCL's 10 minutes does not apply here)
-default_pg_timeout = timedelta(minutes=30)
 
 
 class _DistributedBackendOptions:

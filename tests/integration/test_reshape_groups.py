@@ -1,0 +1,176 @@
+"""``split_group`` and ``shrink_group`` with real processes: splits made by their members only,
+and a default group shrunk by the survivors of a rank that died (torch serves neither on CPU)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+import tdist
+from tdist.testing import run_processes
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
+    tdist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+
+
+def _sum_of(values: list[float], group: Any) -> float:
+    t = torch.tensor([values[tdist.get_rank()]])
+    tdist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def _splits(rank: int, world: int, port: int) -> dict[str, Any]:
+    _init(rank, world, port)
+    try:
+        out: dict[str, Any] = {}
+        for bad, kind in (
+            ([], "cannot be None or empty"),
+            ([[0, 1], []], "cannot be empty"),
+            ([[0, 0]], "duplicate"),
+            ([[0, 1], [1, 2]], "appeared in both"),
+            ([[0, 4]], "not a group rank"),
+        ):
+            with pytest.raises(ValueError, match=kind):
+                tdist.split_group(split_ranks=bad)
+        # ranks 0, 1 in one split, rank 2 alone, rank 3 in none
+        mine = tdist.split_group(split_ranks=[[1, 0], [2]])
+        values = [1.0, 2.0, 4.0, 8.0]
+        out["size"] = None if mine is None else tdist.get_world_size(mine)
+        out["sum"] = None if mine is None else _sum_of(values, mine)
+        out["desc"] = None if mine is None else mine.group_desc
+        # a sub-group's split takes group ranks of that sub-group: [1, 2, 3] -> [[0], [1, 2]]
+        sub = tdist.new_group([1, 2, 3])
+        if rank in (1, 2, 3):
+            part = tdist.split_group(sub, [[0], [2, 1]])
+            out["sub_ranks"] = tdist.get_process_group_ranks(part)
+            out["sub_sum"] = _sum_of(values, part)
+        return out
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_split_group_makes_each_ranks_split_and_none_outside_them() -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        out = run_processes(_splits, 4, master.port, timeout=80)
+    finally:
+        master.close()
+    assert [o["size"] for o in out] == [2, 2, 1, None]
+    assert [o["sum"] for o in out] == [3.0, 3.0, 4.0, None]
+    assert out[0]["desc"] == "default_pg:split:0"
+    assert [o.get("sub_ranks") for o in out] == [None, [1], [2, 3], [2, 3]]
+    assert [o.get("sub_sum") for o in out] == [None, 2.0, 12.0, 12.0]
+
+
+def _dies_after_one_all_reduce(port: int) -> None:
+    _init(2, 3, port)
+    tdist.distributed_c10d._get_default_store().set("dying_pid", str(os.getpid()))
+    tdist.all_reduce(torch.ones(1))
+    os._exit(0)  # (gone at once: nothing closed, no goodbye)
+
+
+def _survivor(rank: int, _world: int, port: int, noticed: bool) -> dict[str, Any]:
+    _init(rank, 3, port)
+    tdist.all_reduce(torch.ones(1))
+    side = tdist.new_group([0, 1])
+    out: dict[str, Any] = {}
+    if not noticed:  # (they learn of it some other way: the old group never failed here)
+        pid = int(tdist.distributed_c10d._get_default_store().get("dying_pid"))
+        gone = os.pidfd_open(pid)
+        try:
+            assert select.select([gone], [], [], 30)[0], "rank 2 did not exit"
+        finally:
+            os.close(gone)
+    else:
+        with pytest.raises(tdist.DistError) as failed:
+            tdist.all_reduce(torch.ones(1))
+        out["error"] = str(failed.value)
+    with pytest.raises(RuntimeError, match="should not call shrink_group"):
+        tdist.shrink_group([rank])
+    with pytest.raises(TypeError, match="must be a list"):
+        tdist.shrink_group((2,))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out of bounds"):
+        tdist.shrink_group([3])
+    with pytest.raises(ValueError, match="shrink_flags"):
+        tdist.shrink_group([2], shrink_flags=7)
+    new = tdist.shrink_group([2])
+    try:
+        out["rank"], out["size"] = tdist.get_rank(), tdist.get_world_size()
+        out["is_world"] = new is tdist.group.WORLD
+        t = torch.tensor([10.0 * (rank + 1)])
+        tdist.all_reduce(t)
+        out["sum"] = t.item()
+        # torch's default group moved with ours: torch's modules (DDP) reach the new one
+        out["torch_size"] = torch_dist.get_world_size()
+        u = torch.ones(2)
+        torch_dist.all_reduce(u)
+        out["torch_sum"] = u.tolist()
+        with pytest.raises((ValueError, tdist.DistError)):
+            tdist.all_reduce(torch.ones(1), group=side)  # (ended with the old default group)
+        return out
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("noticed", [True, False], ids=["after-a-failed-all-reduce", "at-once"])
+def test_survivors_shrink_the_default_group_after_a_rank_dies_and_go_on(noticed: bool) -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    dying = multiprocessing.get_context("fork").Process(target=_dies_after_one_all_reduce, args=(master.port,))
+    dying.start()
+    try:
+        out = run_processes(_survivor, 2, master.port, noticed, timeout=80)
+        dying.join(10)
+        assert dying.exitcode == 0
+    finally:
+        if dying.is_alive():
+            dying.kill()
+        master.close()
+    assert all("rank 2" in o["error"] for o in out if noticed), out
+    assert [(o["rank"], o["size"], o["is_world"]) for o in out] == [(0, 2, True), (1, 2, True)]
+    assert [o["sum"] for o in out] == [30.0, 30.0]
+    assert [o["torch_size"] for o in out] == [2, 2]
+    assert [o["torch_sum"] for o in out] == [[2.0, 2.0]] * 2
+
+
+def _shrinks_a_sub_group(rank: int, world: int, port: int) -> Any:
+    _init(rank, world, port)
+    try:
+        sub = tdist.new_group([2, 0, 1], sort_ranks=False)  # group ranks: 2 -> 0, 0 -> 1, 1 -> 2
+        store = tdist.distributed_c10d._get_default_store()
+        if rank == 2:  # excluded (group rank 0): it takes no part, and waits for the others
+            store.wait(["shrunk/0", "shrunk/1"])
+            return None
+        new = tdist.shrink_group([0], group=sub)
+        ranks = tdist.get_process_group_ranks(new)
+        total = _sum_of([1.0, 2.0, 4.0], new)
+        with pytest.raises((ValueError, tdist.DistError)):
+            tdist.all_reduce(torch.ones(1), group=sub)  # (ended)
+        still = tdist.get_world_size(), tdist.get_rank()
+        store.set(f"shrunk/{rank}", "1")
+        return ranks, total, still, new.group_desc
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_sub_group_shrinks_among_the_ranks_that_call_and_keeps_their_order() -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        out = run_processes(_shrinks_a_sub_group, 3, master.port, timeout=80)
+    finally:
+        master.close()
+    assert out[2] is None
+    for rank in (0, 1):
+        ranks, total, still, desc = out[rank]
+        assert ranks == [0, 1] and total == 3.0 and still == (3, rank)
+        assert desc.endswith(":shrunk")
