@@ -165,6 +165,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
         agent = LocalAgent(cfg)
         agent.title = name
+        agent.event_log_handler = config.event_log_handler  # (torchrun's worker events go there)
         code = agent.run()
         if code != 0:
             raise _failure(agent, name, code)
