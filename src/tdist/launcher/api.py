@@ -69,9 +69,11 @@ class LaunchConfig:
         signals_to_handle: the signals that stop the job, sent on to the workers.
         shutdown_timeout: seconds between a stop signal and SIGKILL (default
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30).
-        log_line_prefix_template, metrics_cfg, event_log_handler, numa_options,
-        duplicate_stdout_filters, duplicate_stderr_filters, virtual_local_rank: accepted, not
-            used (CPU workers; tdist's launcher logs and prefixes its own way).
+        event_log_handler: where the launcher's worker events go (a ``tdist.elastic.events``
+            destination: ``null``, ``console``).
+        log_line_prefix_template, metrics_cfg, numa_options, duplicate_stdout_filters,
+        duplicate_stderr_filters, virtual_local_rank: accepted, not used (CPU workers;
+            tdist's launcher logs and prefixes its own way).
     """
 
     min_nodes: int
