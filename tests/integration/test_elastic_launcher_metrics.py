@@ -31,9 +31,13 @@ class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[events.Event] = []
+        self.rdzv: list[events.RdzvEvent] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.events.append(events.Event.deserialize(record.getMessage()))
+        if record.name.endswith("dynamic_rendezvous"):
+            self.rdzv.append(events.RdzvEvent.deserialize(record.getMessage()))
+        else:
+            self.events.append(events.Event.deserialize(record.getMessage()))
 
 
 @pytest.fixture
@@ -42,12 +46,14 @@ def collected(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Collect, Lines]
     monkeypatch.setattr(metrics_api, "_metrics_map", {"torchelastic": seen})
     monkeypatch.setattr(events_api, "_events_loggers", {})
     monkeypatch.setitem(events_api._log_handlers, "test", lines)
+    monkeypatch.setitem(events_api._log_handlers, "dynamic_rendezvous", lines)
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")  # (launch_agent sets it)
     yield seen, lines
-    logging.getLogger("tdist-events-test").handlers.clear()
+    for name in ("test", "dynamic_rendezvous"):
+        logging.getLogger(f"tdist-events-{name}").handlers.clear()
 
 
-def test_a_launch_puts_torchruns_metrics_and_records_each_workers_events(collected: tuple[Collect, Lines]) -> None:
+def test_a_launch_puts_torchruns_metrics_and_records_each_workers_and_the_rendezvous_events(collected: tuple[Collect, Lines]) -> None:
     seen, lines = collected
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="metrics", rdzv_backend="c10d",
@@ -68,3 +74,6 @@ def test_a_launch_puts_torchruns_metrics_and_records_each_workers_events(collect
     first = lines.events[0]
     assert first.source is events.EventSource.WORKER and first.metadata["run_id"] == "metrics"
     assert first.metadata["role"] == "default_role" and json.loads(str(first.metadata["metadata"]))["local_rank"] in (0, 1)
+    (joined,) = lines.rdzv  # (the c10d rendezvous's round, one node)
+    assert joined.node_state is events.NodeState.SUCCEEDED and joined.run_id == "metrics" and joined.rank == 0
+    assert joined.name == "_dynamic.py:next_rendezvous" and "joined round" in joined.message

@@ -120,8 +120,15 @@ class TimerServer(abc.ABC):
         self._stop_event = threading.Event()
 
     @property
-    def _stop_signaled(self) -> bool:  # (torch's attribute name)
+    def _stop_signaled(self) -> bool:  # (torch's attribute name; its subclasses may set it)
         return self._stop_event.is_set()
+
+    @_stop_signaled.setter
+    def _stop_signaled(self, value: bool) -> None:
+        if value:
+            self._stop_event.set()
+        else:
+            self._stop_event.clear()
 
     @abc.abstractmethod
     def register_timers(self, timer_requests: list[TimerRequest]) -> None:
