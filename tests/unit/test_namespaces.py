@@ -25,6 +25,9 @@ NOT_COVERED = {
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
     "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch", "warnings"},  # its imports
+    "torch.distributed.elastic.metrics": {"Optional"},  # its imports
+    "torch.distributed.elastic.events": {"Optional", "inspect", "logging", "os", "socket", "traceback"},
+    "torch.distributed.elastic.events.handlers": {"logging"},
 }
 
 PAIRS = [
@@ -44,6 +47,15 @@ PAIRS = [
     ("torch.distributed.elastic.rendezvous", "tdist.elastic.rendezvous"),
     ("torch.distributed.elastic.rendezvous.registry", "tdist.elastic.rendezvous.registry"),
     ("torch.distributed.elastic.multiprocessing.errors", "tdist.elastic.multiprocessing.errors"),
+    ("torch.distributed.elastic.timer", "tdist.elastic.timer"),
+    ("torch.distributed.elastic.timer.api", "tdist.elastic.timer.api"),
+    ("torch.distributed.elastic.timer.local_timer", "tdist.elastic.timer.local_timer"),
+    ("torch.distributed.elastic.timer.file_based_local_timer", "tdist.elastic.timer.file_based_local_timer"),
+    ("torch.distributed.elastic.metrics", "tdist.elastic.metrics"),
+    ("torch.distributed.elastic.metrics.api", "tdist.elastic.metrics.api"),
+    ("torch.distributed.elastic.events", "tdist.elastic.events"),
+    ("torch.distributed.elastic.events.api", "tdist.elastic.events.api"),
+    ("torch.distributed.elastic.events.handlers", "tdist.elastic.events.handlers"),
 ]
 
 

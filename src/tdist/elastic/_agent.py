@@ -36,6 +36,14 @@ store of the round for the agents' keys; node 0 of the round hosts the workers' 
 c10d host: the endpoint's store itself). A restart after a failure, or nodes waiting to join
 an elastic job, make every node join the next round.
 
+Expiration timers, as torchrun's: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment the
+agent runs a ``tdist.elastic.timer.FileTimerServer`` (a thread) for the whole run and gives the
+workers its named pipe in ``TORCHELASTIC_TIMER_FILE``; a worker that overruns an ``expires``
+block is killed by it (SIGKILL unless its client says otherwise), which the monitor loop sees
+as any worker that died of a signal: a failure. Torchrun's launcher metrics (group
+``torchelastic``) and worker events go through ``tdist.elastic.metrics`` and ``.events``,
+whose handlers drop them unless a program configured others.
+
 On several nodes each agent posts its first failure (``<agent prefix>/attempt<n>/failed``) so
 that the other nodes stop their workers too, and a node that hosts a store the others use
 keeps it up until every node has finished (the exit barrier).
@@ -46,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import os
 import re
@@ -59,6 +68,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -113,10 +123,14 @@ from ._policy import (
     worker_command,
     worker_env,
 )
+from .events import Event, EventSource
+from .events import record as record_event
+from .metrics import put_metric
 
 if TYPE_CHECKING:  # (imported when used: the launcher starts without the rendezvous modules)
     from ._metrics_server import MetricsServer
     from .rendezvous._dynamic import DynamicRendezvousHandler
+    from .timer import FileTimerRequest, FileTimerServer
 
 __all__ = ["LaunchError", "LocalAgent", "launch"]
 
@@ -135,6 +149,12 @@ _STATUS_GAP = 0.1  # after a worker's line, the status line is redrawn if not dr
 _ERASE_LINE = b"\r\x1b[K"  # to the line's start, erase it (ANSI)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a terminal control sequence in a worker's line
 _ETCD_GRACE = 15.0  # seconds etcd may fail to answer before the job is given up
+# torchrun's: run a FileTimerServer for the workers (``1``), and the path of its named pipe
+ENABLE_FILE_TIMER_ENV = "TORCHELASTIC_ENABLE_FILE_TIMER"
+TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
+# the most seconds between two looks of the timer server at its timers (it also wakes on every
+# request and when the earliest timer expires, so this bounds nothing but its idle wake-ups)
+_TIMER_INTERVAL = 1.0
 
 
 
@@ -297,6 +317,11 @@ class LocalAgent:
         self._next_waiting_check = 0.0
         self._metrics: MetricsServer | None = None  # (--metrics-port)
         self._metrics_url: str | None = None
+        self._timer_server: FileTimerServer | None = None  # (TORCHELASTIC_ENABLE_FILE_TIMER=1)
+        self._timer_file: str | None = None  # (its pipe, when the agent made up the path)
+        self._by_pid: dict[int, _Worker] = {}  # (the running group's workers: whom a timer killed)
+        # where torchrun's worker events go (``tdist.elastic.events`` destinations; ``null``)
+        self.event_log_handler = "null"
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -324,6 +349,7 @@ class LocalAgent:
         try:
             self._make_run_dir()
             self._serve_metrics()
+            self._start_timer_server()
             if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
                 self._meet(secret)
                 cfg = self.config
@@ -366,6 +392,8 @@ class LocalAgent:
                         hosted.stop()
                 if self._metrics is not None:
                     self._metrics.close()
+                if self._timer_server is not None:
+                    self._timer_server.stop()  # (and its pipe is removed)
                 self._restore_signal_handlers(previous)
                 os.close(self._wake_r)
                 os.close(self._wake_w)
@@ -390,6 +418,42 @@ class LocalAgent:
             host = f"[{host}]"
         self._metrics_url = f"http://{host}:{self._metrics.port}/metrics"
         self._say(f"metrics: {self._metrics_url}")
+
+    def _start_timer_server(self) -> None:
+        """``TORCHELASTIC_ENABLE_FILE_TIMER=1`` (torchrun's): the workers' expiration timers'
+        server, for the whole run, at ``TORCHELASTIC_TIMER_FILE`` or at a new path in the
+        temporary directory that the workers are given in that variable."""
+        if self._env.get(ENABLE_FILE_TIMER_ENV) != "1":
+            return
+        from .timer import FileTimerServer
+
+        given = self._env.get(TIMER_FILE_ENV)
+        path = given or os.path.join(tempfile.gettempdir(), f"watchdog_timer_{uuid.uuid4()}")
+        try:
+            self._timer_server = FileTimerServer(
+                path, self.config.run_id, max_interval=_TIMER_INTERVAL, log_event=self._on_timer_event
+            )
+        except OSError as exc:
+            raise LaunchError(f"{ENABLE_FILE_TIMER_ENV}=1: cannot make the timers' named pipe {path}: {exc}") from exc
+        self._timer_server.start()
+        self._timer_file = None if given else path
+        log.info("node %d: expiration timers served at %s", self.config.node_rank, path)
+
+    def _on_timer_event(self, name: str, request: FileTimerRequest | None) -> None:
+        """(The timer server's thread.) A worker it killed: say so now, and in the worker's
+        last lines, which the failure report quotes."""
+        if name != "kill worker process" or request is None:
+            return
+        try:
+            sig = signal.Signals(request.signal).name
+        except ValueError:
+            sig = f"signal {request.signal}"
+        w = self._by_pid.get(request.worker_pid)
+        who = f"rank {w.rank} (pid {request.worker_pid})" if w is not None else f"pid {request.worker_pid}"
+        what = f"expiration timer {request.scope_id!r} expired {max(0.0, time.time() - request.expiration_time):.1f} s ago"
+        self._say(f"worker {who}: its {what}: killed it with {sig}")
+        if w is not None:
+            w.tail.append(f"[tdist run] {what}: killed with {sig} ({TIMER_FILE_ENV})\n")
 
     def _meet(self, secret: str) -> None:
         """c10d and etcd, every ``--nnodes`` form (a fixed N is N:N): the nodes meet through
@@ -628,6 +692,9 @@ class LocalAgent:
         while True:
             outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
             self.last_exits, self.last_attempt = exits, restart_count
+            role = cfg.role
+            put_metric(f"workers.{role}.remaining_restarts", max(0, cfg.max_restarts - restart_count))
+            put_metric(f"workers.{role}.{'succeeded' if outcome is Outcome.SUCCEEDED else 'failed'}", 1)
             # (--ft: the restarts are spent on single workers; a failure past them ends the job)
             action = next_action(outcome, restart_count, 0 if cfg.ft else cfg.max_restarts)
             found = failures(exits)
@@ -681,7 +748,52 @@ class LocalAgent:
             elif outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
                 why = self._lost_store or self._peer_failure()[0] or "another node failed"
                 self._say(f"stopped the workers: {why}{self._logs_note(restart_count)}")
+            self._record_run(outcome, exits, restart_count)
             return exit_code(outcome, root, self._signum)
+
+    # -- torchrun's metrics and events ----------------------------------------------------------
+    def _record_run(self, outcome: Outcome, exits: list[WorkerExit], restart_count: int) -> None:
+        """At the end: torchrun's run metrics (group ``torchelastic``) and each worker's last
+        state as an event (``SUCCEEDED``, ``FAILED``, or ``TERMINATED`` when the agent stopped
+        it)."""
+        cfg = self.config
+        role, failed = cfg.role, outcome is not Outcome.SUCCEEDED
+        retried = restart_count > 0
+        put_metric(f"workers.{role}.flakiness", 100 if failed else int(100 * restart_count / (cfg.max_restarts + 1)))
+        put_metric(f"workers.{role}.run_total", 1)
+        for name, happened in (
+            ("run_success_with_retries", not failed and retried),
+            ("run_success_no_retries", not failed and not retried),
+            ("run_failed_with_retries", failed and retried),
+            ("run_failed_no_retries", failed and not retried),
+        ):
+            put_metric(f"workers.{role}.{name}", int(happened))
+        for e in exits:
+            state = "TERMINATED" if e.stopped_by_agent and not e.failed else "FAILED" if e.failed else "SUCCEEDED"
+            self._record_worker_event(
+                state, e.rank, e.local_rank, restart_count, pid=e.pid, exit_code=e.returncode if e.failed else None
+            )
+
+    def _record_worker_event(
+        self, state: str, rank: int, local_rank: int, restart_count: int, *, pid: int, exit_code: int | None = None
+    ) -> None:
+        """Torchrun's event of a worker, ``torchelastic.worker.status.<state>``, to
+        ``event_log_handler``."""
+        cfg = self.config
+        details = {
+            "group_world_size": cfg.nnodes, "entry_point": self._title(), "local_rank": local_rank,
+            "role_rank": rank, "role_world_size": cfg.world_size, "exit_code": exit_code, "worker_pid": pid,
+        }
+        metadata: dict[str, str | int | float | bool | None] = {
+            "run_id": cfg.run_id, "global_rank": rank, "group_rank": cfg.node_rank, "worker_id": str(pid),
+            "role": cfg.role, "hostname": self._host, "state": state,
+            "total_run_time": int(self._clock() - self._started), "rdzv_backend": cfg.rdzv_backend,
+            "raw_error": None, "metadata": json.dumps(details), "agent_restarts": restart_count, "duration_ms": None,
+        }
+        try:
+            record_event(Event(f"torchelastic.worker.status.{state}", EventSource.WORKER, metadata=metadata), self.event_log_handler)
+        except KeyError:
+            log.warning("event_log_handler %r: no such destination (tdist.elastic.events)", self.event_log_handler)
 
     # -- logs ----------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -822,6 +934,7 @@ class LocalAgent:
         exits: list[WorkerExit] = []
         outcome = Outcome.RUNNING
         try:
+            self._by_pid.clear()
             torch_port = self._torch_port(port)
             self._settle_until = None
             self._start_attempt_logs(restart_count)
@@ -841,6 +954,8 @@ class LocalAgent:
                 )
                 if rank_dir is not None:  # (``tdist status``/``tdist dump`` look there)
                     env[STATUS_DIR_ENV] = rank_dir
+                if self._timer_file is not None:
+                    env[TIMER_FILE_ENV] = self._timer_file
                 started[local_rank] = (env, rank_dir)
                 workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
@@ -848,6 +963,8 @@ class LocalAgent:
                 cfg.node_rank, len(workers), restart_count, [w.proc.pid for w in workers],
             )
             self._register(workers, restart_count, attempt)
+            for w in workers:
+                self._record_worker_event("START", w.rank, w.local_rank, restart_count, pid=w.proc.pid)
             while True:
                 self._reap(workers, exits)
                 if cfg.ft and self._signum is None:
@@ -951,6 +1068,7 @@ class LocalAgent:
             pidfd = None
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
         worker.metrics_id = metrics_id
+        self._by_pid[proc.pid] = worker
         assert proc.stdout is not None and proc.stderr is not None
         for stream, std, out, tails in (
             (proc.stdout, Std.OUT, self._out, (worker.output,)),

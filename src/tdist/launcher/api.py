@@ -69,9 +69,11 @@ class LaunchConfig:
         signals_to_handle: the signals that stop the job, sent on to the workers.
         shutdown_timeout: seconds between a stop signal and SIGKILL (default
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30).
-        log_line_prefix_template, metrics_cfg, event_log_handler, numa_options,
-        duplicate_stdout_filters, duplicate_stderr_filters, virtual_local_rank: accepted, not
-            used (CPU workers; tdist's launcher logs and prefixes its own way).
+        event_log_handler: where the launcher's worker events go (a ``tdist.elastic.events``
+            destination: ``null``, ``console``).
+        log_line_prefix_template, metrics_cfg, numa_options, duplicate_stdout_filters,
+        duplicate_stderr_filters, virtual_local_rank: accepted, not used (CPU workers;
+            tdist's launcher logs and prefixes its own way).
     """
 
     min_nodes: int
@@ -165,6 +167,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
         agent = LocalAgent(cfg)
         agent.title = name
+        agent.event_log_handler = config.event_log_handler  # (torchrun's worker events go there)
         code = agent.run()
         if code != 0:
             raise _failure(agent, name, code)

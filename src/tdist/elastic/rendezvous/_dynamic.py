@@ -34,6 +34,7 @@ from ..._core.deadline import Clock
 from ..._core.errors import DistError, StoreTimeoutError
 from ...store._api import Store
 from ...store._prefix import PrefixStore
+from ..events import NodeState, construct_and_record_rdzv_event
 from . import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -338,9 +339,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         self._stop_heartbeats()
         deadline = self._clock() + self._join_timeout
-        self._run(Op.LEAVE, self._join_timeout, deadline)
-        state = self._run(Op.JOIN, self._join_timeout, deadline)
+        run_id = self._params.run_id
+        try:
+            self._run(Op.LEAVE, self._join_timeout, deadline)
+            state = self._run(Op.JOIN, self._join_timeout, deadline)
+        except Exception:  # (torch's rendezvous event; nothing is built unless a handler is set)
+            construct_and_record_rdzv_event(run_id, f"node {self._me} could not join a round", NodeState.FAILED)
+            raise
         rank, world_size, n = state.participants[self._me], len(state.participants), state.round
+        construct_and_record_rdzv_event(
+            run_id, f"node {self._me} joined round {n} as rank {rank} of {world_size}", NodeState.SUCCEEDED, rank=rank
+        )
         self._in_round = (n, world_size)
         self._start_heartbeats()
         if self._on_beat is not None:

@@ -1,0 +1,88 @@
+"""``tdist run`` with torchrun's expiration timers (``TORCHELASTIC_ENABLE_FILE_TIMER=1``): real
+launchers, real workers; a worker that overruns its ``expires`` block is killed by the
+launcher's timer server and counts as a failed worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, threading
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print("timer file", os.environ.get("TORCHELASTIC_TIMER_FILE"), flush=True)
+    if sys.argv[1] == "env":
+        sys.exit(0)
+    from tdist.elastic import timer
+    timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+    with timer.expires(after=30, scope="warm-up"):  # (in time: released)
+        pass
+    if rank == 0 and (sys.argv[1] == "overrun" or attempt == 0):
+        with timer.expires(after=0.5, scope="step"):
+            threading.Event().wait(60)  # (hangs: only the timer ends it)
+    elif sys.argv[1] == "overrun":
+        threading.Event().wait(60)  # (no timer: stopped by the launcher when rank 0 fails)
+    print("done", flush=True)
+    """
+)
+
+
+def _tdist_run(work: Path, *args: str, action: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    (work / "worker.py").write_text(WORKER)
+    (work / "tmp").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "TDIST_"))}
+    env.update(
+        TMPDIR=str(work / "tmp"),  # (where the launcher makes up its pipe's path)
+        TORCH_FR_DUMP_TEMP_FILE=str(work / "fr_"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+        **extra,
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "tdist.cli", "run", "--master-port", "0", "--stop-timeout", "5", *args, "worker.py", action],
+        cwd=work, env=env, capture_output=True, text=True, timeout=80,
+    )
+
+
+def test_a_worker_that_overruns_its_timer_is_killed_and_reported_as_the_failure(tmp_path: Path) -> None:
+    res = _tdist_run(tmp_path, "--nproc-per-node", "2", action="overrun", TORCHELASTIC_ENABLE_FILE_TIMER="1")
+    out = res.stdout + res.stderr
+    assert res.returncode == 128 + 9, out  # (the failed worker's SIGKILL)
+    pipe = str(tmp_path / "tmp" / "watchdog_timer_")
+    assert f"[rank0]:timer file {pipe}" in res.stdout and f"[rank1]:timer file {pipe}" in res.stdout
+    assert "worker rank 0" in res.stderr and "expiration timer 'step' expired" in res.stderr
+    assert "killed it with SIGKILL" in res.stderr
+    root = res.stderr.split("Root Cause", 1)[1]
+    assert "rank      : 0" in root and "-9 (SIGKILL)" in root and "'step'" in root
+    assert "<NO_OTHER_FAILURES>" in res.stderr  # (rank 1, stopped by the launcher, did not fail)
+    assert "done" not in res.stdout
+    assert not list((tmp_path / "tmp").glob("watchdog_timer_*"))  # (the pipe went with the run)
+
+
+def test_a_timer_kill_restarts_the_group_on_the_given_pipe(tmp_path: Path) -> None:
+    pipe = tmp_path / "timers.fifo"
+    res = _tdist_run(
+        tmp_path, "--nproc-per-node", "1", "--max-restarts", "1", action="once",
+        TORCHELASTIC_ENABLE_FILE_TIMER="1", TORCHELASTIC_TIMER_FILE=str(pipe),
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count(f"[rank0]:timer file {pipe}") == 2  # (both attempts)
+    assert "expiration timer 'step' expired" in res.stderr and "restarting the worker group" in res.stderr
+    assert res.stdout.count("[rank0]:done") == 1
+    assert not pipe.exists()
+
+
+def test_without_the_switch_no_timer_server_runs(tmp_path: Path) -> None:
+    res = _tdist_run(tmp_path, "--nproc-per-node", "1", action="env")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[rank0]:timer file None" in res.stdout
+    assert not list((tmp_path / "tmp").glob("watchdog_timer_*"))
