@@ -25,6 +25,8 @@ NOT_COVERED = {
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
     "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch", "warnings"},  # its imports
+    # a context manager of torch's workers' libc-level redirects (tdist's children get files at birth)
+    "torch.distributed.elastic.multiprocessing.api": {"get_std_cm"},
 }
 
 PAIRS = [
@@ -43,6 +45,8 @@ PAIRS = [
     ("torch.distributed.elastic.rendezvous", "tdist.elastic.rendezvous"),
     ("torch.distributed.elastic.rendezvous.registry", "tdist.elastic.rendezvous.registry"),
     ("torch.distributed.elastic.multiprocessing.errors", "tdist.elastic.multiprocessing.errors"),
+    ("torch.distributed.elastic.multiprocessing", "tdist.elastic.multiprocessing"),
+    ("torch.distributed.elastic.multiprocessing.api", "tdist.elastic.multiprocessing.api"),
 ]
 
 
