@@ -426,14 +426,15 @@ class PContext(abc.ABC):
         picked = self._filters.get(std)
 
         def on_line(raw: bytes) -> None:
-            line = header + raw.decode(errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"
-            with _console_lock, contextlib.suppress(OSError, ValueError):  # (our console is gone: go on)
-                console.write(line)
-                console.flush()
-                if picked is not None and any(needle in line for needle in picked[0]):
-                    picked[1].write(line)
+            text = raw.decode(errors="replace")
+            line = header + (text if text.endswith("\n") else text + "\n")
+            with _console_lock:
+                with contextlib.suppress(OSError, ValueError):  # (our console is gone: go on)
+                    console.write(line)
+                    console.flush()
+                if picked is not None and any(needle in text for needle in picked[0]):
+                    with contextlib.suppress(OSError, ValueError):
+                        picked[1].write(line)
 
         return on_line
 
@@ -448,6 +449,8 @@ class PContext(abc.ABC):
         first), else None."""
         if self._result is not None:
             return self._result
+        if not self._started:
+            raise RuntimeError(f"the processes of {self.name!r} were not started: call start() first")
         self._reap()
         failed = any(c.proc.returncode not in (None, 0) for c in self._children.values())
         if not failed and any(c.exited_at is None for c in self._children.values()):
