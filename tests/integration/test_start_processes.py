@@ -332,6 +332,11 @@ def test_arguments_must_name_every_local_rank_and_the_start_method_must_exist(tm
         start_processes("x", str(tmp_path / "no-such-program"), {0: ()}, {0: {}}, specs)
     with pytest.raises(AttributeError, match="importable by name"):
         start_processes("x", lambda: 1, {0: ()}, {0: {}}, specs, start_method="fork")
+    unstarted = SubprocessContext("x", "true", {0: ()}, {0: {}}, specs)
+    with pytest.raises(RuntimeError, match="not started"):
+        unstarted.wait(0)
+    unstarted.close()
+    assert unstarted.pids() == {}
 
 
 # -- no orphans ---------------------------------------------------------------------------------
