@@ -28,6 +28,8 @@ NOT_COVERED = {
     "torch.distributed.elastic.metrics": {"Optional"},  # its imports
     "torch.distributed.elastic.events": {"Optional", "inspect", "logging", "os", "socket", "traceback"},
     "torch.distributed.elastic.events.handlers": {"logging"},
+    # a context manager of torch's workers' libc-level redirects (tdist's children get files at birth)
+    "torch.distributed.elastic.multiprocessing.api": {"get_std_cm"},
 }
 
 PAIRS = [
@@ -56,6 +58,8 @@ PAIRS = [
     ("torch.distributed.elastic.events", "tdist.elastic.events"),
     ("torch.distributed.elastic.events.api", "tdist.elastic.events.api"),
     ("torch.distributed.elastic.events.handlers", "tdist.elastic.events.handlers"),
+    ("torch.distributed.elastic.multiprocessing", "tdist.elastic.multiprocessing"),
+    ("torch.distributed.elastic.multiprocessing.api", "tdist.elastic.multiprocessing.api"),
 ]
 
 

@@ -58,7 +58,6 @@ import json
 import logging
 import os
 import re
-import select
 import shutil
 import signal
 import socket
@@ -77,7 +76,6 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from .._core import auth
-from .._core._process import die_with_parent
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
 from ..store._api import Store
@@ -126,6 +124,15 @@ from ._policy import (
 from .events import Event, EventSource
 from .events import record as record_event
 from .metrics import put_metric
+from .multiprocessing._process import (
+    copy_lines,
+    drain,
+    open_pidfd,
+    signal_session,
+    start_process,
+    stop_processes,
+    wait_any,
+)
 
 if TYPE_CHECKING:  # (imported when used: the launcher starts without the rendezvous modules)
     from ._metrics_server import MetricsServer
@@ -136,7 +143,6 @@ __all__ = ["LaunchError", "LocalAgent", "launch"]
 
 log = logging.getLogger(__name__)
 
-_READ_CHUNK = 1 << 16
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
 _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
 # a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
@@ -1045,15 +1051,9 @@ class LocalAgent:
                     except OSError as exc:
                         raise LaunchError(f"cannot write worker {local_rank}'s log {path}: {exc}") from exc
             try:
-                proc = subprocess.Popen(
-                    worker_command(cfg, local_rank),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent(),  # a launcher killed with -9 takes its workers along
-                    pass_fds=pass_fds,
-                )
+                # (a session of its own, and it dies with the launcher, even one killed with -9)
+                proc = start_process(worker_command(cfg, local_rank), env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, pass_fds=pass_fds)
             except OSError as exc:
                 if self._metrics is not None and metrics_id is not None:
                     self._metrics.started(metrics_id, None)
@@ -1061,11 +1061,7 @@ class LocalAgent:
             opened.pop_all()
         if self._metrics is not None and metrics_id is not None:
             self._metrics.started(metrics_id, proc.pid)
-        pidfd: int | None
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # old kernel: the monitor loop polls instead
-            pidfd = None
+        pidfd = open_pidfd(proc)  # (None, an old kernel: the monitor loop polls instead)
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
         worker.metrics_id = metrics_id
         self._by_pid[proc.pid] = worker
@@ -1097,37 +1093,23 @@ class LocalAgent:
         each line, and to ``file`` as it is (None: not there), keeping the last lines in
         ``tails``."""
         prefix = f"[rank{rank}]:".encode()
-        try:
-            while True:
-                line = stream.readline(_READ_CHUNK)
-                if not line:
-                    break
-                if file is not None:
-                    try:
-                        file.write(line)
-                    except OSError as exc:  # (a full disk: the console still gets it)
-                        log.warning("cannot write a worker's log file %s: %s", getattr(file, "name", "?"), exc)
-                        file.close()
-                        file = None
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                text = line.decode(errors="replace")
-                for tail in tails:
-                    tail.append(text)
-                progress = None
-                if self._status and std is Std.OUT:  # (a worker's last line: its progress, on the status line)
-                    shown = _ANSI.sub("", text.rstrip("\r\n").rsplit("\r", 1)[-1]).strip()
-                    progress = f"rank{rank}: {shown}" if shown else None
-                if out is not None or progress is not None:
-                    # (a line that says its rank already, as torch's own traceback hook prefixes
-                    # an uncaught exception's lines, is not prefixed twice)
-                    self._write(out, line if line.startswith(prefix) else prefix + line, progress)
-        except (OSError, ValueError):
-            pass
-        finally:
-            stream.close()
-            if file is not None:
-                file.close()
+
+        def on_line(line: bytes) -> None:
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            text = line.decode(errors="replace")
+            for tail in tails:
+                tail.append(text)
+            progress = None
+            if self._status and std is Std.OUT:  # (a worker's last line: its progress, on the status line)
+                shown = _ANSI.sub("", text.rstrip("\r\n").rsplit("\r", 1)[-1]).strip()
+                progress = f"rank{rank}: {shown}" if shown else None
+            if out is not None or progress is not None:
+                # (a line that says its rank already, as torch's own traceback hook prefixes
+                # an uncaught exception's lines, is not prefixed twice)
+                self._write(out, line if line.startswith(prefix) else prefix + line, progress)
+
+        copy_lines(stream, file, on_line)
 
     def _write(self, out: BinaryIO | None, data: bytes, progress: str | None = None) -> None:
         """Write ``data`` to ``out`` (None: nowhere), under the status line: it is erased first
@@ -1278,13 +1260,8 @@ class LocalAgent:
                     polling = True
         if polling:
             timeout = 0.05 if timeout is None else min(timeout, 0.05)
-        poller = select.poll()  # not select.select: descriptors may exceed FD_SETSIZE
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_r, 256):
-                pass
+        wait_any(fds, timeout)
+        drain(self._wake_r)
 
     def _poll_timeout(self) -> float | None:
         if self._store is None:
@@ -1292,11 +1269,6 @@ class LocalAgent:
         return max(0.0, self._next_peer_check - self._clock())
 
     # -- stopping ------------------------------------------------------------------------------
-    def _signal_group(self, w: _Worker, sig: int) -> None:
-        # the worker is not reaped yet (w.exit is None), so its pid, and group id, are still ours
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(w.proc.pid, sig)
-
     def _snapshot(self, workers: list[_Worker], restart_count: int) -> None:
         """Before the workers still running are stopped after a failure: their Python stacks
         (``SIGUSR2``) and flight records (``SIGUSR1``), where they handle those signals (a
@@ -1332,26 +1304,15 @@ class LocalAgent:
         sig = self._signum if self._signum in self.config.signals else signal.SIGTERM
         for w in alive:
             w.signalled = True
-            # (a stopped process would not act on it: it goes at once)
-            self._signal_group(w, signal.SIGKILL if w.stalled else sig)
-        signals_before = self._signal_count
-        deadline = self._clock() + self.config.stop_timeout
-        while any(w.exit is None for w in alive):
-            remaining = deadline - self._clock()
-            if remaining <= 0 or self._signal_count > signals_before:
-                break
-            self._sleep(alive, remaining)
-            self._reap(alive, exits)
-        for w in alive:
-            if w.exit is None:
-                log.warning(
-                    "worker rank %d (pid %d) did not stop within %g s of %s: sending SIGKILL",
-                    w.rank, w.proc.pid, self.config.stop_timeout, signal.Signals(sig).name,
-                )
-                self._signal_group(w, signal.SIGKILL)
-        for w in alive:
-            if w.exit is None:
-                w.proc.wait()
+            if w.stalled:  # (a stopped process would not act on the signal: it goes at once)
+                signal_session(w.proc, signal.SIGKILL)
+        signals_before = self._signal_count  # (a second signal to the launcher cuts the wait short)
+        ranks = {id(w.proc): w.rank for w in alive}
+        stop_processes(
+            [w.proc for w in alive], sig, self.config.stop_timeout, clock=self._clock, wake_fd=self._wake_r,
+            cut_short=lambda: self._signal_count > signals_before,
+            describe=lambda p: f"worker rank {ranks[id(p)]} (pid {p.pid})",
+        )
         self._reap(alive, exits)
 
     # -- signals -------------------------------------------------------------------------------

@@ -22,9 +22,7 @@ and the rendezvous backends are ``static``, ``c10d`` and ``etcd``.
 from __future__ import annotations
 
 import logging
-import multiprocessing.spawn
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -144,6 +142,8 @@ def _get_entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list
 def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, args: list[Any]) -> dict[int, Any]:
     """Run ``entrypoint`` with ``args`` on this node's workers (``elastic_launch``'s body)."""
     from ..elastic._agent import LocalAgent
+    from ..elastic._policy import LOCAL_RANK_MACRO
+    from ..elastic.multiprocessing import _call
 
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
@@ -154,12 +154,10 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         if callable(entrypoint):
             results = tempfile.mkdtemp(prefix="tdist_launch_")
             payload = os.path.join(results, "call.pkl")
-            prep = multiprocessing.spawn.get_preparation_data("tdist-worker")
-            prep.pop("authkey", None)  # (multiprocessing's own secret: not the workers' business)
-            with open(payload, "wb") as f:  # (the launching program's main module and path first)
-                pickle.dump(prep, f)
-                pickle.dump((entrypoint, tuple(args)), f)
-            cfg = _tdist_config(config, "tdist.launcher._worker", (payload, results), module=True)
+            _call.write_call(payload, entrypoint, args)
+            # (each worker's value in a file of its local rank: the agent fills in the macro)
+            value_file = os.path.join(results, f"{LOCAL_RANK_MACRO}.pkl")
+            cfg = _tdist_config(config, _call.WORKER_MODULE, (payload, value_file), module=True)
         elif isinstance(entrypoint, str):
             cfg = _tdist_config(config, entrypoint, tuple(str(a) for a in args), no_python=True)
         else:
@@ -171,14 +169,10 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         code = agent.run()
         if code != 0:
             raise _failure(agent, name, code)
-        ranks = [e.rank for e in agent.last_exits]
+        exits = sorted(agent.last_exits, key=lambda e: e.rank)
         if results is None:
-            return dict.fromkeys(sorted(ranks))
-        values = {}
-        for rank in sorted(ranks):
-            with open(os.path.join(results, f"{rank}.pkl"), "rb") as f:
-                values[rank] = pickle.load(f)
-        return values
+            return dict.fromkeys(e.rank for e in exits)
+        return {e.rank: _call.read_result(os.path.join(results, f"{e.local_rank}.pkl")) for e in exits}
     finally:
         if results is not None:
             shutil.rmtree(results, ignore_errors=True)

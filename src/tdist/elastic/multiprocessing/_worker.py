@@ -1,0 +1,34 @@
+"""A Python function run in a new process: ``python -u -m tdist.elastic.multiprocessing._worker
+CALL RESULT``, for ``start_processes`` and ``elastic_launch``.
+
+``CALL`` is a call file (``_call.write_call``): the launching program is prepared as
+``multiprocessing``'s ``spawn`` prepares it, then the function runs under ``@record`` (an
+exception that escapes it goes to ``TORCHELASTIC_ERROR_FILE``, where the launcher reads it) and
+its return value is written, pickled, to ``RESULT``, whole or not at all.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.spawn
+import os
+import pickle
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str]) -> None:
+    from .errors import record
+
+    call, result = argv
+    with open(call, "rb") as f:
+        multiprocessing.spawn.prepare(pickle.load(f))
+        fn, args = pickle.load(f)
+    value = record(fn)(*args)
+    partial = f"{result}.partial"
+    with open(partial, "wb") as f:
+        pickle.dump(value, f)
+    os.replace(partial, result)  # (whole or absent)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
