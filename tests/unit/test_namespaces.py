@@ -25,6 +25,7 @@ NOT_COVERED = {
     "torch.distributed.rpc.api": {"AllGatherStates", "method_factory", "new_method"},
     "torch.distributed.nn": {"Function", "ReduceOp", "group", "dist", "torch", "warnings", "jit"},  # its imports
     "torch.distributed.nn.functional": {"Function", "ReduceOp", "group", "dist", "torch", "warnings"},  # its imports
+    "torch.distributed.elastic.agent.server": {"health_check_server"},  # torch's health-check server (no tdist one)
 }
 
 PAIRS = [
@@ -43,6 +44,9 @@ PAIRS = [
     ("torch.distributed.elastic.rendezvous", "tdist.elastic.rendezvous"),
     ("torch.distributed.elastic.rendezvous.registry", "tdist.elastic.rendezvous.registry"),
     ("torch.distributed.elastic.multiprocessing.errors", "tdist.elastic.multiprocessing.errors"),
+    ("torch.distributed.elastic.agent.server", "tdist.elastic.agent.server"),
+    ("torch.distributed.elastic.agent.server.api", "tdist.elastic.agent.server.api"),
+    ("torch.distributed.elastic.agent.server.local_elastic_agent", "tdist.elastic.agent.server.local_elastic_agent"),
 ]
 
 

@@ -145,7 +145,11 @@ def _get_entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list
 def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, args: list[Any]) -> dict[int, Any]:
     """Run ``entrypoint`` with ``args`` on this node's workers (``elastic_launch``'s body)."""
     from ..elastic._agent import LocalAgent
-    from ._worker import WORKER_MODULE, read_results, write_call  # (not at import: the workers run it as __main__)
+    from ._worker import (  # (not at import: the workers run it as __main__)
+        WORKER_MODULE,
+        read_results,
+        write_call,
+    )
 
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)

@@ -12,12 +12,12 @@ to call ``init_process_group``, watches them, restarts them all when one fails (
     if result.is_failed(): ...result.failures[rank]...  else: ...result.return_values[rank]...
 
 ``LocalElasticAgent`` runs on tdist's launcher (``tdist run``'s agent); ``SimpleElasticAgent``
-is torch's scaffolding for agents of one's own. See ``_local`` for what a rendezvous handler
+is torch's scaffolding for agents of one's own. See ``local_elastic_agent`` for what a rendezvous handler
 must provide and where tdist's agent differs from torch's.
 """
 
 from . import api, local_elastic_agent
-from ._api import (
+from .api import (
     ElasticAgent,
     RunResult,
     SimpleElasticAgent,
@@ -26,9 +26,13 @@ from ._api import (
     WorkerSpec,
     WorkerState,
 )
-from ._local import TORCHELASTIC_ENABLE_FILE_TIMER, TORCHELASTIC_TIMER_FILE, LocalElasticAgent
+from .local_elastic_agent import (
+    TORCHELASTIC_ENABLE_FILE_TIMER,
+    TORCHELASTIC_TIMER_FILE,
+    LocalElasticAgent,
+)
 
-__all__ = [
+__all__ = [  # (torch's package: its modules, api's names, two of local_elastic_agent's constants)
     "TORCHELASTIC_ENABLE_FILE_TIMER",
     "TORCHELASTIC_TIMER_FILE",
     "ElasticAgent",
