@@ -284,3 +284,53 @@ def test_two_agents_meet_in_one_c10d_rendezvous_and_their_workers_form_one_group
     for rank, value in values.items():
         assert (value["WORLD_SIZE"], value["GROUP_WORLD_SIZE"], value["GROUP_RANK"], value["LOCAL_RANK"]) == ("2", "2", str(rank), "0")
         assert value["sum"] == 1.0 and value["TORCHELASTIC_RESTART_COUNT"] == "1"
+
+
+def test_the_static_handler_serves_the_workers_from_its_own_store(tmp_path: Path) -> None:
+    from tdist.elastic.utils.distributed import get_free_port
+
+    port = get_free_port()
+    params = RendezvousParameters("static", f"127.0.0.1:{port}", f"agent-{uuid.uuid4().hex[:8]}", 1, 1, rank=0)
+    handler = get_rendezvous_handler(params)
+    assert handler.use_agent_store
+    spec = WorkerSpec("trainer", 2, handler, entrypoint=train, args=("s", str(tmp_path)), max_restarts=1)
+    result = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull)).run()
+    assert result is not None and result.state is WorkerState.SUCCEEDED
+    assert [v["sum"] for v in result.return_values.values()] == [1.0, 1.0]  # (they met in the handler's store)
+    assert {v["TORCHELASTIC_RESTART_COUNT"] for v in result.return_values.values()} == {"1"}
+
+
+class AgentOfMyOwn(SimpleElasticAgent):
+    """torch's scaffolding with hooks of a test's own: the group fails once, then succeeds."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec, exit_barrier_timeout=10)
+        self.states = [WorkerState.FAILED, WorkerState.HEALTHY, WorkerState.SUCCEEDED]
+        self.calls: list[str] = []
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.calls.append("start")
+        return {w.local_rank: f"w{w.global_rank}" for w in worker_group.workers}
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self.calls.append("stop")
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        state = self.states.pop(0)
+        return RunResult(state, return_values={0: "done"} if state is WorkerState.SUCCEEDED else {})
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self.calls.append(f"shutdown {death_sig.name}")
+
+
+def test_simple_elastic_agent_is_torchs_scaffolding_for_an_agent_of_ones_own(tmp_path: Path) -> None:
+    handler = HandlerOfMyOwn(tmp_path)
+    spec = WorkerSpec("reader", 2, handler, entrypoint=train, max_restarts=1, monitor_interval=0.01, master_port=1234)
+    agent = AgentOfMyOwn(spec)
+    result = agent.run()
+    assert result is not None and result.return_values == {0: "done"} and not result.is_failed()
+    assert agent.calls == ["start", "stop", "start", "shutdown SIGTERM"] and handler.rounds == 2
+    group = agent.get_worker_group()
+    assert group.state is WorkerState.SUCCEEDED and group.master_port == 1234 and group.master_addr == "127.0.0.1"
+    assert [(w.id, w.global_rank, w.role_rank, w.role_world_size) for w in group.workers] == [("w0", 0, 0, 2), ("w1", 1, 1, 2)]
+    assert agent._remaining_restarts == 0
