@@ -189,3 +189,16 @@ def test_a_rendezvous_event_is_built_only_for_a_real_handler(monkeypatch: pytest
     )
     assert first.hostname and first.pid > 0
     assert second.name == f"{here}:step" and second.pid == 42 and "RuntimeError: lost" in second.error_trace
+
+
+def test_events_stay_out_of_the_programs_logs_after_a_logging_config(caplog: pytest.LogCaptureFixture) -> None:
+    import logging.config
+
+    event = events.Event("e", events.EventSource.AGENT)
+    events.record(event)  # (its logger made)
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False, "loggers": {"tdist-events-null": {}}})
+    logging.config.dictConfig({"version": 1, "disable_existing_loggers": False, "loggers": {"tdist-events": {}}})
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        events.record(event)
+    assert not [r for r in caplog.records if r.name.startswith("tdist-events")]

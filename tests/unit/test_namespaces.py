@@ -30,6 +30,7 @@ NOT_COVERED = {
     "torch.distributed.elastic.events.handlers": {"logging"},
     # a context manager of torch's workers' libc-level redirects (tdist's children get files at birth)
     "torch.distributed.elastic.multiprocessing.api": {"get_std_cm"},
+    "torch.distributed.elastic.agent.server": {"health_check_server"},  # torch's health-check server (no tdist one)
 }
 
 PAIRS = [
@@ -60,6 +61,9 @@ PAIRS = [
     ("torch.distributed.elastic.events.handlers", "tdist.elastic.events.handlers"),
     ("torch.distributed.elastic.multiprocessing", "tdist.elastic.multiprocessing"),
     ("torch.distributed.elastic.multiprocessing.api", "tdist.elastic.multiprocessing.api"),
+    ("torch.distributed.elastic.agent.server", "tdist.elastic.agent.server"),
+    ("torch.distributed.elastic.agent.server.api", "tdist.elastic.agent.server.api"),
+    ("torch.distributed.elastic.agent.server.local_elastic_agent", "tdist.elastic.agent.server.local_elastic_agent"),
 ]
 
 

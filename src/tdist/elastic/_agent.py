@@ -115,6 +115,7 @@ from ._policy import (
     format_failure_report,
     format_status,
     group_outcome,
+    line_prefix,
     next_action,
     parse_error_file,
     stream_route,
@@ -136,6 +137,7 @@ from .multiprocessing._process import (
 
 if TYPE_CHECKING:  # (imported when used: the launcher starts without the rendezvous modules)
     from ._metrics_server import MetricsServer
+    from .rendezvous import RendezvousHandler, RendezvousInfo
     from .rendezvous._dynamic import DynamicRendezvousHandler
     from .timer import FileTimerRequest, FileTimerServer
 
@@ -248,6 +250,16 @@ class LocalAgent:
         clock: the monotonic clock.
         handle_signals: install handlers of ``config.signals`` that stop the workers (only possible in
             the main thread).
+        rendezvous: a rendezvous handler the caller made (``tdist.elastic.agent.server``'s
+            ``WorkerSpec.rdzv_handler``): the agent drives it instead of one of its own
+            (``config``'s rendezvous settings are then not used; ``node_rank``, ``nnodes``,
+            ``master_addr`` and ``master_port`` come from each round). Its rounds'
+            ``store`` must be a tdist ``Store`` (the agents' keys, the exit barrier). The
+            workers' store is the round's ``bootstrap_store_info`` endpoint: with
+            ``use_agent_store`` the handler serves it already (a tdist store, whose secret is
+            ``TDIST_SECRET`` or none); otherwise the agent of rank 0 starts one there (the port
+            must be free on its host). The agent does not shut the handler down: it is the
+            caller's, as in torch.
     """
 
     def __init__(
@@ -259,8 +271,10 @@ class LocalAgent:
         env: Mapping[str, str] | None = None,
         clock: Clock = time.monotonic,
         handle_signals: bool = True,
+        rendezvous: RendezvousHandler | None = None,
     ) -> None:
         self.config = config
+        self._given_rendezvous = rendezvous
         self._out = stdout if stdout is not None else sys.stdout.buffer
         self._err = stderr if stderr is not None else sys.stderr.buffer
         self._env = dict(os.environ if env is None else env)
@@ -298,7 +312,7 @@ class LocalAgent:
         self._hosting = False  # whether this node hosts the job's store (static node 0, the c10d host)
         self._attempt = 0  # the group's restart count (the other nodes' failures are per attempt)
         self._store_failing_since = 0.0  # (etcd: when its requests began to fail)
-        self._rendezvous: DynamicRendezvousHandler | None = None  # (c10d, etcd: kept for the run)
+        self._rendezvous: RendezvousHandler | None = None  # (c10d, etcd, or the caller's: kept for the run)
         self._rdzv_store: Store | None = None  # (c10d, etcd: the store the rendezvous state is in)
         self._keeper: StandbyKeeper | None = None  # (c10d: the rendezvous store's standby)
         # this node's rows in the job's store, for `tdist status --rdzv-endpoint` (several nodes)
@@ -341,7 +355,11 @@ class LocalAgent:
             LaunchError: the job could not be set up.
         """
         cfg = self.config
-        secret = job_secret(self._env, cfg.nnodes)
+        given = self._given_rendezvous
+        if given is not None and given.use_agent_store:  # (the handler's store: its secret, or none)
+            secret = self._env.get(auth.SECRET_ENV, "")
+        else:
+            secret = job_secret(self._env, cfg.nnodes)
         log.info(
             "node %d: workers start as new processes (%s); --start-method %s recorded",
             cfg.node_rank, " ".join(worker_command(cfg)[:3]), cfg.start_method,
@@ -356,7 +374,10 @@ class LocalAgent:
             self._make_run_dir()
             self._serve_metrics()
             self._start_timer_server()
-            if cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
+            if given is not None:  # (the caller's handler: its rounds say who is in)
+                self._drive(given, secret)
+                cfg = self.config
+            elif cfg.rdzv_backend in ("c10d", "etcd"):  # (every --nnodes form: the rendezvous says who is in)
                 self._meet(secret)
                 cfg = self.config
             elif cfg.node_rank == 0:
@@ -520,13 +541,45 @@ class LocalAgent:
         )
         self._max_nodes = cfg.nnodes
         self._min_nodes = cfg.nnodes if cfg.min_nodes is None else cfg.min_nodes
-        self._rendezvous = DynamicRendezvousHandler(
+        self._rendezvous = handler = DynamicRendezvousHandler(
             cfg.rdzv_backend, params, store, first=server is not None, server_port=server_port,
             on_beat=None if self._keeper is None else self._keeper.upkeep,
         )
         # a signal to the launcher ends a wait in the rendezvous
-        self._rendezvous._should_stop = lambda: self._signum is not None
+        handler._should_stop = lambda: self._signum is not None
         self._next_round(secret)
+
+    def _drive(self, handler: RendezvousHandler, secret: str) -> None:
+        """The caller's handler (``rendezvous=``): tdist's own c10d and etcd handlers are used
+        as ``_meet`` uses them (elastic ranges, lost members, scale-down); any other handler
+        only through torch's API (``next_rendezvous``, ``num_nodes_waiting``), as torch's
+        agent does."""
+        self._rendezvous = handler
+        dynamic = self._dynamic()
+        if dynamic is not None:
+            self._max_nodes, self._min_nodes = dynamic.settings.max_nodes, dynamic.settings.min_nodes
+            dynamic._should_stop = lambda: self._signum is not None
+        else:  # (no node range known: a membership change is whatever num_nodes_waiting() says)
+            self._max_nodes = self._min_nodes = sys.maxsize
+        self._next_round(secret)
+
+    def _dynamic(self) -> DynamicRendezvousHandler | None:
+        """The rendezvous handler, if it is tdist's c10d/etcd one (what only it can tell:
+        lost members, its settings, leaving without closing)."""
+        from .rendezvous._dynamic import DynamicRendezvousHandler
+
+        handler = self._rendezvous
+        return handler if isinstance(handler, DynamicRendezvousHandler) else None
+
+    def _workers_store(self, info: RendezvousInfo) -> tuple[str, int]:
+        """Where this round's workers' store is (``MASTER_ADDR``, its port): the round's
+        bootstrap endpoint (a subclass may override it: ``WorkerSpec.master_addr``/``master_port``)."""
+        from .rendezvous import RendezvousStoreInfo
+
+        boot = info.bootstrap_store_info
+        if boot is None:  # (a handler that gives none: rank 0 picks and publishes one)
+            boot = RendezvousStoreInfo.build(info.rank, info.store, self.config.local_addr or None)
+        return boot.master_addr, boot.master_port
 
     def _next_round(self, secret: str) -> None:
         """Join the rendezvous's next round; this node's rank, the node count and the workers'
@@ -539,35 +592,41 @@ class LocalAgent:
             info = handler.next_rendezvous()
         except (RendezvousError, DistError) as exc:
             raise LaunchError(str(exc)) from exc
-        boot = info.bootstrap_store_info
-        assert boot is not None
+        if self._given_rendezvous is not None and info.world_size > 1 and not handler.use_agent_store:
+            job_secret(self._env, info.world_size)  # (LaunchError: several nodes need a shared secret)
+        master_addr, master_port = self._workers_store(info)
         if self._round_server is not None:
             self._unwatch_store(self._round_server)
             self._round_server.stop()
             self._round_server = None
         hosted = [server.port for server, _ in self._watched]
-        if info.rank == 0 and boot.master_port not in hosted:
+        # (a handler with use_agent_store serves the bootstrap endpoint itself)
+        served = handler.use_agent_store and info.bootstrap_store_info is not None and (
+            master_port == info.bootstrap_store_info.master_port
+        )
+        if info.rank == 0 and master_port not in hosted and not served:
             try:
-                self._round_server = StoreServer("", boot.master_port, secret=secret)
+                self._round_server = StoreServer("", master_port, secret=secret)
             except DistError as exc:
                 raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
             self._round_server.start("process")
             self._watch_store(self._round_server)
         self.config = dataclasses.replace(
             cfg, node_rank=info.rank, nnodes=info.world_size, min_nodes=None,
-            master_addr=boot.master_addr, master_port=boot.master_port,
+            master_addr=master_addr, master_port=master_port,
         )
         self._store = info.store
         self._joined = True
         self._next_waiting_check = self._clock() + cfg.monitor_interval
-        log.info("node %d of %d (%s rendezvous, up to %d nodes)", info.rank, info.world_size, cfg.rdzv_backend, self._max_nodes)
+        log.info("node %d of %d (%s rendezvous, up to %d nodes)", info.rank, info.world_size, handler.get_backend(), self._max_nodes)
 
     def _leave_rendezvous(self) -> None:
         """At the end, before the exit barrier: a member closes the rendezvous (nodes still
         waiting to join get an error rather than a round that will not come); a node that
         never got in only leaves it. Either way its heartbeats stop, so nothing of this node
-        writes the rendezvous's state once it said it finished (node 0 may delete it)."""
-        if self._rendezvous is None:
+        writes the rendezvous's state once it said it finished (node 0 may delete it). A handler
+        the caller gave is left as it is (the caller shuts it down, as with torch's agent)."""
+        if self._rendezvous is None or self._given_rendezvous is not None:
             return
         if self._joined and not self._leaving:
             self._rendezvous.shutdown()
@@ -576,9 +635,10 @@ class LocalAgent:
 
     def _rendezvous_leave(self) -> None:
         """Take this node out of the rendezvous (once), leaving it open for the others."""
-        if self._rendezvous is not None and not self._left:
+        dynamic = self._dynamic()
+        if dynamic is not None and not self._left:
             self._left = True
-            self._rendezvous._leave()
+            dynamic._leave()
 
     def _membership_changed(self, now: bool = False, joins: bool = True) -> str | None:
         """Rendezvous: why the group must re-form without a failure, checked every monitor
@@ -588,8 +648,9 @@ class LocalAgent:
         if self._rendezvous is None or (not now and self._clock() < self._next_waiting_check):
             return None
         self._next_waiting_check = self._clock() + self.config.monitor_interval
+        dynamic = self._dynamic()
         try:
-            if self._rendezvous.members_lost():
+            if dynamic is not None and dynamic.members_lost():
                 return "a node left the job (or its agent stopped beating): re-forming the worker group without it"
             if joins and self.config.nnodes < self._max_nodes and self._rendezvous.num_nodes_waiting() > 0:
                 return "nodes wait to join the job: restarting the worker group with them"
@@ -633,7 +694,7 @@ class LocalAgent:
         rendezvous learns only when its heartbeat expires; until then (or until another node
         posts a failure of its own), the monitor loop waits, and a dropped node then makes it
         a re-form, not a failure."""
-        handler = self._rendezvous
+        handler = self._dynamic()
         if handler is None or self.config.nnodes <= self._min_nodes:
             return False
         now = self._clock()
@@ -664,7 +725,7 @@ class LocalAgent:
         """SIGTERM to a node of an elastic job (a MIN:MAX range): it leaves the job on purpose,
         and the others re-form without it (no failure counted)."""
         return (
-            self._signum == signal.SIGTERM and self._rendezvous is not None and self._joined
+            self._signum == signal.SIGTERM and self._dynamic() is not None and self._joined
             and self._min_nodes < self._max_nodes
         )
 
@@ -719,9 +780,10 @@ class LocalAgent:
                     earlier.append(f"attempt {restart_count}: {why}")
                     self._say(f"{why}; restarting the worker group (restart {restart_count + 1} of {cfg.max_restarts})")
                     restart_count += 1
-                # (rendezvous: every round has keys of its own, and nodes that joined later count
-                # restarts from 0, so the failure keys are the round's, not the attempt's)
-                self._attempt = restart_count if self._rendezvous is None else 0
+                # (c10d, etcd: every round has keys of its own, and nodes that joined later count
+                # restarts from 0, so the failure keys are the round's, not the attempt's; another
+                # handler's rounds may share one store: the attempt's)
+                self._attempt = restart_count if self._dynamic() is None else 0
                 if self._rendezvous is not None:  # (a new round, maybe with other nodes)
                     self._next_round(secret)
                     cfg, port = self.config, self.config.master_port
@@ -894,6 +956,35 @@ class LocalAgent:
         """The signal that stopped the job, if one did."""
         return self._signum
 
+    def process_failures(self, code: int) -> dict[int, Any]:
+        """The last attempt's failed workers as torch's ``ProcessFailure``, by global rank (with
+        the error file its ``@record`` wrote). When none failed on this node (another node
+        failed, or the job could not go on) every worker is named, with ``code`` (the
+        launcher's exit code) for one that the agent stopped."""
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        failed = {
+            e.rank: ProcessFailure(
+                local_rank=e.local_rank, pid=e.pid, exitcode=e.returncode,
+                error_file=self.error_file(self.last_attempt, e.local_rank) or "<N/A>",
+            )
+            for e in self.last_exits
+            if e.returncode != 0 and not e.stopped_by_agent
+        }
+        if not failed:
+            failed = {
+                e.rank: ProcessFailure(local_rank=e.local_rank, pid=e.pid, exitcode=e.returncode or code, error_file="<N/A>")
+                for e in self.last_exits
+            } or {0: ProcessFailure(local_rank=0, pid=-1, exitcode=code, error_file="<N/A>")}
+        return failed
+
+    def signal_exception(self) -> BaseException:
+        """torch's ``SignalException`` for the signal that stopped the job (``signum``)."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        assert self._signum is not None
+        return SignalException(f"Process {os.getpid()} got signal: {self._signum}", sigval=signal.Signals(self._signum))
+
     def error_file(self, restart_count: int, local_rank: int) -> str:
         """Where worker ``local_rank`` of attempt ``restart_count`` wrote its ``@record`` error,
         if it did (``""``: nowhere)."""
@@ -971,6 +1062,7 @@ class LocalAgent:
             self._register(workers, restart_count, attempt)
             for w in workers:
                 self._record_worker_event("START", w.rank, w.local_rank, restart_count, pid=w.proc.pid)
+            self._group_started(workers, restart_count, torch_port)
             while True:
                 self._reap(workers, exits)
                 if cfg.ft and self._signum is None:
@@ -1019,6 +1111,7 @@ class LocalAgent:
             for w in workers:
                 for t in w.readers:
                     t.join(max(0.0, deadline - self._clock()))
+        self._group_ended(outcome)
         tails = {w.local_rank: list(w.tail) for w in workers}
         outputs = {w.local_rank: list(w.output) for w in workers}
         if outcome is Outcome.FAILED and not any(e.stalled for e in exits):
@@ -1026,6 +1119,13 @@ class LocalAgent:
             blamed = set().union(*(blamed_as_stalled(tails.get(e.local_rank, ())) for e in exits if e.failed))
             exits[:] = [dataclasses.replace(e, stalled=True) if e.stopped_by_agent and e.rank in blamed else e for e in exits]
         return outcome, exits, tails, outputs
+
+    def _group_started(self, workers: list[_Worker], restart_count: int, torch_port: int) -> None:
+        """Called when a group's workers have started (``torch_port``: their ``MASTER_PORT``);
+        a subclass watches the group (``tdist.elastic.agent.server``'s ``WorkerGroup``)."""
+
+    def _group_ended(self, outcome: Outcome) -> None:
+        """Called when a group's workers have all ended (stopped and reaped), with why."""
 
     def _start_worker(self, local_rank: int, env: dict[str, str], log_dir: str | None, append: bool = False) -> _Worker:
         """Start worker ``local_rank`` and the threads that copy its streams where
@@ -1072,7 +1172,7 @@ class LocalAgent:
         ):
             t = threading.Thread(
                 target=self._pump,
-                args=(stream, std, rank, out if std in route.console else None, tails, files[std]),
+                args=(stream, std, rank, line_prefix(cfg, local_rank).encode(), out if std in route.console else None, tails, files[std]),
                 name=f"tdist-run-rank{rank}",
                 daemon=True,
             )
@@ -1085,14 +1185,14 @@ class LocalAgent:
         stream: IO[bytes],
         std: Std,
         rank: int,
+        prefix: bytes,
         out: BinaryIO | None,
         tails: tuple[deque[str], ...],
         file: BinaryIO | None,
     ) -> None:
-        """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` prefixed, flushing
-        each line, and to ``file`` as it is (None: not there), keeping the last lines in
-        ``tails``."""
-        prefix = f"[rank{rank}]:".encode()
+        """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` with ``prefix``,
+        flushing each line, and to ``file`` as it is (None: not there), keeping the last lines
+        in ``tails``."""
 
         def on_line(line: bytes) -> None:
             if not line.endswith(b"\n"):
@@ -1502,7 +1602,8 @@ class LocalAgent:
             store.set(f"{AGENT_PREFIX}/finished/node{cfg.node_rank}", b"1")
             # a node that hosts a store the others use (static node 0, the c10d host, the node
             # 0 of a round with the workers' store) waits for them before it goes
-            if not self._hosting and self._round_server is None:
+            # (under a caller's handler every agent waits, as torch's exit barrier)
+            if not self._hosting and self._round_server is None and self._given_rendezvous is None:
                 return
             keys = [f"{AGENT_PREFIX}/finished/node{k}" for k in range(cfg.nnodes)]
             deadline = self._clock() + cfg.exit_barrier_timeout

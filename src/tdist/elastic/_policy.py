@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import string
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ __all__ = [
     "format_failure_report",
     "format_status",
     "group_outcome",
+    "line_prefix",
+    "logs_settings",
     "next_action",
     "parse_error_file",
     "parse_std",
@@ -163,6 +166,9 @@ class LaunchConfig:
             ``http://<metrics_addr>:<port>/metrics`` (0: a free port, which the launcher
             prints); None: no endpoint. Needs ``prometheus_client`` (``tdist[metrics]``).
         metrics_addr: the address the metrics endpoint listens on (default: every interface).
+        log_line_prefix_template: the prefix of a worker's lines on the console, torchrun's
+            ``--log-line-prefix-template``: a ``string.Template`` of ``${role_name}``,
+            ``${rank}`` and ``${local_rank}`` (None: ``[rank<N>]:``).
     """
 
     entrypoint: str
@@ -202,6 +208,7 @@ class LaunchConfig:
     quiet: bool = False
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
+    log_line_prefix_template: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.entrypoint, str):
@@ -283,6 +290,38 @@ def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
     if config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter:
         console = Std.NONE
     return StreamRoute(console=Std(console), files=Std(files))
+
+
+def line_prefix(config: LaunchConfig, local_rank: int) -> str:
+    """What worker ``local_rank``'s lines start with on the console: ``[rank<N>]:``, or
+    ``log_line_prefix_template`` with its macros substituted (torch's ``safe_substitute``)."""
+    rank = config.global_rank(local_rank)
+    if config.log_line_prefix_template is None:
+        return f"[rank{rank}]:"
+    return string.Template(config.log_line_prefix_template).safe_substitute(
+        role_name=config.role, rank=rank, local_rank=local_rank
+    )
+
+
+def logs_settings(specs: Any) -> dict[str, Any]:
+    """``LaunchConfig``'s ``log_dir``, ``redirects``, ``tee`` and ``local_ranks_filter`` from
+    a ``LogsSpecs`` (tdist's or torch's: its log directory, redirects, tee and local ranks
+    filter are read), or None (a temporary directory, no redirects)."""
+    if specs is None:
+        return {}
+
+    def std(value: Any) -> Std | dict[int, Std]:
+        if isinstance(value, Mapping):
+            return {int(k): Std(int(v)) for k, v in value.items()}
+        return Std(int(value))
+
+    ranks_filter = getattr(specs, "_local_ranks_filter", None)
+    return {
+        "log_dir": getattr(specs, "root_log_dir", None),
+        "redirects": std(getattr(specs, "_redirects", 0)),
+        "tee": std(getattr(specs, "_tee", 0)),
+        "local_ranks_filter": frozenset(ranks_filter) if ranks_filter else None,
+    }
 
 
 def parse_signals(text: str) -> tuple[int, ...]:

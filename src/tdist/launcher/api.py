@@ -24,14 +24,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..elastic._agent import LocalAgent
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
 
@@ -69,9 +71,12 @@ class LaunchConfig:
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30).
         event_log_handler: where the launcher's worker events go (a ``tdist.elastic.events``
             destination: ``null``, ``console``).
-        log_line_prefix_template, metrics_cfg, numa_options, duplicate_stdout_filters,
-        duplicate_stderr_filters, virtual_local_rank: accepted, not used (CPU workers;
-            tdist's launcher logs and prefixes its own way).
+        log_line_prefix_template: the prefix of each worker's lines on the console (a
+            ``string.Template`` of ``${role_name}``, ``${rank}``, ``${local_rank}``; None:
+            ``[rank<N>]:``).
+        metrics_cfg, numa_options, duplicate_stdout_filters, duplicate_stderr_filters,
+            virtual_local_rank: accepted, not used (CPU workers; tdist's launcher logs its own
+            way).
     """
 
     min_nodes: int
@@ -142,7 +147,6 @@ def _get_entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list
 def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, args: list[Any]) -> dict[int, Any]:
     """Run ``entrypoint`` with ``args`` on this node's workers (``elastic_launch``'s body)."""
     from ..elastic._agent import LocalAgent
-    from ..elastic._policy import LOCAL_RANK_MACRO
     from ..elastic.multiprocessing import _call
 
     if not config.run_id:
@@ -153,11 +157,7 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
     try:
         if callable(entrypoint):
             results = tempfile.mkdtemp(prefix="tdist_launch_")
-            payload = os.path.join(results, "call.pkl")
-            _call.write_call(payload, entrypoint, args)
-            # (each worker's value in a file of its local rank: the agent fills in the macro)
-            value_file = os.path.join(results, f"{LOCAL_RANK_MACRO}.pkl")
-            cfg = _tdist_config(config, _call.WORKER_MODULE, (payload, value_file), module=True)
+            cfg = _tdist_config(config, _call.WORKER_MODULE, _call.launcher_call(results, entrypoint, args), module=True)
         elif isinstance(entrypoint, str):
             cfg = _tdist_config(config, entrypoint, tuple(str(a) for a in args), no_python=True)
         else:
@@ -169,36 +169,21 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         code = agent.run()
         if code != 0:
             raise _failure(agent, name, code)
-        exits = sorted(agent.last_exits, key=lambda e: e.rank)
         if results is None:
-            return dict.fromkeys(e.rank for e in exits)
-        return {e.rank: _call.read_result(os.path.join(results, f"{e.local_rank}.pkl")) for e in exits}
+            return dict.fromkeys(sorted(e.rank for e in agent.last_exits))
+        return _call.launcher_values(results, agent.last_exits)
     finally:
         if results is not None:
             shutil.rmtree(results, ignore_errors=True)
 
 
-def _failure(agent: Any, name: str, code: int) -> BaseException:
+def _failure(agent: LocalAgent, name: str, code: int) -> BaseException:
     """torch's exception for a job that ended with ``code``."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if agent.signum is not None:
-        return SignalException(f"Process {os.getpid()} got signal: {agent.signum}", sigval=signal.Signals(agent.signum))
-    failed = {
-        e.rank: ProcessFailure(
-            local_rank=e.local_rank, pid=e.pid, exitcode=e.returncode,
-            error_file=agent.error_file(agent.last_attempt, e.local_rank) or "<N/A>",
-        )
-        for e in agent.last_exits
-        if e.returncode != 0 and not e.stopped_by_agent
-    }
-    if not failed:  # (another node failed, or the job could not go on: every worker was stopped)
-        failed = {
-            e.rank: ProcessFailure(local_rank=e.local_rank, pid=e.pid, exitcode=e.returncode or code, error_file="<N/A>")
-            for e in agent.last_exits
-        } or {0: ProcessFailure(local_rank=0, pid=-1, exitcode=code, error_file="<N/A>")}
-    return ChildFailedError(name=name, failures=failed)
+        return agent.signal_exception()
+    return ChildFailedError(name=name, failures=agent.process_failures(code))
 
 
 def _tdist_config(
@@ -206,7 +191,7 @@ def _tdist_config(
 ) -> Any:
     """tdist's ``elastic.LaunchConfig`` for torch's ``config``."""
     from ..elastic._policy import LaunchConfig as Config
-    from ..elastic._policy import Std, parse_signals, rdzv_settings
+    from ..elastic._policy import logs_settings, parse_signals, rdzv_settings
     from ..elastic.rendezvous import parse_rendezvous_endpoint
 
     if not 1 <= config.min_nodes <= config.max_nodes:
@@ -233,13 +218,6 @@ def _tdist_config(
     rdzv = rdzv_settings(conf, float(conf.pop("timeout", _DEFAULT_RDZV_TIMEOUT)))  # (torch's "timeout": the join's)
     signals = parse_signals(config.signals_to_handle)
 
-    def std(value: Any) -> Std | dict[int, Std]:
-        if isinstance(value, dict):
-            return {int(k): Std(int(v)) for k, v in value.items()}
-        return Std(int(value))
-
-    specs = config.logs_specs
-    ranks_filter = getattr(specs, "_local_ranks_filter", None)
     return Config(
         entrypoint=entrypoint,
         args=args,
@@ -259,12 +237,10 @@ def _tdist_config(
         local_addr=config.local_addr or "",
         rdzv_host=rdzv_host,
         rdzv_port=rdzv_port,
-        local_ranks_filter=frozenset(ranks_filter) if ranks_filter else None,
         role=config.role,
-        log_dir=getattr(specs, "root_log_dir", None) if specs is not None else None,
-        redirects=std(getattr(specs, "_redirects", 0)),
-        tee=std(getattr(specs, "_tee", 0)),
         start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        **logs_settings(config.logs_specs),
         quiet=True,
         module=module,
         no_python=no_python,

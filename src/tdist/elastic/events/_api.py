@@ -156,12 +156,15 @@ def get_logging_handler(destination: str = "null") -> logging.Handler:
 
 def _logger(destination: str) -> logging.Logger:
     found = _events_loggers.get(destination)
-    if found is None:
+    if found is None or found.propagate or not found.handlers:
+        # (made here; or reset since by a ``logging.config.dictConfig``, which gives existing
+        # loggers back to their parents: set up again, so that no event reaches the program's logs)
         handler = get_logging_handler(destination)
         found = logging.getLogger(f"tdist-events-{destination}")
         found.setLevel(os.environ.get("LOGLEVEL", "INFO"))
         found.propagate = False
-        found.addHandler(handler)
+        if handler not in found.handlers:
+            found.addHandler(handler)
         found = _events_loggers.setdefault(destination, found)
     return found
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing.spawn
 import os
 import pickle
+import string
 import sys
 from collections.abc import Sequence
 
@@ -22,7 +23,10 @@ def main(argv: Sequence[str]) -> None:
     call, result = argv
     with open(call, "rb") as f:
         multiprocessing.spawn.prepare(pickle.load(f))
-        fn, args = pickle.load(f)
+        fn, args, macros = pickle.load(f)
+    if macros:  # (a launcher's worker: torchrun's macro, as torch's agent substitutes it)
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        args = tuple(string.Template(a).safe_substitute(local_rank=local_rank) if isinstance(a, str) else a for a in args)
     value = record(fn)(*args)
     partial = f"{result}.partial"
     with open(partial, "wb") as f:
