@@ -29,7 +29,11 @@ __all__ = [
     "DistAutogradContext",
     "_current_context",
     "_get_debug_info",
+    "_get_max_id",
+    "_init",
     "_is_valid_context",
+    "_new_context",
+    "_release_context",
     "_retrieve_context",
     "active",
     "backward",
@@ -50,10 +54,46 @@ active = 0  # contexts open in this process (a cheap test for the RPC hot path)
 _passes = 0  # backward passes running on this worker (started here or reached it)
 
 
+_worker_id: int | None = None  # ``_init``'s: a worker's id without RPC (local-only contexts)
+
+
 def _rank() -> int:
-    agent = current_agent()
-    assert agent is not None
-    return int(agent.rank)
+    """This worker's id: its RPC rank, else what ``_init`` gave.
+
+    Raises:
+        RuntimeError: neither (torch's message).
+    """
+    agent = current_agent(required=False)
+    if agent is not None:
+        return int(agent.rank)
+    if _worker_id is not None:
+        return _worker_id
+    raise RuntimeError("Need to initialize distributed autograd using torch.distributed.autograd.init()")
+
+
+def _init(worker_id: int) -> None:
+    """Give this process worker id ``worker_id`` for distributed autograd without RPC
+    (torch's private ``_init``: contexts and local backward passes, as its tests use them).
+
+    Raises:
+        TypeError: not an int.
+        RuntimeError: initialized already with another id (torch's message).
+    """
+    global _worker_id
+    if not isinstance(worker_id, int) or isinstance(worker_id, bool):
+        raise TypeError(f"_init(): worker_id must be an int, got {type(worker_id).__name__}")
+    with _lock:
+        if _worker_id is not None and _worker_id != worker_id:
+            raise RuntimeError(
+                f"Container is already initialized with worker_id: {_worker_id}, cannot initialize "
+                f"with different worker_id: {worker_id}"
+            )
+        _worker_id = worker_id
+
+
+def _get_max_id() -> int:
+    """The largest context id this worker can make (its ids are ``worker_id << 48`` on)."""
+    return ((_rank() + 1) << 48) - 1
 
 
 class DistAutogradContext:
@@ -176,16 +216,41 @@ class context:
     """
 
     def __enter__(self) -> int:
-        if getattr(_tls, "context_id", None) is not None:
-            raise RuntimeError("Already have an autograd context id for this thread.")
-        ctx = _known_context(_new_id(_rank()))
-        _tls.context_id = ctx.id
-        self.autograd_context = ctx
-        return ctx.id
+        self.autograd_context = _new_context()
+        return self.autograd_context.id
 
     def __exit__(self, *exc: object) -> None:
+        _release_context(self.autograd_context.id)
+
+
+def _new_context() -> DistAutogradContext:
+    """A new context, this thread's from now on (what ``context`` enters; torch's private
+    ``_new_context``).
+
+    Raises:
+        RuntimeError: this thread has a context already, or no worker id (RPC, ``_init``).
+    """
+    if getattr(_tls, "context_id", None) is not None:
+        raise RuntimeError("Already have an autograd context id for this thread.")
+    ctx = _known_context(_new_id(_rank()))
+    _tls.context_id = ctx.id
+    return ctx
+
+
+def _release_context(context_id: int) -> None:
+    """Release context ``context_id`` here and on the workers it reached (what ``context``
+    does on exit; torch's private ``_release_context``).
+
+    Raises:
+        RuntimeError: there is no such context here (torch's message).
+    """
+    if getattr(_tls, "context_id", None) == context_id:
         _tls.context_id = None
-        _release(self.autograd_context.id)
+    with _lock:
+        known = context_id in _contexts
+    if not known:
+        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+    _release(context_id)
 
 
 def _release_on(peers: list[int], context_id: int) -> None:
