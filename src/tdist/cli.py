@@ -268,13 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "--no-python)")
     # torchrun's options that change nothing here: accepted, so that its command lines run
     for flag, default, what in (
-        ("--event-log-handler", "null", "torchrun's event log handler (tdist run logs its events itself)"),
         ("--logs-specs", None, "torchrun's LogsSpecs entry point (tdist run lays out --log-dir as torchrun's default)"),
         ("--duplicate-stdout-filters", "", "torchrun's duplicated stdout lines (not done here)"),
         ("--duplicate-stderr-filters", "", "torchrun's duplicated stderr lines (not done here)"),
         ("--numa-binding", None, "torchrun's NUMA binding to GPUs (CPU workers here: none)"),
     ):
         run.add_argument(*_opt(flag), default=default, metavar="VALUE", help=f"{what}; accepted and not used")
+    run.add_argument(*_opt("--event-log-handler"), default="null", metavar="NAME",
+                     help="where the launcher's worker events go (tdist.elastic.events: null, console)")
     run.add_argument(*_opt("--virtual-local-rank"), action="store_true",
                      help="torchrun's LOCAL_RANK 0 for every worker with one GPU each: accepted and "
                      "not used (CPU workers keep their local ranks)")
@@ -457,6 +458,8 @@ def _run(ns: argparse.Namespace) -> int:
             quiet=ns.quiet,
             metrics_port=ns.metrics_port,
             metrics_addr=ns.metrics_addr,
+            event_log_handler=ns.event_log_handler,
+            log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
             **rdzv,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:

@@ -77,11 +77,9 @@ def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
 
 def run_script_path(training_script: str, *training_script_args: str) -> None:
     """Run ``training_script`` as ``__main__`` in this interpreter with ``training_script_args``
-    as its ``sys.argv`` (``--run-path``)."""
-    from .elastic._policy import LOCAL_RANK_MACRO
-
-    local_rank = os.environ.get("LOCAL_RANK", "0")
-    sys.argv = [training_script, *(a.replace(LOCAL_RANK_MACRO, local_rank) for a in training_script_args)]
+    as its ``sys.argv`` (``--run-path``; the launcher's worker has substituted ``${local_rank}``
+    in them already, as torch's agent does)."""
+    sys.argv = [training_script, *training_script_args]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
@@ -128,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         run_id=run_id, role=args.role, rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=conf,
         max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, start_method=args.start_method,
         local_addr=args.local_addr, event_log_handler=args.event_log_handler,
+        log_line_prefix_template=os.getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         signals_to_handle=args.signals_to_handle, shutdown_timeout=args.shutdown_timeout,
         duplicate_stdout_filters=args.duplicate_stdout_filters, duplicate_stderr_filters=args.duplicate_stderr_filters,
         virtual_local_rank=args.virtual_local_rank,

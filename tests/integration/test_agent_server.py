@@ -334,3 +334,37 @@ def test_simple_elastic_agent_is_torchs_scaffolding_for_an_agent_of_ones_own(tmp
     assert group.state is WorkerState.SUCCEEDED and group.master_port == 1234 and group.master_addr == "127.0.0.1"
     assert [(w.id, w.global_rank, w.role_rank, w.role_world_size) for w in group.workers] == [("w0", 0, 0, 2), ("w1", 1, 1, 2)]
     assert agent._remaining_restarts == 0
+
+
+class _Events(__import__("logging").Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record: Any) -> None:
+        import json
+
+        self.names.append(json.loads(record.getMessage())["name"].rsplit(".", 1)[-1])
+
+
+def test_a_program_gives_each_rank_none_and_the_specs_event_handler_gets_torchs_events(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tdist.elastic.events import _api as events_api
+
+    seen = _Events()
+    monkeypatch.setattr(events_api, "_events_loggers", {})
+    monkeypatch.setitem(events_api._log_handlers, "test", seen)
+    params = RendezvousParameters("static", "127.0.0.1:0", f"agent-{uuid.uuid4().hex[:8]}", 1, 1, rank=0)
+    spec = WorkerSpec(
+        "trainer", 2, get_rendezvous_handler(params), entrypoint=sys.executable,
+        args=("-c", "pass"), event_log_handler="test",
+    )
+    try:
+        result = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull)).run()
+    finally:
+        __import__("logging").getLogger("tdist-events-test").handlers.clear()
+    assert result is not None and result.state is WorkerState.SUCCEEDED
+    assert result.return_values == {0: None, 1: None}  # (torch's: each rank, no value)
+    assert seen.names[:2] == ["RENDEZVOUS", "ASSIGN_WORKER_RANKS"]
+    assert sorted(seen.names[2:]) == ["START", "START", "SUCCEEDED", "SUCCEEDED"]

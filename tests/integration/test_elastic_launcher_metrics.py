@@ -66,12 +66,17 @@ def test_a_launch_puts_torchruns_metrics_and_records_each_workers_and_the_rendez
         f"{role}.run_success_with_retries": 0, f"{role}.run_success_no_retries": 1,
         f"{role}.run_failed_with_retries": 0, f"{role}.run_failed_no_retries": 0,
     }
-    got = sorted((e.name, e.metadata["global_rank"]) for e in lines.events)
+    agent = [(e.name, e.source) for e in lines.events[:2]]  # (the agent's own first, as torch's)
+    assert agent == [
+        ("torchelastic.worker.status.RENDEZVOUS", events.EventSource.AGENT),
+        ("torchelastic.worker.status.ASSIGN_WORKER_RANKS", events.EventSource.AGENT),
+    ]
+    got = sorted((e.name, e.metadata["global_rank"]) for e in lines.events[2:])
     assert got == [
         ("torchelastic.worker.status.START", 0), ("torchelastic.worker.status.START", 1),
         ("torchelastic.worker.status.SUCCEEDED", 0), ("torchelastic.worker.status.SUCCEEDED", 1),
     ]
-    first = lines.events[0]
+    first = lines.events[2]
     assert first.source is events.EventSource.WORKER and first.metadata["run_id"] == "metrics"
     assert first.metadata["role"] == "default_role" and json.loads(str(first.metadata["metadata"]))["local_rank"] in (0, 1)
     (joined,) = lines.rdzv  # (the c10d rendezvous's round, one node)

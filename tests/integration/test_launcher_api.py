@@ -39,6 +39,16 @@ def fail_on_rank_one() -> int:
     return 0
 
 
+def no_value_in_its_second_attempt(tag: str) -> str:
+    """Rank 1 fails in attempt 0; in attempt 1, rank 0 ends its process without a value."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if os.environ["RANK"] == "1" and attempt == "0":
+        raise SystemExit(3)
+    if os.environ["RANK"] == "0" and attempt == "1":
+        os._exit(0)
+    return f"{tag}{os.environ['RANK']}-{attempt}"
+
+
 def _config(**kw: object) -> LaunchConfig:
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
                         rdzv_endpoint="127.0.0.1:0", max_restarts=0, run_id="api", **kw)  # type: ignore[arg-type]
@@ -50,6 +60,18 @@ def test_elastic_launch_returns_each_workers_value_by_rank_and_runs_programs() -
     out = elastic_launch(_config(), sys.executable)("-c", "import os; assert os.environ['WORLD_SIZE'] == '2'")
     assert out == {0: None, 1: None}
     assert signal.getsignal(signal.SIGINT) is before  # (the launcher's handlers are gone)
+
+
+def test_a_worker_that_wrote_no_value_in_the_last_attempt_has_none_not_an_earlier_one() -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:0", max_restarts=1, run_id="api")
+    assert elastic_launch(config, no_value_in_its_second_attempt)("r") == {0: None, 1: "r1-1"}
+
+
+def test_the_log_line_prefix_template_comes_from_torchruns_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}-${rank}]")
+    config, _, _ = tdist_run.config_from_args(tdist_run.parse_args(["--standalone", "x.py"]))
+    assert config.log_line_prefix_template == "[${role_name}-${rank}]"
 
 
 def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_error_on(

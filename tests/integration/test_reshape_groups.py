@@ -50,6 +50,9 @@ def _splits(rank: int, world: int, port: int) -> dict[str, Any]:
         out["sum"] = None if mine is None else _sum_of(values, mine)
         out["desc"] = None if mine is None else mine.group_desc
         # a sub-group's split takes group ranks of that sub-group: [1, 2, 3] -> [[0], [1, 2]]
+        # the descriptions count every split, on every rank (rank 3 was in none of the first)
+        again = tdist.split_group(split_ranks=[[3], [0, 1, 2]])
+        out["again"] = again.group_desc if again is not None else None
         sub = tdist.new_group([1, 2, 3])
         if rank in (1, 2, 3):
             part = tdist.split_group(sub, [[0], [2, 1]])
@@ -69,6 +72,7 @@ def test_split_group_makes_each_ranks_split_and_none_outside_them() -> None:
     assert [o["size"] for o in out] == [2, 2, 1, None]
     assert [o["sum"] for o in out] == [3.0, 3.0, 4.0, None]
     assert out[0]["desc"] == "default_pg:split:0"
+    assert {o["again"] for o in out} == {"default_pg:split:1"}
     assert [o.get("sub_ranks") for o in out] == [None, [1], [2, 3], [2, 3]]
     assert [o.get("sub_sum") for o in out] == [None, 2.0, 12.0, 12.0]
 

@@ -249,6 +249,14 @@ def test_worker_command() -> None:
     assert worker_command(LaunchConfig("/bin/echo", ("hi",), no_python=True)) == ["/bin/echo", "hi"]
 
 
+def test_the_local_rank_macro_is_substituted_as_torchs_agent_does() -> None:
+    from torch.distributed.elastic.utils.api import macros
+
+    args = ("--rank=$local_rank", "--x=${local_rank}", "price$$5", "$other", "${local_rank}${local_rank}")
+    ours = worker_command(LaunchConfig("/bin/echo", args, no_python=True), 3)[1:]
+    assert ours == macros.substitute(list(args), "3") == ["--rank=3", "--x=3", "price$5", "$other", "33"]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -121,11 +121,11 @@ def split_group(
             seen[r] = split
         if me in split and mine is None:
             mine = sorted(split)
+    count = getattr(parent, "_tdist_splits", 0)  # (counted on every rank, a member or not)
+    parent._tdist_splits = count + 1  # type: ignore[attr-defined]
     if mine is None:
         return None
     if group_desc is None:
-        count = getattr(parent, "_tdist_splits", 0)
-        parent._tdist_splits = count + 1  # type: ignore[attr-defined]
         group_desc = f"{parent.group_desc}:split:{count}"
     members = _members(info)
     return new_group(

@@ -340,8 +340,6 @@ class LocalAgent:
         self._timer_server: FileTimerServer | None = None  # (TORCHELASTIC_ENABLE_FILE_TIMER=1)
         self._timer_file: str | None = None  # (its pipe, when the agent made up the path)
         self._by_pid: dict[int, _Worker] = {}  # (the running group's workers: whom a timer killed)
-        # where torchrun's worker events go (``tdist.elastic.events`` destinations; ``null``)
-        self.event_log_handler = "null"
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -843,25 +841,29 @@ class LocalAgent:
             )
 
     def _record_worker_event(
-        self, state: str, rank: int, local_rank: int, restart_count: int, *, pid: int, exit_code: int | None = None
+        self, state: str, rank: int | None, local_rank: int, restart_count: int, *, pid: int | None, exit_code: int | None = None
     ) -> None:
         """Torchrun's event of a worker, ``torchelastic.worker.status.<state>``, to
-        ``event_log_handler``."""
+        ``event_log_handler``; ``rank`` None: the agent's own (``RENDEZVOUS``,
+        ``ASSIGN_WORKER_RANKS``, before its workers start, as torch's agent records them)."""
         cfg = self.config
-        details = {
-            "group_world_size": cfg.nnodes, "entry_point": self._title(), "local_rank": local_rank,
-            "role_rank": rank, "role_world_size": cfg.world_size, "exit_code": exit_code, "worker_pid": pid,
-        }
+        details: dict[str, object] = {"group_world_size": None, "entry_point": self._title()}
+        if rank is not None:
+            details.update(
+                group_world_size=cfg.nnodes, local_rank=local_rank, role_rank=rank,
+                role_world_size=cfg.world_size, exit_code=exit_code, worker_pid=pid,
+            )
         metadata: dict[str, str | int | float | bool | None] = {
-            "run_id": cfg.run_id, "global_rank": rank, "group_rank": cfg.node_rank, "worker_id": str(pid),
-            "role": cfg.role, "hostname": self._host, "state": state,
+            "run_id": cfg.run_id, "global_rank": rank, "group_rank": None if rank is None else cfg.node_rank,
+            "worker_id": None if pid is None else str(pid), "role": cfg.role, "hostname": self._host, "state": state,
             "total_run_time": int(self._clock() - self._started), "rdzv_backend": cfg.rdzv_backend,
             "raw_error": None, "metadata": json.dumps(details), "agent_restarts": restart_count, "duration_ms": None,
         }
+        source = EventSource.AGENT if rank is None else EventSource.WORKER
         try:
-            record_event(Event(f"torchelastic.worker.status.{state}", EventSource.WORKER, metadata=metadata), self.event_log_handler)
+            record_event(Event(f"torchelastic.worker.status.{state}", source, metadata=metadata), self.config.event_log_handler)
         except KeyError:
-            log.warning("event_log_handler %r: no such destination (tdist.elastic.events)", self.event_log_handler)
+            log.warning("event_log_handler %r: no such destination (tdist.elastic.events)", self.config.event_log_handler)
 
     # -- logs ----------------------------------------------------------------------------------
     def _make_run_dir(self) -> None:
@@ -1060,6 +1062,8 @@ class LocalAgent:
                 cfg.node_rank, len(workers), restart_count, [w.proc.pid for w in workers],
             )
             self._register(workers, restart_count, attempt)
+            for state in ("RENDEZVOUS", "ASSIGN_WORKER_RANKS"):
+                self._record_worker_event(state, None, 0, restart_count, pid=None)
             for w in workers:
                 self._record_worker_event("START", w.rank, w.local_rank, restart_count, pid=w.proc.pid)
             self._group_started(workers, restart_count, torch_port)

@@ -167,8 +167,11 @@ class LaunchConfig:
             prints); None: no endpoint. Needs ``prometheus_client`` (``tdist[metrics]``).
         metrics_addr: the address the metrics endpoint listens on (default: every interface).
         log_line_prefix_template: the prefix of a worker's lines on the console, torchrun's
-            ``--log-line-prefix-template``: a ``string.Template`` of ``${role_name}``,
-            ``${rank}`` and ``${local_rank}`` (None: ``[rank<N>]:``).
+            ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``: a ``string.Template`` of
+            ``${role_name}``, ``${rank}`` and ``${local_rank}`` (None: ``[rank<N>]:``).
+        event_log_handler: where the launcher's worker events go, torchrun's
+            ``--event-log-handler`` (a ``tdist.elastic.events`` destination: ``null``,
+            ``console``).
     """
 
     entrypoint: str
@@ -209,6 +212,7 @@ class LaunchConfig:
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
     log_line_prefix_template: str | None = None
+    event_log_handler: str = "null"
 
     def __post_init__(self) -> None:
         if not isinstance(self.entrypoint, str):
@@ -391,8 +395,8 @@ def worker_command(config: LaunchConfig, local_rank: int | None = None) -> list[
     arguments replaced by ``local_rank`` (torchrun's macro; ``python -m tdist.launch`` passes
     ``--local-rank=${local_rank}``)."""
     args = list(config.args)
-    if local_rank is not None:
-        args = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in args]
+    if local_rank is not None:  # (as torch's agent: ``$local_rank`` too, and ``$$`` is ``$``)
+        args = [string.Template(a).safe_substitute(local_rank=str(local_rank)) for a in args]
     if config.no_python:
         return [config.entrypoint, *args]
     if config.module:

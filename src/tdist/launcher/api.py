@@ -165,7 +165,6 @@ def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
         agent = LocalAgent(cfg)
         agent.title = name
-        agent.event_log_handler = config.event_log_handler  # (torchrun's worker events go there)
         code = agent.run()
         if code != 0:
             raise _failure(agent, name, code)
@@ -240,6 +239,7 @@ def _tdist_config(
         role=config.role,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
+        event_log_handler=config.event_log_handler,
         **logs_settings(config.logs_specs),
         quiet=True,
         module=module,

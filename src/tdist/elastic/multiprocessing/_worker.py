@@ -9,6 +9,7 @@ its return value is written, pickled, to ``RESULT``, whole or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.spawn
 import os
 import pickle
@@ -27,6 +28,8 @@ def main(argv: Sequence[str]) -> None:
     if macros:  # (a launcher's worker: torchrun's macro, as torch's agent substitutes it)
         local_rank = os.environ.get("LOCAL_RANK", "")
         args = tuple(string.Template(a).safe_substitute(local_rank=local_rank) if isinstance(a, str) else a for a in args)
+    with contextlib.suppress(FileNotFoundError):  # (an earlier attempt's value is not this one's)
+        os.unlink(result)
     value = record(fn)(*args)
     partial = f"{result}.partial"
     with open(partial, "wb") as f:

@@ -69,8 +69,10 @@ class WorkerSpec:
         master_port: the workers' ``MASTER_PORT`` (None: the rendezvous's, or a free port).
         master_addr: the workers' ``MASTER_ADDR`` (None: the rendezvous's rank 0's address).
         local_addr: this node's address as the others reach it.
-        event_log_handler, numa_options, duplicate_stdout_filters, duplicate_stderr_filters,
-            virtual_local_rank: torch's, accepted and not used by tdist's agent.
+        event_log_handler: where the agent's worker events go (a ``tdist.elastic.events``
+            destination: ``null``, ``console``).
+        numa_options, duplicate_stdout_filters, duplicate_stderr_filters, virtual_local_rank:
+            torch's, accepted and not used by tdist's agent.
 
     Raises:
         AssertionError: ``local_world_size`` or ``monitor_interval`` not positive, or no

@@ -177,6 +177,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             python=os.environ.get("PYTHON_EXEC") or sys.executable,
             start_method=self._start_method,
             log_line_prefix_template=self._log_line_prefix_template,
+            event_log_handler=spec.event_log_handler,
             quiet=True,
             **logs_settings(self._logs_specs),
         )
@@ -226,7 +227,10 @@ class LocalElasticAgent(SimpleElasticAgent):
             if code != 0:
                 self._worker_group.state = WorkerState.FAILED
                 return RunResult(WorkerState.FAILED, failures=agent.process_failures(code))
-            values = _call.launcher_values(results, agent.last_exits) if results is not None else {}
+            if results is None:  # (a program: no values, each rank's None, as torch's)
+                values = dict.fromkeys(sorted(e.rank for e in agent.last_exits))
+            else:
+                values = _call.launcher_values(results, agent.last_exits)
             return RunResult(WorkerState.SUCCEEDED, return_values=values)
         finally:
             if results is not None:
