@@ -13,7 +13,7 @@ kept ready: starting Python and torch takes seconds), and kills one worker when 
 reached ``--kill-at`` steps. Each
 worker runs ``tdist.elastic.ft.Manager``; the global batch stays 240 samples whatever the
 world size (each rank takes ``240 / world_size``), so the loss curve does not jump when the
-world changes. Rank 0 prints the loss of every step; every worker prints each re-form. At
+world changes. Rank 0 prints the loss of every step (a new rank 0 also the last ones its lost predecessor could not); every worker prints each re-form. At
 the end the launcher checks that every worker that finished holds the same parameters.
 """
 
@@ -91,6 +91,8 @@ def worker(args: argparse.Namespace) -> None:
         print(f"{me} asking to join after step {store.get('progress').decode()}", flush=True)
     mgr.start()
     loss_sum = torch.zeros(1)
+    lines: dict[int, str] = {}  # (the last steps' log lines: a new rank 0 prints those its predecessor could not)
+    printed: int | None = None  # (the last step printed, known here while this worker is rank 0)
     while mgr.current_step < args.steps:
         with mgr.step() as outcome:
             step, rank, size = mgr.current_step, mgr.rank, mgr.world_size
@@ -106,9 +108,18 @@ def worker(args: argparse.Namespace) -> None:
         if not outcome.committed:
             print(f"{me} step {outcome.number} failed ({type(outcome.error).__name__}): tried again with {mgr.world_size} ranks", flush=True)
             continue
-        if mgr.rank == 0:
-            print(f"step {outcome.number:4d} | world {size} | loss {loss_sum.item():.4f}", flush=True)
-            store.set("progress", str(mgr.current_step))
+        lines[outcome.number] = f"step {outcome.number:4d} | world {size} | loss {loss_sum.item():.4f}"
+        lines.pop(outcome.number - 3, None)
+        if mgr.rank != 0:
+            printed = None
+            continue
+        if printed is None:  # (rank 0 from now: where the last rank 0 stopped printing)
+            printed = int(store.get("printed")) if store.check(["printed"]) else -1
+        for number in sorted(n for n in lines if n > printed):
+            print(lines[number], flush=True)
+        printed = outcome.number
+        store.set("printed", str(printed))
+        store.set("progress", str(mgr.current_step))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
     mgr.shutdown()
     store.set(f"final/{args.worker}", digest)

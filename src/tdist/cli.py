@@ -40,11 +40,18 @@ def _opt(*names: str) -> list[str]:
 def _nproc(value: str) -> int:
     if value in ("cpu", "auto"):
         return os.cpu_count() or 1
+    if value in ("gpu", "xpu"):  # (one worker per device, as torchrun's; only then is torch imported)
+        import torch
+
+        device = torch.cuda if value == "gpu" else torch.xpu
+        if not device.is_available():
+            raise argparse.ArgumentTypeError(f"{'Cuda' if value == 'gpu' else 'Xpu'} is not available.")
+        return int(device.device_count())
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a number of workers, 'cpu' or 'auto', got {value!r}"
+            f"expected a number of workers, 'cpu', 'auto', 'gpu' or 'xpu', got {value!r}"
         ) from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")

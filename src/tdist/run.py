@@ -149,8 +149,15 @@ def run(args: argparse.Namespace) -> None:
     Raises:
         ChildFailedError: a worker failed (torch's class).
     """
+    from .cli import _nnodes
     from .launcher.api import elastic_launch
 
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and _nnodes(args.nnodes)[1] == 1:
+        # (as torchrun's run(): one node that names no port of its own gets a rendezvous on a
+        # free port and a run id of its own, so two such jobs on one host do not collide)
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, cmd, cmd_args = config_from_args(args)
     elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
 

@@ -308,5 +308,8 @@ def test_the_example_runs_a_kill_and_a_join_to_identical_parameters() -> None:
     out = proc.stdout
     assert "[launcher] killed w2" in out and "lost " in out and "[w4] quorum" in out, out[-3000:]
     assert "finished with identical parameters" in out
-    worlds = [line.split("| world ")[1].split(" ")[0] for line in out.splitlines() if line.startswith("step ")]
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    worlds = [line.split("| world ")[1].split(" ")[0] for line in steps]
     assert worlds[0] == "4" and "3" in worlds and worlds[-1] == "4"
+    # every step's loss once, the kill's step too (whichever worker was rank 0 then)
+    assert [int(line.split()[1]) for line in steps] == list(range(80)), steps

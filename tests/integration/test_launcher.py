@@ -641,7 +641,10 @@ def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
     assert (attempt / "0/nccl_trace_rank_0").read_bytes() == b"record"
     post = res.stderr.split("Post-mortem:")[1]
     assert f"  flight records:\n    rank 0: {attempt / '0/nccl_trace_rank_0'}\n" in post
-    assert f"  logs          : {attempt}/<local rank>/ (stdout.log, stderr.log, error.json)" in post
+    (logs_line,) = [line for line in post.splitlines() if line.startswith("  logs          : ")]
+    named = logs_line.split(" (")[1].rstrip(")").split(", ")  # (what is there: no stream went to a file)
+    assert logs_line.startswith(f"  logs          : {attempt}/<local rank>/ (") and "stdout.log" not in named
+    assert "nccl_trace_rank_0" in named and all(any((attempt / r / n).exists() for r in ("0", "1")) for n in named)
     # a location given by the user is the one looked at; a dump older than the job is not its
     stale = work / "fr_1"
     stale.write_bytes(b"old")
@@ -659,7 +662,7 @@ def test_the_post_mortem_has_the_stacks_of_the_ranks_still_running(work: Path) -
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "snapshot", timeout=40)  # (no logs kept: a folder of its own)
     assert res.returncode == 4, res.stderr
     assert "stacks        :" in res.stderr, res.stderr
-    line = next(x for x in res.stderr.splitlines() if x.strip().startswith("rank 0: ") and "stacks_rank_0.txt" in x)
+    line = next(x for x in res.stderr.splitlines() if x.strip().startswith("rank 0: ") and "stacks_0.txt" in x)
     stacks = Path(line.split(": ", 1)[1].strip()).read_text()
     assert "waiting_in_rank_zero" in stacks, stacks
 
@@ -1490,8 +1493,8 @@ def test_status_of_a_job_of_two_nodes_through_its_rendezvous_endpoint(work: Path
         assert res.returncode == 0, res.stderr
         assert "from 2 nodes" in res.stderr, res.stderr
         names = sorted(p.name for p in (work / "d").iterdir())
-        assert names == sorted([f"rank_{r}" for r in range(4)] + [f"stacks_rank_{r}.txt" for r in range(4)]), names
-        assert "progress.py" in (work / "d" / "stacks_rank_3.txt").read_text()
+        assert names == sorted([f"rank_{r}" for r in range(4)] + [f"stacks_{r}.txt" for r in range(4)]), names
+        assert "progress.py" in (work / "d" / "stacks_3.txt").read_text()
     finally:
         for n in nodes:
             n.send_signal(signal.SIGTERM)
@@ -1516,11 +1519,15 @@ def test_status_and_dump_look_into_a_running_job(work: Path) -> None:
                              capture_output=True, text=True, timeout=30)
         assert res.returncode == 0, res.stderr
         for rank in (0, 1):
-            stacks = (out / f"stacks_rank_{rank}.txt").read_text()
+            stacks = (out / f"stacks_{rank}.txt").read_text()
             assert "progress.py" in stacks and "Thread" in stacks  # (every thread's Python stack)
             with open(out / f"rank_{rank}", "rb") as f:  # (its flight record, in torch's format)
                 record = pickle.load(f)
             assert any(e["profiling_name"].endswith("all_reduce") for e in record["entries"])
+        # torch's own reader takes the folder as it is
+        trace = subprocess.run([str(Path(sys.executable).parent / "torchfrtrace"), str(out)],
+                               capture_output=True, text=True, timeout=60)
+        assert trace.returncode == 0, trace.stderr[-2000:]
         assert proc.poll() is None  # (the job goes on)
     finally:
         proc.terminate()

@@ -68,6 +68,23 @@ def test_a_worker_that_wrote_no_value_in_the_last_attempt_has_none_not_an_earlie
     assert elastic_launch(config, no_value_in_its_second_attempt)("r") == {0: None, 1: "r1-1"}
 
 
+def test_one_node_naming_no_port_gets_a_free_one_as_torchruns_run_gives_it(tmp_path: Path) -> None:
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text("import os\nassert os.environ['WORLD_SIZE'] == '2'\n")
+    held = socket.socket()
+    try:  # (29500, torchrun's default port, busy: held here, or by someone else already)
+        held.bind(("127.0.0.1", 29500))
+        held.listen()
+    except OSError:
+        pass
+    try:
+        tdist_run.main(["--nproc-per-node", "2", str(script)])
+    finally:
+        held.close()
+
+
 def test_the_log_line_prefix_template_comes_from_torchruns_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}-${rank}]")
     config, _, _ = tdist_run.config_from_args(tdist_run.parse_args(["--standalone", "x.py"]))

@@ -15,6 +15,16 @@ import torch
 import tdist as dist
 
 
+def _connects(addr: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((addr, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
 def _ops() -> dict[str, Any]:
     dist.init_process_group("mpi")
     r, n = dist.get_rank(), dist.get_world_size()
@@ -43,6 +53,24 @@ def _ops() -> dict[str, Any]:
     outs = [torch.zeros(k + 1, dtype=torch.float16) for k in range(n)]
     dist.all_gather(outs, torch.ones(r + 1, dtype=torch.float16) * r)  # (uneven)
     out["all_gather"] = [o.tolist() for o in outs]
+    # the job's store: on the loopback alone (one host), and it asks for the job's secret,
+    # which came over MPI (the same on every rank)
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    out["secret"] = os.environ.get("TDIST_SECRET", "")
+    if r == 0:
+        import socket
+
+        names = {a for a in socket.gethostbyname_ex(socket.gethostname())[2] if not a.startswith("127.")}
+        out["reachable_elsewhere"] = any(_connects(a, store.port) for a in names)
+        os.environ.pop("TDIST_SECRET")
+        try:
+            dist.TCPStore("127.0.0.1", store.port, timeout=timedelta(seconds=5))
+            out["open"] = True
+        except Exception as exc:
+            out["open"] = f"{type(exc).__name__}: {exc}"
+        os.environ["TDIST_SECRET"] = out["secret"]
     ag = torch.empty(2 * n)
     dist.all_gather_into_tensor(ag, torch.tensor([r, r + 0.5]))
     out["all_gather_into_tensor"] = ag.tolist()

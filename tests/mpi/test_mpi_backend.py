@@ -42,7 +42,11 @@ def _mpiexec(
 
 
 def test_mpiexec_runs_every_op_with_torchs_results() -> None:
-    check_ops(_mpiexec(3, "ops"))
+    res = _mpiexec(3, "ops")
+    check_ops(res)
+    # the job's secret came over MPI: one, on every rank; without it the store refuses
+    assert len({got["secret"] for got in res}) == 1 and len(res[0]["secret"]) >= 32
+    assert "requires a secret" in res[0]["open"] and not res[0]["reachable_elsewhere"]
 
 
 def check_ops(res: list[dict[str, Any]]) -> None:

@@ -353,7 +353,7 @@ def test_post_mortem() -> None:
         "    rank 0: /d/nccl_trace_rank_0",
         "  restarts      : 1 of 3 used (--max-restarts)",
         "    attempt 0: worker rank 1 failed (exit code 4)",
-        "  logs          : /l/run/attempt_1/<local rank>/ (stdout.log, stderr.log, error.json)",
+        "  logs          : /l/run/attempt_1/<local rank>/",  # (nothing there: nothing named)
         "=" * 60,
     ]
     assert "Post-mortem" not in format_failure_report("t.py", [root], host="h", tails={})

@@ -29,6 +29,7 @@ import atexit
 import functools
 import itertools
 import os
+import secrets
 import socket
 import threading
 import time
@@ -97,8 +98,11 @@ def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Sto
     """The default group's store for an MPI job, with the MPI rank and world size.
 
     Rank 0 serves a ``TCPStore`` from a thread; the others learn its address over MPI (the
-    loopback when every rank shares rank 0's host, else the first of rank 0's addresses they
-    reach; ``MASTER_ADDR`` wins where set).
+    loopback when every rank shares rank 0's host, where the store listens on the loopback
+    alone; else the first of rank 0's addresses they reach; ``MASTER_ADDR`` wins where set).
+    The job's secret goes over MPI too, the launcher being the trust root: ``TDIST_SECRET`` of
+    rank 0, or a fresh one, set as every rank's ``TDIST_SECRET`` (the store and any tdist
+    connection of the job then prove it).
 
     Raises:
         ValueError: ``rank`` or ``world_size`` (where given, not -1) differs from MPI's.
@@ -125,16 +129,18 @@ def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Sto
     if not _exit_hook:  # (after mpi4py's own: exit handlers run last-registered first)
         atexit.register(_at_exit)
         _exit_hook = True
+    explicit = os.environ.get("MASTER_ADDR")
     if me == 0:
+        os.environ["TDIST_SECRET"] = os.environ.get("TDIST_SECRET") or secrets.token_hex(16)
+        one_host = all(h == hosts[0] for h in hosts) and not explicit
         with serving_in_a_thread():
-            store: Store = TCPStore("0.0.0.0", 0, n, True, timeout, wait_for_workers=False)
+            store: Store = TCPStore("127.0.0.1" if one_host else "0.0.0.0", 0, n, True, timeout, wait_for_workers=False)
         port = store.port  # type: ignore[attr-defined]
-        explicit = os.environ.get("MASTER_ADDR")
         addrs = [explicit] if explicit else _local_addresses()
-        comm.bcast((addrs, port), root=0)
+        comm.bcast((addrs, port, os.environ["TDIST_SECRET"]), root=0)
         return store, me, n
-    addrs, port = comm.bcast(None, root=0)
-    if hosts[me] == hosts[0] and not os.environ.get("MASTER_ADDR"):
+    addrs, port, os.environ["TDIST_SECRET"] = comm.bcast(None, root=0)
+    if hosts[me] == hosts[0] and not explicit:
         addr = "127.0.0.1"
     else:
         addr = _reachable(addrs, port)

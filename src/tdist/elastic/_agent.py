@@ -1392,8 +1392,8 @@ class LocalAgent:
             files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT)
             for path in files:
                 name = os.path.basename(path)
-                if name.startswith("stacks_rank_"):
-                    self._stacks[int(name[len("stacks_rank_"):-len(".txt")])] = path
+                if name.startswith("stacks_"):
+                    self._stacks[int(name[len("stacks_"):-len(".txt")])] = path
 
     def _stop(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
         """SIGTERM every running worker's group, wait ``stop_timeout``, then SIGKILL; reap all."""

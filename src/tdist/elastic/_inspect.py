@@ -485,8 +485,8 @@ def handles_signal(pid: int, sig: int) -> bool:
 
 def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[str]:
     """``tdist dump``: every worker's Python stacks (``SIGUSR2``) and flight record
-    (``SIGUSR1``) into ``dest`` (``stacks_rank_<r>.txt``, ``rank_<r>``: what ``torchfrtrace
-    dest`` reads). Returns the files gathered."""
+    (``SIGUSR1``) into ``dest`` (``stacks_<r>.txt``; ``rank_<r>``, what ``torchfrtrace
+    dest`` reads: it takes every file whose name has ``rank_`` in it). Returns the files gathered."""
     os.makedirs(dest, exist_ok=True)
     workers = job.get("workers", [])
     sizes = {}
@@ -521,7 +521,7 @@ def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[s
         with open(stacks_of[rank], "rb") as src:
             src.seek(sizes[rank])
             data = src.read()
-        target = os.path.join(dest, f"stacks_rank_{rank}.txt")
+        target = os.path.join(dest, f"stacks_{rank}.txt")
         with open(target, "wb") as dst:
             dst.write(data)
         gathered.append(target)

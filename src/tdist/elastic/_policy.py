@@ -783,6 +783,19 @@ def _what_it_was_doing(e: WorkerExit) -> str:
     return f"was running; stopped by the launcher with {signal_name(-e.returncode)}"
 
 
+def _files_in_rank_dirs(attempt: str) -> list[str]:
+    """The names of the files in an attempt's ``<local rank>/`` directories (what the
+    post-mortem says is there: the streams only where ``-r``/``-t`` sent them)."""
+    names: set[str] = set()
+    try:
+        for entry in os.scandir(attempt):
+            if entry.is_dir() and entry.name.isdigit():
+                names.update(os.listdir(entry.path))
+    except OSError:
+        return []
+    return sorted(names)
+
+
 def _format_post_mortem(
     failed: Sequence[WorkerExit],
     host: str,
@@ -827,9 +840,13 @@ def _format_post_mortem(
         lines.append(f"  restarts      : {pm.restarts} of {pm.max_restarts} used (--max-restarts)")
         lines.extend(f"    {line}" for line in pm.earlier)
     if pm.logs is not None:
-        lines.append(f"  logs          : {pm.logs}/<local rank>/ (stdout.log, stderr.log, error.json)")
+        kept = _files_in_rank_dirs(pm.logs)
+        lines.append(f"  logs          : {pm.logs}/<local rank>/" + (f" ({', '.join(kept)})" if kept else ""))
     else:
-        lines.append("  logs          : not kept (--log-dir DIR keeps each rank's stdout.log, stderr.log, error.json)")
+        lines.append(
+            "  logs          : not kept (--log-dir DIR keeps each rank's error.json, and the streams "
+            "that -r/-t send there as stdout.log, stderr.log)"
+        )
     return lines
 
 
