@@ -225,3 +225,46 @@ def test_zero_redundancy_optimizer_with_join_on_tdist_as_on_gloo() -> None:
     assert got[0]["state"] is not None and len(got[0]["state"]) == len(want[0]["state"])
     for g, w in zip(got[0]["state"], want[0]["state"], strict=True):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=1e-6, atol=1e-7)
+
+
+def _join_live_world(rank: int, n: int) -> dict[str, Any]:
+    """DDP's ``join(divide_by_initial_world_size=False)``: the reducer keeps the forward's
+    all-reduce of the live ranks (a work of ours handed to torch's C++) and waits on it in the
+    backward pass, after Python has dropped it."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with model.join(divide_by_initial_world_size=False):
+        for step in range(1 + rank):  # (uneven: rank r has 1 + r batches)
+            g = torch.Generator().manual_seed(10 * step + rank)
+            opt.zero_grad()
+            loss = model(torch.randn(4, 16, generator=g)).sum()
+            gc.collect()  # (nothing of Python's keeps the work alive now)
+            loss.backward()
+            opt.step()
+    return {"params": [p.detach().flatten().tolist() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("backend", ["tdist", "tdist-api"])
+def test_ddp_join_over_the_live_ranks_finishes_as_on_gloo(backend: str) -> None:
+    got, want = _run(_join_live_world, 2, backend), _run(_join_live_world, 2, "gloo")
+    assert got == want  # (bit for bit at 2 ranks)
+
+
+def _torchs_own_new_group(rank: int, n: int) -> dict[str, Any]:
+    """A program ported by its imports whose library code asks torch itself for groups."""
+    store = tdc.distributed_c10d._get_default_store()
+    store.set(f"k{rank}", "v")
+    sub = tdc.new_group([0, 1])
+    mine, _ = tdc.new_subgroups(group_size=1)
+    t = torch.ones(1) * (rank + 1)
+    tdc.all_reduce(t, group=sub)
+    return {"set": store.get(f"k{rank}").decode(), "sum": t.item(), "mine": tdc.get_process_group_ranks(mine)}
+
+
+def test_torchs_store_and_new_group_work_in_a_program_ported_by_its_imports() -> None:
+    got = _run(_torchs_own_new_group, 2, "tdist-api")
+    assert got == [{"set": "v", "sum": 3.0, "mine": [r]} for r in range(2)]

@@ -25,6 +25,7 @@ work on that backend.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -134,8 +135,63 @@ def _bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+class _Held:
+    """The ``TorchWork``s kept alive here until they are used.
+
+    torch's C++ code may keep a work that Python code handed it while Python drops it: DDP's
+    reducer keeps the all-reduce of ``Join`` until its backward pass waits on it, then reads
+    its future. pybind finds a Python subclass's methods only while its Python object lives;
+    without it the base class's ``wait`` waits for ever and its ``get_future`` raises. So a
+    work stays here until it has been waited on or its future taken, and then for ``_AFTER``
+    works more (the reducer reads the future right after its wait, with the interpreter lock
+    let go in between); completed works that nobody uses (fire and forget) are let go, oldest
+    first, past ``_UNUSED``.
+    """
+
+    _AFTER = 16
+    _UNUSED = 1024
+
+    def __init__(self) -> None:
+        # (no lock: each step is one operation on a dict or a deque, atomic under the
+        # interpreter lock; this is on every operation's path through torch)
+        self._works: dict[int, TorchWork] = {}
+        self._last_use: dict[int, int] = {}  # id -> the made-count at its last use
+        self._uses: collections.deque[tuple[int, int]] = collections.deque()  # (made-count, id)
+        self._made = 0
+
+    def add(self, work: TorchWork) -> None:
+        made = self._made = self._made + 1
+        key = id(work)
+        self._last_use.pop(key, None)  # (an id of a work gone before: not this one's uses)
+        self._works[key] = work
+        uses = self._uses
+        while uses and uses[0][0] <= made - self._AFTER:
+            try:
+                when, old = uses.popleft()
+            except IndexError:  # (another thread took it)
+                break
+            if self._last_use.get(old) == when:  # (not used again since)
+                del self._last_use[old]
+                self._works.pop(old, None)
+        if len(self._works) > self._UNUSED:  # (down to half: a scan every _UNUSED / 2 works at most)
+            done = [k for k, w in list(self._works.items()) if k not in self._last_use and w._work.is_completed()]
+            for k in done[: len(self._works) - self._UNUSED // 2]:
+                self._works.pop(k, None)
+
+    def used(self, work: TorchWork) -> None:
+        key = id(work)
+        if key in self._works:
+            made = self._made
+            self._last_use[key] = made
+            self._uses.append((made, key))
+
+
+_held = _Held()
+
+
 class TorchWork(_TorchWork):  # type: ignore[misc]
-    """A tdist ``Work`` as torch's: what torch's functions and modules wait on."""
+    """A tdist ``Work`` as torch's: what torch's functions and modules wait on (kept alive
+    until waited for: see ``_Held``)."""
 
     def __init__(self, work: T.Work, outputs: Any) -> None:
         super().__init__()
@@ -146,11 +202,13 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._settler: int | None = None  # the thread completing the future
         self._settled: threading.Event | None = None  # (made with the future)
+        _held.add(self)
 
     def wait(self, timeout: timedelta = _UNSET) -> bool:
         self._work.wait(timeout if timeout else None)
         if self._fut is not None:
             self._settle()  # (the future is done when wait returns, not a moment later)
+        _held.used(self)
         return True
 
     def is_completed(self) -> bool:
@@ -190,6 +248,7 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
             else:
                 done = False
             out = self._out
+        _held.used(self)
         if done:  # (as torch's: after wait(), the future is done; no callback of the user's yet)
             self._settle()
         return out
@@ -533,7 +592,7 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> TorchProces
     return TorchProcessGroup(store, rank, size, timeout, backend)
 
 
-_mirrored: Any = None  # (tdist's default group, torch's default group that runs on it)
+_mirrored: Any = None  # (tdist's default group, torch's default group that runs on it, its store)
 
 
 def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> Any:
@@ -550,13 +609,15 @@ def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> Any:
     if tdc.is_initialized():
         return None
     _adopting = pg._get_backend()
+    # (kept for as long as torch's group: torch's C++ side holds it, and pybind finds its Python
+    # methods only while the Python object lives; without them torch's store would be the bare
+    # base class, and torch's own new_group would fail on it)
+    for_torch = StoreForTorch(store)
     try:
-        tdc.init_process_group(
-            BACKEND_NAME, store=StoreForTorch(store), rank=pg.rank(), world_size=pg.size(), timeout=timeout
-        )
+        tdc.init_process_group(BACKEND_NAME, store=for_torch, rank=pg.rank(), world_size=pg.size(), timeout=timeout)
     finally:
         _adopting = None
-    _mirrored = (pg, tdc.distributed_c10d._get_default_group())
+    _mirrored = (pg, tdc.distributed_c10d._get_default_group(), for_torch)
     return _mirrored[1]
 
 
