@@ -368,3 +368,29 @@ def test_a_program_gives_each_rank_none_and_the_specs_event_handler_gets_torchs_
     assert result.return_values == {0: None, 1: None}  # (torch's: each rank, no value)
     assert seen.names[:2] == ["RENDEZVOUS", "ASSIGN_WORKER_RANKS"]
     assert sorted(seen.names[2:]) == ["START", "START", "SUCCEEDED", "SUCCEEDED"]
+
+
+def test_shutdown_from_another_thread_stops_the_running_workers(tmp_path: Path) -> None:
+    handler = _c10d(f"agent-{uuid.uuid4().hex[:8]}")
+    spec = WorkerSpec("trainer", 2, handler, entrypoint=block, args=(str(tmp_path),), max_restarts=3)
+    agent = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull), shutdown_timeout=10)
+    agent._shutdown()  # (no group yet: nothing)
+    assert agent._monitor_workers(agent.get_worker_group()).state is WorkerState.INIT
+
+    def stop_when_started() -> None:
+        wait_until(lambda: len(list(tmp_path.glob("started_*"))) == 2, 60, "both workers started")
+        assert agent._monitor_workers(agent.get_worker_group()).state is WorkerState.HEALTHY
+        agent._shutdown(signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_when_started, daemon=True)
+    stopper.start()
+    try:
+        with pytest.raises(SignalException) as info:
+            agent.run()
+    finally:
+        stopper.join(60)
+        handler.shutdown()
+    assert info.value.sigval == signal.SIGTERM
+    for path in tmp_path.glob("started_*"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(path.name.rsplit("_", 1)[1]), 0)

@@ -18,7 +18,10 @@ not used), global ranks are ``group_rank * local_world_size + local_rank`` (ever
 same role with the same ``local_world_size``, as ``WorkerSpec`` asks: mixed roles or sizes are
 not supported), console lines are prefixed ``[rank<N>]:`` unless ``log_line_prefix_template``
 says otherwise, and ``RunResult.failures`` names only the workers that failed on their own
-(torch's program workers also list those its agent stopped).
+(torch's program workers also list those its agent stopped). Of the scaffolding's hooks,
+``_stop_workers`` and ``_shutdown`` stop a running group from any thread (``run()`` then raises
+``SignalException``) and ``_monitor_workers`` reports its state; ``_start_workers`` raises
+``NotImplementedError``: the workers start inside ``run()``, never one step at a time.
 
 What a rendezvous handler must be (tdist's static, c10d and etcd handlers are): a
 ``tdist.elastic.rendezvous.RendezvousHandler`` whose rounds give a tdist ``Store`` (the agents'
@@ -241,10 +244,19 @@ class LocalElasticAgent(SimpleElasticAgent):
         raise NotImplementedError("LocalElasticAgent starts its workers inside run() (tdist's LocalAgent)")
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        raise NotImplementedError("LocalElasticAgent stops its workers inside run() (tdist's LocalAgent)")
+        """Stop the running group's workers (SIGTERM, then SIGKILL after the shutdown
+        timeout), from any thread; ``run()`` then raises ``SignalException``. Nothing when no
+        group runs."""
+        self._shutdown(signal.SIGTERM)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        raise NotImplementedError("LocalElasticAgent watches its workers inside run() (tdist's LocalAgent)")
+        """The group's state as ``run()`` keeps it (``HEALTHY`` while its workers run; values
+        and failures come with ``run()``'s own result)."""
+        return RunResult(worker_group.state)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        raise NotImplementedError("LocalElasticAgent shuts its workers down inside run() (tdist's LocalAgent)")
+        """Stop the running workers with ``death_sig`` (as a signal to the agent would), from
+        any thread; ``run()`` then raises ``SignalException``. Nothing when no group runs."""
+        agent = self._agent
+        if agent is not None:
+            agent._on_signal(int(death_sig), None)
