@@ -268,3 +268,15 @@ def _torchs_own_new_group(rank: int, n: int) -> dict[str, Any]:
 def test_torchs_store_and_new_group_work_in_a_program_ported_by_its_imports() -> None:
     got = _run(_torchs_own_new_group, 2, "tdist-api")
     assert got == [{"set": "v", "sum": 3.0, "mine": [r]} for r in range(2)]
+
+
+def _elastic_sampler(rank: int, n: int) -> list[int]:
+    from tdist.elastic.utils.data import ElasticDistributedSampler
+
+    sampler = ElasticDistributedSampler(list(range(10)))  # (its ranks: torch's, the mirror of ours)
+    return list(sampler)
+
+
+def test_torchelastics_sampler_splits_the_data_of_a_group_formed_with_tdist() -> None:
+    got = _run(_elastic_sampler, 2, "tdist-api")
+    assert sorted(got[0] + got[1]) == list(range(10)) and not set(got[0]) & set(got[1])
