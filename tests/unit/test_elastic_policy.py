@@ -376,3 +376,21 @@ def test_a_launch_config_takes_a_command_line_and_says_where_a_function_goes() -
         LaunchConfig(print)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="strs"):
         LaunchConfig("train.py", args=("--epochs", 3))  # type: ignore[arg-type]
+
+
+def test_torchs_launcher_helpers_at_torchs_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.utils import api as theirs
+
+    from tdist.elastic.utils import api as ours
+
+    args = ["--r=${local_rank}", "$local_rank", "p$$", 7]
+    assert ours.macros.substitute(args, "2") == theirs.macros.substitute(args, "2") == ["--r=2", "2", "p$", 7]
+    assert ours.macros.local_rank == theirs.macros.local_rank
+    monkeypatch.delenv("TDIST_NOT_SET", raising=False)
+    with pytest.raises(ValueError, match="Environment variable TDIST_NOT_SET expected, but not set"):
+        ours.get_env_variable_or_raise("TDIST_NOT_SET")
+    sock = ours.get_socket_with_port()
+    try:
+        assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()

@@ -28,6 +28,7 @@ NOT_COVERED = {
     "torch.distributed.elastic.metrics": {"Optional"},  # its imports
     "torch.distributed.elastic.events": {"Optional", "inspect", "logging", "os", "socket", "traceback"},
     "torch.distributed.elastic.events.handlers": {"logging"},
+    "torch.distributed.elastic.utils.api": {"Any", "Template", "os", "socket"},  # its imports
     # a context manager of torch's workers' libc-level redirects (tdist's children get files at birth)
     "torch.distributed.elastic.multiprocessing.api": {"get_std_cm"},
     "torch.distributed.elastic.agent.server": {"health_check_server"},  # torch's health-check server (no tdist one)
@@ -52,6 +53,9 @@ PAIRS = [
     ("torch.distributed.elastic.rendezvous.api", "tdist.elastic.rendezvous.api"),
     ("torch.distributed.elastic.rendezvous.utils", "tdist.elastic.rendezvous.utils"),
     ("torch.distributed.elastic.utils.data", "tdist.elastic.utils.data"),
+    ("torch.distributed.elastic.utils.api", "tdist.elastic.utils.api"),
+    ("torch.distributed.elastic.multiprocessing.errors.error_handler", "tdist.elastic.multiprocessing.errors.error_handler"),
+    ("torch.distributed.elastic.multiprocessing.errors.handlers", "tdist.elastic.multiprocessing.errors.handlers"),
     ("torch.distributed.elastic.multiprocessing.errors", "tdist.elastic.multiprocessing.errors"),
     ("torch.distributed.elastic.timer", "tdist.elastic.timer"),
     ("torch.distributed.elastic.timer.api", "tdist.elastic.timer.api"),

@@ -15,7 +15,7 @@ import re
 import signal
 import string
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -390,13 +390,19 @@ def rdzv_settings(conf: dict[str, Any], join_timeout: float) -> dict[str, Any]:
 LOCAL_RANK_MACRO = "${local_rank}"  # (torchrun's macro: an argument's local rank)
 
 
+def substitute_local_rank(args: Iterable[Any], local_rank: str) -> list[Any]:
+    """``args`` with torchrun's macro replaced in each ``str`` one, as torch's agent does it
+    (``string.Template``: ``${local_rank}`` and ``$local_rank``; ``$$`` is ``$``)."""
+    return [string.Template(a).safe_substitute(local_rank=local_rank) if isinstance(a, str) else a for a in args]
+
+
 def worker_command(config: LaunchConfig, local_rank: int | None = None) -> list[str]:
     """The worker's argv (torchrun's: ``python -u script args``), ``${local_rank}`` in its
     arguments replaced by ``local_rank`` (torchrun's macro; ``python -m tdist.launch`` passes
     ``--local-rank=${local_rank}``)."""
     args = list(config.args)
-    if local_rank is not None:  # (as torch's agent: ``$local_rank`` too, and ``$$`` is ``$``)
-        args = [string.Template(a).safe_substitute(local_rank=str(local_rank)) for a in args]
+    if local_rank is not None:
+        args = substitute_local_rank(args, str(local_rank))
     if config.no_python:
         return [config.entrypoint, *args]
     if config.module:

@@ -13,7 +13,6 @@ import contextlib
 import multiprocessing.spawn
 import os
 import pickle
-import string
 import sys
 from collections.abc import Sequence
 
@@ -26,8 +25,9 @@ def main(argv: Sequence[str]) -> None:
         multiprocessing.spawn.prepare(pickle.load(f))
         fn, args, macros = pickle.load(f)
     if macros:  # (a launcher's worker: torchrun's macro, as torch's agent substitutes it)
-        local_rank = os.environ.get("LOCAL_RANK", "")
-        args = tuple(string.Template(a).safe_substitute(local_rank=local_rank) if isinstance(a, str) else a for a in args)
+        from .._policy import substitute_local_rank
+
+        args = tuple(substitute_local_rank(args, os.environ.get("LOCAL_RANK", "")))
     with contextlib.suppress(FileNotFoundError):  # (an earlier attempt's value is not this one's)
         os.unlink(result)
     value = record(fn)(*args)
