@@ -105,7 +105,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     from .launcher.api import LaunchConfig
 
     min_nodes, max_nodes = _nnodes(args.nnodes)
-    nproc_per_node = _nproc(str(args.nproc_per_node))
+    try:
+        nproc_per_node = _nproc(str(args.nproc_per_node))
+    except argparse.ArgumentTypeError as exc:  # (torch's type: "Cuda is not available.")
+        raise ValueError(str(exc)) from None
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:  # (as torchrun's: one node, a rendezvous of its own on a free port)
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())

@@ -136,54 +136,73 @@ def _bytes(value: Any) -> bytes:
 
 
 class _Held:
-    """The ``TorchWork``s kept alive here until they are used.
+    """The small ``TorchWork``s kept alive here until they are used.
 
     torch's C++ code may keep a work that Python code handed it while Python drops it: DDP's
-    reducer keeps the all-reduce of ``Join`` until its backward pass waits on it, then reads
-    its future. pybind finds a Python subclass's methods only while its Python object lives;
-    without it the base class's ``wait`` waits for ever and its ``get_future`` raises. So a
-    work stays here until it has been waited on or its future taken, and then for ``_AFTER``
-    works more (the reducer reads the future right after its wait, with the interpreter lock
-    let go in between); completed works that nobody uses (fire and forget) are let go, oldest
-    first, past ``_UNUSED``.
+    reducer keeps the one-element all-reduce of ``Join`` until its backward pass waits on it,
+    then reads its future. pybind finds a Python subclass's methods only while its Python
+    object lives; without it the base class's ``wait`` waits for ever and its ``get_future``
+    raises. So a work whose outputs are small (at most ``_SMALL`` bytes: a control message,
+    which is what torch's C++ keeps) stays here until it has been waited on or its future
+    taken, and then for ``_AFTER`` works more (the reducer reads the future right after its
+    wait, with the interpreter lock let go in between); small works nobody uses (fire and
+    forget) are let go, oldest completed first, past ``_UNUSED``. A work with larger outputs is
+    never kept beyond Python's references, so no tensor lives longer than under gloo but a
+    few small ones.
     """
 
+    _SMALL = 64 << 10
     _AFTER = 16
-    _UNUSED = 1024
+    _UNUSED = 256
 
     def __init__(self) -> None:
-        # (no lock: each step is one operation on a dict or a deque, atomic under the
-        # interpreter lock; this is on every operation's path through torch)
+        self._lock = threading.Lock()
         self._works: dict[int, TorchWork] = {}
         self._last_use: dict[int, int] = {}  # id -> the made-count at its last use
         self._uses: collections.deque[tuple[int, int]] = collections.deque()  # (made-count, id)
         self._made = 0
+        self._scan_at = self._UNUSED  # (the held count at which unused ones are looked at)
 
-    def add(self, work: TorchWork) -> None:
-        made = self._made = self._made + 1
+    def add(self, work: TorchWork, outputs: Any) -> None:
+        if not _small(outputs, self._SMALL):
+            return
         key = id(work)
-        self._last_use.pop(key, None)  # (an id of a work gone before: not this one's uses)
-        self._works[key] = work
-        uses = self._uses
-        while uses and uses[0][0] <= made - self._AFTER:
-            try:
+        with self._lock:
+            made = self._made = self._made + 1
+            self._last_use.pop(key, None)  # (an id of a work gone before: not this one's uses)
+            self._works[key] = work
+            uses = self._uses
+            while uses and uses[0][0] <= made - self._AFTER:
                 when, old = uses.popleft()
-            except IndexError:  # (another thread took it)
-                break
-            if self._last_use.get(old) == when:  # (not used again since)
-                del self._last_use[old]
-                self._works.pop(old, None)
-        if len(self._works) > self._UNUSED:  # (down to half: a scan every _UNUSED / 2 works at most)
-            done = [k for k, w in list(self._works.items()) if k not in self._last_use and w._work.is_completed()]
-            for k in done[: len(self._works) - self._UNUSED // 2]:
-                self._works.pop(k, None)
+                if self._last_use.get(old) == when:  # (not used again since)
+                    del self._last_use[old]
+                    self._works.pop(old, None)
+            if len(self._works) >= self._scan_at:
+                done = [k for k, w in self._works.items() if k not in self._last_use and w._work.is_completed()]
+                for k in done[: len(self._works) - self._UNUSED // 2]:
+                    del self._works[k]
+                self._scan_at = max(self._UNUSED, 2 * len(self._works))
 
     def used(self, work: TorchWork) -> None:
         key = id(work)
-        if key in self._works:
-            made = self._made
-            self._last_use[key] = made
-            self._uses.append((made, key))
+        with self._lock:
+            if key in self._works and self._last_use.get(key) != self._made:
+                self._last_use[key] = self._made
+                self._uses.append((self._made, key))
+
+
+def _small(outputs: Any, limit: int) -> bool:
+    """Whether the tensors in ``outputs`` (nested lists) add up to at most ``limit`` bytes."""
+    total, stack = 0, [outputs]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()  # (a sparse tensor: its dense size)
+            if total > limit:
+                return False
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return True
 
 
 _held = _Held()
@@ -202,7 +221,7 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._settler: int | None = None  # the thread completing the future
         self._settled: threading.Event | None = None  # (made with the future)
-        _held.add(self)
+        _held.add(self, outputs)
 
     def wait(self, timeout: timedelta = _UNSET) -> bool:
         self._work.wait(timeout if timeout else None)
@@ -334,8 +353,9 @@ _completers = _Completers()
 
 
 def _forget_completer() -> None:
-    global _completers
+    global _completers, _held
     _completers = _Completers()  # (a forked child has none of its parent's threads)
+    _held = _Held()  # (nor its lock's holder)
 
 
 os.register_at_fork(after_in_child=_forget_completer)
@@ -646,9 +666,10 @@ def forget_default_group(pg: Any) -> None:
     global _mirrored
     if _mirrored is None or _mirrored[0] is not pg:
         return
-    torch_pg, _mirrored = _mirrored[1], None
+    torch_pg, store, _mirrored = _mirrored[1], _mirrored[2], None
     if tdc.is_initialized() and tdc.distributed_c10d._get_default_group() is torch_pg:
         tdc.destroy_process_group()
+    del store  # (only now: torch's destroy may still use it)
 
 
 def handle_on(group: Any) -> tuple[ProcessGroup, GroupInfo] | None:

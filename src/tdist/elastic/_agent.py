@@ -420,8 +420,9 @@ class LocalAgent:
                 if self._timer_server is not None:
                     self._timer_server.stop()  # (and its pipe is removed)
                 self._restore_signal_handlers(previous)
-                os.close(self._wake_r)
-                os.close(self._wake_w)
+                wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+                os.close(wake_r)  # (-1 first: a late _on_signal writes nowhere, not to a reused fd)
+                os.close(wake_w)
                 if self._temp_base is not None and not self._keeps_logs and not _error_files(self._temp_base):
                     # (nothing was there: an error file a worker wrote stays, as torchrun's do,
                     # since the report names it)
