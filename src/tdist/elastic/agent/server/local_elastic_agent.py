@@ -44,6 +44,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from typing import Any
 
 from ..._agent import LaunchError, LocalAgent, _Worker
@@ -160,6 +161,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._log_line_prefix_template = log_line_prefix_template
         self._rdzv_handler = spec.rdzv_handler
         self._agent: _SpecAgent | None = None
+        self._finished: threading.Event | None = None  # (set once run() has stopped everything)
+        self._runner: int | None = None  # (the thread in run())
 
     def _launch_config(self, entrypoint: str, args: tuple[str, ...], *, module: bool, no_python: bool) -> LaunchConfig:
         spec = self._worker_group.spec
@@ -202,6 +205,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         """
         spec = self._worker_group.spec
         results: str | None = None
+        self._runner, self._finished = threading.get_ident(), threading.Event()
         try:
             if callable(spec.entrypoint):
                 results = tempfile.mkdtemp(prefix="tdist_agent_")
@@ -238,6 +242,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         finally:
             if results is not None:
                 shutil.rmtree(results, ignore_errors=True)
+            self._finished.set()
 
     # (the scaffolding's hooks: ``run`` above goes through the launcher's agent, not them)
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -256,7 +261,12 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         """Stop the running workers with ``death_sig`` (as a signal to the agent would), from
-        any thread; ``run()`` then raises ``SignalException``. Nothing when no group runs."""
-        agent = self._agent
-        if agent is not None:
-            agent._on_signal(int(death_sig), None)
+        any thread, and wait up to ``timeout`` seconds until ``run()`` has stopped them all
+        (from ``run()``'s own thread, a signal handler: no wait); ``run()`` then raises
+        ``SignalException``. Nothing when no group runs."""
+        agent, finished = self._agent, self._finished
+        if agent is None or finished is None or finished.is_set():
+            return
+        agent._on_signal(int(death_sig), None)
+        if threading.get_ident() != self._runner:
+            finished.wait(timeout)
