@@ -1,33 +1,4 @@
 """``torch.distributed.elastic.metrics.api``'s names (implemented in ``_api``)."""
 
-from ._api import (
-    ConsoleMetricHandler,
-    MetricData,
-    MetricHandler,
-    MetricsConfig,
-    MetricStream,
-    NullMetricHandler,
-    configure,
-    get_elapsed_time_ms,
-    getStream,
-    prof,
-    profile,
-    publish_metric,
-    put_metric,
-)
-
-__all__ = [
-    "ConsoleMetricHandler",
-    "MetricData",
-    "MetricHandler",
-    "MetricStream",
-    "MetricsConfig",
-    "NullMetricHandler",
-    "configure",
-    "getStream",
-    "get_elapsed_time_ms",
-    "prof",
-    "profile",
-    "publish_metric",
-    "put_metric",
-]
+from ._api import *  # noqa: F403  (the module path of torch's: the same names, one list)
+from ._api import __all__ as __all__
