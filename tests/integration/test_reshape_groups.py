@@ -178,3 +178,62 @@ def test_a_sub_group_shrinks_among_the_ranks_that_call_and_keeps_their_order() -
         ranks, total, still, desc = out[rank]
         assert ranks == [0, 1] and total == 3.0 and still == (3, rank)
         assert desc.endswith(":shrunk")
+
+
+def _methods(rank: int, world: int, port: int) -> dict[str, Any]:
+    """torch's ProcessGroup methods: split_group (members only), merge_remote_group, the
+    coalesced tensor collectives, Work.get_future_result."""
+    _init(rank, world, port)
+    try:
+        pg = tdist.group.WORLD
+        out: dict[str, Any] = {"gloo": pg.GLOO == pg.BackendType.GLOO == tdist.ProcessGroup.GLOO == 1}
+        for bad, kind in (([], "cannot be empty"), ([0, 0], "duplicates"), ([0, 1, 2, 0], "no larger")):
+            with pytest.raises(RuntimeError, match=kind):
+                pg.split_group(bad)
+        if rank != 1:  # (rank 1 is in no split and need not call)
+            part = pg.split_group([2, 0])
+            out["split"] = (part.rank(), part.size(), _sum_of([1.0, 2.0, 4.0], part), part.group_desc)
+        if rank == 1:
+            assert pg.split_group([0, 2]) is None
+        merged = pg.merge_remote_group(tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30)), world)
+        t = torch.tensor([float(1 << merged.rank())])
+        merged.allreduce([t]).wait()
+        out["merged"] = (merged.size(), t.item(), merged.group_name)
+        tdist.all_reduce(t, group=merged)  # (tdist's functions take a group of no world)
+        out["merged_again"] = t.item()
+        if merged.rank() < 2:  # (a group of no world splits into another)
+            half = merged.split_group([1, 0])
+            u = torch.ones(1)
+            half.allreduce([u]).wait()
+            out["half"] = (half.group_name, u.item())
+        merged.shutdown()
+        gathered = [torch.zeros(2 * world), torch.zeros(world)]
+        work = pg.allgather_into_tensor_coalesced(gathered, [torch.full((2,), float(rank)), torch.full((1,), rank + 0.5)])
+        out["future_result"] = work.get_future_result().wait()
+        out["ag"] = [g.tolist() for g in gathered]
+        reduced = [torch.zeros(1), torch.zeros(2)]
+        pg.reduce_scatter_tensor_coalesced(
+            reduced, [torch.arange(world, dtype=torch.float) + rank, torch.ones(2 * world)]
+        ).wait()
+        out["rs"] = [r.tolist() for r in reduced]
+        return out
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_process_group_methods_split_merge_and_coalesced_collectives() -> None:
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True)
+    try:
+        out = run_processes(_methods, 3, master.port, timeout=80)
+    finally:
+        master.close()
+    assert all(o["gloo"] for o in out)
+    assert out[0]["split"] == (0, 2, 5.0, "default_pg:split:[0, 2]")
+    assert out[2]["split"][:3] == (1, 2, 5.0) and "split" not in out[1]
+    assert [o["merged"][:2] for o in out] == [(3, 7.0)] * 3 and out[0]["merged"][2] == "0:merge"
+    assert [o["merged_again"] for o in out] == [21.0] * 3
+    assert sorted(o["half"] for o in out if "half" in o) == [("0:merge:split:[0, 1]", 2.0)] * 2
+    assert [o["future_result"] for o in out] == [0, 0, 0]
+    assert out[1]["ag"] == [[0.0, 0.0, 1.0, 1.0, 2.0, 2.0], [0.5, 1.5, 2.5]]
+    # rank r's block r of (arange + rank) summed over ranks: 3 r + 3; of ones: 3
+    assert [o["rs"] for o in out] == [[[3.0], [3.0, 3.0]], [[6.0], [3.0, 3.0]], [[9.0], [3.0, 3.0]]]

@@ -208,6 +208,15 @@ class ProcessGroup(metaclass=_GroupClass):
         XCCL = 5
         CUSTOM = 6
 
+    # (torch's enum values are the class's attributes too: ``ProcessGroup.GLOO``)
+    UNDEFINED = BackendType.UNDEFINED
+    GLOO = BackendType.GLOO
+    NCCL = BackendType.NCCL
+    UCC = BackendType.UCC
+    MPI = BackendType.MPI
+    XCCL = BackendType.XCCL
+    CUSTOM = BackendType.CUSTOM
+
     def __init__(self, store: Store, rank: int, size: int) -> None:
         self._store = store
         self._rank = rank
@@ -546,6 +555,33 @@ class ProcessGroup(metaclass=_GroupClass):
 
     reduce_scatter_single = _reduce_scatter_base
 
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
+    ) -> Work:
+        """``outputs[i]`` is every rank's ``inputs[i]`` concatenated in rank order, for each
+        pair: ``_allgather_base`` of every pair, one ``Work`` for them all."""
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"allgather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs"
+            )
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return chain_work(works, "allgather_into_tensor_coalesced", lambda: list(outputs))
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions | None = None
+    ) -> Work:
+        """``outputs[i]`` is the reduction of block r of every rank's ``inputs[i]`` (r: this
+        rank), for each pair: ``_reduce_scatter_base`` of every pair, one ``Work`` for them all."""
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs"
+            )
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return chain_work(works, "reduce_scatter_tensor_coalesced", lambda: list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
     def alltoall(
         self,
         output_tensors: list[torch.Tensor],
@@ -633,6 +669,37 @@ class ProcessGroup(metaclass=_GroupClass):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         """Receive into ``tensors[0]`` from whichever rank sends first."""
         return self._impl().recv_anysource(_d(_as_list(tensors)), tag)
+
+    # -- groups made from this one (torch's C++ methods; see ``_reshape``) ---------------------
+    def split_group(
+        self,
+        ranks: Sequence[int],
+        timeout: timedelta | None = None,
+        opts: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> ProcessGroup | None:
+        """A group of this group's ranks ``ranks``, made by its members alone (only they need
+        call it); ``None`` on a rank not in it."""
+        from ._reshape import split_one
+
+        return split_one(self, ranks, timeout, opts, group_name, group_desc)  # type: ignore[no-any-return]
+
+    def merge_remote_group(
+        self,
+        store: Any,
+        size: int,
+        timeout: timedelta = timedelta(minutes=30),
+        group_name: str | None = None,
+        group_desc: str | None = None,
+    ) -> ProcessGroup:
+        """A group of ``size`` processes, this group's backend, met through ``store``: each
+        caller's rank is the order in which it arrives there. The callers may come from
+        different jobs; the group belongs to no world (as torch's)."""
+        from ._reshape import merge_remote
+
+        return merge_remote(self, store, size, timeout, group_name, group_desc)  # type: ignore[no-any-return]
 
     # -- lifetime ------------------------------------------------------------------------------
     def set_timeout(self, timeout: timedelta) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from ..store import PrefixStore
 from ._backend_config import Backend
-from ._group import GroupInfo, ProcessGroup, World, publish_world, thread_isolated
+from ._group import GroupInfo, ProcessGroup, World, current_world, publish_world, thread_isolated
 from ._lifecycle import (
     _creator_for,
     _make_group,
@@ -136,6 +136,143 @@ def split_group(
         use_local_synchronization=True,
         group_desc=group_desc,
     )
+
+
+def _split_ranks(ranks: Sequence[int], size: int) -> list[int]:
+    """``ProcessGroup.split_group``'s ``ranks``, checked as torch checks them (``RuntimeError``,
+    its words), sorted."""
+    ranks = list(ranks)
+    if not ranks:
+        raise RuntimeError(
+            "Split ranks cannot be empty. Please provide a non-empty list of ranks to split the group."
+        )
+    if len(ranks) > size:
+        raise RuntimeError(
+            "the split group's size should be no larger than the world_size set by init_process_group"
+        )
+    if len(set(ranks)) != len(ranks):
+        raise RuntimeError(
+            "Split ranks should not have duplicates. Please provide a non-duplicate list of ranks to "
+            "split the group."
+        )
+    for r in ranks:
+        if not 0 <= int(r) < size:
+            raise RuntimeError(f"split rank {r} is not a rank of the group (0 to {size - 1})")
+    return sorted(int(r) for r in ranks)
+
+
+def split_one(
+    parent: Any,
+    ranks: Sequence[int],
+    timeout: timedelta | None,
+    opts: Any,
+    group_name: str | None,
+    group_desc: str | None,
+) -> Any:
+    """``ProcessGroup.split_group`` (ours and torch's twin's): the group of ``parent``'s group
+    ranks ``ranks``, made by its members alone; ``None`` on a rank outside it.
+
+    A registered parent's split is registered as ``new_group`` registers a group (tdist's
+    functions and torch's take it; a twin's split is a twin); there ``group_name`` is not used,
+    since a group's name is the world's to give. A group that belongs to no world (a merged
+    one) splits into another such group, named ``group_name`` (default
+    ``"<name>:split:[ranks]"``), in its store's namespace of that name.
+    """
+    mine = _split_ranks(ranks, parent.size())
+    if parent.rank() not in mine:
+        return None
+    desc = group_desc if group_desc is not None else f"{parent.group_desc}:split:{mine}"
+    timeout = default_pg_timeout if timeout is None else timeout
+    world = current_world()
+    ours = _resolve_quietly(parent)
+    info = None if ours is None or world is None else world.groups.get(ours)
+    if info is not None:
+        members = _members(info)
+        return new_group(
+            [members[r] for r in mine], timeout=timeout, backend=info.backend, pg_options=opts,
+            use_local_synchronization=True, group_desc=desc,
+        )
+    if ours is None:
+        raise ValueError(f"Group {parent} is not a group of tdist's")
+    name = group_name if group_name is not None else f"{parent.group_name}:split:{mine}"
+    made = _standalone(
+        PrefixStore(f"{name}/", ours.get_group_store()), mine.index(parent.rank()), len(mine), timeout,
+        name, desc,
+    )
+    return made if isinstance(parent, ProcessGroup) and not _is_twin(parent) else _twin_of_standalone(made)
+
+
+def merge_remote(
+    parent: Any,
+    store: Any,
+    size: int,
+    timeout: timedelta,
+    group_name: str | None,
+    group_desc: str | None,
+) -> Any:
+    """``ProcessGroup.merge_remote_group`` (ours and torch's twin's): a group of ``size``
+    callers met through ``store`` (each one's rank: the order of its arrival,
+    ``store.add("mergeGroupRank", 1) - 1``), on tdist's tcp backend, in ``store``'s namespace
+    ``"<name>/"``. It belongs to no world, as torch's; the callers may come from several jobs.
+
+    Raises:
+        ValueError: ``size`` is not positive, or more than ``size`` callers came.
+    """
+    from ..store import Store
+
+    if int(size) <= 0:
+        raise ValueError(f"merge_remote_group: size must be positive, got {size}")
+    if not isinstance(store, Store):  # (torch's store, from code not ported yet)
+        from ..store._foreign import as_store
+
+        store = as_store(store)
+    rank = int(store.add("mergeGroupRank", 1)) - 1
+    if rank >= size:
+        raise ValueError(f"merge_remote_group: {rank + 1} processes came to merge into a group of {size}")
+    name = group_name if group_name is not None else f"{parent.group_name}:merge"
+    desc = group_desc if group_desc is not None else f"{parent.group_desc}:merge"
+    made = _standalone(PrefixStore(f"{name}/", store), rank, int(size), timeout, name, desc)
+    return made if not _is_twin(parent) else _twin_of_standalone(made)
+
+
+def _resolve_quietly(group: Any) -> ProcessGroup | None:
+    """Our group behind ``group`` (ours, a twin, or a group that belongs to no world)."""
+    standalone = getattr(group, "_tdist_standalone", None)
+    if standalone is not None:
+        return standalone  # type: ignore[no-any-return]
+    try:
+        return _resolve(group)
+    except (ValueError, TypeError):
+        return None
+
+
+def _is_twin(group: Any) -> bool:
+    return isinstance(group, torch.distributed.ProcessGroup)
+
+
+def _standalone(store: Any, rank: int, size: int, timeout: timedelta, name: str, desc: str) -> ProcessGroup:
+    """A group on tdist's tcp backend that belongs to no world (``store``: its namespace)."""
+    from ._lifecycle import _display_name
+
+    pg = ProcessGroup(store, rank, size)
+    pg._set_group_name(name)
+    pg._set_group_desc(desc)
+    impl = _creator_for(Backend.GLOO, None)(PrefixStore("cpu/", store), rank, size, timeout, name, list(range(size)))
+    pg._set_backend(impl, _display_name(Backend.GLOO, impl), timeout, None)
+    return pg
+
+
+def _twin_of_standalone(pg: ProcessGroup) -> Any:
+    """torch's face of a group that belongs to no world: it stops the backend when shut down,
+    and tdist's functions take it (``_world._from_torch``)."""
+    from ._torch_pg import TorchProcessGroup
+
+    twin = TorchProcessGroup(None, pg.rank(), pg.size(), pg._timeout, pg._get_backend())
+    twin._owned = True
+    twin.setGroupName(pg.group_name)
+    twin.setGroupDesc(pg.group_desc)
+    twin._tdist_standalone = pg
+    return twin
 
 
 def _check_exclusions(ranks_to_exclude: Any, shrink_flags: Any, size: int, me: int) -> set[int]:

@@ -248,6 +248,11 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
     def synchronize(self) -> None:
         """Nothing to do: the tensors are CPU tensors, written when the work completes."""
 
+    def get_future_result(self) -> Any:
+        """How the work ended, as torch's ``WorkResult`` int (see ``Work.get_future_result``)."""
+        _held.used(self)
+        return self._work.get_future_result()
+
     def get_future(self) -> Any:
         """Completed with the output tensors (torch's DDP reads ``value()[0]``), or the error."""
         with self._lock:
@@ -575,6 +580,33 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def abort(self) -> None:
         self._b.abort()
+
+    # (torch's C++ split and merge ask a backend of torch's to split itself: on this group they
+    # crashed the process; tdist makes the group)
+    def split_group(
+        self,
+        ranks: Sequence[int],
+        timeout: timedelta | None = None,
+        opts: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> Any:
+        from ._reshape import split_one
+
+        return split_one(self, ranks, timeout, opts, group_name, group_desc)
+
+    def merge_remote_group(
+        self,
+        store: Any,
+        size: int,
+        timeout: timedelta = timedelta(minutes=30),
+        group_name: str | None = None,
+        group_desc: str | None = None,
+    ) -> Any:
+        from ._reshape import merge_remote
+
+        return merge_remote(self, store, size, timeout, group_name, group_desc)
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout

@@ -307,6 +307,26 @@ class Work:
                     self._settle_future()
             return self._future
 
+    def get_future_result(self) -> Any:
+        """A ``torch.futures.Future`` completed, once the operation is over, with how it ended
+        as an int of torch's ``WorkResult``: 0 success, 1 timeout, 2 communication error.
+        (torch serves this on NCCL only; it never holds the operation's error.)"""
+        import torch
+
+        fut: Any = torch.futures.Future()
+
+        def settle(w: Work) -> None:
+            exc = w._exc
+            if exc is None:
+                fut.set_result(0)
+            elif isinstance(exc, TimeoutError):  # (DistTimeoutError among them)
+                fut.set_result(1)
+            else:
+                fut.set_result(2)
+
+        self.add_done_callback(settle)
+        return fut
+
     def _get_duration(self) -> float:
         """Milliseconds the operation took (torch's private helper)."""
         if self._duration is None:

@@ -112,6 +112,8 @@ def _from_torch(group: object) -> ProcessGroup | None:
     if world is None or not isinstance(group, torch.distributed.ProcessGroup):
         return None
     ours = world.torch_twins.get(group)
+    if ours is None:  # (a group that belongs to no world: a merged one)
+        ours = getattr(group, "_tdist_standalone", None)
     if ours is None:  # (one that torch's new_group(backend="tdist") made: a handle on it)
         from ._torch_pg import handle_on
 
