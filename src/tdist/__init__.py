@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ._public import __all__ as __all__
     from ._public import _all_gather_base as _all_gather_base
     from ._public import _clear_group_cache as _clear_group_cache
+    from ._public import _coalescing_manager as _coalescing_manager
+    from ._public import _CoalescingManager as _CoalescingManager
     from ._public import _reduce_scatter_base as _reduce_scatter_base
     from ._public import _register_stream as _register_stream
 
@@ -36,7 +38,10 @@ _SUBMODULES = ("autograd", "constants", "elastic", "flight_recorder", "master_wo
 def _load() -> None:
     public = importlib.import_module(f"{__name__}._public")
     names = globals()
-    private = ("_all_gather_base", "_reduce_scatter_base", "_clear_group_cache", "_register_stream")
+    private = (
+        "_all_gather_base", "_reduce_scatter_base", "_clear_group_cache", "_register_stream",
+        "_coalescing_manager", "_CoalescingManager",
+    )
     for name in (*public.__all__, *private, "__all__"):  # (__all__, the mark, last)
         names.setdefault(name, getattr(public, name))
 

@@ -101,6 +101,12 @@ from .c10d._api import (
     _clear_group_cache as _clear_group_cache,
 )
 from .c10d._api import (
+    _coalescing_manager as _coalescing_manager,
+)
+from .c10d._api import (
+    _CoalescingManager as _CoalescingManager,
+)
+from .c10d._api import (
     _reduce_scatter_base as _reduce_scatter_base,
 )
 from .c10d._api import (

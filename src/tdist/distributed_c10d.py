@@ -11,7 +11,14 @@ from typing import Any
 
 from ._public import *  # noqa: F403  (the module-level c10d API, by design)
 from ._public import __all__ as _public
-from .c10d._api import _all_gather_base, _default_group, _not_member, _reduce_scatter_base
+from .c10d._api import (
+    _all_gather_base,
+    _coalescing_manager,
+    _CoalescingManager,
+    _default_group,
+    _not_member,
+    _reduce_scatter_base,
+)
 from .c10d._group import GroupMember
 
 __all__ = list(_public)
@@ -49,9 +56,11 @@ def _rank_not_in_group(group: object) -> bool:
 
 __all_private__ = [
     "_all_gather_base",
+    "_CoalescingManager",
+    "_coalescing_manager",
     "_get_default_group",
     "_get_default_store",
     "_rank_not_in_group",
     "_reduce_scatter_base",
 ]
-_ = (_all_gather_base, _reduce_scatter_base)
+_ = (_all_gather_base, _reduce_scatter_base, _coalescing_manager, _CoalescingManager)

@@ -182,11 +182,14 @@ def test_a_sub_group_shrinks_among_the_ranks_that_call_and_keeps_their_order() -
 
 def _methods(rank: int, world: int, port: int) -> dict[str, Any]:
     """torch's ProcessGroup methods: split_group (members only), merge_remote_group, the
-    coalesced tensor collectives, Work.get_future_result."""
+    coalesced tensor collectives, Work.get_future_result; and torch's coalescing manager."""
     _init(rank, world, port)
     try:
         pg = tdist.group.WORLD
         out: dict[str, Any] = {"gloo": pg.GLOO == pg.BackendType.GLOO == tdist.ProcessGroup.GLOO == 1}
+        # (torch's C++ answered None, raised, raised on a group that runs on tdist)
+        pg.get_group_store().set(f"k{rank}", "v")
+        out["twin"] = (pg.use_pg_for_symm_mem_rendezvous, pg._get_sequence_number_for_group() >= 0)
         for bad, kind in (([], "cannot be empty"), ([0, 0], "duplicates"), ([0, 1, 2, 0], "no larger")):
             with pytest.raises(RuntimeError, match=kind):
                 pg.split_group(bad)
@@ -216,6 +219,14 @@ def _methods(rank: int, world: int, port: int) -> dict[str, Any]:
             reduced, [torch.arange(world, dtype=torch.float) + rank, torch.ones(2 * world)]
         ).wait()
         out["rs"] = [r.tolist() for r in reduced]
+        # torch's coalescing manager (the documented use: plain calls in an async_ops block)
+        a, b, c = torch.ones(2), torch.ones(3), torch.zeros(world)
+        with tdist._coalescing_manager(async_ops=True) as cm:
+            assert tdist.all_reduce(a) is None
+            tdist.all_reduce(b)
+            tdist.all_gather_into_tensor(c, torch.tensor([float(rank)]))
+        cm.wait()
+        out["coalesced"] = (len(cm.works), a.tolist(), b.tolist(), c.tolist())
         return out
     finally:
         tdist.destroy_process_group()
@@ -227,7 +238,7 @@ def test_process_group_methods_split_merge_and_coalesced_collectives() -> None:
         out = run_processes(_methods, 3, master.port, timeout=80)
     finally:
         master.close()
-    assert all(o["gloo"] for o in out)
+    assert all(o["gloo"] for o in out) and [o["twin"] for o in out] == [(False, True)] * 3
     assert out[0]["split"] == (0, 2, 5.0, "default_pg:split:[0, 2]")
     assert out[2]["split"][:3] == (1, 2, 5.0) and "split" not in out[1]
     assert [o["merged"][:2] for o in out] == [(3, 7.0)] * 3 and out[0]["merged"][2] == "0:merge"
@@ -236,4 +247,5 @@ def test_process_group_methods_split_merge_and_coalesced_collectives() -> None:
     assert [o["future_result"] for o in out] == [0, 0, 0]
     assert out[1]["ag"] == [[0.0, 0.0, 1.0, 1.0, 2.0, 2.0], [0.5, 1.5, 2.5]]
     # rank r's block r of (arange + rank) summed over ranks: 3 r + 3; of ones: 3
+    assert out[2]["coalesced"] == (3, [3.0, 3.0], [3.0, 3.0, 3.0], [0.0, 1.0, 2.0])
     assert [o["rs"] for o in out] == [[[3.0], [3.0, 3.0]], [[6.0], [3.0, 3.0]], [[9.0], [3.0, 3.0]]]

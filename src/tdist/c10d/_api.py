@@ -25,6 +25,8 @@ deprecated coalesced and ``*_multigpu`` forms, torch 0.3's names) and ``_objects
 from __future__ import annotations
 
 from ._collectives import _all_gather_base as _all_gather_base
+from ._collectives import _coalescing_manager as _coalescing_manager
+from ._collectives import _CoalescingManager as _CoalescingManager
 from ._collectives import _reduce_scatter_base as _reduce_scatter_base
 from ._collectives import (
     all_gather,

@@ -9,7 +9,10 @@ with ``async_op`` the ``Work`` comes back at once, else it is waited on here.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -68,6 +71,63 @@ def _finish(work: Work, async_op: bool) -> Work | None:
         return work
     work.wait()
     return None
+
+
+# -- torch's coalescing manager ---------------------------------------------------------------------
+class _CoalescingManager:
+    """What ``_coalescing_manager`` yields: the works of the block (``wait()`` waits for them)."""
+
+    def __init__(self) -> None:
+        self.works: list[Work] = []
+
+    def append(self, work: Work | None = None) -> None:
+        if work:
+            self.works.append(work)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+_coalescing = threading.local()  # .active: (group, manager) of this thread's async_ops block
+
+
+@contextlib.contextmanager
+def _coalescing_manager(
+    group: GroupArg = None, device: torch.device | None = None, async_ops: bool = False
+) -> Iterator[_CoalescingManager]:
+    """torch's ``_coalescing_manager``: the block's ``all_reduce``, ``all_gather_into_tensor``
+    and ``reduce_scatter_tensor`` on ``group``, as one batch.
+
+    With ``async_ops``, those calls return at once even without ``async_op`` (their works go
+    to the manager; ``cm.wait()`` waits for them), as torch's defer them to the block's end;
+    without it, each is done when it returns. Unlike torch's, a call with ``async_op=True``
+    gets its real ``Work`` (torch's gives one whose ``wait`` raises), and ``device`` needs no
+    backend support (gloo raises). Other operations in the block run as usual.
+
+    Raises:
+        ValueError: a block for this group is open already in this thread (torch's message).
+    """
+    pg = _resolve(group)
+    outer = getattr(_coalescing, "active", None)
+    if outer is not None and outer[0] is pg:
+        raise ValueError("ProcessGroup has non-empty op list at the start of coalescing")
+    cm = _CoalescingManager()
+    _coalescing.active = (pg, cm) if async_ops else outer
+    try:
+        yield cm
+    finally:
+        _coalescing.active = outer
+
+
+def _finish_coalesced(pg: Any, work: Work, async_op: bool) -> Work | None:
+    """``_finish`` for the operations torch coalesces: in an ``async_ops`` block of ``pg``'s
+    the work goes to its manager."""
+    active = getattr(_coalescing, "active", None)
+    if active is not None and active[0] is pg:
+        active[1].append(work)
+        return work if async_op else None
+    return _finish(work, async_op)
 
 
 def _red_op(op: object) -> RedOpType:
@@ -151,7 +211,7 @@ def all_reduce(
     opts = AllreduceOptions()  # fields set directly: this is the latency-critical path
     opts.reduceOp = red
     opts.asyncOp = async_op
-    return _finish(pg.allreduce([t], opts), async_op)
+    return _finish_coalesced(pg, pg.allreduce([t], opts), async_op)
 
 
 def _sparse_all_reduce(tensor: torch.Tensor, op: ReduceOp | RedOpType, group: GroupArg, async_op: bool) -> Work | None:
@@ -250,7 +310,7 @@ def all_gather_single(
     pg = _resolve(group)
     C.check_all_gather_single(out, inp, pg.size(), "all_gather_into_tensor")
     opts = _set_async(AllgatherOptions(), async_op)
-    return _finish(pg._allgather_base(C.real_view(out), C.real_view(inp), opts), async_op)
+    return _finish_coalesced(pg, pg._allgather_base(C.real_view(out), C.real_view(inp), opts), async_op)
 
 
 def all_gather_into_tensor(
@@ -414,7 +474,7 @@ def reduce_scatter_single(
     pg = _resolve(group)
     C.check_reduce_scatter_single(out, inp, pg.size(), "reduce_scatter_tensor")
     opts = _set_async(ReduceScatterOptions(reduceOp=red), async_op)
-    return _finish(pg._reduce_scatter_base(C.real_view(out), C.real_view(inp), opts), async_op)
+    return _finish_coalesced(pg, pg._reduce_scatter_base(C.real_view(out), C.real_view(inp), opts), async_op)
 
 
 def reduce_scatter_tensor(

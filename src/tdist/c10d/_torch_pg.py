@@ -400,6 +400,7 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, backend: Any = None) -> None:
         super().__init__(rank, size)
+        self._torch_store = store if isinstance(store, _TorchStore) else None
         self._group_name = self._group_desc = ""
         self._timeout = timeout
         self._owned = backend is None  # (else tdist's own group: tdist stops it)
@@ -580,6 +581,23 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def abort(self) -> None:
         self._b.abort()
+
+    def get_group_store(self) -> Any:
+        """The store torch made the group with (torch's C++ keeps none for a group written in
+        Python: it gave None)."""
+        return self._torch_store
+
+    # (torch's C++ versions of these three look for a backend of torch's: they raised here)
+    @property
+    def use_pg_for_symm_mem_rendezvous(self) -> bool:
+        return False
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many operations the group has numbered (the same on every rank)."""
+        return int(getattr(self._b, "_seq", 0))
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Nothing to do: tdist's backend numbers its operations from its start."""
 
     # (torch's C++ split and merge ask a backend of torch's to split itself: on this group they
     # crashed the process; tdist makes the group)
