@@ -49,6 +49,8 @@ def _load() -> None:
 def __getattr__(name: str) -> object:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "rendezvous":  # (a function and a module, as torch's: the module is callable)
+        return importlib.import_module(f"{__name__}.rendezvous")
     if importlib.util.find_spec(f"{__name__}.{name}") is not None:
         # ``from tdist import cli``: the import system asks us first; a submodule is its to
         # import (not a reason to load every public name, and torch with them)

@@ -943,3 +943,28 @@ def test_public_surface_against_torch() -> None:
     assert sorted(dist.__all__) == sorted(set(dist.__all__))
     for n in dist.__all__:
         assert hasattr(dist, n), n
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        # the module path first (torch's custom-scheme recipe), then the function
+        "from tdist.rendezvous import register_rendezvous_handler\nimport tdist\nfn = tdist.rendezvous",
+        # the function first (the package loaded), then the module path
+        "import tdist\ntdist.init_process_group\nfn = tdist.rendezvous\nimport tdist.rendezvous",
+    ],
+)
+def test_rendezvous_is_a_module_path_and_a_function_in_any_import_order(program: str) -> None:
+    import subprocess
+    import sys
+
+    check = (
+        "\nfrom tdist.rendezvous import register_rendezvous_handler, _rendezvous_handlers"
+        "\nregister_rendezvous_handler('mine', lambda url, **kw: iter([(None, 0, 1)]))"
+        "\nassert next(fn('mine://x')) == (None, 0, 1) and 'tcp' in _rendezvous_handlers"
+        "\nstore, rank, world = next(fn('tcp://127.0.0.1:0?rank=0&world_size=1'))"
+        "\nprint(rank, world, type(store).__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", program + check], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1", "TCPStore"]
