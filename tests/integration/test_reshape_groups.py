@@ -190,6 +190,8 @@ def _methods(rank: int, world: int, port: int) -> dict[str, Any]:
         # (torch's C++ answered None, raised, raised on a group that runs on tdist)
         pg.get_group_store().set(f"k{rank}", "v")
         out["twin"] = (pg.use_pg_for_symm_mem_rendezvous, pg._get_sequence_number_for_group() >= 0)
+        w = torch_dist.all_reduce(torch.ones(2), async_op=True)  # (torch's function, torch's Work)
+        out["work"] = (w.result()[0].tolist(), w._get_op_type())
         for bad, kind in (([], "cannot be empty"), ([0, 0], "duplicates"), ([0, 1, 2, 0], "no larger")):
             with pytest.raises(RuntimeError, match=kind):
                 pg.split_group(bad)
@@ -238,6 +240,7 @@ def test_process_group_methods_split_merge_and_coalesced_collectives() -> None:
         out = run_processes(_methods, 3, master.port, timeout=80)
     finally:
         master.close()
+    assert [o["work"] for o in out] == [([3.0, 3.0], 1)] * 3
     assert all(o["gloo"] for o in out) and [o["twin"] for o in out] == [(False, True)] * 3
     assert out[0]["split"] == (0, 2, 5.0, "default_pg:split:[0, 2]")
     assert out[2]["split"][:3] == (1, 2, 5.0) and "split" not in out[1]

@@ -248,6 +248,15 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
     def synchronize(self) -> None:
         """Nothing to do: the tensors are CPU tensors, written when the work completes."""
 
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors, once done (torch's deprecated ``Work.result``)."""
+        self.wait()
+        out = self._outputs
+        return [t for x in out for t in (x if isinstance(x, list) else [x])]
+
+    def _get_op_type(self) -> int:
+        return self._work._get_op_type()
+
     def get_future_result(self) -> Any:
         """How the work ended, as torch's ``WorkResult`` int (see ``Work.get_future_result``)."""
         _held.used(self)

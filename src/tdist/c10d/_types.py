@@ -191,6 +191,16 @@ class BarrierOptions(_Options):
 
 
 # -- Work ----------------------------------------------------------------------------------------
+#: torch's ``OpType`` numbers, by the operation names tdist's works carry
+_OP_TYPES = {
+    "broadcast": 0, "all_reduce": 1, "allreduce_coalesced": 2, "reduce": 3, "all_gather": 4,
+    "all_gather_into_tensor": 5, "allgather_coalesced": 6, "gather": 7, "scatter": 8,
+    "reduce_scatter": 9, "all_to_all_single": 10, "all_to_all": 11, "send": 12, "recv": 13,
+    "recv_anysource": 14, "barrier": 15, "reduce_scatter_tensor": 16, "coalesced": 17,
+    "reduce_scatter_tensor_coalesced": 19,
+}
+
+
 class Work:
     """The handle of a process-group operation (``torch.distributed.Work``).
 
@@ -306,6 +316,10 @@ class Work:
                 if self._is_done:
                     self._settle_future()
             return self._future
+
+    def _get_op_type(self) -> int:
+        """torch's ``OpType`` number of the operation (100, UNKNOWN, for one it has none for)."""
+        return _OP_TYPES.get(self._op, 100)
 
     def get_future_result(self) -> Any:
         """A ``torch.futures.Future`` completed, once the operation is over, with how it ended
