@@ -47,7 +47,7 @@ def _load() -> None:
 
 
 def __getattr__(name: str) -> object:
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or name in _aliases.ALIASED:
         return importlib.import_module(f"{__name__}.{name}")
     if name == "rendezvous":  # (a function and a module, as torch's: the module is callable)
         return importlib.import_module(f"{__name__}.rendezvous")
@@ -125,6 +125,8 @@ def _register_with_torch() -> None:
 
 
 _register_with_torch()
+_aliases = importlib.import_module(f"{__name__}._aliases")
+_aliases.install()  # (torch's training stack's module paths: tdist.fsdp, tdist.checkpoint, ...)
 
 
 def __dir__() -> list[str]:

@@ -280,3 +280,36 @@ def _elastic_sampler(rank: int, n: int) -> list[int]:
 def test_torchelastics_sampler_splits_the_data_of_a_group_formed_with_tdist() -> None:
     got = _run(_elastic_sampler, 2, "tdist-api")
     assert sorted(got[0] + got[1]) == list(range(10)) and not set(got[0]) & set(got[1])
+
+
+def _ported(rank: int, n: int, path: str) -> dict[str, Any]:
+    """torch's training stack in a program ported by its imports (``torch.distributed`` ->
+    ``tdist``): the module paths are torch's very modules."""
+    import sys
+
+    import tdist.checkpoint as dcp
+    from tdist.checkpoint.state_dict import get_state_dict
+    from tdist.device_mesh import init_device_mesh
+    from tdist.fsdp import fully_shard
+    from tdist.tensor import Shard, distribute_tensor
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (n,)))
+    model(torch.ones(2, 16)).sum().backward()
+    model_sd, _ = get_state_dict(model, [])
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    a = distribute_tensor(torch.arange(8.0).reshape(4, 2), tdist.device_mesh.init_device_mesh("cpu", (n,)), [Shard(0)])
+    return {
+        "same": sys.modules["tdist.fsdp"] is sys.modules["torch.distributed.fsdp"],
+        "spec": tdist.fsdp.__spec__.name,
+        "sum": a.sum().full_tensor().item(),
+        "files": sorted(os.listdir(path)),
+    }
+
+
+def test_torchs_training_stack_under_tdists_module_paths(tmp_path: Path) -> None:
+    got = _run(_ported, 2, "tdist-api", str(tmp_path / "ck"))
+    assert got[0] == got[1] == {
+        "same": True, "spec": "torch.distributed.fsdp", "sum": 28.0,
+        "files": [".metadata", "__0_0.distcp", "__1_0.distcp"],
+    }

@@ -1,0 +1,93 @@
+"""torch's own distributed training stack under tdist's module paths.
+
+FSDP, distributed checkpoints, DTensor, device meshes, pipelining, DDP's communication hooks
+and torch's functional collectives are torch's code, and run on tdist as torch's backend (the
+default group's twin, ``c10d._torch_pg``). A program ported by changing its imports
+(``torch.distributed`` -> ``tdist``) keeps them: ``import tdist.checkpoint as dcp`` and ``from
+tdist.fsdp import fully_shard`` give torch's very modules, the same objects as under
+``torch.distributed`` (one copy of each, so their classes and registries are shared).
+
+A finder at the front of ``sys.meta_path`` answers for ``tdist.<name>`` and everything below it,
+for the names in ``ALIASED``, by importing ``torch.distributed.<name>...``. Nothing is imported
+until such a name is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+__all__ = ["ALIASED", "install"]
+
+#: the sub-packages and modules of ``torch.distributed`` that tdist does not implement itself
+ALIASED = frozenset(
+    {
+        "_composable",
+        "_composable_state",
+        "_functional_collectives",
+        "_functional_collectives_impl",
+        "_shard",
+        "_sharded_tensor",
+        "_sharding_spec",
+        "_state_dict_utils",
+        "_symmetric_memory",
+        "_tensor",
+        "_tools",
+        "algorithms",
+        "argparse_util",
+        "c10d_logger",
+        "checkpoint",
+        "collective_utils",
+        "device_mesh",
+        "fsdp",
+        "logging_handlers",
+        "pipelining",
+        "remote_device",
+        "tensor",
+        "utils",
+    }
+)
+
+_PREFIX = "tdist."
+
+
+class _Existing:  # (a loader; importlib.abc's base costs an import of typing)
+    """Loads ``tdist.<name>`` as torch's module of that name, imported once."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = importlib.import_module(self.target)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run (torch's import ran it); the import system has put the alias's spec
+        on torch's module, and torch's own goes back (its relative imports read it)."""
+        module.__spec__ = self.spec
+
+
+class _Finder:  # (a meta path finder)
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if not name.startswith(_PREFIX) or name.split(".")[1] not in ALIASED:
+            return None
+        torch_name = "torch.distributed." + name[len(_PREFIX):]
+        found = importlib.util.find_spec(torch_name)
+        if found is None:
+            return None
+        is_package = found.submodule_search_locations is not None
+        return importlib.machinery.ModuleSpec(name, _Existing(torch_name), is_package=is_package)  # type: ignore[arg-type]
+
+
+_finder = _Finder()
+
+
+def install() -> None:
+    """Put the finder first in ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _finder)
