@@ -26,6 +26,7 @@ def _group_on_torchs_store(rank: int, world_size: int, port: int) -> list[float]
         # the group's namespace of the store it was made on, as torch's helper gives it
         _get_default_store().set(f"from{rank}", "x")
         assert store.get(f"0//from{rank}") == b"x"  # (torch's layout: the namespace is "0/")
+        tdist.barrier()  # (rank 0's process serves the store: it stays until rank 1 has read)
         return t.tolist()
     finally:
         tdist.destroy_process_group()
