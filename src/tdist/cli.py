@@ -401,7 +401,7 @@ def _of_job(ns: argparse.Namespace) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
-    from .elastic import LaunchConfig, launch
+    from .elastic import LaunchConfig, LocalAgent
     from .elastic._policy import rdzv_settings
     from .elastic.rendezvous import parse_rendezvous_endpoint
 
@@ -473,10 +473,22 @@ def _run(ns: argparse.Namespace) -> int:
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return launch(config)
+        agent = LocalAgent(config)
+        code = agent.run()
     except DistError as exc:  # (LaunchError, or a store or etcd that failed on the way)
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 1
+    root = agent.root_cause_error_file() if code else None
+    if root is not None and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # (torchrun's main is @record: a launcher run under another one, or by a scheduler
+        # that reads error files, hands its root cause's error file up, with its exit code)
+        from .elastic.multiprocessing.errors import get_error_handler
+
+        try:
+            get_error_handler().dump_error_file(*root)
+        except (OSError, ValueError) as exc:
+            log.warning("could not copy %s to TORCHELASTIC_ERROR_FILE: %s", root[0], exc)
+    return code
 
 
 def _store(ns: argparse.Namespace) -> int:

@@ -413,7 +413,10 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     # torchrun's contract: @record writes the exception to TORCHELASTIC_ERROR_FILE, and the
     # launcher's report quotes it
     (work / "recorded.py").write_text(RECORDED)
-    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "recorded.py")
+    # (a launcher with an error file of its own, as under a scheduler: torchrun's main is
+    # @record, so the root cause's error file is copied there, with its exit code)
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "recorded.py",
+                    TORCHELASTIC_ERROR_FILE=str(work / "launcher_error.json"))
     assert res.returncode == 1
     root = res.stderr.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root
@@ -421,6 +424,9 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert error_file.endswith("attempt_0/1/error.json")
     assert Path(error_file).exists()  # (the report names it: it stays, as torchrun's)
     assert "KeyError" in json.loads(Path(error_file).read_text())["message"]["message"]
+    copied = json.loads((work / "launcher_error.json").read_text())["message"]
+    assert copied["errorCode"] == 1 and "KeyError" in copied["message"], copied
+    assert "rank 1 recorded this" in copied["extraInfo"]["py_callstack"]
     assert "Traceback (most recent call last):" in root
     assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
     first = next(line for line in root.splitlines() if "first failure" in line)

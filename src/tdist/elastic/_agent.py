@@ -994,6 +994,16 @@ class LocalAgent:
         path = self._error_file(restart_count, local_rank)
         return path if path and os.path.exists(path) else ""
 
+    def root_cause_error_file(self) -> tuple[str, int] | None:
+        """The ``@record`` error file of the last attempt's root cause on this node, and its
+        exit code (``None``: no worker failed here, or it wrote none): what torchrun, whose
+        ``main`` is ``@record``, copies to its own ``TORCHELASTIC_ERROR_FILE``."""
+        found = failures(self.last_exits)
+        if not found:
+            return None
+        path = self.error_file(self.last_attempt, found[0].local_rank)
+        return (path, found[0].returncode) if path else None
+
     def _error_file(self, restart_count: int, local_rank: int) -> str:
         """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (torchrun's
         layout: ``attempt_<n>/<local rank>/error.json``; ``""``, none, with no log directory)."""
