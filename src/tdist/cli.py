@@ -284,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(*_opt("--event-log-handler"), default="null", metavar="NAME",
                      help="where the launcher's worker events go (tdist.elastic.events: null, console)")
     run.add_argument(*_opt("--virtual-local-rank"), action="store_true",
-                     help="torchrun's LOCAL_RANK 0 for every worker with one GPU each: accepted and "
-                     "not used (CPU workers keep their local ranks)")
+                     help="as torchrun's: LOCAL_RANK is 0 for every worker, and its CUDA_VISIBLE_DEVICES "
+                     "names its own device alone (the launcher's CUDA_VISIBLE_DEVICES entry at its "
+                     "local rank, else its local rank)")
     run.add_argument("entrypoint", metavar="script", help="the script (or module, or program) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     _pet_defaults(run)
@@ -467,6 +468,7 @@ def _run(ns: argparse.Namespace) -> int:
             metrics_addr=ns.metrics_addr,
             event_log_handler=ns.event_log_handler,
             log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+            virtual_local_rank=ns.virtual_local_rank,
             **rdzv,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:

@@ -850,15 +850,21 @@ def test_a_line_that_names_its_rank_already_is_not_prefixed_twice(work: Path) ->
 
 def test_torchrun_environment_defaults_and_options(work: Path) -> None:
     # PET_<option> (Kubeflow's PyTorchJob sets them), and torchrun's options that change
-    # nothing here are accepted
+    # nothing here are accepted; --virtual-local-rank: LOCAL_RANK 0, one device each
+    (work / "vl.py").write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'in', os.environ['TORCHELASTIC_RUN_ID'],"
+        " 'local', os.environ['LOCAL_RANK'], 'device', os.environ['CUDA_VISIBLE_DEVICES'])\n"
+    )
     res = tdist_run(
         work, "--run-path", "--shutdown-timeout", "5", "--event-log-handler", "null", "--logs-specs", "x",
         "--duplicate-stdout-filters", "a,b", "--duplicate-stderr-filters", "c", "--virtual-local-rank",
-        "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "worker.py", "id", PET_NPROC_PER_NODE="2", PET_RDZV_ID="job9",
-        PET_MASTER_PORT="0",
+        "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "vl.py", PET_NPROC_PER_NODE="2", PET_RDZV_ID="job9",
+        PET_MASTER_PORT="0", CUDA_VISIBLE_DEVICES="5,7",
     )
     assert res.returncode == 0, res.stderr
-    assert sorted(res.stdout.splitlines()) == ["[rank0]:rank 0 of 2 in job9", "[rank1]:rank 1 of 2 in job9"], res.stdout
+    assert sorted(res.stdout.splitlines()) == [
+        "[rank0]:rank 0 of 2 in job9 local 0 device 5", "[rank1]:rank 1 of 2 in job9 local 0 device 7",
+    ], res.stdout
     bad = tdist_run(work, "--signals-to-handle", "SIGNOPE", "worker.py", "id")
     assert bad.returncode == 2 and "unknown signal 'SIGNOPE'" in bad.stderr, bad.stderr
 

@@ -201,6 +201,18 @@ def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
     assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
 
 
+def test_worker_env_virtual_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (torchrun's --virtual-local-rank: LOCAL_RANK 0, the worker's own device alone)
+    cfg = LaunchConfig("train.py", nproc_per_node=2, virtual_local_rank=True)
+    envs = [worker_env({}, cfg, r, master_port=1, restart_count=0, secret="s") for r in range(2)]
+    assert [(e["LOCAL_RANK"], e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "0"), ("0", "1", "1")]
+    env = worker_env({"CUDA_VISIBLE_DEVICES": "4, 6"}, cfg, 1, master_port=1, restart_count=0, secret="s")
+    assert env["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match="local rank 1 has no device in CUDA_VISIBLE_DEVICES=3"):
+        LaunchConfig("train.py", nproc_per_node=2, virtual_local_rank=True)
+
+
 def test_parse_std_as_torchruns_std_from_str() -> None:
     assert parse_std("0") is Std.NONE and parse_std("3") is Std.ALL
     assert parse_std("0:3,1:0,2:1,3:2") == {0: Std.ALL, 1: Std.NONE, 2: Std.OUT, 3: Std.ERR}

@@ -74,9 +74,10 @@ class LaunchConfig:
         log_line_prefix_template: the prefix of each worker's lines on the console (a
             ``string.Template`` of ``${role_name}``, ``${rank}``, ``${local_rank}``; None:
             ``[rank<N>]:``).
-        metrics_cfg, numa_options, duplicate_stdout_filters, duplicate_stderr_filters,
-            virtual_local_rank: accepted, not used (CPU workers; tdist's launcher logs its own
-            way).
+        virtual_local_rank: every worker's ``LOCAL_RANK`` is 0 and its ``CUDA_VISIBLE_DEVICES``
+            names its own device alone, as torch's.
+        metrics_cfg, numa_options, duplicate_stdout_filters, duplicate_stderr_filters:
+            accepted, not used (CPU workers; tdist's launcher logs its own way).
     """
 
     min_nodes: int
@@ -240,6 +241,7 @@ def _tdist_config(
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         event_log_handler=config.event_log_handler,
+        virtual_local_rank=config.virtual_local_rank,
         **logs_settings(config.logs_specs),
         quiet=True,
         module=module,
