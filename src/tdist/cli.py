@@ -161,7 +161,7 @@ def _pet_defaults(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tdist`` argument parser."""
-    from .elastic._policy import START_METHODS, Std
+    from .elastic._policy import START_METHODS, Std, comma_separated
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -274,10 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "which is what a worker does with a script here anyway (a script, not -m or "
                      "--no-python)")
     # torchrun's options that change nothing here: accepted, so that its command lines run
+    for std in ("stdout", "stderr"):
+        run.add_argument(*_opt(f"--duplicate-{std}-filters"), type=comma_separated, default=[], metavar="S,S,...",
+                         help=f"as torchrun's: a line of a worker's {std} that --tee sends to the console and "
+                         f"its file and that holds one of these strings is copied, with its prefix, to "
+                         f"attempt_<n>/filtered_{std}.log in the run's log directory (a double comma is a comma)")
     for flag, default, what in (
         ("--logs-specs", None, "torchrun's LogsSpecs entry point (tdist run lays out --log-dir as torchrun's default)"),
-        ("--duplicate-stdout-filters", "", "torchrun's duplicated stdout lines (not done here)"),
-        ("--duplicate-stderr-filters", "", "torchrun's duplicated stderr lines (not done here)"),
         ("--numa-binding", None, "torchrun's NUMA binding to GPUs (CPU workers here: none)"),
     ):
         run.add_argument(*_opt(flag), default=default, metavar="VALUE", help=f"{what}; accepted and not used")
@@ -469,6 +472,8 @@ def _run(ns: argparse.Namespace) -> int:
             event_log_handler=ns.event_log_handler,
             log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
             virtual_local_rank=ns.virtual_local_rank,
+            duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
+            duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),
             **rdzv,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:

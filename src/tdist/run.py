@@ -28,6 +28,7 @@ __all__ = ["config_from_args", "get_args_parser", "main", "parse_args", "run", "
 def get_args_parser() -> argparse.ArgumentParser:
     """torchrun's argument parser: its options, defaults and ``dest`` names."""
     from .cli import _pet_defaults
+    from .elastic._policy import comma_separated
 
     p = argparse.ArgumentParser(description="Torch Distributed Elastic Training Launcher (tdist)")
 
@@ -53,8 +54,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--redirects", type=str, default="0")
     p.add_argument("-t", "--tee", type=str, default="0")
     opt("--local-ranks-filter", type=str, default="")
-    opt("--duplicate-stdout-filters", type=lambda s: [x for x in s.split(",") if x], default=[])
-    opt("--duplicate-stderr-filters", type=lambda s: [x for x in s.split(",") if x], default=[])
+    opt("--duplicate-stdout-filters", type=comma_separated, default=[])
+    opt("--duplicate-stderr-filters", type=comma_separated, default=[])
     opt("--node-rank", type=int, default=0)
     opt("--master-addr", type=str, default="127.0.0.1")
     opt("--master-port", type=int, default=None)

@@ -570,8 +570,11 @@ def test_log_dir_with_redirects_3_writes_every_stream_to_files(work: Path) -> No
 
 def test_tee_1_copies_stdout_to_the_console_and_a_file(work: Path) -> None:
     logs = work / "logs"
+    # (torchrun's --duplicate-std*-filters: the teed lines that hold a filter, prefixed, in the
+    # attempt's filtered_<stream>.log; a stream that is not teed has an empty one)
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log_dir", str(logs),
-                    "--tee", "1", "worker.py", "env")
+                    "--tee", "1", "--duplicate-stdout-filters", "nope,from 1", "--duplicate-stderr-filters", "err",
+                    "worker.py", "env")
     assert res.returncode == 0, res.stderr
     assert console(res.stdout) == ["[rank0]:out from 0", "[rank1]:out from 1"]
     assert console(res.stderr) == ["[rank0]:err from 0", "[rank1]:err from 1"]
@@ -580,6 +583,8 @@ def test_tee_1_copies_stdout_to_the_console_and_a_file(work: Path) -> None:
     for r in range(2):
         assert (run / f"attempt_0/{r}/stdout.log").read_text() == f"out from {r}\n"
         assert not (run / f"attempt_0/{r}/stderr.log").exists()
+    assert (run / "attempt_0/filtered_stdout.log").read_text() == "[rank1]:out from 1\n"
+    assert (run / "attempt_0/filtered_stderr.log").read_text() == ""
 
 
 def test_per_rank_redirect_maps_and_short_forms(work: Path) -> None:

@@ -19,6 +19,7 @@ from tdist.elastic._policy import (
     WorkerExit,
     blamed_as_lost,
     blamed_as_stalled,
+    comma_separated,
     describe_exception,
     describe_returncode,
     exit_code,
@@ -211,6 +212,11 @@ def test_worker_env_virtual_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with pytest.raises(ValueError, match="local rank 1 has no device in CUDA_VISIBLE_DEVICES=3"):
         LaunchConfig("train.py", nproc_per_node=2, virtual_local_rank=True)
+
+
+def test_comma_separated_as_torchruns_filters() -> None:
+    assert comma_separated("apple,orange") == ["apple", "orange"]
+    assert comma_separated("a,,b,c") == ["a,b", "c"] and comma_separated("") == []
 
 
 def test_parse_std_as_torchruns_std_from_str() -> None:

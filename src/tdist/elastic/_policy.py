@@ -28,8 +28,10 @@ __all__ = [
     "Std",
     "StreamRoute",
     "WorkerExit",
+    "comma_separated",
     "describe_exception",
     "describe_returncode",
+    "duplicate_filters",
     "exit_code",
     "failures",
     "first_failure",
@@ -173,6 +175,11 @@ class LaunchConfig:
         event_log_handler: where the launcher's worker events go, torchrun's
             ``--event-log-handler`` (a ``tdist.elastic.events`` destination: ``null``,
             ``console``).
+        duplicate_stdout_filters: torchrun's ``--duplicate-stdout-filters``: a line of a
+            worker's stdout that is teed (on the console and in its file) and holds one of
+            these strings is copied, with its console prefix, to the attempt's
+            ``filtered_stdout.log``.
+        duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
         virtual_local_rank: torchrun's ``--virtual-local-rank``: every worker's ``LOCAL_RANK``
             is 0 and its ``CUDA_VISIBLE_DEVICES`` names its own device alone (its local rank,
             or the launcher's ``CUDA_VISIBLE_DEVICES`` entry at its local rank).
@@ -217,6 +224,8 @@ class LaunchConfig:
     metrics_addr: str = "0.0.0.0"
     log_line_prefix_template: str | None = None
     event_log_handler: str = "null"
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
     virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
@@ -301,6 +310,20 @@ def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
     if config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter:
         console = Std.NONE
     return StreamRoute(console=Std(console), files=Std(files))
+
+
+def comma_separated(value: str) -> list[str]:
+    """torchrun's list of strings, ``a,b``, in which ``,,`` is a comma."""
+    return [item.replace("\0", ",") for item in value.replace(",,", "\0").split(",") if item]
+
+
+def duplicate_filters(config: LaunchConfig, route: StreamRoute, std: Std) -> tuple[str, ...]:
+    """The strings whose lines of stream ``std`` (``Std.OUT`` or ``Std.ERR``) go to the
+    attempt's ``filtered_<stream>.log`` too, as torchrun's: its duplicate filters, for a
+    stream that is teed (on the console and in its file); none otherwise."""
+    if std not in route.files or std not in route.console:
+        return ()
+    return config.duplicate_stdout_filters if std is Std.OUT else config.duplicate_stderr_filters
 
 
 def line_prefix(config: LaunchConfig, local_rank: int) -> str:

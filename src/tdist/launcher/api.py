@@ -76,8 +76,11 @@ class LaunchConfig:
             ``[rank<N>]:``).
         virtual_local_rank: every worker's ``LOCAL_RANK`` is 0 and its ``CUDA_VISIBLE_DEVICES``
             names its own device alone, as torch's.
-        metrics_cfg, numa_options, duplicate_stdout_filters, duplicate_stderr_filters:
-            accepted, not used (CPU workers; tdist's launcher logs its own way).
+        duplicate_stdout_filters, duplicate_stderr_filters: the strings whose teed lines of
+            stdout/stderr are copied to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``,
+            as torch's.
+        metrics_cfg, numa_options: accepted, not used (CPU workers; tdist's launcher logs its
+            own way).
     """
 
     min_nodes: int
@@ -242,6 +245,8 @@ def _tdist_config(
         log_line_prefix_template=config.log_line_prefix_template,
         event_log_handler=config.event_log_handler,
         virtual_local_rank=config.virtual_local_rank,
+        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
+        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
         **logs_settings(config.logs_specs),
         quiet=True,
         module=module,

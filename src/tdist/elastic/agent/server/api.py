@@ -73,8 +73,9 @@ class WorkerSpec:
             destination: ``null``, ``console``).
         virtual_local_rank: every worker's ``LOCAL_RANK`` is 0 and its ``CUDA_VISIBLE_DEVICES``
             names its own device alone, as torch's.
-        numa_options, duplicate_stdout_filters, duplicate_stderr_filters: torch's, accepted and
-            not used by tdist's agent.
+        duplicate_stdout_filters, duplicate_stderr_filters: the strings whose teed lines are
+            copied to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``, as torch's.
+        numa_options: torch's, accepted and not used by tdist's agent.
 
     Raises:
         AssertionError: ``local_world_size`` or ``monitor_interval`` not positive, or no
