@@ -161,7 +161,7 @@ def _pet_defaults(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tdist`` argument parser."""
-    from .elastic._policy import START_METHODS, Std
+    from .elastic._policy import START_METHODS, Std, comma_separated
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -274,18 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
                      "which is what a worker does with a script here anyway (a script, not -m or "
                      "--no-python)")
     # torchrun's options that change nothing here: accepted, so that its command lines run
+    for std in ("stdout", "stderr"):
+        run.add_argument(*_opt(f"--duplicate-{std}-filters"), type=comma_separated, default=[], metavar="S,S,...",
+                         help=f"as torchrun's: a line of a worker's {std} that --tee sends to the console and "
+                         f"its file and that holds one of these strings is copied, with its prefix, to "
+                         f"attempt_<n>/filtered_{std}.log in the run's log directory (a double comma is a comma)")
     for flag, default, what in (
         ("--logs-specs", None, "torchrun's LogsSpecs entry point (tdist run lays out --log-dir as torchrun's default)"),
-        ("--duplicate-stdout-filters", "", "torchrun's duplicated stdout lines (not done here)"),
-        ("--duplicate-stderr-filters", "", "torchrun's duplicated stderr lines (not done here)"),
         ("--numa-binding", None, "torchrun's NUMA binding to GPUs (CPU workers here: none)"),
     ):
         run.add_argument(*_opt(flag), default=default, metavar="VALUE", help=f"{what}; accepted and not used")
     run.add_argument(*_opt("--event-log-handler"), default="null", metavar="NAME",
                      help="where the launcher's worker events go (tdist.elastic.events: null, console)")
     run.add_argument(*_opt("--virtual-local-rank"), action="store_true",
-                     help="torchrun's LOCAL_RANK 0 for every worker with one GPU each: accepted and "
-                     "not used (CPU workers keep their local ranks)")
+                     help="as torchrun's: LOCAL_RANK is 0 for every worker, and its CUDA_VISIBLE_DEVICES "
+                     "names its own device alone (the launcher's CUDA_VISIBLE_DEVICES entry at its "
+                     "local rank, else its local rank)")
     run.add_argument("entrypoint", metavar="script", help="the script (or module, or program) to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     _pet_defaults(run)
@@ -401,7 +405,7 @@ def _of_job(ns: argparse.Namespace) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
-    from .elastic import LaunchConfig, launch
+    from .elastic import LaunchConfig, LocalAgent
     from .elastic._policy import rdzv_settings
     from .elastic.rendezvous import parse_rendezvous_endpoint
 
@@ -467,16 +471,31 @@ def _run(ns: argparse.Namespace) -> int:
             metrics_addr=ns.metrics_addr,
             event_log_handler=ns.event_log_handler,
             log_line_prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+            virtual_local_rank=ns.virtual_local_rank,
+            duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
+            duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),
             **rdzv,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return launch(config)
+        agent = LocalAgent(config)
+        code = agent.run()
     except DistError as exc:  # (LaunchError, or a store or etcd that failed on the way)
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 1
+    root = agent.root_cause_error_file() if code else None
+    if root is not None and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # (torchrun's main is @record: a launcher run under another one, or by a scheduler
+        # that reads error files, hands its root cause's error file up, with its exit code)
+        from .elastic.multiprocessing.errors import get_error_handler
+
+        try:
+            get_error_handler().dump_error_file(*root)
+        except (OSError, ValueError) as exc:
+            log.warning("could not copy %s to TORCHELASTIC_ERROR_FILE: %s", root[0], exc)
+    return code
 
 
 def _store(ns: argparse.Namespace) -> int:

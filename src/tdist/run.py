@@ -8,7 +8,9 @@ torchtune, ...) call: ``get_args_parser()`` and ``parse_args(argv)`` give torchr
 under torchrun's names (``training_script``, ``rdzv_id``, ...; ``PET_<OPTION>`` environment
 defaults), ``config_from_args(args)`` turns them into ``tdist.launcher.api.LaunchConfig`` and
 the command to run, ``run(args)`` runs it with ``elastic_launch`` (raising torch's
-``ChildFailedError`` when a worker fails) and ``main(argv)`` parses and runs.
+``ChildFailedError`` when a worker fails) and ``main(argv)`` parses and runs; torchrun's helpers
+``parse_min_max_nnodes``, ``determine_local_world_size``, ``get_rdzv_endpoint`` and
+``get_use_env`` are here too.
 """
 
 from __future__ import annotations
@@ -22,12 +24,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["config_from_args", "get_args_parser", "main", "parse_args", "run", "run_script_path"]
+__all__ = [
+    "config_from_args",
+    "determine_local_world_size",
+    "get_args_parser",
+    "get_rdzv_endpoint",
+    "get_use_env",
+    "main",
+    "parse_args",
+    "parse_min_max_nnodes",
+    "run",
+    "run_script_path",
+]
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     """torchrun's argument parser: its options, defaults and ``dest`` names."""
     from .cli import _pet_defaults
+    from .elastic._policy import comma_separated
 
     p = argparse.ArgumentParser(description="Torch Distributed Elastic Training Launcher (tdist)")
 
@@ -53,8 +67,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--redirects", type=str, default="0")
     p.add_argument("-t", "--tee", type=str, default="0")
     opt("--local-ranks-filter", type=str, default="")
-    opt("--duplicate-stdout-filters", type=lambda s: [x for x in s.split(",") if x], default=[])
-    opt("--duplicate-stderr-filters", type=lambda s: [x for x in s.split(",") if x], default=[])
+    opt("--duplicate-stdout-filters", type=comma_separated, default=[])
+    opt("--duplicate-stderr-filters", type=comma_separated, default=[])
     opt("--node-rank", type=int, default=0)
     opt("--master-addr", type=str, default="127.0.0.1")
     opt("--master-port", type=int, default=None)
@@ -73,6 +87,51 @@ def get_args_parser() -> argparse.ArgumentParser:
 def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
     """torchrun's options from ``args`` (the command line's when ``None``)."""
     return get_args_parser().parse_args(args)
+
+
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``, ``N`` or ``MIN:MAX``, as ``(MIN, MAX)``.
+
+    Raises:
+        RuntimeError: not of that form (torch's type).
+    """
+    from .cli import _nnodes
+
+    try:
+        return _nnodes(nnodes)
+    except argparse.ArgumentTypeError as exc:
+        raise RuntimeError(f'nnodes={nnodes} is not in "MIN:MAX" format: {exc}') from None
+
+
+def determine_local_world_size(nproc_per_node: str) -> int:
+    """torchrun's ``--nproc-per-node``: a number, ``cpu`` or ``auto`` (a worker per CPU
+    here), ``gpu`` or ``xpu`` (a worker per device).
+
+    Raises:
+        ValueError: an unknown value, or no such device (torch's messages).
+    """
+    from .cli import _nproc
+
+    try:
+        return _nproc(nproc_per_node)
+    except argparse.ArgumentTypeError as exc:
+        if nproc_per_node in ("gpu", "xpu"):
+            raise ValueError(str(exc)) from None
+        raise ValueError(f"Unsupported nproc_per_node value: {nproc_per_node} ({exc})") from None
+
+
+def get_rdzv_endpoint(args: argparse.Namespace) -> str:
+    """The rendezvous endpoint torchrun's options name: ``--rdzv-endpoint``, else (static)
+    ``--master-addr:--master-port``."""
+    if args.rdzv_backend == "static" and not args.rdzv_endpoint:
+        return f"{args.master_addr}:{args.master_port}"
+    return str(args.rdzv_endpoint)
+
+
+def get_use_env(args: argparse.Namespace) -> bool:
+    """``torch.distributed.launch``'s ``--use-env`` (True for torchrun's options, which have
+    none): False passes ``--local-rank=N`` to each worker."""
+    return bool(getattr(args, "use_env", True))
 
 
 def run_script_path(training_script: str, *training_script_args: str) -> None:
@@ -100,15 +159,11 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     Raises:
         ValueError: options the launcher cannot run.
     """
-    from .cli import _nnodes, _nproc
     from .elastic._policy import LOCAL_RANK_MACRO, parse_std
     from .launcher.api import LaunchConfig
 
-    min_nodes, max_nodes = _nnodes(args.nnodes)
-    try:
-        nproc_per_node = _nproc(str(args.nproc_per_node))
-    except argparse.ArgumentTypeError as exc:  # (torch's type: "Cuda is not available.")
-        raise ValueError(str(exc)) from None
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    nproc_per_node = determine_local_world_size(str(args.nproc_per_node))  # (ValueError, torch's type)
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:  # (as torchrun's: one node, a rendezvous of its own on a free port)
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -135,7 +190,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
         virtual_local_rank=args.virtual_local_rank,
     )
     script_args = list(args.training_script_args)
-    if not getattr(args, "use_env", True):  # (torch.distributed.launch's --local-rank argument)
+    if not get_use_env(args):  # (torch.distributed.launch's --local-rank argument)
         script_args.insert(0, f"--local-rank={LOCAL_RANK_MACRO}")
     if args.run_path:
         return config, run_script_path, [args.training_script, *script_args]
@@ -152,12 +207,11 @@ def run(args: argparse.Namespace) -> None:
     Raises:
         ChildFailedError: a worker failed (torch's class).
     """
-    from .cli import _nnodes
     from .launcher.api import elastic_launch
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and _nnodes(args.nnodes)[1] == 1:
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and parse_min_max_nnodes(args.nnodes)[1] == 1:
         # (as torchrun's run(): one node that names no port of its own gets a rendezvous on a
         # free port and a run id of its own, so two such jobs on one host do not collide)
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

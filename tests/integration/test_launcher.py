@@ -413,7 +413,10 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     # torchrun's contract: @record writes the exception to TORCHELASTIC_ERROR_FILE, and the
     # launcher's report quotes it
     (work / "recorded.py").write_text(RECORDED)
-    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "recorded.py")
+    # (a launcher with an error file of its own, as under a scheduler: torchrun's main is
+    # @record, so the root cause's error file is copied there, with its exit code)
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "recorded.py",
+                    TORCHELASTIC_ERROR_FILE=str(work / "launcher_error.json"))
     assert res.returncode == 1
     root = res.stderr.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root
@@ -421,6 +424,9 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert error_file.endswith("attempt_0/1/error.json")
     assert Path(error_file).exists()  # (the report names it: it stays, as torchrun's)
     assert "KeyError" in json.loads(Path(error_file).read_text())["message"]["message"]
+    copied = json.loads((work / "launcher_error.json").read_text())["message"]
+    assert copied["errorCode"] == 1 and "KeyError" in copied["message"], copied
+    assert "rank 1 recorded this" in copied["extraInfo"]["py_callstack"]
     assert "Traceback (most recent call last):" in root
     assert "KeyError: 'rank 1 recorded this'" in root and "in main" in root
     first = next(line for line in root.splitlines() if "first failure" in line)
@@ -564,8 +570,11 @@ def test_log_dir_with_redirects_3_writes_every_stream_to_files(work: Path) -> No
 
 def test_tee_1_copies_stdout_to_the_console_and_a_file(work: Path) -> None:
     logs = work / "logs"
+    # (torchrun's --duplicate-std*-filters: the teed lines that hold a filter, prefixed, in the
+    # attempt's filtered_<stream>.log; a stream that is not teed has an empty one)
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log_dir", str(logs),
-                    "--tee", "1", "worker.py", "env")
+                    "--tee", "1", "--duplicate-stdout-filters", "nope,from 1", "--duplicate-stderr-filters", "err",
+                    "worker.py", "env")
     assert res.returncode == 0, res.stderr
     assert console(res.stdout) == ["[rank0]:out from 0", "[rank1]:out from 1"]
     assert console(res.stderr) == ["[rank0]:err from 0", "[rank1]:err from 1"]
@@ -574,6 +583,8 @@ def test_tee_1_copies_stdout_to_the_console_and_a_file(work: Path) -> None:
     for r in range(2):
         assert (run / f"attempt_0/{r}/stdout.log").read_text() == f"out from {r}\n"
         assert not (run / f"attempt_0/{r}/stderr.log").exists()
+    assert (run / "attempt_0/filtered_stdout.log").read_text() == "[rank1]:out from 1\n"
+    assert (run / "attempt_0/filtered_stderr.log").read_text() == ""
 
 
 def test_per_rank_redirect_maps_and_short_forms(work: Path) -> None:
@@ -844,15 +855,21 @@ def test_a_line_that_names_its_rank_already_is_not_prefixed_twice(work: Path) ->
 
 def test_torchrun_environment_defaults_and_options(work: Path) -> None:
     # PET_<option> (Kubeflow's PyTorchJob sets them), and torchrun's options that change
-    # nothing here are accepted
+    # nothing here are accepted; --virtual-local-rank: LOCAL_RANK 0, one device each
+    (work / "vl.py").write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'in', os.environ['TORCHELASTIC_RUN_ID'],"
+        " 'local', os.environ['LOCAL_RANK'], 'device', os.environ['CUDA_VISIBLE_DEVICES'])\n"
+    )
     res = tdist_run(
         work, "--run-path", "--shutdown-timeout", "5", "--event-log-handler", "null", "--logs-specs", "x",
         "--duplicate-stdout-filters", "a,b", "--duplicate-stderr-filters", "c", "--virtual-local-rank",
-        "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "worker.py", "id", PET_NPROC_PER_NODE="2", PET_RDZV_ID="job9",
-        PET_MASTER_PORT="0",
+        "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", "vl.py", PET_NPROC_PER_NODE="2", PET_RDZV_ID="job9",
+        PET_MASTER_PORT="0", CUDA_VISIBLE_DEVICES="5,7",
     )
     assert res.returncode == 0, res.stderr
-    assert sorted(res.stdout.splitlines()) == ["[rank0]:rank 0 of 2 in job9", "[rank1]:rank 1 of 2 in job9"], res.stdout
+    assert sorted(res.stdout.splitlines()) == [
+        "[rank0]:rank 0 of 2 in job9 local 0 device 5", "[rank1]:rank 1 of 2 in job9 local 0 device 7",
+    ], res.stdout
     bad = tdist_run(work, "--signals-to-handle", "SIGNOPE", "worker.py", "id")
     assert bad.returncode == 2 and "unknown signal 'SIGNOPE'" in bad.stderr, bad.stderr
 

@@ -91,6 +91,21 @@ def test_the_log_line_prefix_template_comes_from_torchruns_variable(monkeypatch:
     assert config.log_line_prefix_template == "[${role_name}-${rank}]"
 
 
+def test_torchruns_helpers() -> None:
+    # (torch.distributed.run's functions that wrappers call, with torch's results and errors)
+    assert tdist_run.parse_min_max_nnodes("2") == (2, 2) and tdist_run.parse_min_max_nnodes("1:4") == (1, 4)
+    with pytest.raises(RuntimeError, match='nnodes=1:2:3 is not in "MIN:MAX" format'):
+        tdist_run.parse_min_max_nnodes("1:2:3")
+    assert tdist_run.determine_local_world_size("3") == 3
+    assert tdist_run.determine_local_world_size("cpu") == tdist_run.determine_local_world_size("auto") >= 1
+    with pytest.raises(ValueError, match="Unsupported nproc_per_node value: many"):
+        tdist_run.determine_local_world_size("many")
+    static = tdist_run.parse_args(["--master-addr", "h", "--master-port", "7", "x.py"])
+    assert tdist_run.get_rdzv_endpoint(static) == "h:7" and tdist_run.get_use_env(static)
+    c10d = tdist_run.parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "e:9", "x.py"])
+    assert tdist_run.get_rdzv_endpoint(c10d) == "e:9"
+
+
 def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_error_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

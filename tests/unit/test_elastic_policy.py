@@ -19,6 +19,7 @@ from tdist.elastic._policy import (
     WorkerExit,
     blamed_as_lost,
     blamed_as_stalled,
+    comma_separated,
     describe_exception,
     describe_returncode,
     exit_code,
@@ -199,6 +200,23 @@ def test_worker_env_keeps_omp_num_threads_and_single_worker() -> None:
     env = worker_env({}, one, 0, master_port=1, restart_count=3, secret="s")
     assert "OMP_NUM_THREADS" not in env
     assert env["TORCHELASTIC_RESTART_COUNT"] == "3"
+
+
+def test_worker_env_virtual_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (torchrun's --virtual-local-rank: LOCAL_RANK 0, the worker's own device alone)
+    cfg = LaunchConfig("train.py", nproc_per_node=2, virtual_local_rank=True)
+    envs = [worker_env({}, cfg, r, master_port=1, restart_count=0, secret="s") for r in range(2)]
+    assert [(e["LOCAL_RANK"], e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("0", "0", "0"), ("0", "1", "1")]
+    env = worker_env({"CUDA_VISIBLE_DEVICES": "4, 6"}, cfg, 1, master_port=1, restart_count=0, secret="s")
+    assert env["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match="local rank 1 has no device in CUDA_VISIBLE_DEVICES=3"):
+        LaunchConfig("train.py", nproc_per_node=2, virtual_local_rank=True)
+
+
+def test_comma_separated_as_torchruns_filters() -> None:
+    assert comma_separated("apple,orange") == ["apple", "orange"]
+    assert comma_separated("a,,b,c") == ["a,b", "c"] and comma_separated("") == []
 
 
 def test_parse_std_as_torchruns_std_from_str() -> None:

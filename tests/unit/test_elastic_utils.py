@@ -12,7 +12,7 @@ from torch.distributed.elastic.utils import store as torch_store_utils
 import tdist
 from tdist._core.errors import StoreTimeoutError
 from tdist.elastic.utils import store as store_utils
-from tdist.elastic.utils.distributed import get_free_port
+from tdist.elastic.utils.distributed import create_c10d_store, get_free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,3 +46,35 @@ def test_a_barrier_waits_for_all_and_names_the_ranks_that_never_came() -> None:
         store_utils.barrier(store, 3, "b2", barrier_timeout=0.2, rank=0)
     assert store.timeout == timedelta(seconds=300)
     assert 0 < get_free_port() < 65536
+
+
+def test_create_c10d_store_as_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (torch.distributed.elastic.utils.distributed.create_c10d_store: one member on a free port,
+    # or world_size members on a given one, each returning once all have joined)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    alone = create_c10d_store(True, "127.0.0.1")
+    try:
+        alone.set("k", "v")
+        assert alone.get("k") == b"v"
+        with pytest.raises(RuntimeError, match=f"on 127.0.0.1, port: {alone.port} already in use"):
+            create_c10d_store(True, "127.0.0.1", alone.port)
+    finally:
+        alone.close()
+    with pytest.raises(ValueError, match="server_port must be specified when world_size > 1"):
+        create_c10d_store(True, "127.0.0.1", world_size=2)
+    port, stores = get_free_port(), {}
+
+    def member(i: int) -> None:
+        stores[i] = create_c10d_store(i == 0, "127.0.0.1", port, 3, timeout=20)
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert sorted(stores) == [0, 1, 2]
+        assert stores[2].add("_tcp_store/num_members/num_members", 0) == 3  # (torch's keys: every member counted)
+    finally:
+        for store in sorted(stores.items(), reverse=True):
+            store[1].close()

@@ -54,6 +54,8 @@ PAIRS = [
     ("torch.distributed.elastic.rendezvous.utils", "tdist.elastic.rendezvous.utils"),
     ("torch.distributed.elastic.utils.data", "tdist.elastic.utils.data"),
     ("torch.distributed.elastic.utils.api", "tdist.elastic.utils.api"),
+    ("torch.distributed.elastic.utils.distributed", "tdist.elastic.utils.distributed"),
+    ("torch.distributed.elastic.utils.store", "tdist.elastic.utils.store"),
     ("torch.distributed.elastic.multiprocessing.errors.error_handler", "tdist.elastic.multiprocessing.errors.error_handler"),
     ("torch.distributed.elastic.multiprocessing.errors.handlers", "tdist.elastic.multiprocessing.errors.handlers"),
     ("torch.distributed.elastic.multiprocessing.errors", "tdist.elastic.multiprocessing.errors"),

@@ -110,6 +110,7 @@ from ._policy import (
     blamed_as_lost,
     blamed_as_stalled,
     describe_returncode,
+    duplicate_filters,
     exit_code,
     failures,
     format_failure_report,
@@ -281,6 +282,8 @@ class LocalAgent:
         self._clock = clock
         self._handle_signals = handle_signals
         self._write_lock = threading.Lock()
+        # the attempt's filtered_stdout.log/filtered_stderr.log (--duplicate-std*-filters)
+        self._filtered: dict[Std, BinaryIO] = {}
         self._signum: int | None = None
         # how the last attempt's workers ended, and its number (``error_file``): what a
         # programmatic caller (``tdist.launcher.api``) reports
@@ -419,6 +422,7 @@ class LocalAgent:
                     self._metrics.close()
                 if self._timer_server is not None:
                     self._timer_server.stop()  # (and its pipe is removed)
+                self._close_filtered()
                 self._restore_signal_handlers(previous)
                 wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
                 os.close(wake_r)  # (-1 first: a late _on_signal writes nowhere, not to a reused fd)
@@ -948,11 +952,27 @@ class LocalAgent:
         """A fresh ``attempt_<n>`` directory with a directory per local rank (torchrun empties
         one that exists: a group restarted without a restart spent, for nodes that joined)."""
         attempt = self._attempt_dir(restart_count)
+        self._close_filtered()
         if attempt is None:
             return
         shutil.rmtree(attempt, ignore_errors=True)
         for local_rank in range(self.config.nproc_per_node):
             os.makedirs(os.path.join(attempt, str(local_rank)))
+        cfg = self.config
+        for std, filters in ((Std.OUT, cfg.duplicate_stdout_filters), (Std.ERR, cfg.duplicate_stderr_filters)):
+            if filters:  # (torchrun's: the file is there, empty when no teed line matched)
+                path = os.path.join(attempt, f"filtered_{'stdout' if std is Std.OUT else 'stderr'}.log")
+                try:
+                    self._filtered[std] = open(path, "wb", buffering=0)  # (closed by _close_filtered)
+                except OSError as exc:
+                    raise LaunchError(f"cannot write {path}: {exc}") from exc
+
+    def _close_filtered(self) -> None:
+        """Close the attempt's ``filtered_<stream>.log`` files (the pumps stop writing there)."""
+        with self._write_lock:
+            filtered, self._filtered = self._filtered, {}
+        for f in filtered.values():
+            f.close()
 
     @property
     def signum(self) -> int | None:
@@ -993,6 +1013,16 @@ class LocalAgent:
         if it did (``""``: nowhere)."""
         path = self._error_file(restart_count, local_rank)
         return path if path and os.path.exists(path) else ""
+
+    def root_cause_error_file(self) -> tuple[str, int] | None:
+        """The ``@record`` error file of the last attempt's root cause on this node, and its
+        exit code (``None``: no worker failed here, or it wrote none): what torchrun, whose
+        ``main`` is ``@record``, copies to its own ``TORCHELASTIC_ERROR_FILE``."""
+        found = failures(self.last_exits)
+        if not found:
+            return None
+        path = self.error_file(self.last_attempt, found[0].local_rank)
+        return (path, found[0].returncode) if path else None
 
     def _error_file(self, restart_count: int, local_rank: int) -> str:
         """Where worker ``local_rank`` of attempt ``restart_count`` writes its error (torchrun's
@@ -1177,7 +1207,8 @@ class LocalAgent:
         ):
             t = threading.Thread(
                 target=self._pump,
-                args=(stream, std, rank, line_prefix(cfg, local_rank).encode(), out if std in route.console else None, tails, files[std]),
+                args=(stream, std, rank, line_prefix(cfg, local_rank).encode(), out if std in route.console else None, tails, files[std],
+                      duplicate_filters(cfg, route, std)),
                 name=f"tdist-run-rank{rank}",
                 daemon=True,
             )
@@ -1194,10 +1225,12 @@ class LocalAgent:
         out: BinaryIO | None,
         tails: tuple[deque[str], ...],
         file: BinaryIO | None,
+        filters: tuple[str, ...] = (),
     ) -> None:
         """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` with ``prefix``,
         flushing each line, and to ``file`` as it is (None: not there), keeping the last lines
-        in ``tails``."""
+        in ``tails``; a line that holds one of ``filters`` goes, prefixed, to the attempt's
+        ``filtered_<stream>.log`` too."""
 
         def on_line(line: bytes) -> None:
             if not line.endswith(b"\n"):
@@ -1213,8 +1246,18 @@ class LocalAgent:
                 # (a line that says its rank already, as torch's own traceback hook prefixes
                 # an uncaught exception's lines, is not prefixed twice)
                 self._write(out, line if line.startswith(prefix) else prefix + line, progress)
+            if filters and any(needle in text for needle in filters):
+                self._write_filtered(std, line if line.startswith(prefix) else prefix + line)
 
         copy_lines(stream, file, on_line)
+
+    def _write_filtered(self, std: Std, data: bytes) -> None:
+        """Append ``data`` to the attempt's ``filtered_<stream>.log`` of ``std``, if it is open."""
+        with self._write_lock:
+            f = self._filtered.get(std)
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.write(data)
 
     def _write(self, out: BinaryIO | None, data: bytes, progress: str | None = None) -> None:
         """Write ``data`` to ``out`` (None: nowhere), under the status line: it is erased first

@@ -28,8 +28,10 @@ __all__ = [
     "Std",
     "StreamRoute",
     "WorkerExit",
+    "comma_separated",
     "describe_exception",
     "describe_returncode",
+    "duplicate_filters",
     "exit_code",
     "failures",
     "first_failure",
@@ -45,6 +47,7 @@ __all__ = [
     "stream_route",
     "to_map",
     "traceback_tail",
+    "visible_device",
     "worker_command",
     "worker_env",
 ]
@@ -172,6 +175,14 @@ class LaunchConfig:
         event_log_handler: where the launcher's worker events go, torchrun's
             ``--event-log-handler`` (a ``tdist.elastic.events`` destination: ``null``,
             ``console``).
+        duplicate_stdout_filters: torchrun's ``--duplicate-stdout-filters``: a line of a
+            worker's stdout that is teed (on the console and in its file) and holds one of
+            these strings is copied, with its console prefix, to the attempt's
+            ``filtered_stdout.log``.
+        duplicate_stderr_filters: the same for stderr (``filtered_stderr.log``).
+        virtual_local_rank: torchrun's ``--virtual-local-rank``: every worker's ``LOCAL_RANK``
+            is 0 and its ``CUDA_VISIBLE_DEVICES`` names its own device alone (its local rank,
+            or the launcher's ``CUDA_VISIBLE_DEVICES`` entry at its local rank).
     """
 
     entrypoint: str
@@ -213,6 +224,9 @@ class LaunchConfig:
     metrics_addr: str = "0.0.0.0"
     log_line_prefix_template: str | None = None
     event_log_handler: str = "null"
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    virtual_local_rank: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.entrypoint, str):
@@ -227,6 +241,8 @@ class LaunchConfig:
             raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if self.virtual_local_rank:  # (every local rank must have a device of its own)
+            visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"), self.nproc_per_node - 1)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(
                 f"--node-rank must be from 0 to nnodes - 1 = {self.nnodes - 1}, got {self.node_rank}"
@@ -294,6 +310,20 @@ def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
     if config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter:
         console = Std.NONE
     return StreamRoute(console=Std(console), files=Std(files))
+
+
+def comma_separated(value: str) -> list[str]:
+    """torchrun's list of strings, ``a,b``, in which ``,,`` is a comma."""
+    return [item.replace("\0", ",") for item in value.replace(",,", "\0").split(",") if item]
+
+
+def duplicate_filters(config: LaunchConfig, route: StreamRoute, std: Std) -> tuple[str, ...]:
+    """The strings whose lines of stream ``std`` (``Std.OUT`` or ``Std.ERR``) go to the
+    attempt's ``filtered_<stream>.log`` too, as torchrun's: its duplicate filters, for a
+    stream that is teed (on the console and in its file); none otherwise."""
+    if std not in route.files or std not in route.console:
+        return ()
+    return config.duplicate_stdout_filters if std is Std.OUT else config.duplicate_stderr_filters
 
 
 def line_prefix(config: LaunchConfig, local_rank: int) -> str:
@@ -410,6 +440,21 @@ def worker_command(config: LaunchConfig, local_rank: int | None = None) -> list[
     return [config.python, "-u", config.entrypoint, *args]
 
 
+def visible_device(visible: str | None, local_rank: int) -> str:
+    """Worker ``local_rank``'s ``CUDA_VISIBLE_DEVICES`` under ``--virtual-local-rank``: the
+    launcher's entry ``visible`` at its local rank, else the local rank itself.
+
+    Raises:
+        ValueError: ``visible`` names fewer devices than there are local ranks.
+    """
+    if visible is None:
+        return str(local_rank)
+    devices = visible.split(",")
+    if local_rank >= len(devices):
+        raise ValueError(f"--virtual-local-rank: local rank {local_rank} has no device in CUDA_VISIBLE_DEVICES={visible}")
+    return devices[local_rank].strip()
+
+
 def worker_env(
     base: Mapping[str, str],
     config: LaunchConfig,
@@ -466,6 +511,9 @@ def worker_env(
     env["TORCHELASTIC_USE_AGENT_STORE"] = str(torch_port is None)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # (torchrun's default, for NCCL groups)
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in config.signals)
+    if config.virtual_local_rank:  # (torchrun's: the worker's one device is its device 0)
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(base.get("CUDA_VISIBLE_DEVICES"), local_rank)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if flight_record_prefix is not None and not any(base.get(var) for var in FLIGHT_RECORD_VARS):

@@ -74,9 +74,13 @@ class LaunchConfig:
         log_line_prefix_template: the prefix of each worker's lines on the console (a
             ``string.Template`` of ``${role_name}``, ``${rank}``, ``${local_rank}``; None:
             ``[rank<N>]:``).
-        metrics_cfg, numa_options, duplicate_stdout_filters, duplicate_stderr_filters,
-            virtual_local_rank: accepted, not used (CPU workers; tdist's launcher logs its own
-            way).
+        virtual_local_rank: every worker's ``LOCAL_RANK`` is 0 and its ``CUDA_VISIBLE_DEVICES``
+            names its own device alone, as torch's.
+        duplicate_stdout_filters, duplicate_stderr_filters: the strings whose teed lines of
+            stdout/stderr are copied to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``,
+            as torch's.
+        metrics_cfg, numa_options: accepted, not used (CPU workers; tdist's launcher logs its
+            own way).
     """
 
     min_nodes: int
@@ -240,6 +244,9 @@ def _tdist_config(
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         event_log_handler=config.event_log_handler,
+        virtual_local_rank=config.virtual_local_rank,
+        duplicate_stdout_filters=tuple(config.duplicate_stdout_filters or ()),
+        duplicate_stderr_filters=tuple(config.duplicate_stderr_filters or ()),
         **logs_settings(config.logs_specs),
         quiet=True,
         module=module,

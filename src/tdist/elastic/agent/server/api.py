@@ -71,8 +71,11 @@ class WorkerSpec:
         local_addr: this node's address as the others reach it.
         event_log_handler: where the agent's worker events go (a ``tdist.elastic.events``
             destination: ``null``, ``console``).
-        numa_options, duplicate_stdout_filters, duplicate_stderr_filters, virtual_local_rank:
-            torch's, accepted and not used by tdist's agent.
+        virtual_local_rank: every worker's ``LOCAL_RANK`` is 0 and its ``CUDA_VISIBLE_DEVICES``
+            names its own device alone, as torch's.
+        duplicate_stdout_filters, duplicate_stderr_filters: the strings whose teed lines are
+            copied to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``, as torch's.
+        numa_options: torch's, accepted and not used by tdist's agent.
 
     Raises:
         AssertionError: ``local_world_size`` or ``monitor_interval`` not positive, or no

@@ -184,6 +184,9 @@ class LocalElasticAgent(SimpleElasticAgent):
             start_method=self._start_method,
             log_line_prefix_template=self._log_line_prefix_template,
             event_log_handler=spec.event_log_handler,
+            virtual_local_rank=spec.virtual_local_rank,
+            duplicate_stdout_filters=tuple(spec.duplicate_stdout_filters or ()),
+            duplicate_stderr_filters=tuple(spec.duplicate_stderr_filters or ()),
             quiet=True,
             **logs_settings(self._logs_specs),
         )
