@@ -8,7 +8,8 @@ tdist.fsdp import fully_shard`` give torch's very modules, the same objects as u
 ``torch.distributed`` (one copy of each, so their classes and registries are shared).
 
 A finder at the front of ``sys.meta_path`` answers for ``tdist.<name>`` and everything below it,
-for the names in ``ALIASED``, by importing ``torch.distributed.<name>...``. Nothing is imported
+for the names in ``ALIASED`` (a few of them inside packages of tdist's own, such as
+``optim.zero_redundancy_optimizer``), by importing ``torch.distributed.<name>...``. Nothing is imported
 until such a name is.
 """
 
@@ -48,6 +49,21 @@ ALIASED = frozenset(
         "remote_device",
         "tensor",
         "utils",
+        # (modules of torch's inside packages tdist implements: torch's optimizers over a group)
+        "nn.jit",
+        "optim.apply_optimizer_in_backward",
+        "optim.functional_adadelta",
+        "optim.functional_adagrad",
+        "optim.functional_adam",
+        "optim.functional_adamax",
+        "optim.functional_adamw",
+        "optim.functional_rmsprop",
+        "optim.functional_rprop",
+        "optim.functional_sgd",
+        "optim.named_optimizer",
+        "optim.post_localSGD_optimizer",
+        "optim.utils",
+        "optim.zero_redundancy_optimizer",
     }
 )
 
@@ -74,7 +90,10 @@ class _Existing:  # (a loader; importlib.abc's base costs an import of typing)
 
 class _Finder:  # (a meta path finder)
     def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if not name.startswith(_PREFIX) or name.split(".")[1] not in ALIASED:
+        if not name.startswith(_PREFIX):
+            return None
+        parts = name.split(".")
+        if parts[1] not in ALIASED and ".".join(parts[1:3]) not in ALIASED:
             return None
         torch_name = "torch.distributed." + name[len(_PREFIX):]
         found = importlib.util.find_spec(torch_name)

@@ -152,3 +152,31 @@ def test_rref_takes_a_type_parameter_as_torchs() -> None:
         return 0
 
     assert typing.get_type_hints(f, localns={"RRef": RRef})["r"] == RRef[int]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "checkpoint", "checkpoint.state_dict", "fsdp", "tensor.parallel", "device_mesh", "pipelining",
+        "algorithms.ddp_comm_hooks.default_hooks", "_functional_collectives", "utils", "nn.jit",
+        "optim.zero_redundancy_optimizer", "optim.post_localSGD_optimizer", "optim.functional_sgd",
+    ],
+)
+def test_torchs_training_stack_is_importable_under_tdists_module_paths(path: str) -> None:
+    """``tdist.<path>`` is torch's module (one copy), its spec still torch's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (torch.jit's own)
+        ours = importlib.import_module(f"tdist.{path}")
+    assert ours is importlib.import_module(f"torch.distributed.{path}")
+    assert ours.__spec__ is not None and ours.__spec__.name == f"torch.distributed.{path}"
+
+
+def test_tdists_own_optimizer_module_path_gives_tdists_distributed_optimizer() -> None:
+    import tdist.optim
+    from tdist.optim.optimizer import DistributedOptimizer
+
+    assert DistributedOptimizer is tdist.optim.DistributedOptimizer
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("tdist.optim.nosuch")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("tdist.fsdp.nosuch")
