@@ -185,7 +185,43 @@ def is_ours(obj: object) -> TypeGuard[ProcessGroup]:
     return type.__instancecheck__(ProcessGroup, obj)
 
 
-class ProcessGroup(metaclass=_GroupClass):
+class SplitMerge:
+    """torch's ``ProcessGroup.split_group`` and ``merge_remote_group`` (C++ methods there), for
+    our ``ProcessGroup`` and for torch's twin of a group (``_torch_pg``): ``_reshape`` makes the
+    groups."""
+
+    def split_group(
+        self,
+        ranks: Sequence[int],
+        timeout: timedelta | None = None,
+        opts: Any = None,
+        group_name: str | None = None,
+        group_desc: str | None = None,
+        device_types: Any = None,
+    ) -> Any:
+        """A group of this group's ranks ``ranks``, made by its members alone (only they need
+        call it); ``None`` on a rank not in it."""
+        from ._reshape import split_one
+
+        return split_one(self, ranks, timeout, opts, group_name, group_desc)
+
+    def merge_remote_group(
+        self,
+        store: Any,
+        size: int,
+        timeout: timedelta = timedelta(minutes=30),
+        group_name: str | None = None,
+        group_desc: str | None = None,
+    ) -> Any:
+        """A group of ``size`` processes, met through ``store``: each caller's rank is the order
+        in which it arrives there. The callers may come from different jobs; the group belongs
+        to no world (as torch's)."""
+        from ._reshape import merge_remote
+
+        return merge_remote(self, store, size, timeout, group_name, group_desc)
+
+
+class ProcessGroup(SplitMerge, metaclass=_GroupClass):
     """A group of ranks and its backend (``torch.distributed.ProcessGroup``).
 
     Made by ``init_process_group`` and ``new_group``; methods take group-local ranks and
@@ -669,37 +705,6 @@ class ProcessGroup(metaclass=_GroupClass):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         """Receive into ``tensors[0]`` from whichever rank sends first."""
         return self._impl().recv_anysource(_d(_as_list(tensors)), tag)
-
-    # -- groups made from this one (torch's C++ methods; see ``_reshape``) ---------------------
-    def split_group(
-        self,
-        ranks: Sequence[int],
-        timeout: timedelta | None = None,
-        opts: Any = None,
-        group_name: str | None = None,
-        group_desc: str | None = None,
-        device_types: Any = None,
-    ) -> ProcessGroup | None:
-        """A group of this group's ranks ``ranks``, made by its members alone (only they need
-        call it); ``None`` on a rank not in it."""
-        from ._reshape import split_one
-
-        return split_one(self, ranks, timeout, opts, group_name, group_desc)  # type: ignore[no-any-return]
-
-    def merge_remote_group(
-        self,
-        store: Any,
-        size: int,
-        timeout: timedelta = timedelta(minutes=30),
-        group_name: str | None = None,
-        group_desc: str | None = None,
-    ) -> ProcessGroup:
-        """A group of ``size`` processes, this group's backend, met through ``store``: each
-        caller's rank is the order in which it arrives there. The callers may come from
-        different jobs; the group belongs to no world (as torch's)."""
-        from ._reshape import merge_remote
-
-        return merge_remote(self, store, size, timeout, group_name, group_desc)  # type: ignore[no-any-return]
 
     # -- lifetime ------------------------------------------------------------------------------
     def set_timeout(self, timeout: timedelta) -> None:

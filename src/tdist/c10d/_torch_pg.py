@@ -43,7 +43,7 @@ from ..store._api import Store
 from . import _types as T
 from ._backend_config import Backend
 from ._checks import dense_cpu as _check
-from ._group import GroupInfo, ProcessGroup, _d, _dd, chain_work
+from ._group import GroupInfo, ProcessGroup, SplitMerge, _d, _dd, chain_work
 from ._reduce import sparse_all_reduce
 
 __all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
@@ -404,7 +404,9 @@ def _opts(cls: type[T._Options], torch_opts: Any) -> Any:
     return out
 
 
-class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
+class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
+    # (SplitMerge: torch's C++ split and merge ask a backend of torch's to split itself, and
+    # crashed the process on this group; tdist makes the group)
     """One rank of a ``torch.distributed`` process group whose work runs on tdist."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, backend: Any = None) -> None:
@@ -607,33 +609,6 @@ class TorchProcessGroup(_TorchProcessGroup):  # type: ignore[misc]
 
     def _set_sequence_number_for_group(self) -> None:
         """Nothing to do: tdist's backend numbers its operations from its start."""
-
-    # (torch's C++ split and merge ask a backend of torch's to split itself: on this group they
-    # crashed the process; tdist makes the group)
-    def split_group(
-        self,
-        ranks: Sequence[int],
-        timeout: timedelta | None = None,
-        opts: Any = None,
-        group_name: str | None = None,
-        group_desc: str | None = None,
-        device_types: Any = None,
-    ) -> Any:
-        from ._reshape import split_one
-
-        return split_one(self, ranks, timeout, opts, group_name, group_desc)
-
-    def merge_remote_group(
-        self,
-        store: Any,
-        size: int,
-        timeout: timedelta = timedelta(minutes=30),
-        group_name: str | None = None,
-        group_desc: str | None = None,
-    ) -> Any:
-        from ._reshape import merge_remote
-
-        return merge_remote(self, store, size, timeout, group_name, group_desc)
 
     def _set_default_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
