@@ -90,7 +90,7 @@ def init_rpc(
     """Start this process's RPC agent and join the group (``torch.distributed.rpc.init_rpc``).
 
     Args:
-        name: a unique name (letters, digits, ``-``, ``_``, ``:``, ``.``).
+        name: a unique name of letters, digits, ``-``, ``_`` and ``:``, shorter than 128 characters.
         backend: a ``BackendType`` (default ``TENSORPIPE``, or the one the options imply).
         rank: this worker's unique id (-1: ``RANK`` from the environment).
         world_size: the number of workers of a static group; ``None`` for a group that
