@@ -271,6 +271,9 @@ def _pickling_and_parameters(w: Worker) -> None:
         fetched = param.to_here()
         assert type(fetched) is torch.Tensor and fetched.requires_grad and fetched.grad_fn is None
         assert param._get_type() is torch.nn.Parameter
+        # ... but a parameter made by remote() (a Python function's result) arrives as one
+        made = rpc.remote(w.peer(), f.parameter)
+        assert type(made.to_here()) is torch.nn.Parameter and made.to_here().requires_grad
     w.barrier()
 
 

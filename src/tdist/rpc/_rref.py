@@ -244,6 +244,8 @@ class RRef:
         with ctx.lock:
             rref_id = ctx.proto.create_owner_local()
         fut = agent._owner_future(rref_id)
+        if type(value) is torch.nn.Parameter:
+            fut.as_tensor = True  # (fetched as a plain tensor; remote()'s values keep their type)
         fut.set_result(value)
         self._set_owner(agent, rref_id, type_hint if type_hint is not None else type(value))
 
