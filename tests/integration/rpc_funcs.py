@@ -549,6 +549,10 @@ def parameter_rref() -> Any:
     return rpc.RRef(torch.nn.Parameter(torch.ones(2)))
 
 
+def parameter() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.ones(2))
+
+
 # -- values at the call (no torn tensors) -------------------------------------------------------
 
 

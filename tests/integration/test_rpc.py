@@ -423,6 +423,21 @@ def _futures(w: Worker) -> None:
     assert "future boom" in failed.then(handle).wait()
     with pytest.raises(Exception, match="future boom"):
         failed.then(lambda x: x.wait()).wait()  # a callback's error fails its future
+
+    # rpc.api._wait_all (torch's docstring example): every rpc_async of the block is waited on
+    # leaving it; the first failure is raised then; the list lives only inside the block
+    with rpc.api._wait_all():
+        assert rpc.api._thread_local_var.future_list == []
+        slow = rpc.rpc_async(p, f.sleep_then, args=(0.3, "slow"))
+        assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3  # (not collected)
+        assert len(rpc.api._thread_local_var.future_list) == 1
+    assert slow.done() and slow.wait() == "slow"
+    assert not hasattr(rpc.api._thread_local_var, "future_list")
+    with pytest.raises(ValueError, match="wait_all boom"), rpc.api._wait_all():
+        slow = rpc.rpc_async(p, f.sleep_then, args=(0.2, "slow"))
+        rpc.rpc_async(p, f.raise_error, args=("ValueError", "wait_all boom"))
+    assert not hasattr(rpc.api._thread_local_var, "future_list")
+    assert slow.wait() == "slow"
     # what the callback raised is a RuntimeError with torch's message, as with torch's futures,
     # and still of its own type
     for catch in (RuntimeError, KeyError):

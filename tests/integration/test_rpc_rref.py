@@ -64,6 +64,13 @@ def _remote_and_local(w: Worker) -> None:
     with pytest.raises(ValueError, match="made badly here"):
         failed_here.to_here()
 
+    # RRef._get_type: blocking=False is a future, which a user gets before the owner answers
+    # (here: before the value exists)
+    slow = rpc.remote(p, f.sleep_then, args=(0.5, 5))
+    typed = slow._get_type(blocking=False)
+    assert not typed.done()
+    assert typed.wait() is int and slow._get_type(blocking=False).wait() is int
+
     # remote() to itself: this worker owns the value
     own = rpc.remote(w.me, f.add, args=(1, 2))
     assert own.to_here() == 3 and own.is_owner() and own.local_value() == 3
@@ -264,6 +271,9 @@ def _pickling_and_parameters(w: Worker) -> None:
         fetched = param.to_here()
         assert type(fetched) is torch.Tensor and fetched.requires_grad and fetched.grad_fn is None
         assert param._get_type() is torch.nn.Parameter
+        # ... but a parameter made by remote() (a Python function's result) arrives as one
+        made = rpc.remote(w.peer(), f.parameter)
+        assert type(made.to_here()) is torch.nn.Parameter and made.to_here().requires_grad
     w.barrier()
 
 

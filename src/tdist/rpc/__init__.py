@@ -18,6 +18,7 @@ from ._api import _get_debug_info as _get_debug_info
 from ._api import _is_current_rpc_agent_set as _is_current_rpc_agent_set
 from ._api import _rref_context_get_debug_info as _rref_context_get_debug_info
 from ._api import _set_rpc_timeout as _set_rpc_timeout
+from ._api import _wait_all as _wait_all
 from ._api import enable_gil_profiling as enable_gil_profiling
 from ._api import (
     get_rpc_timeout,

@@ -816,7 +816,7 @@ class RpcAgent:
         if isinstance(value, _OwnerError):
             self._reply_error(src, tag, value.record)
             return
-        if type(value) is torch.nn.Parameter:  # fetched as a plain tensor, as torch's to_here()
+        if getattr(fut, "as_tensor", False):  # RRef(parameter): torch's to_here() gives a tensor
             value = value.detach().requires_grad_(value.requires_grad)
         ack = _tls.ack
         if ack is not None and ack[0] is self and ack[1] == src:

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import types
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -89,7 +90,7 @@ def init_rpc(
     """Start this process's RPC agent and join the group (``torch.distributed.rpc.init_rpc``).
 
     Args:
-        name: a unique name (letters, digits, ``-``, ``_``, ``:``, ``.``).
+        name: a unique name of letters, digits, ``-``, ``_`` and ``:``, shorter than 128 characters.
         backend: a ``BackendType`` (default ``TENSORPIPE``, or the one the options imply).
         rank: this worker's unique id (-1: ``RANK`` from the environment).
         world_size: the number of workers of a static group; ``None`` for a group that
@@ -299,8 +300,37 @@ def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout:
                 else:  # (the callee's events come back with the value)
                     sent = time.perf_counter()
                     fut = _mapped(_rpc_async(to, profiled, args, kwargs, timeout, func), _remote_profiling.unwrap(key, sent))
-            return rf._call_end_callbacks_on_future(fut)
-    return _rpc_async(to, func, args, kwargs, timeout)
+            fut = rf._call_end_callbacks_on_future(fut)
+    else:
+        fut = _rpc_async(to, func, args, kwargs, timeout)
+    pending = getattr(_thread_local_var, "future_list", None)
+    if pending is not None:  # inside ``_wait_all()``: its exit waits for this call
+        pending.append(fut)
+    return fut
+
+
+# torch's name: ``future_list`` is set on it inside ``_wait_all()`` (per thread)
+_thread_local_var = threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    """Collect the futures of every ``rpc_async`` this thread makes in the block and wait for
+    them all on leaving it (``torch.distributed.rpc.api._wait_all``).
+
+    Raises:
+        Exception: the first of those calls' errors (a timeout, the callee's exception), once
+            every future is done; an error raised in the block itself is raised after that wait
+            unless a call failed too.
+    """
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
 
 
 def _rpc_async(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown: Any = None) -> Any:

@@ -65,7 +65,9 @@ class _SyncReply:
     user ever holds one: what a blocking call waits on (``rpc_sync`` returns the value) and an
     owned RRef value (users get copies or ``local_value()``)."""
 
-    __slots__ = ("_callbacks", "_done", "_exc", "_tdist_spin", "_value")
+    # ``as_tensor`` (set only on an owned value made by ``RRef(parameter)``): a user fetches a
+    # plain tensor, as torch's does for a value whose type TorchScript infers
+    __slots__ = ("_callbacks", "_done", "_exc", "_tdist_spin", "_value", "as_tensor")
 
     def __init__(self) -> None:
         self._done = False

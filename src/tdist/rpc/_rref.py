@@ -244,6 +244,8 @@ class RRef:
         with ctx.lock:
             rref_id = ctx.proto.create_owner_local()
         fut = agent._owner_future(rref_id)
+        if type(value) is torch.nn.Parameter:
+            fut.as_tensor = True  # (fetched as a plain tensor; remote()'s values keep their type)
         fut.set_result(value)
         self._set_owner(agent, rref_id, type_hint if type_hint is not None else type(value))
 
@@ -432,14 +434,21 @@ class RRef:
         return self._agent.call_sync(self._owner.id, MsgKind.FETCH, (rid[0], rid[1]), timeout, what)
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
-        """The type of the value (asked of the owner once)."""
-        if self._type is None:
-            if self._is_owner:
-                self._type = _type_of(self._owned_value(timeout))
-            else:
-                from ._api import rpc_sync
+        """The type of the value (asked of the owner once, then kept); with ``blocking=False``
+        a future of it, which a user gets at once (the owner answers it later)."""
+        if self._type is None and not self._is_owner:
+            from ._api import rpc_async, rpc_sync
 
+            if blocking:
                 self._type = rpc_sync(self._owner, _value_type, args=(self,), timeout=timeout)
+            else:
+                def keep(done: Any) -> Any:
+                    self._type = done.wait()
+                    return self._type
+
+                return rpc_async(self._owner, _value_type, args=(self,), timeout=timeout).then(keep)
+        if self._type is None:
+            self._type = _type_of(self._owned_value(timeout))
         if not blocking:
             fut: Any = Future()
             fut.set_result(self._type)
