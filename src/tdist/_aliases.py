@@ -11,6 +11,13 @@ A finder at the front of ``sys.meta_path`` answers for ``tdist.<name>`` and ever
 for the names in ``ALIASED`` (a few of them inside packages of tdist's own, such as
 ``optim.zero_redundancy_optimizer``), by importing ``torch.distributed.<name>...``. Nothing is imported
 until such a name is.
+
+The first such import also makes tdist the backend torch picks for CPU tensors when it forms the
+default group itself: torch's device meshes (``init_device_mesh``) and ``fully_shard`` without a
+mesh call ``init_process_group()`` with no backend when no group exists, and a ported program
+that relies on that (as pytorch/examples' tensor-parallel ones do) must get tdist's group, which
+``tdist.is_initialized``, ``tdist.get_rank`` and ``tdist.destroy_process_group`` see, not a gloo
+group of torch's behind tdist's back (``default_world_on_tdist``).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["ALIASED", "install"]
+__all__ = ["ALIASED", "default_world_on_tdist", "install"]
 
 #: the sub-packages and modules of ``torch.distributed`` that tdist does not implement itself
 ALIASED = frozenset(
@@ -70,6 +77,20 @@ ALIASED = frozenset(
 _PREFIX = "tdist."
 
 
+def default_world_on_tdist() -> None:
+    """Make ``"tdist"`` torch's default backend for CPU tensors where it was gloo (torch's own
+    default), so that a group torch forms on its own, ``init_process_group()`` with no backend,
+    runs on tdist. Called when a program imports torch's stack by tdist's names (a ported
+    program), and by ``tdist.init_device_mesh``; a program that names its backend is not
+    affected, nor one that never imports tdist's names of torch's modules."""
+    backend = getattr(sys.modules.get("torch.distributed"), "Backend", None)
+    if backend is None or "tdist" not in getattr(backend, "backend_list", ()):
+        return
+    defaults = backend.default_device_backend_map
+    if defaults.get("cpu") == "gloo":
+        defaults["cpu"] = "tdist"
+
+
 class _Existing:  # (a loader; importlib.abc's base costs an import of typing)
     """Loads ``tdist.<name>`` as torch's module of that name, imported once."""
 
@@ -80,6 +101,7 @@ class _Existing:  # (a loader; importlib.abc's base costs an import of typing)
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = importlib.import_module(self.target)
         self.spec = module.__spec__
+        default_world_on_tdist()
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -227,9 +227,23 @@ __all__ += [
 ]
 
 # -- debugging one rank, and torch's device meshes (which run on tdist's groups) ------------------
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+import functools  # noqa: E402
+from typing import Any  # noqa: E402
 
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh  # noqa: E402
+
+from ._aliases import default_world_on_tdist as _default_world_on_tdist  # noqa: E402
 from .c10d._breakpoint import breakpoint  # noqa: E402
+
+
+@functools.wraps(_torch_init_device_mesh)
+def init_device_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
+    # torch's, except that the world group it forms when there is none is tdist's (as for a
+    # program that imports tdist.device_mesh: tdist._aliases.default_world_on_tdist)
+    _default_world_on_tdist()
+    return _torch_init_device_mesh(*args, **kwargs)
+
 
 __all__ += ["DeviceMesh", "breakpoint", "init_device_mesh"]
 

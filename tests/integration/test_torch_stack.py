@@ -307,6 +307,36 @@ def _ported(rank: int, n: int, path: str) -> dict[str, Any]:
     }
 
 
+def _implicit_world(rank: int, n: int, port: int, entry: str) -> dict[str, Any]:
+    """A ported program that calls no ``init_process_group``: torch's device mesh forms the
+    world group itself (pytorch/examples' tensor-parallel programs), which must be tdist's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    from tdist.tensor import Shard, distribute_tensor
+
+    if entry == "alias":
+        from tdist.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (n,))
+    else:
+        mesh = tdist.init_device_mesh("cpu", (n,))
+    a = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    out = {
+        "tdist sees it": tdist.is_initialized() and tdist.get_rank() == rank,
+        "backend": type(tdc.group.WORLD._get_backend(torch.device("cpu"))).__module__,
+        "sum": a.sum().full_tensor().item(),
+    }
+    tdist.barrier()
+    tdist.destroy_process_group()
+    out["left"] = not tdc.is_initialized()
+    return out
+
+
+@pytest.mark.parametrize("entry", ["alias", "tdist.init_device_mesh"])
+def test_a_device_mesh_made_before_any_group_forms_tdists_world_group(entry: str) -> None:
+    got = run_processes(_implicit_world, 2, free_port(), entry, timeout=100)
+    assert got[0] == got[1] == {"tdist sees it": True, "backend": "tdist.c10d._torch_pg", "sum": 28.0, "left": True}
+
+
 def test_torchs_training_stack_under_tdists_module_paths(tmp_path: Path) -> None:
     got = _run(_ported, 2, "tdist-api", str(tmp_path / "ck"))
     assert got[0] == got[1] == {
