@@ -346,9 +346,10 @@ def test_point_to_point_errors() -> None:
         return msgs
 
     for res in spmd(body, 2):
-        assert res[0] == ("ValueError: Invalid destination rank: destination rank should not be the "
-                          "same as the rank of the current process.")
-        assert res[1].startswith("ValueError: Invalid source rank: source rank should not be the same")
+        # (a ValueError as torch's send, and a RuntimeError as torch's recv: gloo's error)
+        assert res[0] == ("CollectiveArgumentError: Invalid destination rank: destination rank should "
+                          "not be the same as the rank of the current process.")
+        assert res[1].startswith("CollectiveArgumentError: Invalid source rank: source rank should not be")
         assert "invalid destination rank 5" in res[2]
         assert res[3].startswith("TypeError: Invalid function argument. Expected parameter `tensor`")
 

@@ -145,7 +145,45 @@ def program(d: Any, rank: int, ws: int) -> dict[str, Any]:
     d.scatter_object_list(so, [{"to": r} for r in range(ws)] if rank == 0 else None, src=0)
     out["scatter_object_list"] = so
     out["meta"] = (d.get_rank(), d.get_world_size(), d.get_backend(), d.is_initialized())
+    _errors(d, rank, ws, sub, out)
     return out
+
+
+_BASES = (TypeError, ValueError, RuntimeError, IndexError, KeyError, TimeoutError, AssertionError)
+
+
+def _errors(d: Any, rank: int, ws: int, sub: Any, out: dict[str, Any]) -> None:
+    """Calls that raise before anything is sent: the builtin bases of what each raises (``_diff``
+    wants ours to have every base torch's has: ours may add one, e.g. ValueError to gloo's
+    RuntimeError)."""
+    warnings.filterwarnings("ignore", message="Running .* which does not belong to the given group")
+
+    def err(name: str, call: Any) -> None:
+        try:
+            call()
+            out[f"err/{name}"] = "no error"
+        except Exception as exc:
+            out[f"err/{name}"] = sorted(b.__name__ for b in _BASES if isinstance(exc, b))
+
+    err("group_not_a_group", lambda: d.all_reduce(torch.ones(1), group="g"))
+    err("get_rank_not_a_group", lambda: d.get_rank("g"))
+    if rank == 0:
+        store = d.TCPStore("127.0.0.1", 0, 1, True, TIMEOUT)
+        err("store_multi_set_sizes", lambda: store.multi_set(["a", "b"], ["x"]))
+    if ws > 1:  # (gloo's pair to itself is not connected: a RuntimeError; torch's send checks first)
+        err("isend_self", lambda: d.isend(torch.ones(1), rank))
+        err("recv_self", lambda: d.recv(torch.ones(1), rank))
+        err("send_self", lambda: d.send(torch.ones(1), rank))
+    if rank not in (0, ws - 1):  # not in ``sub``: torch maps a root before it skips the call
+        err("non_member/broadcast_no_src", lambda: d.broadcast(torch.ones(1), group=sub))
+        err("non_member/broadcast_src_not_in_group", lambda: d.broadcast(torch.ones(1), src=rank, group=sub))
+        err("non_member/broadcast_group_src", lambda: d.broadcast(torch.ones(1), group=sub, group_src=1))
+        err("non_member/reduce_both", lambda: d.reduce(torch.ones(1), dst=0, group=sub, group_dst=0))
+        err("non_member/isend_no_dst", lambda: d.isend(torch.ones(1), group=sub))
+        err("non_member/scatter_src_not_in_group", lambda: d.scatter(torch.ones(1), src=rank, group=sub))
+        err("non_member/gather_object_both", lambda: d.gather_object(1, None, dst=0, group=sub, group_dst=0))
+        err("non_member/broadcast_object_list", lambda: d.broadcast_object_list([1], src=rank, group=sub))
+        err("non_member/scatter_object_list", lambda: d.scatter_object_list([None], None, group=sub))
 
 
 def _torch_rank(rank: int, ws: int, port: int) -> dict[str, Any]:
@@ -192,7 +230,10 @@ def _diff(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[str]
     problems = []
     for rank, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         for key in sorted(set(a) | set(b)):
-            if a.get(key, "<missing>") != b.get(key, "<missing>"):
+            if key.startswith("err/") and isinstance(a.get(key), list) and isinstance(b.get(key), list):
+                if not set(b[key]) <= set(a[key]):
+                    problems.append(f"rank {rank} {key}: tdist raises {a[key]}, torch {b[key]}")
+            elif a.get(key, "<missing>") != b.get(key, "<missing>"):
                 problems.append(f"rank {rank} {key}: tdist {a.get(key, '<missing>')!r} != torch {b.get(key, '<missing>')!r}")
     return problems
 

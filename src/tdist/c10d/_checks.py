@@ -223,10 +223,12 @@ def check_not_self_rank(my_rank: int, rank: int, rank_type: str) -> None:
     """``send``/``recv`` to or from oneself would never complete (torch's message).
 
     Raises:
-        ValueError: ``"Invalid destination rank: destination rank should not be ..."``.
+        CollectiveArgumentError: ``"Invalid destination rank: destination rank should not be
+            ..."``; a ``ValueError`` as torch's ``send`` raises, and a ``RuntimeError`` as
+            torch's ``recv`` (whose gloo pair to itself is not connected) raises.
     """
     if my_rank == rank:
-        raise ValueError(
+        raise CollectiveArgumentError(
             f"Invalid {rank_type} rank: {rank_type} rank should not be the same as "
             "the rank of the current process."
         )

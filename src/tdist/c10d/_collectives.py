@@ -38,6 +38,7 @@ from ._types import (
 )
 from ._world import (
     GroupArg,
+    _check_non_member_root,
     _check_valid_timeout,
     _from_torch,
     _global_rank_or_minus_one,
@@ -170,6 +171,7 @@ def broadcast(
     """
     t = C.as_tensor(tensor, "tensor")
     if _not_member(group):
+        _check_non_member_root("broadcast", src, group_src)
         warn_not_in_group("broadcast", _global_rank_or_minus_one())
         return None
     pg = _resolve(group)
@@ -243,6 +245,7 @@ def reduce(
     """
     t = C.as_tensor(tensor, "tensor")
     if _not_member(group):
+        _check_non_member_root("reduce", dst, group_dst)
         warn_not_in_group("reduce", _global_rank_or_minus_one())
         return None
     red = _red_op(op)
@@ -398,12 +401,13 @@ def scatter(
     t = C.as_tensor(tensor, "tensor")
     ins = C.as_tensor_list(scatter_list, "scatter_list") if scatter_list else []
     C.ensure_same_dtype(t, ins)
+    if src is None and group_src is None:
+        src = 0
     if _not_member(group):
+        _check_non_member_root("scatter", src, group_src)
         warn_not_in_group("scatter", _global_rank_or_minus_one())
         return None
     pg = _resolve(group)
-    if src is None and group_src is None:
-        src = 0
     root = _group_rank(pg, src, group_src)
     C.check_root_rank(root, pg.size(), "scatter", "src")
     C.check_rooted_list(pg.rank(), root, ins, "scatter", "scatter_list", pg.size())

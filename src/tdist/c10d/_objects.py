@@ -26,6 +26,7 @@ from ._group import warn_not_in_group
 from ._p2p import recv, send
 from ._world import (
     GroupArg,
+    _check_non_member_root,
     _global_rank_or_minus_one,
     _group_rank,
     _not_member,
@@ -131,12 +132,13 @@ def gather_object(
         ValueError: ``object_gather_list`` missing on ``dst`` or given elsewhere.
         IndexError: ``object_gather_list`` shorter than the group.
     """
+    if dst is None and group_dst is None:
+        dst = 0
     if _not_member(group):
+        _check_non_member_root("gather_object", dst, group_dst)
         warn_not_in_group("gather_object", _global_rank_or_minus_one())
         return
     pg = _resolve(group)
-    if dst is None and group_dst is None:
-        dst = 0
     root = _group_rank(pg, dst, group_dst)
     C.check_root_rank(root, pg.size(), "gather_object", "dst")
     me, n = pg.rank(), pg.size()
@@ -171,12 +173,13 @@ def broadcast_object_list(
     """Replace ``object_list`` on every rank by rank ``src``'s (default global rank 0); every
     rank passes a list of the same length.
     """
+    if src is None and group_src is None:
+        src = 0
     if _not_member(group):
+        _check_non_member_root("broadcast_object_list", src, group_src)
         warn_not_in_group("broadcast_object_list", _global_rank_or_minus_one())
         return
     pg = _resolve(group)
-    if src is None and group_src is None:
-        src = 0
     root = _group_rank(pg, src, group_src)
     C.check_root_rank(root, pg.size(), "broadcast_object_list", "src")
     if pg.rank() == root:
@@ -205,12 +208,13 @@ def scatter_object_list(
     Raises:
         ValueError: the output list is empty, or the input list missing on ``src``.
     """
+    if src is None and group_src is None:
+        src = 0
     if _not_member(group):
+        _check_non_member_root("scatter_object_list", src, group_src)
         warn_not_in_group("scatter_object_list", _global_rank_or_minus_one())
         return
     pg = _resolve(group)
-    if src is None and group_src is None:
-        src = 0
     root = _group_rank(pg, src, group_src)
     C.check_root_rank(root, pg.size(), "scatter_object_list", "src")
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:

@@ -17,6 +17,7 @@ from ._group import NON_GROUP_MEMBER, GroupMember, canonical_rank, warn_not_in_g
 from ._types import Work
 from ._world import (
     GroupArg,
+    _check_non_member_root,
     _global_rank_or_minus_one,
     _group_rank,
     _non_member_ranks,
@@ -44,7 +45,8 @@ def isend(
     group_dst: int | None = None,
 ) -> Work | None:
     """Send ``tensor`` to ``dst`` (a global rank; or ``group_dst``, a rank of ``group``) without
-    waiting. Sending to oneself is allowed, as in torch.
+    waiting. The API does not refuse sending to oneself, as torch's; the tcp backend does, as
+    gloo (a ``CollectiveArgumentError``, a ``RuntimeError`` as gloo's).
 
     Returns:
         The ``Work``; ``None`` on a non-member.
@@ -57,6 +59,7 @@ def isend(
     t = C.as_tensor(tensor, "tensor")
     tag = C.check_tag(tag)
     if _not_member(group):
+        _check_non_member_root("isend", dst, group_dst)
         warn_not_in_group("isend", _global_rank_or_minus_one())
         return None
     pg = _resolve(group)
@@ -135,7 +138,9 @@ def recv(
         The sender's global rank; -1 on a non-member.
 
     Raises:
-        ValueError: ``src`` is this rank (tdist raises; torch would hang), or not in ``group``.
+        CollectiveArgumentError: ``src`` is this rank (a ``ValueError``, and a ``RuntimeError``
+            as gloo's refusal in torch).
+        ValueError: ``src`` is not in ``group``.
         TypeError: ``tensor`` is not a tensor.
     """
     t = C.as_tensor(tensor, "tensor")

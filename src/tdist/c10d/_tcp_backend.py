@@ -1249,7 +1249,7 @@ class ProcessGroupTCP(Backend):
         return tag
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
-        self._check_rank(dst, "send", "dst")
+        self._check_peer(dst, "send", "dst")
         t = tensors[0].contiguous()
         deadline = time.monotonic() + self._timeout
         rec = self._fr
@@ -1265,7 +1265,7 @@ class ProcessGroupTCP(Backend):
         return Work.completed([tensors[0]], op="send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
-        self._check_rank(src, "recv", "src")
+        self._check_peer(src, "recv", "src")
         return self._post_recv(tensors[0], src, tag, f"recv from rank {src}")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
@@ -1274,7 +1274,7 @@ class ProcessGroupTCP(Backend):
     def send_object(self, obj: Any, dst: int, tag: int = 0) -> None:
         """Send a Python object as one message: pickle protocol 5, its tensors and arrays out
         of band (scatter-gather, no copy of their payload)."""
-        self._check_rank(dst, "send_object_list", "dst")
+        self._check_peer(dst, "send_object_list", "dst")
         deadline = time.monotonic() + self._timeout
         self._ep.send(dst, self._p2p_tag(tag), dumps(obj), b"", deadline, f"send_object_list to rank {dst}")
 
@@ -1282,7 +1282,7 @@ class ProcessGroupTCP(Backend):
         """Receive an object sent by ``send_object`` from ``src`` (-1: any rank); returns it
         and the sender's rank. Its tensors share the received buffer."""
         if src >= 0:
-            self._check_rank(src, "recv_object_list", "src")
+            self._check_peer(src, "recv_object_list", "src")
         what = "recv_object_list from " + (f"rank {src}" if src >= 0 else "any rank")
         handle = self._ep.post_recv(src, self._p2p_tag(tag), None, None, what)
         self._ep.wait(handle, time.monotonic() + self._timeout, what)
@@ -1299,8 +1299,27 @@ class ProcessGroupTCP(Backend):
 
     # -- lifetime ------------------------------------------------------------------------------
     def _check_rank(self, r: int, what: str, name: str) -> None:
+        """A root (a rank of the group).
+
+        Raises:
+            CollectiveArgumentError: out of range.
+        """
         if not 0 <= r < self._size:
-            raise ValueError(f"{what}: {name} rank {r} is out of range for a group of {self._size}")
+            raise CollectiveArgumentError(f"{what}: {name} rank {r} is out of range for a group of {self._size}")
+
+    def _check_peer(self, r: int, what: str, name: str) -> None:
+        """A peer of a point-to-point call: a rank of the group other than this one.
+
+        Raises:
+            CollectiveArgumentError: out of range, or this rank (no connection to itself, as
+                gloo, whose error is a ``RuntimeError``).
+        """
+        self._check_rank(r, what, name)
+        if r == self._rank:
+            raise CollectiveArgumentError(
+                f"{what}: {name} rank {r} is this rank; the {self.name()} backend has no connection "
+                "to itself (send and receive between two ranks)"
+            )
 
     def shutdown(self) -> None:
         if self._closed:

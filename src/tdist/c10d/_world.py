@@ -82,9 +82,9 @@ def _resolve(group: object) -> ProcessGroup:
     """``group`` as a ``ProcessGroup`` (``None`` and ``group.WORLD``: the default group).
 
     Raises:
-        ValueError: not initialized, or a torch group that is not (or no longer) the twin of
-            one of ours.
-        TypeError: not a process group.
+        ValueError: not initialized, a torch group that is not (or no longer) the twin of
+            one of ours, or not a process group at all (torch's type: it looks any other
+            object up in its map of groups and finds nothing).
     """
     if group is None:
         return _default_group()
@@ -98,7 +98,7 @@ def _resolve(group: object) -> ProcessGroup:
                 "torch.distributed.new_group API"
             )
         return twin
-    raise TypeError(
+    raise ValueError(
         f"group must be a ProcessGroup (from init_process_group or new_group), None or "
         f"group.WORLD, got {type(group).__name__}: {group!r}"
     )
@@ -145,6 +145,25 @@ def _rank_map(pg: ProcessGroup) -> dict[int, int] | None:
 
 def _group_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None) -> int:
     return canonical_rank(_rank_map(pg), global_rank, group_rank, False, pg)
+
+
+def _check_non_member_root(what: str, global_rank: int | None, group_rank: int | None) -> None:
+    """On a non-member, check a root or peer rank as a member does, before returning.
+
+    torch maps the rank first, on every rank, so an argument that is wrong for the group
+    (both or neither of ``src``/``group_src``, a global rank outside the group) raises on the
+    ranks left out of it too, not only on its members; as in ``get_group_rank``, a non-member
+    maps it with the latest group ``new_group`` left it out of.
+
+    Raises:
+        ValueError: both or neither rank given, or ``global_rank`` not in that group.
+        TypeError: a rank that is not an integer.
+    """
+    if global_rank is None or group_rank is not None:  # (no group's map needed to refuse it)
+        canonical_rank(None, global_rank, group_rank, False, NON_GROUP_MEMBER)
+    else:
+        label = "GroupMember.NON_GROUP_MEMBER (the latest group new_group left this rank out of)"
+        canonical_rank(_non_member_ranks(what), global_rank, None, False, label)
 
 
 def _to_global(pg: ProcessGroup, group_rank: int) -> int:

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._core.deadline import to_seconds
-from .._core.errors import DistStoreError
+from .._core.errors import DistStoreError, StoreValueError
 
 __all__ = ["DEFAULT_TIMEOUT", "Store", "as_bytes", "check_key", "multi_get_within"]
 
@@ -170,7 +170,7 @@ class Store:
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set every key to the matching value."""
         if len(keys) != len(values):
-            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+            raise StoreValueError(f"multi_set: {len(keys)} keys but {len(values)} values; they must be of the same size")
         for k, v in zip(keys, values, strict=True):
             self.set(k, v)
 

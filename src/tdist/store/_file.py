@@ -48,7 +48,7 @@ from types import TracebackType
 from typing import NamedTuple
 
 from .._core.deadline import Deadline
-from .._core.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
+from .._core.errors import DistStoreError, QueueEmptyError, StoreTimeoutError, StoreValueError
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 from ._hash import timeout_message
 from ._state import KVState, check_amount, parse_counter, wrap_int64
@@ -585,7 +585,7 @@ class FileStore(Store):
         """Set every key to the matching value, in one record (all or none are written)."""
         keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
-            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+            raise StoreValueError(f"multi_set: {len(keys)} keys but {len(values)} values; they must be of the same size")
         ops = [
             FileOp(Kind.SET, check_key(k), as_bytes(v)) for k, v in zip(keys, values, strict=True)
         ]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
-from .._core.errors import QueueEmptyError, StoreTimeoutError
+from .._core.errors import QueueEmptyError, StoreTimeoutError, StoreValueError
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 from ._state import KVState, check_amount
 
@@ -183,7 +183,7 @@ class HashStore(Store):
         """Set every key to the matching value, all at once (no reader sees half of them)."""
         keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
-            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+            raise StoreValueError(f"multi_set: {len(keys)} keys but {len(values)} values; they must be of the same size")
         pairs = [(check_key(k), as_bytes(v)) for k, v in zip(keys, values, strict=True)]
         with self._shared.cond:
             for k, v in pairs:

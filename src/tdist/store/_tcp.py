@@ -776,7 +776,7 @@ class TCPStore(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
-            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+            raise StoreValueError(f"multi_set: {len(keys)} keys but {len(values)} values; they must be of the same size")
         fields: list[bytes] = []
         for k, v in zip(keys, values, strict=True):
             fields.append(check_key(k).encode())
