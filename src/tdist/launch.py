@@ -13,19 +13,31 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-__all__ = ["launch", "main", "parse_args"]
+__all__ = ["get_args_parser", "launch", "main", "parse_args", "run"]
 
 
-def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
-    """The legacy launcher's options: torchrun's and ``--use-env``."""
-    from .run import get_args_parser
+def get_args_parser() -> argparse.ArgumentParser:
+    """The legacy launcher's parser: torchrun's options and ``--use-env``."""
+    from .run import get_args_parser as torchrun_parser
 
-    parser = get_args_parser()
+    parser = torchrun_parser()
     parser.add_argument(
         "--use-env", "--use_env", default=False, action="store_true",
         help="give the worker its local rank in LOCAL_RANK only, not as --local-rank",
     )
-    return parser.parse_args(args)
+    return parser
+
+
+def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
+    """The legacy launcher's options: torchrun's and ``--use-env``."""
+    return get_args_parser().parse_args(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """``tdist.run.run`` (torch's module has torchrun's ``run`` under this name too)."""
+    from .run import run as run_job
+
+    run_job(args)
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -35,8 +47,6 @@ def launch(args: argparse.Namespace) -> None:
         ValueError: ``--no-python`` without ``--use-env`` (a program cannot be given
             ``--local-rank``, as torch says).
     """
-    from .run import run
-
     if args.no_python and not args.use_env:
         raise ValueError("When using the '--no-python' flag, you must also set the '--use-env' flag.")
     run(args)

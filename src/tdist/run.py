@@ -241,3 +241,28 @@ if __name__ == "__main__":
 
     _process.TORCHLESS = True  # (as the tdist command: the launcher does not import torch)
     sys.exit(cli_main(["run", *sys.argv[1:]]))
+
+
+# torch's module also carries the names it imports (``from torch.distributed.run import
+# elastic_launch, LaunchConfig, record``): the same here, loaded when asked for (the launcher's
+# own process imports no torch)
+_REEXPORTED = {
+    "elastic_launch": "tdist.launcher.api",
+    "LaunchConfig": "tdist.launcher.api",
+    "record": "tdist.elastic.multiprocessing.errors",
+    "DefaultLogsSpecs": "tdist.elastic.multiprocessing",
+    "LogsSpecs": "tdist.elastic.multiprocessing",
+    "Std": "tdist.elastic.multiprocessing",
+    "macros": "tdist.elastic.utils.api",
+    "check_env": "torch.distributed.argparse_util",
+    "env": "torch.distributed.argparse_util",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _REEXPORTED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -31,7 +31,8 @@ NOT_COVERED = {
     "torch.distributed.elastic.utils.api": {"Any", "Template", "os", "socket"},  # its imports
     # a context manager of torch's workers' libc-level redirects (tdist's children get files at birth)
     "torch.distributed.elastic.multiprocessing.api": {"get_std_cm"},
-    "torch.distributed.elastic.agent.server": {"health_check_server"},  # torch's health-check server (no tdist one)
+    "torch.distributed.elastic.agent.server": {"health_check_server"},
+    "torch.distributed.run": {"ArgumentParser", "REMAINDER", "get_logger", "logger", "metadata", "torch", "os", "sys", "uuid"},  # its imports  # torch's health-check server (no tdist one)
 }
 
 PAIRS = [
@@ -73,6 +74,8 @@ PAIRS = [
     ("torch.distributed.elastic.agent.server", "tdist.elastic.agent.server"),
     ("torch.distributed.elastic.agent.server.api", "tdist.elastic.agent.server.api"),
     ("torch.distributed.elastic.agent.server.local_elastic_agent", "tdist.elastic.agent.server.local_elastic_agent"),
+    ("torch.distributed.run", "tdist.run"),
+    ("torch.distributed.launch", "tdist.launch"),
 ]
 
 
