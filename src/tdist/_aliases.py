@@ -49,6 +49,7 @@ ALIASED = frozenset(
         "c10d_logger",
         "checkpoint",
         "collective_utils",
+        "config",
         "device_mesh",
         "fsdp",
         "logging_handlers",
@@ -107,7 +108,11 @@ class _Existing:  # (a loader; importlib.abc's base costs an import of typing)
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing to run (torch's import ran it); the import system has put the alias's spec
         on torch's module, and torch's own goes back (its relative imports read it)."""
-        module.__spec__ = self.spec
+        if getattr(module, "__spec__", None) is not self.spec:
+            try:
+                module.__spec__ = self.spec
+            except AttributeError:  # (a module that refuses new attributes kept its own)
+                pass
 
 
 class _Finder:  # (a meta path finder)

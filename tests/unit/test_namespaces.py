@@ -161,7 +161,7 @@ def test_rref_takes_a_type_parameter_as_torchs() -> None:
     "path",
     [
         "checkpoint", "checkpoint.state_dict", "fsdp", "tensor.parallel", "device_mesh", "pipelining",
-        "algorithms.ddp_comm_hooks.default_hooks", "_functional_collectives", "utils", "nn.jit",
+        "algorithms.ddp_comm_hooks.default_hooks", "_functional_collectives", "utils", "nn.jit", "config",
         "optim.zero_redundancy_optimizer", "optim.post_localSGD_optimizer", "optim.functional_sgd",
     ],
 )
