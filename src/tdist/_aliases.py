@@ -72,6 +72,14 @@ ALIASED = frozenset(
         "optim.post_localSGD_optimizer",
         "optim.utils",
         "optim.zero_redundancy_optimizer",
+        # (torchelastic's utilities, whose module paths ported code imports)
+        "elastic.multiprocessing.redirects",
+        "elastic.multiprocessing.subprocess_handler",
+        "elastic.multiprocessing.tail_log",
+        "elastic.utils.data.cycling_iterator",
+        "elastic.utils.data.elastic_distributed_sampler",
+        "elastic.utils.log_level",
+        "elastic.utils.logging",
     }
 )
 
@@ -120,7 +128,7 @@ class _Finder:  # (a meta path finder)
         if not name.startswith(_PREFIX):
             return None
         parts = name.split(".")
-        if parts[1] not in ALIASED and ".".join(parts[1:3]) not in ALIASED:
+        if not any(".".join(parts[1:k]) in ALIASED for k in range(2, len(parts) + 1)):
             return None
         torch_name = "torch.distributed." + name[len(_PREFIX):]
         found = importlib.util.find_spec(torch_name)
