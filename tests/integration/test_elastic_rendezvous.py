@@ -3,6 +3,9 @@ torch's, and the static, c10d and etcd handlers with nodes as threads over the r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +23,8 @@ from tdist.elastic.rendezvous import (
     get_rendezvous_handler,
 )
 from tdist.testing import free_port
+
+from .._sync import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,6 +124,21 @@ def endpoint(backend: str, request: pytest.FixtureRequest) -> str:
     return f"127.0.0.1:{free_port()}"
 
 
+SPARE = """
+import sys
+from tdist.elastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+backend, endpoint, run_id = sys.argv[1:]
+h = get_rendezvous_handler(
+    RendezvousParameters(backend, endpoint, run_id, 2, 3, local_addr="127.0.0.1", join_timeout=0.2)
+)
+try:
+    h.next_rendezvous()  # (a spare waits on past join_timeout)
+    print("joined")
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+
 def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:
     run_id = f"full-{request.node.name}-{time.time_ns()}"
     make = lambda: get_rendezvous_handler(  # noqa: E731
@@ -132,8 +152,22 @@ def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytes
     assert {i.bootstrap_store_info.master_addr for i in infos} == {"127.0.0.1"}
     for h, _ in results:
         assert h.get_backend() == backend and h.get_run_id() == run_id
-    for h, _ in sorted(results, key=lambda r: r[1].rank, reverse=True):
-        h.shutdown()
+    # a fourth node, a process, comes while the round is full: a spare (torch's redundancy
+    # list), not counted as waiting; closing lets it go with RendezvousGracefulExitError
+    spare = subprocess.Popen(
+        [sys.executable, "-c", SPARE, backend, endpoint, run_id],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        first = min(results, key=lambda r: r[1].rank)[0]
+        wait_until(lambda: bool(first._read().wait_list) or spare.poll() is not None, 20, "the spare waits")
+        assert first._read().wait_list and first.num_nodes_waiting() == 0
+        for h, _ in sorted(results, key=lambda r: r[1].rank, reverse=True):
+            h.shutdown()
+        out, _ = spare.communicate(timeout=20)
+    finally:
+        spare.kill()
+    assert out.strip() == "RendezvousGracefulExitError", out
 
 
 def test_last_call_late_nodes_and_the_next_round(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:

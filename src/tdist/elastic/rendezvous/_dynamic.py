@@ -38,6 +38,7 @@ from ..events import NodeState, construct_and_record_rdzv_event
 from . import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -147,6 +148,7 @@ class StateExecutor:
 
         Raises:
             RendezvousClosedError: the rendezvous is closed (for a join).
+            RendezvousGracefulExitError: it closed while this node was a spare (a join).
             RendezvousTimeoutError: ``deadline`` passed.
         """
         now = self._clock()
@@ -156,6 +158,11 @@ class StateExecutor:
         action = decide(op, state, self.view, self.me, now, deadline, self.settings)
         if action.step is Step.ERROR_CLOSED:
             raise RendezvousClosedError(f"the {self.describe} is closed")
+        if action.step is Step.ERROR_GRACEFUL_EXIT:
+            raise RendezvousGracefulExitError(
+                f"the {self.describe} is closed while this node waited as a spare (the round was full): "
+                "terminating pending rendezvous"
+            )
         if action.step is Step.ERROR_TIMEOUT:
             raise RendezvousTimeoutError(self._timeout_message(op, self._timeout))
         if action.step not in WRITES:
@@ -333,6 +340,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Raises:
             RendezvousClosedError: the rendezvous is closed, or the wait was interrupted.
+            RendezvousGracefulExitError: the rendezvous closed while this node waited as a
+                spare (it came when the round was full; as torch's, a spare waits on past
+                ``join_timeout`` for a member to go).
             RendezvousTimeoutError: no round took this node within ``join_timeout``.
             RendezvousConnectionError: the store failed.
             RendezvousStateError: the stored state is corrupt.
