@@ -150,6 +150,10 @@ def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytes
     assert time.monotonic() - start < 10  # (max_nodes reached: no last call)
     infos = check_round(results, 3)
     assert {i.bootstrap_store_info.master_addr for i in infos} == {"127.0.0.1"}
+    # rank 0 published MASTER_ADDR/MASTER_PORT in the round's store, as torch's
+    assert {(i.store.get("MASTER_ADDR"), int(i.store.get("MASTER_PORT"))) for i in infos} == {
+        (b"127.0.0.1", infos[0].bootstrap_store_info.master_port)
+    }
     for h, _ in results:
         assert h.get_backend() == backend and h.get_run_id() == run_id
     # a fourth node, a process, comes while the round is full: a spare (torch's redundancy

@@ -365,11 +365,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._on_beat is not None:
             self._on_beat()  # (at once: a node lost before the first beat is then handled too)
         log.info("%s: node %s is rank %d of %d in round %d", self._describe, self._me, rank, world_size, n)
-        try:
-            info = RendezvousStoreInfo.build(rank, PrefixStore(f"round{n}", self._store), self._params.local_addr, self._server_port)
+        store = PrefixStore(f"round{n}/user", self._store)
+        try:  # (in the round's store, as torch's: its MASTER_ADDR and MASTER_PORT keys)
+            info = RendezvousStoreInfo.build(rank, store, self._params.local_addr, self._server_port)
         except DistError as exc:
             raise RendezvousConnectionError(f"{self._describe}: {exc}") from exc
-        return RendezvousInfo(PrefixStore(f"round{n}/user", self._store), rank, world_size, info)
+        return RendezvousInfo(store, rank, world_size, info)
 
     def is_closed(self) -> bool:
         return self._read().closed
