@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,6 +61,38 @@ def test_parameters_and_registry_as_torchs() -> None:
         registry.create_handler(RendezvousParameters("mine", "", "job", 1, 1))
     with pytest.raises(ValueError, match="rank is absent"):
         get_rendezvous_handler(RendezvousParameters("static", "127.0.0.1:1", "job", 1, 1))
+    # c10d's options, as torch's create_backend
+    with pytest.raises(ValueError, match="Invalid store type given"):
+        get_rendezvous_handler(RendezvousParameters("c10d", "127.0.0.1:1", "job", 1, 1, store_type="redis"))
+    with pytest.raises(ValueError, match="read timeout must be a positive integer"):
+        get_rendezvous_handler(RendezvousParameters("c10d", "127.0.0.1:1", "job", 1, 1, read_timeout=0))
+
+
+FILE_NODE = """
+import sys
+from tdist.elastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+h = get_rendezvous_handler(RendezvousParameters("c10d", sys.argv[1], "job", 2, 2, store_type="file"))
+info = h.next_rendezvous()
+info.store.set(f"hello{info.rank}", b"x")
+info.store.get(f"hello{1 - info.rank}")
+print(info.rank, info.world_size, info.bootstrap_store_info.master_port)
+h.shutdown()
+"""
+
+
+def test_c10d_on_a_file_store(tmp_path: Path) -> None:
+    """``store_type=file``: the endpoint is the path of a FileStore the nodes (processes) share."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FILE_NODE, str(tmp_path / "rdzv")], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=30)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert sorted(o[:2] for o in outs) == [["0", "2"], ["1", "2"]] and outs[0][2] == outs[1][2], outs
 
 
 def nodes(n: int, make: Callable[[], RendezvousHandler]) -> list[Any]:
