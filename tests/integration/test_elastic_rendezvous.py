@@ -195,15 +195,17 @@ def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytes
         [sys.executable, "-c", SPARE, backend, endpoint, run_id],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
+    ordered = sorted(results, key=lambda r: r[1].rank, reverse=True)
     try:
-        first = min(results, key=lambda r: r[1].rank)[0]
+        first = ordered[-1][0]
         wait_until(lambda: bool(first._read().wait_list) or spare.poll() is not None, 20, "the spare waits")
         assert first._read().wait_list and first.num_nodes_waiting() == 0
-        for h, _ in sorted(results, key=lambda r: r[1].rank, reverse=True):
-            h.shutdown()
+        ordered[0][0].shutdown()  # (it closes the rendezvous; rank 0 hosts the c10d store: last)
         out, _ = spare.communicate(timeout=20)
     finally:
         spare.kill()
+        for h, _ in ordered[1:]:
+            h.shutdown()
     assert out.strip() == "RendezvousGracefulExitError", out
 
 
