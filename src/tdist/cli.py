@@ -483,6 +483,11 @@ def _run(ns: argparse.Namespace) -> int:
         agent = LocalAgent(config)
         code = agent.run()
     except DistError as exc:  # (LaunchError, or a store or etcd that failed on the way)
+        from .elastic.rendezvous import RendezvousGracefulExitError
+
+        if isinstance(exc.__cause__, RendezvousGracefulExitError):  # (a spare let go: torchrun's exit 0)
+            print(f"tdist run: the rendezvous let this node go: {exc.__cause__}", file=sys.stderr)
+            return 0
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 1
     root = agent.root_cause_error_file() if code else None

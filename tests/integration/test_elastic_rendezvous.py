@@ -3,9 +3,13 @@ torch's, and the static, c10d and etcd handlers with nodes as threads over the r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +24,8 @@ from tdist.elastic.rendezvous import (
     get_rendezvous_handler,
 )
 from tdist.testing import free_port
+
+from .._sync import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,6 +61,38 @@ def test_parameters_and_registry_as_torchs() -> None:
         registry.create_handler(RendezvousParameters("mine", "", "job", 1, 1))
     with pytest.raises(ValueError, match="rank is absent"):
         get_rendezvous_handler(RendezvousParameters("static", "127.0.0.1:1", "job", 1, 1))
+    # c10d's options, as torch's create_backend
+    with pytest.raises(ValueError, match="Invalid store type given"):
+        get_rendezvous_handler(RendezvousParameters("c10d", "127.0.0.1:1", "job", 1, 1, store_type="redis"))
+    with pytest.raises(ValueError, match="read timeout must be a positive integer"):
+        get_rendezvous_handler(RendezvousParameters("c10d", "127.0.0.1:1", "job", 1, 1, read_timeout=0))
+
+
+FILE_NODE = """
+import sys
+from tdist.elastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+h = get_rendezvous_handler(RendezvousParameters("c10d", sys.argv[1], "job", 2, 2, store_type="file"))
+info = h.next_rendezvous()
+info.store.set(f"hello{info.rank}", b"x")
+info.store.get(f"hello{1 - info.rank}")
+print(info.rank, info.world_size, info.bootstrap_store_info.master_port)
+h.shutdown()
+"""
+
+
+def test_c10d_on_a_file_store(tmp_path: Path) -> None:
+    """``store_type=file``: the endpoint is the path of a FileStore the nodes (processes) share."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FILE_NODE, str(tmp_path / "rdzv")], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=30)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert sorted(o[:2] for o in outs) == [["0", "2"], ["1", "2"]] and outs[0][2] == outs[1][2], outs
 
 
 def nodes(n: int, make: Callable[[], RendezvousHandler]) -> list[Any]:
@@ -119,6 +157,21 @@ def endpoint(backend: str, request: pytest.FixtureRequest) -> str:
     return f"127.0.0.1:{free_port()}"
 
 
+SPARE = """
+import sys
+from tdist.elastic.rendezvous import RendezvousParameters, get_rendezvous_handler
+backend, endpoint, run_id = sys.argv[1:]
+h = get_rendezvous_handler(
+    RendezvousParameters(backend, endpoint, run_id, 2, 3, local_addr="127.0.0.1", join_timeout=0.2)
+)
+try:
+    h.next_rendezvous()  # (a spare waits on past join_timeout)
+    print("joined")
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+
 def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:
     run_id = f"full-{request.node.name}-{time.time_ns()}"
     make = lambda: get_rendezvous_handler(  # noqa: E731
@@ -130,10 +183,30 @@ def test_a_full_round_closes_at_once(backend: str, endpoint: str, request: pytes
     assert time.monotonic() - start < 10  # (max_nodes reached: no last call)
     infos = check_round(results, 3)
     assert {i.bootstrap_store_info.master_addr for i in infos} == {"127.0.0.1"}
+    # rank 0 published MASTER_ADDR/MASTER_PORT in the round's store, as torch's
+    assert {(i.store.get("MASTER_ADDR"), int(i.store.get("MASTER_PORT"))) for i in infos} == {
+        (b"127.0.0.1", infos[0].bootstrap_store_info.master_port)
+    }
     for h, _ in results:
         assert h.get_backend() == backend and h.get_run_id() == run_id
-    for h, _ in sorted(results, key=lambda r: r[1].rank, reverse=True):
-        h.shutdown()
+    # a fourth node, a process, comes while the round is full: a spare (torch's redundancy
+    # list), not counted as waiting; closing lets it go with RendezvousGracefulExitError
+    spare = subprocess.Popen(
+        [sys.executable, "-c", SPARE, backend, endpoint, run_id],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    ordered = sorted(results, key=lambda r: r[1].rank, reverse=True)
+    try:
+        first = ordered[-1][0]
+        wait_until(lambda: bool(first._read().wait_list) or spare.poll() is not None, 20, "the spare waits")
+        assert first._read().wait_list and first.num_nodes_waiting() == 0
+        ordered[0][0].shutdown()  # (it closes the rendezvous; rank 0 hosts the c10d store: last)
+        out, _ = spare.communicate(timeout=20)
+    finally:
+        spare.kill()
+        for h, _ in ordered[1:]:
+            h.shutdown()
+    assert out.strip() == "RendezvousGracefulExitError", out
 
 
 def test_last_call_late_nodes_and_the_next_round(backend: str, endpoint: str, request: pytest.FixtureRequest) -> None:

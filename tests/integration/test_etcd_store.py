@@ -113,6 +113,8 @@ def test_timeouts_and_an_unreachable_etcd(store: EtcdStore) -> None:
     assert 0.35 <= time.monotonic() - start < 2
     with pytest.raises(TimeoutError):  # (the builtin, as every tdist timeout)
         store.get("never") if store.set_timeout(timedelta(seconds=0.2)) is None else None
+    with pytest.raises(LookupError):  # (and the error torch's EtcdStore documents for get/wait)
+        store.wait(["never"], timedelta(seconds=0.1))
     with pytest.raises(DistNetworkError, match="cannot be reached"):
         EtcdStore("127.0.0.1", 1)
 

@@ -121,8 +121,18 @@ def test_a_full_round_keeps_its_late_nodes_as_spares() -> None:
     state = join_all(State.fresh(s), [a, b], now=0.0)
     _, state = spare.act(Op.JOIN, state, now=0.0)
     assert state.wait_list == ("spare",) and nodes_waiting(state) == 0  # (no room: nobody to admit)
+    # as torch's redundancy list: a spare waits on past its deadline (no timeout, no wake-up
+    # for it), and a close lets it go without an error
+    late = spare.decide(Op.JOIN, state, now=0.5, deadline=0.1)
+    assert late.step is Step.WAIT and late.until is not None and late.until > 0.5
+    _, closed = b.act(Op.CLOSE, state, now=0.5)
+    assert spare.decide(Op.JOIN, closed, now=0.5).step is Step.ERROR_GRACEFUL_EXIT
     _, state = a.act(Op.LEAVE, state, now=1.0)
     assert nodes_waiting(state) == 1
+    # with room in the round it is a waiting node as any: its deadline holds, a close is an error
+    assert spare.decide(Op.JOIN, state, now=1.0, deadline=0.1).step is Step.LEAVE
+    _, closed = b.act(Op.CLOSE, state, now=1.0)
+    assert spare.decide(Op.JOIN, closed, now=1.0).step is Step.ERROR_CLOSED
 
 
 def test_closed() -> None:

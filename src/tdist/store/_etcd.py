@@ -9,7 +9,7 @@ How the Store API maps onto etcd:
   delete-range under the prefix;
 - ``add``, ``compare_set`` and ``append``: a read, then a transaction that writes only if the
   key's modification revision is still the one read (retried when another client came between);
-- ``wait``: a watch on the prefix from the revision at which keys were last found missing, so a
+- ``wait`` (and ``get`` of a missing key): a watch on the prefix from the revision at which keys were last found missing, so a
   waiter sleeps in etcd until something changes and never polls; the store's timeout bounds it.
 
 Values are bytes (base64 in the JSON, as the gateway wants them). Only the standard library is
@@ -31,11 +31,16 @@ from typing import Any
 from .._core.errors import DistNetworkError, DistStoreError, StoreTimeoutError, StoreValueError
 from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 
-__all__ = ["EtcdStore"]
+__all__ = ["EtcdStore", "EtcdStoreTimeoutError"]
 
 log = logging.getLogger(__name__)
 
 _MAX_TXN_OPS = 128
+
+
+class EtcdStoreTimeoutError(StoreTimeoutError, LookupError):
+    """``get``/``wait`` of an ``EtcdStore`` timed out: tdist's ``StoreTimeoutError`` (a
+    ``TimeoutError``) that is also the ``LookupError`` torch's ``EtcdStore`` documents."""
 
 
 def _b64(data: bytes) -> str:
@@ -215,7 +220,7 @@ class EtcdStore(Store):
             self.wait([key])
             record, _ = self._range(key)
             if record is None:  # (deleted again meanwhile)
-                raise StoreTimeoutError(f"{self!r}: key {key!r} was deleted while get() waited for it")
+                raise EtcdStoreTimeoutError(f"{self!r}: key {key!r} was deleted while get() waited for it")
         return _unb64(record.get("value"))
 
     def add(self, key: str, amount: int) -> int:
@@ -313,7 +318,7 @@ class EtcdStore(Store):
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StoreTimeoutError(
+                raise EtcdStoreTimeoutError(
                     f"{self!r}: wait() timed out after {seconds:g} s; keys still missing: {missing}"
                 )
             self._watch_once(revision + 1, remaining)

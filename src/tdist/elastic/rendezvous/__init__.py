@@ -37,6 +37,7 @@ bootstrap_store_info)``. The names, defaults and errors are torch's; the handler
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -391,8 +392,18 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     from ...store._server import StoreServer
     from .._agent import _is_local_address
 
+    # torch's options: store_type tcp (default) or file (the endpoint is the file's path; none:
+    # a temporary file), read_timeout (seconds, > 0) of the TCP store's calls
+    store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type not in ("tcp", "file"):
+        raise ValueError("Invalid store type given. Currently only supports file and tcp.")
+    read_timeout = params.get_as_int("read_timeout")
+    if read_timeout is not None and read_timeout <= 0:
+        raise ValueError("The read timeout must be a positive integer.")
+    if store_type == "file":
+        return _c10d_on_a_file(params)
     host, port = parse_rendezvous_endpoint(params.endpoint, 29400)
-    timeout = timedelta(seconds=float(params.get("join_timeout", 600)))
+    timeout = timedelta(seconds=float(params.get("join_timeout", 600)) if read_timeout is None else read_timeout)
     is_host = params.get_as_bool("is_host")
     server = None
     if is_host or (is_host is None and _is_local_address(host)):
@@ -422,6 +433,28 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     handler = DynamicRendezvousHandler("c10d", params, state, first=server is not None, on_shutdown=release, on_beat=keeper.upkeep)
     keeper.settle()
     return handler
+
+
+def _c10d_on_a_file(params: RendezvousParameters) -> RendezvousHandler:
+    """The c10d rendezvous over a ``FileStore`` (``store_type=file``): the nodes share the file
+    at the endpoint (one host, or a shared file system)."""
+    import tempfile
+
+    from ...store._file import FileStore
+
+    path = params.endpoint
+    if not path:
+        try:
+            fd, path = tempfile.mkstemp(prefix="tdist_rdzv_")
+            os.close(fd)
+        except OSError as exc:
+            raise RendezvousError(f"c10d rendezvous: cannot create a file for the store: {exc}") from exc
+    try:
+        store = FileStore(path)
+    except (DistError, OSError, ValueError) as exc:
+        raise RendezvousConnectionError(f"c10d rendezvous: the file store at {path!r} cannot be used: {exc}") from exc
+    state = PrefixStore(f"torch.rendezvous.{params.run_id}", store)
+    return DynamicRendezvousHandler("c10d", params, state)
 
 
 def _etcd_creator(backend: str) -> RendezvousHandlerCreator:

@@ -38,6 +38,7 @@ from ..events import NodeState, construct_and_record_rdzv_event
 from . import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -147,6 +148,7 @@ class StateExecutor:
 
         Raises:
             RendezvousClosedError: the rendezvous is closed (for a join).
+            RendezvousGracefulExitError: it closed while this node was a spare (a join).
             RendezvousTimeoutError: ``deadline`` passed.
         """
         now = self._clock()
@@ -156,6 +158,11 @@ class StateExecutor:
         action = decide(op, state, self.view, self.me, now, deadline, self.settings)
         if action.step is Step.ERROR_CLOSED:
             raise RendezvousClosedError(f"the {self.describe} is closed")
+        if action.step is Step.ERROR_GRACEFUL_EXIT:
+            raise RendezvousGracefulExitError(
+                f"the {self.describe} is closed while this node waited as a spare (the round was full): "
+                "terminating pending rendezvous"
+            )
         if action.step is Step.ERROR_TIMEOUT:
             raise RendezvousTimeoutError(self._timeout_message(op, self._timeout))
         if action.step not in WRITES:
@@ -333,6 +340,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         Raises:
             RendezvousClosedError: the rendezvous is closed, or the wait was interrupted.
+            RendezvousGracefulExitError: the rendezvous closed while this node waited as a
+                spare (it came when the round was full; as torch's, a spare waits on past
+                ``join_timeout`` for a member to go).
             RendezvousTimeoutError: no round took this node within ``join_timeout``.
             RendezvousConnectionError: the store failed.
             RendezvousStateError: the stored state is corrupt.
@@ -355,11 +365,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._on_beat is not None:
             self._on_beat()  # (at once: a node lost before the first beat is then handled too)
         log.info("%s: node %s is rank %d of %d in round %d", self._describe, self._me, rank, world_size, n)
-        try:
-            info = RendezvousStoreInfo.build(rank, PrefixStore(f"round{n}", self._store), self._params.local_addr, self._server_port)
+        store = PrefixStore(f"round{n}/user", self._store)
+        try:  # (in the round's store, as torch's: its MASTER_ADDR and MASTER_PORT keys)
+            info = RendezvousStoreInfo.build(rank, store, self._params.local_addr, self._server_port)
         except DistError as exc:
             raise RendezvousConnectionError(f"{self._describe}: {exc}") from exc
-        return RendezvousInfo(PrefixStore(f"round{n}/user", self._store), rank, world_size, info)
+        return RendezvousInfo(store, rank, world_size, info)
 
     def is_closed(self) -> bool:
         return self._read().closed

@@ -78,6 +78,7 @@ class Step(enum.Enum):
     WAIT = "wait"  # nothing to write: wait for the state to change, at most until ``Action.until``
     FINISH = "finish"  # the operation is done
     ERROR_CLOSED = "error-closed"  # the rendezvous is closed
+    ERROR_GRACEFUL_EXIT = "error-graceful-exit"  # closed while I was a spare: leave without an error
     ERROR_TIMEOUT = "error-timeout"  # the operation's deadline passed
 
 
@@ -269,12 +270,15 @@ def _beat_due(view: View, me: str, now: float, settings: Settings) -> bool:
 
 
 def _join(state: State, view: View, me: str, now: float, deadline: float, settings: Settings) -> Action:
-    if state.closed:
-        return Action(Step.ERROR_CLOSED)
     member = me in state.participants
+    # a spare: waiting while the round is full (torch's redundancy list). As torch's, it waits
+    # on past its deadline, for a member to go; a close lets it go without an error.
+    spare = state.complete and not member and me in state.wait_list and len(state.participants) >= state.max_nodes
+    if state.closed:
+        return Action(Step.ERROR_GRACEFUL_EXIT if spare else Step.ERROR_CLOSED)
     if member and state.complete:
         return Action(Step.FINISH)
-    if now >= deadline:
+    if now >= deadline and not spare:
         # take myself out while there is time (else my heartbeat's expiry will)
         if (member or me in state.wait_list) and now < deadline + ROLLBACK:
             return Action(Step.LEAVE)
@@ -295,12 +299,12 @@ def _join(state: State, view: View, me: str, now: float, deadline: float, settin
     if _beat_due(view, me, now, settings):
         return Action(Step.KEEP_ALIVE)
     # nothing to do until the state changes, or until the first of these times
-    times = [deadline, *(since + settings.keep_alive_timeout for node, (_, since) in view.beats.items() if node != me)]
+    times = [*([] if spare else [deadline]), *(since + settings.keep_alive_timeout for node, (_, since) in view.beats.items() if node != me)]
     if me in view.beats:
         times.append(view.beats[me][1] + settings.keep_alive_interval)
     if last_call_ends is not None:
         times.append(last_call_ends)
-    return Action(Step.WAIT, until=min(times))
+    return Action(Step.WAIT, until=min(times) if times else None)
 
 
 def apply(state: State, action: Action, me: str) -> State:
