@@ -80,6 +80,7 @@ def check_ops(res: list[dict[str, Any]]) -> None:
         assert got["objects"] == [{"rank": k, "word": "x" * k} for k in range(n)]
         assert got["broadcast_object"] == {"from": 0}
         assert got["async"] == [True, True]
+        assert got["chained"] == [[6.0, 6.0], [[3.0], [3.0, 3.0]], 0]
         assert got["bf16_error"][0] == "CollectiveArgumentError" and got["bf16_error"][1]
         assert "bfloat16" in got["bf16_error"][2]
     assert res[0]["reduce"] == [6.0] * 3
