@@ -232,6 +232,13 @@ def _args_checked() -> dict[str, Any]:
         dist.init_process_group("mpi", rank=7, world_size=9)
     except ValueError as exc:
         out["error"] = str(exc)
+    # MASTER_ADDR alone (the test sets no MASTER_PORT) asks for no rendezvous: torch's MPI
+    # backend reads neither, and the group's store is served at that address
+    dist.init_process_group("mpi")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["all_reduce"] = t.item()
+    dist.destroy_process_group()
     return out
 
 

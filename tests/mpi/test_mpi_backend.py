@@ -137,9 +137,10 @@ def test_two_hosts_over_mpis_tcp_transport() -> None:
 
 
 def test_rank_and_world_size_come_from_mpi_and_are_checked() -> None:
-    res = _mpiexec(2, "args")
+    res = _mpiexec(2, "args", {"MASTER_ADDR": "127.0.0.1"})
     for got in res:
         assert "MPI says this process is rank" in got["error"]
+        assert got["all_reduce"] == 2.0
 
 
 def test_rpc_runs_beside_an_mpi_process_group() -> None:
