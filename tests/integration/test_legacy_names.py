@@ -7,8 +7,14 @@ Master-worker mode (``init_master_worker``) runs on real processes in
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +180,39 @@ def test_03s_functions_behave_on_a_2_rank_group() -> None:
     assert r1["recv_from"] == [0, 5.0]
     assert r0["gather"] == [0.0, 1.0]
     assert (r0["scatter"], r1["scatter"]) == (7.0, 8.0)
+
+
+def test_03s_init_methods_and_rooted_lists_on_real_processes(tmp_path: Path) -> None:
+    """torch 0.3's docs: ``file://`` with ``world_size`` and no rank assigns ranks; ``env://``
+    needs no ``MASTER_ADDR`` on rank 0; ``scatter`` with ``src`` left out on the source (0.3's
+    default: the caller's rank) raises torch 2's error, saying how 0.3 differed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "MASTER_", "RANK", "WORLD_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
+    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    prog = [sys.executable, str(Path(__file__).with_name("legacy03_prog.py")), str(tmp_path / "shared")]
+    procs = [
+        subprocess.Popen(
+            prog, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(env, RANK=str(rank), **({"MASTER_ADDR": "127.0.0.1"} if rank else {})),
+        )
+        for rank in range(2)
+    ]
+    try:
+        runs = [p.communicate(timeout=40) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            with contextlib.suppress(Exception):
+                p.communicate(timeout=10)
+    res = []
+    for p, (out, err) in zip(procs, runs, strict=True):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, (p.returncode, out, err[-3000:])
+        res.append(json.loads(lines[-1][len("RESULT "):]))
+    assert sorted(got["file"][0] for got in res) == [0, 1]
+    assert all(got["file"][1:] == [2, 3.0] for got in res)
+    assert [got["env"] for got in res] == [[0, False, 3.0], [1, True, 3.0]]
+    assert res[0]["scatter"].startswith("Argument ``scatter_list`` must be specified on source rank. (src was")
+    assert res[1]["scatter"].startswith("Argument ``scatter_list`` must NOT be specified on non-source ranks. (src was")
+    assert "torch 0.3's scatter took the rank that gives scatter_list for the source: pass src=" in res[1]["scatter"]

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -120,6 +121,16 @@ def _ops() -> dict[str, Any]:
         s = torch.ones(1) * r
         dist.all_reduce(s, group=sub)
         out["sub"] = [s.item(), dist.get_rank(sub), dist.get_world_size(sub)]
+    # forms that chain a work of theirs to the MPI one (done through its callback)
+    mg = [torch.ones(2) * r, torch.ones(2)]
+    dist.all_reduce_multigpu(mg)
+    co = [torch.ones(1) * r, torch.ones(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_reduce_coalesced(co)
+    wr = dist.all_reduce(torch.ones(1), async_op=True)
+    assert wr is not None
+    out["chained"] = [mg[1].tolist(), [c.tolist() for c in co], wr.get_future_result().wait()]
     try:
         dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
     except Exception as exc:
@@ -221,6 +232,13 @@ def _args_checked() -> dict[str, Any]:
         dist.init_process_group("mpi", rank=7, world_size=9)
     except ValueError as exc:
         out["error"] = str(exc)
+    # MASTER_ADDR alone (the test sets no MASTER_PORT) asks for no rendezvous: torch's MPI
+    # backend reads neither, and the group's store is served at that address
+    dist.init_process_group("mpi")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["all_reduce"] = t.item()
+    dist.destroy_process_group()
     return out
 
 

@@ -80,6 +80,7 @@ def check_ops(res: list[dict[str, Any]]) -> None:
         assert got["objects"] == [{"rank": k, "word": "x" * k} for k in range(n)]
         assert got["broadcast_object"] == {"from": 0}
         assert got["async"] == [True, True]
+        assert got["chained"] == [[6.0, 6.0], [[3.0], [3.0, 3.0]], 0]
         assert got["bf16_error"][0] == "CollectiveArgumentError" and got["bf16_error"][1]
         assert "bfloat16" in got["bf16_error"][2]
     assert res[0]["reduce"] == [6.0] * 3
@@ -136,9 +137,10 @@ def test_two_hosts_over_mpis_tcp_transport() -> None:
 
 
 def test_rank_and_world_size_come_from_mpi_and_are_checked() -> None:
-    res = _mpiexec(2, "args")
+    res = _mpiexec(2, "args", {"MASTER_ADDR": "127.0.0.1"})
     for got in res:
         assert "MPI says this process is rank" in got["error"]
+        assert got["all_reduce"] == 2.0
 
 
 def test_rpc_runs_beside_an_mpi_process_group() -> None:

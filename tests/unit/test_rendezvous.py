@@ -46,6 +46,9 @@ def close(store: Store) -> None:
 @pytest.mark.parametrize("var", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
 def test_env_missing_variable(var: str, full_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(var)
+    if var == "MASTER_ADDR":  # (rank 0 needs none: below)
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
     expected = (
         "Error initializing torch.distributed using env:// rendezvous: "
         f"environment variable {var} expected, but not set"
@@ -55,7 +58,18 @@ def test_env_missing_variable(var: str, full_env: dict[str, str], monkeypatch: p
     assert str(info.value).startswith(expected)
 
 
+def test_env_rank_0_needs_no_master_addr_as_in_torch_03(full_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR")
+    store, rank, world_size = next(tdist.rendezvous("env://", timeout=SHORT))
+    try:
+        assert (rank, world_size) == (0, 1) and store.add("n", 1) == 1
+    finally:
+        close(store)
+
+
 def test_env_empty_variable_counts_as_missing(full_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "")
     with pytest.raises(ValueError, match="environment variable MASTER_ADDR expected, but not set"):
         next(tdist.rendezvous("env://"))
@@ -92,7 +106,8 @@ def test_env_bad_rank(full_env: dict[str, str], monkeypatch: pytest.MonkeyPatch)
         ("tcp://127.0.0.1:1234?world_size=1", "rank parameter missing"),
         ("tcp://127.0.0.1:1234?rank=0", "world size parameter missing"),
         ("file://?rank=0&world_size=1", "path missing"),
-        ("file:///tmp/x?world_size=1", "rank parameter missing"),
+        ("tcp://239.1.2.3:1234?rank=0&world_size=1", "239.1.2.3 is a multicast address: torch 0.3's"),
+        ("tcp://[ff15::1]:1234?world_size=4", "ff15::1 is a multicast address: torch 0.3's"),
         ("file:///tmp/x?rank=0", "world size parameter missing"),
     ],
 )
@@ -277,6 +292,15 @@ def test_file_two_ranks_as_threads(tmp_path: Path) -> None:
         return store.get(f"k{1 - rank}")
 
     assert run_threads(body, 2, timeout=20) == [b"1", b"0"]
+
+
+def test_file_without_rank_assigns_ranks_as_torch_03(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    first = next(tdist.rendezvous(url, world_size=2))
+    second = next(tdist.rendezvous(url, world_size=2))
+    assert (first[1:], second[1:]) == ((0, 2), (1, 2))
+    with pytest.raises(ValueError, match=r"rank parameter missing, and the 2 automatic ranks of .* are taken"):
+        next(tdist.rendezvous(url, world_size=2))
 
 
 def test_the_launchers_store_is_used_for_the_jobs_own_address_only(monkeypatch: pytest.MonkeyPatch) -> None:

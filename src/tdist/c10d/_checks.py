@@ -248,21 +248,31 @@ def check_list_len(items: Sequence[object], size: int, what: str, name: str) -> 
 
 
 def check_rooted_list(
-    my_rank: int, root: int, items: Sequence[object] | None, what: str, name: str, size: int
+    my_rank: int, root: int, items: Sequence[object] | None, what: str, name: str, size: int,
+    root_implied: bool = False,
 ) -> None:
     """A list given on the root only (``gather_list``, ``scatter_list``), of the group's size.
+    ``root_implied``: the caller gave no root (``dst``/``src``), so it is rank 0.
 
     Raises:
-        ValueError: the list is missing on the root or given elsewhere (torch's messages).
+        ValueError: the list is missing on the root or given elsewhere (torch's messages; where
+            the root was implied, followed by how torch 0.3, which took a rank that gave the
+            list for the root, differs).
         CollectiveArgumentError: wrong length on the root.
     """
     role = "destination" if what == "gather" else "source"
+    arg = "dst" if what == "gather" else "src"
+    hint = (
+        f" ({arg} was not given, so the {role} is rank 0, as in torch 2; torch 0.3's {what} took "
+        f"the rank that gives {name} for the {role}: pass {arg}= on every rank)"
+        if root_implied else ""
+    )
     if my_rank == root:
         if not items:
-            raise ValueError(f"Argument ``{name}`` must be specified on {role} rank.")
+            raise ValueError(f"Argument ``{name}`` must be specified on {role} rank.{hint}")
         check_list_len(items, size, what, name)
     elif items:
-        raise ValueError(f"Argument ``{name}`` must NOT be specified on non-{role} ranks.")
+        raise ValueError(f"Argument ``{name}`` must NOT be specified on non-{role} ranks.{hint}")
 
 
 def check_same_numel(tensors: Sequence[torch.Tensor], ref: torch.Tensor, what: str, name: str) -> None:

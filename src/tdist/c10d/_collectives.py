@@ -369,11 +369,12 @@ def gather(
         warn_not_in_group("gather", _global_rank_or_minus_one())
         return None
     pg = _resolve(group)
-    if dst is None and group_dst is None:
+    implied = dst is None and group_dst is None
+    if implied:
         dst = 0
     root = _group_rank(pg, dst, group_dst)
     C.check_root_rank(root, pg.size(), "gather", "dst")
-    C.check_rooted_list(pg.rank(), root, outs, "gather", "gather_list", pg.size())
+    C.check_rooted_list(pg.rank(), root, outs, "gather", "gather_list", pg.size(), implied)
     C.check_same_numel(outs, t, "gather", "gather_list")
     opts = _set_async(GatherOptions(rootRank=root), async_op)
     output = [C.real_views(outs)] if pg.rank() == root else []
@@ -401,7 +402,8 @@ def scatter(
     t = C.as_tensor(tensor, "tensor")
     ins = C.as_tensor_list(scatter_list, "scatter_list") if scatter_list else []
     C.ensure_same_dtype(t, ins)
-    if src is None and group_src is None:
+    implied = src is None and group_src is None
+    if implied:
         src = 0
     if _not_member(group):
         _check_non_member_root("scatter", src, group_src)
@@ -410,7 +412,7 @@ def scatter(
     pg = _resolve(group)
     root = _group_rank(pg, src, group_src)
     C.check_root_rank(root, pg.size(), "scatter", "src")
-    C.check_rooted_list(pg.rank(), root, ins, "scatter", "scatter_list", pg.size())
+    C.check_rooted_list(pg.rank(), root, ins, "scatter", "scatter_list", pg.size(), implied)
     C.check_same_numel(ins, t, "scatter", "scatter_list")
     opts = _set_async(ScatterOptions(rootRank=root), async_op)
     inputs = [C.real_views(ins)] if pg.rank() == root else []

@@ -302,7 +302,9 @@ def init_process_group(
             # (rank and world size are MPI's; the store too, unless a rendezvous was asked for)
             from ._mpi_backend import mpi_world, mpi_world_store
 
-            asked = store is not None or init_method != "env://" or "MASTER_ADDR" in os.environ
+            # (MASTER_ADDR alone, without MASTER_PORT, is no rendezvous asked for: torch's MPI
+            # backend reads neither)
+            asked = store is not None or init_method != "env://" or {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys()
             if not asked:
                 store, rank, world_size = mpi_world_store(rank, world_size, timeout)
                 world.owned_store = store

@@ -303,6 +303,7 @@ class _MPIWork(Work):
         self._status = status
         self._keep = keep  # (staging buffers MPI writes into until the requests complete)
         self._poll_lock = threading.Lock()
+        self._driven = False  # (a thread tests the requests: ``_drive``)
 
     def _poll(self, tries: int = 1) -> bool:
         """Test the requests (up to ``tries`` times in a tight loop, as a blocking MPI call
@@ -376,9 +377,23 @@ class _MPIWork(Work):
 
     def get_future(self) -> Any:
         fut = super().get_future()
-        if not self.is_completed_quietly():
-            threading.Thread(target=self._wait_quietly, name="tdist-mpi-future", daemon=True).start()
+        self._drive()
         return fut
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """As ``Work``'s; the requests are tested from a thread of their own meanwhile (an MPI
+        request completes only when tested: a callback, such as those of the ``*_coalesced``
+        and ``*_multigpu`` forms, which chain works, would otherwise never run)."""
+        super().add_done_callback(fn)
+        self._drive()
+
+    def _drive(self) -> None:
+        """Test the requests from a thread until they complete (once per work), unless done."""
+        with self._lock:
+            if self._is_done or self._driven:
+                return
+            self._driven = True
+        threading.Thread(target=self._wait_quietly, name="tdist-mpi-future", daemon=True).start()
 
     def _wait_quietly(self) -> None:
         try:

@@ -8,9 +8,12 @@ static methods here cannot reconfigure a job.
 Three handlers ship, with torch's URLs, defaults and error messages:
 
 * ``env://`` reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` (``?rank=`` and
-  ``?world_size=`` in the URL override the last two);
-* ``tcp://host:port?rank=R&world_size=N``;
-* ``file:///path?rank=R&world_size=N`` (a ``FileStore``).
+  ``?world_size=`` in the URL override the last two; rank 0 needs no ``MASTER_ADDR``, as in
+  torch 0.3);
+* ``tcp://host:port?rank=R&world_size=N`` (a multicast address, torch 0.3's automatic ranks,
+  is refused, saying so);
+* ``file:///path?rank=R&world_size=N`` (a ``FileStore``; without ``rank`` the processes take
+  ranks in the order they reach the file, as torch 0.3's automatic assignment).
 
 For ``env://`` and ``tcp://`` rank 0 hosts the ``TCPStore`` server (shared by every store this
 process creates on that address) and the other ranks connect to it. Under ``tdist run`` (or
@@ -366,6 +369,18 @@ def release_claim(store: Any) -> None:
 
 
 # -- the built-in handlers ---------------------------------------------------------------------
+_AUTO_RANK = "tdist_rdzv/auto_rank"  # (file://: the count of ranks assigned automatically)
+
+
+def _is_multicast(host: str | None) -> bool:
+    import ipaddress
+
+    try:
+        return host is not None and ipaddress.ip_address(host).is_multicast
+    except ValueError:  # (a host name)
+        return False
+
+
 def _file_rendezvous_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
     def _error(msg: str) -> ValueError:
         return _rendezvous_error("file:// rendezvous: " + msg)
@@ -381,17 +396,24 @@ def _file_rendezvous_handler(url: str, **kwargs: Any) -> Iterator[tuple[Store, i
             "file:///absolute/path (three slashes)"
         )
     query = _query_to_dict(result.query, "file")
-    if "rank" not in query:
-        raise _error("rank parameter missing")
     if "world_size" not in query:
         raise _error("world size parameter missing")
-    rank = _parse_int(query["rank"], "rank", "file")
     world_size = _parse_int(query["world_size"], "world_size", "file")
+    rank = _parse_int(query["rank"], "rank", "file") if "rank" in query else 0
     _check_rank(rank, world_size, "file")
 
     from ._file import FileStore
 
     store = FileStore(result.path, world_size)
+    if "rank" not in query:
+        # torch 0.3's automatic rank assignment ("Rank will be assigned automatically if
+        # unspecified"): the processes take ranks in the order they reach the file
+        rank = int(store.add(_AUTO_RANK, 1)) - 1
+        if rank >= world_size:
+            raise _error(
+                f"rank parameter missing, and the {world_size} automatic ranks of {result.path} are "
+                "taken; give every process a rank (rank=), or a new file for each job"
+            )
     yield (store, rank, world_size)
     # If this configuration is invalidated, there is nothing we can do about it
     raise RuntimeError("Unable to perform rerendezvous using file:// method")
@@ -413,6 +435,13 @@ def _tcp_rendezvous_handler(
         raise _error(f"port number {raw!r} in {url!r} is not a number from 0 to 65535") from None
     if port is None:
         raise _error("port number missing")
+    if _is_multicast(result.hostname):
+        raise _error(
+            f"{result.hostname} is a multicast address: torch 0.3's multicast initialization "
+            "(ranks assigned automatically) is not supported; give the address of rank 0's host, "
+            "tcp://HOST:PORT, and every process its rank= and world_size= (or use file:// with "
+            "world_size=, which assigns ranks)"
+        )
     query = _query_to_dict(result.query, "tcp")
     if "rank" not in query:
         raise _error("rank parameter missing")
@@ -455,7 +484,9 @@ def _env_rendezvous_handler(
         world_size = _parse_int(query["world_size"], "world_size", "env")
     else:
         world_size = _parse_int(_get_env_or_raise("WORLD_SIZE"), "WORLD_SIZE", "env")
-    master_addr = _get_env_or_raise("MASTER_ADDR")
+    # rank 0 needs no MASTER_ADDR (as torch 0.3's env://: "required (except for rank 0)"): it
+    # serves the store on every interface, as torch's own server does
+    master_addr = os.environ.get("MASTER_ADDR") or ("0.0.0.0" if rank == 0 else _get_env_or_raise("MASTER_ADDR"))
     raw_port = _get_env_or_raise("MASTER_PORT")
     try:
         master_port = int(raw_port)
