@@ -18,6 +18,8 @@ module's ``CollectiveMismatchError``)::
     │   └── AuthenticationError                 the peer did not prove the shared secret
     ├── DistStoreError                          a store operation failed
     │   ├── StoreTimeoutError (TimeoutError)    keys did not appear in time
+    │   │   └── EtcdStoreTimeoutError (LookupError)  [store._etcd] an EtcdStore's get/wait
+    │   │                                       (torch documents LookupError there)
     │   ├── StoreValueError (ValueError)        a value was not what the command needs
     │   └── QueueEmptyError                     queue_pop(block=False) on an empty queue
     ├── ProtocolError                           bytes that break a wire protocol
