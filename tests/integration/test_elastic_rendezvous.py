@@ -379,3 +379,21 @@ def test_from_backend_over_c10d_backend_in_processes() -> None:
         server.close()
     assert sorted(outs) == [["0", "2", "c10d"], ["1", "2", "c10d", "closed"]], outs
     assert all(p.returncode == 0 for p in procs)
+
+
+def test_etcd_rendezvous_backend(etcd_endpoint: tuple[str, int]) -> None:
+    """``etcd_rendezvous_backend.create_backend``: a backend in etcd (tdist's EtcdStore) whose
+    fencing token guards the state, and the rounds' store."""
+    from tdist.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    host, port = etcd_endpoint
+    with pytest.raises(ValueError, match="not supported"):
+        create_backend(RendezvousParameters("etcd-v2", f"{host}:{port}", "job", 1, 1, protocol="https"))
+    params = RendezvousParameters("etcd-v2", f"{host}:{port}", f"job-{time.time_ns()}", 1, 1)
+    backend, store = create_backend(params)
+    assert backend.name == "etcd-v2" and backend.get_state() is None
+    result = backend.set_state(b"one")
+    assert result is not None and result[::2] == (b"one", True)
+    assert backend.set_state(b"two", b"stale") == (b"one", result[1], False)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"

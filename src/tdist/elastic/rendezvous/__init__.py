@@ -32,6 +32,12 @@ bootstrap_store_info)``. The names, defaults and errors are torch's; the handler
 
   Rank 0 of each round publishes ``MASTER_ADDR``/``MASTER_PORT`` for the workers
   (``RendezvousStoreInfo``): its ``local_addr`` (or fully qualified host name) and a free port.
+
+torch's module paths are there too: ``dynamic_rendezvous`` (``DynamicRendezvousHandler.from_backend``
+and ``create_handler``: the same handler over a user's ``RendezvousBackend``, whose state it
+polls while it waits), ``c10d_rendezvous_backend`` and ``etcd_rendezvous_backend`` (backends over
+a c10d store and over tdist's ``EtcdStore``), ``static_tcp_rendezvous``, ``etcd_store``, and
+``etcd_server`` (torch's own test helper).
 """
 
 from __future__ import annotations

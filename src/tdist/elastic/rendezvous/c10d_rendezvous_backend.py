@@ -47,8 +47,11 @@ class C10dRendezvousBackend(RendezvousBackend):
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._store = store
-        self._key = "torch.rendezvous." + run_id
+        self._key = self._state_key(run_id)
         self._call(lambda: store.compare_set(self._key, b"", _NO_STATE))
+
+    def _state_key(self, run_id: str) -> str:
+        return "torch.rendezvous." + run_id
 
     @property
     def name(self) -> str:
