@@ -74,6 +74,7 @@ ALIASED = frozenset(
         "optim.zero_redundancy_optimizer",
         # (torchelastic's utilities, whose module paths ported code imports)
         "elastic.multiprocessing.redirects",
+        "elastic.rendezvous.etcd_server",  # (torch's test helper: starts an etcd binary)
         "elastic.multiprocessing.subprocess_handler",
         "elastic.multiprocessing.tail_log",
         "elastic.utils.data.cycling_iterator",

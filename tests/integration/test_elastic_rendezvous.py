@@ -266,3 +266,134 @@ def test_too_few_nodes_time_out(backend: str, endpoint: str, request: pytest.Fix
         h.next_rendezvous()
     assert time.monotonic() - start < 5
     h.shutdown()
+
+
+# -- torch's from_backend: the state in a user's RendezvousBackend ----------------------------
+class DictBackend:
+    """A user's own backend: a dict behind a lock (the token: a version number)."""
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.record: tuple[bytes, int] | None = None
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        with self.lock:
+            return self.record
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        with self.lock:
+            current = None if self.record is None else self.record[1]
+            if token == current:
+                self.record = (state, 0 if current is None else current + 1)
+                return (*self.record, True)
+            return None if self.record is None else (*self.record, False)
+
+
+def test_from_backend_over_a_users_backend_in_threads() -> None:
+    """Two nodes (threads) meet through a user's ``RendezvousBackend``; a third that comes when
+    the round is complete waits (``num_nodes_waiting``) until ``set_closed`` ends it."""
+    from datetime import timedelta
+
+    from tdist import HashStore
+    from tdist.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousBackend,
+        RendezvousTimeout,
+    )
+
+    RendezvousBackend.register(DictBackend)
+    backend, store = DictBackend(), HashStore()
+    timeout = RendezvousTimeout(last_call=timedelta(seconds=0.2))
+
+    def make() -> DynamicRendezvousHandler:
+        return DynamicRendezvousHandler.from_backend("job", store, backend, 2, 3, "127.0.0.1", timeout)  # type: ignore[arg-type]
+
+    members = nodes(2, make)
+    check_round(members, 2)
+    assert members[0][0].get_backend() == "dict" and members[0][0].get_run_id() == "job"
+    assert [k for k in store.list_keys() if k.endswith("hello")] == ["torch.rendezvous.job.0/hello"]  # (the user's store)
+    late: list[Any] = []
+    t = threading.Thread(target=lambda: late.append(nodes(1, make)[0]))
+    t.start()
+    wait_until(lambda: members[0][0].num_nodes_waiting() == 1, 10, "the late node waits")
+    members[1][0].set_closed()
+    t.join(10)
+    assert isinstance(late[0], RendezvousClosedError) and members[0][0].is_closed(), late
+    for h, _ in members:
+        h.shutdown()
+
+
+BACKEND_NODE = """
+import sys
+from datetime import timedelta
+from tdist import TCPStore
+from tdist.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
+from tdist.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
+from tdist.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout, create_handler
+port, how = int(sys.argv[1]), sys.argv[2]
+if how == "from_backend":  # (the module docstring's example)
+    store = TCPStore("127.0.0.1", port, is_master=False)
+    backend = C10dRendezvousBackend(store, "my_run_id")
+    h = DynamicRendezvousHandler.from_backend(run_id="my_run_id", store=store, backend=backend, min_nodes=2,
+        max_nodes=4, timeout=RendezvousTimeout(last_call=timedelta(seconds=0.3)))
+else:
+    params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "my_run_id", 2, 4, is_host=False, last_call_timeout=0.3)
+    backend, store = create_backend(params)
+    h = create_handler(store, backend, params)
+info = h.next_rendezvous()
+print(info.rank, info.world_size, h.get_backend(), flush=True)
+if info.rank == 0:
+    info.store.set("hello", b"from 0")
+    info.store.wait(["done"])
+    h.set_closed()
+else:
+    assert info.store.get("hello") == b"from 0"
+    info.store.set("done", b"")
+    try:
+        h.next_rendezvous()
+    except RendezvousClosedError:
+        print("closed", flush=True)
+h.shutdown()
+"""
+
+
+def test_from_backend_over_c10d_backend_in_processes() -> None:
+    """torch's docstring example on two processes: a TCPStore, ``C10dRendezvousBackend`` and
+    ``from_backend`` (the other through ``create_backend``/``create_handler``): ranks 0 and 1,
+    the round's store shared, and ``set_closed`` ends the other's next round."""
+    from tdist import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BACKEND_NODE, str(server.port), how], stdout=subprocess.PIPE, text=True, env=env)
+        for how in ("from_backend", "create_handler")
+    ]
+    try:
+        outs = [p.communicate(timeout=30)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        server.close()
+    assert sorted(outs) == [["0", "2", "c10d"], ["1", "2", "c10d", "closed"]], outs
+    assert all(p.returncode == 0 for p in procs)
+
+
+def test_etcd_rendezvous_backend(etcd_endpoint: tuple[str, int]) -> None:
+    """``etcd_rendezvous_backend.create_backend``: a backend in etcd (tdist's EtcdStore) whose
+    fencing token guards the state, and the rounds' store."""
+    from tdist.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    host, port = etcd_endpoint
+    with pytest.raises(ValueError, match="not supported"):
+        create_backend(RendezvousParameters("etcd-v2", f"{host}:{port}", "job", 1, 1, protocol="https"))
+    params = RendezvousParameters("etcd-v2", f"{host}:{port}", f"job-{time.time_ns()}", 1, 1)
+    backend, store = create_backend(params)
+    assert backend.name == "etcd-v2" and backend.get_state() is None
+    result = backend.set_state(b"one")
+    assert result is not None and result[::2] == (b"one", True)
+    assert backend.set_state(b"two", b"stale") == (b"one", result[1], False)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"

@@ -32,6 +32,14 @@ NOT_COVERED = {
     # a context manager of torch's workers' libc-level redirects (tdist's children get files at birth)
     "torch.distributed.elastic.multiprocessing.api": {"get_std_cm"},
     "torch.distributed.elastic.agent.server": {"health_check_server"},
+    # torch's imports, and its helper that sleeps a random while between compare-and-sets
+    "torch.distributed.elastic.rendezvous.etcd_store": {"Store", "b64decode", "b64encode", "cas_delay", "datetime", "etcd", "random", "time"},
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend": {  # its imports
+        "Any", "FileStore", "NodeState", "RendezvousBackend", "RendezvousConnectionError", "RendezvousError",
+        "RendezvousParameters", "RendezvousStateError", "Store", "TCPStore", "Token", "b64decode", "b64encode",
+        "binascii", "cast", "construct_and_record_rdzv_event", "logger", "logging", "os", "parse_rendezvous_endpoint",
+        "tempfile", "timedelta",
+    },
     "torch.distributed.run": {"ArgumentParser", "REMAINDER", "get_logger", "logger", "metadata", "torch", "os", "sys", "uuid"},  # its imports  # torch's health-check server (no tdist one)
 }
 
@@ -53,6 +61,11 @@ PAIRS = [
     ("torch.distributed.elastic.rendezvous.registry", "tdist.elastic.rendezvous.registry"),
     ("torch.distributed.elastic.rendezvous.api", "tdist.elastic.rendezvous.api"),
     ("torch.distributed.elastic.rendezvous.utils", "tdist.elastic.rendezvous.utils"),
+    ("torch.distributed.elastic.rendezvous.static_tcp_rendezvous", "tdist.elastic.rendezvous.static_tcp_rendezvous"),
+    ("torch.distributed.elastic.rendezvous.etcd_store", "tdist.elastic.rendezvous.etcd_store"),
+    ("torch.distributed.elastic.rendezvous.etcd_server", "tdist.elastic.rendezvous.etcd_server"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "tdist.elastic.rendezvous.dynamic_rendezvous"),
+    ("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "tdist.elastic.rendezvous.c10d_rendezvous_backend"),
     ("torch.distributed.elastic.utils.data", "tdist.elastic.utils.data"),
     ("torch.distributed.elastic.utils.api", "tdist.elastic.utils.api"),
     ("torch.distributed.elastic.utils.distributed", "tdist.elastic.utils.distributed"),
@@ -105,6 +118,64 @@ def test_torch_public_names_exist(theirs: str, ours: str) -> None:
     names = getattr(torch_mod, "__all__", None) or [n for n in dir(torch_mod) if not n.startswith("_")]
     missing = sorted(n for n in set(names) - NOT_COVERED.get(theirs, set()) if not hasattr(mod, n))
     assert not missing, f"{ours} lacks {missing}"
+
+
+def test_rendezvous_module_paths_of_torch() -> None:
+    import tdist.elastic.rendezvous.etcd_server as ours
+    import torch.distributed.elastic.rendezvous.etcd_server as torchs
+
+    from tdist.elastic.rendezvous import RendezvousParameters
+    from tdist.elastic.rendezvous.etcd_store import EtcdStore
+    from tdist.elastic.rendezvous.static_tcp_rendezvous import (
+        StaticTCPRendezvous,
+        create_rdzv_handler,
+    )
+    from tdist.store._etcd import EtcdStore as own
+
+    assert ours is torchs and EtcdStore is own  # (torch's test helper; tdist's own store)
+    h = create_rdzv_handler(RendezvousParameters("static", "127.0.0.1:1234", "job", 2, 2, rank=1))
+    assert isinstance(h, StaticTCPRendezvous) and h.get_backend() == "static" and h.use_agent_store
+    assert (h.master_addr, h.master_port, h.rank, h.world_size, h.run_id) == ("127.0.0.1", 1234, 1, 2, "job")
+    assert h.timeout.total_seconds() == 600 and h.num_nodes_waiting() == 0 and not h.is_closed()
+    with pytest.raises(ValueError, match="Port is absent"):
+        create_rdzv_handler(RendezvousParameters("static", "127.0.0.1", "job", 2, 2, rank=1))
+    with pytest.raises(ValueError, match="rank is absent"):
+        create_rdzv_handler(RendezvousParameters("static", "127.0.0.1:1", "job", 2, 2))
+
+
+def test_dynamic_rendezvous_api_as_torchs() -> None:
+    from datetime import timedelta
+
+    from tdist import HashStore
+    from tdist.elastic.rendezvous import DynamicRendezvousHandler as ours
+    from tdist.elastic.rendezvous import RendezvousParameters
+    from tdist.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from tdist.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+        create_handler,
+    )
+
+    assert DynamicRendezvousHandler is ours
+    t = RendezvousTimeout(close=timedelta(seconds=7))
+    assert (t.join, t.last_call, t.close, t.heartbeat) == tuple(timedelta(seconds=s) for s in (600, 30, 7, 5))
+    with pytest.raises(ValueError, match="must be positive"):
+        RendezvousTimeout(join=timedelta(0))
+    store = HashStore()
+    backend = C10dRendezvousBackend(store, "job")
+    assert backend.name == "c10d" and backend.get_state() is None
+    state, token, ok = backend.set_state(b"one")  # (no state yet: it takes)
+    assert (state, ok) == (b"one", True) and backend.get_state() == (b"one", token)
+    assert backend.set_state(b"two") == (b"one", token, False)  # (a state exists)
+    assert backend.set_state(b"two", token)[::2] == (b"two", True)
+    assert backend.set_state(b"three", token)[::2] == (b"two", False)  # (a stale token)
+    with pytest.raises(ValueError, match="run id"):
+        C10dRendezvousBackend(store, "")
+    params = RendezvousParameters("c10d", "", "job", 1, 2, keep_alive_interval=2, join_timeout=9)
+    h = create_handler(store, C10dRendezvousBackend(store, "other"), params)
+    assert h.get_backend() == "c10d" and h.settings.keep_alive_interval == 2 and h.num_nodes_waiting() == 0
+    with pytest.raises(TypeError, match="keep_alive_interval=None"):
+        create_handler(store, backend, RendezvousParameters("c10d", "", "job", 1, 2, keep_alive_interval=None))
 
 
 def test_distributed_c10d_private_helpers() -> None:

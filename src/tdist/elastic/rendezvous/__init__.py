@@ -32,6 +32,12 @@ bootstrap_store_info)``. The names, defaults and errors are torch's; the handler
 
   Rank 0 of each round publishes ``MASTER_ADDR``/``MASTER_PORT`` for the workers
   (``RendezvousStoreInfo``): its ``local_addr`` (or fully qualified host name) and a free port.
+
+torch's module paths are there too: ``dynamic_rendezvous`` (``DynamicRendezvousHandler.from_backend``
+and ``create_handler``: the same handler over a user's ``RendezvousBackend``, whose state it
+polls while it waits), ``c10d_rendezvous_backend`` and ``etcd_rendezvous_backend`` (backends over
+a c10d store and over tdist's ``EtcdStore``), ``static_tcp_rendezvous``, ``etcd_store``, and
+``etcd_server`` (torch's own test helper).
 """
 
 from __future__ import annotations
@@ -384,6 +390,37 @@ class _StaticRendezvous(RendezvousHandler):
         return self._run_id
 
 
+def _c10d_store_options(params: RendezvousParameters) -> tuple[str, int | None]:
+    """torch's options of a c10d store: ``store_type`` tcp (default) or file (the endpoint is
+    the file's path; none: a temporary file), ``read_timeout`` (seconds, > 0) of the TCP
+    store's calls (None: not given).
+
+    Raises:
+        ValueError: another store type, or a read timeout that is not positive.
+    """
+    store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type not in ("tcp", "file"):
+        raise ValueError("Invalid store type given. Currently only supports file and tcp.")
+    read_timeout = params.get_as_int("read_timeout")
+    if read_timeout is not None and read_timeout <= 0:
+        raise ValueError("The read timeout must be a positive integer.")
+    return store_type, read_timeout
+
+
+def _rendezvous_file(params: RendezvousParameters) -> str:
+    """The path of a c10d rendezvous's file store: the endpoint, else a new temporary file."""
+    import tempfile
+
+    path = params.endpoint
+    if not path:
+        try:
+            fd, path = tempfile.mkstemp(prefix="tdist_rdzv_")
+            os.close(fd)
+        except OSError as exc:
+            raise RendezvousError(f"c10d rendezvous: cannot create a file for the store: {exc}") from exc
+    return path
+
+
 def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The c10d rendezvous: the node at the endpoint hosts the store; another node keeps a
     standby of it (``store._replica``) that takes over if the host is lost, and every node's
@@ -392,14 +429,7 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
     from ...store._server import StoreServer
     from .._agent import _is_local_address
 
-    # torch's options: store_type tcp (default) or file (the endpoint is the file's path; none:
-    # a temporary file), read_timeout (seconds, > 0) of the TCP store's calls
-    store_type = str(params.get("store_type", "tcp")).strip().lower()
-    if store_type not in ("tcp", "file"):
-        raise ValueError("Invalid store type given. Currently only supports file and tcp.")
-    read_timeout = params.get_as_int("read_timeout")
-    if read_timeout is not None and read_timeout <= 0:
-        raise ValueError("The read timeout must be a positive integer.")
+    store_type, read_timeout = _c10d_store_options(params)
     if store_type == "file":
         return _c10d_on_a_file(params)
     host, port = parse_rendezvous_endpoint(params.endpoint, 29400)
@@ -438,17 +468,9 @@ def _create_c10d_handler(params: RendezvousParameters) -> RendezvousHandler:
 def _c10d_on_a_file(params: RendezvousParameters) -> RendezvousHandler:
     """The c10d rendezvous over a ``FileStore`` (``store_type=file``): the nodes share the file
     at the endpoint (one host, or a shared file system)."""
-    import tempfile
-
     from ...store._file import FileStore
 
-    path = params.endpoint
-    if not path:
-        try:
-            fd, path = tempfile.mkstemp(prefix="tdist_rdzv_")
-            os.close(fd)
-        except OSError as exc:
-            raise RendezvousError(f"c10d rendezvous: cannot create a file for the store: {exc}") from exc
+    path = _rendezvous_file(params)
     try:
         store = FileStore(path)
     except (DistError, OSError, ValueError) as exc:

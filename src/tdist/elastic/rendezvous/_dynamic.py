@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ..._core.deadline import Clock
 from ..._core.errors import DistError, StoreTimeoutError
@@ -60,6 +61,9 @@ from ._state import (
     nodes_waiting,
     observe,
 )
+
+if TYPE_CHECKING:
+    from .dynamic_rendezvous import RendezvousBackend, RendezvousTimeout
 
 __all__ = ["DynamicRendezvousHandler", "StateExecutor"]
 
@@ -256,6 +260,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         on_shutdown: called once by ``shutdown`` (to release the store).
         on_beat: called after every heartbeat (the c10d handler keeps the store's standby).
         clock, wait: see ``StateExecutor``.
+        round_store: the store whose prefix each round's nodes get (default: ``store``).
 
     Thread-safe: the operations and the heartbeat thread take turns.
     """
@@ -272,6 +277,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         on_beat: Callable[[], None] | None = None,
         clock: Clock = time.monotonic,
         wait: Waiter | None = None,
+        round_store: Store | None = None,
     ) -> None:
         keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
         self._settings = Settings(
@@ -285,6 +291,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend, self._params, self._store = backend, params, store
         self._server_port, self._on_shutdown, self._clock = server_port, on_shutdown, clock
         self._on_beat = on_beat
+        self._round_store = round_store
         host = params.local_addr or socket.gethostname()
         self._me = f"{0 if first else 1}/{host}/{os.getpid()}/{next(_local_ids)}"
         self._describe = f"{backend} rendezvous of {params.run_id!r}"
@@ -297,6 +304,37 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # (a launcher sets this to end a wait on a signal: checked at least once a second)
         self._should_stop: Callable[[], bool] = lambda: False
         self._in_round: tuple[int, int] | None = None  # (the round this node is in, its node count)
+
+    @classmethod
+    def from_backend(
+        cls,
+        run_id: str,
+        store: Store,
+        backend: RendezvousBackend,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        timeout: RendezvousTimeout | None = None,
+        keep_alive_interval: float = 5,
+        keep_alive_max_attempt: int = 3,
+    ) -> DynamicRendezvousHandler:
+        """torch's constructor: a handler whose state lives in ``backend`` (a
+        ``RendezvousBackend``: ``get_state``/``set_state`` with a fencing token) and whose
+        rounds share ``store`` (each round its prefix ``torch.rendezvous.<run_id>.<round>``).
+        ``timeout``: a ``RendezvousTimeout`` (torch's defaults); ``keep_alive_interval`` in
+        seconds (torch's default, 5). A node waiting for the state to change polls the backend
+        (at least every 0.1 s)."""
+        from .dynamic_rendezvous import RendezvousTimeout, _BackendStateStore
+
+        timeout = timeout or RendezvousTimeout()
+        params = RendezvousParameters(
+            backend.name, "", run_id, min_nodes, max_nodes, local_addr,
+            join_timeout=timeout.join.total_seconds(), last_call_timeout=timeout.last_call.total_seconds(),
+            close_timeout=timeout.close.total_seconds(), heartbeat_timeout=timeout.heartbeat.total_seconds(),
+            keep_alive_interval=keep_alive_interval, keep_alive_max_attempt=keep_alive_max_attempt,
+        )
+        state = _BackendStateStore(backend)
+        return cls(backend.name, params, state, wait=state.wait_for_change, round_store=store)
 
     @property
     def settings(self) -> Settings:
@@ -365,7 +403,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if self._on_beat is not None:
             self._on_beat()  # (at once: a node lost before the first beat is then handled too)
         log.info("%s: node %s is rank %d of %d in round %d", self._describe, self._me, rank, world_size, n)
-        store = PrefixStore(f"round{n}/user", self._store)
+        if self._round_store is None:
+            store = PrefixStore(f"round{n}/user", self._store)
+        else:  # (from_backend: the user's store, as torch's prefix)
+            store = PrefixStore(f"torch.rendezvous.{run_id}.{n}", self._round_store)
         try:  # (in the round's store, as torch's: its MASTER_ADDR and MASTER_PORT keys)
             info = RendezvousStoreInfo.build(rank, store, self._params.local_addr, self._server_port)
         except DistError as exc:
