@@ -724,3 +724,29 @@ def test_a_burst_of_sealed_sets_wakes_a_waiter_and_a_forged_tag_inside_one_close
         waiter.close()
     finally:
         master.close()
+
+
+def test_a_client_that_reads_no_replies_is_read_no_further(master: dist.TCPStore) -> None:
+    """Replies pile up for a client that never reads them: the server stops taking its requests
+    (its sends stall) instead of buffering replies without bound; once it reads, every request
+    sent meanwhile is answered, in order."""
+    master.set("big", b"B" * (1 << 20))
+    sock, dec = raw_connect(master.port)
+    ping = encode_frame(Op.PING, [b"p" * (1 << 16)])
+    # 64 MiB of pings, each answered by as many bytes: the server must stop reading them long
+    # before (it holds 4 MiB of replies, the kernel's buffers some more)
+    sock.settimeout(1)
+    with pytest.raises(TimeoutError):
+        sock.sendall(ping * 1024)
+    sock.close()
+    assert master.get("big") == b"B" * (1 << 20)  # (the server serves on)
+    # a client that pipelines many requests and then reads gets every reply
+    sock, dec = raw_connect(master.port)
+    gets = [encode_frame(Op.GET, [b"big", encode_int(1000)])] * 40 + [encode_frame(Op.PING, [b"last"])]
+    sender = threading.Thread(target=sock.sendall, args=(b"".join(gets),))
+    sender.start()
+    frames = [read_frame(sock, dec) for _ in gets]
+    sender.join()
+    sock.close()
+    assert all(f.code == Status.OK and f.fields == [b"B" * (1 << 20)] for f in frames[:-1])  # type: ignore[attr-defined]
+    assert frames[-1].fields == [b"last"]  # type: ignore[attr-defined]

@@ -79,6 +79,9 @@ _RECV_SIZE = 1 << 16
 _RECV_MAX = 1 << 24
 _MAX_BACKLOG_FRAMES = 4  # bytes buffered behind a blocked request, in units of max_frame
 _MAX_UNAUTHED = 256  # connections waiting to authenticate; beyond, the oldest goes
+# replies queued for a client that does not read them, beyond which its further requests wait
+# (unread, in the kernel's buffers) until it does: what it costs the server stays bounded
+_OUT_PAUSE = 1 << 22
 _OPEN_WARNED = False
 
 
@@ -146,6 +149,7 @@ class _Conn:
         "follower",
         "nonce",
         "out",
+        "paused",
         "seal",
         "sock",
         "writing",
@@ -160,6 +164,7 @@ class _Conn:
         self.blocked: _Waiter | None = None
         self.closed = False
         self.writing = False
+        self.paused = False  # too many replies unread: its requests are not read (``_flush``)
         self.nonce = b""
         self.seal: auth.Seal | None = None  # tags our frames once the client proved the secret
         self.follower = False  # a standby: sent the data's changes, asks nothing more
@@ -782,7 +787,7 @@ class StoreServer:
             self._close(conn, "client closed the connection" if conn.decoder.buffered == 0
                         else "client closed the connection in the middle of a request")
             return
-        if conn.blocked is None and conn.authed:
+        if conn.blocked is None and conn.authed and not conn.paused:
             if len(data) > 4 and data[4] == _SET_QUIET and not conn.decoder.buffered:
                 # a burst of ``set``s (they wait for no reply): applied straight from the bytes
                 pos = self._apply_sets(conn, data)
@@ -860,6 +865,11 @@ class StoreServer:
 
     def _process(self, conn: _Conn) -> None:
         while not conn.closed and conn.blocked is None:
+            if len(conn.out) >= _OUT_PAUSE:  # replies pile up: the next request waits for room
+                self._flush(conn)
+                if conn.closed or conn.paused:
+                    return
+                continue
             try:
                 frame = conn.decoder.next_frame()
             except RemoteProtocolError as exc:
@@ -891,11 +901,17 @@ class StoreServer:
                 del out[:sent]
         # (also with nothing left to send: a connection that waited for room stops waiting)
         want_write = bool(out)
-        if want_write != conn.writing:
+        # a client that leaves its replies unread is read no further until it takes them in
+        paused = len(out) >= _OUT_PAUSE
+        if want_write != conn.writing or paused != conn.paused:
+            resumed = conn.paused and not paused
             conn.writing = want_write
-            events = select.EPOLLIN | (select.EPOLLOUT if want_write else 0)
+            conn.paused = paused
+            events = (0 if paused else select.EPOLLIN) | (select.EPOLLOUT if want_write else 0)
             assert self._ep is not None
             self._ep.modify(conn.sock.fileno(), events)
+            if resumed:  # the requests that it sent meanwhile, buffered already
+                self._ready.append(conn)
 
     def _drain_ready(self) -> None:
         while self._ready:
