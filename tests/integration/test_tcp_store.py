@@ -750,3 +750,31 @@ def test_a_client_that_reads_no_replies_is_read_no_further(master: dist.TCPStore
     sock.close()
     assert all(f.code == Status.OK and f.fields == [b"B" * (1 << 20)] for f in frames[:-1])  # type: ignore[attr-defined]
     assert frames[-1].fields == [b"last"]  # type: ignore[attr-defined]
+
+
+def test_waits_answered_or_abandoned_leave_no_timers_behind() -> None:
+    """A blocking request's deadline timer goes with the request (it stayed in the server's
+    heap until the deadline: for ever, for an absurd timeout)."""
+    from tdist.store._server import StoreServer
+
+    server = StoreServer("127.0.0.1", 0)
+    server.start("thread")
+    try:
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+        for i in range(150):  # a WAIT that parks, with a huge timeout, then its client leaves
+            sock, _ = raw_connect(server.port)
+            sock.sendall(encode_frame(Op.WAIT, [encode_int(1 << 40), f"never{i}".encode()]))
+            wait_until(lambda i=i: f"never{i}" in server._parked, 10, "the WAIT parked")
+            sock.close()
+        for i in range(150):  # a WAIT that parks and is answered
+            sock, dec = raw_connect(server.port)
+            sock.sendall(encode_frame(Op.WAIT, [encode_int(1 << 40), f"soon{i}".encode()]))
+            wait_until(lambda i=i: f"soon{i}" in server._parked, 10, "the WAIT parked")
+            client.set(f"soon{i}", b"x")
+            assert read_frame(sock, dec).code == Status.OK  # type: ignore[attr-defined]
+            sock.close()
+        wait_until(lambda: not server._parked, 10, "every waiter gone")
+        assert len(server._timers) <= 150  # (300 without the rebuild; rebuilt past 64 dead)
+        client.close()
+    finally:
+        server.stop()

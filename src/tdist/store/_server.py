@@ -219,6 +219,7 @@ class StoreServer:
         self._followers: dict[_Conn, str] = {}
         self._parked: dict[str, list[_Waiter]] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._dead_timers = 0  # timers of waiters answered (or gone) before their deadline
         self._seq = itertools.count()
         self._ready: deque[_Conn] = deque()
         self._burst = False  # the last wake-up brought only quiet sets (see serve_forever)
@@ -755,6 +756,7 @@ class StoreServer:
             waiter.done = True
             self._unpark(waiter)
             conn.blocked = None
+            self._timer_died(waiter)
         self._conns.discard(conn)
         self._unauthed.pop(conn, None)
         if self._followers and (at := self._followers.pop(conn, None)) is not None:
@@ -1263,6 +1265,7 @@ class StoreServer:
 
     def _finish(self, waiter: _Waiter, fields: list[bytes] | tuple[bytes, ...]) -> None:
         waiter.done = True
+        self._timer_died(waiter)
         conn = waiter.conn
         conn.blocked = None
         if conn.closed:
@@ -1292,6 +1295,26 @@ class StoreServer:
     def _add_timer(self, when: float, callback: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (when, next(self._seq), callback))
 
+    def _timer_died(self, waiter: _Waiter) -> None:
+        """``waiter`` is over before its deadline: its timer is dead weight in the heap until
+        then (half an hour, by default; for ever, for an absurd timeout). Once dead timers are
+        most of the heap, it is rebuilt without them."""
+        if waiter.deadline is None:
+            return
+        self._dead_timers += 1
+        if self._dead_timers > 64 and 2 * self._dead_timers > len(self._timers):
+            # (in place: ``_run_timers`` may be iterating over this very list)
+            self._timers[:] = [t for t in self._timers if not self._is_dead(t[2])]
+            heapq.heapify(self._timers)
+            self._dead_timers = 0
+
+    def _is_dead(self, callback: Callable[[], None]) -> bool:
+        return (
+            isinstance(callback, functools.partial)
+            and callback.func == self._expire
+            and callback.args[0].done
+        )
+
     def _run_timers(self) -> None:
         timers = self._timers
         if not timers:
@@ -1299,6 +1322,9 @@ class StoreServer:
         now = self._clock()
         while timers and timers[0][0] <= now:
             _, _, callback = heapq.heappop(timers)
+            if self._is_dead(callback):
+                self._dead_timers = max(0, self._dead_timers - 1)
+                continue
             callback()
 
 
