@@ -718,6 +718,7 @@ def test_debug_mode_reports_mismatches_on_every_rank() -> None:
         assert out["kind"].startswith("Detected mismatch between collectives on ranks")
         assert f"Rank {rank} is running collective" in out["kind"]
         assert "ranks [0, 2]: all_reduce" in out["kind"] and "ranks [1]: broadcast" in out["kind"]
+        assert "differ in the following aspects: operation. All ranks" in out["kind"]  # (as torch's: op type)
         assert "differ in the following aspects: shape" in out["shape"] and "ranks [2]" in out["shape"]
         assert "aspects: dtype" in out["dtype"]
         assert "aspects: root" in out["root"]

@@ -89,7 +89,9 @@ WORKER = textwrap.dedent(
         time.sleep(60)
     elif action == "dump":  # rank 0 dumps a flight record and hangs, rank 1 fails then
         if rank == 0:
-            with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "0", "wb") as f:
+            from tdist.c10d._flight_recorder import dump_prefix  # (where tdist's recorder writes)
+
+            with open(dump_prefix() + "0", "wb") as f:
                 f.write(b"record")
             mark("dumped0")
             time.sleep(60)
@@ -656,15 +658,17 @@ def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
     named = logs_line.split(" (")[1].rstrip(")").split(", ")  # (what is there: no stream went to a file)
     assert logs_line.startswith(f"  logs          : {attempt}/<local rank>/ (") and "stdout.log" not in named
     assert "nccl_trace_rank_0" in named and all(any((attempt / r / n).exists() for r in ("0", "1")) for n in named)
-    # a location given by the user is the one looked at; a dump older than the job is not its
+    # a location given by the user is the one looked at (tdist's variable as well as torch's);
+    # a dump older than the job is not its
     stale = work / "fr_1"
     stale.write_bytes(b"old")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    (work / "dumped0").unlink()  # (the first run's mark)
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "dump",
-                    TORCH_FR_DUMP_TEMP_FILE=str(work / "fr_"))
+                    TORCH_FR_DUMP_TEMP_FILE="", TDIST_FR_DUMP_TEMP_FILE=str(work / "fr_"))
     assert res.returncode == 3, res.stderr
     post = res.stderr.split("Post-mortem:")[1]
-    assert f"  flight records:\n    rank 0: {work / 'fr_0'}\n  restarts" in post
+    assert f"  flight records:\n    rank 0: {work / 'fr_0'}\n  " in post, post
 
 
 def test_the_post_mortem_has_the_stacks_of_the_ranks_still_running(work: Path) -> None:

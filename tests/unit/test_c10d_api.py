@@ -450,7 +450,7 @@ def test_compare_names_ranks_and_what_differs() -> None:
     assert msg.startswith("Detected mismatch between collectives on ranks (collective #7 of group '0')")
     assert "Rank 2 is running collective: all_reduce(op=SUM, dtype=float32, shape=[4])" in msg
     assert "but rank 1 is running collective: broadcast(root=0" in msg
-    assert "operation, root, reduction" in msg
+    assert "differ in the following aspects: operation. " in msg  # (not the root/reduction of one op)
     c = Fingerprint("all_reduce", dtype="float64", shape=(4,), reduce_op="SUM")
     msg = compare([a, c], 0)
     assert msg is not None and "differ in the following aspects: dtype." in msg

@@ -187,7 +187,11 @@ def compare(fps: Sequence[Fingerprint], me: int, seq: int = 0, group: str = "") 
         mine = fps[me]
         other = next(r for r, fp in enumerate(fps) if fp.common() != mine.common())
         theirs = fps[other]
-        differ = [n for n, a, b in zip(_FIELDS, mine.common(), theirs.common(), strict=True) if a != b]
+        pairs = zip(_FIELDS, mine.common(), theirs.common(), strict=True)
+        if mine.op != theirs.op:  # (a root or a reduction that only one of the two ops has is no news)
+            differ = [n for n, a, b in pairs if a != b and a is not None and b is not None]
+        else:
+            differ = [n for n, a, b in pairs if a != b]
         table = "; ".join(
             f"ranks {ranks}: {fps[ranks[0]].describe()}" for ranks in variants.values()
         )

@@ -130,27 +130,54 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tdist
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def _env_int(names: Sequence[str], default: int) -> int:
+# torch's older names of its flight-recorder variables, which torch still reads (saying they are
+# deprecated) where the new name is not set
+_OLD_NAMES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
+_warned_old: set[str] = set()
+
+
+def _env(names: Sequence[str]) -> tuple[str, str] | None:
+    """The first of ``names`` (or of torch's older names of them) that is set and not empty,
+    with its value."""
     for name in names:
-        value = os.environ.get(name)
-        if value is not None and value.strip():
-            try:
-                return int(value)
-            except ValueError:
-                log.warning("%s=%r is not an integer; using %d", name, value, default)
-                return default
-    return default
+        old = _OLD_NAMES.get(name)
+        for var in (name,) if old is None else (name, old):
+            value = os.environ.get(var)
+            if value is not None and value.strip():
+                if var != name and var not in _warned_old:
+                    _warned_old.add(var)
+                    log.warning("Environment variable %s is deprecated; use %s instead", var, name)
+                return var, value
+    return None
+
+
+def _env_int(names: Sequence[str], default: int) -> int:
+    found = _env(names)
+    if found is None:
+        return default
+    name, value = found
+    try:
+        return int(value)
+    except ValueError:
+        log.warning("%s=%r is not an integer; using %d", name, value, default)
+        return default
 
 
 def buffer_size() -> int:
-    """Slots per group: ``TDIST_FR_BUFFER_SIZE``, else ``TORCH_FR_BUFFER_SIZE`` (2000; 0: off)."""
+    """Slots per group: ``TDIST_FR_BUFFER_SIZE``, else ``TORCH_FR_BUFFER_SIZE`` (or its older
+    name ``TORCH_NCCL_TRACE_BUFFER_SIZE``) (2000; 0: off)."""
     return max(0, _env_int(("TDIST_FR_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), _DEFAULT_SIZE))
 
 
 def dump_prefix() -> str:
     """Where dumps go: ``<prefix><global rank>``, the prefix from ``TDIST_FR_DUMP_TEMP_FILE``,
-    else ``TORCH_FR_DUMP_TEMP_FILE``, else ``/tmp/nccl_trace_rank_``."""
-    return os.environ.get("TDIST_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or _DEFAULT_PREFIX
+    else ``TORCH_FR_DUMP_TEMP_FILE`` (or its older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``),
+    else ``/tmp/nccl_trace_rank_``."""
+    found = _env(("TDIST_FR_DUMP_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"))
+    return _DEFAULT_PREFIX if found is None else found[1]
 
 
 def dump_on_failure() -> bool:

@@ -929,7 +929,7 @@ class LocalAgent:
         if attempt is None:
             return
         cfg = self.config
-        fr_prefix = self._env.get("TDIST_FR_DUMP_TEMP_FILE") or self._env.get("TORCH_FR_DUMP_TEMP_FILE")
+        fr_prefix = next((self._env[var] for var in FLIGHT_RECORD_VARS if self._env.get(var)), None)
         entries = []
         for w in workers:
             rank_dir = os.path.join(attempt, str(w.local_rank))

@@ -57,7 +57,9 @@ AGENT_PREFIX = "/tdist/agent"
 
 #: Where torch's flight recorder dumps rank N's record: ``<prefix>N``, the prefix from the first
 #: of these variables that is set, else ``DEFAULT_FLIGHT_RECORD_PREFIX`` (torch's own).
-FLIGHT_RECORD_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+# where a worker dumps its flight record, in the order a worker reads them (tdist's name, torch's,
+# torch's older one)
+FLIGHT_RECORD_VARS = ("TDIST_FR_DUMP_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 DEFAULT_FLIGHT_RECORD_PREFIX = "/tmp/nccl_trace_rank_"
 
 #: torchrun's ``--start-method`` choices (its default: spawn).
@@ -481,8 +483,8 @@ def worker_env(
     does), ``TDIST_SECRET`` carries the job's secret, and ``TORCHELASTIC_ERROR_FILE`` (when
     ``error_file`` is given) is where ``@record`` writes the worker's uncaught exception.
     ``flight_record_prefix`` becomes ``TORCH_FR_DUMP_TEMP_FILE``, where a rank dumps its flight
-    record (``<prefix><rank>``), unless ``base`` names a place already (that variable, or its
-    older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``).
+    record (``<prefix><rank>``), unless ``base`` names a place already (that variable, its
+    older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, or ``TDIST_FR_DUMP_TEMP_FILE``).
     """
     env = dict(base)
     rank = config.global_rank(local_rank)
@@ -517,7 +519,7 @@ def worker_env(
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if flight_record_prefix is not None and not any(base.get(var) for var in FLIGHT_RECORD_VARS):
-        env[FLIGHT_RECORD_VARS[0]] = flight_record_prefix
+        env["TORCH_FR_DUMP_TEMP_FILE"] = flight_record_prefix
     if "OMP_NUM_THREADS" not in base and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     return env
