@@ -239,8 +239,10 @@ def line_of(script: str, text: str) -> int:
 
 
 def pids(work: Path, n: int) -> list[int]:
-    """The pids the workers wrote (a worker stopped before it got that far wrote none)."""
-    return [int((work / f"pid{r}").read_text()) for r in range(n) if (work / f"pid{r}").exists()]
+    """The pids the workers wrote (a worker stopped before it got that far wrote none, or an
+    empty file: stopped between creating it and writing it)."""
+    texts = [(work / f"pid{r}").read_text() for r in range(n) if (work / f"pid{r}").exists()]
+    return [int(t) for t in texts if t.strip()]
 
 
 # -- environment and output --------------------------------------------------------------------
