@@ -199,7 +199,7 @@ def split_one(
         PrefixStore(f"{name}/", ours.get_group_store()), mine.index(parent.rank()), len(mine), timeout,
         name, desc,
     )
-    return made if isinstance(parent, ProcessGroup) and not _is_twin(parent) else _twin_of_standalone(made)
+    return made if not _is_twin(parent) else _twin_of_standalone(made)
 
 
 def merge_remote(

@@ -349,15 +349,22 @@ def parse_rendezvous_endpoint(endpoint: str, default_port: int) -> tuple[str, in
 
 
 class _StaticRendezvous(RendezvousHandler):
-    def __init__(self, params: RendezvousParameters) -> None:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, run_id: str, timeout: timedelta) -> None:
+        self._host, self._port = host, port
+        self._rank, self._world_size, self._run_id = rank, world_size, run_id
+        self._timeout = timeout
+        self._store: Store | None = None
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> _StaticRendezvous:
+        """The registry's ``static`` handler: ``params``' ``rank``, its endpoint, ``max_nodes``
+        as the world size, ``timeout`` (seconds, default 60)."""
         rank = params.get_as_int("rank")
         if rank is None:
             raise ValueError("rank is absent in RendezvousParameters. Try add --node-rank to the cmd request")
-        self._rank, self._run_id = rank, params.run_id
-        self._host, self._port = parse_rendezvous_endpoint(params.endpoint, -1)
-        self._world_size = params.max_nodes
-        self._timeout = timedelta(seconds=params.get_as_int("timeout", 60) or 60)
-        self._store: Store | None = None
+        host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+        timeout = timedelta(seconds=params.get_as_int("timeout", 60) or 60)
+        return cls(host, port, rank, params.max_nodes, params.run_id, timeout)
 
     def get_backend(self) -> str:
         return "static"
@@ -500,7 +507,7 @@ def _etcd_creator(backend: str) -> RendezvousHandlerCreator:
 
 from ._dynamic import DynamicRendezvousHandler  # noqa: E402  (it builds on the API above)
 
-rendezvous_handler_registry.register("static", _StaticRendezvous)
+rendezvous_handler_registry.register("static", _StaticRendezvous.from_params)
 rendezvous_handler_registry.register("c10d", _create_c10d_handler)
 rendezvous_handler_registry.register("etcd", _etcd_creator("etcd"))
 rendezvous_handler_registry.register("etcd-v2", _etcd_creator("etcd-v2"))

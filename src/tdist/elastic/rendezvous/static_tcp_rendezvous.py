@@ -19,10 +19,7 @@ class StaticTCPRendezvous(_StaticRendezvous):
     store under the prefix ``run_id``."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, run_id: str, timeout: int) -> None:
-        self._host, self._port = master_addr, int(master_port)
-        self._rank, self._world_size, self._run_id = int(rank), int(world_size), run_id
-        self._timeout = timedelta(seconds=timeout)
-        self._store = None
+        super().__init__(master_addr, int(master_port), int(rank), int(world_size), run_id, timedelta(seconds=timeout))
 
     @property
     def master_addr(self) -> str:
