@@ -607,6 +607,69 @@ def test_a_master_serving_from_a_thread_talks_to_it_over_a_socket_pair_and_other
         master.close()
 
 
+def test_a_master_serving_from_a_thread_serves_its_own_requests_in_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its requests are served in the calling thread (no hand-off to the server's thread and
+    # back); one that must wait is answered through the socket pair by whoever sets its key,
+    # and a request served so answers the other clients' waits and wakes the loop for its
+    # own deadline at once.
+    monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    peer = client_of(master)
+    try:
+        server = master._server
+        assert server is not None
+        own = master._own_conn if master._direct is None else master._direct[1]
+        served_in: list[str] = []
+        dispatch = server._dispatch_authed
+
+        def watched(conn: object, frame: object) -> None:
+            if conn is own:
+                served_in.append(threading.current_thread().name)
+            dispatch(conn, frame)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(server, "_dispatch_authed", watched)
+        wait_until(lambda: not server._lock.locked(), 10, "the loop waits for events")
+        master.set("a", "1")
+        assert master.add("n", 5) == 5
+        assert master.get("a") == b"1" and master.check(["a", "n"]) and master.compare_set("a", "1", "2") == b"2"
+        assert served_in == [threading.current_thread().name] * 5
+        # a get that waits: answered through the pair when the peer sets the key
+        setter = when_inside("_read_reply", lambda: peer.set("later", "from the peer"))
+        assert master.get("later") == b"from the peer"
+        setter.join(10)
+        # the master's set answers the peer's waiting get at once, not at the loop's next wake-up
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(peer.get("w")), daemon=True)
+        reader.start()
+        wait_inside(reader, "_read_reply")
+        wait_until(lambda: server._parked.get("w"), 10, "the peer's get is parked")
+        master.set("w", "now")
+        reader.join(0.8)  # (the loop sleeps up to 1 s when nothing wakes it)
+        assert got == [b"now"]
+        # the master's own wait with a deadline: the loop, asleep (just woken by the peer's
+        # request), looks at its timers again
+        assert peer.add("tick", 1) == 1
+        wait_until(lambda: not server._lock.locked(), 10, "the loop waits for events")
+        start = time.monotonic()
+        with pytest.raises(StoreTimeoutError, match="wait timeout after 50ms"):
+            master.wait(["never"], timedelta(milliseconds=50))
+        assert time.monotonic() - start < 0.7
+        assert master.add("n", 1) == 6  # (and it serves on)
+        # while the loop is busy with another client, the master's request takes its turn
+        # through the pair (not served in its thread)
+        served_in.clear()
+        with server._lock:
+            reader = threading.Thread(target=lambda: got.append(master.get("a")), daemon=True)
+            reader.start()
+            wait_inside(reader, "_read_reply")
+        reader.join(10)
+        assert got[-1] == b"2" and served_in == [f"tdist-store-{server.port}"]
+    finally:
+        peer.close()
+        master.close()
+
+
 def test_a_forked_child_of_a_master_serving_from_a_thread_connects_anew(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
     monkeypatch.delenv("TDIST_SECRET", raising=False)

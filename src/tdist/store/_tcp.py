@@ -49,7 +49,7 @@ from ._protocol import (
     encode_frame,
     encode_int,
 )
-from ._server import StoreServer, unix_address
+from ._server import StoreServer, _Conn, unix_address
 from ._state import check_amount
 
 __all__ = ["TCPStore"]
@@ -226,6 +226,10 @@ class TCPStore(Store):
         # (waiting the timeout for it would only delay the error, e.g. a desync diagnosis)
         self._refused_is_final = _clone
         self._own: socket.socket | None = None  # (a master serving from a thread: ``_start_server``)
+        self._own_conn: _Conn | None = None  # (the server's side of it)
+        # a master's own client of the server it serves from a thread: requests served in the
+        # caller's thread (``StoreServer.serve_direct``); the socket pair carries the rest
+        self._direct: tuple[StoreServer, _Conn] | None = None
         if is_master:
             self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
         else:
@@ -279,7 +283,7 @@ class TCPStore(Store):
                 # one that has nothing to prove (it holds the secret already), so forming a group
                 # costs no connect, accept and handshake through the server's thread
                 self._own, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                server.adopt(theirs)
+                self._own_conn = server.adopt(theirs)
             server.start(mode)
             if mode == "thread":
                 _thread_servers.add(id(server))
@@ -323,6 +327,8 @@ class TCPStore(Store):
         delay = 0.00025
         last_exc: BaseException | None = None
         own, self._own = self._own, None
+        own_conn, self._own_conn = self._own_conn, None
+        self._direct = None
         if own is not None and os.getpid() != self._pid:  # (a forked child: its parent's pair)
             own = None
         try_unix = own is None and _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
@@ -333,6 +339,8 @@ class TCPStore(Store):
                     sock, own = own, None
                     self._transport = "unix"
                     self._send_seal = self._recv_seal = None
+                    if own_conn is not None and self._server is not None:
+                        self._direct = (self._server, own_conn)
                 elif try_unix:
                     sock = self._try_unix(deadline)
                 if sock is None:
@@ -463,15 +471,22 @@ class TCPStore(Store):
             sock = self._sock
             if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
                 sock = self._ready_socket()
+            reply = self._serve_direct(frame_bytes)
+            if reply:
+                frame = self._direct_frame(reply)
+                if frame.code == Status.OK:
+                    return frame.fields
+                raise self._error(op, frame, wait)
             if self._send_seal is not None:
                 frame_bytes += self._send_seal.tag(frame_bytes)
             try:
-                try:
-                    sent = sock.send(frame_bytes)
-                except BlockingIOError:
-                    sent = 0
-                if sent != len(frame_bytes):
-                    self._send(sock, frame_bytes[sent:], io_timeout)
+                if reply is None:  # (empty: served, and waits; its reply comes through the socket)
+                    try:
+                        sent = sock.send(frame_bytes)
+                    except BlockingIOError:
+                        sent = 0
+                    if sent != len(frame_bytes):
+                        self._send(sock, frame_bytes[sent:], io_timeout)
                 while True:
                     frame = self._read_reply(sock, io_timeout)
                     if frame.code != Status.ASYNC_ERROR:
@@ -489,6 +504,24 @@ class TCPStore(Store):
             return frame.fields
         raise self._error(op, frame, wait)
 
+    def _serve_direct(self, frame_bytes: bytes) -> bytes | None:
+        """A request served by the server this master hosts in a thread, in this thread (the
+        lock held): see ``StoreServer.serve_direct``. ``None``: send it through the socket.
+        Not while a quiet set sent through the socket may still be unread there: a request
+        served here would overtake it."""
+        direct = self._direct
+        if direct is None or self._quiet_sent or self._broken is not None:
+            return None
+        return direct[0].serve_direct(direct[1], frame_bytes)
+
+    def _direct_frame(self, reply: bytes) -> Frame:
+        frame = self._decoder.parse_whole(reply)
+        if frame is None:
+            self._decoder.feed(reply)
+            frame = self._decoder.next_frame()
+            assert frame is not None, "a direct reply is one whole frame"
+        return frame
+
     def _call_quiet(self, op: Op, fields: Sequence[bytes]) -> None:
         """Send a request that has no reply unless it fails.
 
@@ -498,6 +531,11 @@ class TCPStore(Store):
         frame_bytes = encode_frame(op, fields)
         with self._lock:
             sock = self._ready_socket()
+            reply = self._serve_direct(frame_bytes)
+            if reply is not None:
+                if reply:  # (it failed: served here, it says so now)
+                    raise self._error(op, self._direct_frame(reply), None)
+                return
             if self._send_seal is not None:
                 frame_bytes += self._send_seal.tag(frame_bytes)
             try:
@@ -653,6 +691,7 @@ class TCPStore(Store):
 
     def _fail(self, err: DistError) -> None:
         self._broken = err
+        self._direct = None
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()
@@ -713,6 +752,12 @@ class TCPStore(Store):
             with self._lock:
                 sock = self._sock
                 if sock is not None and self._pid == _current_pid[0] and self._broken is None and not self._closed:
+                    if self._direct is not None:
+                        reply = self._serve_direct(frame)
+                        if reply == b"":
+                            return
+                        if reply is not None:
+                            raise self._error(Op.SET_QUIET, self._direct_frame(reply), None)
                     if self._send_seal is not None:
                         frame += self._send_seal.tag(frame)
                     try:
@@ -864,6 +909,7 @@ class TCPStore(Store):
                     with contextlib.suppress(OSError):
                         sock.close()
             self._sock = self._own = None
+            self._direct = None
         finally:
             if locked:
                 self._lock.release()
