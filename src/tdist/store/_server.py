@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 # Not larger: a bytes object above malloc's mmap threshold (128 KiB unless raised) costs an
 # mmap and munmap per receive, 17 us for a 30-byte request
 _RECV_SIZE = 1 << 16
+_READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _RECV_MAX = 1 << 24
 _MAX_BACKLOG_FRAMES = 4  # bytes buffered behind a blocked request, in units of max_frame
 _MAX_UNAUTHED = 256  # connections waiting to authenticate; beyond, the oldest goes
@@ -328,6 +329,9 @@ class StoreServer:
             if frame is None:
                 return None  # (the loop's path reports what is wrong with it)
             first = self._timers[0][0] if self._timers else None
+            self._serve_waiting()  # (theirs came first)
+            if conn.closed:
+                return None
             try:
                 self._dispatch_authed(conn, frame)
             except Exception as exc:  # a bug must cost one connection, not the store
@@ -647,9 +651,7 @@ class StoreServer:
         spin = self.spin if parent_pid is not None else 0.0
         clock = self._clock
         fdmap = self._fdmap
-        readable = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
-        writable = select.EPOLLOUT
-        on_readable = self._on_readable
+        serve = self._serve_conn
         last_active = 0.0
         yields = 0
         budget = _spin.Budget(spin)
@@ -694,14 +696,7 @@ class StoreServer:
                 for fd, mask in events:
                     data = fdmap.get(fd)
                     if type(data) is _Conn:
-                        try:
-                            if mask & readable:
-                                on_readable(data)
-                            if mask & writable and not data.closed:
-                                self._flush(data)
-                        except Exception as exc:  # a bug must cost one connection, not the store
-                            log.exception("store server on port %d: error serving %s", self.port, data.addr)
-                            self._close(data, f"internal error: {exc!r}")
+                        serve(data, mask)
                     elif data is None:
                         if fd in fdmap:
                             try:
@@ -740,6 +735,37 @@ class StoreServer:
             ep.close()
             self._idle.set()
             lock.release()
+
+    def _serve_conn(self, conn: _Conn, mask: int) -> None:
+        """What epoll says of a client's connection: read its requests, send its replies."""
+        try:
+            if mask & _READABLE:
+                self._on_readable(conn)
+            if mask & select.EPOLLOUT and not conn.closed:
+                self._flush(conn)
+        except Exception as exc:  # a bug must cost one connection, not the store
+            log.exception("store server on port %d: error serving %s", self.port, conn.addr)
+            self._close(conn, f"internal error: {exc!r}")
+
+    def _serve_waiting(self) -> None:
+        """Serve what the other clients sent meanwhile (the lock held, in the thread of a
+        direct request): the loop's thread shares the interpreter lock with this one, which
+        may hold it for milliseconds of its own work, and they would wait that long. The
+        control pipe and the timers stay the loop's."""
+        ep = self._ep
+        if ep is None:
+            return
+        try:
+            events = ep.poll(0)
+        except (OSError, ValueError):  # (closed: the loop has ended)
+            return
+        fdmap = self._fdmap
+        for fd, mask in events:
+            data = fdmap.get(fd)
+            if type(data) is _Conn:
+                self._serve_conn(data, mask)
+            elif isinstance(data, socket.socket):
+                self._accept(data)
 
     # -- connections ---------------------------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:

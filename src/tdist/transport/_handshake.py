@@ -2,7 +2,8 @@
 
 The records are ``_protocol``'s HELLO / JOIN / WELCOME: the accepting side sends a nonce, the
 connecting side names itself (an id and a 16-byte token that ties the connection to one group
-or RPC job) and proves the shared secret, the accepting side proves it back. Nothing but these
+or RPC job) and proves the shared secret, the accepting side proves it back (without a secret,
+the JOIN goes at once, not after the HELLO: it has nothing to prove). Nothing but these
 fixed-size records is read before the proof is checked, so a stranger's bytes never reach a
 decoder, let alone ``pickle``. With a secret, both sides then hold a ``Session``: the keys that
 tag every later frame in each direction (``_core.auth``), so a relay that passed the proofs
@@ -64,7 +65,7 @@ class Connection:
         OSError: the connection failed.
     """
 
-    __slots__ = ("_buf", "_got", "_my_id", "_nonce_c", "_nonce_s", "_secret", "_token", "sock", "what")
+    __slots__ = ("_buf", "_got", "_joined", "_my_id", "_nonce_c", "_nonce_s", "_secret", "_token", "sock", "what")
 
     def __init__(
         self, sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str, pid: int | None = None
@@ -80,6 +81,12 @@ class Connection:
         self._got = 0
         self._nonce_s = b""  # (the HELLO's, once it is in)
         self._nonce_c = auth.make_nonce()
+        # Without a secret the JOIN proves nothing and needs nothing of the HELLO: it goes at
+        # once, so that the acceptor can answer its HELLO's JOIN as soon as it has sent it
+        # (half a round trip, a wake-up of each side, less); the HELLO is still checked.
+        self._joined = secret is None
+        if self._joined:
+            _send_record(sock, JOIN.pack(MAGIC, VERSION, my_id, token, self._nonce_c, ZERO_PROOF), what)
 
     @property
     def hello_in(self) -> bool:
@@ -114,8 +121,11 @@ class Connection:
                     "of this job (or was started without TDIST_SECRET); refused"
                 )
             self._nonce_s = nonce_s
-            proof = auth.client_proof(secret, nonce_s, self._nonce_c) if secret else ZERO_PROOF
-            _send_record(self.sock, JOIN.pack(MAGIC, VERSION, self._my_id, self._token, self._nonce_c, proof), what)
+            if not self._joined:
+                assert secret is not None
+                proof = auth.client_proof(secret, nonce_s, self._nonce_c)
+                _send_record(self.sock, JOIN.pack(MAGIC, VERSION, self._my_id, self._token, self._nonce_c, proof), what)
+                self._joined = True
             self._buf = bytearray(WELCOME.size)
             self._got = 0
         if not self._read():
