@@ -7,7 +7,10 @@ training job leaves the host: a speed that comes from spinning on idle cores doe
 
 Every figure is the median over ``--rounds`` rounds, the two implementations alternating inside
 each round. Clients are separate processes (forked); the server lives in the benchmark process
-(torch: its server thread; tdist: the child process TCPStore starts).
+(torch: its server thread; tdist: the child process TCPStore starts). The "master's own client"
+rows (clients 0) time the master store object itself in the benchmark process, as rank 0 uses
+its group's store (tdist: its server in a thread of the process, as ``init_process_group`` and
+``init_rpc`` start theirs).
 """
 
 from __future__ import annotations
@@ -76,6 +79,23 @@ def run_op(store: Any, op: str, n: int, me: int) -> list[float]:
     return [time.perf_counter() - t0]
 
 
+def measure_own(impl: str, op: str, n: int) -> float:
+    """ops/s of the master's own client (its server: torch's thread, tdist's in a thread)."""
+    if impl == "torch":
+        master = make_master(impl, 0)
+    else:
+        from tdist.store._tcp import serving_in_a_thread
+
+        with serving_in_a_thread():
+            master = make_master(impl, 0)
+    try:
+        run_op(master, op, min(n, 500), 0)  # (warm)
+        return n / run_op(master, op, n, 0)[0]
+    finally:
+        if hasattr(master, "close"):
+            master.close()
+
+
 def client_main(impl: str, port: int, op: str, n: int, me: int, start: Any, out: Any) -> None:
     try:
         store = make_client(impl, port)
@@ -86,7 +106,10 @@ def client_main(impl: str, port: int, op: str, n: int, me: int, start: Any, out:
 
 
 def measure(impl: str, op: str, clients: int, n: int, busy: bool = False) -> float:
-    """ops/s aggregate (throughput ops) or median latency in us (wait / get_lat)."""
+    """ops/s aggregate (throughput ops) or median latency in us (wait / get_lat); ``clients``
+    0: the master's own client (``measure_own``)."""
+    if clients == 0:
+        return measure_own(impl, op, n)
     ctx = mp.get_context("fork")
     # Fork the clients before the master exists: a child forked while torch's server thread
     # runs can deadlock on a lock that thread held at the fork.
@@ -206,6 +229,9 @@ def run(args: argparse.Namespace) -> None:
         ("wait", 1, "p50 us", False, 1.0),
         ("get_lat", 1, "p50 us", False, 1.0),
         ("get_lat", 1, "p50 us", True, 1.0),
+        ("get", 0, "ops/s", False, 1.0),
+        ("add", 0, "ops/s", False, 1.0),
+        ("check", 0, "ops/s", False, 1.0),
     ]
     if args.only:
         wanted = set(args.only.split(","))
@@ -227,6 +253,8 @@ def run(args: argparse.Namespace) -> None:
         name = {"get_lat": "get latency", "wait": "wait (present key)"}.get(op, op)
         if busy:
             name += " (host busy)"
+        if clients == 0:
+            name += " (master's own client)"
         verdict = "ok" if ratio >= target else "BELOW"
         rows.append([name, clients, unit, t, o, f"{ratio:.2f}x", f">={target}x", verdict])
     print()
