@@ -234,6 +234,7 @@ class StoreServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._retired: float | None = None  # since when nobody is connected to a retired server
         self.retire_grace = 2.0
+        self.idle_wait = 1.0  # the longest sleep of the loop with nothing due (tests lengthen it)
         self._idle = threading.Event()  # retired and nobody connected (or stopped): wait_idle
         self.listening = True  # (until stop_listening)
         self._status_r: int | None = None  # the server's answers to the control pipe
@@ -679,7 +680,7 @@ class StoreServer:
                     if spinning:
                         budget.missed()
                         spinning = False
-                    timeout = 1.0
+                    timeout = self.idle_wait
                     timers = self._timers
                     if timers:
                         timeout = min(timeout, max(0.0, timers[0][0] - now))
