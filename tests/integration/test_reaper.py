@@ -58,6 +58,21 @@ STARTER = textwrap.dedent(
     """
 )
 
+# A program whose ranks (tdist.testing.run_processes) say "ready" and wait.
+RANKS = textwrap.dedent(
+    """
+    import os, signal, sys
+    from tdist.testing import run_processes
+
+    def body(rank, world_size, mark):
+        print("ready", os.getpid(), flush=True)
+        signal.pause()
+
+    if __name__ == "__main__":
+        run_processes(body, 2, sys.argv[1], start_method=sys.argv[2], timeout=120)
+    """
+)
+
 
 def _marked(mark: str) -> list[int]:
     """The pids of the processes whose command line holds ``mark`` (zombies left out)."""
@@ -106,6 +121,7 @@ def mark(tmp_path: Path) -> Iterator[str]:
     m = f"reaper-test-{uuid.uuid4().hex}"
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "starter.py").write_text(STARTER)
+    (tmp_path / "ranks.py").write_text(RANKS)
     yield m
     for pid in _marked(m):  # (whatever a failed test left)
         with contextlib.suppress(ProcessLookupError):
@@ -196,3 +212,27 @@ def test_an_orderly_end_leaves_no_reaper(tmp_path: Path, mark: str, end: str) ->
             proc.kill()
             proc.communicate()
 
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_kill_9_of_a_run_processes_caller_takes_its_ranks(tmp_path: Path, mark: str, start_method: str) -> None:
+    # (pytest-timeout's thread method ends a test's process with os._exit: its ranks go with it)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "ranks.py", mark, start_method],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    ranks: list[int] = []
+    try:
+        ranks = [int(line.split()[-1]) for line in _wait_ready(proc)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=20)  # (also: nothing holds its stdout any more)
+        left = _all_gone(lambda: [p for p in ranks if _alive(p)])
+        assert not left, f"ranks outlived the kill -9 of run_processes' caller: {left}"
+    except BaseException:
+        for p in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
