@@ -27,6 +27,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import select
 import signal
 import socket
 import threading
@@ -36,6 +37,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
+from ._core._process import die_with
 from ._core.errors import DistError, DistTimeoutError
 from .store._tcp import TCPStore
 
@@ -199,14 +201,40 @@ def _thread_stacks(threads: list[threading.Thread]) -> str:
 
 
 # -- processes ---------------------------------------------------------------------------------
+def _die_with_caller(caller: int | None) -> None:
+    if caller is None or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(caller)
+    except OSError:
+        os._exit(1)  # (gone already)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])  # (readable once the caller exited)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="tdist-rank-caller-watch", daemon=True).start()
+
+
 def _process_main(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
     args: tuple[Any, ...],
     conn: multiprocessing.connection.Connection,
+    caller: int | None = None,
+    forkserver: bool = False,
 ) -> None:
-    """The body of one rank's process: run ``fn`` and send back its result or exception."""
+    """The body of one rank's process: run ``fn`` and send back its result or exception. It
+    dies with ``caller``, the process that called ``run_processes``, even one killed with
+    SIGKILL (a test's timeout that ends pytest with ``os._exit``), instead of running on,
+    waiting for peers: the kernel's parent-death signal, or, started by a forkserver (which
+    lives as long as its children, since they hold its keep-alive pipe), a thread that waits
+    on a pidfd of the caller."""
+    if forkserver:
+        _die_with_caller(caller)
+    else:
+        die_with(caller)
     try:
         value = fn(rank, world_size, *args)
     except BaseException as exc:
@@ -270,7 +298,7 @@ def run_processes(
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_process_main, args=(fn, rank, world_size, args, w), name=f"rank{rank}-{name}",
+                target=_process_main, args=(fn, rank, world_size, args, w, os.getpid(), start_method == "forkserver"), name=f"rank{rank}-{name}",
                 daemon=True,
             )
             p.start()

@@ -47,6 +47,24 @@ def die_with_parent() -> Callable[[], None] | None:
     return child
 
 
+def die_with(parent: int | None) -> None:
+    """In a child already running Python (a ``multiprocessing`` process): ask the kernel to
+    SIGKILL this process when the thread that started it dies, and exit at once if
+    ``parent`` (its expected parent's pid; None: not checked) is gone already. Nothing where
+    the kernel has no such request."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` (of this pid space) still runs: an exited one not yet reaped by
     its parent (a zombie) does not; a process of another user's does."""

@@ -5,7 +5,8 @@ Shared by the launcher's agent (``tdist run``, ``elastic_launch``) and ``start_p
 Theory of operation. Every child runs in a session of its own, so that a signal to its process
 group reaches whatever it started too, and carries the kernel's parent-death signal
 (``die_with_parent``), so that a parent killed with SIGKILL, which runs no cleanup, takes its
-children along. That signal follows the *thread* that forked, not the process: a child started
+children along; what the children started goes then too, killed by this process's reaper
+(``tdist._core._reaper``: it is told of every child, whose environment carries its token). That signal follows the *thread* that forked, not the process: a child started
 from a thread that ends before it would be killed with that thread. So a child is started from
 the main thread, or else from one spawner thread that lives as long as the process (a daemon
 thread, made again in a forked process, whose threads are not copied).
@@ -35,6 +36,7 @@ from concurrent.futures import Future
 from typing import IO, Any
 
 from ..._core._process import die_with_parent
+from ..._core._reaper import job_reaper
 from ..._core.deadline import Clock
 
 __all__ = ["copy_lines", "drain", "open_pidfd", "signal_session", "start_process", "stop_processes", "wait_any"]
@@ -115,15 +117,20 @@ def start_process(
         TimeoutError: the spawner thread did not start it within a minute.
     """
 
+    reaper = job_reaper()
+    child_env = dict(env) if reaper is None else reaper.mark(env)
+
     def popen() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            list(argv), env=dict(env), stdout=stdout, stderr=stderr, start_new_session=True,
+            list(argv), env=child_env, stdout=stdout, stderr=stderr, start_new_session=True,
             preexec_fn=die_with_parent(), pass_fds=tuple(pass_fds),
         )
 
-    if threading.current_thread() is threading.main_thread():
-        return popen()
-    return _from_spawner(popen)
+    proc = popen() if threading.current_thread() is threading.main_thread() else _from_spawner(popen)
+    if reaper is not None and not reaper.watch(proc.pid):
+        log.warning("the job reaper (pid %d) is gone: what process %d starts may outlive a kill -9 of this one",
+                    reaper.proc.pid, proc.pid)
+    return proc
 
 
 def open_pidfd(proc: subprocess.Popen[bytes]) -> int | None:

@@ -1,0 +1,238 @@
+"""kill -9 of a launcher (``tdist run``, a program that called ``start_processes``) takes along
+what its workers started themselves, not only the workers: the job reaper
+(``tdist._core._reaper``). Every process of a test carries a marker in its command line, so
+that a survivor is found in ``/proc`` whoever its parent is now."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+_GONE_WITHIN = 10.0  # seconds the job's processes may take to go after the kill
+
+# A worker that starts what outlives a parent-death signal: a subprocess, a forked child that
+# ignores its parent and SIGTERM/SIGHUP, one in a session of its own, one without the
+# environment; then "ready" on stdout, and it waits.
+WORKER = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    mark = sys.argv[1]
+    sleeper = [sys.executable, "-c", "import signal; signal.pause()", mark]
+    subprocess.Popen(sleeper, stdout=subprocess.DEVNULL)
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.pause()
+        os._exit(0)
+    subprocess.Popen(sleeper, stdout=subprocess.DEVNULL, start_new_session=True)
+    subprocess.Popen(sleeper, stdout=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
+    if len(sys.argv) > 2 and sys.argv[2] == "exit":
+        print("ready", flush=True)
+        sys.exit(0)
+    print("ready", flush=True)
+    signal.pause()
+    """
+)
+
+# A program that runs the worker through start_processes, says its pid, and waits.
+STARTER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from tdist.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+    worker, mark, logs = sys.argv[1:4]
+    ctx = start_processes("w", sys.executable, {0: ("-u", worker, mark), 1: ("-u", worker, mark)},
+                          {0: {}, 1: {}}, DefaultLogsSpecs(log_dir=logs, tee=Std.OUT))
+    ctx.wait(60)
+    """
+)
+
+# A program whose ranks (tdist.testing.run_processes) say "ready" and wait.
+RANKS = textwrap.dedent(
+    """
+    import os, signal, sys
+    from tdist.testing import run_processes
+
+    def body(rank, world_size, mark):
+        print("ready", os.getpid(), flush=True)
+        signal.pause()
+
+    if __name__ == "__main__":
+        run_processes(body, 2, sys.argv[1], start_method=sys.argv[2], timeout=120)
+    """
+)
+
+
+def _marked(mark: str) -> list[int]:
+    """The pids of the processes whose command line holds ``mark`` (zombies left out)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if mark.encode() in cmdline and stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X"):
+            found.append(int(name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+def _reapers_of(pid: int) -> list[int]:
+    """The reapers (running) whose parent was process ``pid``."""
+    return _marked(f"_reaper.py\0{pid}\0")
+
+
+def _all_gone(find: Callable[[], list[int]], within: float = _GONE_WITHIN) -> list[int]:
+    """Wait until ``find()`` finds nothing; what it still finds after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        left = find()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def mark(tmp_path: Path) -> Iterator[str]:
+    m = f"reaper-test-{uuid.uuid4().hex}"
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "starter.py").write_text(STARTER)
+    (tmp_path / "ranks.py").write_text(RANKS)
+    yield m
+    for pid in _marked(m):  # (whatever a failed test left)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("TDIST_SECRET", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TDIST_JOB_TOKENS"):
+        env.pop(var, None)
+    return env
+
+
+def _start_launcher(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tdist.cli", "run", "--nproc-per-node", "2", "--master-port", "0",
+         "worker.py", mark, *args],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _wait_ready(proc: subprocess.Popen[str], n: int = 2) -> list[str]:
+    """Read ``proc``'s output until ``n`` lines said "ready"; those lines."""
+    assert proc.stdout is not None
+    seen: list[str] = []
+    while len(seen) < n:
+        line = proc.stdout.readline()
+        assert line, f"the launcher ended before its workers were ready: {proc.wait()} {proc.stderr and proc.stderr.read()}"
+        if "ready" in line:
+            seen.append(line)
+    return seen
+
+
+def test_kill_9_of_tdist_run_takes_what_the_workers_started(tmp_path: Path, mark: str) -> None:
+    proc = _start_launcher(tmp_path, mark)
+    try:
+        _wait_ready(proc)
+        # the two workers, each with its four
+        assert len(set(_marked(mark)) - {proc.pid}) == 10, _marked(mark)
+        reapers = _reapers_of(proc.pid)
+        assert len(reapers) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=20)
+        left = _all_gone(lambda: _marked(mark))
+        assert not left, f"processes of the job outlived the kill -9 of its launcher: {left}"
+        assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its work"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_kill_9_of_a_start_processes_caller_takes_what_its_children_started(tmp_path: Path, mark: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "starter.py", str(tmp_path / "worker.py"), mark, str(tmp_path / "logs")],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_ready(proc)
+        assert len(set(_marked(mark)) - {proc.pid}) == 10, _marked(mark)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=20)
+        left = _all_gone(lambda: _marked(mark))
+        assert not left, f"processes outlived the kill -9 of start_processes' caller: {left}"
+        assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its work"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("end", ["exit", "sigterm"])
+def test_an_orderly_end_leaves_no_reaper(tmp_path: Path, mark: str, end: str) -> None:
+    # a job that ends (its workers exit 0), or a launcher stopped by SIGTERM, ends as before,
+    # and its reaper exits with it (it touches nothing then)
+    proc = _start_launcher(tmp_path, mark, *(["exit"] if end == "exit" else []))
+    try:
+        _wait_ready(proc)
+        reapers = _reapers_of(proc.pid)
+        assert len(reapers) == 1
+        if end == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == (0 if end == "exit" else 128 + signal.SIGTERM), err
+        assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its launcher"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_kill_9_of_a_run_processes_caller_takes_its_ranks(tmp_path: Path, mark: str, start_method: str) -> None:
+    # (pytest-timeout's thread method ends a test's process with os._exit: its ranks go with it)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "ranks.py", mark, start_method],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    ranks: list[int] = []
+    try:
+        ranks = [int(line.split()[-1]) for line in _wait_ready(proc)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=20)  # (also: nothing holds its stdout any more)
+        left = _all_gone(lambda: [p for p in ranks if _alive(p)])
+        assert not left, f"ranks outlived the kill -9 of run_processes' caller: {left}"
+    except BaseException:
+        for p in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
