@@ -363,7 +363,11 @@ def test_agent_in_process_and_without_pidfd(work: Path, monkeypatch: pytest.Monk
 # -- failures ----------------------------------------------------------------------------------
 def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> None:
     start = time.monotonic()
-    res = tdist_run(work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "fail", TORCH_FR_DUMP_TEMP_FILE="")
+    # (flight records looked for in this test's directory: the default prefix is shared by
+    # every process of the host)
+    res = tdist_run(
+        work, "--nproc-per-node", "3", "--master-port", "0", "worker.py", "fail", TORCH_FR_DUMP_TEMP_FILE=str(work / "fr_")
+    )
     assert time.monotonic() - start < 15  # the others stopped, not waited for (their 60 s)
     assert res.returncode == 1  # an uncaught exception
     for pid in pids(work, 3):
@@ -392,7 +396,7 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> N
         assert sorted(lines[at + 1:at + 3]) == [f"      | rank {r} step 7", f"      | rank {r} waiting for rank 1"]
     assert "  restarts      : none allowed (--max-restarts 0)" in post
     assert "  logs          : not kept (--log-dir DIR" in post
-    assert "  flight records: none found (looked for /tmp/nccl_trace_rank_<rank>)" in post
+    assert f"  flight records: none found (looked for {work / 'fr_'}<rank>)" in post
     assert res.stderr.rstrip().endswith("=" * 60)  # one block, the last thing said
 
 
