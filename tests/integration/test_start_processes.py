@@ -193,7 +193,8 @@ def test_log_dir_devnull_sends_everything_to_the_console_and_writes_no_error_fil
 
 @pytest.mark.parametrize(
     ("redirects", "tee", "ranks_filter"),
-    [(Std.NONE, Std.NONE, None), (Std.ALL, {1: Std.ERR}, None), ({0: Std.OUT}, Std.ERR, {1}), (Std.ERR, Std.OUT, {0, 2})],
+    [(Std.NONE, Std.NONE, None), (Std.ALL, {1: Std.ERR}, None), ({0: Std.OUT}, Std.ERR, {1}), (Std.ERR, Std.OUT, {0, 2}),
+     ({0: 2, 2: 3}, {0: 1}, None)],  # (plain ints, as torch's IntFlag takes them)
 )
 def test_reify_lays_out_the_destinations_as_torchs(
     tmp_path: Path, redirects: Any, tee: Any, ranks_filter: set[int] | None

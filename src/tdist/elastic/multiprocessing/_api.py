@@ -200,8 +200,9 @@ class DefaultLogsSpecs(LogsSpecs):
             attempt_dir = os.path.join(self._run_log_dir, f"attempt_{restart_count}")
             shutil.rmtree(attempt_dir, ignore_errors=True)
             os.makedirs(attempt_dir)
-        tees = to_map(self._tee, nprocs)
-        files = {r: std | tees[r] for r, std in to_map(self._redirects, nprocs).items()}  # (a tee is a redirect too)
+        # (a plain int is taken for its ``Std``, as torch's ``IntFlag`` arithmetic takes it)
+        tees = {r: Std(std) for r, std in to_map(self._tee, nprocs).items()}
+        files = {r: Std(std) | tees[r] for r, std in to_map(self._redirects, nprocs).items()}  # (a tee is a redirect too)
         dest = LogsDest(
             stdouts=dict.fromkeys(range(nprocs), _SYS_STREAM),
             stderrs=dict.fromkeys(range(nprocs), _SYS_STREAM),
