@@ -201,6 +201,47 @@ print("left", rank, flush=True)
 """
 
 
+_HOST_LEAVES_SCRIPT = """
+import sys, time, tdist.rpc as rpc
+from tdist.store import TCPStore
+rank, port, backend = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if rank == 1:  # (slow to read what the others published: the store's host must wait for it)
+    multi_get = TCPStore.multi_get
+    def slow(self, keys):
+        time.sleep(0.5)
+        return multi_get(self, keys)
+    TCPStore.multi_get = slow
+opts = (rpc.TensorPipeRpcBackendOptions if backend == "tensorpipe" else rpc.ProcessGroupRpcBackendOptions)(
+    init_method=f"tcp://127.0.0.1:{port}")
+rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+rpc.shutdown(graceful=False)
+print("left", rank, flush=True)
+"""
+
+
+def test_the_store_host_leaving_right_after_init_rpc_fails_no_other_worker(backend: str) -> None:
+    # (rank 0 hosts the rendezvous store; it returned from init_rpc and left while rank 1
+    # still read the workers' records from that store: rank 1 failed with a lost connection)
+    import subprocess
+    import sys
+
+    from tdist.testing import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _HOST_LEAVES_SCRIPT, str(r), port, backend],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=40)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all(f"left {r}" in out for r, out in enumerate(outputs)), outputs
+
+
 def test_processes_exit_after_a_non_graceful_shutdown(backend: str, tmp_path: Any) -> None:
     # (the interpreter's exit closed the rendezvous store, whose last check waited for a store
     # server thread that no longer ran at exit: both processes hung there)

@@ -884,11 +884,16 @@ class RpcAgent:
         # that the store it may host stays up until they have what they need to fail alike
         self.store.set(f"{self._prefix}/{what}/read/{self.rank}", "")
         self._gathered = (what, world_size)
+        # and on success too: the worker that hosts the store (it is one of us) must not go on
+        # (and may leave the program, taking the store along) while another still reads; that
+        # one's read would fail with a lost connection
+        self.linger_after_gather()
         return values
 
     def linger_after_gather(self, timeout: float = 5.0) -> None:
-        """On a failed ``init_rpc``: wait (at most ``timeout`` s) until every worker has read the
-        last ``gather``, so that a store this process hosts outlives their reads."""
+        """Wait (at most ``timeout`` s) until every worker has read the last ``gather``, so
+        that a store this process hosts outlives their reads (after a ``gather``, and on a
+        failed ``init_rpc``)."""
         if self._gathered is None:
             return
         what, world_size = self._gathered
