@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -605,6 +606,42 @@ def test_non_member_handle_answers_for_the_latest_group_left_out_of_as_torch() -
     res = spmd(body, 3)
     for rank in range(3):
         assert res[rank] == {"ranks": [0, 1], "member": rank < 2, "global_of_1": 1, "group_of_0": 0}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("ws", [1, 2])
+def test_a_dtype_torch_cannot_reduce_is_refused_as_runtime_error(
+    ws: int, shm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uint16/32/64 have no add, min or max kernel in torch: refused before anything is sent,
+    on every world size and path, a RuntimeError as gloo's ("Invalid scalar type"); the bitwise
+    ops, which torch has for them, work."""
+    monkeypatch.setenv("TDIST_SHM", shm)
+
+    def body(rank: int, ws: int) -> list[str]:
+        out = []
+        for dtype in (torch.uint16, torch.uint32, torch.uint64):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+                a, b = torch.ones(3, dtype=dtype), torch.ones(ws, dtype=dtype)
+                calls: list[Callable[[], Any]] = [
+                    partial(dist.all_reduce, a, op=op),
+                    partial(dist.reduce, a, dst=0, op=op),
+                    partial(dist.reduce_scatter_tensor, a[:1], b, op=op),
+                ]
+                for call in calls:
+                    with pytest.raises(RuntimeError) as info:
+                        call()
+                    assert isinstance(info.value, ValueError)
+                    out.append(str(info.value))
+            t = torch.tensor([1 << rank, 3], dtype=dtype)
+            dist.all_reduce(t, op=dist.ReduceOp.BXOR)  # the group is still healthy
+            assert t.tolist() == ([1, 3] if ws == 1 else [3, 0])
+        return out
+
+    for msgs in spmd(body, ws):
+        assert len(msgs) == 27
+        assert "cannot apply ReduceOp.SUM to torch.uint16" in msgs[0]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -168,6 +168,27 @@ def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
         raise CollectiveArgumentError(
             f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}"
         )
+    missing = _no_kernel(op, dtype)
+    if missing is not None:
+        raise CollectiveArgumentError(f"{what}: cannot apply ReduceOp.{op.name} to {dtype}: {missing}")
+
+
+_kernels: dict[tuple[RedOpType, torch.dtype], str | None] = {}
+
+
+def _no_kernel(op: RedOpType, dtype: torch.dtype) -> str | None:
+    """Why torch cannot reduce ``dtype`` with ``op`` (uint16/32/64 have no add, min or max), or None.
+
+    Probed once per pair on two elements, before anything is sent, so that every world size
+    (one rank too) and both paths (arena, sockets) refuse the same calls, as RuntimeError."""
+    key = (op, dtype)
+    if key not in _kernels:
+        try:
+            reduce_into(torch.zeros(2, dtype=dtype), torch.zeros(2, dtype=dtype), op)
+            _kernels[key] = None
+        except Exception as exc:  # torch has no kernel for this dtype
+            _kernels[key] = str(exc)
+    return _kernels[key]
 
 
 # Python processes on a CPU-bound host: reductions cost (torch's add runs at a few GB/s), so
