@@ -481,6 +481,82 @@ def test_every_init_form_and_group_op_on_the_tdist_backend(form: str, tmp_path: 
     assert results[n - 1]["any_source"] == 0
 
 
+def _layout(v: Any, outputs: list[torch.Tensor]) -> Any:
+    """A future's value with each tensor named by where it lies in ``outputs`` (index, and
+    offset in elements from that tensor's start) and by its shape."""
+    if isinstance(v, list):
+        return [_layout(x, outputs) for x in v]
+    for i, o in enumerate(outputs):
+        start, size = o.data_ptr(), o.numel() * o.element_size()
+        if start <= v.data_ptr() < start + max(size, 1):
+            return [i, (v.data_ptr() - start) // o.element_size(), list(v.shape)]
+    return ["not an output", list(v.shape)]
+
+
+def _gather_futures(rank: int, n: int, port: int, backend: str) -> dict[str, Any]:
+    """What the futures of torch's gathering collectives hold (DDP's comm hooks read them:
+    the quantization hooks index ``fut.value()``)."""
+    _init(rank, n, port, backend)
+    try:
+        out: dict[str, Any] = {}
+        outs = [torch.empty(2) for _ in range(n)]
+        w = tdc.all_gather(outs, torch.full((2,), float(rank)), async_op=True)
+        out["all_gather"] = _layout(w.get_future().wait(), outs)
+        flat = torch.empty(2 * n)
+        w = tdc.all_gather_into_tensor(flat, torch.full((2,), float(rank)), async_op=True)
+        out["all_gather_into_tensor"] = _layout(w.get_future().wait(), [flat])
+        stacked = torch.empty(n, 3)
+        w = tdc.all_gather_into_tensor(stacked, torch.full((1, 3), float(rank)), async_op=True)
+        w.wait()
+        out["stacked_result"] = _layout(w.result(), [stacked])
+        got = [torch.empty(2) for _ in range(n)] if rank == 0 else None
+        w = tdc.gather(torch.full((2,), float(rank)), got, dst=0, async_op=True)
+        out["gather"] = _layout(w.get_future().wait(), got or [])
+        # (torch's deprecated all_gather_coalesced: lists[r][i] gets rank r's inputs[i])
+        ins = [torch.full((2, 2), float(rank)), torch.arange(3.0) + rank]
+        lists = [[torch.zeros(2, 2), torch.zeros(3)] for _ in range(n)]
+        fut = tdc.all_gather_coalesced(lists, ins, async_op=True)
+        value = fut.wait()
+        out["coalesced"] = [[t.flatten().tolist() for t in lst] for lst in lists]
+        out["coalesced_value"] = _layout(value, [t for lst in lists for t in lst])
+        with pytest.raises(RuntimeError, match="allgather_coalesced"):
+            tdc.all_gather_coalesced(lists[:1], ins)
+        tdc.barrier()
+        return out
+    finally:
+        tdc.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_gathering_futures_hold_what_gloos_hold() -> None:
+    n = 3
+    got = run_processes(_gather_futures, n, free_port(), "tdist", timeout=80)
+    want = run_processes(_gather_futures, n, free_port(), "gloo", timeout=80)
+    assert got == want
+    assert want[0]["all_gather"] == [[k, 0, [2]] for k in range(n)]  # (the output tensors, flat)
+    assert want[0]["all_gather_into_tensor"] == [[0, 2 * k, [2]] for k in range(n)]  # (views, a rank each)
+    assert want[0]["coalesced"] == [[[float(r)] * 4, [r + 0.0, r + 1.0, r + 2.0]] for r in range(n)]
+
+
+def _gather_into_tensor_future(rank: int, n: int, port: int) -> list[Any]:
+    """tdist's own ``all_gather_into_tensor``: its future holds ``output`` cut a rank a view."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    tdist.init_process_group("gloo")
+    try:
+        flat, stacked = torch.empty(2 * n), torch.empty(n, 3)
+        v1 = tdist.all_gather_into_tensor(flat, torch.full((2,), float(rank)), async_op=True).get_future().wait()
+        v2 = tdist.all_gather_into_tensor(stacked, torch.ones(1, 3), async_op=True).get_future().wait()
+        return [_layout(v1, [flat]), _layout(v2, [stacked])]
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_tdists_gather_into_tensor_future_holds_a_view_per_rank_as_gloos() -> None:
+    n = 3
+    for got in run_processes(_gather_into_tensor_future, n, free_port(), timeout=60):
+        assert got == [[[0, 2 * k, [2]] for k in range(n)], [[0, 3 * k, [1, 3]] for k in range(n)]]
+
+
 def _bad_input(rank: int, n: int, port: int, api: str) -> dict[str, Any]:
     d: Any = tdc
     if api == "tdist":  # tdist's own functions refuse the same, with the same types

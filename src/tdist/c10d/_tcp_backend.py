@@ -995,12 +995,15 @@ class ProcessGroupTCP(Backend):
             if self._arena is not None:
                 self._next_tag()
                 self._arena.all_gather_into_tensor(output, input, timeout=self._left(deadline))
-                return [output]
+                return per_rank
             out = _Flat(output)
             blocks = list(out.flat.chunk(self._size)) if input.numel() else [out.flat[:0]] * self._size
             self._allgather_one(blocks, input, deadline)
             out.commit()
-            return [output]
+            return per_rank
+
+        # (the work's result, as gloo's: ``output`` cut along its first dimension, one view a rank)
+        per_rank = list(output.chunk(self._size)) if output.dim() else [output]
 
         rec = self._fr
         entry = rec.collective("all_gather_into_tensor", (input.shape,), input.dtype, (output.shape,), output.dtype) if rec is not None else None

@@ -42,6 +42,7 @@ from ..store import PrefixStore
 from ..store._api import Store
 from . import _types as T
 from ._backend_config import Backend
+from ._checks import CollectiveArgumentError
 from ._checks import dense_cpu as _check
 from ._group import GroupInfo, ProcessGroup, SplitMerge, _d, _dd, chain_work
 from ._reduce import sparse_all_reduce
@@ -311,6 +312,18 @@ class TorchWork(_TorchWork):  # type: ignore[misc]
             self._settled.set()
 
 
+def _flat(outputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """What gloo's future gives for a gather into lists (``all_gather``, ``gather``): the
+    output tensors themselves, in one flat list (not a list per input)."""
+    return [t for outs in outputs for t in outs]
+
+
+def _blocks(output: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """What gloo's future gives for ``all_gather_into_tensor``: ``output`` cut along its
+    first dimension into one view per rank (a stacked output: views of one row each)."""
+    return list(output.chunk(size)) if output.dim() else [output]
+
+
 class _Failed:
     """A failed work's exception, as the value of the inner future (see ``get_future``)."""
 
@@ -498,11 +511,13 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allgather", inputs, *outputs)
-        return TorchWork(self._b.allgather(_dd(outputs), inputs, _opts(T.AllgatherOptions, opts)), outputs)
+        work = self._b.allgather(_dd(outputs), inputs, _opts(T.AllgatherOptions, opts))
+        return TorchWork(work, _flat(outputs))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("all_gather_into_tensor", [output, input])
-        return TorchWork(self._b._allgather_base(_d([output])[0], input, _opts(T.AllgatherOptions, opts)), [output])
+        work = self._b._allgather_base(_d([output])[0], input, _opts(T.AllgatherOptions, opts))
+        return TorchWork(work, _blocks(output, self.size()))
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -511,7 +526,7 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("gather", inputs, *outputs)
-        return TorchWork(self._b.gather(_dd(outputs), inputs, _opts(T.GatherOptions, opts)), outputs)
+        return TorchWork(self._b.gather(_dd(outputs), inputs, _opts(T.GatherOptions, opts)), _flat(outputs))
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
         _check("scatter", outputs, *inputs)
@@ -561,8 +576,22 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
+        """``outputs[r][i]`` receives rank r's ``inputs[i]``: one ``all_gather`` for each input."""
+        _check("allgather_coalesced", inputs, *outputs)
+        if len(outputs) != self.size():
+            raise CollectiveArgumentError(
+                f"allgather_coalesced: {len(outputs)} output lists for a group of {self.size()} "
+                "ranks: give one list per rank"
+            )
+        for r, out in enumerate(outputs):
+            if len(out) != len(inputs):
+                raise CollectiveArgumentError(
+                    f"allgather_coalesced: output list {r} holds {len(out)} tensors for "
+                    f"{len(inputs)} inputs: each rank's list holds one tensor per input"
+                )
         o = _opts(T.AllgatherOptions, opts)
-        return _all(outputs, [self._b.allgather([_d(out)], [inp], o) for out, inp in zip(outputs, inputs, strict=True)])
+        works = [self._b.allgather([_d([out[i] for out in outputs])], [inp], o) for i, inp in enumerate(inputs)]
+        return _all(outputs, works)  # (the future's value, as gloo's: the lists, one per rank)
 
     # torch's Python-facing names of the same operations (``all_gather_into_tensor``,
     # ``reduce_scatter_tensor``, ``all_to_all_single`` and the coalescing manager call these)
