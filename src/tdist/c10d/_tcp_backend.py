@@ -168,9 +168,13 @@ def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
         raise CollectiveArgumentError(
             f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}"
         )
-    missing = _no_kernel(op, dtype)
-    if missing is not None:
-        raise CollectiveArgumentError(f"{what}: cannot apply ReduceOp.{op.name} to {dtype}: {missing}")
+    if dtype in _UNSIGNED_WIDE:  # (the only dtypes torch 2.13 lacks kernels for; one set lookup)
+        missing = _no_kernel(op, dtype)
+        if missing is not None:
+            raise CollectiveArgumentError(f"{what}: cannot apply ReduceOp.{op.name} to {dtype}: {missing}")
+
+
+_UNSIGNED_WIDE = frozenset(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
 
 
 _kernels: dict[tuple[RedOpType, torch.dtype], str | None] = {}
