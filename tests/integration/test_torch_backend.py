@@ -605,6 +605,37 @@ def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on(api:
         assert r["after"] == [float(n)] * 2
 
 
+def _bad_splits(rank: int, n: int, port: int) -> dict[str, Any]:
+    import torch.distributed._functional_collectives as fc
+
+    _init(rank, n, port)
+    try:
+        out: dict[str, Any] = {}
+        for name, call in {
+            "count": lambda: tdc.all_to_all_single(torch.empty(4), torch.ones(4), None, [4]),
+            "sum": lambda: tdc.all_to_all_single(torch.empty(4), torch.ones(4), [3, 3], None),
+            "funcol": lambda: fc.all_to_all_single(torch.ones(4), [1, 2], [1, 1], tdc.group.WORLD).wait(),
+        }.items():
+            try:  # (gloo's type: RuntimeError, with torch's words)
+                call()
+            except RuntimeError as exc:
+                out[name] = str(exc)
+        t = torch.ones(2)
+        tdc.all_reduce(t)  # (nothing was sent for a refused call: the group is in step)
+        out["after"] = t.tolist()
+        return out
+    finally:
+        tdc.destroy_process_group()
+
+
+def test_all_to_all_single_refuses_bad_split_sizes_with_gloos_error_type() -> None:
+    for r in run_processes(_bad_splits, 2, free_port(), timeout=60):
+        assert "Number of tensor splits not equal to group size" in r["count"]
+        assert "Split sizes doesn't match total dim 0 size" in r["sum"]
+        assert "Split sizes doesn't match total dim 0 size" in r["funcol"]
+        assert r["after"] == [2.0, 2.0]
+
+
 def _ddp_peer_dies(rank: int, n: int, port: int, where: str) -> None:
     import time
 

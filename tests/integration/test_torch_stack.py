@@ -270,6 +270,25 @@ def test_torchs_store_and_new_group_work_in_a_program_ported_by_its_imports() ->
     assert got == [{"set": "v", "sum": 3.0, "mine": [r]} for r in range(2)]
 
 
+def _pg_count(rank: int, n: int) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    counts = [tdist.get_pg_count()]
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # (torch's groups: 2 per dim)
+    counts.append(tdist.get_pg_count())
+    tdist.new_group([0, 1])
+    counts.append(tdist.get_pg_count())
+    tdist.new_group([3, 2, 1, 0], sort_ranks=False)  # (no twin in torch)
+    counts.append(tdist.get_pg_count())
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["tdist", "tdist-api"])
+def test_get_pg_count_counts_the_groups_torchs_modules_made_too(backend: str) -> None:
+    # torch's own count on gloo: the default group, 4 of the mesh, the new group
+    assert _run(_pg_count, 4, backend) == [[1, 5, 6, 7]] * 4
+
+
 def _elastic_sampler(rank: int, n: int) -> list[int]:
     from tdist.elastic.utils.data import ElasticDistributedSampler
 

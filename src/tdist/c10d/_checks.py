@@ -344,7 +344,8 @@ def check_split_sizes(
     sizes = [check_int(s, f"{what}: {name}_split_sizes entries") for s in split_sizes]
     if len(sizes) != size:
         raise CollectiveArgumentError(
-            f"{what}: {name}_split_sizes has {len(sizes)} entries, but the group has {size} ranks"
+            f"{what}: Number of tensor splits not equal to group size: {name}_split_sizes has "
+            f"{len(sizes)} entries, but the group has {size} ranks"
         )
     if any(s < 0 for s in sizes):
         raise CollectiveArgumentError(f"{what}: {name}_split_sizes must not be negative, got {sizes}")

@@ -814,6 +814,9 @@ class World:
     default_pg: ProcessGroup | None = None
     groups: dict[ProcessGroup, GroupInfo] = field(default_factory=dict)
     group_count: int = 0
+    # groups counted above that torch has no twin of (an unsorted order): torch's counter,
+    # where torch's default group runs on this world, misses them (see ``get_pg_count``)
+    untwinned_count: int = 0
     local_sync_names: dict[tuple[int, ...], int] = field(default_factory=dict)
     # torch files the rank map of a group this rank is left out of under NON_GROUP_MEMBER, so
     # get_process_group_ranks(NON_GROUP_MEMBER) & co. answer for the latest such group

@@ -491,7 +491,11 @@ def new_group(
         )
     # torch's default group runs on ours: hand out torch's twin, unless torch's new_group,
     # which sorts, would order the ranks otherwise
-    if world.twin_of(default) is not None and members == sorted(members):
+    twinned = world.twin_of(default) is not None
+    if twinned and members != sorted(members) and not use_local_synchronization:
+        with world.lock:
+            world.untwinned_count += 1
+    if twinned and members == sorted(members):
         from ._torch_pg import mirror_group
 
         twin = mirror_group(pg, members, timeout, group_desc, use_local_synchronization)

@@ -51,7 +51,7 @@ from ..transport._serialization import dumps, loads
 from . import _flight_recorder as fr
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
-from ._checks import CollectiveArgumentError
+from ._checks import CollectiveArgumentError, check_split_sizes
 from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, unwatch, watch
 from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder
 from ._reduce import reduce_into
@@ -1231,15 +1231,9 @@ class ProcessGroupTCP(Backend):
         n = self._size
 
         def splits(t: torch.Tensor, sizes: list[int], what: str) -> list[torch.Tensor]:
-            if not sizes:
-                if t.shape[0] % n:
-                    raise ValueError(f"all_to_all_single: {what} dim 0 ({t.shape[0]}) is not divisible by {n}")
-                sizes = [t.shape[0] // n] * n
-            if len(sizes) != n or sum(sizes) != t.shape[0]:
-                raise ValueError(
-                    f"all_to_all_single: {what} split sizes {sizes} do not split dim 0 of size {t.shape[0]} into {n}"
-                )
-            return list(torch.split(t, sizes))
+            # (torch's own all_to_all_single and its functional collectives call the backend
+            # directly: gloo's type for these, RuntimeError, which CollectiveArgumentError is)
+            return list(torch.split(t, check_split_sizes(t, sizes, n, "all_to_all_single", what)))
 
         outs = splits(output, output_split_sizes, "output")
         ins = splits(input, input_split_sizes, "input")

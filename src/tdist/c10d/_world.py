@@ -299,9 +299,17 @@ def get_backend_config(group: GroupArg = None) -> str:
 
 
 def get_pg_count() -> int:
-    """The number of process groups created in this world (torch's counter)."""
+    """The number of process groups created in this world (torch's counter).
+
+    Where torch's default group runs on this world, torch's own counter, which also counts the
+    groups torch's modules made without tdist (a device mesh's), and the few of tdist's that
+    torch has no twin of."""
     world = current_world()
-    return 0 if world is None else world.group_count
+    if world is None:
+        return 0
+    if world.default_pg is not None and world.twin_of(world.default_pg) is not None:
+        return int(torch.distributed.get_pg_count()) + world.untwinned_count
+    return world.group_count
 
 
 def _non_member_ranks(what: str) -> dict[int, int]:
