@@ -636,6 +636,45 @@ def test_all_to_all_single_refuses_bad_split_sizes_with_gloos_error_type() -> No
         assert r["after"] == [2.0, 2.0]
 
 
+def _store_port_after_destroy(rank: int, n: int, port: int, between: str) -> bool:
+    import gc
+    import socket
+    import time
+
+    gc.disable()  # (only reference counts free what destroy lets go of)
+    try:
+        _init(rank, n, port)
+        t = torch.ones(2)
+        tdc.all_reduce(t)
+        if between == "a tdist call":  # (tdist takes torch's group for its own: a handle on it)
+            import tdist
+
+            assert tdist.get_rank() == rank
+        elif between == "a device mesh":  # (groups of torch's making, on tdist's backend)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            init_device_mesh("cpu", (1, n))
+        tdc.barrier()
+        tdc.destroy_process_group()
+        if rank != 0:
+            return True
+        deadline = time.monotonic() + 5.0  # (a stopping thread may hold it a moment)
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) != 0:
+                    return True  # rank 0's server of torch's store is gone, as with gloo
+        return False
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("between", ["nothing", "a tdist call", "a device mesh"])
+def test_destroying_the_group_lets_go_of_torchs_store_at_once(between: str) -> None:
+    # (its server on rank 0 lived on until the garbage collector ran: a program that formed its
+    # group again on the same port had ranks read the old group's keys from it)
+    assert run_processes(_store_port_after_destroy, 2, free_port(), between, timeout=60) == [True, True]
+
+
 def _ddp_peer_dies(rank: int, n: int, port: int, where: str) -> None:
     import time
 

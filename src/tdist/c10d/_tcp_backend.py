@@ -1359,6 +1359,9 @@ class ProcessGroupTCP(Backend):
         pending = list(self._queue)
         for work, _, _ in pending:
             work._fail(DistBackendError(f"rank {self._rank}: the process group was destroyed"))
+        release = getattr(self._store, "release", None)  # (torch's store: ``TorchStore.release``)
+        if release is not None:
+            release()
 
     def abort(self) -> None:
         self._ep.abort("abort() called")

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as tdc
 from torch._C._distributed_c10d import Work as _Work
 
+from .._core.errors import DistError
 from ..store import PrefixStore
 from ..store._api import Store
 from . import _types as T
@@ -58,12 +59,26 @@ _TorchProcessGroup: Any = tdc.ProcessGroup
 _TorchStore: Any = tdc.Store  # type: ignore[attr-defined]
 
 
+class _Released:
+    """What a released ``TorchStore`` holds instead of torch's store."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise DistError("the process group was destroyed: its store is no longer used")
+
+
 class TorchStore(Store):
     """A torch ``Store`` (the one ``init_process_group`` made for the group) as a tdist one."""
 
     def __init__(self, store: Any) -> None:
         super().__init__(store.timeout)
         self._s = store
+
+    def release(self) -> None:
+        """Let go of torch's store (its group was destroyed): whatever still holds this object
+        (a reference cycle that only the garbage collector breaks) no longer keeps torch's
+        store, whose server on rank 0 would go on serving its port, and a program that forms
+        its group again on that port would have its other ranks read the old group's keys."""
+        self._s = _Released()
 
     def set(self, key: str, value: str | bytes) -> None:
         self._s.set(key, value)
@@ -428,11 +443,16 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         self._group_name = self._group_desc = ""
         self._timeout = timeout
         self._owned = backend is None  # (else tdist's own group: tdist stops it)
+        # the adapters of torch's store made for this group (its backend's, tdist's handles'):
+        # released when torch destroys the group (``TorchStore.release``)
+        self._adapters: list[TorchStore] = []
         if backend is None:
             # (imported here: registering the backend costs no transport import)
             from ._tcp_backend import ProcessGroupTCP
 
-            backend = ProcessGroupTCP(TorchStore(store), rank, size, timeout)
+            adapter = TorchStore(store)
+            self._adapters.append(adapter)
+            backend = ProcessGroupTCP(adapter, rank, size, timeout)
             rec = backend.flight_recorder
             if rec is not None:  # (the members' global ranks: torch knows them once it has the group)
                 me = weakref.ref(self)
@@ -618,6 +638,9 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._owned:
             self._b.shutdown()
+            self._torch_store = None  # (see ``TorchStore.release``)
+            for adapter in self._adapters:
+                adapter.release()
 
     def abort(self) -> None:
         self._b.abort()
@@ -750,7 +773,9 @@ def handle_on(group: Any) -> tuple[ProcessGroup, GroupInfo] | None:
     except (KeyError, ValueError, RuntimeError):  # (destroyed since)
         return None
     name = group.group_name
-    store = PrefixStore(f"tdist/{name}/", TorchStore(base))
+    adapter = TorchStore(base)
+    group._adapters.append(adapter)
+    store = PrefixStore(f"tdist/{name}/", adapter)
     pg = ProcessGroup(store, group.rank(), group.size())
     pg._set_group_name(name)
     pg._set_group_desc(group.group_desc)
