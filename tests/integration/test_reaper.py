@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from .._sync import wait_until
+
 pytestmark = pytest.mark.timeout(60)
 
 _GONE_WITHIN = 10.0  # seconds the job's processes may take to go after the kill
@@ -155,19 +157,25 @@ def _wait_ready(proc: subprocess.Popen[str], n: int = 2) -> list[str]:
     return seen
 
 
+def _kill_9_and_find_nothing_left(proc: subprocess.Popen[str], mark: str, whom: str) -> None:
+    """SIGKILL ``proc``; then no process of its job (``mark``) and no reaper of it may be left."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=20)
+    left = _all_gone(lambda: _marked(mark))
+    assert not left, f"processes of the job outlived the kill -9 of {whom}: {left}"
+    assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its work"
+
+
 def test_kill_9_of_tdist_run_takes_what_the_workers_started(tmp_path: Path, mark: str) -> None:
     proc = _start_launcher(tmp_path, mark)
     try:
         _wait_ready(proc)
         # the two workers, each with its four
-        assert len(set(_marked(mark)) - {proc.pid}) == 10, _marked(mark)
+        # (a child's descendants may still be starting when it says it is ready)
+        wait_until(lambda: len(set(_marked(mark)) - {proc.pid}) == 10, 20, "the workers' ten descendants run")
         reapers = _reapers_of(proc.pid)
         assert len(reapers) == 1
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=20)
-        left = _all_gone(lambda: _marked(mark))
-        assert not left, f"processes of the job outlived the kill -9 of its launcher: {left}"
-        assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its work"
+        _kill_9_and_find_nothing_left(proc, mark, "its launcher")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -181,12 +189,9 @@ def test_kill_9_of_a_start_processes_caller_takes_what_its_children_started(tmp_
     )
     try:
         _wait_ready(proc)
-        assert len(set(_marked(mark)) - {proc.pid}) == 10, _marked(mark)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=20)
-        left = _all_gone(lambda: _marked(mark))
-        assert not left, f"processes outlived the kill -9 of start_processes' caller: {left}"
-        assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its work"
+        # (a child's descendants may still be starting when it says it is ready)
+        wait_until(lambda: len(set(_marked(mark)) - {proc.pid}) == 10, 20, "the workers' ten descendants run")
+        _kill_9_and_find_nothing_left(proc, mark, "start_processes' caller")
     finally:
         if proc.poll() is None:
             proc.kill()
