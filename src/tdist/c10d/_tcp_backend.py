@@ -1359,7 +1359,9 @@ class ProcessGroupTCP(Backend):
         pending = list(self._queue)
         for work, _, _ in pending:
             work._fail(DistBackendError(f"rank {self._rank}: the process group was destroyed"))
-        release = getattr(self._store, "release", None)  # (torch's store: ``TorchStore.release``)
+        # (torch's store: ``TorchStore.release``; torch may shut a group down through its
+        # backend, not only through the group that ``_torch_pg`` releases its adapters in)
+        release = getattr(self._store, "release", None)
         if release is not None:
             release()
 

@@ -471,7 +471,7 @@ class TCPStore(Store):
             sock = self._sock
             if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
                 sock = self._ready_socket()
-            reply = self._serve_direct(frame_bytes)
+            reply = None if self._direct is None else self._serve_direct(frame_bytes)
             if reply:
                 frame = self._direct_frame(reply)
                 if frame.code == Status.OK:
@@ -514,6 +514,14 @@ class TCPStore(Store):
             return None
         return direct[0].serve_direct(direct[1], frame_bytes)
 
+    def _quiet_direct(self, op: Op, frame_bytes: bytes) -> bool:
+        """A request without a reply (a quiet set) served here (``_serve_direct``): whether it
+        was; its failure, served here, is raised now."""
+        reply = self._serve_direct(frame_bytes)
+        if reply:
+            raise self._error(op, self._direct_frame(reply), None)
+        return reply is not None
+
     def _direct_frame(self, reply: bytes) -> Frame:
         frame = self._decoder.parse_whole(reply)
         if frame is None:
@@ -531,10 +539,7 @@ class TCPStore(Store):
         frame_bytes = encode_frame(op, fields)
         with self._lock:
             sock = self._ready_socket()
-            reply = self._serve_direct(frame_bytes)
-            if reply is not None:
-                if reply:  # (it failed: served here, it says so now)
-                    raise self._error(op, self._direct_frame(reply), None)
+            if self._direct is not None and self._quiet_direct(op, frame_bytes):
                 return
             if self._send_seal is not None:
                 frame_bytes += self._send_seal.tag(frame_bytes)
@@ -752,12 +757,8 @@ class TCPStore(Store):
             with self._lock:
                 sock = self._sock
                 if sock is not None and self._pid == _current_pid[0] and self._broken is None and not self._closed:
-                    if self._direct is not None:
-                        reply = self._serve_direct(frame)
-                        if reply == b"":
-                            return
-                        if reply is not None:
-                            raise self._error(Op.SET_QUIET, self._direct_frame(reply), None)
+                    if self._direct is not None and self._quiet_direct(Op.SET_QUIET, frame):
+                        return
                     if self._send_seal is not None:
                         frame += self._send_seal.tag(frame)
                     try:
