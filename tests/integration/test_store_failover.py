@@ -200,3 +200,33 @@ def test_a_standby_that_is_gone_too_is_not_waited_for(master: TCPStore) -> None:
             client.get("k")
     finally:
         client.close()
+
+
+def test_a_standby_that_follows_the_thread_follows_the_process_that_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.store._server import StoreServer
+
+    gate = threading.Event()
+    monkeypatch.setattr(StoreServer, "handover_gate", gate)  # (the standby comes first)
+    monkeypatch.setenv("TDIST_SECRET", "failover-secret")
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=_T)
+    try:
+        server = master._server
+        assert server is not None and not server._handed_over
+        master.set("before", b"the hand-over")
+        standby = _standby(master)
+        try:
+            gate.set()
+            server._send(b".")
+            assert server.pid is not None and server._handed_over
+            master.set("after", b"the hand-over")
+            client = FailoverStore("127.0.0.1", master.port, timeout=_T)
+            assert client.refresh() == [standby.address]
+            _kill(master)
+            assert client.multi_get(["before", "after"]) == [b"the hand-over", b"the hand-over"]
+            assert standby.serving
+            client.close()
+        finally:
+            standby.stop()
+    finally:
+        master.close()

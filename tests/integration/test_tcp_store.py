@@ -582,6 +582,148 @@ def test_the_server_is_a_fresh_process_not_a_fork_of_a_threaded_one() -> None:
         s.close()
 
 
+def test_a_master_is_served_at_once_and_its_own_process_takes_over_from_exactly_where_the_thread_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A master's server ("process", the default) serves from a thread while its own process
+    starts, then hands everything over: data, queues, waiting requests (with their deadlines,
+    in their order), a half-received frame, an unauthenticated stranger's nonce, each session's
+    tags, and the master's own connection (served in its caller's thread before, through its
+    socket pair after). The hand-over is held back until all of that is in place."""
+    from tdist._core import auth
+    from tdist.store._server import StoreServer
+
+    gate = threading.Event()
+    monkeypatch.setattr(StoreServer, "handover_gate", gate)
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    secret = auth.resolve_secret("s3cret")
+    assert secret is not None
+    opts: dict[str, object] = {"timeout": timedelta(seconds=30), "secret": "s3cret"}
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, **opts)  # type: ignore[arg-type]
+    server = master._server
+    assert server is not None and server._proc is not None and not server._handed_over
+    try:
+        master.set("k", "v")
+        assert master.get("k") == b"v" and master._direct is not None  # (served in this thread)
+        a = client_of(master, secret="s3cret")
+        a.queue_push("q", "first")
+        got: dict[str, object] = {}
+
+        def blocked(name: str, call: object) -> threading.Thread:
+            def run() -> None:
+                try:
+                    got[name] = call()  # type: ignore[operator]
+                except Exception as exc:
+                    got[name] = exc
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            return t
+
+        b, c, d1, d2 = (client_of(master, secret="s3cret") for _ in range(4))
+        c.set_timeout(timedelta(seconds=1))
+        waiters = [
+            blocked("get", lambda: b.get("later")),
+            blocked("wait", lambda: c.wait(["never"])),  # (its deadline goes along)
+            blocked("pop1", lambda: d1.queue_pop("q2")),  # (two in line for one queue)
+        ]
+        wait_until(lambda: len(server._parked.get("q2", [])) == 1, 10, "the first pop waits")
+        waiters.append(blocked("pop2", lambda: d2.queue_pop("q2")))
+        wait_until(lambda: {"later", "never"} <= server._parked.keys() and len(server._parked["q2"]) == 2, 10, "all wait")
+        def hello() -> tuple[socket.socket, FrameDecoder, bytes]:
+            sock = socket.create_connection(("127.0.0.1", master.port), timeout=10)
+            dec = FrameDecoder()
+            frame = read_frame(sock, dec)
+            assert frame.code == Op.HELLO  # type: ignore[attr-defined]
+            return sock, dec, frame.fields[2]  # type: ignore[attr-defined]
+
+        # a stranger that read the HELLO and has not proved the secret yet
+        stranger, _, stranger_nonce = hello()
+        # a raw client with a session, half of whose request is in when the server moves
+        raw, rdec, raw_nonce = hello()
+        mine = auth.make_nonce()
+        raw.sendall(encode_frame(Op.AUTH, [mine, auth.client_proof(secret, raw_nonce, mine)]))
+        assert read_frame(raw, rdec).code == Op.AUTH_OK  # type: ignore[attr-defined]
+        c2s, s2c = auth.session_keys(secret, raw_nonce, mine)
+        send_seal, recv_seal = auth.Seal(c2s), auth.Seal(s2c)
+        rdec.seal = recv_seal
+        first = encode_frame(Op.SET, (b"raw", b"half before, half after"))
+        first += send_seal.tag(first)
+        raw.sendall(first[:7])
+        wait_until(lambda: any(conn.decoder.buffered == 7 for conn in server._conns), 10, "half a frame in")
+
+        gate.set()
+        server._send(b".")
+        pid = server.pid
+        assert pid is not None and pid != os.getpid() and server._handed_over
+        assert not server._conns and not server._listeners  # (the thread let go of everything)
+
+        raw.sendall(first[7:])
+        assert read_frame(raw, rdec).code == Status.OK  # type: ignore[attr-defined]
+        ask = encode_frame(Op.GET, (b"raw", encode_int(1000)))
+        raw.sendall(ask + send_seal.tag(ask))
+        assert read_frame(raw, rdec).fields == [b"half before, half after"]  # type: ignore[attr-defined]
+        # the stranger proves the secret against the nonce the thread gave it
+        stranger.sendall(encode_frame(Op.AUTH, [mine, auth.client_proof(secret, stranger_nonce, mine)]))
+        assert read_frame(stranger, FrameDecoder()).code == Op.AUTH_OK  # type: ignore[attr-defined]
+
+        a.set("later", "x")
+        a.queue_push("q2", "one")
+        a.queue_push("q2", "two")
+        for t in waiters:
+            t.join(20)
+        assert got["get"] == b"x"
+        assert isinstance(got["wait"], StoreTimeoutError) and "never" in str(got["wait"])
+        assert (got["pop1"], got["pop2"]) == (b"one", b"two")
+        assert a.queue_pop("q") == b"first" and a.get("k") == b"v"
+        assert master.get("raw") == b"half before, half after" and master._direct is None
+        master.set("k", "after")
+        assert a.get("k") == b"after" and master.add("n", 3) == 3
+        for s_ in (a, b, c, d1, d2):
+            s_.close()
+        stranger.close()
+        raw.close()
+    finally:
+        master.close()
+    with pytest.raises(ProcessLookupError):  # (closing the master stopped its process)
+        os.kill(pid, 0)
+
+
+def test_a_master_whose_own_process_fails_to_start_or_dies_before_taking_over_is_served_by_its_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tdist.store._server import StoreServer
+
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")  # (it cannot start)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    try:
+        assert master._server is not None and master._server.pid is None
+        master.set("k", "v")
+        assert client_of(master).get("k") == b"v"
+    finally:
+        master.close()
+    monkeypatch.undo()
+    gate = threading.Event()
+    monkeypatch.setattr(StoreServer, "handover_gate", gate)  # (it dies before taking over)
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    try:
+        server = master._server
+        assert server is not None and server._proc is not None
+        peer = client_of(master)
+        peer.set("k", "v")
+        server._proc.kill()
+        assert server.pid is None  # (the thread saw it go)
+        gate.set()
+        server._send(b".")
+        assert peer.get("k") == b"v" and master.get("k") == b"v"
+        peer.set("k", "w")
+        assert master.get("k") == b"w" and master._direct is not None
+        peer.close()
+    finally:
+        master.close()
+
+
 def test_a_master_serving_from_a_thread_talks_to_it_over_a_socket_pair_and_others_still_prove_the_secret(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

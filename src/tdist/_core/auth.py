@@ -118,6 +118,18 @@ class Seal:
         self._key = key
         self.seq = 0
 
+    def state(self) -> tuple[bytes, int]:
+        """What resumes this direction elsewhere (``resume``): its key and the next sequence
+        number (a store server handing its connections to another process)."""
+        return self._key, self.seq
+
+    @classmethod
+    def resume(cls, state: tuple[bytes, int]) -> Seal:
+        """The ``Seal`` whose ``state()`` was ``state``."""
+        seal = cls(state[0])
+        seal.seq = state[1]
+        return seal
+
     def start(self, head: Any, nbytes: int) -> Tagging:
         """The tag of the next frame, to be fed its payload as it goes (``nbytes``: the
         payload's length): a large payload is tagged piece by piece as it is written or read,

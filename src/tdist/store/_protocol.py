@@ -208,6 +208,10 @@ class FrameDecoder:
             self._pos = 0
         self._buf += data
 
+    def unread(self) -> bytes:
+        """The bytes fed and not yet taken as frames."""
+        return bytes(self._buf[self._pos :])
+
     def parse_whole(self, data: bytes) -> Frame | None:
         """Fast path: ``data`` is exactly one frame and nothing is buffered; else ``None``.
 

@@ -12,7 +12,9 @@ frame and is closed; nothing a client sends can stop the loop or touch other cli
 The loop runs in a thread, or (the default for ``TCPStore``) in a process of its own that serves
 nothing else, so a busy Python parent holding the GIL cannot slow the store down. That process is
 a new interpreter, not a fork (see ``StoreServer.start``), and exits when its parent closes the
-control pipe or dies.
+control pipe or dies. It takes tens of milliseconds to start, so the loop serves from a thread
+of the parent meanwhile, and hands everything over to the process once it is up (``_hand_over``;
+``_take_over`` on the other side): a master's store is up at once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import heapq
 import itertools
 import json
 import logging
+import marshal
 import os
 import select
 import signal
@@ -66,6 +69,7 @@ from ._state import KVState
 TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
 if TYPE_CHECKING:
     import subprocess
+    from typing import Any
 
     from .._core.deadline import Clock
 
@@ -94,6 +98,13 @@ _BEAT_EVERY = 1.0  # seconds between beats to a standby when nothing changes
 _FOLLOWER_BACKLOG = 64 << 20  # bytes queued for a standby that reads none: it is dropped
 _OK_INT = struct.Struct("<IBIIq")  # an OK reply holding one integer field
 _INT = struct.Struct("<q")
+# the hand-over to the server's own process (``_hand_over``): the most descriptors one message
+# carries (the kernel's SCM_MAX_FD), the size of the data's pieces, how long each step may take,
+# and how long ``pid`` waits for the process to have taken over
+_FDS_PER_MESSAGE = 250
+_HANDOVER_CHUNK = 1 << 15
+_HANDOVER_STEP = 10.0
+_HANDOVER_WAIT = 60.0
 
 
 def unix_address(port: int) -> str:
@@ -190,6 +201,10 @@ class StoreServer:
         DistNetworkError: the address cannot be bound (in use, not local).
     """
 
+    # tests hold the hand-over to the server's own process back until they set it (and wake the
+    # loop: ``_send(b".")``), to hand over a server in a state of their making
+    handover_gate: threading.Event | None = None
+
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -232,6 +247,11 @@ class StoreServer:
         self._stop_requested = False
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        # ``start("process")``: the connection to the process that takes over from the thread,
+        # until it has (``_hand_over``) or failed to; ``_handed`` is set then
+        self._successor: socket.socket | None = None
+        self._handed_over = False
+        self._handed = threading.Event()
         self._retired: float | None = None  # since when nobody is connected to a retired server
         self.retire_grace = 2.0
         self.idle_wait = 1.0  # the longest sleep of the loop with nothing due (tests lengthen it)
@@ -423,36 +443,36 @@ class StoreServer:
         The process is started fresh (``sys.executable``), not forked: a fork of a process
         with other threads (torch's, the caller's) copies locks that those threads may hold at
         that moment, and a child that then logs, or allocates through a library that keeps
-        its own locks, waits on them forever. It inherits the listening sockets, so clients
-        can connect at once; their first request is answered once it runs (its start takes
-        some tens of milliseconds: it imports only the server, not torch).
+        its own locks, waits on them forever. Its start takes some tens of milliseconds
+        (it imports only the server, not torch), so a thread of this process serves from the
+        start meanwhile and hands over to it once it is up (``_hand_over``): clients connect
+        and are answered at once, and notice nothing of the change. If the process cannot
+        start or take over, the thread serves on.
         """
+        if mode not in ("process", "thread"):
+            raise ValueError(f"store server mode must be 'process' or 'thread', got {mode!r}")
         r, w = os.pipe()
         self._control_w = w
         self._status_r, self._status_w = os.pipe()
-        if mode == "thread":
-            self._thread = threading.Thread(
-                target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
-            )
-            self._thread.start()
-            return
-        if mode != "process":
-            raise ValueError(f"store server mode must be 'process' or 'thread', got {mode!r}")
-        try:
-            self._spawn(r, self._status_w)
-        finally:
-            os.close(r)
-            os.close(self._status_w)
-            self._status_w = None
-        for sock in self._listeners:
-            sock.close()
+        theirs = None
+        if mode == "process":
+            self._successor, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._successor.setblocking(False)
+        else:
+            self._handed.set()  # (nothing to hand over)
+        self._thread = threading.Thread(
+            target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
+        )
+        self._thread.start()
+        if theirs is not None:  # (after the thread: a process starting beside it delays its start)
+            self._spawn(r, self._status_w, theirs)
 
-    def _spawn(self, control_r: int, status_w: int) -> None:
-        unix = self._unix.fileno() if self._unix is not None and self._unix in self._listeners else None
+    def _spawn(self, control_r: int, status_w: int, theirs: socket.socket) -> None:
+        """Start the process that takes over from the thread (``_hand_over``), which it reaches
+        through ``theirs`` (the thread, through ``_successor``)."""
         config = {
             "host": self.host,
-            "tcp": self._tcp.fileno(),
-            "unix": unix,
+            "handover": theirs.fileno(),
             "control": control_r,
             "status": status_w,
             "parent": os.getpid(),
@@ -476,14 +496,17 @@ class StoreServer:
                 [sys.executable or "python3", "-S", "-c", _BOOT.format(root=root), str(boot_r)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                pass_fds=[fd for fd in (boot_r, control_r, status_w, self._tcp.fileno(), unix) if fd is not None],
+                pass_fds=[boot_r, control_r, status_w, theirs.fileno()],
             )
         except OSError as exc:
-            raise DistNetworkError(f"cannot start the store server process for port {self.port}: {exc}") from exc
+            # (the thread reads the end of ``_successor`` and serves on)
+            log.warning("store server on port %d: cannot start a process of its own (%s): serving "
+                        "from a thread of this process", self.port, exc)
         finally:
             os.close(boot_r)
             if boot_w >= 0:
                 os.close(boot_w)
+            theirs.close()
 
     def _serve_and_close(self, control_r: int, parent_pid: int | None = None) -> None:
         try:
@@ -492,16 +515,23 @@ class StoreServer:
             os.close(control_r)
             for sock in self._listeners:
                 sock.close()
+            if self._successor is not None:  # stopped before the process took over: it ends
+                self._abandon_successor(None)
 
     @property
     def pid(self) -> int | None:
-        """The server's process id (``start("process")``), else None."""
-        return None if self._proc is None else self._proc.pid
+        """The server's process id (``start("process")``) once it serves (this waits for the
+        process to take over from the thread), else None."""
+        if self._proc is not None and not self._handed.is_set():
+            self._handed.wait(_HANDOVER_WAIT)
+        proc = self._proc
+        return proc.pid if proc is not None and self._handed_over else None
 
     def exit_status(self) -> int | None:
         """The server process's exit status (negative: killed by that signal) once it has
         exited; None while it serves, or when it serves in a thread."""
-        return None if self._proc is None else self._proc.poll()
+        proc = self._proc
+        return proc.poll() if proc is not None and self._handed_over else None
 
     def _command(self, command: bytes, now: float) -> None:
         """What the control pipe says (one byte a command; any other, such as ``serve_direct``'s
@@ -591,16 +621,18 @@ class StoreServer:
             if not sys.is_finalizing():  # (at interpreter exit a daemon thread runs no more)
                 self._thread.join(timeout)
             self._thread = None
-        elif self._proc is not None:
+        else:
+            for sock in self._listeners:
+                sock.close()
+        if self._proc is not None:
             proc, self._proc = self._proc, None
+            if not self._handed_over:
+                proc.kill()  # (it never served)
             try:
                 proc.wait(timeout)
             except Exception:  # (subprocess.TimeoutExpired)
                 proc.kill()
                 proc.wait()
-        else:
-            for sock in self._listeners:
-                sock.close()
         for fd in (self._status_r, self._status_w):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -619,6 +651,9 @@ class StoreServer:
         if control_fd is not None:
             ep.register(control_fd, select.EPOLLIN)
             self._fdmap[control_fd] = None
+        if self._successor is not None:
+            ep.register(self._successor.fileno(), select.EPOLLIN)
+            self._fdmap[self._successor.fileno()] = self._successor
         adopted, self._adopted = self._adopted, []
         for conn in adopted:
             if conn.closed:
@@ -627,6 +662,8 @@ class StoreServer:
             self._conns.add(conn)
             ep.register(conn.sock.fileno(), select.EPOLLIN)
             self._fdmap[conn.sock.fileno()] = conn
+        if self._ready:  # (taken over: what the clients sent, and their replies not sent yet)
+            self._drain_ready()
         return ep
 
     def serve_forever(self, control_fd: int | None = None, parent_pid: int | None = None) -> None:
@@ -658,6 +695,8 @@ class StoreServer:
         budget = _spin.Budget(spin)
         spinning = False  # polling for the next request since the last activity
         next_ppid_check = clock() + 1.0
+        successor = self._successor
+        take_over = False  # the process that takes over from this thread is up
         try:
             while not self._stop_requested:
                 lock.release()  # (``serve_direct`` serves while the loop waits)
@@ -708,12 +747,18 @@ class StoreServer:
                                 self._stop_requested = True
                             elif command:
                                 self._command(command, now)
+                    elif data is successor:
+                        take_over = self._successor_up()
                     elif isinstance(data, socket.socket):
                         self._accept(data)
                 if self._timers:
                     self._run_timers()
                 if self._ready:
                     self._drain_ready()
+                if take_over and not self._stop_requested and (self.handover_gate is None or self.handover_gate.is_set()):
+                    take_over = False
+                    if self._hand_over():
+                        break
                 if self._retired is not None:
                     if self._conns:
                         self._retired = now
@@ -736,6 +781,206 @@ class StoreServer:
             ep.close()
             self._idle.set()
             lock.release()
+
+    # -- the hand-over to the server's own process ------------------------------------------------
+    def _hand_over(self) -> bool:
+        """The process started to take over (``_spawn``) says it is up: give it everything, at
+        this moment when the loop serves nothing (it holds ``_lock``). What goes: the listening
+        sockets and every client's connection (their descriptors, ``SCM_RIGHTS``), what each
+        client sent that is not served yet, the replies not sent yet, each session's tags, the
+        waiting requests with what is left of their deadlines (in their order), the standby,
+        and the data. The bytes the kernel holds for a connection stay where they are, read
+        by whichever process reads the descriptor next. Two steps: the process says it holds
+        everything (it serves nothing yet), then this thread lets go and tells it to serve;
+        whatever fails before that leaves this thread serving, and the process is killed.
+        Returns whether the process serves now."""
+        sock = self._successor
+        if sock is None:
+            return False
+        if not self.listening or self._retired is not None or self._tcp not in self._listeners:
+            self._abandon_successor(None)  # (stopping: not worth it)
+            return False
+        conns = [c for c in self._conns if not c.closed]
+        listeners = [self._tcp] + ([self._unix] if self._unix is not None and self._unix in self._listeners else [])
+        fds = [s.fileno() for s in listeners] + [c.sock.fileno() for c in conns]
+        payload = self._handover_state(conns, len(listeners))
+        try:
+            sock.settimeout(_HANDOVER_STEP)
+            sock.send(marshal.dumps((len(fds), len(payload))))
+            for i in range(0, len(fds), _FDS_PER_MESSAGE):
+                socket.send_fds(sock, [b"f"], fds[i : i + _FDS_PER_MESSAGE])
+            with memoryview(payload) as view:
+                for i in range(0, len(payload), _HANDOVER_CHUNK):
+                    sock.send(view[i : i + _HANDOVER_CHUNK])
+            if sock.recv(1) != b"t":
+                raise OSError("it did not take over")
+            sock.send(b"g")
+        except OSError as exc:
+            self._abandon_successor(f"the hand-over failed: {exc}")
+            return False
+        # the process serves from here on: this thread's copies of everything go
+        for conn in conns:
+            conn.closed = True
+            conn.sock.close()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
+        self._conns.clear()
+        self._unauthed.clear()
+        self._followers.clear()
+        self._parked.clear()
+        self._timers.clear()
+        self._ready.clear()
+        self._state = KVState()
+        sock.close()
+        self._successor = None
+        self._handed_over = True
+        self._handed.set()
+        log.debug("store server on port %d: its own process (pid %s) serves now", self.port, self.pid)
+        return True
+
+    def _successor_up(self) -> bool:
+        """What the process that is to take over says: whether it is up (ready to take over)."""
+        sock = self._successor
+        if sock is None:
+            return False
+        try:
+            said = sock.recv(16)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            said = b""
+        if said == b"r":
+            return True
+        failed = self._proc is not None  # (else it never started: said already)
+        self._abandon_successor(("it failed to start" if not said else f"it said {said!r}") if failed else None)
+        return False
+
+    def _handover_state(self, conns: list[_Conn], listeners: int) -> bytes:
+        """What ``_take_over`` needs besides the descriptors (``marshal``: plain data only)."""
+        index = {c: i for i, c in enumerate(conns)}
+        now = self._clock()
+        waiters = []
+        for key, parked in self._parked.items():  # (in order: a queue's poppers stay in line)
+            for w in parked:
+                if not w.done and w.conn in index:
+                    left = None if w.deadline is None else max(0.0, w.deadline - now)
+                    waiters.append((index[w.conn], int(w.op), w.keys, w.timeout, left, key))
+        state = self._state
+        return marshal.dumps({
+            "listeners": listeners,
+            "data": state.data,
+            "queues": {k: list(q) for k, q in state.queues.items()},
+            "conns": [
+                (c.addr, c.authed, c.decoder.max_frame, c.decoder.unread(), bytes(c.out), c.nonce,
+                 None if c.decoder.seal is None else c.decoder.seal.state(),
+                 None if c.seal is None else c.seal.state(),
+                 self._followers.get(c), c.follower)
+                for c in conns
+            ],
+            "waiters": waiters,
+        })
+
+    def _abandon_successor(self, why: str | None) -> None:
+        """The process will not take over (``why``; None: not needed): it goes, this thread
+        serves on."""
+        sock, self._successor = self._successor, None
+        if sock is not None:
+            fd = sock.fileno()
+            if self._ep is not None and self._fdmap.pop(fd, None) is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._ep.unregister(fd)
+            sock.close()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                proc.wait(_HANDOVER_STEP)
+        if why is not None:
+            log.warning("store server on port %d: its own process does not serve (%s): serving "
+                        "from a thread of this process", self.port, why)
+        self._handed.set()
+
+    @classmethod
+    def _take_over(cls, sock: socket.socket, cfg: dict[str, object]) -> StoreServer | None:
+        """In the server's own process: receive what ``_hand_over`` sends and make the server
+        that serves it, not serving yet (None: the parent went away)."""
+        ready = select.poll()
+        ready.register(sock, select.POLLIN)
+        parent = cfg["parent"]
+        while not ready.poll(1000):  # (the parent's thread starts when it gets to it)
+            if os.getppid() != parent:
+                return None
+        sock.settimeout(_HANDOVER_STEP)
+        head = sock.recv(64)
+        if not head:
+            return None
+        nfds, size = marshal.loads(head)
+        fds: list[int] = []
+        while len(fds) < nfds:
+            _, got, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+            if not got:
+                return None
+            fds.extend(got)
+        payload = bytearray()
+        while len(payload) < size:
+            piece = sock.recv(_HANDOVER_CHUNK)
+            if not piece:
+                return None
+            payload += piece
+        state = marshal.loads(payload)
+        listeners = state["listeners"]
+        secret = cfg["secret"]
+        assert isinstance(secret, (str, type(None))) and isinstance(cfg["host"], str)
+        server = cls(
+            cfg["host"],
+            secret=bytes.fromhex(secret) if secret else b"",
+            max_frame=int(cfg["max_frame"]),  # type: ignore[call-overload]
+            auth_timeout=float(cfg["auth_timeout"]),  # type: ignore[arg-type]
+            listen_fd=fds[0],
+            unix_fd=fds[1] if listeners > 1 else None,
+            unix=listeners > 1,
+            spin=float(cfg["spin"]),  # type: ignore[arg-type]
+        )
+        server._install(state, fds[listeners:])
+        return server
+
+    def _install(self, state: dict[str, Any], fds: list[int]) -> None:
+        """Take in the clients, waiters and data that ``_handover_state`` described."""
+        now = self._clock()
+        self._state.data = state["data"]
+        self._state.queues = {k: deque(v) for k, v in state["queues"].items()}
+        conns: list[_Conn] = []
+        parent = f"pid {os.getppid()}"
+        for fd, (addr, authed, max_frame, unread, out, nonce, rseal, sseal, follows, follower) in zip(fds, state["conns"], strict=True):
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            conn = _Conn(sock, parent if addr == "this process" else addr, authed, max_frame)
+            conn.decoder.seal = None if rseal is None else auth.Seal.resume(rseal)
+            conn.seal = None if sseal is None else auth.Seal.resume(sseal)
+            conn.decoder.feed(unread)
+            conn.out += out
+            conn.nonce = nonce
+            conn.follower = follower
+            if follows is not None:
+                self._followers[conn] = follows
+            if not authed:
+                self._unauthed[conn] = None
+                self._add_timer(now + self.auth_timeout, functools.partial(self._auth_expired, conn))
+            self._adopted.append(conn)
+            if out or unread:
+                self._ready.append(conn)
+            conns.append(conn)
+        for i, op, keys, timeout, left, key in state["waiters"]:
+            waiter = _Waiter(conns[i], op, keys, timeout, now)
+            waiter.deadline = None if left is None else now + left
+            conns[i].blocked = waiter
+            self._park_on(waiter, key)
+            if waiter.deadline is not None:
+                self._add_timer(waiter.deadline, functools.partial(self._expire, waiter))
+        if self._followers:
+            self._add_timer(now + _BEAT_EVERY, self._beat_followers)
 
     def _serve_conn(self, conn: _Conn, mask: int) -> None:
         """What epoll says of a client's connection: read its requests, send its replies."""
@@ -1437,7 +1682,8 @@ _BOOT = (
 
 def _serve_spawned(boot_fd: int) -> None:
     """The store server process (see ``StoreServer.start``): read the configuration its parent
-    wrote, serve on the inherited sockets until the parent closes the control pipe or dies."""
+    wrote, take over from the thread that serves meanwhile (``_take_over``), serve until the
+    parent closes the control pipe or dies."""
     global _OPEN_WARNED
     chunks = []
     while True:
@@ -1454,22 +1700,25 @@ def _serve_spawned(boot_fd: int) -> None:
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, int(os.environ.get("TDIST_STORE_NICE", "-5")))
     _OPEN_WARNED = True  # (the parent said it already)
-    server = StoreServer(
-        cfg["host"],
-        secret=bytes.fromhex(cfg["secret"]) if cfg["secret"] else b"",
-        max_frame=cfg["max_frame"],
-        auth_timeout=cfg["auth_timeout"],
-        listen_fd=cfg["tcp"],
-        unix_fd=cfg["unix"],
-        unix=cfg["unix"] is not None,
-        spin=cfg["spin"],
-    )
-    server._status_w = cfg["status"]
     code = 0
     try:
+        handover = socket.socket(fileno=cfg["handover"])
+        try:
+            handover.send(b"r")
+            server = StoreServer._take_over(handover, cfg)
+            if server is not None:
+                handover.send(b"t")  # (holding everything, serving nothing yet)
+                if handover.recv(1) != b"g":
+                    server = None
+        except OSError:  # the parent stopped the store, or serves on from its thread
+            server = None
+        if server is None:
+            os._exit(0)
+        handover.close()
+        server._status_w = cfg["status"]
         server._serve_and_close(cfg["control"], parent_pid=cfg["parent"])
     except BaseException:
-        log.exception("store server on port %d failed", server.port)
+        log.exception("store server process for port %s failed", cfg.get("host"))
         code = 1
     finally:
         os._exit(code)

@@ -278,16 +278,17 @@ class TCPStore(Store):
                 max_frame=DEFAULT_MAX_FRAME if max_frame is None else max_frame,
             )
             mode = _server_mode()
-            if mode == "thread":
-                # this client's connection to a server in this process: a socket pair, served as
-                # one that has nothing to prove (it holds the secret already), so forming a group
-                # costs no connect, accept and handshake through the server's thread
-                self._own, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._own_conn = server.adopt(theirs)
+            # this client's connection to the server: a socket pair, served as one that has
+            # nothing to prove (it holds the secret already), so forming a group costs no
+            # connect, accept and handshake; while a thread of this process serves (in "process"
+            # mode, until the server's own process takes over) its requests are served in the
+            # caller's thread (``_serve_direct``), and it does not spin for their replies
+            self._own, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._own_conn = server.adopt(theirs)
             server.start(mode)
             if mode == "thread":
                 _thread_servers.add(id(server))
-                self._budget.spin = 0.0
+            self._budget.spin = 0.0
             self._server, self._port = server, server.port
             if multi_tenant:
                 self._tenant_key = (host, server.port)
@@ -512,7 +513,11 @@ class TCPStore(Store):
         direct = self._direct
         if direct is None or self._quiet_sent or self._broken is not None:
             return None
-        return direct[0].serve_direct(direct[1], frame_bytes)
+        reply = direct[0].serve_direct(direct[1], frame_bytes)
+        if reply is None and direct[1].closed:  # (the server's own process serves it now)
+            self._direct = None
+            self._budget.spin = _client_spin()
+        return reply
 
     def _quiet_direct(self, op: Op, frame_bytes: bytes) -> bool:
         """A request without a reply (a quiet set) served here (``_serve_direct``): whether it
