@@ -105,6 +105,10 @@ _FDS_PER_MESSAGE = 250
 _HANDOVER_CHUNK = 1 << 15
 _HANDOVER_STEP = 10.0
 _HANDOVER_WAIT = 60.0
+# how long after its start the server starts its own process: the store's busiest moments are
+# its first ones (a group forming, ranks meeting), and a new interpreter starting (tens of
+# milliseconds of a core) would slow them
+_SPAWN_AFTER = 0.1
 
 
 def unix_address(port: int) -> str:
@@ -443,33 +447,33 @@ class StoreServer:
         The process is started fresh (``sys.executable``), not forked: a fork of a process
         with other threads (torch's, the caller's) copies locks that those threads may hold at
         that moment, and a child that then logs, or allocates through a library that keeps
-        its own locks, waits on them forever. Its start takes some tens of milliseconds
-        (it imports only the server, not torch), so a thread of this process serves from the
-        start meanwhile and hands over to it once it is up (``_hand_over``): clients connect
-        and are answered at once, and notice nothing of the change. If the process cannot
-        start or take over, the thread serves on.
+        its own locks, waits on them forever. Its start takes some tens of milliseconds of a
+        core (it imports only the server, not torch), so a thread of this process serves from
+        the start, starts the process ``_SPAWN_AFTER`` seconds later, and hands over to it once
+        it is up (``_hand_over``): clients connect and are answered at once, and notice nothing
+        of the change. If the process cannot start or take over, the thread serves on.
         """
         if mode not in ("process", "thread"):
             raise ValueError(f"store server mode must be 'process' or 'thread', got {mode!r}")
         r, w = os.pipe()
         self._control_w = w
         self._status_r, self._status_w = os.pipe()
-        theirs = None
         if mode == "process":
-            self._successor, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            self._successor.setblocking(False)
+            self._add_timer(self._clock() + _SPAWN_AFTER, functools.partial(self._spawn, r, self._status_w))
         else:
             self._handed.set()  # (nothing to hand over)
         self._thread = threading.Thread(
             target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
         )
         self._thread.start()
-        if theirs is not None:  # (after the thread: a process starting beside it delays its start)
-            self._spawn(r, self._status_w, theirs)
 
-    def _spawn(self, control_r: int, status_w: int, theirs: socket.socket) -> None:
-        """Start the process that takes over from the thread (``_hand_over``), which it reaches
-        through ``theirs`` (the thread, through ``_successor``)."""
+    def _spawn(self, control_r: int, status_w: int) -> None:
+        """Start the process that takes over from the thread (``_hand_over``; a timer of the
+        loop). The thread reaches it through ``_successor``."""
+        if not self.listening or self._retired is not None or self._stop_requested:
+            self._handed.set()  # (stopping: not worth it)
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {
             "host": self.host,
             "handover": theirs.fileno(),
@@ -499,14 +503,21 @@ class StoreServer:
                 pass_fds=[boot_r, control_r, status_w, theirs.fileno()],
             )
         except OSError as exc:
-            # (the thread reads the end of ``_successor`` and serves on)
             log.warning("store server on port %d: cannot start a process of its own (%s): serving "
                         "from a thread of this process", self.port, exc)
+            ours.close()
+            self._handed.set()
+            return
         finally:
             os.close(boot_r)
             if boot_w >= 0:
                 os.close(boot_w)
             theirs.close()
+        ours.setblocking(False)
+        self._successor = ours
+        if self._ep is not None:
+            self._ep.register(ours.fileno(), select.EPOLLIN)
+            self._fdmap[ours.fileno()] = ours
 
     def _serve_and_close(self, control_r: int, parent_pid: int | None = None) -> None:
         try:
@@ -517,12 +528,13 @@ class StoreServer:
                 sock.close()
             if self._successor is not None:  # stopped before the process took over: it ends
                 self._abandon_successor(None)
+            self._handed.set()
 
     @property
     def pid(self) -> int | None:
         """The server's process id (``start("process")``) once it serves (this waits for the
         process to take over from the thread), else None."""
-        if self._proc is not None and not self._handed.is_set():
+        if self._thread is not None and not self._handed.is_set():
             self._handed.wait(_HANDOVER_WAIT)
         proc = self._proc
         return proc.pid if proc is not None and self._handed_over else None
@@ -651,9 +663,6 @@ class StoreServer:
         if control_fd is not None:
             ep.register(control_fd, select.EPOLLIN)
             self._fdmap[control_fd] = None
-        if self._successor is not None:
-            ep.register(self._successor.fileno(), select.EPOLLIN)
-            self._fdmap[self._successor.fileno()] = self._successor
         adopted, self._adopted = self._adopted, []
         for conn in adopted:
             if conn.closed:
@@ -695,7 +704,6 @@ class StoreServer:
         budget = _spin.Budget(spin)
         spinning = False  # polling for the next request since the last activity
         next_ppid_check = clock() + 1.0
-        successor = self._successor
         take_over = False  # the process that takes over from this thread is up
         try:
             while not self._stop_requested:
@@ -747,7 +755,7 @@ class StoreServer:
                                 self._stop_requested = True
                             elif command:
                                 self._command(command, now)
-                    elif data is successor:
+                    elif data is self._successor:
                         take_over = self._successor_up()
                     elif isinstance(data, socket.socket):
                         self._accept(data)
