@@ -675,6 +675,47 @@ def test_destroying_the_group_lets_go_of_torchs_store_at_once(between: str) -> N
     assert run_processes(_store_port_after_destroy, 2, free_port(), between, timeout=60) == [True, True]
 
 
+def _form_again(rank: int, n: int, port: int, where: str, rounds: int) -> list[Any]:
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: list[Any] = []
+    for it in range(rounds):
+        _init(rank, n, port)
+        t = torch.ones(2)
+        tdc.all_reduce(t)
+        out.append(t.tolist())
+        init_device_mesh("cpu", (2, n // 2))  # (groups of torch's making on it: a longer destroy)
+        tdc.barrier()
+        if it == 0 and rank == 0:
+            # rank 0 is late to destroy (as a rank doing more work may be): the others wait in
+            # their destroy while it still serves the store, so none is seen leaving it
+            # (else it would start the next group on this old server)
+            left = [os.path.join(where, f"left-{q}") for q in range(1, n)]
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not any(os.path.exists(f) for f in left):
+                time.sleep(0.01)
+            out.append([q for q, f in enumerate(left, 1) if os.path.exists(f)])
+        tdc.destroy_process_group()
+        if it == 0 and rank != 0:
+            open(os.path.join(where, f"left-{rank}"), "w").close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_forming_the_default_group_again_on_the_same_port(tmp_path: Any) -> None:
+    # (a rank through its destroy before rank 0 had let go of torch's store joined rank 0's old
+    # server when it formed the group again: it read the old group's keys and failed, or hung
+    # with rank 0 waiting for it on the new server; 1 run in 3 with a device mesh between, so
+    # the group is formed several times)
+    rounds = 6
+    results = run_processes(_form_again, 4, free_port(), str(tmp_path), rounds, timeout=100)
+    assert results[0][1] == []  # (no rank left its destroy while rank 0 still served the store)
+    for r in results:
+        assert [x for x in r if len(x) == 2] == [[4.0, 4.0]] * rounds
+
+
 def _ddp_peer_dies(rank: int, n: int, port: int, where: str) -> None:
     import time
 

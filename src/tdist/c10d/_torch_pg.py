@@ -26,9 +26,13 @@ work on that backend.
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import os
 import queue
+import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -57,6 +61,10 @@ _UNSET = timedelta(0)  # (torch's "no timeout given")
 _TorchWork: Any = _Work
 _TorchProcessGroup: Any = tdc.ProcessGroup
 _TorchStore: Any = tdc.Store  # type: ignore[attr-defined]
+_TorchPrefixStore: Any = tdc.PrefixStore  # type: ignore[attr-defined]
+_TorchTCPStore: Any = tdc.TCPStore  # type: ignore[attr-defined]
+
+log = logging.getLogger(__name__)
 
 
 class _Released:
@@ -110,6 +118,76 @@ class TorchStore(Store):
     def clone(self) -> Store:
         """A new connection to the same torch store (for a thread that blocks in ``wait``)."""
         return TorchStore(self._s.clone())
+
+
+class _ServerWatch:
+    """A connection of this rank's own to the server of torch's store (on rank 0), idle, kept
+    from the forming of torch's default group so as to see that server go: the server closes
+    it as it stops (torch's ``destroy_process_group`` lets go of the store on rank 0).
+
+    torch's ``init_process_group`` forms the group again on the same port with a new store
+    whose server is on rank 0 again; a rank that got there while rank 0 was still destroying
+    the old group joined the old server (torch's client takes whichever server answers),
+    read the old group's keys and failed, or hung with rank 0 waiting for it on the new one.
+    So a rank's destroy of the default group waits here until rank 0's server has gone
+    (``wait_gone``). Opened when the group is formed, not when it is destroyed: by then rank
+    0 may have formed the next group, whose server would answer. A plain socket: torch's own
+    client on a closed connection logs a warning with a C++ stack.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.address = f"{host}:{port}"
+        self._sock: socket.socket | None = socket.create_connection((host, port), timeout=5.0)
+
+    @classmethod
+    def open(cls, store: Any, rank: int) -> _ServerWatch | None:
+        """A watch on the server of ``store`` (torch's store of the default group being
+        formed, on rank ``rank``); ``None`` where there is nothing to watch: on rank 0, which
+        hosts the server; for a store that is not a ``TCPStore``; when torchelastic's agent
+        hosts it (it outlives the group); or if it cannot be reached."""
+        if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return None
+        base = store
+        while isinstance(base, _TorchPrefixStore):
+            base = base.underlying_store
+        if not isinstance(base, _TorchTCPStore):
+            return None
+        try:
+            return cls(base.host, base.port)
+        except OSError:
+            return None
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Wait until the server has closed this connection (it stopped), at most ``timeout``
+        seconds. Returns whether it has; the connection is closed either way."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return True
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                sock.settimeout(left)
+                if not sock.recv(64):  # (the server never writes to a client that said nothing)
+                    return True
+        except TimeoutError:
+            return False
+        except OSError:  # (reset: gone as well)
+            return True
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+# how long a rank's destroy of torch's default group waits for rank 0's store server to go
+_SERVER_GONE_WAIT = 10.0
 
 
 class StoreForTorch(_TorchStore):  # type: ignore[misc]
@@ -446,13 +524,21 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         # the adapters of torch's store made for this group (its backend's, tdist's handles'):
         # released when torch destroys the group (``TorchStore.release``)
         self._adapters: list[TorchStore] = []
+        self._watch: _ServerWatch | None = None
         if backend is None:
             # (imported here: registering the backend costs no transport import)
             from ._tcp_backend import ProcessGroupTCP
 
+            if not tdc.is_initialized():  # (torch's default group; before the mesh: see _ServerWatch)
+                self._watch = _ServerWatch.open(store, rank)
             adapter = TorchStore(store)
             self._adapters.append(adapter)
-            backend = ProcessGroupTCP(adapter, rank, size, timeout)
+            try:
+                backend = ProcessGroupTCP(adapter, rank, size, timeout)
+            except BaseException:
+                if self._watch is not None:
+                    self._watch.close()
+                raise
             rec = backend.flight_recorder
             if rec is not None:  # (the members' global ranks: torch knows them once it has the group)
                 me = weakref.ref(self)
@@ -641,6 +727,25 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
             self._torch_store = None  # (see ``TorchStore.release``)
             for adapter in self._adapters:
                 adapter.release()
+            self._wait_for_store_server()
+
+    def _wait_for_store_server(self) -> None:
+        """On a rank but 0, the default group's destroy returns once rank 0's server of torch's
+        store has gone (see ``_ServerWatch``), or after ``_SERVER_GONE_WAIT`` seconds. Not for a
+        store the program gave (``init_process_group(store=...)``): the program keeps it."""
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return
+        if tdc.distributed_c10d._default_pg_init_method is None:  # (store=...: not torch's to let go)
+            watch.close()
+            return
+        if not watch.wait_gone(_SERVER_GONE_WAIT):
+            log.warning(
+                "rank %d: rank 0 still serves torch's store at %s %g s after this rank destroyed "
+                "the default group (has rank 0 destroyed it?); a group formed again on that port "
+                "before it does may find the old group's keys",
+                self.rank(), watch.address, _SERVER_GONE_WAIT,
+            )
 
     def abort(self) -> None:
         self._b.abort()
