@@ -740,7 +740,9 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
             watch.close()
             return
         if not watch.wait_gone(_SERVER_GONE_WAIT):
-            log.warning(
+            # (info: a program whose rank 0 works on before it destroys its group is common,
+            # one that forms the group again on the same port rare)
+            log.info(
                 "rank %d: rank 0 still serves torch's store at %s %g s after this rank destroyed "
                 "the default group (has rank 0 destroyed it?); a group formed again on that port "
                 "before it does may find the old group's keys",

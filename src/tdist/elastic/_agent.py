@@ -1398,8 +1398,8 @@ class LocalAgent:
     def _sleep(self, workers: list[_Worker], timeout: float | None) -> None:
         """Block until a worker exits, a signal arrives, or ``timeout`` seconds pass."""
         fds = [self._wake_r]
+        polling = not self._store_pidfds()
         fds += [pidfd for server, pidfd in self._watched if pidfd is not None and server.exit_status() is None]
-        polling = False
         for w in workers:
             if w.exit is None:
                 if w.pidfd is not None:
@@ -1539,12 +1539,30 @@ class LocalAgent:
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
 
     def _watch_store(self, server: StoreServer) -> None:
-        """Watch a store server this node started (its death ends the job)."""
-        pidfd = None
-        if server.pid is not None:
-            with contextlib.suppress(AttributeError, OSError):  # (old kernel: checked each wake-up)
-                pidfd = os.pidfd_open(server.pid)
-        self._watched.append((server, pidfd))
+        """Watch a store server this node started (its death ends the job). Its process serves
+        from a moment after its start (a thread of ours serves until then): its pidfd is taken
+        then (``_store_pidfds``)."""
+        self._watched.append((server, None))
+        self._store_pidfds()
+
+    def _store_pidfds(self) -> bool:
+        """Take the pidfds of the watched store servers whose own process serves by now;
+        whether every one is watched so (else their state is looked at each wake-up)."""
+        complete = True
+        for i, (server, pidfd) in enumerate(self._watched):
+            if pidfd is not None or server.exit_status() is not None:
+                continue
+            if server.handover_pending:
+                complete = False
+                continue
+            pid = server.pid
+            if pid is None:  # (served from a thread of this process: it ends with us)
+                continue
+            try:
+                self._watched[i] = (server, os.pidfd_open(pid))
+            except (AttributeError, OSError):  # (old kernel: checked each wake-up)
+                complete = False
+        return complete
 
     def _unwatch_store(self, server: StoreServer) -> None:
         """Stop watching ``server`` (before stopping it)."""

@@ -539,6 +539,13 @@ class StoreServer:
         proc = self._proc
         return proc.pid if proc is not None and self._handed_over else None
 
+    @property
+    def handover_pending(self) -> bool:
+        """Whether its own process may still take over from the thread that serves
+        (``start("process")``); once not, ``pid`` is known without waiting (None: the thread
+        serves on)."""
+        return self._thread is not None and not self._handed.is_set()
+
     def exit_status(self) -> int | None:
         """The server process's exit status (negative: killed by that signal) once it has
         exited; None while it serves, or when it serves in a thread."""
