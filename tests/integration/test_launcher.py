@@ -903,8 +903,7 @@ def test_kill_9_of_the_job_store_ends_the_job_with_a_message(work: Path) -> None
     proc = start_hanging(work, 2)
     worker_pids = pids(work, 2)
     try:
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            store_pid = next(int(p) for p in f.read().split() if int(p) not in worker_pids)
+        store_pid = _job_store_pid(proc.pid)
         os.kill(store_pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=15)
         assert proc.returncode == 1, err
@@ -929,6 +928,24 @@ def _descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def _job_store_pid(launcher: int) -> int:
+    """The process of the job's store server, once it serves: the launcher's child that runs
+    the server and holds the job's listening sockets (a thread of the launcher serves until that
+    process has taken over, a moment after the launcher's start)."""
+    from .._sync import wait_until
+
+    def serving() -> int | None:
+        listening = set(_listening_sockets())
+        for pid in _descendants(launcher):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"_serve_spawned" in f.read() and _socket_inodes([pid]) & listening:
+                    return pid
+        return None
+
+    pid: int = wait_until(serving, 10, "the job's store server process serves")
+    return pid
 
 
 def _listening_sockets() -> dict[int, int]:
@@ -964,9 +981,9 @@ def test_kill_9_of_any_process_of_a_job_leaves_nothing_behind(work: Path, victim
     shm_before = set(os.listdir("/dev/shm"))
     proc = start_hanging(work, 2, "group")
     try:
-        job = _descendants(proc.pid)
         worker_pids = pids(work, 2)
-        store_pid = next(p for p in job if p not in worker_pids)
+        store_pid = _job_store_pid(proc.pid)
+        job = _descendants(proc.pid)
         # (the job's own listening sockets, by inode: other jobs on this host may listen too)
         job_sockets = set(_listening_sockets()) & _socket_inodes([proc.pid, *job])
         assert job_sockets, "the job listens on nothing?"
