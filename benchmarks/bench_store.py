@@ -10,7 +10,9 @@ each round. Clients are separate processes (forked); the server lives in the ben
 (torch: its server thread; tdist: the child process TCPStore starts). The "master's own client"
 rows (clients 0) time the master store object itself in the benchmark process, as rank 0 uses
 its group's store (tdist: its server in a thread of the process, as ``init_process_group`` and
-``init_rpc`` start theirs).
+``init_rpc`` start theirs). "create" times ``TCPStore(host, 0, is_master=True)`` itself (and its
+first request), a master closed between two. The other rows start timing once tdist's server
+runs in its own process (a thread of the master serves its first moments: ``StoreServer.start``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,28 @@ from tdist.testing import free_port
 IMPLS = ("torch", "tdist")
 
 
-def make_master(impl: str, port: int) -> Any:
+def make_master(impl: str, port: int, settled: bool = True) -> Any:
     if impl == "torch":
         return tdc.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
-    return tdist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
+    master = tdist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
+    if settled and master._server is not None:
+        master._server.pid  # noqa: B018 (waits until its own process serves)
+    return master
+
+
+def measure_create(impl: str, n: int) -> float:
+    """p50 us of making a master and its first request (a ``set``, then a ``get``)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        master = make_master(impl, 0, settled=False)
+        master.set("k", "v")
+        master.get("k")
+        times.append(time.perf_counter() - t0)
+        if hasattr(master, "close"):
+            master.close()
+        del master
+    return median(times) * 1e6
 
 
 def make_client(impl: str, port: int) -> Any:
@@ -108,6 +128,8 @@ def client_main(impl: str, port: int, op: str, n: int, me: int, start: Any, out:
 def measure(impl: str, op: str, clients: int, n: int, busy: bool = False) -> float:
     """ops/s aggregate (throughput ops) or median latency in us (wait / get_lat); ``clients``
     0: the master's own client (``measure_own``)."""
+    if op == "create":
+        return measure_create(impl, min(n, 30))
     if clients == 0:
         return measure_own(impl, op, n)
     ctx = mp.get_context("fork")
@@ -232,6 +254,7 @@ def run(args: argparse.Namespace) -> None:
         ("get", 0, "ops/s", False, 1.0),
         ("add", 0, "ops/s", False, 1.0),
         ("check", 0, "ops/s", False, 1.0),
+        ("create", 0, "p50 us", False, 1.0),
     ]
     if args.only:
         wanted = set(args.only.split(","))
@@ -253,8 +276,10 @@ def run(args: argparse.Namespace) -> None:
         name = {"get_lat": "get latency", "wait": "wait (present key)"}.get(op, op)
         if busy:
             name += " (host busy)"
-        if clients == 0:
+        if clients == 0 and op != "create":
             name += " (master's own client)"
+        if op == "create":
+            name = "create a master (+ set, get)"
         verdict = "ok" if ratio >= target else "BELOW"
         rows.append([name, clients, unit, t, o, f"{ratio:.2f}x", f">={target}x", verdict])
     print()
