@@ -943,3 +943,22 @@ def test_misconfigured_ranks_fail_at_the_rendezvous_naming_the_problem(ranks: li
     for text, took in results:
         assert words in text, results
         assert took < 20, results
+
+
+def test_a_timed_out_all_to_all_single_is_named_so() -> None:
+    gone = threading.Event()
+
+    def body(rank: int, ws: int) -> str:
+        if rank == 1:  # (never comes: rank 0 times out)
+            assert gone.wait(30)
+            return ""
+        try:
+            dist.all_to_all_single(torch.zeros(2), torch.ones(2))
+        except Exception as exc:
+            return str(exc)
+        finally:
+            gone.set()
+        return "no error"
+
+    message = spmd(body, 2, pg_timeout=timedelta(seconds=1))[0]
+    assert message.splitlines()[0].startswith("rank 0: all_to_all_single "), message

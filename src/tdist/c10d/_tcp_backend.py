@@ -1201,7 +1201,7 @@ class ProcessGroupTCP(Backend):
     def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor], deadline: float, what: str) -> None:
         tag = self._next_tag()
         if self._arena is not None:
-            self._arena.all_to_all(outs, ins, timeout=self._left(deadline))
+            self._arena.all_to_all(outs, ins, timeout=self._left(deadline), op=what)
             return
         meta = self._fingerprint(what, ins[0].dtype if ins else None)
         flats = [_Flat(t) for t in outs]

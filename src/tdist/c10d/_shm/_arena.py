@@ -754,22 +754,24 @@ class ShmArena(ArenaCore):
         inputs: Sequence[torch.Tensor],
         *,
         timeout: float | timedelta | None = None,
+        op: str = "all_to_all",
     ) -> None:
         """Send ``inputs[q]`` to rank ``q``, which receives it in its ``outputs[rank]``.
 
         Sizes may differ per pair: ``outputs[q]`` must have as many elements as rank ``q``'s
-        ``inputs[rank]`` (checked across ranks).
+        ``inputs[rank]`` (checked across ranks). ``op``: the operation's name in errors
+        (``all_to_all_single`` comes here too).
 
         Raises:
             ValueError: lists of the wrong length or mixed dtypes.
             CollectiveMismatchError, PeerError, DistTimeoutError: as ``all_reduce``.
         """
-        self._check_list(outputs, "all_to_all", "outputs")
-        self._check_list(inputs, "all_to_all", "inputs")
+        self._check_list(outputs, op, "outputs")
+        self._check_list(inputs, op, "inputs")
         dtype = inputs[0].dtype
-        self._check_dtypes(inputs, dtype, "all_to_all")
-        self._check_dtypes(outputs, dtype, "all_to_all")
-        deadline = self._enter("all_to_all", timeout)
+        self._check_dtypes(inputs, dtype, op)
+        self._check_dtypes(outputs, dtype, op)
+        deadline = self._enter(op, timeout)
         try:
             with self._mode((*outputs, *inputs)):
                 self._all_to_all(outputs, inputs, deadline)
