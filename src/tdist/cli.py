@@ -406,7 +406,7 @@ def _of_job(ns: argparse.Namespace) -> int:
 def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
     from .elastic import LaunchConfig, LocalAgent
-    from .elastic._policy import rdzv_settings
+    from .elastic._policy import omp_threads_notice, rdzv_settings
     from .elastic.rendezvous import parse_rendezvous_endpoint
 
     master_addr, master_port, run_id = ns.master_addr, ns.master_port, ns.run_id
@@ -479,6 +479,9 @@ def _run(ns: argparse.Namespace) -> int:
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 2
+    notice = omp_threads_notice(os.environ, config.nproc_per_node)
+    if notice is not None:  # (as torchrun's warning, once; the workers get it in worker_env)
+        print(f"[tdist run] {notice}", file=sys.stderr, flush=True)
     try:
         agent = LocalAgent(config)
         code = agent.run()

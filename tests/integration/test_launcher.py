@@ -275,6 +275,8 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     # the launcher itself never loads torch (two seconds of start-up saved at every run)
     assert (work / "launcher_has_torch0").read_text() == "False"
     assert "[rank1]:err from 1" in res.stderr.splitlines()
+    # torchrun's warning when it gives several workers OMP_NUM_THREADS=1, said once
+    assert res.stderr.count("OMP_NUM_THREADS is not set: each of the 2 workers gets OMP_NUM_THREADS=1") == 1
 
 
 def test_local_ranks_filter_and_role(work: Path) -> None:
@@ -295,7 +297,7 @@ def test_torchrun_spellings_and_given_secret(work: Path) -> None:
     assert res.returncode == 0, res.stderr
     env = json.loads((work / "env0.json").read_text())
     assert env["TDIST_SECRET"] == "given"
-    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["OMP_NUM_THREADS"] == "3" and "OMP_NUM_THREADS is not set" not in res.stderr
     assert env["MASTER_ADDR"] == "localhost"
     assert env["TORCHELASTIC_RUN_ID"] == "none"
 
