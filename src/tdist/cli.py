@@ -38,9 +38,11 @@ def _opt(*names: str) -> list[str]:
 
 
 def _nproc(value: str) -> int:
-    if value in ("cpu", "auto"):
+    if value == "cpu":
         return os.cpu_count() or 1
-    if value in ("gpu", "xpu"):  # (one worker per device, as torchrun's; only then is torch imported)
+    if value == "auto":  # (as torchrun's: a worker per accelerator where there is one, else per CPU)
+        return _accelerators() or os.cpu_count() or 1
+    if value in ("gpu", "xpu"):  # (one worker per device, as torchrun's; only then, and for auto, is torch imported)
         import torch
 
         device = torch.cuda if value == "gpu" else torch.xpu
@@ -56,6 +58,20 @@ def _nproc(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def _accelerators() -> int:
+    """How many devices torch's current accelerator (CUDA, XPU, ...) has: 0 without one, or
+    without torch. Imports torch, which only ``--nproc-per-node auto``/``gpu``/``xpu`` make the
+    launcher do."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return 0
+    return int(accelerator.device_count())
 
 
 def _nnodes(value: str) -> tuple[int, int]:
@@ -180,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "worker when one fails and exit with its exit code.",
     )
     run.add_argument(*_opt("--nproc-per-node"), type=_nproc, default=1, metavar="N",
-                     help="workers on this node: a number, 'cpu' or 'auto' (default: 1)")
+                     help="workers on this node: a number, 'cpu', 'gpu', 'xpu' or 'auto' (a worker per "
+                     "accelerator device where torch sees one, else per CPU) (default: 1)")
     run.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="N",
                      help="nodes in the job, or MIN:MAX for an elastic range (c10d or etcd rendezvous: "
                      "nodes that come later join while there is room) (default: 1)")

@@ -107,8 +107,9 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
 
 
 def determine_local_world_size(nproc_per_node: str) -> int:
-    """torchrun's ``--nproc-per-node``: a number, ``cpu`` or ``auto`` (a worker per CPU
-    here), ``gpu`` or ``xpu`` (a worker per device).
+    """torchrun's ``--nproc-per-node``: a number, ``cpu`` (a worker per CPU), ``gpu`` or
+    ``xpu`` (a worker per device), or ``auto`` (a worker per device of torch's accelerator
+    where there is one, else per CPU).
 
     Raises:
         ValueError: an unknown value, or no such device (torch's messages).
