@@ -38,9 +38,11 @@ def _opt(*names: str) -> list[str]:
 
 
 def _nproc(value: str) -> int:
-    if value in ("cpu", "auto"):
+    if value == "cpu":
         return os.cpu_count() or 1
-    if value in ("gpu", "xpu"):  # (one worker per device, as torchrun's; only then is torch imported)
+    if value == "auto":  # (as torchrun's: a worker per accelerator where there is one, else per CPU)
+        return _accelerators() or os.cpu_count() or 1
+    if value in ("gpu", "xpu"):  # (one worker per device, as torchrun's; only then, and for auto, is torch imported)
         import torch
 
         device = torch.cuda if value == "gpu" else torch.xpu
@@ -56,6 +58,20 @@ def _nproc(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def _accelerators() -> int:
+    """How many devices torch's current accelerator (CUDA, XPU, ...) has: 0 without one, or
+    without torch. Imports torch, which only ``--nproc-per-node auto``/``gpu``/``xpu`` make the
+    launcher do."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return 0
+    return int(accelerator.device_count())
 
 
 def _nnodes(value: str) -> tuple[int, int]:
@@ -180,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "worker when one fails and exit with its exit code.",
     )
     run.add_argument(*_opt("--nproc-per-node"), type=_nproc, default=1, metavar="N",
-                     help="workers on this node: a number, 'cpu' or 'auto' (default: 1)")
+                     help="workers on this node: a number, 'cpu', 'gpu', 'xpu' or 'auto' (a worker per "
+                     "accelerator device where torch sees one, else per CPU) (default: 1)")
     run.add_argument("--nnodes", type=_nnodes, default=(1, 1), metavar="N",
                      help="nodes in the job, or MIN:MAX for an elastic range (c10d or etcd rendezvous: "
                      "nodes that come later join while there is room) (default: 1)")
@@ -406,7 +423,7 @@ def _of_job(ns: argparse.Namespace) -> int:
 def _run(ns: argparse.Namespace) -> int:
     from ._core.errors import DistError
     from .elastic import LaunchConfig, LocalAgent
-    from .elastic._policy import rdzv_settings
+    from .elastic._policy import omp_threads_notice, rdzv_settings
     from .elastic.rendezvous import parse_rendezvous_endpoint
 
     master_addr, master_port, run_id = ns.master_addr, ns.master_port, ns.run_id
@@ -479,6 +496,9 @@ def _run(ns: argparse.Namespace) -> int:
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"tdist run: error: {exc}", file=sys.stderr)
         return 2
+    notice = omp_threads_notice(os.environ, config.nproc_per_node)
+    if notice is not None:  # (as torchrun's warning, once; the workers get it in worker_env)
+        print(f"[tdist run] {notice}", file=sys.stderr, flush=True)
     try:
         agent = LocalAgent(config)
         code = agent.run()

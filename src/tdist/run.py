@@ -16,6 +16,7 @@ the command to run, ``run(args)`` runs it with ``elastic_launch`` (raising torch
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import runpy
 import sys
@@ -36,6 +37,8 @@ __all__ = [
     "run",
     "run_script_path",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -104,8 +107,9 @@ def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
 
 
 def determine_local_world_size(nproc_per_node: str) -> int:
-    """torchrun's ``--nproc-per-node``: a number, ``cpu`` or ``auto`` (a worker per CPU
-    here), ``gpu`` or ``xpu`` (a worker per device).
+    """torchrun's ``--nproc-per-node``: a number, ``cpu`` (a worker per CPU), ``gpu`` or
+    ``xpu`` (a worker per device), or ``auto`` (a worker per device of torch's accelerator
+    where there is one, else per CPU).
 
     Raises:
         ValueError: an unknown value, or no such device (torch's messages).
@@ -159,11 +163,15 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Callable[..., Any] 
     Raises:
         ValueError: options the launcher cannot run.
     """
-    from .elastic._policy import LOCAL_RANK_MACRO, parse_std
+    from .elastic._policy import LOCAL_RANK_MACRO, omp_threads_notice, parse_std
     from .launcher.api import LaunchConfig
 
     min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     nproc_per_node = determine_local_world_size(str(args.nproc_per_node))  # (ValueError, torch's type)
+    notice = omp_threads_notice(os.environ, nproc_per_node)
+    if notice is not None:  # (as torchrun's: said once, and set here for whatever the caller starts)
+        log.warning("%s", notice)
+        os.environ["OMP_NUM_THREADS"] = "1"
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:  # (as torchrun's: one node, a rendezvous of its own on a free port)
         backend, endpoint, run_id = "c10d", "localhost:0", str(uuid.uuid4())

@@ -275,6 +275,58 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     # the launcher itself never loads torch (two seconds of start-up saved at every run)
     assert (work / "launcher_has_torch0").read_text() == "False"
     assert "[rank1]:err from 1" in res.stderr.splitlines()
+    # torchrun's warning when it gives several workers OMP_NUM_THREADS=1, said once
+    assert res.stderr.count("OMP_NUM_THREADS is not set: each of the 2 workers gets OMP_NUM_THREADS=1") == 1
+
+
+PROMPT = textwrap.dedent(
+    """
+    import os, sys, time
+    out = os.environ["TEST_OUT"]
+    def wait_for(name):  # (the test's marks; 20 s at most)
+        end = time.monotonic() + 20
+        while not os.path.exists(os.path.join(out, name)) and time.monotonic() < end:
+            time.sleep(0.01)
+    if os.environ["RANK"] == "0":  # an incomplete line that waits: a progress bar, a prompt
+        sys.stdout.write("loading\\rstep 1"); sys.stdout.flush()
+        wait_for("go0")
+        sys.stdout.write("\\n"); sys.stdout.write("done\\n")
+    else:  # a line of another rank while rank 0's is open on the console
+        wait_for("go1")
+        print("line from 1", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_an_incomplete_line_is_shown_while_it_waits(work: Path) -> None:
+    # (torchrun's workers write to its console directly: pdb's "(Pdb) " prompt, input()'s, and a
+    # progress bar that redraws its line with carriage returns show at once; so here, prefixed)
+    (work / "prompt.py").write_text(PROMPT)
+    proc = subprocess.Popen(tdist_cmd("run", "--nproc-per-node", "2", "--quiet", "prompt.py"), cwd=work,
+                            env=launcher_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        seen, deadline = b"", time.monotonic() + 20
+
+        def read_until(text: bytes) -> bytes:
+            nonlocal seen
+            while text not in seen and time.monotonic() < deadline:
+                if select.select([proc.stdout], [], [], 0.2)[0]:
+                    seen += os.read(proc.stdout.fileno(), 4096)
+            return seen
+
+        assert read_until(b"step 1") == b"[rank0]:loading\r[rank0]:step 1"  # (before the line's end)
+        (work / "go1").touch()
+        read_until(b"line from 1\n")
+        (work / "go0").touch()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(OSError):
+            proc.kill()
+    assert proc.returncode == 0, err
+    # another rank's line ends the open one; its end, said already, adds no empty line
+    assert seen + out == b"[rank0]:loading\r[rank0]:step 1\n[rank1]:line from 1\n[rank0]:done\n"
 
 
 def test_local_ranks_filter_and_role(work: Path) -> None:
@@ -295,7 +347,7 @@ def test_torchrun_spellings_and_given_secret(work: Path) -> None:
     assert res.returncode == 0, res.stderr
     env = json.loads((work / "env0.json").read_text())
     assert env["TDIST_SECRET"] == "given"
-    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["OMP_NUM_THREADS"] == "3" and "OMP_NUM_THREADS is not set" not in res.stderr
     assert env["MASTER_ADDR"] == "localhost"
     assert env["TORCHELASTIC_RUN_ID"] == "none"
 

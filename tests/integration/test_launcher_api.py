@@ -91,6 +91,38 @@ def test_the_log_line_prefix_template_comes_from_torchruns_variable(monkeypatch:
     assert config.log_line_prefix_template == "[${role_name}-${rank}]"
 
 
+def test_config_from_args_gives_several_workers_one_omp_thread_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # (as torchrun's: the launcher's own environment, which every worker inherits, with a warning)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # (so that the test's end restores the original)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    tdist_run.config_from_args(tdist_run.parse_args(["--nproc-per-node", "1", "x.py"]))
+    assert "OMP_NUM_THREADS" not in os.environ and not caplog.records
+    with caplog.at_level("WARNING", logger="tdist.run"):
+        tdist_run.config_from_args(tdist_run.parse_args(["--nproc-per-node", "2", "x.py"]))
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert [r.getMessage()[:33] for r in caplog.records] == ["OMP_NUM_THREADS is not set: each "]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    caplog.clear()
+    tdist_run.config_from_args(tdist_run.parse_args(["--nproc-per-node", "2", "x.py"]))
+    assert os.environ["OMP_NUM_THREADS"] == "4" and not caplog.records
+
+
+def test_nproc_per_node_auto_is_a_worker_per_accelerator_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from tdist.cli import build_parser
+
+    assert tdist_run.determine_local_world_size("auto") == (os.cpu_count() or 1)  # (no accelerator here)
+    # (as torchrun's: torch's current accelerator's devices, where it has one)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 3)
+    assert tdist_run.determine_local_world_size("auto") == 3
+    assert build_parser().parse_args(["run", "--nproc-per-node", "auto", "x.py"]).nproc_per_node == 3
+    assert tdist_run.determine_local_world_size("cpu") == (os.cpu_count() or 1)
+
+
 def test_torchruns_helpers() -> None:
     # (torch.distributed.run's functions that wrappers call, with torch's results and errors)
     assert tdist_run.parse_min_max_nnodes("2") == (2, 2) and tdist_run.parse_min_max_nnodes("1:4") == (1, 4)

@@ -281,7 +281,7 @@ class LocalAgent:
         self._env = dict(os.environ if env is None else env)
         self._clock = clock
         self._handle_signals = handle_signals
-        self._write_lock = threading.Lock()
+        self._write_lock = threading.RLock()  # (_write_piece holds it around _write)
         # the attempt's filtered_stdout.log/filtered_stderr.log (--duplicate-std*-filters)
         self._filtered: dict[Std, BinaryIO] = {}
         self._signum: int | None = None
@@ -306,6 +306,10 @@ class LocalAgent:
         # the live status line, at the bottom of the terminal (all under _write_lock)
         self._status = not config.quiet and _is_terminal(self._out) and self._env.get("TERM") != "dumb"
         self._status_shown = False  # drawn, and no output since
+        # the worker stream whose incomplete line (a prompt, a progress bar) ends the console's
+        # output, and where; the streams whose shown start of a line another's output cut off
+        self._open_line: tuple[tuple[int, Std], BinaryIO] | None = None
+        self._cut_lines: set[tuple[int, Std]] = set()
         self._status_paused = True  # not drawn (no group running, or it is being stopped)
         self._status_counts = (0, 0, 0)  # running, finished, failed
         self._status_restarts = 0
@@ -1232,7 +1236,18 @@ class LocalAgent:
         in ``tails``; a line that holds one of ``filters`` goes, prefixed, to the attempt's
         ``filtered_<stream>.log`` too."""
 
+        key, on_console = (rank, std), 0  # (bytes of the line coming that the console has: on_partial's)
+
+        def on_partial(pending: bytes) -> None:  # (a line's start that waits: a prompt, a progress bar)
+            nonlocal on_console
+            if out is not None and len(pending) > on_console:
+                # (a line that says its rank already is not prefixed twice: see on_line)
+                first = on_console == 0 and not pending.startswith(prefix)
+                self._write_piece(out, key, prefix, pending[on_console:], first=first)
+                on_console = len(pending)
+
         def on_line(line: bytes) -> None:
+            nonlocal on_console
             if not line.endswith(b"\n"):
                 line += b"\n"
             text = line.decode(errors="replace")
@@ -1242,14 +1257,17 @@ class LocalAgent:
             if self._status and std is Std.OUT:  # (a worker's last line: its progress, on the status line)
                 shown = _ANSI.sub("", text.rstrip("\r\n").rsplit("\r", 1)[-1]).strip()
                 progress = f"rank{rank}: {shown}" if shown else None
-            if out is not None or progress is not None:
+            if on_console and out is not None:  # (its start is on the console: the rest)
+                self._write_piece(out, key, prefix, line[on_console:], first=False, progress=progress)
+            elif out is not None or progress is not None:
                 # (a line that says its rank already, as torch's own traceback hook prefixes
                 # an uncaught exception's lines, is not prefixed twice)
                 self._write(out, line if line.startswith(prefix) else prefix + line, progress)
+            on_console = 0
             if filters and any(needle in text for needle in filters):
                 self._write_filtered(std, line if line.startswith(prefix) else prefix + line)
 
-        copy_lines(stream, file, on_line)
+        copy_lines(stream, file, on_line, on_partial)
 
     def _write_filtered(self, std: Std, data: bytes) -> None:
         """Append ``data`` to the attempt's ``filtered_<stream>.log`` of ``std``, if it is open."""
@@ -1259,23 +1277,60 @@ class LocalAgent:
                 with contextlib.suppress(OSError):
                     f.write(data)
 
-    def _write(self, out: BinaryIO | None, data: bytes, progress: str | None = None) -> None:
+    def _write_piece(
+        self, out: BinaryIO, key: tuple[int, Std], prefix: bytes, piece: bytes, first: bool, progress: str | None = None
+    ) -> None:
+        """Write a piece of worker stream ``key``'s line to ``out``: its start (``first``), more
+        of it, or its end (``piece`` ends with a newline). Prefixed where it starts the line on
+        the console: its start, a piece after another stream's output cut the line off, and
+        what follows a carriage return (a progress bar redrawing its line keeps its prefix)."""
+        with self._write_lock:
+            if key in self._cut_lines:
+                self._cut_lines.discard(key)
+                if piece == b"\n":  # (the end of a line cut off: said already)
+                    return
+                first = True
+            body = piece.replace(b"\r", b"\r" + prefix)
+            body = body.replace(b"\r" + prefix + b"\n", b"\r\n")  # (a CRLF line end)
+            self._write(out, prefix + body if first else body, progress, key, left_open=not piece.endswith(b"\n"))
+
+    def _write(
+        self,
+        out: BinaryIO | None,
+        data: bytes,
+        progress: str | None = None,
+        writer: tuple[int, Std] | None = None,
+        left_open: bool = False,
+    ) -> None:
         """Write ``data`` to ``out`` (None: nowhere), under the status line: it is erased first
         and drawn again after (when it was not drawn in the last ``_STATUS_GAP`` seconds; the
-        monitor loop's next tick draws it otherwise). ``progress``: a worker's new last line."""
+        monitor loop's next tick draws it otherwise). ``progress``: a worker's new last line.
+        ``writer``: the worker stream ``data`` is of, when it goes on an incomplete line of its
+        own, and ``left_open``: ``data`` leaves the line incomplete, open on the console (no status
+        line under it) until its stream goes on; other output ends it with a newline first."""
         with self._write_lock:
             try:
                 if progress is not None:
                     self._progress = progress
                 if out is None:
                     return
+                if self._open_line is not None and self._open_line[0] != writer:
+                    key, where = self._open_line
+                    self._open_line = None
+                    self._cut_lines.add(key)
+                    where.write(b"\n")
+                    where.flush()
+                elif self._open_line is not None:  # (the same line goes on)
+                    self._open_line = None
                 if self._status_shown:
                     self._out.write(_ERASE_LINE)
                     self._out.flush()
                     self._status_shown = False
                 out.write(data)
                 out.flush()
-                if self._status and self._clock() - self._status_drawn_at >= _STATUS_GAP:
+                if left_open and writer is not None:
+                    self._open_line = (writer, out)
+                elif self._status and self._clock() - self._status_drawn_at >= _STATUS_GAP:
                     self._draw_status()
             except (OSError, ValueError):  # our own output is gone (closed pipe): keep running
                 pass
@@ -1336,8 +1391,9 @@ class LocalAgent:
                 self._draw_status()
 
     def _draw_status(self) -> None:
-        """Draw the status line in place of the one shown (``_write_lock`` held)."""
-        if not self._status or self._status_paused:
+        """Draw the status line in place of the one shown (``_write_lock`` held); not under a
+        worker's incomplete line (a prompt), which it would erase."""
+        if not self._status or self._status_paused or self._open_line is not None:
             return
         try:
             width = os.get_terminal_size(self._out.fileno()).columns or 80

@@ -525,6 +525,20 @@ def worker_env(
     return env
 
 
+def omp_threads_notice(environ: Mapping[str, str], nproc_per_node: int) -> str | None:
+    """What the launcher says when it gives each worker ``OMP_NUM_THREADS=1`` (``worker_env``
+    does, as torchrun's does, when several workers share the node and the variable is unset),
+    or ``None`` when it does not: torchrun warns once, at the start, so that a slower program
+    is not a mystery."""
+    if "OMP_NUM_THREADS" in environ or nproc_per_node <= 1:
+        return None
+    return (
+        f"OMP_NUM_THREADS is not set: each of the {nproc_per_node} workers gets OMP_NUM_THREADS=1 "
+        "(torchrun's default), so that they do not oversubscribe the host's cores; set it to "
+        "tune the threads per worker"
+    )
+
+
 # -- what happened -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkerExit:

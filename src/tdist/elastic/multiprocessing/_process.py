@@ -44,6 +44,7 @@ __all__ = ["copy_lines", "drain", "open_pidfd", "signal_session", "start_process
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 16  # the longest line copied at once (a longer one goes in pieces)
+_PARTIAL_WAIT = 0.05  # seconds of quiet after which an incomplete line is shown (a prompt, a progress bar)
 _POLL_FALLBACK = 0.05  # seconds between checks of a child without a pidfd (an old kernel)
 _START_TIMEOUT = 60.0  # the most seconds the spawner thread may take to start a child
 _KILL_WAIT = 10.0  # the most seconds to wait for children to go after SIGKILL
@@ -232,27 +233,61 @@ def stop_processes(
     return stuck
 
 
-def copy_lines(stream: IO[bytes], file: IO[bytes] | None, on_line: Callable[[bytes], None] | None) -> None:
+def copy_lines(
+    stream: IO[bytes],
+    file: IO[bytes] | None,
+    on_line: Callable[[bytes], None] | None,
+    on_partial: Callable[[bytes], None] | None = None,
+) -> None:
     """Copy ``stream`` line by line until its end: to ``file`` as it is (a file that fails, a
     full disk, is given up with a warning) and to ``on_line``. Closes ``stream`` and ``file``.
-    A thread's body: errors reading the stream end the copy quietly."""
+    A thread's body: errors reading the stream end the copy quietly.
+
+    ``on_partial`` (optional) is given the start of a line that is not complete yet when
+    nothing more came for ``_PARTIAL_WAIT`` seconds: a prompt that waits for input (``pdb``'s
+    ``(Pdb) ``, ``input()``'s), a progress bar redrawn with carriage returns. It gets the whole
+    line so far each time (the line still goes to ``on_line`` and ``file`` once complete)."""
     try:
+        if on_partial is None:
+            while True:
+                line = stream.readline(_READ_CHUNK)
+                if not line:
+                    break
+                file = _copy_line(line, file, on_line)
+            return
+        fd, pending = stream.fileno(), b""
         while True:
-            line = stream.readline(_READ_CHUNK)
-            if not line:
+            chunk = os.read(fd, _READ_CHUNK)
+            if not chunk:
                 break
-            if file is not None:
-                try:
-                    file.write(line)
-                except OSError as exc:
-                    log.warning("cannot write a process's log file %s: %s", getattr(file, "name", "?"), exc)
-                    file.close()
-                    file = None
-            if on_line is not None:
-                on_line(line)
+            pending += chunk
+            start = 0
+            while (end := pending.find(b"\n", start)) >= 0 or len(pending) - start >= _READ_CHUNK:
+                end = end + 1 if end >= 0 else start + _READ_CHUNK  # (a longer line goes in pieces)
+                file = _copy_line(pending[start:end], file, on_line)
+                start = end
+            pending = pending[start:]
+            if pending and not select.select([fd], [], [], _PARTIAL_WAIT)[0]:
+                on_partial(pending)
+        if pending:
+            file = _copy_line(pending, file, on_line)
     except (OSError, ValueError):
         pass
     finally:
         stream.close()
         if file is not None:
             file.close()
+
+
+def _copy_line(line: bytes, file: IO[bytes] | None, on_line: Callable[[bytes], None] | None) -> IO[bytes] | None:
+    """``copy_lines``'s step: ``line`` to ``file`` and ``on_line``; the file, or None once it failed."""
+    if file is not None:
+        try:
+            file.write(line)
+        except OSError as exc:
+            log.warning("cannot write a process's log file %s: %s", getattr(file, "name", "?"), exc)
+            file.close()
+            file = None
+    if on_line is not None:
+        on_line(line)
+    return file
