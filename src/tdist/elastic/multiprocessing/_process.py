@@ -256,6 +256,8 @@ def copy_lines(
                 file = _copy_line(line, file, on_line)
             return
         fd, pending = stream.fileno(), b""
+        more = select.poll()  # (not select.select: a launcher of many workers has descriptors past 1024)
+        more.register(fd, select.POLLIN)
         while True:
             chunk = os.read(fd, _READ_CHUNK)
             if not chunk:
@@ -267,7 +269,7 @@ def copy_lines(
                 file = _copy_line(pending[start:end], file, on_line)
                 start = end
             pending = pending[start:]
-            if pending and not select.select([fd], [], [], _PARTIAL_WAIT)[0]:
+            if pending and not more.poll(_PARTIAL_WAIT * 1000):
                 on_partial(pending)
         if pending:
             file = _copy_line(pending, file, on_line)
