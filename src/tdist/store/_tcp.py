@@ -159,7 +159,9 @@ class TCPStore(Store):
         world_size: the number of store users; with ``wait_for_workers`` the master waits for
             all of them to connect.
         is_master: start the server (in a process of its own by default, so that a
-            busy parent cannot slow it; ``TDIST_STORE_SERVER=thread`` keeps it in a thread).
+            busy parent cannot slow it, and from a thread of this process until that process
+            is up, so that the store is up at once; ``TDIST_STORE_SERVER=thread`` keeps it in
+            the thread).
         timeout: the default timeout of connecting and of blocking calls.
         wait_for_workers: see ``world_size``.
         multi_tenant: masters in one process with the same host and port share one server.
