@@ -670,8 +670,12 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         wait_replies(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
     except Exception as exc:
         # (torch's engine raises every failure of a pass as a RuntimeError "Error on Node N:
-        # ..."; this one is that and still its own type, which pickles as itself)
-        failure = _as_runtime_error(exc, f"Error on Node {_rank()}: {exc}")
+        # ..."; this one is that and still its own type, which pickles as itself; a plain
+        # RuntimeError is raised anew with that text)
+        text = f"Error on Node {_rank()}: {exc}"
+        if type(exc) is RuntimeError:
+            raise RuntimeError(text).with_traceback(exc.__traceback__) from exc
+        failure = _as_runtime_error(exc, text)
         if failure is exc:
             raise
         raise failure from exc.__cause__
