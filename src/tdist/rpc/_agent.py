@@ -158,6 +158,13 @@ def serialization_peer() -> int | None:
     return _tls.peer
 
 
+# the keys of get_debug_info that torch's agent also reports as its metrics
+_TORCH_METRICS = frozenset({
+    "agent.client_active_calls", "agent.num_idle_threads", "agent.server_active_async_calls",
+    "agent.server_active_calls", "agent.thread_pool_size", "agent.gil_average_wait_time_us",
+})
+
+
 class RpcAgent:
     """Base of the TENSORPIPE and PROCESS_GROUP agents.
 
@@ -284,6 +291,29 @@ class RpcAgent:
         if probe is not None:
             info["agent.gil_average_wait_time_us"] = f"{probe.average_us():.6f}"
         return info
+
+    def get_metrics(self) -> dict[str, str]:
+        """Torch's agent metrics: the keys of ``get_debug_info`` that torch's agent reports
+        (``agent.client_active_calls`` ... ``agent.thread_pool_size``, and
+        ``agent.gil_average_wait_time_us`` with GIL profiling on)."""
+        info = self.get_debug_info()
+        return {k: v for k, v in info.items() if k in _TORCH_METRICS}
+
+    @property
+    def is_static_group(self) -> bool:
+        """True for a group formed with a ``world_size``, False for a dynamic one."""
+        return self.world_size is not None
+
+    def _get_backend_options(self) -> Any:
+        """The ``rpc_backend_options`` this agent was made with (torch's agent method)."""
+        return getattr(self, "options", None)
+
+    def _get_device_map(self, dst: WorkerInfo) -> dict[Any, Any]:
+        """The device map of calls to ``dst``, as ``rpc_backend_options.device_maps`` set it
+        (empty where none was set)."""
+        options = self._get_backend_options()
+        maps: dict[str, Any] = getattr(options, "device_maps", None) or {}
+        return dict(maps.get(dst.name, {}))
 
     def calls_in_flight(self) -> list[dict[str, Any]]:
         """This worker's requests waiting for their reply, oldest first: the callee (name and
