@@ -165,8 +165,12 @@ def _destinations(w: Worker) -> dict[str, Any]:
         with pytest.raises(AttributeError):
             info.name = "other"  # type: ignore[misc]
         assert rpc.get_worker_info().name == "worker0"
-        with pytest.raises(RuntimeError, match="out of bound"):
+        # torch's ids are int16s: a negative one is a WorkerInfo, a bigger one a TypeError
+        with pytest.raises(TypeError):
             rpc.WorkerInfo("big", 1 << 16)
+        with pytest.raises(TypeError):
+            rpc.WorkerInfo("small", -(1 << 15) - 1)
+        assert rpc.WorkerInfo("neg", -1).id == -1
         # a negative timeout other than -1 has run out already (torch); the text says how long
         with pytest.raises(RuntimeError, match=r"ran for more than set timeout \(200 ms\)"):
             rpc.rpc_sync("worker1", f.sleep_then, args=(1.0,), timeout=0.2)
