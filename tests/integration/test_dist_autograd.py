@@ -203,6 +203,9 @@ def _graph_semantics(w: Worker) -> dict[str, Any]:
             out_ = rpc.rpc_sync(p, f.double, args=(h,)) + h
             dist_autograd.backward(cid, [out_.sum()])
             out["residual"] = torch.allclose(dist_autograd.get_gradients(cid)[x], 3 * torch.cos(x.detach()))
+            # the workers the context reached, here and on the callee (which knows its caller)
+            out["known_here"] = sorted(dist_autograd._current_context()._known_worker_ids())
+            out["known_there"] = rpc.rpc_sync(p, f.known_worker_ids, args=(cid,))
         # backward twice: with retain_graph the gradients add up; without, the second pass
         # fails as torch's does (its graph is freed), never counting twice
         with dist_autograd.context() as cid:
@@ -254,6 +257,7 @@ def test_graph_reuse_retain_graph_async_functions_and_root_checks(backend: str) 
     out = run(_graph_semantics, backend, world_size=3)[0]
     assert out["residual"] and out["twice_retained"] and out["async"], out
     assert out["twice"] is not None and "backward through the graph a second time" in out["twice"], out
+    assert out["known_here"] == [1] and out["known_there"] == [0], out
     # (a RuntimeError of the pass says where it began, as torch's engine does)
     assert out["twice"].startswith("Error on Node 0: "), out
     assert out["twice_counted_once"], out

@@ -110,6 +110,11 @@ class DistAutogradContext:
     def _context_id(self) -> int:
         return self.id
 
+    def _known_worker_ids(self) -> set[int]:
+        """The ids of the workers this context reached or was reached from (torch's method)."""
+        with self.lock:
+            return set(self.peers)
+
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` to ``tensor``'s gradient, in place where it can be (as torch's: a
         tensor taken from ``get_gradients`` earlier sees later passes)."""
