@@ -416,3 +416,19 @@ def test_ddp_averages_gradients_under_distributed_autograd_and_leaves_grad_alone
         assert out["average"] == [[1.5, 1.5]], outs
         assert out["grad_untouched"] and out["in_place"] == [[3.0, 3.0]], outs
         assert out["hook"] == ([1], [3.0, 3.0], None), outs
+
+
+def _after_shutdown(w: Worker) -> dict[str, Any]:
+    w.shutdown()
+    # torch's autograd container keeps the worker id init_rpc gave it: local contexts and
+    # passes still work once RPC has shut down
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [(x * x).sum()])
+        grad = dist_autograd.get_gradients(cid)[x]
+    return {"worker": cid >> 48, "grad": grad.tolist()}
+
+
+def test_local_contexts_work_after_rpc_shutdown(backend: str) -> None:
+    out = run(_after_shutdown, backend, world_size=2)
+    assert out == [{"worker": 0, "grad": [2.0, 4.0]}, {"worker": 1, "grad": [2.0, 4.0]}], out

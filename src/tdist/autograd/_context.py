@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import rpc
+from ..rpc import _agent as _agent_module
 from ..rpc import _hooks
 from ..rpc._agent import current_agent, wait_replies
 from ..rpc._api import _mapped
@@ -58,16 +59,19 @@ _worker_id: int | None = None  # ``_init``'s: a worker's id without RPC (local-o
 
 
 def _rank() -> int:
-    """This worker's id: its RPC rank, else what ``_init`` gave.
+    """This worker's id: its RPC rank, else what ``_init`` gave, else its rank in the RPC
+    group it last was in (torch's container keeps it after ``rpc.shutdown``).
 
     Raises:
-        RuntimeError: neither (torch's message).
+        RuntimeError: none of these (torch's message).
     """
     agent = current_agent(required=False)
     if agent is not None:
         return int(agent.rank)
     if _worker_id is not None:
         return _worker_id
+    if _agent_module.last_rank is not None:
+        return _agent_module.last_rank
     raise RuntimeError("Need to initialize distributed autograd using torch.distributed.autograd.init()")
 
 

@@ -139,10 +139,16 @@ def wait_replies(calls: list[tuple[int, Any]]) -> list[Any]:
     return results
 
 
+# the id of this process's last agent: distributed autograd's worker id once RPC has run
+# (torch's autograd container keeps the id init_rpc gave it after shutdown)
+last_rank: int | None = None
+
+
 def set_current_agent(agent: RpcAgent | None) -> None:
-    global _current
+    global _current, last_rank
     _current = agent
     if agent is not None:
+        last_rank = agent.rank
         from ..c10d._flight_recorder import add_dump_section
 
         add_dump_section("rpc_in_flight", _calls_in_flight)
