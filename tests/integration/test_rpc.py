@@ -371,6 +371,11 @@ def _tensors(w: Worker) -> None:
     assert torch.equal(back, view) and back.shape == (5, 2)
     assert torch.equal(rpc.rpc_sync(p, f.identity, args=(base.t(),)), base.t())
     assert torch.equal(rpc.rpc_sync(p, f.make_view, args=(4,)), f.make_view(4))  # a view returned
+    # a tensor and a view of it in one message share one storage on arrival, as torch's
+    pair = torch.zeros(3)
+    whole, tail = rpc.rpc_sync(p, f.identity, args=((pair, pair[1:]),))
+    tail.add_(1.0)
+    assert whole.tolist() == [0.0, 1.0, 1.0]
 
     grad = torch.ones(3, requires_grad=True)
     assert rpc.rpc_sync(p, f.describe_tensor, args=(grad,))["requires_grad"] is True
