@@ -432,3 +432,34 @@ def _after_shutdown(w: Worker) -> dict[str, Any]:
 def test_local_contexts_work_after_rpc_shutdown(backend: str) -> None:
     out = run(_after_shutdown, backend, world_size=2)
     assert out == [{"worker": 0, "grad": [2.0, 4.0]}, {"worker": 1, "grad": [2.0, 4.0]}], out
+
+
+def _optimizer_over_results(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        p = w.peer(1)
+        # DistributedOptimizer's docstring example (with inputs that require grad): the RRefs
+        # are results of remote(), not leaves; torch's functional SGD takes them and, as they
+        # get no gradient in the context, leaves them as they are
+        with dist_autograd.context() as cid:
+            rref1 = rpc.remote(p, torch.add, args=(torch.ones(2, requires_grad=True), 3))
+            rref2 = rpc.remote(p, torch.add, args=(torch.ones(2, requires_grad=True), 1))
+            loss = rref1.to_here() + rref2.to_here()
+            dist_autograd.backward(cid, [loss.sum()])
+            opt = DistributedOptimizer(torch.optim.SGD, [rref1, rref2], lr=0.05)
+            opt.step(cid)
+            out["values"] = (rref1.to_here().tolist(), rref2.to_here().tolist())
+        # an optimizer torch runs as torch.optim refuses them, as torch.optim does
+        try:
+            DistributedOptimizer(torch.optim.NAdam, [rref1], lr=0.05)
+            out["nadam"] = None
+        except ValueError as exc:
+            out["nadam"] = str(exc)
+    w.barrier()
+    return out
+
+
+def test_distributed_optimizer_takes_non_leaf_tensors_as_torchs_functional_ones(backend: str) -> None:
+    out = run(_optimizer_over_results, backend, world_size=2)[0]
+    assert out["values"] == ([4.0, 4.0], [2.0, 2.0]), out
+    assert out["nadam"] is not None and "non-leaf" in out["nadam"], out
