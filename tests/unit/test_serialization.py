@@ -286,3 +286,13 @@ def test_threads_pickling_views_of_shared_storages_survive_garbage_collection() 
         [sys.executable, "-X", "faulthandler", "-c", _GC_STRESS], capture_output=True, text=True, timeout=100
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "done", (proc.returncode, proc.stderr[-3000:])
+
+
+def test_two_storages_at_one_address_are_not_taken_for_one() -> None:
+    # (torch.frombuffer twice over one buffer: two storages of different sizes, one address)
+    buf = bytearray(16)
+    small = torch.frombuffer(buf, dtype=torch.float32, count=2)
+    large = torch.frombuffer(buf, dtype=torch.float32)
+    assert small.data_ptr() == large.data_ptr()
+    back_small, back_large = loads(join(dumps((small, large))))
+    assert back_small.shape == (2,) and back_large.shape == (4,)

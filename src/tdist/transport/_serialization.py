@@ -129,13 +129,19 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     whole = storage.nbytes()
     seen = _message.storages
     ptr = storage.data_ptr() if whole and seen is not None else 0
-    if seen:
+    if ptr and seen:
         prior = seen.get(ptr)
         if prior is not None:
             # a storage this message sent already: with a view's storage, or named by the
-            # whole tensor sent as it; both share one storage on arrival, as torch's
-            rebuild, base = (_rebuild_view, prior) if type(prior) is _Storage else (_rebuild_view_of, prior)
-            return (rebuild, (base, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
+            # whole tensor sent as it; both share one storage on arrival, as torch's (two
+            # storages at one address, of different sizes, are not one)
+            rebuild: Any
+            if isinstance(prior, _Storage):
+                rebuild, size = _rebuild_view, prior.raw.nbytes
+            else:
+                rebuild, size = _rebuild_view_of, prior.untyped_storage().nbytes()
+            if size == whole:
+                return (rebuild, (prior, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
     if (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful):
         # a view: with its storage, offset and strides, sharing the storage with the
         # message's other views
