@@ -115,6 +115,11 @@ def context_released(context_id: int) -> bool:
     return False
 
 
+def known_worker_ids(context_id: int) -> list[int]:
+    """The workers this worker's part of the context knows (torch's private method)."""
+    return sorted(dist_autograd._retrieve_context(context_id)._known_worker_ids())
+
+
 def double(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 

@@ -203,6 +203,9 @@ def _graph_semantics(w: Worker) -> dict[str, Any]:
             out_ = rpc.rpc_sync(p, f.double, args=(h,)) + h
             dist_autograd.backward(cid, [out_.sum()])
             out["residual"] = torch.allclose(dist_autograd.get_gradients(cid)[x], 3 * torch.cos(x.detach()))
+            # the workers the context reached, here and on the callee (which knows its caller)
+            out["known_here"] = sorted(dist_autograd._current_context()._known_worker_ids())
+            out["known_there"] = rpc.rpc_sync(p, f.known_worker_ids, args=(cid,))
         # backward twice: with retain_graph the gradients add up; without, the second pass
         # fails as torch's does (its graph is freed), never counting twice
         with dist_autograd.context() as cid:
@@ -254,6 +257,9 @@ def test_graph_reuse_retain_graph_async_functions_and_root_checks(backend: str) 
     out = run(_graph_semantics, backend, world_size=3)[0]
     assert out["residual"] and out["twice_retained"] and out["async"], out
     assert out["twice"] is not None and "backward through the graph a second time" in out["twice"], out
+    assert out["known_here"] == [1] and out["known_there"] == [0], out
+    # (a RuntimeError of the pass says where it began, as torch's engine does)
+    assert out["twice"].startswith("Error on Node 0: "), out
     assert out["twice_counted_once"], out
 
 
@@ -410,3 +416,50 @@ def test_ddp_averages_gradients_under_distributed_autograd_and_leaves_grad_alone
         assert out["average"] == [[1.5, 1.5]], outs
         assert out["grad_untouched"] and out["in_place"] == [[3.0, 3.0]], outs
         assert out["hook"] == ([1], [3.0, 3.0], None), outs
+
+
+def _after_shutdown(w: Worker) -> dict[str, Any]:
+    w.shutdown()
+    # torch's autograd container keeps the worker id init_rpc gave it: local contexts and
+    # passes still work once RPC has shut down
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [(x * x).sum()])
+        grad = dist_autograd.get_gradients(cid)[x]
+    return {"worker": cid >> 48, "grad": grad.tolist()}
+
+
+def test_local_contexts_work_after_rpc_shutdown(backend: str) -> None:
+    out = run(_after_shutdown, backend, world_size=2)
+    assert out == [{"worker": 0, "grad": [2.0, 4.0]}, {"worker": 1, "grad": [2.0, 4.0]}], out
+
+
+def _optimizer_over_results(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        p = w.peer(1)
+        # DistributedOptimizer's docstring example (with inputs that require grad): the RRefs
+        # are results of remote(), not leaves; torch's functional SGD takes them and, as they
+        # get no gradient in the context, leaves them as they are
+        with dist_autograd.context() as cid:
+            rref1 = rpc.remote(p, torch.add, args=(torch.ones(2, requires_grad=True), 3))
+            rref2 = rpc.remote(p, torch.add, args=(torch.ones(2, requires_grad=True), 1))
+            loss = rref1.to_here() + rref2.to_here()
+            dist_autograd.backward(cid, [loss.sum()])
+            opt = DistributedOptimizer(torch.optim.SGD, [rref1, rref2], lr=0.05)
+            opt.step(cid)
+            out["values"] = (rref1.to_here().tolist(), rref2.to_here().tolist())
+        # an optimizer torch runs as torch.optim refuses them, as torch.optim does
+        try:
+            DistributedOptimizer(torch.optim.NAdam, [rref1], lr=0.05)
+            out["nadam"] = None
+        except ValueError as exc:
+            out["nadam"] = str(exc)
+    w.barrier()
+    return out
+
+
+def test_distributed_optimizer_takes_non_leaf_tensors_as_torchs_functional_ones(backend: str) -> None:
+    out = run(_optimizer_over_results, backend, world_size=2)[0]
+    assert out["values"] == ([4.0, 4.0], [2.0, 2.0]), out
+    assert out["nadam"] is not None and "non-leaf" in out["nadam"], out

@@ -165,8 +165,12 @@ def _destinations(w: Worker) -> dict[str, Any]:
         with pytest.raises(AttributeError):
             info.name = "other"  # type: ignore[misc]
         assert rpc.get_worker_info().name == "worker0"
-        with pytest.raises(RuntimeError, match="out of bound"):
+        # torch's ids are int16s: a negative one is a WorkerInfo, a bigger one a TypeError
+        with pytest.raises(TypeError):
             rpc.WorkerInfo("big", 1 << 16)
+        with pytest.raises(TypeError):
+            rpc.WorkerInfo("small", -(1 << 15) - 1)
+        assert rpc.WorkerInfo("neg", -1).id == -1
         # a negative timeout other than -1 has run out already (torch); the text says how long
         with pytest.raises(RuntimeError, match=r"ran for more than set timeout \(200 ms\)"):
             rpc.rpc_sync("worker1", f.sleep_then, args=(1.0,), timeout=0.2)
@@ -182,6 +186,46 @@ def test_destinations_worker_infos_argument_types_and_negative_timeouts(backend:
     out = run(_destinations, backend, world_size=2, init=False)[0]
     # (negative_s: failed at once, not when the callee answered, 1 s later)
     assert out["unknown_s"] < 2 and out["negative_s"] < 0.9, out
+
+
+def _agent_helpers(w: Worker) -> dict[str, Any]:
+    threads = {"num_worker_threads": 5} if w.backend == "tensorpipe" else {}
+    options = w.options(rpc_timeout=7, **threads)
+    if w.backend == "tensorpipe" and w.rank == 0:
+        options.set_device_map("worker1", {"cpu": "cpu"})
+    rpc.init_rpc(w.me, backend=w.backend_type, rank=w.rank, world_size=w.world_size,
+                 rpc_backend_options=options)
+    w.initialized = True
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        # the methods of torch's agent that code reaches through _get_current_rpc_agent()
+        agent = rpc.api._get_current_rpc_agent()
+        opts = agent._get_backend_options()
+        out["options"] = (type(opts).__name__, opts.rpc_timeout, opts.init_method)
+        out["metrics"] = agent.get_metrics()
+        out["static"] = agent.is_static_group
+        if w.backend == "tensorpipe":
+            out["threads"] = opts.num_worker_threads
+            out["map1"] = agent._get_device_map(rpc.get_worker_info("worker1"))
+            out["map0"] = agent._get_device_map(rpc.get_worker_info("worker0"))
+    w.barrier()
+    return out
+
+
+def test_the_agents_torch_methods_report_options_metrics_and_device_maps(backend: str) -> None:
+    out = run(_agent_helpers, backend, world_size=2, init=False)[0]
+    name_, timeout, init_method = out["options"]
+    assert name_.endswith("RpcBackendOptions") or name_ == "_TensorPipeRpcBackendOptionsBase", out
+    assert timeout == 7 and init_method.startswith("tcp://127.0.0.1:"), out
+    # torch's five figures (its get_debug_info's, which ours extends)
+    assert set(out["metrics"]) == {"agent.client_active_calls", "agent.num_idle_threads",
+                                   "agent.server_active_async_calls", "agent.server_active_calls",
+                                   "agent.thread_pool_size"}, out
+    assert out["metrics"]["agent.client_active_calls"] == "0", out
+    assert out["static"] is True
+    if backend == "tensorpipe":
+        assert out["threads"] == 5 and out["metrics"]["agent.thread_pool_size"] == "5", out
+        assert out["map1"] == {torch.device("cpu"): torch.device("cpu")} and out["map0"] == {}, out
 
 
 def _registered_backend(w: Worker) -> dict[str, Any]:
@@ -327,6 +371,11 @@ def _tensors(w: Worker) -> None:
     assert torch.equal(back, view) and back.shape == (5, 2)
     assert torch.equal(rpc.rpc_sync(p, f.identity, args=(base.t(),)), base.t())
     assert torch.equal(rpc.rpc_sync(p, f.make_view, args=(4,)), f.make_view(4))  # a view returned
+    # a tensor and a view of it in one message share one storage on arrival, as torch's
+    pair = torch.zeros(3)
+    whole, tail = rpc.rpc_sync(p, f.identity, args=((pair, pair[1:]),))
+    tail.add_(1.0)
+    assert whole.tolist() == [0.0, 1.0, 1.0]
 
     grad = torch.ones(3, requires_grad=True)
     assert rpc.rpc_sync(p, f.describe_tensor, args=(grad,))["requires_grad"] is True

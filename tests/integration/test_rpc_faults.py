@@ -197,9 +197,11 @@ def _shutdown_timeout_with_a_late_worker(w: Worker) -> str:
 
 
 @pytest.mark.parametrize("early", [0, 1], ids=["store_host_early", "store_host_late"])
+@better_than_torch
 def test_a_shutdown_timeout_bounds_the_wait_for_a_late_worker_and_both_shut_down(early: int) -> None:
-    # (as torch's: the timeout bounds the wait and raises nothing for a worker that is only
-    # late; the late one then shuts down alone, without the other's store or its barrier)
+    # (the timeout bounds the wait and raises nothing for a worker that is only late; the late
+    # one then shuts down alone, without the other's store or its barrier. torch's bounds only
+    # its first gathering: its agent's join ignores the timeout and waits for the late worker)
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")

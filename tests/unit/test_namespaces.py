@@ -246,6 +246,17 @@ def test_torchs_training_stack_is_importable_under_tdists_module_paths(path: str
     assert ours.__spec__ is not None and ours.__spec__.name == f"torch.distributed.{path}"
 
 
+def test_torchs_private_optimizer_names_that_code_imports_are_in_tdist_optim() -> None:
+    import torch.distributed.optim as torchs
+
+    import tdist.optim as ours
+
+    names = ["_apply_optimizer_in_backward", "_get_in_backward_optimizers", "_NamedOptimizer",
+             "_FunctionalSGD", "_FunctionalAdam", "_FunctionalAdamW", "_FunctionalAdagrad",
+             "_FunctionalAdadelta", "_FunctionalAdamax", "_FunctionalRMSprop", "_FunctionalRprop"]
+    assert [n for n in names if getattr(ours, n, None) is not getattr(torchs, n)] == []
+
+
 def test_tdists_own_optimizer_module_path_gives_tdists_distributed_optimizer() -> None:
     import tdist.optim
     from tdist.optim.optimizer import DistributedOptimizer

@@ -209,6 +209,22 @@ def test_views_keep_their_storage_strides_and_sharing_as_torch_rpc_sends_them() 
     whole[2] = -1.0  # one storage on arrival, as with torch: a write shows through every view
     assert every_other[1].item() == -1.0 and window[1].item() == -1.0
 
+    # a whole tensor first, then views of its storage (another dtype too): one storage on
+    # arrival as well (torch's pickler shares storages in any order)
+    base = torch.zeros(4)
+    parts = dumps((base, base[1:], base.view(torch.int32)[2:], base.view(2, 2)))
+    assert len(parts) == 3  # the storage's bytes once
+    first, tail, ints, square = loads(join(parts))
+    tail.add_(1.0)
+    assert first.tolist() == [0.0, 1.0, 1.0, 1.0] and square.tolist() == [[0.0, 1.0], [1.0, 1.0]]
+    assert ints.dtype == torch.int32 and ints.storage_offset() == 2 and ints.shape == (2,)
+    assert ints.tolist() == first.view(torch.int32)[2:].tolist()
+    assert first.untyped_storage().data_ptr() == ints.untyped_storage().data_ptr()
+    leaf = torch.ones(3, requires_grad=True)
+    back_leaf, back_view = loads(join(dumps((leaf, leaf.detach()[1:]))))
+    assert back_leaf.requires_grad and not back_view.requires_grad
+    assert back_view.untyped_storage().data_ptr() == back_leaf.untyped_storage().data_ptr()
+
     t = torch.arange(12.0).reshape(3, 4).t()  # strides kept: still a transpose
     (back,) = loads(join(dumps((t,))))
     assert back.stride() == (1, 4) and torch.equal(back, t)
@@ -270,3 +286,13 @@ def test_threads_pickling_views_of_shared_storages_survive_garbage_collection() 
         [sys.executable, "-X", "faulthandler", "-c", _GC_STRESS], capture_output=True, text=True, timeout=100
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "done", (proc.returncode, proc.stderr[-3000:])
+
+
+def test_two_storages_at_one_address_are_not_taken_for_one() -> None:
+    # (torch.frombuffer twice over one buffer: two storages of different sizes, one address)
+    buf = bytearray(16)
+    small = torch.frombuffer(buf, dtype=torch.float32, count=2)
+    large = torch.frombuffer(buf, dtype=torch.float32)
+    assert small.data_ptr() == large.data_ptr()
+    back_small, back_large = loads(join(dumps((small, large))))
+    assert back_small.shape == (2,) and back_large.shape == (4,)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import rpc
+from ..rpc import _agent as _agent_module
 from ..rpc import _hooks
 from ..rpc._agent import current_agent, wait_replies
 from ..rpc._api import _mapped
@@ -58,16 +59,19 @@ _worker_id: int | None = None  # ``_init``'s: a worker's id without RPC (local-o
 
 
 def _rank() -> int:
-    """This worker's id: its RPC rank, else what ``_init`` gave.
+    """This worker's id: its RPC rank, else what ``_init`` gave, else its rank in the RPC
+    group it last was in (torch's container keeps it after ``rpc.shutdown``).
 
     Raises:
-        RuntimeError: neither (torch's message).
+        RuntimeError: none of these (torch's message).
     """
     agent = current_agent(required=False)
     if agent is not None:
         return int(agent.rank)
     if _worker_id is not None:
         return _worker_id
+    if _agent_module.last_rank is not None:
+        return _agent_module.last_rank
     raise RuntimeError("Need to initialize distributed autograd using torch.distributed.autograd.init()")
 
 
@@ -109,6 +113,11 @@ class DistAutogradContext:
 
     def _context_id(self) -> int:
         return self.id
+
+    def _known_worker_ids(self) -> set[int]:
+        """The ids of the workers this context reached or was reached from (torch's method)."""
+        with self.lock:
+            return set(self.peers)
 
     def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
         """Add ``grad`` to ``tensor``'s gradient, in place where it can be (as torch's: a
@@ -670,8 +679,12 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         wait_replies(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
     except Exception as exc:
         # (torch's engine raises every failure of a pass as a RuntimeError "Error on Node N:
-        # ..."; this one is that and still its own type, which pickles as itself)
-        failure = _as_runtime_error(exc, f"Error on Node {_rank()}: {exc}")
+        # ..."; this one is that and still its own type, which pickles as itself; a plain
+        # RuntimeError is raised anew with that text)
+        text = f"Error on Node {_rank()}: {exc}"
+        if type(exc) is RuntimeError:
+            raise RuntimeError(text).with_traceback(exc.__traceback__) from exc
+        failure = _as_runtime_error(exc, text)
         if failure is exc:
             raise
         raise failure from exc.__cause__

@@ -52,7 +52,11 @@ class _LocalOptimizer:
     def __init__(self, optim_cls: Any, functional: bool, rrefs: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.params = [r.local_value() for r in rrefs]
         self.functional = functional
-        self.optim = optim_cls(self.params, *args, **kwargs)
+        # torch's functional optimizers take any tensor, torch.optim only leaves: a non-leaf
+        # one is stepped through a detached alias of its memory (it gets no gradient in a
+        # context, where only leaves accumulate one, so it stays as it is, as in torch)
+        self.targets = [p.detach() if functional and not p.is_leaf else p for p in self.params]
+        self.optim = optim_cls(self.targets, *args, **kwargs)
 
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
@@ -64,15 +68,16 @@ class _LocalOptimizer:
                 return
             # as a functional optimizer: the parameters that have a gradient step with it,
             # the others not at all, and .grad stays as it was
-            kept = [p.grad for p in self.params]
+            targets = self.targets
+            kept = [t.grad for t in targets]
             try:
-                for p in self.params:
+                for p, t in zip(self.params, targets, strict=True):
                     g = grads.get(p)
-                    p.grad = None if g is None else g.to(p.dtype)
+                    t.grad = None if g is None else g.to(t.dtype)
                 self.optim.step()
             finally:
-                for p, old in zip(self.params, kept, strict=True):
-                    p.grad = old
+                for t, old in zip(targets, kept, strict=True):
+                    t.grad = old
 
 
 def _new_local(optim_cls: Any, functional: bool, rrefs: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -139,10 +139,16 @@ def wait_replies(calls: list[tuple[int, Any]]) -> list[Any]:
     return results
 
 
+# the id of this process's last agent: distributed autograd's worker id once RPC has run
+# (torch's autograd container keeps the id init_rpc gave it after shutdown)
+last_rank: int | None = None
+
+
 def set_current_agent(agent: RpcAgent | None) -> None:
-    global _current
+    global _current, last_rank
     _current = agent
     if agent is not None:
+        last_rank = agent.rank
         from ..c10d._flight_recorder import add_dump_section
 
         add_dump_section("rpc_in_flight", _calls_in_flight)
@@ -156,6 +162,13 @@ def _calls_in_flight() -> list[dict[str, Any]]:
 def serialization_peer() -> int | None:
     """While this thread pickles or unpickles an RPC message: the other worker's id."""
     return _tls.peer
+
+
+# the keys of get_debug_info that torch's agent also reports as its metrics
+_TORCH_METRICS = frozenset({
+    "agent.client_active_calls", "agent.num_idle_threads", "agent.server_active_async_calls",
+    "agent.server_active_calls", "agent.thread_pool_size", "agent.gil_average_wait_time_us",
+})
 
 
 class RpcAgent:
@@ -284,6 +297,29 @@ class RpcAgent:
         if probe is not None:
             info["agent.gil_average_wait_time_us"] = f"{probe.average_us():.6f}"
         return info
+
+    def get_metrics(self) -> dict[str, str]:
+        """Torch's agent metrics: the keys of ``get_debug_info`` that torch's agent reports
+        (``agent.client_active_calls`` ... ``agent.thread_pool_size``, and
+        ``agent.gil_average_wait_time_us`` with GIL profiling on)."""
+        info = self.get_debug_info()
+        return {k: v for k, v in info.items() if k in _TORCH_METRICS}
+
+    @property
+    def is_static_group(self) -> bool:
+        """True for a group formed with a ``world_size``, False for a dynamic one."""
+        return self.world_size is not None
+
+    def _get_backend_options(self) -> Any:
+        """The ``rpc_backend_options`` this agent was made with (torch's agent method)."""
+        return getattr(self, "options", None)
+
+    def _get_device_map(self, dst: WorkerInfo) -> dict[Any, Any]:
+        """The device map of calls to ``dst``, as ``rpc_backend_options.device_maps`` set it
+        (empty where none was set)."""
+        options = self._get_backend_options()
+        maps: dict[str, Any] = getattr(options, "device_maps", None) or {}
+        return dict(maps.get(dst.name, {}))
 
     def calls_in_flight(self) -> list[dict[str, Any]]:
         """This worker's requests waiting for their reply, oldest first: the callee (name and

@@ -20,6 +20,7 @@ class WorkerInfo:
 
     Raises:
         RuntimeError: the name is not valid (torch's rule and message).
+        TypeError: the id is not an int16 (as torch's binding: -32768 to 32767).
     """
 
     __slots__ = ("id", "name")
@@ -30,8 +31,8 @@ class WorkerInfo:
         validate_name(name)
         if not isinstance(id, int) or isinstance(id, bool):
             raise TypeError(f"WorkerInfo id must be an int, got {type(id).__name__}")
-        if not 0 <= id <= _MAX_ID:
-            raise RuntimeError(f"RPC worker id {id} out of bound of int16_t.")
+        if not -_MAX_ID - 1 <= id <= _MAX_ID:  # (torch's binding refuses it as an argument)
+            raise TypeError(f"WorkerInfo(): RPC worker id {id} out of bound of int16_t.")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "id", id)
 

@@ -66,7 +66,7 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
 # in one message sharing it on arrival), as torch's RPC sends it, unless copying out just its
 # elements saves at least half of a storage of at least this size (torch's rule). A whole
 # tensor travels alone (the fast path), unless a view sent before it in the message shares its
-# storage.
+# storage; a view sent after it names it (the pickler's memo) and shares its memory on arrival.
 _RECOPY_MIN = 8 * 1024
 
 
@@ -100,15 +100,21 @@ def _rebuild_view(base: torch.Tensor, dtype: str, offset: int, shape: tuple[int,
     return t
 
 
+def _rebuild_view_of(whole: torch.Tensor, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    """A view of the storage of ``whole``, a tensor rebuilt earlier in the same message."""
+    return _rebuild_view(whole, dtype, offset, shape, stride, requires_grad)
+
+
 def _storage_of(storage: Any) -> _Storage:
     storages = _message.storages
     assert storages is not None  # (only a reducer of dumps calls this)
     key = storage.data_ptr()
     entry = storages.get(key)
-    if entry is None:
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-        entry = storages[key] = _Storage(whole.numpy() if whole.numel() else bytearray())
-    return entry
+    if isinstance(entry, _Storage):
+        return entry
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    made = storages[key] = _Storage(whole.numpy() if whole.numel() else bytearray())
+    return made
 
 
 def _reduce_tensor(obj: torch.Tensor) -> Any:
@@ -121,14 +127,29 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     useful = t.numel() * t.element_size()
     storage = t.untyped_storage()
     whole = storage.nbytes()
-    if (
-        (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful)
-    ) or (_message.storages and storage.data_ptr() in _message.storages):
-        # a view (or a tensor whose storage a view in this message sent already): with its
-        # storage, offset and strides, sharing the storage with the message's other views
+    seen = _message.storages
+    ptr = storage.data_ptr() if whole and seen is not None else 0
+    if ptr and seen:
+        prior = seen.get(ptr)
+        if prior is not None:
+            # a storage this message sent already: with a view's storage, or named by the
+            # whole tensor sent as it; both share one storage on arrival, as torch's (two
+            # storages at one address, of different sizes, are not one)
+            rebuild: Any
+            if isinstance(prior, _Storage):
+                rebuild, size = _rebuild_view, prior.raw.nbytes
+            else:
+                rebuild, size = _rebuild_view_of, prior.untyped_storage().nbytes()
+            if size == whole:
+                return (rebuild, (prior, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
+    if (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful):
+        # a view: with its storage, offset and strides, sharing the storage with the
+        # message's other views
         return (_rebuild_view, (_storage_of(storage), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
     if not t.is_contiguous():
         t = t.contiguous()
+    elif ptr and whole == useful:
+        seen[ptr] = obj  # type: ignore[index]  # (its storage whole: a later view may name it)
     if t.numel() == 0:
         raw: Any = bytearray()
     else:
@@ -181,7 +202,8 @@ class _Message(threading.local):
     """The storages of the views in the message this thread is pickling (``None`` outside
     ``dumps``; a reducer that serializes something itself nests a table of its own)."""
 
-    storages: dict[int, _Storage] | None = None
+    # storage address -> its _Storage (sent for a view), or the tensor sent as the whole of it
+    storages: dict[int, _Storage | torch.Tensor] | None = None
 
 
 _message = _Message()
