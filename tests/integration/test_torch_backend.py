@@ -779,3 +779,29 @@ def test_import_tdist_alone_imports_no_torch() -> None:
 
     code = "import sys, tdist; from tdist import cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _form_again_on_an_agent_store(rank: int, n: int, port: int, rounds: int) -> list[list[float]]:
+    import time
+
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # (torchrun's agent hosts the store)
+    out = []
+    for i in range(rounds):
+        _init(rank, n, port)
+        t = torch.ones(2) * (rank + 1)
+        tdc.all_reduce(t)
+        out.append(t.tolist())
+        if rank == 0 and i % 2 == 0:
+            time.sleep(0.2)  # (rank 0 late to destroy: the others form the next group first)
+        tdc.destroy_process_group()
+    return out
+
+
+def test_forming_the_default_group_again_on_a_store_that_outlives_it() -> None:
+    # (under torchrun the agent's store outlives the group, and torch names the group formed
+    # again after destroy_process_group as before: a rank read the addresses its peers left the
+    # time before, and failed with a refused connection, every run)
+    agent_store = tdc.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    rounds = 4
+    results = run_processes(_form_again_on_an_agent_store, 2, agent_store.port, rounds, timeout=60)
+    assert results == [[[3.0, 3.0]] * rounds] * 2

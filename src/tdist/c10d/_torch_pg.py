@@ -190,6 +190,17 @@ class _ServerWatch:
 _SERVER_GONE_WAIT = 10.0
 
 
+def _formation(store: TorchStore, rank: int) -> Store:
+    """The namespace of this formation of a group in torch's store ``store``: a store that
+    outlives a group (torchelastic's agent store) sees the group formed again under the same
+    name after ``destroy_process_group`` (torch names groups from 0 again), and a rank there
+    would read the addresses its peers left the time before. Each rank counts the times it
+    formed a group on ``store`` (every rank forms it as often, so they agree); the first
+    formation keeps the plain namespace."""
+    n = int(store.add(f"tdist_formation/rank_{rank}", 1))
+    return store if n == 1 else PrefixStore(f"tdist_formation_{n}/", store)
+
+
 class StoreForTorch(_TorchStore):  # type: ignore[misc]
     """A tdist ``Store`` as a torch one (what torch's default group gets when tdist made it)."""
 
@@ -534,7 +545,7 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
             adapter = TorchStore(store)
             self._adapters.append(adapter)
             try:
-                backend = ProcessGroupTCP(adapter, rank, size, timeout)
+                backend = ProcessGroupTCP(_formation(adapter, rank), rank, size, timeout)
             except BaseException:
                 if self._watch is not None:
                     self._watch.close()
