@@ -817,8 +817,10 @@ def test_a_master_serving_from_a_thread_serves_its_own_requests_in_its_own_threa
         master.close()
 
 
-def test_a_forked_child_of_a_master_serving_from_a_thread_connects_anew(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_forked_child_of_a_master_serving_from_a_thread_connects_anew(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # ("process": forked while the thread serves, before its own process takes over)
+    monkeypatch.setenv("TDIST_STORE_SERVER", mode)
     monkeypatch.delenv("TDIST_SECRET", raising=False)
     master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
     try:
