@@ -313,3 +313,58 @@ def test_rpc_calls_in_flight_are_in_the_dump() -> None:
     call = got[0]
     assert call["callee"] == "worker1" and "sleep" in call["call"], call
     assert 0 <= call["age_s"] < 1.5, call
+
+
+# -- the issuing thread --------------------------------------------------------------------------
+def _threads_of_entries(rank: int, n: int, port: int, api: str, torch_port: int) -> list[tuple[str, str, str]]:
+    import threading
+
+    for var in ("TDIST_FR_STACK", "TDIST_FR_TIMED", "TDIST_FR_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"):
+        os.environ.pop(var, None)  # (the hot path's short entries, too)
+    dist: Any
+    if api == "torch":  # torch's own init (and store, hosted by rank 0), tdist's backend
+        import torch.distributed as dist
+
+        dist.init_process_group("tdist", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=n)
+    else:
+        dist = tdist
+        store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
+        dist.init_process_group("gloo", store=tdist.PrefixStore("job", store), rank=rank, world_size=n)
+    from tdist import flight_recorder
+
+    dist.all_reduce(torch.ones(1))  # (4 B: the tcp backend's short entry)
+    side_done, release = threading.Event(), threading.Event()
+
+    def side() -> None:
+        dist.broadcast(torch.ones(3, dtype=torch.int64), 0)
+        dist.all_reduce(torch.ones(2, 2))
+        side_done.set()
+        release.wait(30)  # (alive at the dump: a thread that ended has no name)
+
+    worker = threading.Thread(target=side, name=f"side-{rank}")
+    worker.start()
+    assert side_done.wait(30)
+    dist.barrier()
+    found = [(e["profiling_name"], e["thread_id"], e["thread_name"]) for e in flight_recorder.dump_dict()["entries"]]
+    release.set()
+    worker.join(30)
+    mine, side_ident = str(threading.get_ident()), str(worker.ident)
+    assert found == [
+        ("gloo:all_reduce", mine, "MainThread"),
+        ("gloo:broadcast", side_ident, f"side-{rank}"),
+        ("gloo:all_reduce", side_ident, f"side-{rank}"),
+        ("gloo:barrier", mine, "MainThread"),
+    ], found
+    dist.destroy_process_group()
+    return found
+
+
+@pytest.mark.parametrize("api", ["tdist", "torch"])
+def test_entries_name_the_thread_that_issued_them(api: str) -> None:
+    # (torch's recorder writes the issuing thread's id and name into every entry)
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    try:
+        out = run_processes(_threads_of_entries, 2, master.port, api, free_port(), timeout=60)
+    finally:
+        master.close()
+    assert all(tid.isdigit() for r in out for _, tid, _ in r)

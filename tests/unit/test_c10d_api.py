@@ -968,3 +968,42 @@ def test_rendezvous_is_a_module_path_and_a_function_in_any_import_order(program:
     done = subprocess.run([sys.executable, "-c", program + check], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "1", "TCPStore"]
+
+
+_LOG_PROGRAM = """
+import logging, sys
+import torch
+if sys.argv[1] == "basicConfig":
+    logging.basicConfig(level=logging.WARNING)  # (the program's own logging takes tdist's records)
+import tdist as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+dist.all_reduce(torch.ones(2))
+dist.destroy_process_group()
+print("done")
+"""
+
+
+@pytest.mark.parametrize(
+    ("level", "setup", "ready_lines", "warnings_shown"),
+    [
+        ("INFO", "", 1, True),
+        ("0", "", 1, True),
+        ("INFO", "basicConfig", 1, True),  # (once, by the program's handler)
+        ("ERROR", "", 0, False),
+        ("", "", 0, True),
+    ],
+)
+def test_torch_cpp_log_level_shows_tdists_log(level: str, setup: str, ready_lines: int, warnings_shown: bool) -> None:
+    # torch's TORCH_CPP_LOG_LEVEL=INFO prints what c10d does on stderr; tdist's c10d says it too
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "TDIST_SECRET")}
+    env["TORCH_CPP_LOG_LEVEL"] = level
+    done = subprocess.run(
+        [sys.executable, "-c", _LOG_PROGRAM, setup or "-"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["done"], done.stderr
+    assert done.stderr.count("process group '0' ready") == ready_lines, done.stderr
+    assert ("accepts any client" in done.stderr) == warnings_shown, done.stderr

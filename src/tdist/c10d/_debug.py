@@ -275,6 +275,43 @@ class CollectiveChecker:
         return f"collective #{seq} of group {self._group!r}"
 
 
+# torch's TORCH_CPP_LOG_LEVEL values (c10's log levels, by name or number)
+_CPP_LOG_LEVELS = {
+    "INFO": logging.INFO, "0": logging.INFO, "WARNING": logging.WARNING, "1": logging.WARNING,
+    "ERROR": logging.ERROR, "2": logging.ERROR, "FATAL": logging.CRITICAL, "3": logging.CRITICAL,
+}
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """tdist's records on stderr, as torch's C++ side prints c10d's, while the program has
+    configured no logging of its own (once it has, the records go there)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # (sys.stderr)
+        self.setFormatter(logging.Formatter(
+            "[%(levelname).1s%(asctime)s %(filename)s:%(lineno)d] [tdist] %(message)s", "%m%d %H:%M:%S"
+        ))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def log_level_from_env() -> None:
+    """torch's ``TORCH_CPP_LOG_LEVEL`` (what c10d's C++ side prints on stderr: ``INFO``,
+    ``WARNING``, ``ERROR``, ``FATAL`` or 0-3) for tdist's loggers: their level, and at ``INFO``
+    a stderr handler (where the program configures no logging). Unset or another value:
+    nothing changes."""
+    level = _CPP_LOG_LEVELS.get(os.environ.get("TORCH_CPP_LOG_LEVEL", "").strip().upper())
+    if level is None:
+        return
+    logger = logging.getLogger("tdist")
+    logger.setLevel(level)
+    if level < logging.WARNING and not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+
+
+log_level_from_env()
 try:
     set_debug_level_from_env()
 except ValueError as _exc:  # a bad variable must not make ``import tdist`` fail

@@ -102,14 +102,16 @@ _MAX_FRAMES = 32
 # to the collective sequence number (index + 1 - PSEQ: the collectives among the group's
 # operations so far) and INS to a tuple. torch's op_id, the group's count of operations, is
 # CSEQ + PSEQ.
-ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR = range(14)
+ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR, THREAD = range(15)
 UNTIMED = 1  # DONE: completed, the time to be discovered (see the module docstring)
-# A short entry (the hot path's: see the module docstring) is the tuple
-# (CREATED, 0, PSEQ, OP, INS, INDT): PSEQ, OP, INS and INDT in their slots of a full entry.
+# THREAD is the ident (``threading.get_ident()``) of the thread that issued the operation, its
+# name looked up at a dump. A short entry (the hot path's: see the module docstring) is the tuple
+# (CREATED, THREAD, PSEQ, OP, INS, INDT): PSEQ, OP, INS and INDT in their slots of a full entry.
 SHORT = 6
 
 _pg_ids = itertools.count()
 _time_ns = time.time_ns
+_get_ident = threading.get_ident
 _recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _sections: dict[str, Callable[[], Any]] = {}
 
@@ -283,7 +285,9 @@ class Recorder:
         return self.name or f"pg{self.pg_id}"
 
     # -- the hot path --------------------------------------------------------------------------
-    def one(self, op: str, t: torch.Tensor, _now: Callable[[], int] = _time_ns) -> list[Any]:
+    def one(
+        self, op: str, t: torch.Tensor, _now: Callable[[], int] = _time_ns, _ident: Callable[[], int] = _get_ident
+    ) -> list[Any]:
         """``collective(op, (t.shape,), t.dtype)``, the common case, at the least cost. Entries
         start as running (their start is their creation): a backend that queues one sets
         ``STARTED`` to 0 until it runs."""
@@ -291,7 +295,7 @@ class Recorder:
         self.n = n + 1
         now = _now()
         e = [0, 0, self.p2p_seq, op, t.shape, t.dtype, None, None, None, now, now, 0,
-             capture() if self.stack else None, None]
+             capture() if self.stack else None, None, _ident()]
         self.ring[n % self.cap] = e
         return e
 
@@ -301,7 +305,7 @@ class Recorder:
         all_reduce makes the same entry inline."""
         n = self.n
         self.n = n + 1
-        self.ring[n % self.cap] = e = (_time_ns(), 0, self.p2p_seq, op, t.shape, t.dtype)
+        self.ring[n % self.cap] = e = (_time_ns(), _get_ident(), self.p2p_seq, op, t.shape, t.dtype)
         return e
 
     def collective(
@@ -319,7 +323,7 @@ class Recorder:
         self.n = n + 1
         now = _time_ns()
         e = [0, 0, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, now, now, 0,
-             capture() if self.stack else None, None]
+             capture() if self.stack else None, None, _get_ident()]
         self.ring[n % self.cap] = e
         return e
 
@@ -331,7 +335,7 @@ class Recorder:
         self.n = n + 1
         now = _time_ns()
         e = [0, 0, seq, op, shape, dtype, None, None, (src, dst), now, now, 0,
-             capture() if self.stack else None, None]
+             capture() if self.stack else None, None, _get_ident()]
         self.ring[n % self.cap] = e
         return e
 
@@ -418,8 +422,8 @@ def full(e: Sequence[Any], done: int) -> list[Any]:
     """A short entry's full form (``done``: its ``DONE``); a full entry as a new list."""
     if len(e) != SHORT:
         return list(e)
-    created, _, pseq, op, ins, dtype = e
-    return [0, 0, pseq, op, ins, dtype, None, None, None, created, created, done, None, None]
+    created, thread, pseq, op, ins, dtype = e
+    return [0, 0, pseq, op, ins, dtype, None, None, None, created, created, done, None, None, thread]
 
 
 def _normalize(e: list[Any], index: int) -> None:
@@ -543,14 +547,26 @@ def _profiling_name(e: Sequence[Any]) -> str:
     return f"gloo:send {src}->{dst}" if e[OP] == "send" else f"gloo:recv {dst}<-{src}"
 
 
-def entry_dict(rec: Recorder, e: Sequence[Any]) -> dict[str, Any]:
-    """One entry in torch's dump format."""
+def _thread_names() -> dict[int, str]:
+    """The names of this process's live Python threads by ident, read without a lock (a dump
+    may run in a signal handler; ``threading.enumerate`` takes one)."""
+    active: dict[int, threading.Thread] = getattr(threading, "_active", {})
+    try:
+        return {ident: t.name for ident, t in list(active.items())}
+    except Exception:  # (changed under us, or another threading)
+        return {}
+
+
+def entry_dict(rec: Recorder, e: Sequence[Any], names: dict[int, str] | None = None) -> dict[str, Any]:
+    """One entry in torch's dump format (``names``: thread names by ident, ``_thread_names()``:
+    a thread that has ended has the name ``""``)."""
     ins = _sizes(e[INS])
     outs = ins if e[OUTS] is None else _sizes(e[OUTS])
     in_dt = _SCALAR_NAMES.get(e[INDT], _dtype_short(e[INDT])) if e[INDT] is not None else None
     out_dt_raw = e[OUTDT] if e[OUTDT] is not None else e[INDT]
     out_dt = _SCALAR_NAMES.get(out_dt_raw, _dtype_short(out_dt_raw)) if out_dt_raw is not None else None
     frames = [{"name": n, "filename": f, "line": ln} for f, ln, n in (e[FRAMES] or ())]
+    thread = e[THREAD]
     d: dict[str, Any] = {
         "record_id": e[ID],
         "pg_id": rec.pg_id,
@@ -571,8 +587,8 @@ def entry_dict(rec: Recorder, e: Sequence[Any]) -> dict[str, Any]:
         "timeout_ms": rec.timeout_ms,
         "is_p2p": e[PEER] is not None,
         "frames": frames,
-        "thread_id": "",
-        "thread_name": "",
+        "thread_id": str(thread) if thread else "",
+        "thread_name": (names if names is not None else _thread_names()).get(thread, "") if thread else "",
     }
     if e[ERROR]:
         d["tdist_error"] = e[ERROR]
@@ -619,7 +635,8 @@ def dump_dict(global_rank: int | None = None) -> dict[str, Any]:
             "last_started_collective": max((e[CSEQ] for e in colls if e[STARTED]), default=-1),
             "last_completed_collective": max((e[CSEQ] for e in colls if e[DONE]), default=-1),
         }
-    entries = [entry_dict(rec, e) for rec, e in _numbered(groups)]
+    names = _thread_names()
+    entries = [entry_dict(rec, e, names) for rec, e in _numbered(groups)]
     out: dict[str, Any] = {
         "version": FR_VERSION,
         "comm_lib_version": "tdist",

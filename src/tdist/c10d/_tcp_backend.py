@@ -109,6 +109,7 @@ def _stacked(n: int, t: torch.Tensor) -> tuple[torch.Size]:
 
 
 _time_ns = time.time_ns
+_get_ident = threading.get_ident
 Entry = list[Any] | tuple[Any, ...]  # a flight-record entry: full, or short (``_flight_recorder``)
 _MARK = "What the ranks of group"  # (how ``_desync.explain`` starts)
 _MISMATCH = "collective mismatch in group"  # (the desync check's verdict)
@@ -859,7 +860,7 @@ class ProcessGroupTCP(Backend):
             # (Recorder.quick, inlined: a small all_reduce's hot path)
             n = rec.n
             rec.n = n + 1
-            rec.ring[n % rec.cap] = entry = (_time_ns(), 0, rec.p2p_seq, "all_reduce", t.shape, dtype)
+            rec.ring[n % rec.cap] = entry = (_time_ns(), _get_ident(), rec.p2p_seq, "all_reduce", t.shape, dtype)
         else:
             entry = rec.collective("all_reduce", _shapes(tensors), tensors[0].dtype)
         return self._submit("all_reduce", opts, run, entry)
