@@ -842,6 +842,41 @@ def test_a_forked_child_of_a_master_serving_from_a_thread_connects_anew(monkeypa
         master.close()
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_forked_child_keeps_no_copy_of_the_servers_descriptors(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # a child forked while a thread of this process serves (a DataLoader worker, a fork-started
+    # process) held copies of the listener and the clients' connections: a server stopped, or
+    # killed, seemed alive to its clients (they connected and waited instead of failing over)
+    from tdist.store._server import StoreServer
+
+    monkeypatch.setattr(StoreServer, "handover_gate", threading.Event())  # ("process": still the thread)
+    monkeypatch.setenv("TDIST_STORE_SERVER", mode)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    peer = client_of(master)
+    peer.set("k", "v")
+    assert peer.get("k") == b"v"
+    port = master.port
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (holds whatever it kept, until told to go)
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        master.close()
+        with pytest.raises(OSError):  # (refused: nobody listens)
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with pytest.raises(DistError):  # (its connection ended with the server)
+            peer.get("k")
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+        peer.close()
+
+
 def test_a_rank_that_disagrees_on_the_world_size_never_completes_the_others_join(monkeypatch: pytest.MonkeyPatch) -> None:
     # A rank that says 4 where the others say 3 must not be counted among them: were it counted
     # before its abort lands, the two others would form a group of 3 without it. Rounds of three

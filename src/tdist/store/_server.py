@@ -35,6 +35,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -88,6 +89,21 @@ _MAX_UNAUTHED = 256  # connections waiting to authenticate; beyond, the oldest g
 # (unread, in the kernel's buffers) until it does: what it costs the server stays bounded
 _OUT_PAUSE = 1 << 22
 _OPEN_WARNED = False
+# servers started in this process (``start``): a forked child lets go of their descriptors
+_started: weakref.WeakSet[StoreServer] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """In a child forked from a process that runs store servers (``os.fork``, multiprocessing's
+    "fork"): no server thread runs here, and its copies of their descriptors would keep what
+    they serve open: a listener that accepts and never answers, clients' connections whose end
+    never comes once the real server is gone (a killed store seemed alive to its clients, who
+    then waited for their timeouts instead of failing over). They go, in the child only."""
+    for server in list(_started):
+        server._forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 _SET_QUIET = int(Op.SET_QUIET)
@@ -262,6 +278,7 @@ class StoreServer:
         self._idle = threading.Event()  # retired and nobody connected (or stopped): wait_idle
         self.listening = True  # (until stop_listening)
         self._status_r: int | None = None  # the server's answers to the control pipe
+        self._control_r: int | None = None  # (the loop's end of the control pipe)
         self._status_w: int | None = None
         self._control_w: int | None = None
         self._listeners: list[socket.socket] = []
@@ -458,6 +475,8 @@ class StoreServer:
         r, w = os.pipe()
         self._control_w = w
         self._status_r, self._status_w = os.pipe()
+        self._control_r = r
+        _started.add(self)
         if mode == "process":
             self._add_timer(self._clock() + _SPAWN_AFTER, functools.partial(self._spawn, r, self._status_w))
         else:
@@ -519,10 +538,34 @@ class StoreServer:
             self._ep.register(ours.fileno(), select.EPOLLIN)
             self._fdmap[ours.fileno()] = ours
 
+    def _forget(self) -> None:
+        """``_forget_in_child``'s work for this server (the forked child's copies only; the
+        parent and the server's own process are untouched, and this child never stops them)."""
+        socks = [*self._listeners, *(c.sock for c in self._conns), *(c.sock for c in self._adopted)]
+        if self._successor is not None:
+            socks.append(self._successor)
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()
+        if self._ep is not None:
+            with contextlib.suppress(OSError):
+                self._ep.close()
+        for fd in (self._control_w, self._control_r, self._status_r, self._status_w):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._control_w = self._control_r = self._status_r = self._status_w = None
+        self._listeners, self._conns, self._adopted = [], set(), []
+        self._successor = None
+        self._thread = self._proc = None
+        self._stop_requested = True
+        self._handed.set()
+
     def _serve_and_close(self, control_r: int, parent_pid: int | None = None) -> None:
         try:
             self.serve_forever(control_r, parent_pid=parent_pid)
         finally:
+            self._control_r = None
             os.close(control_r)
             for sock in self._listeners:
                 sock.close()
