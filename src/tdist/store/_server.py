@@ -303,15 +303,6 @@ class StoreServer:
             self._unix = self._bind_unix(self.port, backlog)
             if self._unix is not None:
                 self._listeners.append(self._unix)
-        global _OPEN_WARNED
-        if self.secret is None and not _OPEN_WARNED:
-            _OPEN_WARNED = True
-            log.warning(
-                "store server on %s:%d accepts any client: no secret given "
-                "(pass secret= or set TDIST_SECRET to require one)",
-                host or "*",
-                self.port,
-            )
         self._handlers: dict[int, Callable[[_Conn, list[bytes]], None]] = {
             Op.SET: self._op_set,
             Op.GET: self._op_get,
@@ -485,6 +476,21 @@ class StoreServer:
             target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
         )
         self._thread.start()
+        self._warn_if_open()
+
+    def _warn_if_open(self) -> None:
+        """Say once a process that its store server takes any client. After the server has
+        started: its first log line costs this thread 0.1 ms, which its clients' first
+        answers need not wait for."""
+        global _OPEN_WARNED
+        if self.secret is None and not _OPEN_WARNED:
+            _OPEN_WARNED = True
+            log.warning(
+                "store server on %s:%d accepts any client: no secret given "
+                "(pass secret= or set TDIST_SECRET to require one)",
+                self.host or "*",
+                self.port,
+            )
 
     def _spawn(self, control_r: int, status_w: int) -> None:
         """Start the process that takes over from the thread (``_hand_over``; a timer of the
