@@ -583,7 +583,7 @@ class StoreServer:
     def pid(self) -> int | None:
         """The server's process id (``start("process")``) once it serves (this waits for the
         process to take over from the thread), else None."""
-        if self._thread is not None and not self._handed.is_set():
+        if self.handover_pending:
             self._handed.wait(_HANDOVER_WAIT)
         proc = self._proc
         return proc.pid if proc is not None and self._handed_over else None

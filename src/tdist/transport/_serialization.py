@@ -100,11 +100,6 @@ def _rebuild_view(base: torch.Tensor, dtype: str, offset: int, shape: tuple[int,
     return t
 
 
-def _rebuild_view_of(whole: torch.Tensor, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
-    """A view of the storage of ``whole``, a tensor rebuilt earlier in the same message."""
-    return _rebuild_view(whole, dtype, offset, shape, stride, requires_grad)
-
-
 def _storage_of(storage: Any) -> _Storage:
     storages = _message.storages
     assert storages is not None  # (only a reducer of dumps calls this)
@@ -135,13 +130,10 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
             # a storage this message sent already: with a view's storage, or named by the
             # whole tensor sent as it; both share one storage on arrival, as torch's (two
             # storages at one address, of different sizes, are not one)
-            rebuild: Any
-            if isinstance(prior, _Storage):
-                rebuild, size = _rebuild_view, prior.raw.nbytes
-            else:
-                rebuild, size = _rebuild_view_of, prior.untyped_storage().nbytes()
+            # (either rebuilds as a tensor on that storage: ``_rebuild_view`` takes both)
+            size = prior.raw.nbytes if isinstance(prior, _Storage) else prior.untyped_storage().nbytes()
             if size == whole:
-                return (rebuild, (prior, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
+                return (_rebuild_view, (prior, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
     if (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful):
         # a view: with its storage, offset and strides, sharing the storage with the
         # message's other views
