@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import socket
 import subprocess
 import sys
@@ -724,6 +725,55 @@ def test_a_master_whose_own_process_fails_to_start_or_dies_before_taking_over_is
         assert master.get("k") == b"w" and master._direct is not None
         peer.close()
     finally:
+        master.close()
+
+
+def test_a_master_hands_over_to_its_own_process_while_a_child_forked_meanwhile_lives_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank forked (by another thread of the master's process) just as the server's thread
+    # starts its process holds a copy of every descriptor made for that start. Popen waits on
+    # one of its own (the child's exec) and the server's process read its configuration until
+    # end of file: each waited as long as the rank lived, the first with the loop's lock held
+    # (its clients unanswered until their timeouts: a CI failure of test_reshape_groups).
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    hold_r, hold_w = os.pipe()
+    forked: list[int] = []
+    real_pipe = os.pipe
+
+    def pipe_then_fork() -> tuple[int, int]:
+        fds = real_pipe()
+        if threading.current_thread().name.startswith("tdist-store-"):
+            pid = os.fork()
+            if pid == 0:  # (the "rank": holds every copy it got until the test ends)
+                os.close(hold_w)
+                select.select([hold_r], [], [], 60)
+                os._exit(0)
+            forked.append(pid)
+        return fds
+
+    monkeypatch.setattr(os, "pipe", pipe_then_fork)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    try:
+        server = master._server
+        assert server is not None
+        peer = dist.TCPStore("127.0.0.1", master.port, timeout=timedelta(seconds=5))
+        peer.set("k", "v")
+        wait_until(lambda: forked, 10, "the server starts its process")
+        for i in range(50):  # (answered all along: the loop never waits for the forked child)
+            assert peer.add("n", 1) == i + 1 and master.get("k") == b"v"
+        wait_until(lambda: not server.handover_pending, 10, "the server's process takes over")
+        assert server.pid is not None  # (its process took over, the children still alive)
+        assert all(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in forked)
+        peer.set("k", "w")
+        assert master.get("k") == b"w" and peer.add("n", 0) == 50
+        peer.close()
+    finally:
+        os.close(hold_w)
+        for pid in forked:
+            os.waitpid(pid, 0)
+        os.close(hold_r)
         master.close()
 
 

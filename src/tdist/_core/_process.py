@@ -11,14 +11,20 @@ torch's classes.
 ``die_with_parent`` makes a child that tdist starts (a worker of ``tdist run``, a store
 server) die with the process that started it, even when that one is killed with SIGKILL and
 runs no cleanup: Linux's parent-death signal (``PR_SET_PDEATHSIG``).
+
+``spawn`` starts a helper process of tdist's own (a store server, the job reaper) from any
+thread, safely while another thread forks (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 TORCHLESS = False
 
@@ -83,3 +89,97 @@ def pid_alive(pid: int) -> bool:
         return True
     end = stat.rfind(b")")
     return stat[end + 2 : end + 3] not in (b"Z", b"X")
+
+
+class Spawned:
+    """A child started by ``spawn``, seen as ``subprocess.Popen`` shows one: ``pid``,
+    ``returncode``, ``poll``, ``wait``, ``kill``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit status once it has exited (negative: killed by that signal), else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (SIGCHLD ignored): as Popen says
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to exit, at most ``timeout`` seconds (``subprocess.TimeoutExpired``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pidfd = -1
+        with contextlib.suppress(OSError):
+            pidfd = os.pidfd_open(self.pid)  # (readable once it has exited)
+        try:
+            pause = 0.0005
+            while (code := self.poll()) is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    import subprocess
+
+                    raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0.0)
+                if pidfd >= 0:
+                    ready = select.poll()
+                    ready.register(pidfd, select.POLLIN)
+                    ready.poll(None if left is None else max(1, int(left * 1000)))
+                else:  # (no pidfd: a kernel before 5.3)
+                    time.sleep(pause if left is None else min(pause, left))
+                    pause = min(pause * 2, 0.05)
+            return code
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+
+    def kill(self) -> None:
+        """SIGKILL it, unless it has exited already (and been reaped: its pid may be another's)."""
+        if self.poll() is None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def spawn(argv: Sequence[str], *, pass_fds: Sequence[int] = (), new_session: bool = False) -> Spawned:
+    """Start ``argv`` (``argv[0]`` a path, or a name looked up in ``PATH``), its stdin and
+    stdout on ``/dev/null``, stderr this process's, with the descriptors ``pass_fds`` (at their
+    numbers); ``new_session``: in a session of its own. Raises ``OSError`` if it cannot start.
+
+    Not ``subprocess.Popen``: Popen waits for its child's exec on a pipe whose write end the
+    child holds until then, and a process forked meanwhile by another thread of this one (a
+    ``multiprocessing`` child, a forked rank) holds a copy of that end for as long as it lives:
+    Popen then waits for that process to exit. A store server whose thread started its own
+    process as the test harness forked the ranks that use it waited so, and its clients with it,
+    until their timeouts. ``posix_spawn`` has no such pipe (the parent's thread is suspended
+    until the child has exec'd). The child gets every descriptor that is inheritable here (as a
+    ``close_fds=False`` Popen's does): the program it runs closes the ones it does not know
+    (``close_other_fds``).
+    """
+    actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = [
+        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+    ]
+    # a descriptor duplicated onto itself loses its close-on-exec flag (glibc 2.29 and later,
+    # as POSIX now says): the child keeps it, no other process started meanwhile gets it
+    actions += [(os.POSIX_SPAWN_DUP2, fd, fd) for fd in pass_fds]
+    start = os.posix_spawn if os.sep in argv[0] else os.posix_spawnp
+    pid = start(
+        argv[0], list(argv), os.environ, file_actions=actions, setsid=new_session,
+        setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),  # (as Popen's restore_signals)
+    )
+    return Spawned(pid)
+
+
+def close_other_fds(keep: Sequence[int]) -> None:
+    """In a process that ``spawn`` started: close every descriptor above 2 but ``keep``'s (what
+    was inheritable in its parent: descriptors made by ``os.dup2``, or by C libraries)."""
+    low = 3
+    for fd in sorted({fd for fd in keep if fd >= 3}):
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)

@@ -52,6 +52,10 @@ import threading
 import time
 from collections.abc import Mapping
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._process import Spawned
+
 __all__ = ["TOKENS_ENV", "JobReaper", "job_reaper"]
 
 TOKENS_ENV = "TDIST_JOB_TOKENS"  # the tokens of the reapers whose job a process belongs to, ":"-separated
@@ -68,7 +72,7 @@ log = logging.getLogger(__name__)
 class JobReaper:
     """A process's reaper, seen from that process: mark a child's environment, report a child."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], fd: int, token: str) -> None:
+    def __init__(self, proc: Spawned, fd: int, token: str) -> None:
         self.proc = proc
         self.token = token
         self._fd = fd
@@ -128,10 +132,12 @@ def job_reaper() -> JobReaper | None:
             _reaper = None
         token = secrets.token_hex(8)
         r, w = os.pipe()  # (neither end inheritable: only the reaper gets r, by pass_fds)
-        try:
-            proc = subprocess.Popen(
+        from ._process import spawn  # (here: this file also runs as a script, on its own)
+
+        try:  # (not ``subprocess.Popen``: see ``spawn``)
+            proc = spawn(
                 [sys.executable or "python3", "-I", "-S", os.path.abspath(__file__), str(os.getpid()), str(r), token],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(r,), start_new_session=True,
+                pass_fds=(r,), new_session=True,
             )
         except OSError as exc:
             os.close(w)
@@ -332,6 +338,10 @@ def serve(parent: int, fd: int, token: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
+    fd = int(argv[2])  # (every other descriptor it got is its parent's business: ``spawn``)
+    if fd > 3:
+        os.closerange(3, fd)
+    os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     serve(int(argv[1]), int(argv[2]), argv[3].encode())

@@ -39,7 +39,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-from .._core import auth
+from .._core import _process, auth
 from .._core import spin as _spin
 from .._core.errors import (
     AuthenticationError,
@@ -69,7 +69,6 @@ from ._state import KVState
 
 TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
 if TYPE_CHECKING:
-    import subprocess
     from typing import Any
 
     from .._core.deadline import Clock
@@ -266,7 +265,7 @@ class StoreServer:
         self._starvation = Starvation(f"store server on port {port}")
         self._stop_requested = False
         self._thread: threading.Thread | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: _process.Spawned | None = None
         # ``start("process")``: the connection to the process that takes over from the thread,
         # until it has (``_hand_over``) or failed to; ``_handed`` is set then
         self._successor: socket.socket | None = None
@@ -513,18 +512,18 @@ class StoreServer:
             # library behind the tags of large frames, where its parent did)
             "path": [p for p in sys.path if p],
         }
-        import subprocess  # (here: the server's own process does not need it)
-
         boot_r, boot_w = os.pipe()
         try:
-            os.write(boot_w, json.dumps(config).encode())  # (far below a pipe's capacity)
+            # (its length first: a process forked meanwhile by another thread holds a copy of
+            # the write end, so the server would wait for its end of file as long as that lives)
+            boot = json.dumps(config).encode()
+            os.write(boot_w, struct.pack("<I", len(boot)) + boot)  # (far below a pipe's capacity)
             os.close(boot_w)
             boot_w = -1
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            self._proc = subprocess.Popen(
+            # (not ``subprocess.Popen``: see ``spawn``; a rank forked meanwhile made it wait)
+            self._proc = _process.spawn(
                 [sys.executable or "python3", "-S", "-c", _BOOT.format(root=root), str(boot_r)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
                 pass_fds=[boot_r, control_r, status_w, theirs.fileno()],
             )
         except OSError as exc:
@@ -1749,14 +1748,18 @@ def _serve_spawned(boot_fd: int) -> None:
     wrote, take over from the thread that serves meanwhile (``_take_over``), serve until the
     parent closes the control pipe or dies."""
     global _OPEN_WARNED
-    chunks = []
-    while True:
-        chunk = os.read(boot_fd, 65536)
+    boot = b""
+    size = 4
+    while len(boot) < size:
+        chunk = os.read(boot_fd, size - len(boot))
         if not chunk:
-            break
-        chunks.append(chunk)
+            os._exit(1)  # (its parent failed before it wrote it all)
+        boot += chunk
+        if size == 4 and len(boot) == 4:
+            size += struct.unpack("<I", boot)[0]
     os.close(boot_fd)
-    cfg = json.loads(b"".join(chunks))
+    cfg = json.loads(boot[4:])
+    _process.close_other_fds([cfg["handover"], cfg["control"], cfg["status"]])
     sys.path.extend(p for p in cfg["path"] if p not in sys.path)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is for the parent, which stops us
     # Every rank waits on the store: when the cores are oversubscribed, it should get the CPU
