@@ -1555,6 +1555,47 @@ def _running_job(work: Path) -> subprocess.Popen[str]:
     raise AssertionError(f"the job's workers never reported: {res.stdout} {res.stderr}")
 
 
+_STUCK = """
+import os, sys, threading
+import tdist  # (its status thread and its handler of SIGUSR2)
+
+def churn():
+    while True:
+        sum(range(100))
+
+threading.Thread(target=churn, name="churner", daemon=True).start()
+r, w = os.pipe()
+print("ready", flush=True)
+
+def stuck_in_a_system_call():
+    os.read(r, 1)  # (restarted after a signal: no Python signal handler runs meanwhile)
+
+stuck_in_a_system_call()
+"""
+
+
+def test_dump_takes_the_stacks_of_a_worker_stuck_in_a_system_call(work: Path) -> None:
+    # Every thread's stack comes from the worker's status thread (faulthandler's dump from the
+    # signal handler crashed workers whose other threads ran): a main thread that never gets
+    # back to Python to run a signal handler is still looked into (the request file).
+    (work / "stuck.py").write_text(_STUCK)
+    proc = subprocess.Popen(tdist_cmd("run", "--nproc-per-node", "1", "--master-port", "0", "stuck.py"), cwd=work,
+                            env=launcher_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        res = subprocess.run(tdist_cmd("dump", "--out", str(work / "d")), cwd=work, env=launcher_env(work),
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        stacks = (work / "d" / "stacks_0.txt").read_text()
+        assert '"MainThread" (most recent call first):' in stacks and "in stuck_in_a_system_call" in stacks, stacks
+        assert '"churner" (most recent call first):' in stacks and "in churn" in stacks, stacks
+        assert not list((work / "tmp").rglob("stacks.request"))  # (taken)
+        assert proc.poll() is None  # (the job goes on)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
 def test_status_of_a_job_of_two_nodes_through_its_rendezvous_endpoint(work: Path) -> None:
     """Two nodes (c10d), two workers each, progress reported: `tdist status --rdzv-endpoint`
     shows all four ranks from the job's store, whichever host it runs on; and says so when no

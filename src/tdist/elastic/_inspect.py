@@ -9,8 +9,15 @@ imported tdist (``worker_side``):
 - ``status.json``, rewritten every second by a daemon thread: the time (its heartbeat), the
   operation its process groups are in and since when (from the flight recorder, where one
   runs), and the steps it reported (``report_progress``);
-- a handler of ``SIGUSR2`` (``faulthandler``) that writes every thread's Python stack to
-  ``stacks.txt``; ``SIGUSR1`` dumps its flight record (``tdist.flight_recorder``).
+- every thread's Python stack, appended to ``stacks.txt`` when asked: by ``SIGUSR2`` (a
+  handler that wakes the status thread), or by a file ``stacks.request`` in its directory
+  (which the status thread looks for each second: the main thread may be inside a long call
+  of C code, where no Python signal handler runs). The status thread writes them from
+  ``sys._current_frames()``, holding the interpreter's lock: ``faulthandler``'s dump of every
+  thread, from the signal handler itself, walks the other threads' frames while they run,
+  and crashed the worker it looked into (a segmentation fault in ``dump_traceback``, about
+  one dump in a thousand with four busy threads). ``SIGUSR1`` dumps its flight record
+  (``tdist.flight_recorder``).
 
 ``tdist status`` reads those files and ``/proc`` (state, CPU, memory) into a per-rank table,
 redrawn every second; ``tdist dump`` signals every worker and gathers the stacks and flight
@@ -47,6 +54,7 @@ from typing import Any
 from .._core._process import pid_alive
 
 __all__ = [
+    "STACKS_REQUEST",
     "STALE",
     "answer_dump",
     "collect_dump",
@@ -68,6 +76,7 @@ __all__ = [
     "unregister_job",
     "watch_job",
     "worker_side",
+    "write_stacks",
 ]
 
 STATUS_DIR_ENV = "TDIST_STATUS_DIR"
@@ -164,9 +173,49 @@ def _steps() -> tuple[int | None, float | None]:
     return p[1][0], (p[1][0] - p[0][0]) / (p[1][1] - p[0][1])
 
 
+# a dump of the stacks is asked for: ``SIGUSR2``'s handler sets it (the file ``STACKS_REQUEST``
+# does the same, seen at the status thread's next look)
+_stacks_asked = threading.Event()
+STACKS_REQUEST = "stacks.request"
+
+
+def _on_stacks_signal(signum: int, frame: object) -> None:
+    _stacks_asked.set()  # (the status thread writes them: see the module)
+
+
+def write_stacks(path: str) -> None:
+    """Append every thread's Python stack but the caller's to ``path``, most recent call
+    first, in ``faulthandler``'s form (and each thread's name)."""
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()  # (under the interpreter's lock: no frame changes meanwhile)
+    main = threading.main_thread().ident
+    lines = []
+    for ident in sorted(frames, key=lambda i: (i != main, i)):
+        if ident == me:
+            continue
+        lines.append(f'Thread 0x{ident:016x} "{names.get(ident, "?")}" (most recent call first):')
+        f: Any = frames[ident]
+        while f is not None:
+            lines.append(f'  File "{f.f_code.co_filename}", line {f.f_lineno} in {f.f_code.co_name}')
+            f = f.f_back
+        lines.append("")
+    del frames
+    with open(path, "a") as out:
+        out.write("\n".join(lines) + "\n")
+
+
 def _status(directory: str) -> None:
     path = os.path.join(directory, "status.json")
+    stacks = os.path.join(directory, "stacks.txt")
+    request = os.path.join(directory, STACKS_REQUEST)
     while True:
+        if _stacks_asked.is_set() or os.path.exists(request):
+            _stacks_asked.clear()
+            with contextlib.suppress(OSError):
+                os.unlink(request)
+            with contextlib.suppress(Exception):
+                write_stacks(stacks)
         step, rate = _steps()
         op = None
         recorder = sys.modules.get("tdist.c10d._flight_recorder")  # (where the program has groups)
@@ -180,7 +229,7 @@ def _status(directory: str) -> None:
             with open(tmp, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, path)
-        time.sleep(_STATUS_EVERY)
+        _stacks_asked.wait(_STATUS_EVERY)
 
 
 def worker_side() -> None:
@@ -192,13 +241,13 @@ def worker_side() -> None:
         return
     _started = True
     with contextlib.suppress(Exception):
-        import faulthandler
-
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR2) in (
             signal.SIG_DFL, None,
         ):
-            stacks = open(os.path.join(directory, "stacks.txt"), "a")
-            faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+            signal.signal(signal.SIGUSR2, _on_stacks_signal)
+            # (a system call that the signal interrupts is restarted, as under faulthandler's
+            # handler before: C code that does not expect EINTR sees nothing)
+            signal.siginterrupt(signal.SIGUSR2, False)
     threading.Thread(target=_status, args=(directory,), name="tdist-status", daemon=True).start()
 
 
@@ -484,7 +533,7 @@ def handles_signal(pid: int, sig: int) -> bool:
 
 
 def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[str]:
-    """``tdist dump``: every worker's Python stacks (``SIGUSR2``) and flight record
+    """``tdist dump``: every worker's Python stacks (``SIGUSR2`` and ``STACKS_REQUEST``) and flight record
     (``SIGUSR1``) into ``dest`` (``stacks_<r>.txt``; ``rank_<r>``, what ``torchfrtrace
     dest`` reads: it takes every file whose name has ``rank_`` in it). Returns the files gathered."""
     os.makedirs(dest, exist_ok=True)
@@ -495,6 +544,9 @@ def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[s
         sizes[w["rank"]] = os.path.getsize(path) if os.path.exists(path) else 0
     started = time.time()
     for w in workers:
+        if handles_signal(int(w["pid"]), signal.SIGUSR2):  # (its status thread looks for it)
+            with contextlib.suppress(OSError):
+                open(os.path.join(w["dir"], STACKS_REQUEST), "w").close()
         for sig in (signal.SIGUSR2, signal.SIGUSR1):
             if handles_signal(int(w["pid"]), sig):  # (a signal nobody handles would end the worker)
                 with contextlib.suppress(ProcessLookupError):
