@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -774,6 +775,33 @@ def test_a_master_hands_over_to_its_own_process_while_a_child_forked_meanwhile_l
         for pid in forked:
             os.waitpid(pid, 0)
         os.close(hold_r)
+        master.close()
+
+
+def test_the_servers_own_process_keeps_no_descriptor_of_its_parent_but_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (started with posix_spawn, it inherits what is inheritable in its parent, as os.dup2 or a
+    # C library leaves it: a pipe's write end held there would hide its end of file from the
+    # parent's reader for as long as the store lives)
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    r, w = os.pipe()
+    os.set_inheritable(w, True)
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    try:
+        server = master._server
+        assert server is not None
+        pid = server.pid
+        assert pid is not None
+        held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        assert os.readlink(f"/proc/self/fd/{w}") not in held
+        os.close(w)
+        assert os.read(r, 1) == b""  # (its end of file: nobody else holds the write end)
+        master.set("k", "v")
+        assert client_of(master).get("k") == b"v"
+    finally:
+        os.close(r)
+        with contextlib.suppress(OSError):
+            os.close(w)
         master.close()
 
 
