@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import select
@@ -803,6 +804,32 @@ def test_the_servers_own_process_keeps_no_descriptor_of_its_parent_but_its_own(m
         with contextlib.suppress(OSError):
             os.close(w)
         master.close()
+
+
+def test_the_process_of_a_master_dropped_unclosed_is_reaped_once_it_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (it stops on its own, unwaited for: the next server started reaps it, as Popen's are)
+    monkeypatch.delenv("TDIST_STORE_SERVER", raising=False)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+
+    def state(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return "gone"
+
+    master = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    pid = master._server.pid if master._server is not None else None
+    assert pid is not None
+    del master
+    gc.collect()
+    wait_until(lambda: state(pid) in ("Z", "gone"), 10, "the dropped master's server exits")
+    again = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10))
+    try:
+        assert again._server is not None and again._server.pid is not None  # (its own spawned)
+        assert state(pid) == "gone"  # (reaped, not a zombie for as long as this process lives)
+    finally:
+        again.close()
 
 
 def test_a_master_serving_from_a_thread_talks_to_it_over_a_socket_pair_and_others_still_prove_the_secret(

@@ -98,6 +98,15 @@ class Spawned:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self._parent = os.getpid()  # (in a forked child, a copy of this is not its child)
+
+    def __del__(self) -> None:
+        # dropped while it may still run (a store server told to stop without waiting): kept
+        # until it has exited and is reaped (by the next ``spawn``), as Popen keeps its own,
+        # not left a zombie for as long as this process lives
+        with contextlib.suppress(Exception):  # (at the interpreter's exit: nothing to keep)
+            if self.returncode is None and self._parent == os.getpid() and self.poll() is None:
+                _unreaped.append(self)
 
     def poll(self) -> int | None:
         """Its exit status once it has exited (negative: killed by that signal), else None."""
@@ -167,11 +176,17 @@ def spawn(argv: Sequence[str], *, pass_fds: Sequence[int] = (), new_session: boo
     # as POSIX now says): the child keeps it, no other process started meanwhile gets it
     actions += [(os.POSIX_SPAWN_DUP2, fd, fd) for fd in pass_fds]
     start = os.posix_spawn if os.sep in argv[0] else os.posix_spawnp
+    for old in list(_unreaped):  # (those dropped earlier that have exited meanwhile)
+        if old.poll() is not None:
+            _unreaped.remove(old)
     pid = start(
         argv[0], list(argv), os.environ, file_actions=actions, setsid=new_session,
         setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),  # (as Popen's restore_signals)
     )
     return Spawned(pid)
+
+
+_unreaped: list[Spawned] = []
 
 
 def close_other_fds(keep: Sequence[int]) -> None:
