@@ -41,6 +41,7 @@ import contextlib
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -173,14 +174,19 @@ def _steps() -> tuple[int | None, float | None]:
     return p[1][0], (p[1][0] - p[0][0]) / (p[1][1] - p[0][1])
 
 
-# a dump of the stacks is asked for: ``SIGUSR2``'s handler sets it (the file ``STACKS_REQUEST``
-# does the same, seen at the status thread's next look)
-_stacks_asked = threading.Event()
+# a dump of the stacks is asked for: ``SIGUSR2``'s handler writes a byte to this pipe, which
+# wakes the status thread (the file ``STACKS_REQUEST`` asks too, seen at its next look)
+_stacks_pipe: tuple[int, int] | None = None
 STACKS_REQUEST = "stacks.request"
 
 
 def _on_stacks_signal(signum: int, frame: object) -> None:
-    _stacks_asked.set()  # (the status thread writes them: see the module)
+    # (no lock here, not even an Event's: the handler runs between two bytecodes of the main
+    # thread, which may hold that very lock in this handler's earlier run, when two signals
+    # come close together; a byte to a non-blocking pipe takes none)
+    if _stacks_pipe is not None:
+        with contextlib.suppress(OSError):  # (full: a wake-up is pending anyway)
+            os.write(_stacks_pipe[1], b"\0")
 
 
 def write_stacks(path: str) -> None:
@@ -209,9 +215,15 @@ def _status(directory: str) -> None:
     path = os.path.join(directory, "status.json")
     stacks = os.path.join(directory, "stacks.txt")
     request = os.path.join(directory, STACKS_REQUEST)
+    wake = select.poll()
+    if _stacks_pipe is not None:
+        wake.register(_stacks_pipe[0], select.POLLIN)
     while True:
-        if _stacks_asked.is_set() or os.path.exists(request):
-            _stacks_asked.clear()
+        asked = False
+        if _stacks_pipe is not None:
+            with contextlib.suppress(OSError):  # (BlockingIOError: nothing written)
+                asked = bool(os.read(_stacks_pipe[0], 4096))
+        if asked or os.path.exists(request):
             with contextlib.suppress(OSError):
                 os.unlink(request)
             with contextlib.suppress(Exception):
@@ -229,7 +241,11 @@ def _status(directory: str) -> None:
             with open(tmp, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, path)
-        _stacks_asked.wait(_STATUS_EVERY)
+        if _stacks_pipe is None:
+            time.sleep(_STATUS_EVERY)
+        else:
+            with contextlib.suppress(OSError):
+                wake.poll(_STATUS_EVERY * 1000)
 
 
 def worker_side() -> None:
@@ -244,6 +260,11 @@ def worker_side() -> None:
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR2) in (
             signal.SIG_DFL, None,
         ):
+            global _stacks_pipe
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            _stacks_pipe = (r, w)
             signal.signal(signal.SIGUSR2, _on_stacks_signal)
             # (a system call that the signal interrupts is restarted, as under faulthandler's
             # handler before: C code that does not expect EINTR sees nothing)
