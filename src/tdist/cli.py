@@ -539,8 +539,9 @@ def _store(ns: argparse.Namespace) -> int:
 
     def stop(signum: int, frame: FrameType | None) -> None:
         stopped.append(signum)
-        with contextlib.suppress(OSError):
-            os.close(w)
+        if len(stopped) == 1:  # (once: a second signal would close whatever has w's number now)
+            with contextlib.suppress(OSError):
+                os.close(w)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     access = "clients must prove TDIST_SECRET" if secret else "open: anyone who can connect may use it"
