@@ -339,8 +339,7 @@ def serve(parent: int, fd: int, token: bytes) -> None:
 
 def main(argv: list[str]) -> int:
     fd = int(argv[2])  # (every other descriptor it got is its parent's business: ``spawn``)
-    if fd > 3:
-        os.closerange(3, fd)
+    os.closerange(3, fd)
     os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)

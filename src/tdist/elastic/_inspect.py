@@ -194,7 +194,7 @@ def write_stacks(path: str) -> None:
     first, in ``faulthandler``'s form (and each thread's name)."""
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
-    frames = sys._current_frames()  # (under the interpreter's lock: no frame changes meanwhile)
+    frames = sys._current_frames()  # (Python objects, taken under the interpreter's lock: safe)
     main = threading.main_thread().ident
     lines = []
     for ident in sorted(frames, key=lambda i: (i != main, i)):
