@@ -1748,17 +1748,17 @@ def _serve_spawned(boot_fd: int) -> None:
     wrote, take over from the thread that serves meanwhile (``_take_over``), serve until the
     parent closes the control pipe or dies."""
     global _OPEN_WARNED
-    boot = b""
-    size = 4
-    while len(boot) < size:
-        chunk = os.read(boot_fd, size - len(boot))
-        if not chunk:
-            os._exit(1)  # (its parent failed before it wrote it all)
-        boot += chunk
-        if size == 4 and len(boot) == 4:
-            size += struct.unpack("<I", boot)[0]
+    def read_exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = os.read(boot_fd, n - len(data))
+            if not chunk:
+                os._exit(1)  # (its parent failed before it wrote it all)
+            data += chunk
+        return data
+
+    cfg = json.loads(read_exactly(struct.unpack("<I", read_exactly(4))[0]))
     os.close(boot_fd)
-    cfg = json.loads(boot[4:])
     _process.close_other_fds([cfg["handover"], cfg["control"], cfg["status"]])
     sys.path.extend(p for p in cfg["path"] if p not in sys.path)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is for the parent, which stops us
