@@ -805,3 +805,34 @@ def test_forming_the_default_group_again_on_a_store_that_outlives_it() -> None:
     rounds = 4
     results = run_processes(_form_again_on_an_agent_store, 2, agent_store.port, rounds, timeout=60)
     assert results == [[[3.0, 3.0]] * rounds] * 2
+
+
+_UNDER_TORCHRUN = """\
+import torch
+import tdist as dist
+dist.init_process_group("gloo")
+t = torch.ones(2) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()}/{dist.get_world_size()} {t.tolist()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_program_ported_to_tdist_runs_under_torchs_own_torchrun(tmp_path: Any) -> None:
+    # torchrun says TORCHELASTIC_USE_AGENT_STORE=True: the store at MASTER_ADDR:MASTER_PORT is
+    # torch's C++ one, which tdist's client cannot talk to (it waited for a greeting for the
+    # whole init timeout); tdist joins it with torch's client
+    import subprocess
+    import sys
+
+    prog = tmp_path / "prog.py"
+    prog.write_text(_UNDER_TORCHRUN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "TORCHELASTIC_", "MASTER_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(prog)],
+        capture_output=True, text=True, timeout=80, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0/2 [3.0, 3.0]", "rank 1/2 [3.0, 3.0]",
+    ]

@@ -20,7 +20,9 @@ process creates on that address) and the other ranks connect to it. Under ``tdis
 torchrun) ``TORCHELASTIC_USE_AGENT_STORE=True`` says that the launcher already hosts the server:
 every rank is then a client, and the store is namespaced per restart attempt with
 ``PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", store)`` so that keys left by a
-failed attempt cannot confuse the next one.
+failed attempt cannot confuse the next one. Under torch's own torchrun that server is torch's C++
+``TCPStore`` (no ``TDIST_AGENT_STORE``; it does not greet a new connection as tdist's does), and
+the ranks join it with torch's client.
 
 Thread-safety: the handler registry may be used from several threads.
 """
@@ -31,6 +33,7 @@ import contextlib
 import logging
 import numbers
 import os
+import select
 import socket
 import threading
 import uuid
@@ -203,6 +206,39 @@ def _agent_store(hostname: str, port: int) -> tuple[str, int] | None:
     return None
 
 
+#: how long a new connection to the agent's store waits for a tdist server's greeting before it
+#: takes the server for torchrun's (torch's C++ ``TCPStore``, which waits for its client to
+#: speak first); a tdist server greets as it accepts
+_GREETING_WAIT = 1.0
+
+
+def _agent_is_torchs(hostname: str, port: int) -> bool:
+    """Whether the agent's store at ``hostname:port`` is torch's, not a tdist server: so under
+    torch's own ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True`` and no ``TDIST_AGENT_STORE``).
+    Told by a connection that gets no greeting within ``_GREETING_WAIT`` seconds; a connection
+    that fails, or sees its end, is left to tdist's client to retry and report."""
+    if os.environ.get("TDIST_AGENT_STORE"):
+        return False
+    try:
+        sock = socket.create_connection((hostname, port), timeout=_GREETING_WAIT)
+    except OSError:
+        return False
+    with sock:
+        readable, _, _ = select.select([sock], [], [], _GREETING_WAIT)
+    return not readable
+
+
+def _torch_client(hostname: str, port: int, world_size: int | None, timeout: timedelta) -> Store:
+    """A client of torchrun's store (torch's ``TCPStore``), as a tdist store."""
+    import torch.distributed as c10d
+
+    from ._foreign import ForeignStore
+
+    log.debug("the agent's store at %s:%d is torch's (torchrun): joining it with torch's client", hostname, port)
+    store = c10d.TCPStore(hostname, port, world_size, False, timeout=timeout, wait_for_workers=False)
+    return ForeignStore(store)
+
+
 def _use_libuv(query: dict[str, str]) -> bool:
     return query.get("use_libuv", os.environ.get("USE_LIBUV", "1")) == "1"
 
@@ -225,13 +261,17 @@ def _create_c10d_store(
         hostname, port = agent
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         log.debug("rank %d: client of the agent's store at %s:%d (attempt %s)", rank, hostname, port, attempt)
-        tcp_store = TCPStore(
-            host_name=hostname, port=port, world_size=size, is_master=False, timeout=timeout,
-            use_libuv=use_libuv,
-        )
+        agent_store: Store
+        if _agent_is_torchs(hostname, port):
+            agent_store = _torch_client(hostname, port, size, timeout)
+        else:
+            agent_store = TCPStore(
+                host_name=hostname, port=port, world_size=size, is_master=False, timeout=timeout,
+                use_libuv=use_libuv,
+            )
         from ._prefix import PrefixStore
 
-        return PrefixStore(f"/worker/attempt_{attempt}", tcp_store)
+        return PrefixStore(f"/worker/attempt_{attempt}", agent_store)
     log.debug("rank %d: %s the store at %s:%d", rank, "hosting" if rank == 0 else "joining", hostname, port)
     store = TCPStore(
         host_name=hostname,
