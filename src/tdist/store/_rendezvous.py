@@ -230,12 +230,12 @@ def _agent_is_torchs(hostname: str, port: int) -> bool:
 
 def _torch_client(hostname: str, port: int, world_size: int | None, timeout: timedelta) -> Store:
     """A client of torchrun's store (torch's ``TCPStore``), as a tdist store."""
-    import torch.distributed as c10d
+    from torch._C._distributed_c10d import TCPStore as TorchTCPStore
 
     from ._foreign import ForeignStore
 
     log.debug("the agent's store at %s:%d is torch's (torchrun): joining it with torch's client", hostname, port)
-    store = c10d.TCPStore(hostname, port, world_size, False, timeout=timeout, wait_for_workers=False)
+    store = TorchTCPStore(hostname, port, world_size, False, timeout=timeout, wait_for_workers=False)
     return ForeignStore(store)
 
 
