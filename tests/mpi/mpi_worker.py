@@ -228,18 +228,29 @@ def _rpc_beside() -> dict[str, Any]:
 
 def _args_checked() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    try:
+    # rank and world size given that MPI contradicts: ignored with a warning, as torch's MPI
+    # backend ignores them; MASTER_ADDR alone (the test sets no MASTER_PORT) asks for no
+    # rendezvous: torch's MPI backend reads neither, and the group's store is served at that
+    # address
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         dist.init_process_group("mpi", rank=7, world_size=9)
-    except ValueError as exc:
-        out["error"] = str(exc)
-    # MASTER_ADDR alone (the test sets no MASTER_PORT) asks for no rendezvous: torch's MPI
-    # backend reads neither, and the group's store is served at that address
-    dist.init_process_group("mpi")
+    out["warnings"] = [str(w.message) for w in caught]
+    out["rank"] = dist.get_rank()
     t = torch.ones(1)
     dist.all_reduce(t)
     out["all_reduce"] = t.item()
     dist.destroy_process_group()
     return out
+
+
+def _alone() -> dict[str, Any]:
+    """Started without mpiexec, where the job says 2 processes: refused."""
+    try:
+        dist.init_process_group("mpi")
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None, "world_size": dist.get_world_size()}
 
 
 def _write(result: dict[str, Any]) -> None:
@@ -251,7 +262,7 @@ def _write(result: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked}[case]()
+    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone}[case]()
     _write(result)
     if case in ("stuck", "dies"):
         # the survivors leave together: mpiexec ends the job's processes once one has left (a

@@ -136,11 +136,22 @@ def test_two_hosts_over_mpis_tcp_transport() -> None:
         assert got["wire"] >= 2 << 20  # (half of 4 MiB at least, each way, over the veth)
 
 
-def test_rank_and_world_size_come_from_mpi_and_are_checked() -> None:
+def test_rank_and_world_size_come_from_mpi_and_given_ones_are_ignored_with_torchs_warning() -> None:
     res = _mpiexec(2, "args", {"MASTER_ADDR": "127.0.0.1"})
-    for got in res:
-        assert "MPI says this process is rank" in got["error"]
-        assert got["all_reduce"] == 2.0
+    for r, got in enumerate(res):
+        assert any("world_size (9) and rank (7) are ignored" in w for w in got["warnings"]), got["warnings"]
+        assert got["rank"] == r and got["all_reduce"] == 2.0
+
+
+def test_a_process_that_mpi_sees_alone_in_a_larger_job_is_refused(tmp_path: Path) -> None:
+    """``"mpi" if is_mpi_available() else "gloo"`` under torchrun: each worker is an MPI world
+    of its own, and would train alone as rank 0 of 1."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MPI_TEST_OUT=str(tmp_path), PMI_RANK="0",
+               WORLD_SIZE="2", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    proc = subprocess.run([sys.executable, WORKER, "alone"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "0.json").read_text())
+    assert got["error"] and "not started by an MPI launcher" in got["error"] and "WORLD_SIZE=2" in got["error"], got
 
 
 def test_rpc_runs_beside_an_mpi_process_group() -> None:

@@ -310,7 +310,7 @@ def init_process_group(
                 world.owned_store = store
                 store = PrefixStore("default_pg", store)
             else:
-                rank, world_size = mpi_world()
+                rank, world_size = mpi_world(rank, world_size)
         joined: int | None = None
         if store is None:
             assert init_method is not None

@@ -1,8 +1,9 @@
 """The ``mpi`` backend: tdist's process groups on a real MPI, through mpi4py.
 
 ``init_process_group("mpi")`` under ``mpiexec -n N python script.py`` takes rank and world size
-from ``MPI_COMM_WORLD`` (the ``rank``/``world_size`` arguments are checked against them, as
-torch's MPI backend ignores them) and needs no ``MASTER_ADDR``: rank 0 serves the group's store
+from ``MPI_COMM_WORLD`` (``rank``/``world_size`` arguments that differ are ignored with a
+warning, as torch's MPI backend ignores them; a process that MPI sees alone in a larger job is
+refused) and needs no ``MASTER_ADDR``: rank 0 serves the group's store
 from a thread and tells the others where it is over MPI (``mpi_world_store``). The store carries
 what MPI does not: ``monitored_barrier``, the debug checks, and the diagnosis of a timed-out
 operation (which ranks never reached it).
@@ -33,6 +34,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -89,9 +91,42 @@ _EXIT_WAIT = 10.0  # seconds a rank leaving waits for the others to leave too
 _exit_hook = False
 
 
-def mpi_world() -> tuple[int, int]:
-    """This process's rank and the world size in ``MPI_COMM_WORLD``."""
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+def mpi_world(rank: int = -1, world_size: int = -1) -> tuple[int, int]:
+    """This process's rank and the world size in ``MPI_COMM_WORLD``. A ``rank`` or
+    ``world_size`` given (not -1) that differs is ignored with a warning, as torch's MPI backend
+    ignores both.
+
+    Raises:
+        RuntimeError: MPI's world is this process alone where the job is larger (``world_size``,
+            else ``WORLD_SIZE``, or srun's task count): the process was not started by an MPI
+            launcher (torchrun, say, starts each worker as an MPI world of its own), so every
+            worker would be rank 0 of a group of 1 and train alone.
+    """
+    me, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if n == 1 and tasks.isdigit() and int(tasks) > 1 and "SLURM_PROCID" in os.environ:
+        raise RuntimeError(
+            f"init_process_group('mpi'): srun started {tasks} tasks, but MPI sees a world of 1 "
+            f"(this is task {os.environ['SLURM_PROCID']}): srun did not hand MPI its PMI; run "
+            "`srun --mpi=pmi2 ...` (or set MpiDefault=pmi2 in slurm.conf)"
+        )
+    env_size = os.environ.get("WORLD_SIZE", "")
+    wanted = world_size if world_size >= 0 else int(env_size) if env_size.isdigit() else -1
+    if n == 1 and wanted > 1:
+        said = f"world_size={world_size}" if world_size >= 0 else f"WORLD_SIZE={env_size}"
+        raise RuntimeError(
+            f"init_process_group('mpi'): MPI sees a world of 1 process, but {said}: this process "
+            "was not started by an MPI launcher (a launcher such as torchrun starts each worker as "
+            f"an MPI world of its own, where each would train alone as rank 0); run `mpiexec -n "
+            f"{wanted} python ...`, or use the gloo backend under torchrun"
+        )
+    if (rank >= 0 and rank != me) or (world_size >= 0 and world_size != n):
+        warnings.warn(
+            f"For MPI backend, world_size ({world_size}) and rank ({rank}) are ignored since they "
+            f"are assigned by the MPI runtime (rank {me} of {n} here).",
+            stacklevel=3,
+        )
+    return me, n
 
 
 def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Store, int, int]:
@@ -105,25 +140,14 @@ def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Sto
     connection of the job then prove it).
 
     Raises:
-        ValueError: ``rank`` or ``world_size`` (where given, not -1) differs from MPI's.
+        RuntimeError: as ``mpi_world``.
     """
     from ..store import TCPStore
     from ..store._tcp import serving_in_a_thread
     from ..transport._link import host_id
 
     comm = MPI.COMM_WORLD
-    me, n = comm.Get_rank(), comm.Get_size()
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if n == 1 and tasks.isdigit() and int(tasks) > 1 and "SLURM_PROCID" in os.environ:
-        raise RuntimeError(
-            f"init_process_group('mpi'): srun started {tasks} tasks, but MPI sees a world of 1 "
-            f"(this is task {os.environ['SLURM_PROCID']}): srun did not hand MPI its PMI; run "
-            "`srun --mpi=pmi2 ...` (or set MpiDefault=pmi2 in slurm.conf)"
-        )
-    if rank >= 0 and rank != me:
-        raise ValueError(f"init_process_group('mpi'): rank={rank} given, but MPI says this process is rank {me}")
-    if world_size >= 0 and world_size != n:
-        raise ValueError(f"init_process_group('mpi'): world_size={world_size} given, but MPI's world has {n} processes")
+    me, n = mpi_world(rank, world_size)
     hosts = comm.allgather(host_id())
     global _exit_hook
     if not _exit_hook:  # (after mpi4py's own: exit handlers run last-registered first)
