@@ -40,10 +40,12 @@ def _load() -> None:
     names = globals()
     private = (
         "_all_gather_base", "_reduce_scatter_base", "_clear_group_cache", "_register_stream",
-        "_coalescing_manager", "_CoalescingManager",
+        "_coalescing_manager", "_CoalescingManager", "_rank_not_in_group", "_get_default_group",
+        *public.TORCH_PRIVATE,
     )
+    c10d = public.distributed_c10d
     for name in (*public.__all__, *private, "__all__"):  # (__all__, the mark, last)
-        names.setdefault(name, getattr(public, name))
+        names.setdefault(name, getattr(public, name) if hasattr(public, name) else getattr(c10d, name))
 
 
 def __getattr__(name: str) -> object:

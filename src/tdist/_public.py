@@ -247,6 +247,35 @@ def init_device_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
 
 __all__ += ["DeviceMesh", "breakpoint", "init_device_mesh"]
 
+# -- torch's own classes and helpers that DDP, its comm hooks and libraries name through
+# torch.distributed (``def hook(state, bucket: dist.GradBucket)``, which DDP checks is torch's
+# class): the same objects, as they belong to torch's autograd and DDP, not to a transport --------
+import torch as _torch  # noqa: E402
+from torch._C._distributed_c10d import _DEFAULT_FIRST_BUCKET_BYTES as _DEFAULT_FIRST_BUCKET_BYTES  # noqa: E402
+from torch._C._distributed_c10d import BuiltinCommHookType, GradBucket, Logger, Reducer  # noqa: E402
+from torch._C._distributed_c10d import _broadcast_coalesced as _broadcast_coalesced  # noqa: E402
+from torch._C._distributed_c10d import (  # noqa: E402
+    _compute_bucket_assignment_by_size as _compute_bucket_assignment_by_size,
+)
+from torch._C._distributed_c10d import _make_nccl_premul_sum as _make_nccl_premul_sum  # noqa: E402
+from torch._C._distributed_c10d import _register_builtin_comm_hook as _register_builtin_comm_hook  # noqa: E402
+from torch._C._distributed_c10d import _register_comm_hook as _register_comm_hook  # noqa: E402
+from torch._C._distributed_c10d import (  # noqa: E402
+    _verify_params_across_processes as _verify_params_across_processes,
+)
+from torch.distributed.distributed_c10d import GroupName, ProcessGroupGloo  # noqa: E402
+from torch.distributed.remote_device import _remote_device as _remote_device  # noqa: E402
+
+RankType = int | _torch.SymInt  # (torch.distributed's alias)
+
+__all__ += ["BuiltinCommHookType", "GradBucket", "GroupName", "Logger", "ProcessGroupGloo", "RankType", "Reducer"]
+#: torch's private names of the section above, which ``tdist`` has as well (not in ``__all__``)
+TORCH_PRIVATE = (
+    "_DEFAULT_FIRST_BUCKET_BYTES", "_broadcast_coalesced", "_compute_bucket_assignment_by_size",
+    "_make_nccl_premul_sum", "_register_builtin_comm_hook", "_register_comm_hook", "_remote_device",
+    "_verify_params_across_processes",
+)
+
 # -- torch 0.3's master-worker mode (its API for the master: tdist.master_worker) -----------------
 from ._master_worker import init_master_worker  # noqa: E402
 

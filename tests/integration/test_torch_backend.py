@@ -836,3 +836,36 @@ def test_a_program_ported_to_tdist_runs_under_torchs_own_torchrun(tmp_path: Any)
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
         "rank 0/2 [3.0, 3.0]", "rank 1/2 [3.0, 3.0]",
     ]
+
+
+def _hook_from_torchs_docs(rank: int, n: int, port: int) -> list[float]:
+    """``register_comm_hook``'s example in torch's docs, ported by its import: the hook's
+    bucket is annotated ``dist.GradBucket``, which DDP checks is torch's class."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist = tdist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    dist.init_process_group("gloo")
+    try:
+        # (compiled here: this file's annotations are strings, and DDP compares the object)
+        namespace: dict[str, Any] = {"dist": dist, "n": n}
+        source = (
+            "def mean(state, bucket: dist.GradBucket):\n"
+            "    t = bucket.buffer() / n\n"
+            "    return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])\n"
+        )
+        exec(compile(source, "<hook>", "exec", dont_inherit=True), namespace)
+        mean = namespace["mean"]
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(3, 1))
+        model.register_comm_hook(None, mean)
+        model(torch.full((2, 3), float(rank + 1))).sum().backward()
+        assert dist._rank_not_in_group(None) is False
+        return [float(g) for p in model.parameters() for g in p.grad.flatten()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_comm_hook_annotated_with_dist_gradbucket_runs_on_tdist() -> None:
+    got = run_processes(_hook_from_torchs_docs, 2, free_port(), timeout=60)
+    assert got[0] == got[1] == [3.0, 3.0, 3.0, 2.0]  # (weights: the mean of 2 and 4; the bias: of 2 and 2)
