@@ -962,3 +962,20 @@ def test_a_timed_out_all_to_all_single_is_named_so() -> None:
 
     message = spmd(body, 2, pg_timeout=timedelta(seconds=1))[0]
     assert message.splitlines()[0].startswith("rank 0: all_to_all_single "), message
+
+
+def _summed(rank: int, n: int) -> list[float]:
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_init_fails_naming_the_interface_gloo_socket_ifname_names_where_there_is_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TDIST_ADDR", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nonexistent0")
+    with pytest.raises(RuntimeError, match="Unable to find address for: nonexistent0"):
+        spmd(_summed, 2)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert spmd(_summed, 2) == [[2.0, 2.0]] * 2

@@ -30,3 +30,20 @@ pytestmark = pytest.mark.timeout(10)
 def test_literal_addresses(host: str, family: int | None, loopback: bool) -> None:
     assert literal_family(host) == family
     assert literal_loopback(host) is loopback
+
+
+def test_the_interface_gloo_socket_ifname_names_gives_the_advertised_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist._core.errors import DistNetworkError
+    from tdist.transport._link import advertised_address
+
+    monkeypatch.delenv("TDIST_ADDR", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert advertised_address(None) == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nonexistent0,lo")  # (the first one is used, as gloo's device)
+    with pytest.raises(DistNetworkError, match="Unable to find address for: nonexistent0"):
+        advertised_address(None)
+    # RPC reads TensorPipe's variable instead
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")
+    assert advertised_address(None, "TP_SOCKET_IFNAME") == "127.0.0.1"
+    monkeypatch.setenv("TDIST_ADDR", "127.0.0.5")  # (tdist's own variable wins)
+    assert advertised_address(None) == "127.0.0.5"

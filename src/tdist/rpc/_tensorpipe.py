@@ -88,7 +88,7 @@ class TensorPipeAgent(RpcAgent):
             self.describe,
             self._on_frame,
             self.peer_lost,
-            advertise=advertised_address(store),
+            advertise=advertised_address(store, "TP_SOCKET_IFNAME"),
             heartbeat_interval=float(os.environ.get("TDIST_HEARTBEAT_INTERVAL", "1.0")),
             stall_timeout=float(os.environ.get("TDIST_HEARTBEAT_TIMEOUT", "5.0")),
             on_batch_end=self._run_deferred,

@@ -322,12 +322,50 @@ def _store_host(store: Any) -> str | None:
     return None
 
 
-def advertised_address(store: Any) -> str:
-    """The address other hosts reach this rank by: ``TDIST_ADDR``, else the local address of
-    the route to the store's host, else loopback."""
+def interface_address(name: str) -> str:
+    """The address of network interface ``name``: its IPv4 address, else its first global IPv6
+    one.
+
+    Raises:
+        DistNetworkError: this host has no interface ``name``, or it has no address (torch's
+            gloo says "Unable to find address for: <name>").
+    """
+    import fcntl
+    import struct
+
+    from .._core.errors import DistNetworkError
+
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        siocgifaddr = 0x8915
+        packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
+        for line in table:  # (address, index, prefix length, scope, flags, name)
+            fields = line.split()
+            if len(fields) == 6 and fields[5] == name and fields[3] == "00":
+                raw = bytes.fromhex(fields[0])
+                return socket.inet_ntop(socket.AF_INET6, raw)
+    raise DistNetworkError(f"Unable to find address for: {name} (the network interface that {_IFNAME_WHY})")
+
+
+_IFNAME_WHY = "GLOO_SOCKET_IFNAME or TP_SOCKET_IFNAME names, which this host does not have with an address"
+
+
+def advertised_address(store: Any, interface_var: str = "GLOO_SOCKET_IFNAME") -> str:
+    """The address other hosts reach this rank by: ``TDIST_ADDR``, else the address of the
+    first interface that the environment variable ``interface_var`` names (torch's
+    ``GLOO_SOCKET_IFNAME`` for process groups, ``TP_SOCKET_IFNAME`` for RPC: a comma-separated
+    list, as gloo's), else the local address of the route to the store's host, else loopback.
+
+    Raises:
+        DistNetworkError: ``interface_var`` names an interface this host does not have.
+    """
     explicit = os.environ.get("TDIST_ADDR")
     if explicit:
         return explicit
+    interfaces = [n.strip() for n in os.environ.get(interface_var, "").split(",") if n.strip()]
+    if interfaces:
+        return interface_address(interfaces[0])
     host = _store_host(store)
     if host:
         try:
