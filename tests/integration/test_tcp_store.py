@@ -1130,3 +1130,24 @@ def test_waits_answered_or_abandoned_leave_no_timers_behind() -> None:
         client.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("state", ["listening", "bound", "unbound"])
+def test_master_listen_fd_serves_on_a_socket_listening_or_not(state: str) -> None:
+    """As torch's: the socket passed may listen already, or be bound only, or not even bound
+    (then it listens on an ephemeral port)."""
+    sock = socket.socket()
+    if state != "unbound":
+        sock.bind(("127.0.0.1", 0))
+    if state == "listening":
+        sock.listen()
+    fd = sock.detach()
+    master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False, master_listen_fd=fd)
+    try:
+        assert master.port > 0
+        client = dist.TCPStore("127.0.0.1", master.port, 2, False, timeout=timedelta(seconds=10))
+        client.set("k", "v")
+        assert master.get("k") == b"v"
+        client.close()
+    finally:
+        master.close()

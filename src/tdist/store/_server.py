@@ -289,6 +289,10 @@ class StoreServer:
         self._ep: select.epoll | None = None
         if listen_fd is not None:
             self._tcp = socket.socket(fileno=listen_fd)
+            if not self._tcp.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                # (torch's takes a socket not listening yet, bound or not: an unbound one
+                # listens on an ephemeral port of every address)
+                self._tcp.listen(backlog)
         else:
             self._tcp = self._bind_tcp(host, port, backlog)
         self.port: int = self._tcp.getsockname()[1]

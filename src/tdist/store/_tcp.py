@@ -165,7 +165,7 @@ class TCPStore(Store):
         timeout: the default timeout of connecting and of blocking calls.
         wait_for_workers: see ``world_size``.
         multi_tenant: masters in one process with the same host and port share one server.
-        master_listen_fd: an already listening socket for the server to use.
+        master_listen_fd: a socket for the server to use (listening already, or bound, or not even bound: then it listens on an ephemeral port), as torch's.
         use_libuv: accepted for compatibility with torch; ignored.
         secret: the job's shared secret (default ``TDIST_SECRET``); without one the store is
             open to anyone who can connect, as torch's is.
