@@ -979,3 +979,43 @@ def test_init_fails_naming_the_interface_gloo_socket_ifname_names_where_there_is
         spmd(_summed, 2)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert spmd(_summed, 2) == [[2.0, 2.0]] * 2
+
+
+def _mismatched_while_one_rank_reads_late(rank: int, n: int, port: int) -> str:
+    import os
+
+    from tdist.c10d import _debug
+
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    os.environ["TDIST_SHM"] = "0"  # (over sockets the debug check finds it; shared memory, itself)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=PG_TIMEOUT)
+    if rank == 1:  # (reads the fingerprints well after rank 0, which hosts the store, has)
+        wait_ = _debug.CollectiveChecker.check
+
+        def late(self: Any, fp: Any) -> None:
+            real = self._store.multi_get
+
+            def multi_get(keys: list[str]) -> list[bytes]:
+                time.sleep(1.0)  # (widens the window; the test does not synchronise on it)
+                return real(keys)  # type: ignore[no-any-return]
+
+            self._store.multi_get = multi_get
+            wait_(self, fp)
+
+        _debug.CollectiveChecker.check = late  # type: ignore[method-assign]
+    try:
+        dist.all_reduce(torch.ones(rank + 1))
+        return "no error"
+    except Exception as exc:
+        return type(exc).__name__
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_mismatch_is_reported_on_every_rank_when_the_stores_host_finds_it_first() -> None:
+    """Rank 0 hosts the group's store: it must not raise (and exit, taking the store along)
+    before rank 1 has read the fingerprints, or rank 1 reports a lost store, not the mismatch."""
+    from tdist.testing import run_processes
+
+    got = run_processes(_mismatched_while_one_rank_reads_late, 2, free_port(), timeout=50)
+    assert got == ["CollectiveMismatchError"] * 2

@@ -18,6 +18,7 @@ Thread-safety: a checker serves one group, whose collectives are issued in one o
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -221,6 +222,10 @@ def compare(fps: Sequence[Fingerprint], me: int, seq: int = 0, group: str = "") 
     return None
 
 
+#: how long a rank that found a mismatch waits for the others to have read the fingerprints
+_MISMATCH_WAIT = 5.0
+
+
 class CollectiveChecker:
     """Exchanges fingerprints through ``store`` before each collective of one group.
 
@@ -269,7 +274,20 @@ class CollectiveChecker:
             self._store.delete_key(f"{seq - 1}/{self._rank}")
         message = compare(fps, self._rank, seq, self._group)
         if message is not None:
+            # (every rank finds it alike: they leave once all have read the fingerprints, so
+            # that the store's host, raising and exiting first, takes no rank's read with it)
+            self._all_read(seq)
             raise CollectiveMismatchError(message)
+
+    def _all_read(self, seq: int) -> None:
+        """Wait, at most ``_MISMATCH_WAIT`` seconds, until every rank has read collective
+        ``seq``'s fingerprints."""
+        with contextlib.suppress(DistError, TimeoutError):
+            if self._store.add(f"{seq}/read", 1) == self._size:
+                self._store.set(f"{seq}/all_read", b"1")
+            else:
+                wait = min(_MISMATCH_WAIT, self._timeout.total_seconds())
+                self._store.wait([f"{seq}/all_read"], timedelta(seconds=wait))
 
     def _where(self, seq: int) -> str:
         return f"collective #{seq} of group {self._group!r}"
