@@ -12,9 +12,13 @@ failure only lowers the fidelity of the result. Whatever happens, the caller get
 whose text holds the remote message, the worker and the remote traceback.
 
 torch keeps the type of ``ValueError``, ``TypeError`` and ``RuntimeError`` only (it calls
-``type(message)`` with a text that starts ``On WorkerInfo(...)``). We keep every type the caller
-can import, with its attributes, and put the message first so a regex written for the original
-message still matches.
+``type(message)`` with a text that starts ``On WorkerInfo(...)``) and raises every other one as
+a ``RuntimeError("KeyError: On WorkerInfo(id=1, name=worker1): ...")``. We keep every type the
+caller can import, with its attributes, and put the message first so a regex written for the
+original message still matches; the origin says ``On WorkerInfo(id=1, name=worker1)`` as torch's
+text does. A type torch turns into a ``RuntimeError`` is raised as an instance of a class made
+from it and ``RuntimeError`` (rule 5), so code written for torch's ``except RuntimeError`` keeps
+catching it.
 
 Rebuilding, in order (first match wins):
 
@@ -33,7 +37,7 @@ Rebuilding, in order (first match wins):
 
           Expected error
 
-          Raised on worker1 (id 1) in rpc_sync(worker1, mod.fn):
+          On WorkerInfo(id=1, name=worker1), raised in rpc_sync(worker1, mod.fn):
           Traceback (most recent call last):
             ...
           ValueError: Expected error
@@ -63,9 +67,19 @@ Rebuilding, in order (first match wins):
        (The original type was not rebuilt here: fn.<locals>.LocalError is a local class and
        cannot be imported here.)
 
-       Raised on worker1 (id 1) in rpc_sync(worker1, mod.fn):
+       On WorkerInfo(id=1, name=worker1), raised in rpc_sync(worker1, mod.fn):
        Traceback (most recent call last):
          ...
+
+5. *Also a RuntimeError*: the exception rules 2 and 3 give, unless it is a ``RuntimeError``,
+   ``ValueError`` or ``TypeError`` already, becomes an instance of ``class KeyError(KeyError,
+   RuntimeError)``: one class per type, made here, with the type's name, qualified name and
+   module (so it prints as ``KeyError: 'k'``), and the original's ``args``, ``__dict__``, the
+   fields the constructor sets outside them (``OSError.filename``, ``StopIteration.value``),
+   notes, cause and traceback. It pickles as the original type (a second hop rebuilds it the
+   same way); :func:`plain_type` gives that type. Where the two cannot be combined (a class that
+   refuses subclasses, ``Exception`` itself, state that does not carry over): rule 4's
+   :class:`RemoteError`.
 
 Finding the type imports its module on the caller, as unpickling would; connections are
 authenticated before anything is unpickled or imported.
