@@ -601,6 +601,20 @@ def test_a_type_that_cannot_be_made_a_runtime_error_becomes_remote_error(
     assert ORIGIN in str(exc) and "Traceback" in str(exc)
 
 
+def test_a_remote_error_raised_again_in_a_then_callback_reads_as_torchs() -> None:
+    from tdist.rpc._future import Future
+
+    exc = remote_call(lambda: {}["k"])
+    source = Future()
+    source.set_exception(exc)
+    with pytest.raises(KeyError) as info:
+        source.then(lambda f: f.wait()).wait()
+    got = info.value
+    assert isinstance(got, RuntimeError) and kind(got) is KeyError
+    assert str(got) == "Got the following error when running the callback: KeyError: 'k'"
+    assert type(pickle.loads(pickle.dumps(got))) is KeyError  # (what a remote caller gets)
+
+
 def test_origin_names_the_worker_as_torch_does() -> None:
     exc = remote_call(lambda: throw(RuntimeError("rt")))
     assert f"\n\n{ORIGIN}, raised in {CALL}:\nTraceback" in str(exc)

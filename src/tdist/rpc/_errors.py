@@ -547,8 +547,9 @@ _also_lock = threading.Lock()
 
 def plain_type(cls: type[BaseException]) -> type[BaseException]:
     """The user's exception type behind ``cls``: ``KeyError`` for the ``KeyError`` that is also a
-    ``RuntimeError`` (:func:`rebuild`), ``cls`` itself otherwise."""
-    base = cls.__dict__.get("_tdist_remote_base")
+    ``RuntimeError`` (:func:`rebuild`, or a ``then`` callback's error, ``rpc._future``), ``cls``
+    itself otherwise."""
+    base = cls.__dict__.get("_tdist_base")
     return base if isinstance(base, type) else cls
 
 
@@ -590,7 +591,7 @@ def _also_runtime_type(kind: type[BaseException]) -> tuple[type[BaseException] |
                 "__module__": kind.__module__,
                 "__qualname__": kind.__qualname__,
                 "__doc__": kind.__doc__,
-                "_tdist_remote_base": kind,
+                "_tdist_base": kind,
                 "__reduce__": _also_reduce,
                 "__reduce_ex__": _also_reduce_ex,
             })

@@ -74,6 +74,7 @@ def _as_runtime_error(exc: BaseException, text: str | None = None) -> BaseExcept
         try:
             both = type(kind.__name__, (kind, RuntimeError), {
                 "__module__": kind.__module__, "__reduce__": _reduce_to_original, "__str__": _torch_text,
+                "_tdist_base": kind,  # (``_errors.plain_type``)
             })
         except TypeError:  # (instance layouts that conflict)
             both = None
