@@ -26,6 +26,7 @@ from . import rpc_funcs as f
 from ._rpc_harness import (
     BACKENDS,
     TIMEOUT_RE,
+    TORCH,
     Worker,
     better_than_torch,
     name,
@@ -660,7 +661,8 @@ PICKLER_HINT_RE = (r"Default RPC pickler does not serialize\s+function code\.\s+
 def _uncrossable(w: Worker) -> dict[str, Any]:
     p = w.peer()
     out: dict[str, Any] = {}
-    for mode in MODES:  # a result the callee cannot send back
+    # a result the callee cannot send back (torch's remote().to_here() of one hangs: not tried)
+    for mode in ("sync", "async") if TORCH else MODES:
         out[f"result/{mode}"] = _attempt(call, mode, p, f.unpicklable_result)
     # a function the caller's module has and the callee's lacks (as one defined in the caller's
     # __main__ only): the callee cannot unpickle the request
@@ -677,7 +679,7 @@ def _uncrossable(w: Worker) -> dict[str, Any]:
     module = types.ModuleType(modname)
     exec("def only_here():\n    return 42\n", module.__dict__)
     sys.modules[modname] = module
-    for mode in MODES:
+    for mode in ("sync", "async") if TORCH else MODES:  # (torch's to_here() hangs there too)
         out[f"missing/{mode}"] = _attempt(call, mode, p, only_here)
         out[f"module/{mode}"] = _attempt(call, mode, p, module.only_here)
     out["serving"] = rpc.rpc_sync(p, f.add, args=(1, 2))
