@@ -195,8 +195,17 @@ def raise_error(kind: str, message: str = "expected error") -> None:
         raise CustomError(message)
     if kind == "FormattedError":
         raise FormattedError(42, message)
+    if kind == "FileNotFoundError":
+        open(f"/nonexistent/{message}")  # (it raises)
+    if kind == "AssertionError":
+        raise AssertionError(message)
     raise {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
            "KeyError": KeyError}[kind](message)
+
+
+def unpicklable_result() -> Any:
+    """A value the callee cannot send back (a local function)."""
+    return lambda: 1
 
 
 # -- async_execution ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import operator
 import pickle
+import re
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from . import rpc_funcs as f
 from ._rpc_harness import (
     BACKENDS,
     TIMEOUT_RE,
+    TORCH,
     Worker,
     better_than_torch,
     name,
@@ -651,6 +653,64 @@ def test_function_the_callee_cannot_have_fails_clearly_and_callee_stays_up(backe
     run(_unavailable_functions, backend)
 
 
+# torch's hint, as tdist writes it (torch's text has line breaks and indentation in it)
+PICKLER_HINT_RE = (r"Default RPC pickler does not serialize\s+function code\.\s+Ensure that UDFs are "
+                   r"defined on both\s+caller and\s+callee modules\.")
+
+
+def _uncrossable(w: Worker) -> dict[str, Any]:
+    p = w.peer()
+    out: dict[str, Any] = {}
+    # a result the callee cannot send back (torch's remote().to_here() of one hangs: not tried)
+    for mode in ("sync", "async") if TORCH else MODES:
+        out[f"result/{mode}"] = _attempt(call, mode, p, f.unpicklable_result)
+    # a function the caller's module has and the callee's lacks (as one defined in the caller's
+    # __main__ only): the callee cannot unpickle the request
+    fname = f"only_on_caller_{w.rank}"
+
+    def only_here() -> int:
+        return 42
+
+    only_here.__module__, only_here.__name__, only_here.__qualname__ = f.__name__, fname, fname
+    setattr(f, fname, only_here)
+    assert rpc.rpc_sync(w.me, only_here) == 42
+    # a module only the caller has
+    modname = f"caller_only_module_{w.rank}"
+    module = types.ModuleType(modname)
+    exec("def only_here():\n    return 42\n", module.__dict__)
+    sys.modules[modname] = module
+    for mode in ("sync", "async") if TORCH else MODES:  # (torch's to_here() hangs there too)
+        out[f"missing/{mode}"] = _attempt(call, mode, p, only_here)
+        out[f"module/{mode}"] = _attempt(call, mode, p, module.only_here)
+    out["serving"] = rpc.rpc_sync(p, f.add, args=(1, 2))
+    w.barrier()  # every callee has failed before the modules go
+    return out
+
+
+def test_a_result_or_function_that_cannot_cross_fails_as_a_runtime_error(backend: str) -> None:
+    for obs in observe(_uncrossable, backend, world_size=2):
+        for mode in ("sync", "async"):  # (torch's remote().to_here() keeps the type)
+            got = obs[f"result/{mode}"]
+            assert got is not None and "RuntimeError" in got["mro"], (mode, got)
+            assert "Can't pickle local object" in got["text"], (mode, got)
+            got = obs[f"missing/{mode}"]
+            assert got is not None and "RuntimeError" in got["mro"], (mode, got)
+            assert re.search(PICKLER_HINT_RE, got["text"]), (mode, got)
+        assert obs["serving"] == 3
+
+
+@better_than_torch  # torch: a RuntimeError only; no hint for a missing module
+def test_a_result_or_function_that_cannot_cross_keeps_its_type(backend: str) -> None:
+    for obs in observe(_uncrossable, backend, world_size=2):
+        for mode in MODES:
+            for what, kind in (("result", "AttributeError"), ("missing", "AttributeError"),
+                               ("module", "ModuleNotFoundError")):
+                got = obs[f"{what}/{mode}"]
+                assert got is not None and got["type"] == kind and "RuntimeError" in got["mro"], (what, mode, got)
+                if what != "result":
+                    assert re.search(PICKLER_HINT_RE, got["text"]), (what, mode, got)
+
+
 def _unimportable_remote(w: Worker) -> None:
     modname = f"caller_only_module_{w.rank}"
     module = types.ModuleType(modname)
@@ -675,7 +735,8 @@ def test_remote_of_a_function_the_callee_cannot_import_fails_on_to_here(backend:
 # -- errors ------------------------------------------------------------------------------------
 
 BUILTIN_KINDS = ("ValueError", "TypeError", "RuntimeError")
-OTHER_KINDS = ("KeyError", "ZeroDivisionError", "CustomError", "ThreeArgError", "FormattedError")
+OTHER_KINDS = ("KeyError", "ZeroDivisionError", "CustomError", "ThreeArgError", "FormattedError",
+               "AssertionError", "FileNotFoundError")
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
@@ -685,7 +746,7 @@ def _describe(exc: BaseException) -> dict[str, Any]:
         "str": str(exc),
         # what str() cannot hold (KeyError's text is the key's repr) may come as PEP 678 notes
         "text": "\n".join([str(exc), *getattr(exc, "__notes__", [])]),
-        "attrs": {k: getattr(exc, k, None) for k in ("code", "where", "detail")},
+        "attrs": {k: getattr(exc, k, None) for k in ("code", "where", "detail", "errno", "filename")},
     }
 
 
@@ -700,7 +761,7 @@ def _attempt(fn: Any, *args: Any) -> dict[str, Any] | None:
 
 def _errors(w: Worker) -> dict[str, Any]:
     p, q = w.peer(1), w.peer(2)
-    out: dict[str, Any] = {"peer": p, "third": q}
+    out: dict[str, Any] = {"peer": p, "third": q, "peer_id": rpc.get_worker_info(p).id}
     for kind in BUILTIN_KINDS + OTHER_KINDS:
         for mode in MODES:
             message = f"boom-{kind}-{mode}-from-{w.me}"
@@ -740,7 +801,7 @@ def test_remote_error_text_names_the_worker_and_has_the_remote_traceback(backend
 
 @better_than_torch  # torch rebuilds only cls(message), and not KeyError or a user type
 def test_remote_errors_of_any_type_keep_their_type(backend: str) -> None:
-    for obs in observe(_errors, backend):
+    for rank, obs in enumerate(observe(_errors, backend)):
         for kind in OTHER_KINDS:
             for mode in MODES:
                 got = obs[f"{kind}/{mode}"]
@@ -755,8 +816,39 @@ def test_remote_errors_of_any_type_keep_their_type(backend: str) -> None:
                     assert attrs["code"] == 42 and str(attrs["detail"]).startswith(f"boom-{kind}-{mode}"), got
                     assert got["str"].startswith(f"E42: boom-{kind}-{mode}"), got
                     assert "Traceback" in got["text"] and "raise_error" in got["text"], got
-                elif kind != "ZeroDivisionError":
+                elif kind == "FileNotFoundError":  # with its fields
+                    attrs = got["attrs"]
+                    assert attrs["errno"] == 2 and attrs["filename"] == f"/nonexistent/boom-{kind}-{mode}-from-{name(rank)}"
+                if kind != "ZeroDivisionError":
                     assert f"boom-{kind}-{mode}" in got["str"]
+
+
+def test_other_remote_errors_are_runtime_errors_naming_the_worker_as_torch_does(backend: str) -> None:
+    # torch re-raises a remote error other than a ValueError or a TypeError as a RuntimeError
+    # whose text says "On WorkerInfo(id=1, name=worker1)" (``except RuntimeError`` catches it);
+    # remote().to_here() of torch keeps the type, so only sync and async here
+    for obs in observe(_errors, backend):
+        where = f"On WorkerInfo(id={obs['peer_id']}, name={obs['peer']})"
+        for kind in OTHER_KINDS:
+            for mode in ("sync", "async"):
+                got = obs[f"{kind}/{mode}"]
+                assert got is not None and "RuntimeError" in got["mro"], (kind, mode, got)
+                assert where in got["text"], (kind, mode, got)
+
+
+@better_than_torch  # torch: a RuntimeError, or the type alone from remote().to_here()
+def test_other_remote_errors_are_their_type_and_runtime_errors_in_every_mode(backend: str) -> None:
+    for obs in observe(_errors, backend):
+        for kind in OTHER_KINDS:
+            for mode in MODES:
+                got = obs[f"{kind}/{mode}"]
+                assert got is not None and got["type"] == kind, (kind, mode, got)
+                assert got["mro"][1] == kind and "RuntimeError" in got["mro"], (kind, mode, got)
+                assert f"On WorkerInfo(id={obs['peer_id']}, name={obs['peer']})" in got["text"]
+        for kind in BUILTIN_KINDS:  # as torch: ValueError and TypeError are not RuntimeErrors
+            for mode in MODES:
+                got = obs[f"{kind}/{mode}"]
+                assert ("RuntimeError" in got["mro"]) == (kind == "RuntimeError"), (kind, mode, got)
 
 
 def test_errors_in_async_execution_functions_and_their_callbacks(backend: str) -> None:
@@ -876,6 +968,9 @@ def _timeouts(w: Worker) -> list[str]:
     wait_until(lambda: rref._get_future().done(), 10, "the creation timed out")
     with pytest.raises(RuntimeError, match=TIMEOUT_RE) as info:
         rref.to_here()
+    # torch's sentence
+    assert str(info.value).startswith("RRef creation via rpc.remote() timed out, and it is possible "
+                                      "that the RRef on the owner node does not exist.")
     messages.append(str(info.value))
     w.barrier()
     return messages

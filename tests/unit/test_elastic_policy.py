@@ -228,6 +228,19 @@ def test_parse_std_as_torchruns_std_from_str() -> None:
             parse_std(bad)
 
 
+def test_std_from_str_as_torchs() -> None:
+    from tdist.elastic.multiprocessing import Std as PublicStd
+
+    assert PublicStd is Std
+    assert Std.from_str("0") is Std.NONE and Std.from_str("1") is Std.OUT
+    assert Std.from_str("0:3,1:0,2:1,3:2") == {0: Std.ALL, 1: Std.NONE, 2: Std.OUT, 3: Std.ERR}
+    assert Std.OUT.from_str("2") is Std.ERR  # (a classmethod, as torch's)
+    for bad in ("4", "0:4", "1,2", "x"):
+        with pytest.raises(ValueError):
+            Std.from_str(bad)
+    assert set(Std.__members__) == {"NONE", "OUT", "ERR", "ALL"}  # (from_str is no member)
+
+
 def test_to_map() -> None:
     assert to_map(Std.OUT, 2) == {0: Std.OUT, 1: Std.OUT}
     assert to_map({1: Std.OUT, 5: Std.ALL}, 2) == {0: Std.NONE, 1: Std.OUT}

@@ -24,10 +24,12 @@ from tdist.rpc._errors import (
     RemoteTraceback,
     capture,
     describe_call,
+    plain_type,
     rebuild,
 )
 
 WORKER = "worker1 (id 1)"
+ORIGIN = "On WorkerInfo(id=1, name=worker1)"  # torch's phrase for that worker, in the texts
 CALL = "rpc_sync(worker1, tests.fn)"
 
 
@@ -143,6 +145,11 @@ def remote_call(fn: Callable[[], object], call: str | None = CALL) -> BaseExcept
     return rebuild(pickle.loads(pickle.dumps(record)), call=call)
 
 
+def kind(exc: BaseException) -> type[BaseException]:
+    """The user's type of what the caller got (which may be that type and ``RuntimeError``)."""
+    return plain_type(type(exc))
+
+
 def full_text(exc: BaseException) -> str:
     """Everything a reader can see: the str, the notes and the cause."""
     notes = "\n".join(getattr(exc, "__notes__", []))
@@ -204,12 +211,12 @@ def test_message_form_keeps_type_and_puts_origin_in_str(
     fn: Callable[[], object], cls: type[BaseException], message: str | None
 ) -> None:
     exc = remote_call(fn)
-    assert type(exc) is cls
+    assert kind(exc) is cls
     text = str(exc)
     if message is not None:
-        assert text.startswith(message + "\n\nRaised on " + WORKER + " in " + CALL + ":\n")
+        assert text.startswith(message + "\n\n" + ORIGIN + ", raised in " + CALL + ":\n")
     assert "Traceback (most recent call last):" in text
-    assert WORKER in text and CALL in text
+    assert ORIGIN in text and CALL in text
     assert len(exc.args) == 1 and exc.args[0] == text
     # Nothing else attached: the text is printed once.
     assert not hasattr(exc, "__notes__") and exc.__cause__ is None
@@ -228,13 +235,13 @@ def test_pytest_raises_match_on_the_original_message() -> None:
 
 def test_message_form_without_call() -> None:
     exc = remote_call(raise_value_error, call=None)
-    assert str(exc).startswith(f"Expected error\n\nRaised on {WORKER}:\nTraceback")
+    assert str(exc).startswith(f"Expected error\n\n{ORIGIN}:\nTraceback")
 
 
 def test_message_form_keeps_extra_attributes() -> None:
     exc = remote_call(lambda: throw(WithCode("bad code", code=7)))
-    assert type(exc) is WithCode and exc.code == 7  # type: ignore[attr-defined]
-    assert str(exc).startswith("bad code\n\nRaised on ")
+    assert kind(exc) is WithCode and exc.code == 7  # type: ignore[attr-defined]
+    assert str(exc).startswith("bad code\n\nOn WorkerInfo(")
 
 
 def test_remote_notes_travel() -> None:
@@ -245,7 +252,7 @@ def test_remote_notes_travel() -> None:
 
     exc = remote_call(fn)
     assert type(exc) is ValueError and exc.__notes__ == ["remote note"]
-    assert str(exc).startswith("with a note\n\nRaised on ")
+    assert str(exc).startswith("with a note\n\nOn WorkerInfo(")
 
 
 def test_chained_causes_are_in_the_traceback() -> None:
@@ -294,7 +301,7 @@ def test_raised_inside_a_callback_keeps_type() -> None:
         return result
 
     exc = remote_call(lambda: async_fn().wait())
-    assert type(exc) is KeyError and exc.args == (5,)
+    assert kind(exc) is KeyError and exc.args == (5,)
     assert "in callback" in full_text(exc)
 
 
@@ -304,13 +311,13 @@ def test_raised_inside_a_callback_keeps_type() -> None:
 @pytest.mark.parametrize(
     ("make", "check"),
     [
-        (lambda: {}["k"], lambda e: type(e) is KeyError and e.args == ("k",)),
-        (lambda: {}[("a", 1)], lambda e: type(e) is KeyError and e.args == (("a", 1),)),
-        (lambda: {}[3], lambda e: type(e) is KeyError and e.args == (3,) and str(e) == "3"),
+        (lambda: {}["k"], lambda e: kind(e) is KeyError and e.args == ("k",)),
+        (lambda: {}[("a", 1)], lambda e: kind(e) is KeyError and e.args == (("a", 1),)),
+        (lambda: {}[3], lambda e: kind(e) is KeyError and e.args == (3,) and str(e) == "3"),
         (
             lambda: open("/nonexistent/tdist-test"),
             lambda e: (
-                type(e) is FileNotFoundError
+                kind(e) is FileNotFoundError
                 and e.errno == errno.ENOENT
                 and e.filename == "/nonexistent/tdist-test"
             ),
@@ -318,28 +325,28 @@ def test_raised_inside_a_callback_keeps_type() -> None:
         (
             lambda: throw(OSError(errno.EPIPE, "Broken pipe")),
             lambda e: (
-                type(e) is BrokenPipeError
+                kind(e) is BrokenPipeError
                 and e.errno == errno.EPIPE
                 and e.strerror == "Broken pipe"
             ),
         ),
-        (lambda: next(iter(())), lambda e: type(e) is StopIteration and e.args == ()),
+        (lambda: next(iter(())), lambda e: kind(e) is StopIteration and e.args == ()),
         (
             lambda: throw(StopIteration("v")),
-            lambda e: type(e) is StopIteration and e.value == "v" and e.args == ("v",),
+            lambda e: kind(e) is StopIteration and e.value == "v" and e.args == ("v",),
         ),
         (
             lambda: throw(StopIteration(42)),
-            lambda e: type(e) is StopIteration and e.value == 42,
+            lambda e: kind(e) is StopIteration and e.value == 42,
         ),
-        (lambda: exec("assert False"), lambda e: type(e) is AssertionError and e.args == ()),
+        (lambda: exec("assert False"), lambda e: kind(e) is AssertionError and e.args == ()),
         (
             lambda: throw(ThreeFields("h", 29500, "refused")),
-            lambda e: type(e) is ThreeFields and (e.host, e.port, e.why) == ("h", 29500, "refused"),
+            lambda e: kind(e) is ThreeFields and (e.host, e.port, e.why) == ("h", 29500, "refused"),
         ),
         (
             lambda: throw(CustomStr("x")),
-            lambda e: type(e) is CustomStr and str(e) == "custom<x>",
+            lambda e: kind(e) is CustomStr and str(e) == "custom<x>",
         ),
         (
             lambda: throw(ValueError(1, 2)),
@@ -347,7 +354,7 @@ def test_raised_inside_a_callback_keeps_type() -> None:
         ),
         (
             lambda: throw(ReasonProperty("why")),
-            lambda e: type(e) is ReasonProperty and e.reason == "why",
+            lambda e: kind(e) is ReasonProperty and e.reason == "why",
         ),
         (
             lambda: throw(ValueError()),
@@ -361,7 +368,7 @@ def test_note_form_keeps_type_and_args(
     exc = remote_call(make)
     assert check(exc), repr(exc)
     (note,) = exc.__notes__
-    assert note.startswith(f"Raised on {WORKER} in {CALL}:\nTraceback (most recent call last):")
+    assert note.startswith(f"{ORIGIN}, raised in {CALL}:\nTraceback (most recent call last):")
     assert isinstance(exc.__cause__, RemoteTraceback)
     assert str(exc.__cause__) == note
     assert exc.__cause__.worker == WORKER and exc.__cause__.call == CALL
@@ -376,7 +383,7 @@ def test_key_error_prints_remote_traceback() -> None:
         raise exc
     except KeyError as caught:
         printed = "".join(traceback.format_exception(caught))
-    assert "RemoteTraceback: Raised on worker1 (id 1)" in printed
+    assert f"RemoteTraceback: {ORIGIN}" in printed
     assert printed.rstrip().endswith("KeyError: 'missing'")  # the note's last line
     assert "The above exception was the direct cause" in printed
 
@@ -384,7 +391,7 @@ def test_key_error_prints_remote_traceback() -> None:
 def test_a_message_rewritten_by_the_constructor_is_quoted() -> None:
     exc = remote_call(lambda: throw(Prefixing("x")))
     # Unpickling called Prefixing("prefix: x"): the type is kept, the remote text is quoted.
-    assert type(exc) is Prefixing
+    assert kind(exc) is Prefixing
     assert "The message on the remote side was: prefix: x" in exc.__notes__[0]
 
 
@@ -395,33 +402,33 @@ def test_unpicklable_attribute_rebuilt_from_message() -> None:
     record = over_the_wire(raised(WithLock("locked out")))
     assert record.pickled is None
     exc = rebuild(record, call=CALL)
-    assert type(exc) is WithLock
+    assert kind(exc) is WithLock
     assert str(exc).startswith("locked out\n\n")
     assert "attributes not derived from it were not kept" in str(exc)
-    assert WORKER in str(exc) and "Traceback" in str(exc)
+    assert ORIGIN in str(exc) and "Traceback" in str(exc)
 
 
 def test_bad_reduce_rebuilt_from_message() -> None:
     record = over_the_wire(raised(BadReduce("no pickle")))
     assert record.pickled is None
     exc = rebuild(record)
-    assert type(exc) is BadReduce and str(exc).startswith("no pickle\n\n")
+    assert kind(exc) is BadReduce and str(exc).startswith("no pickle\n\n")
 
 
 def test_a_constructor_of_other_arguments_than_its_args_keeps_type_and_fields() -> None:
     # plain pickling would call FieldsNotInArgs("h:1: why") on the caller, which fails: the
     # exception travels as its type, args and attributes, rebuilt without its constructor
     exc = rebuild(over_the_wire(raised(FieldsNotInArgs("h", 1, "why"))), call=CALL)
-    assert type(exc) is FieldsNotInArgs and exc.args == ("h:1: why",)
+    assert kind(exc) is FieldsNotInArgs and exc.args == ("h:1: why",)
     assert (exc.host, exc.port, exc.why) == ("h", 1, "why")
     assert str(exc).startswith("h:1: why")
-    assert WORKER in "".join(exc.__notes__) and "Traceback" in "".join(exc.__notes__)
+    assert ORIGIN in "".join(exc.__notes__) and "Traceback" in "".join(exc.__notes__)
     assert isinstance(exc.__cause__, RemoteTraceback)
 
 
 def test_a_class_that_says_how_to_pickle_it_is_not_rebuilt_without_its_constructor() -> None:
     exc = rebuild(over_the_wire(raised(BadReduce("no pickle"))))
-    assert type(exc) is BadReduce  # (from its message: its __reduce__ is not bypassed)
+    assert kind(exc) is BadReduce  # (from its message: its __reduce__ is not bypassed)
 
 
 def test_non_string_argument_is_not_rebuilt_as_its_str() -> None:
@@ -453,7 +460,7 @@ def test_local_class_becomes_remote_error() -> None:
     assert exc.remote_traceback.endswith("LocalError: local boom")
     text = str(exc)
     assert text.startswith(f"{exc.remote_type}: local boom\n")
-    assert WORKER in text and CALL in text and exc.remote_traceback in text
+    assert ORIGIN in text and CALL in text and exc.remote_traceback in text
     with pytest.raises(RuntimeError, match="local boom"):
         raise exc
 
@@ -486,7 +493,7 @@ def test_base_exceptions_are_never_rebuilt_as_such(exc: BaseException) -> None:
     out = rebuild(over_the_wire(raised(exc)), call=CALL)
     assert type(out) is RemoteError and isinstance(out, Exception)
     assert "is not an Exception" in out.reason
-    assert type(exc).__name__ in str(out) and WORKER in str(out)
+    assert type(exc).__name__ in str(out) and ORIGIN in str(out)
 
 
 def test_remote_error_crosses_a_second_hop() -> None:
@@ -502,8 +509,117 @@ def test_remote_error_crosses_a_second_hop() -> None:
     assert second.remote_type == first.remote_type and second.worker == WORKER
     # Message form again: the first hop's text, then the second hop's origin.
     assert str(second).startswith(
-        str(first) + "\n\nRaised on worker2 (id 2) in rpc_sync(worker2, relay):"
+        str(first) + "\n\nOn WorkerInfo(id=2, name=worker2), raised in rpc_sync(worker2, relay):"
     )
+
+
+# --- also a RuntimeError, as torch raises it ---------------------------------------------------
+
+
+class Sealed(Exception):
+    """Refuses subclasses: cannot be made a RuntimeError too."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError("Sealed is final")
+
+
+@pytest.mark.parametrize(
+    ("make", "cls", "fields"),
+    [
+        (lambda: {}["k"], KeyError, {"args": ("k",)}),
+        (lambda: exec("assert False, 'nope'"), AssertionError, {}),
+        (divide, ZeroDivisionError, {}),
+        (
+            lambda: open("/nonexistent/tdist-test"),
+            FileNotFoundError,
+            {"errno": errno.ENOENT, "filename": "/nonexistent/tdist-test", "strerror": "No such file or directory"},
+        ),
+        (lambda: throw(StopIteration(42)), StopIteration, {"value": 42}),
+        (lambda: throw(ThreeFields("h", 29500, "refused")), ThreeFields, {"host": "h", "port": 29500}),
+        (lambda: throw(FieldsNotInArgs("h", 1, "why")), FieldsNotInArgs, {"args": ("h:1: why",), "why": "why"}),
+        (lambda: throw(CustomStr("x")), CustomStr, {}),
+        (lambda: throw(AttributeError("gone")), AttributeError, {}),
+    ],
+)
+def test_types_torch_raises_as_runtime_error_are_also_runtime_errors(
+    make: Callable[[], object], cls: type[BaseException], fields: dict[str, Any]
+) -> None:
+    exc = remote_call(make)
+    # both: ``except RuntimeError`` (torch) and ``except KeyError`` (the original) catch it
+    assert isinstance(exc, cls) and isinstance(exc, RuntimeError), type(exc).__mro__
+    assert kind(exc) is cls and type(exc) is not cls
+    names = (type(exc).__name__, type(exc).__qualname__, type(exc).__module__)
+    assert names == (cls.__name__, cls.__qualname__, cls.__module__)
+    assert repr(exc).startswith(f"{cls.__name__}(")
+    for name, value in fields.items():
+        assert getattr(exc, name) == value, name
+    assert ORIGIN in full_text(exc) and "Traceback" in full_text(exc)
+    # one class per type
+    assert type(remote_call(make)) is type(exc)
+    # it pickles as the original type (FieldsNotInArgs does not load back, as itself), and
+    # crosses a second hop as the first
+    if cls is not FieldsNotInArgs:
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is cls and back.args == exc.args
+    second = rebuild(over_the_wire(raised(exc), worker="worker2 (id 2)"), call="rpc_sync(worker2, relay)")
+    assert kind(second) is cls and isinstance(second, RuntimeError)
+    for name, value in fields.items():
+        assert getattr(second, name) == value, name
+    assert "On WorkerInfo(id=2, name=worker2)" in full_text(second)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        raise_value_error,
+        lambda: len(3),  # type: ignore[arg-type]
+        lambda: throw(UserValueError("user")),
+        lambda: throw(WithCode("rt", code=3)),
+        lambda: throw(NotImplementedError("ni")),
+    ],
+)
+def test_types_torch_keeps_are_not_made_runtime_errors(make: Callable[[], object]) -> None:
+    # torch re-raises ValueError and TypeError as such (``except RuntimeError`` misses them)
+    exc = remote_call(make)
+    assert plain_type(type(exc)) is type(exc)
+    assert isinstance(exc, RuntimeError) == (not isinstance(exc, (ValueError, TypeError)))
+
+
+@pytest.mark.parametrize(
+    ("make", "remote_type"),
+    [
+        (lambda: throw(Exception("plain")), "Exception"),
+        (lambda: throw(Sealed("sealed")), f"{__name__}.Sealed"),
+    ],
+)
+def test_a_type_that_cannot_be_made_a_runtime_error_becomes_remote_error(
+    make: Callable[[], object], remote_type: str
+) -> None:
+    exc = remote_call(make)
+    assert type(exc) is RemoteError and exc.remote_type == remote_type
+    assert "cannot be combined with RuntimeError" in exc.reason
+    assert ORIGIN in str(exc) and "Traceback" in str(exc)
+
+
+def test_a_remote_error_raised_again_in_a_then_callback_reads_as_torchs() -> None:
+    from tdist.rpc._future import Future
+
+    exc = remote_call(lambda: {}["k"])
+    source = Future()
+    source.set_exception(exc)
+    with pytest.raises(KeyError) as info:
+        source.then(lambda f: f.wait()).wait()
+    got = info.value
+    assert isinstance(got, RuntimeError) and kind(got) is KeyError
+    assert str(got) == "Got the following error when running the callback: KeyError: 'k'"
+    assert type(pickle.loads(pickle.dumps(got))) is KeyError  # (what a remote caller gets)
+
+
+def test_origin_names_the_worker_as_torch_does() -> None:
+    exc = remote_call(lambda: throw(RuntimeError("rt")))
+    assert f"\n\n{ORIGIN}, raised in {CALL}:\nTraceback" in str(exc)
+    other = rebuild(over_the_wire(raised(RuntimeError("rt")), worker="just-a-label"))
+    assert "\n\nOn just-a-label:\nTraceback" in str(other)
 
 
 def test_remote_error_and_remote_traceback_pickle() -> None:
@@ -522,7 +638,7 @@ def test_remote_error_and_remote_traceback_pickle() -> None:
         "r",
     )
     tb = RemoteTraceback("w", "c", "tb")
-    assert str(pickle.loads(pickle.dumps(tb))) == str(tb) == "Raised on w in c:\ntb"
+    assert str(pickle.loads(pickle.dumps(tb))) == str(tb) == "On w, raised in c:\ntb"
 
 
 # --- never lost ------------------------------------------------------------------------------
@@ -533,15 +649,15 @@ def test_broken_str_is_captured() -> None:
     assert record.message.startswith("<str() failed: RuntimeError: __str__ is broken")
     assert "payload" in record.message  # the repr fallback shows the args
     exc = rebuild(record, call=CALL)
-    assert type(exc) is BadStr and exc.args == ("payload",)
-    assert WORKER in exc.__notes__[0]
+    assert kind(exc) is BadStr and exc.args == ("payload",)
+    assert ORIGIN in exc.__notes__[0]
 
 
 def test_broken_repr_is_captured() -> None:
     record = over_the_wire(raised(BadRepr("r")))
     assert record.exc_repr == "<BadRepr('r'); repr() failed>"
     exc = rebuild(record)
-    assert type(exc) is BadRepr and str(exc).startswith("r\n\n")
+    assert kind(exc) is BadRepr and str(exc).startswith("r\n\n")
 
 
 def test_everything_broken_still_yields_text() -> None:
@@ -553,7 +669,7 @@ def test_everything_broken_still_yields_text() -> None:
     exc = rebuild(record, call=CALL)
     assert type(exc) is RemoteError
     text = str(exc)
-    assert f"{__name__}.BadEverything" in text and WORKER in text and "in raised" in text
+    assert f"{__name__}.BadEverything" in text and ORIGIN in text and "in raised" in text
 
 
 def test_enormous_message_is_truncated_with_a_marker() -> None:
@@ -566,7 +682,7 @@ def test_enormous_message_is_truncated_with_a_marker() -> None:
     assert record.traceback.startswith("Traceback") and record.traceback.endswith("END")
     # The pickle is within bounds, so the caller gets the whole original message.
     exc = rebuild(record)
-    assert type(exc) is ValueError and str(exc).startswith(message + "\n\nRaised on ")
+    assert type(exc) is ValueError and str(exc).startswith(message + "\n\nOn WorkerInfo(")
 
 
 def test_rebuild_of_a_garbage_record_never_raises() -> None:

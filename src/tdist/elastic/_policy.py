@@ -74,6 +74,16 @@ class Std(enum.IntFlag):
     ERR = 2
     ALL = OUT | ERR
 
+    @classmethod
+    def from_str(cls, vm: str) -> Std | dict[int, Std]:
+        """torch's ``Std.from_str``: ``"1"`` -> ``Std.OUT``, ``"0:3,1:0"`` -> ``{0: Std.ALL,
+        1: Std.NONE}`` (:func:`parse_std`; local ranks of more than one digit too).
+
+        Raises:
+            ValueError: neither form.
+        """
+        return parse_std(vm)
+
 
 _STD_VALUE = re.compile(r"^[0123]$")
 _STD_MAP = re.compile(r"^(\d+:[0123],)*(\d+:[0123])$")

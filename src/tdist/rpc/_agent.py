@@ -53,7 +53,14 @@ from ._calls import (
     count_failed,
     count_sent,
 )
-from ._execution import _not_a_future, _OwnerError, _set_owner_error, _unwrap, dispatch
+from ._execution import (
+    _not_a_future,
+    _OwnerError,
+    _set_owner_error,
+    _unwrap,
+    dispatch,
+    with_pickler_hint,
+)
 from ._future import Future
 from ._message import REQUESTS, MsgKind, decode_meta
 from ._rref_protocol import GloballyUniqueId
@@ -579,7 +586,7 @@ class RpcAgent:
             try:
                 body = self._decode(src, decode)
             except BaseException as exc:
-                err = _errors.capture(exc, self.label)
+                err = _errors.capture(with_pickler_hint(exc), self.label)
                 if kind == MsgKind.REMOTE:
                     self._remote_undecodable(src, decode, err)
                 self._to_pool(lambda: self._reply_error(src, tag, err))

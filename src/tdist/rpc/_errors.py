@@ -12,9 +12,13 @@ failure only lowers the fidelity of the result. Whatever happens, the caller get
 whose text holds the remote message, the worker and the remote traceback.
 
 torch keeps the type of ``ValueError``, ``TypeError`` and ``RuntimeError`` only (it calls
-``type(message)`` with a text that starts ``On WorkerInfo(...)``). We keep every type the caller
-can import, with its attributes, and put the message first so a regex written for the original
-message still matches.
+``type(message)`` with a text that starts ``On WorkerInfo(...)``) and raises every other one as
+a ``RuntimeError("KeyError: On WorkerInfo(id=1, name=worker1): ...")``. We keep every type the
+caller can import, with its attributes, and put the message first so a regex written for the
+original message still matches; the origin says ``On WorkerInfo(id=1, name=worker1)`` as torch's
+text does. A type torch turns into a ``RuntimeError`` is raised as an instance of a class made
+from it and ``RuntimeError`` (rule 5), so code written for torch's ``except RuntimeError`` keeps
+catching it.
 
 Rebuilding, in order (first match wins):
 
@@ -33,7 +37,7 @@ Rebuilding, in order (first match wins):
 
           Expected error
 
-          Raised on worker1 (id 1) in rpc_sync(worker1, mod.fn):
+          On WorkerInfo(id=1, name=worker1), raised in rpc_sync(worker1, mod.fn):
           Traceback (most recent call last):
             ...
           ValueError: Expected error
@@ -63,9 +67,19 @@ Rebuilding, in order (first match wins):
        (The original type was not rebuilt here: fn.<locals>.LocalError is a local class and
        cannot be imported here.)
 
-       Raised on worker1 (id 1) in rpc_sync(worker1, mod.fn):
+       On WorkerInfo(id=1, name=worker1), raised in rpc_sync(worker1, mod.fn):
        Traceback (most recent call last):
          ...
+
+5. *Also a RuntimeError*: the exception rules 2 and 3 give, unless it is a ``RuntimeError``,
+   ``ValueError`` or ``TypeError`` already, becomes an instance of ``class KeyError(KeyError,
+   RuntimeError)``: one class per type, made here, with the type's name, qualified name and
+   module (so it prints as ``KeyError: 'k'``), and the original's ``args``, ``__dict__``, the
+   fields the constructor sets outside them (``OSError.filename``, ``StopIteration.value``),
+   notes, cause and traceback. It pickles as the original type (a second hop rebuilds it the
+   same way); :func:`plain_type` gives that type. Where the two cannot be combined (a class that
+   refuses subclasses, ``Exception`` itself, state that does not carry over): rule 4's
+   :class:`RemoteError`.
 
 Finding the type imports its module on the caller, as unpickling would; connections are
 authenticated before anything is unpickled or imported.
@@ -95,6 +109,8 @@ import functools
 import importlib
 import logging
 import pickle
+import re
+import threading
 import traceback as _traceback
 import types
 from dataclasses import dataclass
@@ -108,6 +124,7 @@ __all__ = [
     "RemoteTraceback",
     "capture",
     "describe_call",
+    "plain_type",
     "rebuild",
 ]
 
@@ -269,7 +286,7 @@ def capture(exc: BaseException, worker: str) -> RemoteExceptionRecord:
 
 
 def _capture(exc: BaseException, worker: str) -> RemoteExceptionRecord:
-    cls = type(exc)
+    cls = plain_type(type(exc))
     module = _safe_attr_str(cls, "__module__", "builtins")
     qualname = _safe_attr_str(cls, "__qualname__", "") or _safe_attr_str(cls, "__name__", "?")
     message = _truncate(_safe_str(exc), keep_head=True)
@@ -305,7 +322,7 @@ def _round_trip(obj: object, exc: BaseException) -> bytes | None:
     except BaseException as err:  # user __reduce__/__init__ may raise anything
         logger.debug("%s does not pickle round-trip: %s", type(exc), _describe_failure(err))
         return None
-    if type(back) is not type(exc):
+    if type(back) is not plain_type(type(exc)):
         return None
     return data
 
@@ -313,7 +330,7 @@ def _round_trip(obj: object, exc: BaseException) -> bytes | None:
 def _plain_reduce(exc: BaseException) -> bool:
     """Whether ``exc`` pickles through ``BaseException``'s own reduction (its class does not
     say how to pickle it; one that does is not second-guessed)."""
-    cls = type(exc)
+    cls = plain_type(type(exc))
     return all(getattr(cls, name) is getattr(BaseException, name) for name in ("__reduce__", "__reduce_ex__", "__getstate__"))
 
 
@@ -330,7 +347,7 @@ class _Bare:
 
     def __reduce__(self) -> tuple[Any, ...]:
         exc = self.exc
-        return (_rebuild_bare, (type(exc), exc.args, dict(getattr(exc, "__dict__", {}))))
+        return (_rebuild_bare, (plain_type(type(exc)), exc.args, dict(getattr(exc, "__dict__", {}))))
 
 
 def _rebuild_bare(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
@@ -401,7 +418,7 @@ def _rebuild(record: RemoteExceptionRecord, call: str | None) -> BaseException:
         if exc is not None:
             if not isinstance(exc, Exception):
                 return _fallback(record, call, f"{type(exc).__name__} is not an Exception")
-            return _decorate(exc, record, call)
+            return _also_runtime_error(_decorate(exc, record, call), record, call)
         why_not = why_not or why_not_pickle
     else:
         why_not = why_not or "it did not pickle on the remote side"
@@ -411,7 +428,7 @@ def _rebuild(record: RemoteExceptionRecord, call: str | None) -> BaseException:
             lost = "rebuilt from its message; attributes not derived from it were not kept"
             rebuilt = _with_message(plain, record, call, remark=f"{why_not}, so it was {lost}")
             if rebuilt is not None:
-                return rebuilt
+                return _also_runtime_error(rebuilt, record, call)
         why_not += ", and it cannot be rebuilt from its message alone"
     return _fallback(record, call, why_not)
 
@@ -518,6 +535,124 @@ def _with_note(exc: Exception, record: RemoteExceptionRecord, call: str | None) 
     return exc
 
 
+# --- also a RuntimeError ---------------------------------------------------------------------
+
+_TORCH_KEEPS = (RuntimeError, ValueError, TypeError)
+"""The types torch's ``rpc_sync``/``rpc_async`` re-raise as such; it turns every other one into
+a ``RuntimeError``, which is what code written for torch catches."""
+
+_ALSO_RUNTIME: dict[type[BaseException], type[BaseException] | None] = {}
+_also_lock = threading.Lock()
+
+
+def plain_type(cls: type[BaseException]) -> type[BaseException]:
+    """The user's exception type behind ``cls``: ``KeyError`` for the ``KeyError`` that is also a
+    ``RuntimeError`` (:func:`rebuild`, or a ``then`` callback's error, ``rpc._future``), ``cls``
+    itself otherwise."""
+    base = cls.__dict__.get("_tdist_base")
+    return base if isinstance(base, type) else cls
+
+
+def _also_reduce(self: BaseException) -> Any:
+    # pickled as the user's type, which the other side imports (this class is made here and
+    # shares its name: pickling it by reference would find the user's class and refuse)
+    cls = type(self)
+    rv = super(cls, self).__reduce__()
+    return _as_plain(rv, cls)
+
+
+def _also_reduce_ex(self: BaseException, protocol: Any) -> Any:
+    cls = type(self)
+    rv = super(cls, self).__reduce_ex__(protocol)
+    return _as_plain(rv, cls)
+
+
+def _as_plain(rv: Any, cls: type[BaseException]) -> Any:
+    if not isinstance(rv, tuple) or not rv:
+        return rv
+    base = plain_type(cls)
+    head: Any = base if rv[0] is cls else rv[0]
+    rest = list(rv[1:])
+    if rest and isinstance(rest[0], tuple) and rest[0] and rest[0][0] is cls:  # copyreg.__newobj__
+        rest[0] = (base, *rest[0][1:])
+    return (head, *rest)
+
+
+def _also_runtime_type(kind: type[BaseException]) -> tuple[type[BaseException] | None, str]:
+    """The class derived from ``kind`` and ``RuntimeError`` (one per ``kind``), under ``kind``'s
+    name, qualified name and module; else ``None`` and why not."""
+    with _also_lock:
+        if kind in _ALSO_RUNTIME:
+            made = _ALSO_RUNTIME[kind]
+            return made, "" if made is not None else f"{kind.__qualname__} cannot be combined with RuntimeError"
+
+        def body(ns: dict[str, Any]) -> None:
+            ns.update({
+                "__module__": kind.__module__,
+                "__qualname__": kind.__qualname__,
+                "__doc__": kind.__doc__,
+                "_tdist_base": kind,
+                "__reduce__": _also_reduce,
+                "__reduce_ex__": _also_reduce_ex,
+            })
+
+        try:
+            made = types.new_class(kind.__name__, (kind, RuntimeError), exec_body=body)
+        except BaseException as err:  # a final class, a layout or MRO conflict, __init_subclass__
+            logger.debug("%s cannot be combined with RuntimeError: %s", kind, _describe_failure(err))
+            made = None
+        _ALSO_RUNTIME[kind] = made
+        if made is None:
+            return None, f"{kind.__qualname__} cannot be combined with RuntimeError"
+        return made, ""
+
+
+def _also_runtime_error(exc: Exception, record: RemoteExceptionRecord, call: str | None) -> Exception:
+    """``exc`` as an instance of its type and ``RuntimeError`` too (torch raises a
+    ``RuntimeError`` for it), with its ``args``, attributes, notes, cause and context; ``exc``
+    itself where torch keeps the type; a :class:`RemoteError` where they cannot be combined."""
+    kind = type(exc)
+    if issubclass(kind, _TORCH_KEEPS):
+        return exc
+    made, why_not = _also_runtime_type(kind)
+    if made is not None:
+        try:
+            both = _copy_into(exc, made)
+            if both is not None:
+                return both
+            why_not = f"{kind.__qualname__}'s state does not carry over to a RuntimeError subclass"
+        except BaseException as err:  # a __new__ of its own, a broken attribute...
+            why_not = f"{kind.__qualname__} cannot be made a RuntimeError too ({_describe_failure(err)})"
+    return _fallback(record, call, why_not)
+
+
+def _copy_into(exc: Exception, made: type[BaseException]) -> Exception | None:
+    args = exc.args
+    new = made.__new__(made, *args)
+    assert isinstance(new, Exception)
+    new.args = args
+    new.__dict__.update(getattr(exc, "__dict__", {}))
+    # fields the constructor (not __new__) sets, or that live outside args: OSError.filename,
+    # AttributeError.name, StopIteration.value...
+    for name in dir(exc):
+        if name.startswith("_") or name == "args":
+            continue
+        try:
+            value = getattr(exc, name)
+            if callable(value) or _same_value(getattr(new, name, None), value):
+                continue
+            setattr(new, name, value)
+        except BaseException:  # read-only or derived: _same_public_state decides
+            continue
+    new.__cause__ = exc.__cause__
+    new.__context__ = exc.__context__
+    new.__suppress_context__ = exc.__suppress_context__
+    new.__traceback__ = exc.__traceback__
+    if not _same_public_state(exc, new) or _safe_str(new) != _safe_str(exc):
+        return None
+    return new
+
+
 def _fallback(record: RemoteExceptionRecord, call: str | None, reason: str) -> RemoteError:
     return RemoteError(
         record.message,
@@ -539,13 +674,25 @@ def _remark_lines(exc: BaseException, record: RemoteExceptionRecord, remark: str
     return "".join(f"\n\n{line}" for line in lines)
 
 
+_LABEL = re.compile(r"(?P<name>.*) \(id (?P<id>-?\d+)\)", re.DOTALL)
+
+
 def _origin_text(worker: str, call: str | None, remote_traceback: str) -> str:
-    where = f"Raised on {worker or 'a remote worker'}"
+    where = f"On {_worker_phrase(worker)}"
     if call:
-        where += f" in {call}"
+        where += f", raised in {call}"
     if remote_traceback:
         return f"\n\n{where}:\n{remote_traceback}"
     return f"\n\n{where} (no remote traceback)."
+
+
+def _worker_phrase(worker: str) -> str:
+    """torch's ``WorkerInfo(id=1, name=worker1)`` for an agent's label ``worker1 (id 1)`` (its
+    form, ``RpcAgent.label``), so that a text matched against torch's keeps matching."""
+    match = _LABEL.fullmatch(worker)
+    if match is None:
+        return worker or "a remote worker"
+    return f"WorkerInfo(id={match['id']}, name={match['name']})"
 
 
 def _message_shaped_type(cls: type[BaseException]) -> bool:
@@ -565,11 +712,13 @@ def _same_public_state(old: BaseException, new: BaseException) -> bool:
         b = getattr(new, name, None)
         if callable(a) and callable(b):
             continue
-        if a is b:
-            continue
-        if type(a) is not type(b) or not bool(a == b):
+        if not _same_value(a, b):
             return False
     return True
+
+
+def _same_value(a: object, b: object) -> bool:
+    return a is b or (type(a) is type(b) and bool(a == b))
 
 
 # --- describe_call --------------------------------------------------------------------------

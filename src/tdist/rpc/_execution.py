@@ -15,7 +15,7 @@ import torch
 from . import _builtins, _errors
 from ._future import Future
 
-__all__ = ["dispatch", "invoke_rref_method", "run_user_function"]
+__all__ = ["PICKLER_HINT", "dispatch", "invoke_rref_method", "run_user_function", "with_pickler_hint"]
 
 
 def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -28,6 +28,30 @@ def _not_a_future(func: Any, result: Any) -> RuntimeError:
         f"Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
         f"but got {type(result).__module__}.{type(result).__qualname__} (from {_errors.describe_call(func)})"
     )
+
+
+PICKLER_HINT = (
+    "Default RPC pickler does not serialize function code. Ensure that UDFs are defined on both "
+    "caller and callee modules."
+)
+
+
+def with_pickler_hint(exc: BaseException) -> BaseException:
+    """What unpickling a request raised, with torch's hint where a function, class or module
+    the caller named is missing here (``AttributeError``, ``ImportError``): the same type, the
+    hint after the message, the original as its cause; ``exc`` itself otherwise."""
+    try:
+        if type(exc) is AttributeError:
+            hinted: BaseException = AttributeError(f"{exc} {PICKLER_HINT}")
+        elif type(exc) in (ImportError, ModuleNotFoundError):
+            assert isinstance(exc, ImportError)
+            hinted = type(exc)(f"{exc} {PICKLER_HINT}", name=exc.name, path=exc.path)
+        else:
+            return exc
+    except Exception:  # (a str() that fails: the error as it is)
+        return exc
+    hinted.__cause__ = exc
+    return hinted
 
 
 def _when_made(rref: Any, made: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

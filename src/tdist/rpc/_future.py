@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._errors import plain_type
+
 __all__ = ["Future"]
 
 
@@ -63,14 +65,16 @@ def _as_runtime_error(exc: BaseException, text: str | None = None) -> BaseExcept
     the module docstring), whose message is ``text`` (default: torch's for a callback);
     ``exc`` itself where it is a ``RuntimeError`` already, not an ``Exception``, or of a type
     that cannot be combined (``OSError``'s layout, for one)."""
-    kind = type(exc)
-    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+    # (a remote error, which ``_errors.rebuild`` made a RuntimeError too, counts as its own type)
+    kind = plain_type(type(exc))
+    if issubclass(kind, RuntimeError) or not isinstance(exc, Exception):
         return exc
     both = _BOTH.get(kind, ...)
     if both is ...:
         try:
             both = type(kind.__name__, (kind, RuntimeError), {
                 "__module__": kind.__module__, "__reduce__": _reduce_to_original, "__str__": _torch_text,
+                "_tdist_base": kind,  # (``_errors.plain_type``)
             })
         except TypeError:  # (instance layouts that conflict)
             both = None

@@ -55,6 +55,12 @@ __all__ = ["RRef", "RRefContext", "create_remote", "owner_leaks", "release_all",
 _DELETE_DELAY = 0.005  # seconds a lone deletion waits for others to travel with
 _SETTLE_MAX = 10.0  # seconds shutdown waits for the RRef protocol to settle here
 
+CREATION_TIMED_OUT = (
+    "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the owner node "
+    "does not exist."
+)
+"""How ``to_here()`` of an RRef whose ``remote()`` timed out starts its error (torch's text)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -418,7 +424,10 @@ class RRef:
         cf = self._create_fut
         if cf is not None and cf.done():
             exc = _future_error(cf)
-            if isinstance(exc, (RpcTimeoutError, PeerError)):
+            if isinstance(exc, RpcTimeoutError):
+                # torch's sentence first, then which call it was and to whom
+                raise RpcTimeoutError(f"{CREATION_TIMED_OUT} {exc}") from None
+            if isinstance(exc, PeerError):
                 # a copy: the stored error raised here would keep this frame, and so this
                 # RRef, alive through its traceback (a cycle that holds the owner's value)
                 raise copy.copy(exc).with_traceback(None) from None
