@@ -356,8 +356,9 @@ class LocalAgent:
         """Run the job on this node until it succeeds, fails or is interrupted.
 
         Returns:
-            The exit code: 0, the first failed worker's (``128 + n`` for signal ``n``),
-            ``128 + signum`` if the launcher was interrupted, 1 if another node failed.
+            The exit code, torchrun's: 0 when the job succeeded (or this node left an
+            elastic job on SIGTERM), else 1 (a worker failed, whatever its code or signal,
+            which the report gives; another node failed; a signal stopped the launcher).
 
         Raises:
             LaunchError: the job could not be set up.
