@@ -192,8 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="run a script on several workers (like torchrun)",
         description="Start --nproc-per-node workers with the environment torchrun sets, host "
-        "the job's store, stream the workers' output prefixed with their rank, stop every "
-        "worker when one fails and exit with its exit code.",
+        "the job's store, pass the workers' output through as it is (a stream that --tee names "
+        "gets torchrun's [<role><local rank>]: prefix, e.g. [default0]:, or "
+        "$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE's), stop every worker when one fails, report "
+        "its exit code, and exit, as torchrun does, with 0 when every worker succeeded, else 1 "
+        "(a worker failed, another node failed, or a signal stopped the launcher).",
     )
     run.add_argument(*_opt("--nproc-per-node"), type=_nproc, default=1, metavar="N",
                      help="workers on this node: a number, 'cpu', 'gpu', 'xpu' or 'auto' (a worker per "
@@ -262,7 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "rank: 0:1,1:2 (stdout of local rank 0, stderr of local rank 1) (default: 0)")
     run.add_argument("-t", "--tee", type=_std, default=Std.NONE, metavar="STD",
                      help="write the workers' streams to files in the log directory and to the "
-                     "console (same values as --redirects) (default: 0)")
+                     "console, where each of their lines starts with [<role><local rank>]: "
+                     "(e.g. [default0]:), or $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with ${role_name}, "
+                     "${rank}, ${local_rank} substituted; streams not teed go to the console unprefixed "
+                     "(same values as --redirects) (default: 0)")
     run.add_argument(*_opt("--start-method"), choices=START_METHODS, default="spawn",
                      help="torchrun's multiprocessing start method, accepted and recorded in the "
                      "launcher's log: tdist run starts every worker as a new process running the "

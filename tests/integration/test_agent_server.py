@@ -27,7 +27,7 @@ from tdist.elastic.agent.server import (
     WorkerState,
 )
 from tdist.elastic.agent.server.api import Worker
-from tdist.elastic.multiprocessing import DefaultLogsSpecs
+from tdist.elastic.multiprocessing import DefaultLogsSpecs, Std
 from tdist.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -244,7 +244,9 @@ def test_a_users_own_handler_is_driven_and_nodes_waiting_restart_the_group_witho
 ) -> None:
     handler = HandlerOfMyOwn(tmp_path)
     spec = WorkerSpec("trainer", 2, handler, entrypoint=by_round, args=(str(tmp_path),), max_restarts=0, monitor_interval=0.05)
-    agent = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=os.devnull), log_line_prefix_template="[${role_name}-${rank}]:")
+    # (the template is the prefix of the teed streams' lines, as torch's: stdout here)
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), tee=Std.OUT)
+    agent = LocalElasticAgent(spec, logs_specs=logs, log_line_prefix_template="[${role_name}-${rank}]:")
     result = agent.run()
     assert result is not None and result.state is WorkerState.SUCCEEDED
     # round 2 after the membership change; no restart spent (max_restarts 0: none to spend)

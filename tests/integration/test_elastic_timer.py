@@ -56,9 +56,9 @@ def _tdist_run(work: Path, *args: str, action: str, **extra: str) -> subprocess.
 def test_a_worker_that_overruns_its_timer_is_killed_and_reported_as_the_failure(tmp_path: Path) -> None:
     res = _tdist_run(tmp_path, "--nproc-per-node", "2", action="overrun", TORCHELASTIC_ENABLE_FILE_TIMER="1")
     out = res.stdout + res.stderr
-    assert res.returncode == 128 + 9, out  # (the failed worker's SIGKILL)
+    assert res.returncode == 1, out  # (torchrun's for a failure; the report has the worker's SIGKILL)
     pipe = str(tmp_path / "tmp" / "watchdog_timer_")
-    assert f"[rank0]:timer file {pipe}" in res.stdout and f"[rank1]:timer file {pipe}" in res.stdout
+    assert res.stdout.count(f"timer file {pipe}") == 2, res.stdout  # (each worker's)
     assert "worker rank 0" in res.stderr and "expiration timer 'step' expired" in res.stderr
     assert "killed it with SIGKILL" in res.stderr
     root = res.stderr.split("Root Cause", 1)[1]
@@ -75,14 +75,14 @@ def test_a_timer_kill_restarts_the_group_on_the_given_pipe(tmp_path: Path) -> No
         TORCHELASTIC_ENABLE_FILE_TIMER="1", TORCHELASTIC_TIMER_FILE=str(pipe),
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count(f"[rank0]:timer file {pipe}") == 2  # (both attempts)
+    assert res.stdout.count(f"timer file {pipe}") == 2  # (both attempts)
     assert "expiration timer 'step' expired" in res.stderr and "restarting the worker group" in res.stderr
-    assert res.stdout.count("[rank0]:done") == 1
+    assert res.stdout.splitlines().count("done") == 1
     assert not pipe.exists()
 
 
 def test_without_the_switch_no_timer_server_runs(tmp_path: Path) -> None:
     res = _tdist_run(tmp_path, "--nproc-per-node", "1", action="env")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "[rank0]:timer file None" in res.stdout
+    assert "timer file None" in res.stdout.splitlines()
     assert not list((tmp_path / "tmp").glob("watchdog_timer_*"))

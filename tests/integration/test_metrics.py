@@ -148,7 +148,7 @@ def test_metrics_endpoint_counts_a_job_across_a_restart(tmp_path: Path) -> None:
     try:
         port = int(_next_match(err, r"metrics: http://127\.0\.0\.1:(\d+)/metrics", said).group(1))
         for _ in range(2):
-            _next_match(out, r"^\[rank\d\]:ready 0$", seen)
+            _next_match(out, r"^ready 0$", seen)
         first = _scrape(port)
         _check_totals(first, attempts=1, restarts=0)
         assert _value(first, "tdist_job_info", entrypoint="job.py", node="0", run_id="none") == 1
@@ -160,7 +160,7 @@ def test_metrics_endpoint_counts_a_job_across_a_restart(tmp_path: Path) -> None:
         (tmp_path / "gate0").touch()  # rank 1 fails: the group restarts
         _next_match(err, r"restarting the worker group \(restart 1 of 1\)", said)
         for _ in range(2):
-            _next_match(out, r"^\[rank\d\]:ready 1$", seen)
+            _next_match(out, r"^ready 1$", seen)
         second = _scrape(port)
         _check_totals(second, attempts=2, restarts=1)  # (the first attempt's counts stay)
         for key, value in first.items():  # counters never go down
@@ -234,7 +234,7 @@ def test_each_node_of_a_job_of_two_serves_the_whole_jobs_metrics(tmp_path: Path)
         ports = [int(_next_match(err, r"metrics: http://127\.0\.0\.1:(\d+)/metrics", said).group(1)) for _, _, err in nodes]
         for _, out, _ in nodes:
             for _ in range(2):
-                _next_match(out, r"^\[rank\d\]:ready$", seen)
+                _next_match(out, r"^ready$", seen)
         for port in ports:
             # (the other node's part is at most about a second old: wait for it to show)
             deadline = time.monotonic() + 30

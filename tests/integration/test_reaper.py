@@ -210,7 +210,7 @@ def test_an_orderly_end_leaves_no_reaper(tmp_path: Path, mark: str, end: str) ->
         if end == "sigterm":
             proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-        assert proc.returncode == (0 if end == "exit" else 128 + signal.SIGTERM), err
+        assert proc.returncode == (0 if end == "exit" else 1), err  # (torchrun's 1 after a signal)
         assert not _all_gone(lambda: _reapers_of(proc.pid)), "the reaper outlived its launcher"
     finally:
         if proc.poll() is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ from tdist.elastic._policy import (
     format_failure_report,
     format_status,
     group_outcome,
+    line_prefix,
     next_action,
     parse_std,
     stream_route,
@@ -127,20 +129,18 @@ def test_next_action_restarts_while_restarts_are_left() -> None:
 
 
 @pytest.mark.parametrize(
-    ("outcome", "root", "signum", "code"),
+    ("outcome", "code"),
     [
-        (Outcome.SUCCEEDED, None, None, 0),
-        (Outcome.FAILED, ex(1, 3, 1.0), None, 3),
-        (Outcome.FAILED, ex(1, -9, 1.0), None, 137),  # a signal: 128 + n, like a shell
-        (Outcome.FAILED, ex(1, -15, 1.0), None, 143),
-        (Outcome.INTERRUPTED, None, signal.SIGINT, 130),
-        (Outcome.INTERRUPTED, ex(1, 3, 1.0), signal.SIGTERM, 143),
-        (Outcome.PEER_FAILED, None, None, 1),
-        (Outcome.PEER_STOPPED, None, None, 1),
+        (Outcome.SUCCEEDED, 0),
+        # torchrun's: 1 for any failure, whatever the worker's code or signal (the report has it),
+        (Outcome.FAILED, 1),
+        (Outcome.INTERRUPTED, 1),  # (its SignalException leaves main: Python's 1)
+        (Outcome.PEER_FAILED, 1),
+        (Outcome.PEER_STOPPED, 1),
     ],
 )
-def test_exit_code(outcome: Outcome, root: WorkerExit | None, signum: int | None, code: int) -> None:
-    assert exit_code(outcome, root, signum) == code
+def test_exit_code(outcome: Outcome, code: int) -> None:
+    assert exit_code(outcome) == code
 
 
 # -- what workers get --------------------------------------------------------------------------
@@ -260,6 +260,16 @@ def test_to_map() -> None:
 def test_stream_route_as_torchruns_reify(redirects: Std, tee: Std, console: Std, files: Std) -> None:
     cfg = LaunchConfig("t.py", nproc_per_node=2, redirects=redirects, tee=tee)
     assert stream_route(cfg, 1) == StreamRoute(console=console, files=files)
+    assert stream_route(cfg, 1).teed == tee  # (the console's prefixed streams)
+
+
+def test_line_prefix_as_torchruns() -> None:
+    # torch's TailLog header: [<role><local rank>]:, or the template with its macros substituted
+    cfg = LaunchConfig("t.py", nproc_per_node=2, nnodes=2, node_rank=1)
+    assert line_prefix(cfg, 1) == "[default1]:"
+    assert line_prefix(dataclasses.replace(cfg, role="trainer"), 0) == "[trainer0]:"
+    templated = dataclasses.replace(cfg, log_line_prefix_template="[${role_name}:${rank}/${local_rank}] $other ")
+    assert line_prefix(templated, 1) == "[default:3/1] $other "
 
 
 def test_stream_route_per_rank_filter_and_devnull() -> None:
@@ -267,6 +277,7 @@ def test_stream_route_per_rank_filter_and_devnull() -> None:
                        local_ranks_filter=frozenset({0, 2}))
     assert stream_route(cfg, 0) == StreamRoute(console=Std.ERR, files=Std.OUT)
     assert stream_route(cfg, 1) == StreamRoute(console=Std.NONE, files=Std.ERR)  # (filtered: files only)
+    assert stream_route(cfg, 1).teed == Std.NONE
     assert stream_route(cfg, 2) == StreamRoute(console=Std.ALL, files=Std.NONE)
     devnull = LaunchConfig("t.py", redirects=Std.ALL, log_dir=os.devnull)
     assert stream_route(devnull, 0) == StreamRoute(console=Std.ALL, files=Std.NONE)

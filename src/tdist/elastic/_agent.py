@@ -6,12 +6,14 @@ a client (``TORCHELASTIC_USE_AGENT_STORE=True``). It then starts ``nproc_per_nod
 each in a session of its own (so that stopping a worker stops what it started too), with the
 environment torchrun sets (and the kernel's parent-death signal, so that a launcher killed with
 SIGKILL takes its workers along), and one thread per output stream that copies lines to its own
-stdout/stderr prefixed with ``[rank<N>]:`` and keeps the last lines for the report.
+stdout/stderr and keeps the last lines for the report.
 
 Each worker's streams go where torchrun's ``--redirects``/``--tee`` say (``_policy.stream_route``):
-the console, prefixed, and/or ``stdout.log``/``stderr.log`` in the run's log directory
+the console and/or ``stdout.log``/``stderr.log`` in the run's log directory
 (``<log dir>/<run id>_<random>/attempt_<n>/<local rank>/``, torchrun's layout, with the worker's
-``TORCHELASTIC_ERROR_FILE``). On a terminal a status line stays below the output: every write
+``TORCHELASTIC_ERROR_FILE``). As torchrun's, a stream on the console goes there as it is, unless
+it is teed (on the console and in its file): then each line starts with the worker's
+``_policy.line_prefix`` (``[default0]:``). On a terminal a status line stays below the output: every write
 erases it first and draws it again after, and the monitor loop redraws it each tick.
 
 One loop, in the calling thread, watches: it sleeps in ``select`` on a pidfd per worker and on a
@@ -296,7 +298,8 @@ class LocalAgent:
         self._store: Store | None = None
         self._joined = False  # every node joined: the exit barrier can expect them all
         self._next_peer_check = 0.0
-        self._host = socket.gethostname()
+        # (this host's name in the report and the events, as torch's: its fully qualified name)
+        self._host = socket.getfqdn()
         # the run's log directory, <base>/<run id>_<random> (torchrun's layout), made by run();
         # None with --log-dir /dev/null. Without --log-dir, base is a temporary directory of ours.
         self._run_dir: str | None = None
@@ -353,8 +356,9 @@ class LocalAgent:
         """Run the job on this node until it succeeds, fails or is interrupted.
 
         Returns:
-            The exit code: 0, the first failed worker's (``128 + n`` for signal ``n``),
-            ``128 + signum`` if the launcher was interrupted, 1 if another node failed.
+            The exit code, torchrun's: 0 when the job succeeded (or this node left an
+            elastic job on SIGTERM), else 1 (a worker failed, whatever its code or signal,
+            which the report gives; another node failed; a signal stopped the launcher).
 
         Raises:
             LaunchError: the job could not be set up.
@@ -447,7 +451,7 @@ class LocalAgent:
             cfg.metrics_addr, cfg.metrics_port,
             {"run_id": cfg.run_id, "entrypoint": self._title(), "node": str(cfg.node_rank)},
         )
-        host = cfg.metrics_addr if cfg.metrics_addr not in ("", "0.0.0.0", "::") else self._host
+        host = cfg.metrics_addr if cfg.metrics_addr not in ("", "0.0.0.0", "::") else socket.gethostname()
         if ":" in host:
             host = f"[{host}]"
         self._metrics_url = f"http://{host}:{self._metrics.port}/metrics"
@@ -824,7 +828,7 @@ class LocalAgent:
                 why = self._lost_store or self._peer_failure()[0] or "another node failed"
                 self._say(f"stopped the workers: {why}{self._logs_note(restart_count)}")
             self._record_run(outcome, exits, restart_count)
-            return exit_code(outcome, root, self._signum)
+            return exit_code(outcome)
 
     # -- torchrun's metrics and events ----------------------------------------------------------
     def _record_run(self, outcome: Outcome, exits: list[WorkerExit], restart_count: int) -> None:
@@ -1205,14 +1209,15 @@ class LocalAgent:
         worker.metrics_id = metrics_id
         self._by_pid[proc.pid] = worker
         assert proc.stdout is not None and proc.stderr is not None
+        header = line_prefix(cfg, local_rank).encode()
         for stream, std, out, tails in (
             (proc.stdout, Std.OUT, self._out, (worker.output,)),
             (proc.stderr, Std.ERR, self._err, (worker.tail, worker.output)),
         ):
             t = threading.Thread(
                 target=self._pump,
-                args=(stream, std, rank, line_prefix(cfg, local_rank).encode(), out if std in route.console else None, tails, files[std],
-                      duplicate_filters(cfg, route, std)),
+                args=(stream, std, rank, header if std in route.teed else b"", out if std in route.console else None, tails,
+                      files[std], duplicate_filters(cfg, route, std)),
                 name=f"tdist-run-rank{rank}",
                 daemon=True,
             )
@@ -1231,18 +1236,21 @@ class LocalAgent:
         file: BinaryIO | None,
         filters: tuple[str, ...] = (),
     ) -> None:
-        """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` with ``prefix``,
-        flushing each line, and to ``file`` as it is (None: not there), keeping the last lines
-        in ``tails``; a line that holds one of ``filters`` goes, prefixed, to the attempt's
-        ``filtered_<stream>.log`` too."""
+        """Copy worker ``rank``'s stream ``std`` line by line: to ``out`` with ``prefix`` (a
+        teed stream's; ``b""``: as it is), flushing each line, and to ``file`` as it is (None:
+        not there), keeping the last lines, as they are, in ``tails``; a line that holds one
+        of ``filters`` goes, prefixed, to the attempt's ``filtered_<stream>.log`` too. A line
+        that starts with ``prefix`` already (a worker that printed its own, as
+        ``log_line_prefix_template`` ``[rank${rank}]:`` and torch's excepthook's ``[rank<N>]:``
+        lines would) is not prefixed twice."""
 
         key, on_console = (rank, std), 0  # (bytes of the line coming that the console has: on_partial's)
 
         def on_partial(pending: bytes) -> None:  # (a line's start that waits: a prompt, a progress bar)
             nonlocal on_console
             if out is not None and len(pending) > on_console:
-                # (a line that says its rank already is not prefixed twice: see on_line)
-                first = on_console == 0 and not pending.startswith(prefix)
+                # (a line that starts with its prefix already is not prefixed twice: see on_line)
+                first = on_console == 0 and bool(prefix) and not pending.startswith(prefix)
                 self._write_piece(out, key, prefix, pending[on_console:], first=first)
                 on_console = len(pending)
 
@@ -1260,8 +1268,7 @@ class LocalAgent:
             if on_console and out is not None:  # (its start is on the console: the rest)
                 self._write_piece(out, key, prefix, line[on_console:], first=False, progress=progress)
             elif out is not None or progress is not None:
-                # (a line that says its rank already, as torch's own traceback hook prefixes
-                # an uncaught exception's lines, is not prefixed twice)
+                # (a line that starts with its prefix already is not prefixed twice)
                 self._write(out, line if line.startswith(prefix) else prefix + line, progress)
             on_console = 0
             if filters and any(needle in text for needle in filters):

@@ -173,7 +173,9 @@ class LaunchConfig:
             console.
         redirects: the streams written to files instead of the console (one ``Std`` for every
             local rank, or one per local rank).
-        tee: the streams written to files and to the console.
+        tee: the streams written to files and to the console, where their lines carry the
+            worker's prefix (``log_line_prefix_template``); a stream on the console that is
+            not teed is copied as it is.
         start_method: torchrun's ``--start-method`` (recorded only: every worker is a new
             process running ``python -u script``, as torchrun's are for a script).
         quiet: no live status line (it is drawn only when stdout is a terminal anyway).
@@ -181,9 +183,11 @@ class LaunchConfig:
             ``http://<metrics_addr>:<port>/metrics`` (0: a free port, which the launcher
             prints); None: no endpoint. Needs ``prometheus_client`` (``tdist[metrics]``).
         metrics_addr: the address the metrics endpoint listens on (default: every interface).
-        log_line_prefix_template: the prefix of a worker's lines on the console, torchrun's
+        log_line_prefix_template: the prefix of a worker's teed lines on the console (the
+            streams ``tee`` names; the others are not prefixed), torchrun's
             ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``: a ``string.Template`` of
-            ``${role_name}``, ``${rank}`` and ``${local_rank}`` (None: ``[rank<N>]:``).
+            ``${role_name}``, ``${rank}`` and ``${local_rank}`` (None:
+            ``[<role><local rank>]:``, ``[default0]:``).
         event_log_handler: where the launcher's worker events go, torchrun's
             ``--event-log-handler`` (a ``tdist.elastic.events`` destination: ``null``,
             ``console``).
@@ -298,13 +302,20 @@ class StreamRoute:
     """Where one worker's streams go.
 
     Attributes:
-        console: the streams copied to the launcher's stdout/stderr, prefixed ``[rank<N>]:``.
+        console: the streams copied to the launcher's stdout/stderr: as they are, unless
+            teed (``teed``).
         files: the streams written, as they are, to ``stdout.log``/``stderr.log`` in the
             worker's log directory.
     """
 
     console: Std
     files: Std
+
+    @property
+    def teed(self) -> Std:
+        """The streams both on the console and in their files (``--tee``'s): the console's
+        lines of these carry the worker's ``line_prefix``, as torch's ``TailLog`` prints them."""
+        return Std(self.console & self.files)
 
 
 def stream_route(config: LaunchConfig, local_rank: int) -> StreamRoute:
@@ -339,11 +350,13 @@ def duplicate_filters(config: LaunchConfig, route: StreamRoute, std: Std) -> tup
 
 
 def line_prefix(config: LaunchConfig, local_rank: int) -> str:
-    """What worker ``local_rank``'s lines start with on the console: ``[rank<N>]:``, or
-    ``log_line_prefix_template`` with its macros substituted (torch's ``safe_substitute``)."""
+    """What worker ``local_rank``'s teed lines (``StreamRoute.teed``) start with on the
+    console, as torchrun's: ``[<role><local rank>]:`` (``[default0]:``), or
+    ``log_line_prefix_template`` with its macros substituted (torch's ``safe_substitute``).
+    A stream that is not teed goes to the console as it is, without a prefix."""
     rank = config.global_rank(local_rank)
     if config.log_line_prefix_template is None:
-        return f"[rank{rank}]:"
+        return f"[{config.role}{local_rank}]:"
     return string.Template(config.log_line_prefix_template).safe_substitute(
         role_name=config.role, rank=rank, local_rank=local_rank
     )
@@ -677,19 +690,12 @@ def next_action(outcome: Outcome, restart_count: int, max_restarts: int) -> Acti
     return Action.STOP
 
 
-def exit_code(outcome: Outcome, root: WorkerExit | None = None, signum: int | None = None) -> int:
-    """The launcher's exit status: the first failed worker's (``128 + n`` for signal ``n``; 1
-    when that is a stalled worker the launcher ended), ``128 + signum`` when the launcher was
-    interrupted, 1 when another node failed, else 0."""
-    if outcome is Outcome.INTERRUPTED:
-        return 128 + (signum if signum is not None else signal.SIGTERM)
-    if outcome is Outcome.FAILED:
-        if root is None or (root.stalled and root.stopped_by_agent):  # (its end was our signal)
-            return 1
-        return root.returncode if root.returncode > 0 else 128 - root.returncode
-    if outcome in (Outcome.PEER_FAILED, Outcome.PEER_STOPPED):
-        return 1
-    return 0
+def exit_code(outcome: Outcome) -> int:
+    """The launcher's exit status, as torchrun's: 0 when the job succeeded, else 1, whatever
+    ended it (a worker's exit code or signal, another node's failure, a signal that stopped
+    the launcher: torchrun's ``ChildFailedError`` or ``SignalException`` leaves its ``main``,
+    and Python exits 1). The failed worker's own code is in the report."""
+    return 0 if outcome is Outcome.SUCCEEDED else 1
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -947,7 +953,7 @@ def format_failure_report(
     Args:
         name: the entrypoint (the report's title is ``"<name> FAILED"``).
         failed: the failures, root cause first (see ``failures``).
-        host: this host's name.
+        host: this host's name (torch's: ``socket.getfqdn()``).
         tails: each worker's last stderr lines, by local rank.
         max_lines: lines of traceback quoted per failure.
         error_files: what workers' ``@record`` wrote, by local rank: the traceback quoted

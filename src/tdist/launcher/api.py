@@ -15,8 +15,7 @@ and secret, restarts, the failure report) and returns what they returned, by glo
 A failed job raises torch's ``ChildFailedError``, naming each failed worker with its exit code
 and the error file its ``@record`` wrote; a job stopped by a signal raises torch's
 ``SignalException``. Where tdist's launcher differs from torch's: workers are always new
-processes (``start_method`` is recorded only), their output lines carry a ``[rankN]:`` prefix,
-and the rendezvous backends are ``static``, ``c10d`` and ``etcd``.
+processes (``start_method`` is recorded only), and the rendezvous backends are ``static``, ``c10d`` and ``etcd``.
 """
 
 from __future__ import annotations
@@ -71,9 +70,9 @@ class LaunchConfig:
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30).
         event_log_handler: where the launcher's worker events go (a ``tdist.elastic.events``
             destination: ``null``, ``console``).
-        log_line_prefix_template: the prefix of each worker's lines on the console (a
-            ``string.Template`` of ``${role_name}``, ``${rank}``, ``${local_rank}``; None:
-            ``[rank<N>]:``).
+        log_line_prefix_template: the prefix of each worker's teed lines on the console (the
+            streams ``logs_specs`` tees; the others are not prefixed), a ``string.Template`` of
+            ``${role_name}``, ``${rank}``, ``${local_rank}`` (None: ``[<role><local rank>]:``).
         virtual_local_rank: every worker's ``LOCAL_RANK`` is 0 and its ``CUDA_VISIBLE_DEVICES``
             names its own device alone, as torch's.
         duplicate_stdout_filters, duplicate_stderr_filters: the strings whose teed lines of

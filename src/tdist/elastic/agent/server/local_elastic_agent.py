@@ -16,8 +16,7 @@ thread). A function entrypoint runs in each worker as ``elastic_launch`` runs on
 Where it differs from torch's: workers are always new processes (``start_method`` is checked,
 not used), global ranks are ``group_rank * local_world_size + local_rank`` (every node runs the
 same role with the same ``local_world_size``, as ``WorkerSpec`` asks: mixed roles or sizes are
-not supported), console lines are prefixed ``[rank<N>]:`` unless ``log_line_prefix_template``
-says otherwise, and ``RunResult.failures`` names only the workers that failed on their own
+not supported), and ``RunResult.failures`` names only the workers that failed on their own
 (torch's program workers also list those its agent stopped). Of the scaffolding's hooks,
 ``_stop_workers`` and ``_shutdown`` stop a running group from any thread (``run()`` then raises
 ``SignalException``) and ``_monitor_workers`` reports its state; ``_start_workers`` raises
@@ -137,9 +136,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (checked; workers are
             always new processes).
         exit_barrier_timeout: seconds to wait for the other agents when done.
-        log_line_prefix_template: the prefix of each worker's console lines, a
-            ``string.Template`` of ``${role_name}``, ``${rank}``, ``${local_rank}`` (None:
-            ``[rank<N>]:``).
+        log_line_prefix_template: the prefix of each worker's teed console lines (the
+            streams the logs specs tee; the others are not prefixed), a ``string.Template`` of
+            ``${role_name}``, ``${rank}``, ``${local_rank}`` (None: ``[<role><local rank>]:``).
         shutdown_timeout: seconds between the stop signal and SIGKILL.
         health_check_server, uninterruptible_state_timeout: torch's, accepted and not used.
     """
