@@ -47,6 +47,9 @@ def _collectives(rank: int, n: int, port: int) -> dict[str, Any]:
         rs = torch.empty(2)
         tdc.reduce_scatter_tensor(rs, torch.arange(2 * n, dtype=torch.float32) * (rank + 1))
         out["reduce_scatter_tensor"] = rs.tolist()
+        rsu = torch.empty(rank + 1)  # (uneven: input_list[i] has rank i's size, as gloo)
+        tdc.reduce_scatter(rsu, [torch.arange(i + 1.0) * (rank + 1) for i in range(n)])
+        out["reduce_scatter_uneven"] = rsu.tolist()
         a2a = torch.empty(n)
         tdc.all_to_all_single(a2a, torch.arange(n, dtype=torch.float32) + 10 * rank)
         out["all_to_all_single"] = a2a.tolist()
@@ -103,6 +106,7 @@ def test_torch_collectives_run_on_the_tdist_backend(n: int) -> None:
         assert r["all_gather_into_tensor"] == [float(k) for k in range(n) for _ in range(2)]
         total = sum(k + 1 for k in range(n))
         assert r["reduce_scatter_tensor"] == [float((2 * rank + j) * total) for j in range(2)]
+        assert r["reduce_scatter_uneven"] == [float(j * total) for j in range(rank + 1)]
         assert r["all_to_all_single"] == [float(rank + 10 * k) for k in range(n)]
         assert r["async"] == [float(total)] * 2
         assert r["future_after_wait"]
