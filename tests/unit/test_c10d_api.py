@@ -182,6 +182,9 @@ def test_state_before_init() -> None:
     assert dist.get_rank(dist.GroupMember.NON_GROUP_MEMBER) == -1
     assert dist.get_world_size(dist.GroupMember.NON_GROUP_MEMBER) == -1
     assert dist.get_pg_count() == 0
+    # torch's ``group is GroupMember.WORLD``, both None before init: the identity
+    assert dist.get_global_rank(None, 3) == 3 == tdd.get_global_rank(None, 3)  # type: ignore[arg-type]
+    assert dist.get_group_rank(None, 2) == 2 == tdd.get_group_rank(None, 2)  # type: ignore[arg-type]
     with pytest.raises(AssertionError, match=r"not been initialized"):
         dist.destroy_process_group()
     dist.destroy_process_group(dist.GroupMember.NON_GROUP_MEMBER)  # a no-op, as torch
