@@ -1010,3 +1010,14 @@ def test_torch_cpp_log_level_shows_tdists_log(level: str, setup: str, ready_line
     assert done.returncode == 0 and done.stdout.split() == ["done"], done.stderr
     assert done.stderr.count("process group '0' ready") == ready_lines, done.stderr
     assert ("accepts any client" in done.stderr) == warnings_shown, done.stderr
+
+
+def test_work_is_success_while_pending_as_torchs() -> None:
+    """torch's ``is_success`` is ``!exception_`` (deprecated): True until the work fails."""
+    work = Work("all_reduce")
+    assert not work.is_completed() and work.is_success()
+    work._fail(RuntimeError("lost"))
+    assert work.is_completed() and not work.is_success()
+    done = Work("all_reduce")
+    done._complete([])
+    assert done.is_completed() and done.is_success()
