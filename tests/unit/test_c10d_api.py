@@ -1021,3 +1021,18 @@ def test_work_is_success_while_pending_as_torchs() -> None:
     done = Work("all_reduce")
     done._complete([])
     assert done.is_completed() and done.is_success()
+
+
+def test_destroying_a_group_after_the_default_one_is_torchs_value_error() -> None:
+    _init1()
+    world, sub = dist.group.WORLD, dist.new_group([0])
+    dist.destroy_process_group()
+    for gone in (world, sub):  # (torch looks them up in its map of groups, empty now)
+        with pytest.raises(ValueError, match=r"^Invalid process group specified$"):
+            dist.destroy_process_group(gone)
+        # torch's gloo group lives on in its object and still runs collectives; tdist's
+        # destroy released the group's connections: a ValueError naming the group
+        with pytest.raises(ValueError, match=r"is not registered"):
+            dist.all_reduce(torch.ones(1), group=gone)
+    with pytest.raises(AssertionError, match=r"^Process group cannot be None"):
+        dist.destroy_process_group()
