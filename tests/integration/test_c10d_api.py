@@ -225,6 +225,51 @@ def test_reduce_scatter_both_forms(ws: int) -> None:
         assert res["stacked"] == [sum(range(1, ws + 1))] * 2
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("ws", [2, 3])
+def test_reduce_scatter_with_uneven_sizes_as_gloo(ws: int, shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``input_list[i]`` has rank i's output size, which may differ per rank (as gloo; empty
+    too): every op and dtype, sync and async, over the arena and over sockets. A float result
+    is bitwise the head of the even reduction whose chunks are the same values padded to the
+    largest size (the same reduction order), small and large (several frames and pieces)."""
+    monkeypatch.setenv("TDIST_SHM", shm)
+    dtypes = [torch.int8, torch.uint8, torch.int32, torch.float16, torch.bfloat16, torch.float64,
+              torch.bool, torch.complex64]
+
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for op in INT_OPS:
+            o = torch.zeros(2 * rank, dtype=torch.int64)
+            dist.reduce_scatter(o, [vals(rank + i, 2 * i) for i in range(ws)], op=getattr(dist.ReduceOp, op))
+            out[op] = o.tolist()
+        for dt in dtypes:
+            o = torch.zeros(rank + 1, dtype=dt)
+            work = dist.reduce_scatter(o, [vals(rank + i, i + 1).to(dt) for i in range(ws)], async_op=True)
+            assert work is not None
+            work.wait()
+            out[str(dt)] = o.tolist()
+        for name, size in (("small", lambda i: 3 * i + 1), ("large", lambda i: 90_001 * i + 5)):
+            top = size(ws - 1)
+            gen = torch.Generator().manual_seed(rank)
+            data = [torch.randn(top, generator=gen) for _ in range(ws)]
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT, dist.ReduceOp.MAX):
+                uneven = torch.zeros(size(rank))
+                dist.reduce_scatter(uneven, [d[: size(i)] for i, d in enumerate(data)], op=op)
+                even = torch.zeros(top)
+                dist.reduce_scatter(even, [d.clone() for d in data], op=op)
+                out[f"{name}/{op}"] = torch.equal(uneven, even[: size(rank)])
+        return out
+
+    for rank, res in enumerate(spmd(body, ws)):
+        for op in INT_OPS:
+            assert res[op] == reference(op, [vals(r + rank, 2 * rank) for r in range(ws)]).tolist(), op
+        for dt in dtypes:
+            got = torch.tensor(res[str(dt)], dtype=dt)
+            want = [vals(r + rank, rank + 1).to(dt) for r in range(ws)]
+            assert torch.equal(got, torch.stack(want).sum(0).to(dt) if dt != torch.bool else want[0]), dt
+        assert all(v is True for k, v in res.items() if "/" in k), res
+
+
 @pytest.mark.parametrize("ws", SIZES)
 def test_all_to_all_even_uneven_and_single(ws: int) -> None:
     def body(rank: int, ws: int) -> dict[str, Any]:

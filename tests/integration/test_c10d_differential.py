@@ -54,6 +54,9 @@ def program(d: Any, rank: int, ws: int) -> dict[str, Any]:
         rs = torch.zeros(2, dtype=torch.int64)
         d.reduce_scatter(rs, [_vals(rank + i, 2) for i in range(ws)], op=getattr(d.ReduceOp, op))
         out[f"reduce_scatter/{op}"] = rs.tolist()
+        rsu = torch.zeros(rank + 1, dtype=torch.int64)  # (uneven: input_list[i] has rank i's size)
+        d.reduce_scatter(rsu, [_vals(rank + i, i + 1) for i in range(ws)], op=getattr(d.ReduceOp, op))
+        out[f"reduce_scatter/uneven/{op}"] = rsu.tolist()
         rst = torch.zeros(2, dtype=torch.int64)
         d.reduce_scatter_tensor(rst, _vals(rank, 2 * ws), op=getattr(d.ReduceOp, op))
         out[f"reduce_scatter_tensor/{op}"] = rst.tolist()
@@ -184,6 +187,13 @@ def _errors(d: Any, rank: int, ws: int, sub: Any, out: dict[str, Any]) -> None:
         err("non_member/gather_object_both", lambda: d.gather_object(1, None, dst=0, group=sub, group_dst=0))
         err("non_member/broadcast_object_list", lambda: d.broadcast_object_list([1], src=rank, group=sub))
         err("non_member/scatter_object_list", lambda: d.scatter_object_list([None], None, group=sub))
+    # refused by every rank alike (gloo: RuntimeError, at the call or from the work)
+    err("all_gather_slot_size", lambda: d.all_gather([torch.zeros(2) for _ in range(ws)], torch.ones(1)))
+    err("all_gather_list_len", lambda: d.all_gather([torch.zeros(1)] * (ws + 1), torch.ones(1)))
+    err("all_reduce_float8", lambda: d.all_reduce(torch.ones(2).to(torch.float8_e4m3fn)))
+    err("reduce_scatter_list_len", lambda: d.reduce_scatter(torch.zeros(1), [torch.ones(1)] * (ws + 1)))
+    # (every rank sends itself 2 elements into 1: gloo's enforce, tdist's check before sending)
+    err("all_to_all_single_own_part", lambda: d.all_to_all_single(torch.zeros(ws), torch.ones(2 * ws), None, [2] * ws))
 
 
 def _torch_rank(rank: int, ws: int, port: int) -> dict[str, Any]:

@@ -47,6 +47,9 @@ def _collectives(rank: int, n: int, port: int) -> dict[str, Any]:
         rs = torch.empty(2)
         tdc.reduce_scatter_tensor(rs, torch.arange(2 * n, dtype=torch.float32) * (rank + 1))
         out["reduce_scatter_tensor"] = rs.tolist()
+        rsu = torch.empty(rank + 1)  # (uneven: input_list[i] has rank i's size, as gloo)
+        tdc.reduce_scatter(rsu, [torch.arange(i + 1.0) * (rank + 1) for i in range(n)])
+        out["reduce_scatter_uneven"] = rsu.tolist()
         a2a = torch.empty(n)
         tdc.all_to_all_single(a2a, torch.arange(n, dtype=torch.float32) + 10 * rank)
         out["all_to_all_single"] = a2a.tolist()
@@ -103,6 +106,7 @@ def test_torch_collectives_run_on_the_tdist_backend(n: int) -> None:
         assert r["all_gather_into_tensor"] == [float(k) for k in range(n) for _ in range(2)]
         total = sum(k + 1 for k in range(n))
         assert r["reduce_scatter_tensor"] == [float((2 * rank + j) * total) for j in range(2)]
+        assert r["reduce_scatter_uneven"] == [float(j * total) for j in range(rank + 1)]
         assert r["all_to_all_single"] == [float(rank + 10 * k) for k in range(n)]
         assert r["async"] == [float(total)] * 2
         assert r["future_after_wait"]
@@ -634,6 +638,37 @@ def test_all_to_all_single_refuses_bad_split_sizes_with_gloos_error_type() -> No
         assert "Split sizes doesn't match total dim 0 size" in r["sum"]
         assert "Split sizes doesn't match total dim 0 size" in r["funcol"]
         assert r["after"] == [2.0, 2.0]
+
+
+def _bad_sizes(rank: int, n: int, port: int) -> dict[str, Any]:
+    _init(rank, n, port)
+    try:
+        out: dict[str, Any] = {}
+        for name, call in {
+            "all_gather_list_len": lambda: tdc.all_gather([torch.empty(1)], torch.ones(1)),
+            "all_gather_slot_size": lambda: tdc.all_gather([torch.empty(2) for _ in range(n)], torch.ones(1)),
+            "all_gather_into_tensor": lambda: tdc.all_gather_into_tensor(torch.empty(2 * n + 1), torch.ones(2)),
+            "reduce_scatter_tensor": lambda: tdc.reduce_scatter_tensor(torch.empty(1), torch.ones(n + 1)),
+            "reduce_scatter_own_entry": lambda: tdc.reduce_scatter(torch.empty(2), [torch.ones(1)] * n),
+            "all_to_all_single_own_part": lambda: tdc.all_to_all_single(torch.empty(n), torch.ones(2 * n), None, [2] * n),
+        }.items():
+            try:  # (gloo's type: RuntimeError, raised before anything is sent)
+                call()
+                out[name] = "no error"
+            except RuntimeError as exc:
+                out[name] = type(exc).__name__
+        t = torch.ones(2)
+        tdc.all_reduce(t)  # (nothing was sent for a refused call: the group is in step)
+        out["after"] = t.tolist()
+        return out
+    finally:
+        tdc.destroy_process_group()
+
+
+def test_wrong_sizes_through_torchs_functions_are_runtime_errors_as_gloos() -> None:
+    for r in run_processes(_bad_sizes, 2, free_port(), timeout=60):
+        assert r.pop("after") == [2.0, 2.0]
+        assert r == dict.fromkeys(r, "CollectiveArgumentError") and len(r) == 6, r
 
 
 def _store_port_after_destroy(rank: int, n: int, port: int, between: str) -> bool:

@@ -74,6 +74,7 @@ def check_ops(res: list[dict[str, Any]]) -> None:
         assert got["all_gather_into_tensor"] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
         assert got["scatter"] == [float(r)] * 2
         assert got["reduce_scatter"] == [float(sum(r + k for k in range(n)))] * 2
+        assert got["reduce_scatter_uneven"] == [float(n * j + sum(range(n))) for j in range(r + 1)]
         assert got["reduce_scatter_tensor"] == [float(n * 2 * r), float(n * (2 * r + 1))]
         assert got["all_to_all"] == [[float(10 * k + r)] * (r + 1) for k in range(n)]
         assert got["all_to_all_single"] == [float(100 * k + r) for k in range(n)]

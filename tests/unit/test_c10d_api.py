@@ -182,6 +182,9 @@ def test_state_before_init() -> None:
     assert dist.get_rank(dist.GroupMember.NON_GROUP_MEMBER) == -1
     assert dist.get_world_size(dist.GroupMember.NON_GROUP_MEMBER) == -1
     assert dist.get_pg_count() == 0
+    # torch's ``group is GroupMember.WORLD``, both None before init: the identity
+    assert dist.get_global_rank(None, 3) == 3 == tdd.get_global_rank(None, 3)  # type: ignore[arg-type]
+    assert dist.get_group_rank(None, 2) == 2 == tdd.get_group_rank(None, 2)  # type: ignore[arg-type]
     with pytest.raises(AssertionError, match=r"not been initialized"):
         dist.destroy_process_group()
     dist.destroy_process_group(dist.GroupMember.NON_GROUP_MEMBER)  # a no-op, as torch
@@ -1007,3 +1010,29 @@ def test_torch_cpp_log_level_shows_tdists_log(level: str, setup: str, ready_line
     assert done.returncode == 0 and done.stdout.split() == ["done"], done.stderr
     assert done.stderr.count("process group '0' ready") == ready_lines, done.stderr
     assert ("accepts any client" in done.stderr) == warnings_shown, done.stderr
+
+
+def test_work_is_success_while_pending_as_torchs() -> None:
+    """torch's ``is_success`` is ``!exception_`` (deprecated): True until the work fails."""
+    work = Work("all_reduce")
+    assert not work.is_completed() and work.is_success()
+    work._fail(RuntimeError("lost"))
+    assert work.is_completed() and not work.is_success()
+    done = Work("all_reduce")
+    done._complete([])
+    assert done.is_completed() and done.is_success()
+
+
+def test_destroying_a_group_after_the_default_one_is_torchs_value_error() -> None:
+    _init1()
+    world, sub = dist.group.WORLD, dist.new_group([0])
+    dist.destroy_process_group()
+    for gone in (world, sub):  # (torch looks them up in its map of groups, empty now)
+        with pytest.raises(ValueError, match=r"^Invalid process group specified$"):
+            dist.destroy_process_group(gone)
+        # torch's gloo group lives on in its object and still runs collectives; tdist's
+        # destroy released the group's connections: a ValueError naming the group
+        with pytest.raises(ValueError, match=r"is not registered"):
+            dist.all_reduce(torch.ones(1), group=gone)
+    with pytest.raises(AssertionError, match=r"^Process group cannot be None"):
+        dist.destroy_process_group()

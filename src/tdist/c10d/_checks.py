@@ -32,6 +32,7 @@ __all__ = [
     "check_bitwise_dtype",
     "check_list_len",
     "check_not_self_rank",
+    "check_own_entry",
     "check_reduce_scatter_single",
     "check_root_rank",
     "check_rooted_list",
@@ -283,6 +284,24 @@ def check_same_numel(tensors: Sequence[torch.Tensor], ref: torch.Tensor, what: s
                 f"{what}: invalid tensor size at index {i} of {name} (expected "
                 f"{tuple(ref.shape)}, got {tuple(t.shape)})"
             )
+
+
+def check_own_entry(
+    tensors: Sequence[torch.Tensor], rank: int, ref: torch.Tensor, what: str, name: str
+) -> None:
+    """This rank's entry of a per-rank list has the shape of ``ref`` (``reduce_scatter``: the
+    other entries may have other sizes, each that of its rank's output, as gloo's; the
+    backends check them across ranks).
+
+    Raises:
+        CollectiveArgumentError: naming the index, the expected and the given shape.
+    """
+    t = tensors[rank]
+    if t.shape != ref.shape:
+        raise CollectiveArgumentError(
+            f"{what}: invalid tensor size at index {rank} of {name} (this rank's entry must have "
+            f"the output's shape {tuple(ref.shape)}, got {tuple(t.shape)})"
+        )
 
 
 def check_all_gather_single(output: torch.Tensor, input: torch.Tensor, size: int, what: str) -> None:

@@ -426,14 +426,17 @@ def reduce_scatter(
     group: GroupArg = None,
     async_op: bool = False,
 ) -> Work | None:
-    """Rank r's ``output`` is the reduction over ranks of their ``input_list[r]``.
+    """Rank r's ``output`` is the reduction over ranks of their ``input_list[r]``; sizes may
+    differ per rank (as gloo), as long as ``input_list[r]`` has rank r's ``output``'s size on
+    every rank.
 
     Returns:
         The ``Work`` if ``async_op``, else ``None``.
 
     Raises:
         TypeError, ValueError: as ``all_reduce``; mixed dtypes.
-        CollectiveArgumentError: ``input_list`` of the wrong length or sizes.
+        CollectiveArgumentError: ``input_list`` of the wrong length, or its entry for this rank
+            not of ``output``'s shape.
     """
     out = C.as_tensor(output, "output")
     ins = C.as_tensor_list(input_list, "input_list")
@@ -446,7 +449,7 @@ def reduce_scatter(
     C.check_bitwise_dtype(red, [out], "reduce_scatter")
     pg = _resolve(group)
     C.check_list_len(ins, pg.size(), "reduce_scatter", "input tensor list")
-    C.check_same_numel(ins, out, "reduce_scatter", "input_list")
+    C.check_own_entry(ins, pg.rank(), out, "reduce_scatter", "input_list")
     opts = _set_async(ReduceScatterOptions(reduceOp=red), async_op)
     return _finish(pg.reduce_scatter([C.real_view(out)], [C.real_views(ins)], opts), async_op)
 

@@ -366,13 +366,16 @@ def destroy_process_group(group: ProcessGroup | int | None = None) -> None:
     After destroying the default group, ``init_process_group`` may be called again.
 
     Raises:
-        AssertionError: nothing to destroy (torch's type).
-        ValueError: ``group`` is not a live group of this world (torch's message).
+        AssertionError: ``None`` with nothing to destroy (torch's type).
+        ValueError: ``group`` is not a live group of this world (torch's message), also when
+            the default group is gone already.
     """
     if _not_member(group):
         return
     world = current_world()
     if world is None:
+        if group is not None:  # (torch looks it up in its map of groups, empty now)
+            raise ValueError("Invalid process group specified")
         raise AssertionError(
             "Process group cannot be None: the default process group has not been initialized "
             "(or was destroyed already)"

@@ -169,13 +169,18 @@ def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
         raise CollectiveArgumentError(
             f"{what}: ReduceOp.AVG needs a floating point or complex tensor, got {dtype}"
         )
-    if dtype in _UNSIGNED_WIDE:  # (the only dtypes torch 2.13 lacks kernels for; one set lookup)
+    if dtype not in _KERNELS:  # (uint16/32/64, float8s, ...: probed; one set lookup)
         missing = _no_kernel(op, dtype)
         if missing is not None:
             raise CollectiveArgumentError(f"{what}: cannot apply ReduceOp.{op.name} to {dtype}: {missing}")
 
 
-_UNSIGNED_WIDE = frozenset(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
+# the dtypes torch 2.13 has every reduction kernel for (the op checks above aside); the others
+# (uint16/32/64 have no add, min or max, float8s no add, ...) are probed once per op
+_KERNELS = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+})
 
 
 _kernels: dict[tuple[RedOpType, torch.dtype], str | None] = {}
@@ -185,7 +190,8 @@ def _no_kernel(op: RedOpType, dtype: torch.dtype) -> str | None:
     """Why torch cannot reduce ``dtype`` with ``op`` (uint16/32/64 have no add, min or max), or None.
 
     Probed once per pair on two elements, before anything is sent, so that every world size
-    (one rank too) and both paths (arena, sockets) refuse the same calls, as RuntimeError."""
+    (one rank too) and both paths (arena, sockets) refuse the same calls, as RuntimeError
+    (gloo's "Invalid scalar type")."""
     key = (op, dtype)
     if key not in _kernels:
         try:
@@ -201,6 +207,16 @@ def _no_kernel(op: RedOpType, dtype: torch.dtype) -> str | None:
 _COST = S.CostModel(reduce_bytes_per_s=4e9)
 _PIECE = 1 << 20  # bytes per message of a large transfer
 _MAX_PIECES = 4096
+
+
+def _check_own_part(outs: list[torch.Tensor], ins: list[torch.Tensor], rank: int, what: str) -> None:
+    """What a rank sends itself fits where it lands (checked before anything is sent; gloo's
+    type, RuntimeError, which CollectiveArgumentError is)."""
+    if outs[rank].numel() != ins[rank].numel():
+        raise CollectiveArgumentError(
+            f"{what}: rank {rank} sends itself {ins[rank].numel()} elements (its input's part "
+            f"{rank}) into {outs[rank].numel()} (its output's part {rank}): the sizes must agree"
+        )
 
 
 def _align(nbytes: int) -> int:
@@ -944,10 +960,19 @@ class ProcessGroupTCP(Backend):
         opts: AllgatherOptions | None = None,
     ) -> Work:
         opts = opts or AllgatherOptions()
-        for outs in output_tensors:
+        # (checked here, before anything is sent: gloo's type, RuntimeError, for torch's route too)
+        for i, (outs, inp) in enumerate(zip(output_tensors, input_tensors, strict=True)):
             if len(outs) != self._size:
-                raise ValueError(
-                    f"all_gather: the output list has {len(outs)} tensors for a group of {self._size}"
+                raise CollectiveArgumentError(
+                    f"all_gather: invalid output tensor list at index {i} (expected length "
+                    f"{self._size}, got {len(outs)}): one tensor per rank of the group"
+                )
+            mine = outs[self._rank]
+            if mine.numel() != inp.numel():
+                raise CollectiveArgumentError(
+                    f"all_gather: invalid tensor size at index {self._rank} of the output list: "
+                    f"this rank's slot has shape {tuple(mine.shape)} but its input has shape "
+                    f"{tuple(inp.shape)} (the slots of the other ranks may differ)"
                 )
 
         def run() -> list[torch.Tensor]:
@@ -967,12 +992,7 @@ class ProcessGroupTCP(Backend):
 
     def _allgather_one(self, outs: list[torch.Tensor], inp: torch.Tensor, deadline: float) -> None:
         flats = [_Flat(t) for t in outs]
-        mine = flats[self._rank].flat
-        if mine.numel() != inp.numel():
-            raise ValueError(
-                f"all_gather: rank {self._rank}'s output slot has {mine.numel()} elements but its "
-                f"input has {inp.numel()}"
-            )
+        mine = flats[self._rank].flat  # (as many elements as inp: checked before it was queued)
         tag = self._next_tag()
         if self._arena is not None:
             self._arena.all_gather([f.flat for f in flats], inp.reshape(-1), timeout=self._left(deadline))
@@ -990,9 +1010,9 @@ class ProcessGroupTCP(Backend):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None) -> Work:
         opts = opts or AllgatherOptions()
         if output.numel() != input.numel() * self._size:
-            raise ValueError(
-                f"all_gather_into_tensor: output has {output.numel()} elements, expected "
-                f"{self._size} x {input.numel()}"
+            raise CollectiveArgumentError(
+                f"all_gather_into_tensor: invalid tensor size: output has {output.numel()} "
+                f"elements, expected {self._size} x {input.numel()} (the group size times the input's)"
             )
 
         def run() -> list[torch.Tensor]:
@@ -1117,7 +1137,16 @@ class ProcessGroupTCP(Backend):
         op = as_red_op(opts.reduceOp)
         ins = input_tensors[0]
         if len(ins) != self._size:
-            raise ValueError(f"reduce_scatter: input_list has {len(ins)} tensors for a group of {self._size}")
+            raise CollectiveArgumentError(
+                f"reduce_scatter: invalid input tensor list (expected length {self._size}, got "
+                f"{len(ins)}): one tensor per rank of the group"
+            )
+        if ins[self._rank].numel() != output_tensors[0].numel():
+            raise CollectiveArgumentError(
+                f"reduce_scatter: invalid tensor size at index {self._rank} of the input list: "
+                f"{tuple(ins[self._rank].shape)} for an output of {tuple(output_tensors[0].shape)} "
+                "(this rank's entry has the output's size; the others may differ)"
+            )
         _check_op(op, output_tensors[0].dtype, "reduce_scatter")
 
         def run() -> list[torch.Tensor]:
@@ -1156,8 +1185,9 @@ class ProcessGroupTCP(Backend):
         op = as_red_op(opts.reduceOp)
         _check_op(op, input.dtype, "reduce_scatter_tensor")
         if input.numel() != output.numel() * self._size:
-            raise ValueError(
-                f"reduce_scatter_tensor: input has {input.numel()} elements, expected {self._size} x {output.numel()}"
+            raise CollectiveArgumentError(
+                f"reduce_scatter_tensor: invalid tensor size: input has {input.numel()} elements, "
+                f"expected {self._size} x {output.numel()} (the group size times the output's)"
             )
 
         def run() -> list[torch.Tensor]:
@@ -1183,10 +1213,11 @@ class ProcessGroupTCP(Backend):
     ) -> Work:
         opts = opts or AllToAllOptions()
         if len(output_tensors) != self._size or len(input_tensors) != self._size:
-            raise ValueError(
+            raise CollectiveArgumentError(
                 f"all_to_all: needs {self._size} input and output tensors, got "
                 f"{len(input_tensors)} and {len(output_tensors)}"
             )
+        _check_own_part(output_tensors, input_tensors, self._rank, "all_to_all")
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
@@ -1238,6 +1269,7 @@ class ProcessGroupTCP(Backend):
 
         outs = splits(output, output_split_sizes, "output")
         ins = splits(input, input_split_sizes, "input")
+        _check_own_part(outs, ins, self._rank, "all_to_all_single")
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)

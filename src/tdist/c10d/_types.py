@@ -266,8 +266,10 @@ class Work:
         return self._is_done
 
     def is_success(self) -> bool:
-        """Whether the operation finished without error (False while it runs)."""
-        return self._is_done and self._exc is None
+        """Whether the operation has not failed: True while it runs too, as torch's (its
+        ``!exception_``; an API torch deprecates). ``is_completed`` says whether it is done."""
+        self.is_completed()  # (a subclass's poll: a receive that failed has its error set)
+        return self._exc is None
 
     def exception(self) -> BaseException | None:
         """The error the operation failed with, or None."""

@@ -328,7 +328,8 @@ def _non_member_ranks(what: str) -> dict[int, int]:
 
 
 def get_group_rank(group: ProcessGroup | int, global_rank: int) -> int:
-    """The rank in ``group`` of global rank ``global_rank`` (identity for the default group).
+    """The rank in ``group`` of global rank ``global_rank`` (identity for the default group,
+    and, as torch, for ``None`` before ``init_process_group``).
 
     As in torch, ``GroupMember.NON_GROUP_MEMBER`` stands for the latest group that ``new_group``
     left this rank out of.
@@ -336,7 +337,10 @@ def get_group_rank(group: ProcessGroup | int, global_rank: int) -> int:
     Raises:
         ValueError: ``global_rank`` is not a member, or ``group`` is not registered.
     """
-    if group is None:  # (as torch: the default group is ``group.WORLD`` here, not None)
+    if group is None:
+        if _global_rank_or_minus_one() < 0:  # (torch: ``group is GroupMember.WORLD``, both None)
+            return global_rank
+        # (as torch: the default group is ``group.WORLD`` here, not None)
         raise ValueError("Group None is not registered, please create group with torch.distributed.new_group API")
     if _not_member(group):
         return group_rank_of(_non_member_ranks("get_group_rank"), global_rank, group)
@@ -346,7 +350,8 @@ def get_group_rank(group: ProcessGroup | int, global_rank: int) -> int:
 
 
 def get_global_rank(group: ProcessGroup | int, group_rank: int) -> int:
-    """The global rank of rank ``group_rank`` of ``group`` (identity for the default group).
+    """The global rank of rank ``group_rank`` of ``group`` (identity for the default group,
+    and, as torch, for ``None`` before ``init_process_group``).
 
     As in torch, ``GroupMember.NON_GROUP_MEMBER`` stands for the latest group that ``new_group``
     left this rank out of.
@@ -354,7 +359,10 @@ def get_global_rank(group: ProcessGroup | int, group_rank: int) -> int:
     Raises:
         ValueError: no such rank in ``group``, or ``group`` is not registered.
     """
-    if group is None:  # (as torch: the default group is ``group.WORLD`` here, not None)
+    if group is None:
+        if _global_rank_or_minus_one() < 0:  # (torch: ``group is GroupMember.WORLD``, both None)
+            return group_rank
+        # (as torch: the default group is ``group.WORLD`` here, not None)
         raise ValueError("Group None is not registered, please create group with torch.distributed.new_group API")
     if _not_member(group):
         return global_rank_of(_non_member_ranks("get_global_rank"), group_rank, group)
