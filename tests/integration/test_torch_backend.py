@@ -904,3 +904,23 @@ def _hook_from_torchs_docs(rank: int, n: int, port: int) -> list[float]:
 def test_a_comm_hook_annotated_with_dist_gradbucket_runs_on_tdist() -> None:
     got = run_processes(_hook_from_torchs_docs, 2, free_port(), timeout=60)
     assert got[0] == got[1] == [3.0, 3.0, 3.0, 2.0]  # (weights: the mean of 2 and 4; the bias: of 2 and 2)
+
+
+def test_torchruns_store_is_told_from_tdists_and_refused_by_ft(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.elastic import ft
+    from tdist.store._rendezvous import _agent_is_torchs
+
+    torchs = tdc.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    ours = tdist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    try:
+        monkeypatch.delenv("TDIST_AGENT_STORE", raising=False)
+        assert _agent_is_torchs("127.0.0.1", torchs.port)
+        assert not _agent_is_torchs("127.0.0.1", ours.port)
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(torchs.port))
+        with pytest.raises(ValueError, match=r"torchrun's .* start the job with `tdist run`"):
+            ft.job_store(timeout=5)
+    finally:
+        ours.close()
+        del torchs

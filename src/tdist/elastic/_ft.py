@@ -278,10 +278,10 @@ def job_store(timeout: float | timedelta = 60.0) -> Store:
     ``FailoverStore`` client, so that a member keeps a standby of its server.
 
     Raises:
-        ValueError: neither is set.
+        ValueError: neither is set, or the store is torch's own torchrun's.
         DistNetworkError: the store cannot be reached.
     """
-    from ..store._rendezvous import _agent_store
+    from ..store._rendezvous import _agent_is_torchs, _agent_store
     from ..store._replica import FailoverStore
 
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -289,6 +289,11 @@ def job_store(timeout: float | timedelta = 60.0) -> Store:
         raise ValueError("ft.job_store: no store in the environment (TDIST_AGENT_STORE under tdist run, or MASTER_ADDR "
                          "and MASTER_PORT)")
     host, number = _agent_store(addr, int(port)) or (addr, int(port))  # (tdist run: the launcher's)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _agent_is_torchs(host, number):
+        raise ValueError(
+            f"ft.job_store: the store at {host}:{number} is torchrun's (torch's C++ TCPStore), "
+            "which a fault-tolerant job cannot use: start the job with `tdist run`"
+        )
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     return FailoverStore(host, number, timeout=timedelta(seconds=seconds))
 
