@@ -376,3 +376,27 @@ def test_same_outcomes_as_torch_hashstore() -> None:
     theirs = run_script(tdd.HashStore())
     assert ours == theirs
     assert ours[2] == 1  # num_keys after one set
+
+
+def test_a_torch_store_wrapped_for_tdist_raises_tdists_errors_which_are_torchs_too() -> None:
+    """tdist's own code catches its own classes (a timeout as ``StoreTimeoutError``): a torch
+    store that tdist was handed (``init_process_group(store=)``, torchrun's store under
+    ``env://``) raises those, which torch's ``except`` clauses catch as well."""
+    import torch.distributed as tdc
+
+    from tdist._core.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
+    from tdist.store._foreign import ForeignStore
+
+    store = ForeignStore(tdc.HashStore())
+    store.set_timeout(timedelta(milliseconds=50))
+    with pytest.raises(StoreTimeoutError) as timed_out:
+        store.get("missing")
+    assert isinstance(timed_out.value, tdc.DistStoreError) and isinstance(timed_out.value.__cause__, tdc.DistStoreError)
+    with pytest.raises(StoreTimeoutError):
+        store.wait(["missing"], timedelta(milliseconds=50))
+    with pytest.raises(QueueEmptyError) as empty:
+        store.queue_pop("q", block=False)
+    assert isinstance(empty.value, tdc.QueueEmptyError)
+    store.set("a", "1")
+    assert store.get("a") == b"1" and store.add("n", 2) == 2
+    assert issubclass(StoreTimeoutError, DistStoreError)
