@@ -403,3 +403,23 @@ def test_public_names_are_torchs() -> None:
 
     assert api.SignalException is torch_api.SignalException
     assert sorted(n for n in torch_api.__all__ if n != "get_std_cm") == sorted(api.__all__)
+
+
+def test_stopping_cut_short_by_a_second_signal_says_so_not_the_whole_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tdist.elastic.multiprocessing._process import stop_processes
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+         "print('ready', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )
+    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    with caplog.at_level("WARNING", logger="tdist"):
+        stop_processes([child], signal.SIGTERM, 30.0, cut_short=lambda: True)
+    assert child.poll() is not None  # (killed)
+    text = caplog.text
+    assert "the wait (up to 30 s) was cut short: sending SIGKILL" in text and "did not stop within 30 s" not in text, text

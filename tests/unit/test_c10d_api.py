@@ -978,6 +978,8 @@ import logging, sys
 import torch
 if sys.argv[1] == "basicConfig":
     logging.basicConfig(level=logging.WARNING)  # (the program's own logging takes tdist's records)
+if sys.argv[1] == "root_info":  # (as hydra does: torch's c10d prints nothing more for it)
+    logging.basicConfig(level=logging.INFO)
 import tdist as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 dist.all_reduce(torch.ones(2))
@@ -994,6 +996,7 @@ print("done")
         ("INFO", "basicConfig", 1, True),  # (once, by the program's handler)
         ("ERROR", "", 0, False),
         ("", "", 0, True),
+        ("", "root_info", 0, True),
     ],
 )
 def test_torch_cpp_log_level_shows_tdists_log(level: str, setup: str, ready_lines: int, warnings_shown: bool) -> None:

@@ -318,10 +318,13 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 def log_level_from_env() -> None:
     """torch's ``TORCH_CPP_LOG_LEVEL`` (what c10d's C++ side prints on stderr: ``INFO``,
     ``WARNING``, ``ERROR``, ``FATAL`` or 0-3) for tdist's loggers: their level, and at ``INFO``
-    a stderr handler (where the program configures no logging). Unset or another value:
-    nothing changes."""
+    a stderr handler (where the program configures no logging). Unset or another value: the
+    c10d logger's level is ``WARNING`` (torch's C++ default), whatever the root logger's."""
     level = _CPP_LOG_LEVELS.get(os.environ.get("TORCH_CPP_LOG_LEVEL", "").strip().upper())
     if level is None:
+        # (tdist's c10d is where torch's C++ c10d is, whose INFO lines only that variable
+        # shows: a program that sets Python's root logger to INFO, as hydra does, sees none)
+        logging.getLogger("tdist.c10d").setLevel(logging.WARNING)
         return
     logger = logging.getLogger("tdist")
     logger.setLevel(level)

@@ -216,12 +216,20 @@ def stop_processes(
     """
     for p in procs:
         signal_session(p, sig)
-    _wait_for_exits(procs, clock() + timeout, clock, wake_fd, cut_short)
+    start = clock()
+    _wait_for_exits(procs, start + timeout, clock, wake_fd, cut_short)
+    waited = clock() - start
     left = [p for p in procs if p.poll() is None]
     for p in left:
-        log.warning(
-            "%s did not stop within %g s of %s: sending SIGKILL", describe(p), timeout, signal.Signals(sig).name
-        )
+        if waited < timeout:  # (cut short: a second signal to the launcher)
+            log.warning(
+                "%s had not stopped %.1f s after %s, and the wait (up to %g s) was cut short: "
+                "sending SIGKILL", describe(p), waited, signal.Signals(sig).name, timeout,
+            )
+        else:
+            log.warning(
+                "%s did not stop within %g s of %s: sending SIGKILL", describe(p), timeout, signal.Signals(sig).name
+            )
         signal_session(p, signal.SIGKILL)
     _wait_for_exits(left, clock() + _KILL_WAIT, clock, None, lambda: False)
     stuck = [p for p in left if p.poll() is None]
