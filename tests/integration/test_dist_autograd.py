@@ -463,3 +463,56 @@ def test_distributed_optimizer_takes_non_leaf_tensors_as_torchs_functional_ones(
     out = run(_optimizer_over_results, backend, world_size=2)[0]
     assert out["values"] == ([4.0, 4.0], [2.0, 2.0]), out
     assert out["nadam"] is not None and "non-leaf" in out["nadam"], out
+
+
+def _step_beside_a_pass(w: Worker) -> dict[str, Any]:
+    """An optimizer step on a parameters' owner while a backward pass there has lent the same
+    parameter's ``.grad``: the step waits for the pass (both write ``.grad``; unserialised, a
+    stress of the two corrupted memory: segmentation faults, 'undefined Tensor' errors)."""
+    out: dict[str, Any] = {}
+    if w.rank == 0 and not TORCH:
+        from tdist.autograd._context import _through_leaves
+        from tdist.optim._distributed import _LocalOptimizer
+
+        p = torch.nn.Parameter(torch.ones(3))
+
+        class Ref:
+            @staticmethod
+            def local_value() -> torch.Tensor:
+                return p
+
+        opt = _LocalOptimizer(torch.optim.SGD, True, [Ref()], (), {"lr": 0.1})
+        in_pass, release = threading.Event(), threading.Event()
+
+        def hold(g: torch.Tensor) -> torch.Tensor:
+            in_pass.set()
+            release.wait(20)
+            return g
+
+        y = p * 2
+        y.register_hook(hold)
+        got: list[Any] = []
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [(p * 3).sum()])  # (the context's gradient: 3 each)
+            passing = threading.Thread(target=lambda: got.append(_through_leaves([y.sum()], [p], [torch.ones(())], False)))
+            passing.start()
+            assert in_pass.wait(20)
+            stepping = threading.Thread(target=opt.step, args=(cid,))
+            stepping.start()
+            stepping.join(1.0)
+            out["step_waited"] = stepping.is_alive()
+            release.set()
+            passing.join(20)
+            stepping.join(20)
+        out["pass"] = got[0][0].tolist()
+        out["stepped"] = torch.allclose(p.detach(), torch.full((3,), 0.7))
+        out["grad"] = p.grad
+    w.barrier()
+    return out
+
+
+def test_an_optimizer_step_waits_for_a_backward_pass_that_lent_grad(backend: str) -> None:
+    if TORCH:
+        pytest.skip("tdist's own serialisation of .grad")
+    out = run(_step_beside_a_pass, backend, world_size=2)[0]
+    assert out == {"step_waited": True, "pass": [2.0, 2.0, 2.0], "stepped": True, "grad": None}, out

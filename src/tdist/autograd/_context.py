@@ -553,9 +553,13 @@ def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list
     return sent
 
 
-# (a pass's leaves hold its gradients in ``.grad`` from the pass's start to its end: one pass at
-# a time in this process; re-entrant, for a pass that runs another in its own thread)
-_leaves_lock = threading.RLock()
+#: Held while this process's ``.grad`` fields are lent out: a pass's leaves hold its gradients
+#: in ``.grad`` from the pass's start to its end, and ``DistributedOptimizer``'s local step lends
+#: the context's gradients to ``.grad``. One at a time in this process (torch's engine writes a
+#: leaf's ``.grad`` in C++ under a lock of its own, which Python's ``.grad =`` does not take: a
+#: step that set ``.grad`` while another thread's pass accumulated into it corrupted memory);
+#: re-entrant, for a pass that runs another in its own thread.
+leaves_lock = threading.RLock()
 
 
 def _through_leaves(
@@ -570,7 +574,7 @@ def _through_leaves(
     distributed autograd leaves ``.grad`` as it found it, as torch's does."""
     if not leaves:
         return []
-    with _leaves_lock:
+    with leaves_lock:
         saved = [leaf.grad for leaf in leaves]
         for leaf in leaves:
             leaf.grad = None

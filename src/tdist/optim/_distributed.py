@@ -18,7 +18,6 @@ optimizer class gets torch's plain behaviour: the context's gradients are set as
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from ..autograd._context import leaves_lock
 from ..rpc._agent import wait_replies
 
 __all__ = ["DistributedOptimizer"]
@@ -43,7 +43,9 @@ _FUNCTIONAL: dict[type, tuple[dict[str, Any], frozenset[str]]] = {
     torch.optim.Adamax: ({"lr": 0.001}, frozenset({"capturable", "differentiable"})),
 }
 
-_step_lock = threading.Lock()  # steps of this process's local optimizers take turns (.grad)
+# steps of this process's local optimizers take turns with each other and with its distributed
+# backward passes: both lend gradients to .grad (see leaves_lock)
+_step_lock = leaves_lock
 
 
 class _LocalOptimizer:
