@@ -609,21 +609,35 @@ def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on(api:
         assert r["after"] == [float(n)] * 2
 
 
-def _bad_splits(rank: int, n: int, port: int) -> dict[str, Any]:
+def _refusals(rank: int, n: int, port: int, which: str) -> dict[str, Any]:
+    """Each call of ``which`` set on torch's functions: refused with gloo's type, RuntimeError
+    (its type and text), before anything is sent; the group goes on in step."""
     import torch.distributed._functional_collectives as fc
 
     _init(rank, n, port)
     try:
+        calls = {
+            "splits": {
+                "count": lambda: tdc.all_to_all_single(torch.empty(4), torch.ones(4), None, [4]),
+                "sum": lambda: tdc.all_to_all_single(torch.empty(4), torch.ones(4), [3, 3], None),
+                "funcol": lambda: fc.all_to_all_single(torch.ones(4), [1, 2], [1, 1], tdc.group.WORLD).wait(),
+            },
+            "sizes": {
+                "all_gather_list_len": lambda: tdc.all_gather([torch.empty(1)], torch.ones(1)),
+                "all_gather_slot_size": lambda: tdc.all_gather([torch.empty(2) for _ in range(n)], torch.ones(1)),
+                "all_gather_into_tensor": lambda: tdc.all_gather_into_tensor(torch.empty(2 * n + 1), torch.ones(2)),
+                "reduce_scatter_tensor": lambda: tdc.reduce_scatter_tensor(torch.empty(1), torch.ones(n + 1)),
+                "reduce_scatter_own_entry": lambda: tdc.reduce_scatter(torch.empty(2), [torch.ones(1)] * n),
+                "all_to_all_single_own_part": lambda: tdc.all_to_all_single(torch.empty(n), torch.ones(2 * n), None, [2] * n),
+            },
+        }[which]
         out: dict[str, Any] = {}
-        for name, call in {
-            "count": lambda: tdc.all_to_all_single(torch.empty(4), torch.ones(4), None, [4]),
-            "sum": lambda: tdc.all_to_all_single(torch.empty(4), torch.ones(4), [3, 3], None),
-            "funcol": lambda: fc.all_to_all_single(torch.ones(4), [1, 2], [1, 1], tdc.group.WORLD).wait(),
-        }.items():
-            try:  # (gloo's type: RuntimeError, with torch's words)
+        for name, call in calls.items():
+            try:
                 call()
+                out[name] = ("no error", "")
             except RuntimeError as exc:
-                out[name] = str(exc)
+                out[name] = (type(exc).__name__, str(exc))
         t = torch.ones(2)
         tdc.all_reduce(t)  # (nothing was sent for a refused call: the group is in step)
         out["after"] = t.tolist()
@@ -633,42 +647,18 @@ def _bad_splits(rank: int, n: int, port: int) -> dict[str, Any]:
 
 
 def test_all_to_all_single_refuses_bad_split_sizes_with_gloos_error_type() -> None:
-    for r in run_processes(_bad_splits, 2, free_port(), timeout=60):
-        assert "Number of tensor splits not equal to group size" in r["count"]
-        assert "Split sizes doesn't match total dim 0 size" in r["sum"]
-        assert "Split sizes doesn't match total dim 0 size" in r["funcol"]
+    for r in run_processes(_refusals, 2, free_port(), "splits", timeout=60):
+        assert "Number of tensor splits not equal to group size" in r["count"][1]
+        assert "Split sizes doesn't match total dim 0 size" in r["sum"][1]
+        assert "Split sizes doesn't match total dim 0 size" in r["funcol"][1]
         assert r["after"] == [2.0, 2.0]
 
 
-def _bad_sizes(rank: int, n: int, port: int) -> dict[str, Any]:
-    _init(rank, n, port)
-    try:
-        out: dict[str, Any] = {}
-        for name, call in {
-            "all_gather_list_len": lambda: tdc.all_gather([torch.empty(1)], torch.ones(1)),
-            "all_gather_slot_size": lambda: tdc.all_gather([torch.empty(2) for _ in range(n)], torch.ones(1)),
-            "all_gather_into_tensor": lambda: tdc.all_gather_into_tensor(torch.empty(2 * n + 1), torch.ones(2)),
-            "reduce_scatter_tensor": lambda: tdc.reduce_scatter_tensor(torch.empty(1), torch.ones(n + 1)),
-            "reduce_scatter_own_entry": lambda: tdc.reduce_scatter(torch.empty(2), [torch.ones(1)] * n),
-            "all_to_all_single_own_part": lambda: tdc.all_to_all_single(torch.empty(n), torch.ones(2 * n), None, [2] * n),
-        }.items():
-            try:  # (gloo's type: RuntimeError, raised before anything is sent)
-                call()
-                out[name] = "no error"
-            except RuntimeError as exc:
-                out[name] = type(exc).__name__
-        t = torch.ones(2)
-        tdc.all_reduce(t)  # (nothing was sent for a refused call: the group is in step)
-        out["after"] = t.tolist()
-        return out
-    finally:
-        tdc.destroy_process_group()
-
-
 def test_wrong_sizes_through_torchs_functions_are_runtime_errors_as_gloos() -> None:
-    for r in run_processes(_bad_sizes, 2, free_port(), timeout=60):
+    for r in run_processes(_refusals, 2, free_port(), "sizes", timeout=60):
         assert r.pop("after") == [2.0, 2.0]
-        assert r == dict.fromkeys(r, "CollectiveArgumentError") and len(r) == 6, r
+        kinds = {name: kind for name, (kind, _) in r.items()}
+        assert kinds == dict.fromkeys(kinds, "CollectiveArgumentError") and len(kinds) == 6, r
 
 
 def _store_port_after_destroy(rank: int, n: int, port: int, between: str) -> bool:
