@@ -512,7 +512,7 @@ def _step_beside_a_pass(w: Worker) -> dict[str, Any]:
 
 
 def test_an_optimizer_step_waits_for_a_backward_pass_that_lent_grad(backend: str) -> None:
-    if TORCH:
-        pytest.skip("tdist's own serialisation of .grad")
+    # (tdist's own lock: under TDIST_RPC_TEST_IMPL=torch an expected failure, as the suite's
+    # other tests of tdist's internals)
     out = run(_step_beside_a_pass, backend, world_size=2)[0]
     assert out == {"step_waited": True, "pass": [2.0, 2.0, 2.0], "stepped": True, "grad": None}, out
