@@ -125,6 +125,7 @@ __all__ = [
     "capture",
     "describe_call",
     "plain_type",
+    "runtime_twin",
     "rebuild",
 ]
 
@@ -578,13 +579,18 @@ def _as_plain(rv: Any, cls: type[BaseException]) -> Any:
     return (head, *rest)
 
 
-def _also_runtime_type(kind: type[BaseException]) -> tuple[type[BaseException] | None, str]:
-    """The class derived from ``kind`` and ``RuntimeError`` (one per ``kind``), under ``kind``'s
-    name, qualified name and module; else ``None`` and why not."""
+def runtime_twin(
+    kind: type[BaseException],
+    namespace: dict[str, Any],
+    cache: dict[type[BaseException], type[BaseException] | None],
+) -> type[BaseException] | None:
+    """A class derived from ``kind`` and ``RuntimeError``, under ``kind``'s name, qualified
+    name and module, with ``namespace`` in its body (and ``_tdist_base``, :func:`plain_type`'s);
+    one per ``kind`` in ``cache``. ``None`` where the two cannot be combined (a final class, a
+    layout or MRO conflict, an ``__init_subclass__`` that refuses)."""
     with _also_lock:
-        if kind in _ALSO_RUNTIME:
-            made = _ALSO_RUNTIME[kind]
-            return made, "" if made is not None else f"{kind.__qualname__} cannot be combined with RuntimeError"
+        if kind in cache:
+            return cache[kind]
 
         def body(ns: dict[str, Any]) -> None:
             ns.update({
@@ -592,19 +598,26 @@ def _also_runtime_type(kind: type[BaseException]) -> tuple[type[BaseException] |
                 "__qualname__": kind.__qualname__,
                 "__doc__": kind.__doc__,
                 "_tdist_base": kind,
-                "__reduce__": _also_reduce,
-                "__reduce_ex__": _also_reduce_ex,
+                **namespace,
             })
 
+        made: type[BaseException] | None
         try:
             made = types.new_class(kind.__name__, (kind, RuntimeError), exec_body=body)
-        except BaseException as err:  # a final class, a layout or MRO conflict, __init_subclass__
+        except BaseException as err:
             logger.debug("%s cannot be combined with RuntimeError: %s", kind, _describe_failure(err))
             made = None
-        _ALSO_RUNTIME[kind] = made
-        if made is None:
-            return None, f"{kind.__qualname__} cannot be combined with RuntimeError"
-        return made, ""
+        cache[kind] = made
+        return made
+
+
+def _also_runtime_type(kind: type[BaseException]) -> tuple[type[BaseException] | None, str]:
+    """The class derived from ``kind`` and ``RuntimeError`` for a remote error (one per
+    ``kind``: :func:`runtime_twin`), pickled as ``kind``; else ``None`` and why not."""
+    made = runtime_twin(kind, {"__reduce__": _also_reduce, "__reduce_ex__": _also_reduce_ex}, _ALSO_RUNTIME)
+    if made is None:
+        return None, f"{kind.__qualname__} cannot be combined with RuntimeError"
+    return made, ""
 
 
 def _also_runtime_error(exc: Exception, record: RemoteExceptionRecord, call: str | None) -> Exception:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._errors import plain_type
+from ._errors import plain_type, runtime_twin
 
 __all__ = ["Future"]
 
@@ -69,16 +69,7 @@ def _as_runtime_error(exc: BaseException, text: str | None = None) -> BaseExcept
     kind = plain_type(type(exc))
     if issubclass(kind, RuntimeError) or not isinstance(exc, Exception):
         return exc
-    both = _BOTH.get(kind, ...)
-    if both is ...:
-        try:
-            both = type(kind.__name__, (kind, RuntimeError), {
-                "__module__": kind.__module__, "__reduce__": _reduce_to_original, "__str__": _torch_text,
-                "_tdist_base": kind,  # (``_errors.plain_type``)
-            })
-        except TypeError:  # (instance layouts that conflict)
-            both = None
-        _BOTH[kind] = both
+    both = runtime_twin(kind, {"__reduce__": _reduce_to_original, "__str__": _torch_text}, _BOTH)
     if both is None:
         return exc
     try:
