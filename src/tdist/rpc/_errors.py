@@ -125,8 +125,8 @@ __all__ = [
     "capture",
     "describe_call",
     "plain_type",
-    "runtime_twin",
     "rebuild",
+    "runtime_twin",
 ]
 
 logger = logging.getLogger(__name__)
