@@ -833,12 +833,15 @@ def test_forming_the_default_group_again_on_a_store_that_outlives_it() -> None:
 
 
 _UNDER_TORCHRUN = """\
+import sys
 import torch
 import tdist as dist
 dist.init_process_group("gloo")
 t = torch.ones(2) * (dist.get_rank() + 1)
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()}/{dist.get_world_size()} {t.tolist()}", flush=True)
+# (each rank its own file: two ranks' prints on torchrun's shared stdout can interleave)
+with open(f"{sys.argv[1]}/rank{dist.get_rank()}", "w") as f:
+    f.write(f"rank {dist.get_rank()}/{dist.get_world_size()} {t.tolist()}")
 dist.destroy_process_group()
 """
 
@@ -854,11 +857,11 @@ def test_a_program_ported_to_tdist_runs_under_torchs_own_torchrun(tmp_path: Any)
     prog.write_text(_UNDER_TORCHRUN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "TORCHELASTIC_", "MASTER_"))}
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(prog)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(prog), str(tmp_path)],
         capture_output=True, text=True, timeout=80, env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [
         "rank 0/2 [3.0, 3.0]", "rank 1/2 [3.0, 3.0]",
     ]
 
