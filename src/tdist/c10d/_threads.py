@@ -12,19 +12,33 @@ restore would undo theirs). OpenMP keeps the thread count per thread (its ``nthr
 and torch reads the calling thread's (``omp_get_max_threads``): ``capped`` sets and restores
 that of this thread only, through torch's own OpenMP runtime. Where that runtime cannot be
 found, nothing is capped (slower on an oversubscribed machine, never wrong).
+
+``ParkedTeam``: how long OpenMP's idle threads spin. GNU OpenMP (torch's on Linux) gives every
+thread that starts a parallel region a team of its own, and a team's idle threads wait for the
+next region by spinning, up to 300,000 pauses (milliseconds), unless the process holds more
+OpenMP threads than it has cores: then 1,000, and they sleep (``GOMP_SPINCOUNT`` in libgomp's
+manual). torch's RPC runs requests, callbacks and distributed backward passes on pools of
+threads, so its processes hold several teams and are in the second mode. tdist runs a request
+where it arrives, on one poller: a trainer that RPC drives (pytorch/examples' ``ddp_rpc``)
+computes on one thread, and its team's idle thread spins after every kernel through every wait
+for a reply, on a core the other processes need (that example trained 2.2x slower than on
+torch, 4 processes on 2 cores). An RPC agent keeps one team parked, which puts its process in
+torch's mode.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import glob
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["PARALLEL_BYTES", "capped"]
+__all__ = ["PARALLEL_BYTES", "ParkedTeam", "capped"]
 
 # torch runs an element-wise kernel on several threads from 32768 elements (its GRAIN_SIZE): a
 # collective on fewer bytes than this never starts them, so it need not cap them
@@ -67,3 +81,45 @@ def capped(threads: int) -> Iterator[None]:
         yield
     finally:
         set_threads(before)
+
+
+class ParkedTeam:
+    """A thread that starts one OpenMP team (one parallel region of torch's) and sleeps until
+    ``stop``: its team's threads count towards the process's, so that GNU OpenMP's idle threads
+    spin briefly and sleep, as in torch's RPC processes (see the module's docstring).
+
+    Nothing is parked where it would change nothing or override a choice: torch on one intra-op
+    thread, a runtime other than GNU OpenMP's, or ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set.
+    """
+
+    def __init__(self, label: str) -> None:
+        self._stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        if _spins_by_default():
+            self.thread = threading.Thread(target=self._park, name=f"tdist-omp-{label}", daemon=True)
+            self.thread.start()
+            atexit.register(self.stop)  # (a program that exits without stopping its agent)
+
+    def _park(self) -> None:
+        # (twice torch's GRAIN_SIZE of elements: an element-wise kernel on all its threads)
+        torch.ones(2 * PARALLEL_BYTES).add_(1)
+        self._stop.wait()  # (until the agent stops: the team goes with the thread)
+
+    def stop(self) -> None:
+        """Let the thread go, and wait (5 s at most) until it has: a process that exits while
+        a thread that started a team lives aborts ("terminate called without an active
+        exception", torch alone does it too)."""
+        self._stop.set()
+        if self.thread is not None:
+            self.thread.join(5.0)
+            atexit.unregister(self.stop)
+
+
+def _spins_by_default() -> bool:
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ or torch.get_num_threads() <= 1:
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False

@@ -42,6 +42,7 @@ import torch
 
 from .._core import spin
 from .._core.errors import DistError, DistNetworkError, DistStoreError, DistTimeoutError, PeerError
+from ..c10d._threads import ParkedTeam
 from ..transport import _serialization as ser
 from . import _errors, _remote_profiling
 from ._calls import (
@@ -222,6 +223,7 @@ class RpcAgent:
         self._pool: list[threading.Thread] = []
         self._timer = threading.Thread(target=self._timer_loop, name=f"tdist-rpc-timer-{rank}", daemon=True)
         self._timer.start()
+        self._omp_team: ParkedTeam | None = None  # (``park_openmp``)
         self._owners: dict[Any, Any] = {}  # RRef id -> torch Future of the owned value
         self._active_async = 0  # async_execution requests waiting for their future
         self._gil_probe: _GilProbe | None = None
@@ -231,6 +233,14 @@ class RpcAgent:
         from ._rref import RRefContext
 
         self.rref_ctx: Any = RRefContext(self)
+
+    def park_openmp(self) -> None:
+        """Once the agent runs: requests run where they arrive, often all on one thread, and
+        OpenMP's idle threads would spin through this worker's waits, unlike in torch's RPC
+        (``ParkedTeam``); until ``stop``."""
+        with self._lock:
+            if self._omp_team is None and not self._closed:
+                self._omp_team = ParkedTeam(str(self.rank))
 
     # -- subclass interface ---------------------------------------------------------------------
     def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None, answer: bool = False) -> None:
@@ -1067,6 +1077,8 @@ class RpcAgent:
             self._finish(c, None, err)
         if self._gil_probe is not None:
             self._gil_probe.stop()
+        if self._omp_team is not None:
+            self._omp_team.stop()
         if graceful:
             end = time.monotonic() + 5.0
             with self._lock:

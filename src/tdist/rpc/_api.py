@@ -151,6 +151,8 @@ def init_rpc(
             raise
         _stores.append(store)
         set_current_agent(agent)
+        if isinstance(agent, RpcAgent):  # (not a backend registered by a user)
+            agent.park_openmp()
         with contextlib.suppress(AttributeError, RuntimeError):  # profiler events carry the worker id, as torch's
             torch._C._distributed_rpc._set_profiler_node_id(agent.rank)
 
