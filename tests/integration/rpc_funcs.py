@@ -596,3 +596,11 @@ def reply_then_overwrite(n: int, value: float) -> Any:
 
     threading.Thread(target=complete, daemon=True).start()
     return fut
+
+
+def knows_lost(peer: int) -> bool:
+    """Whether this worker's agent has found worker ``peer`` lost."""
+    from tdist.rpc._agent import current_agent
+
+    agent = current_agent()
+    return agent is not None and agent._lost_peer(peer) is not None

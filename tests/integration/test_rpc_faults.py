@@ -252,6 +252,55 @@ def test_graceful_shutdown_fails_naming_a_worker_lost_before_it(backend: str, si
         assert out["took"] < STALL_TIMEOUT + 5, out
 
 
+def _lost_while_another_works(w: Worker) -> dict[str, Any] | None:
+    """worker1 dies; worker0 (a parameter server) is in its shutdown; worker2 (the trainer left)
+    still calls it, then shuts down."""
+    if w.rank == VICTIM:
+        def serve() -> None:
+            w.init()
+            time.sleep(300)
+
+        with forked_worker(serve) as pid:
+            w.shared["victim_pid"].value = pid
+            w.barrier()
+            w.barrier()
+        return None
+    w.init()
+    w.barrier()  # everyone is initialized
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        os.kill(w.shared["victim_pid"].value, signal.SIGKILL)
+    else:
+        # (the server has found worker1 lost, in its shutdown: it serves this one all the same)
+        wait_until(lambda: rpc.rpc_sync(name(0), f.knows_lost, args=(VICTIM,)), 20, "worker0 finds worker1 lost")
+        out["served"] = [rpc.rpc_sync(name(0), f.sleep_then, args=(0.2, i), timeout=10) for i in range(8)]
+    try:
+        in_thread(w.shutdown, 30)
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = _describe(exc)
+    w.initialized = False  # a failed graceful shutdown stops the agent all the same
+    w.barrier()
+    return out
+
+
+def test_a_worker_lost_fails_shutdown_only_once_the_live_ones_have_come() -> None:
+    # (a parameter server whose shutdown failed as soon as one trainer died left the trainer
+    # still training with "worker0 left"; torch's waits for ever. TensorPipe's agent only: the
+    # process-group agent's group breaks with a member, and every worker fails)
+    backend = "tensorpipe"
+    import multiprocessing
+
+    shared = {"victim_pid": multiprocessing.get_context("fork").Value("i", 0)}
+    outs = run(_lost_while_another_works, backend, world_size=3, init=False, env=HEARTBEAT_ENV,
+               shared=shared, timeout=50)
+    server, trainer = outs[0], outs[2]
+    assert trainer["served"] == list(range(8)), trainer
+    for out in (server, trainer):
+        assert out["error"] is not None and out["error"]["type"] == "PeerError", out
+        assert f"{name(VICTIM)}" in out["error"]["text"] and "will never reach it" in out["error"]["text"], out
+
+
 # -- dynamic membership ------------------------------------------------------------------------
 
 

@@ -973,7 +973,9 @@ class RpcAgent:
     def barrier(self, name: str, timeout: float | None) -> None:
         """Wait until every worker of the static group has reached ``name`` (through the store).
         With ``timeout`` None it waits as long as the missing workers live (torch's shutdown
-        waits without limit); a worker that died or stalls fails it within seconds.
+        waits without limit); a worker that died or stalls fails it within seconds of the
+        moment every other missing worker has come (or was lost too): the live ones may still
+        be working with this one.
 
         Raises:
             DistTimeoutError: naming the workers that did not arrive in time.
@@ -1017,10 +1019,16 @@ class RpcAgent:
                     log.warning("%s: RPC shutdown: %s shut down before this worker reached %r; going on alone",
                                 self.label, ", ".join(self.describe(i) for i in missing), name)
                     return
-                for i in missing:
-                    lost = self._lost_peer(i)
-                    if lost is not None:
-                        raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} will never reach it: {lost}", peer=i) from None
+                # a lost worker fails it once every other missing one is lost or left too: the
+                # live ones may still be working with this one (a parameter server whose other
+                # trainers died serves the one left until it is done, as torch's would)
+                lost = {i: self._lost_peer(i) for i in missing}
+                gone = [i for i in missing if lost[i] is not None]
+                if gone and all(lost[i] is not None or i in self._left for i in missing):
+                    first = gone[0]
+                    also = f" (nor will {', '.join(self.describe(i) for i in gone[1:])})" if len(gone) > 1 else ""
+                    raise PeerError(f"{self.label}: RPC shutdown: {self.describe(first)} will never reach it: {lost[first]}{also}",
+                                    peer=first) from None
                 if deadline is not None and time.monotonic() >= deadline:
                     names = ", ".join(self.describe(i) for i in missing)
                     raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {names}") from exc
