@@ -210,17 +210,23 @@ def test_a_shutdown_timeout_bounds_the_wait_for_a_late_worker_and_both_shut_down
     assert outs[early] == "early: returned" and outs[1 - early] == "late: returned", outs
 
 
+def _serve_until_killed(w: Worker) -> None:
+    """The victim's rank: its worker, in a child, serves until it is killed; the rank itself
+    takes the others' two barriers (initialized; done)."""
+    def serve() -> None:
+        w.init()
+        time.sleep(300)
+
+    with forked_worker(serve) as pid:
+        w.shared["victim_pid"].value = pid
+        w.barrier()
+        w.barrier()
+
+
 def _lost_before_shutdown(w: Worker) -> dict[str, Any] | None:
     sig = w.shared["signal"]
     if w.rank == VICTIM:
-        def serve() -> None:
-            w.init()
-            time.sleep(300)
-
-        with forked_worker(serve) as pid:
-            w.shared["victim_pid"].value = pid
-            w.barrier()
-            w.barrier()
+        _serve_until_killed(w)
         return None
     w.init()
     w.barrier()  # everyone is initialized
@@ -256,14 +262,7 @@ def _lost_while_another_works(w: Worker) -> dict[str, Any] | None:
     """worker1 dies; worker0 (a parameter server) is in its shutdown; worker2 (the trainer left)
     still calls it, then shuts down."""
     if w.rank == VICTIM:
-        def serve() -> None:
-            w.init()
-            time.sleep(300)
-
-        with forked_worker(serve) as pid:
-            w.shared["victim_pid"].value = pid
-            w.barrier()
-            w.barrier()
+        _serve_until_killed(w)
         return None
     w.init()
     w.barrier()  # everyone is initialized
