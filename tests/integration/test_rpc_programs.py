@@ -17,6 +17,8 @@ import pytest
 pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[2]
+# a program's environment: this tree's tdist, nothing of the test run's
+ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
 
 # The example as published, but torchvision's resnet50 (not installable here without CUDA
 # wheels) is a small residual network of the same kind of layers, and nothing moves to CUDA.
@@ -155,7 +157,7 @@ def test_pytorch_examples_batch_parameter_server_runs(tmp_path: Path) -> None:
 
     script = tmp_path / "parameter_server.py"
     script.write_text(PROGRAM)
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1"}
+    env = {**ENV, "PYTHONFAULTHANDLER": "1"}
     res = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
                          timeout=170, env=env)
     assert res.returncode == 0 and "Finish training" in res.stdout, res.stderr[-4000:]
@@ -216,9 +218,8 @@ def _openmp_program(tmp_path: Path, **env: str) -> dict[str, object]:
 
     script = tmp_path / "openmp.py"
     script.write_text(OPENMP_PROGRAM)
-    base = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
     res = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
-                         timeout=120, env={**base, **env})
+                         timeout=120, env={**ENV, **env})
     assert res.returncode == 0, res.stderr[-4000:]
     out: dict[str, object] = json.loads(res.stdout.splitlines()[-1])
     return out
@@ -252,8 +253,7 @@ def test_a_program_that_exits_without_rpc_shutdown_exits_cleanly() -> None:
     # exception"; four at once)
     from tdist.testing import free_port
 
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, "-c", _EXITS_WITHOUT_SHUTDOWN, str(free_port())], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", _EXITS_WITHOUT_SHUTDOWN, str(free_port())], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(4)]
     try:
         outputs = [p.communicate(timeout=60)[0] for p in procs]
