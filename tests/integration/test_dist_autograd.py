@@ -465,13 +465,35 @@ def test_distributed_optimizer_takes_non_leaf_tensors_as_torchs_functional_ones(
     assert out["nadam"] is not None and "non-leaf" in out["nadam"], out
 
 
+def _two_passes_at_once(w: Worker) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if w.rank == 0:
+        x = torch.ones(2, requires_grad=True)
+        with dist_autograd.context() as cid:
+            a = rpc.rpc_async(w.peer(1), f.meet_in_backward, args=(x,))
+            b = rpc.rpc_async(w.peer(1), f.meet_in_backward, args=(x,))
+            dist_autograd.backward(cid, [(a.wait() + b.wait()).sum()])
+            out["grad"] = dist_autograd.get_gradients(cid)[x].tolist()
+    w.barrier()
+    return out
+
+
+def test_backward_passes_that_reach_a_worker_together_run_at_once(backend: str) -> None:
+    # (a pipeline's micro-batches: each of the two RPCs' gradients goes back to worker1 on its
+    # own, and each of the two passes there waits in a hook until the other reaches it; one at a
+    # time, the first fails after 10 s)
+    out = run(_two_passes_at_once, backend, world_size=2)[0]
+    assert out == {"grad": [4.0, 4.0]}, out
+
+
 def _step_beside_a_pass(w: Worker) -> dict[str, Any]:
     """An optimizer step on a parameters' owner while a backward pass there has lent the same
-    parameter's ``.grad``: the step waits for the pass (both write ``.grad``; unserialised, a
-    stress of the two corrupted memory: segmentation faults, 'undefined Tensor' errors)."""
+    parameter's ``.grad`` (its accumulation node's hooks run): the step waits for the pass (both
+    write ``.grad``; unserialised, a stress of the two corrupted memory: segmentation faults,
+    'undefined Tensor' errors)."""
     out: dict[str, Any] = {}
     if w.rank == 0 and not TORCH:
-        from tdist.autograd._context import _through_leaves
+        from tdist.autograd._context import _retrieve_context, _through_leaves
         from tdist.optim._distributed import _LocalOptimizer
 
         p = torch.nn.Parameter(torch.ones(3))
@@ -484,17 +506,17 @@ def _step_beside_a_pass(w: Worker) -> dict[str, Any]:
         opt = _LocalOptimizer(torch.optim.SGD, True, [Ref()], (), {"lr": 0.1})
         in_pass, release = threading.Event(), threading.Event()
 
-        def hold(g: torch.Tensor) -> torch.Tensor:
+        def hold(*_: Any) -> None:
             in_pass.set()
             release.wait(20)
-            return g
 
         y = p * 2
-        y.register_hook(hold)
-        got: list[Any] = []
+        accumulator = torch.autograd.graph.get_gradient_edge(p).node
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [(p * 3).sum()])  # (the context's gradient: 3 each)
-            passing = threading.Thread(target=lambda: got.append(_through_leaves([y.sum()], [p], [torch.ones(())], False)))
+            accumulator.register_hook(hold)
+            ctx = _retrieve_context(cid)
+            passing = threading.Thread(target=_through_leaves, args=(ctx, [y.sum()], [p], [torch.ones(())], False))
             passing.start()
             assert in_pass.wait(20)
             stepping = threading.Thread(target=opt.step, args=(cid,))
@@ -504,8 +526,8 @@ def _step_beside_a_pass(w: Worker) -> dict[str, Any]:
             release.set()
             passing.join(20)
             stepping.join(20)
-        out["pass"] = got[0][0].tolist()
-        out["stepped"] = torch.allclose(p.detach(), torch.full((3,), 0.7))
+            out["pass"] = dist_autograd.get_gradients(cid)[p].tolist()  # (3 + 2 each)
+        out["stepped"] = torch.allclose(p.detach(), torch.full((3,), 0.5))
         out["grad"] = p.grad
     w.barrier()
     return out
@@ -515,4 +537,4 @@ def test_an_optimizer_step_waits_for_a_backward_pass_that_lent_grad(backend: str
     # (tdist's own lock: under TDIST_RPC_TEST_IMPL=torch an expected failure, as the suite's
     # other tests of tdist's internals)
     out = run(_step_beside_a_pass, backend, world_size=2)[0]
-    assert out == {"step_waited": True, "pass": [2.0, 2.0, 2.0], "stepped": True, "grad": None}, out
+    assert out == {"step_waited": True, "pass": [5.0, 5.0, 5.0], "stepped": True, "grad": None}, out

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from .. import rpc
+from ..c10d._threads import capped
 from ..rpc import _agent as _agent_module
 from ..rpc import _hooks
 from ..rpc._agent import current_agent, wait_replies
@@ -118,18 +121,6 @@ class DistAutogradContext:
         """The ids of the workers this context reached or was reached from (torch's method)."""
         with self.lock:
             return set(self.peers)
-
-    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` to ``tensor``'s gradient, in place where it can be (as torch's: a
-        tensor taken from ``get_gradients`` earlier sees later passes)."""
-        with self.lock:
-            old = self.grads.get(tensor)
-            if old is None:
-                self.grads[tensor] = grad.detach().clone()
-            elif old.is_sparse and not grad.is_sparse:
-                self.grads[tensor] = grad.detach() + old
-            else:
-                old.add_(grad.detach())
 
 
 def _get_debug_info() -> dict[str, int]:
@@ -544,46 +535,157 @@ def _local_pass(ctx: DistAutogradContext, roots: list[torch.Tensor], grads: list
     sent: list[tuple[int, Any]] = []
     _tls.sent, _tls.pass_ = sent, pass_
     try:  # (when it fails half-way, what it sent on finishes on its own)
-        computed = _through_leaves(roots, inputs, grads, retain_graph)
+        _through_leaves(ctx, roots, inputs, grads, retain_graph)
     finally:
         _tls.sent, _tls.pass_ = outer
-    for leaf, g in zip(inputs, computed, strict=True):
-        if g is not None and not getattr(leaf, "_tdist_recv_marker", False):
-            ctx.accumulate(leaf, g)
     return sent
 
 
-#: Held while this process's ``.grad`` fields are lent out: a pass's leaves hold its gradients
-#: in ``.grad`` from the pass's start to its end, and ``DistributedOptimizer``'s local step lends
-#: the context's gradients to ``.grad``. One at a time in this process (torch's engine writes a
-#: leaf's ``.grad`` in C++ under a lock of its own, which Python's ``.grad =`` does not take: a
-#: step that set ``.grad`` while another thread's pass accumulated into it corrupted memory);
-#: re-entrant, for a pass that runs another in its own thread.
+#: Held while this process's ``.grad`` fields are lent out: a pass lends each leaf's ``.grad``
+#: the context's gradient of it while the leaf's accumulation node runs, and
+#: ``DistributedOptimizer``'s local step lends the context's gradients to ``.grad``. One at a
+#: time in this process (torch's engine writes a leaf's ``.grad`` in C++ under a lock of its
+#: own, which Python's ``.grad =`` does not take: a step that set ``.grad`` while another
+#: thread's pass accumulated into it corrupted memory); re-entrant, for a pass that runs
+#: another in its own thread.
 leaves_lock = threading.RLock()
 
 
-def _through_leaves(
-    roots: list[torch.Tensor], leaves: list[torch.Tensor], grads: list[torch.Tensor], retain_graph: bool
-) -> list[torch.Tensor | None]:
-    """The gradients of ``leaves`` from ``roots`` (``None``: not reached), as torch's engine
-    computes them for distributed autograd: each leaf's gradient-accumulation node runs, with its
-    hooks, which is where DistributedDataParallel's reducer averages a gradient across its
-    ranks (and where ``AccumulateGrad.register_hook``'s hooks run). Those hooks read and write
-    the leaf's ``.grad``, so the pass goes through ``.grad``: emptied for it, read back after it
-    (the reducer's work done: it ends with the pass), and given back its value, so that
-    distributed autograd leaves ``.grad`` as it found it, as torch's does."""
+def _through_leaves(ctx: DistAutogradContext, roots: list[torch.Tensor], leaves: list[torch.Tensor], grads: list[torch.Tensor], retain_graph: bool) -> None:
+    """Autograd from ``roots`` to ``leaves`` (recv markers among them: reaching one sends its
+    gradients on), the leaves' gradients accumulated into ``ctx``, as torch's engine does for
+    distributed autograd: each leaf's gradient-accumulation node runs, with its hooks, which is
+    where DistributedDataParallel's reducer averages a gradient across its ranks (and where
+    ``AccumulateGrad.register_hook``'s hooks run).
+
+    A pass alone in this process runs as one backward, the leaves' ``.grad`` lent from the
+    context (``_into_context``) throughout. A pass that runs beside others (a pipeline's
+    micro-batches) runs in two steps, as torch's distributed engine captures a leaf's gradient
+    and then runs its node's hooks: the graph's gradients first, into nothing shared
+    (``autograd.grad``), at the same time as the others; then the leaves' accumulation nodes
+    with their hooks, one pass at a time. (Two steps cost a pass of a small model a third more:
+    an alias and a second backward call.) A leaf with hooks of its own (``Tensor.register_hook``)
+    runs them in the first step, and would run them again in the second: such a pass runs as
+    one backward."""
     if not leaves:
-        return []
+        return
+    with _engine.computing() as crowded:
+        if not crowded or any(leaf._backward_hooks for leaf in leaves):
+            _into_context(ctx, leaves, lambda: torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=leaves))
+            return
+        with capped(1):
+            computed: list[torch.Tensor | None] = list(torch.autograd.grad(roots, leaves, grads, retain_graph=retain_graph, allow_unused=True))
+    reached = [(leaf, g) for leaf, g in zip(leaves, computed, strict=True) if g is not None and not getattr(leaf, "_tdist_recv_marker", False)]
+    del computed
+    if reached:
+        chosen = [leaf for leaf, _ in reached]
+        # (an alias's backward hands the gradient as it is, sparse too, to the leaf's own
+        # accumulation node, hooks and all)
+        views = [torch.ops.aten.alias(leaf) for leaf in chosen]
+        _into_context(ctx, chosen, lambda: torch.autograd.backward(views, [g for _, g in reached], inputs=chosen))
+
+
+def _into_context(ctx: DistAutogradContext, leaves: list[torch.Tensor], run: Callable[[], None]) -> None:
+    """``run`` (a backward to ``leaves``) with each leaf's ``.grad`` lent the context's gradient
+    of it: its accumulation node adds into that in place, and its hooks (DDP's reducer) see the
+    context's gradient, as in torch, where the reducer reads and writes a variable's gradient
+    in the current distributed autograd context. Each ``.grad`` is given back its value after,
+    so that distributed autograd leaves ``.grad`` as it found it, as torch's does. (A tensor
+    taken from ``get_gradients`` earlier sees later passes, as torch's.)"""
+    real = [leaf for leaf in leaves if not getattr(leaf, "_tdist_recv_marker", False)]
     with leaves_lock:
         saved = [leaf.grad for leaf in leaves]
+        with ctx.lock:
+            lent = [ctx.grads.get(leaf) for leaf in real]
         for leaf in leaves:
             leaf.grad = None
         try:
-            torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=leaves)
-            return [leaf.grad for leaf in leaves]
+            for leaf, g in zip(real, lent, strict=True):
+                leaf.grad = g
+            run()
+            got = [leaf.grad for leaf in real]
         finally:
             for leaf, old in zip(leaves, saved, strict=True):
                 leaf.grad = old
+    with ctx.lock:
+        for leaf, was, now in zip(real, lent, got, strict=True):
+            if now is not None and now is not was:  # (the node's own new tensor, or a hook's)
+                # a view (DDP's bucket, with ``gradient_as_bucket_view``) is not ours to keep
+                ctx.grads[leaf] = now.detach().clone() if now._is_view() else now.detach()
+
+
+class _Engine:
+    """The threads that run the backward passes reaching this worker from others: one a core,
+    two at least.
+
+    torch's distributed engine runs them on its RPC pool, several at once: a pipeline's
+    micro-batches reach a shard together, each too small a pass to keep the cores busy alone
+    (pytorch/examples' ``rpc/pipeline``: its backward took 1.4x torch's time with these passes
+    run one at a time). They run here on a few threads of their own, not on whichever RPC
+    thread received them: each thread allocates from a memory arena of its own, and 24 passes
+    spread over 24 threads faulted in fresh pages for every gradient, with twice torch's system
+    time. A pass that runs while another does computes on one intra-op thread (``capped``):
+    two passes, each with an OpenMP team, on two cores wait for each other's threads to be
+    scheduled. A ``backward`` on the caller's thread counts as one of the passes running.
+    Nothing is handed off while passes come one at a time (a parameter server's)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+        self._pending = 0  # passes submitted and not done
+        self._running = 0  # passes computing (``computing``)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job``: here when no other pass is pending (a parameter server's one pass at a
+        time: no hand-off), else on a pass thread."""
+        with self._lock:
+            self._pending += 1
+            here = self._pending == 1
+            start = not here and not self._started
+            self._started |= start
+        if start:
+            for i in range(max(2, _cores())):
+                threading.Thread(target=self._loop, name=f"tdist-backward-{i}", daemon=True).start()
+        if here:
+            self._run(job)
+        else:
+            self._jobs.put(job)
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            self._run(job)
+            del job  # (not kept alive, with its tensors, while this thread waits)
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[bool]:
+        """Inside: this thread computes a pass; whether another does too (or waits to)."""
+        with self._lock:
+            self._running += 1
+            crowded = self._running > 1 or self._pending > 1
+        try:
+            yield crowded
+        finally:
+            with self._lock:
+                self._running -= 1
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_engine = _Engine()
 
 
 def _when_all(sent: list[tuple[int, Any]]) -> Any:
@@ -616,8 +718,9 @@ def _when_all(sent: list[tuple[int, Any]]) -> Any:
 
 
 def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id: int = 0, retain: bool = True) -> Any:
-    """On a worker that sent tensors: the gradients of what it sent came back; carry on. The
-    reply waits (without holding a thread) until what this sends on is carried through."""
+    """On a worker that sent tensors: the gradients of what it sent came back; carry on, on a
+    pass thread (``_Engine``). The reply waits (without holding a thread) until what this sends
+    on is carried through."""
     ctx = _retrieve_context(context_id)
     with ctx.lock:
         sent = ctx.sends.get(msg_id)
@@ -629,16 +732,32 @@ def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id:
     pairs = [(t, g) for t, g in zip(sent, grads, strict=True) if g is not None]
     if not pairs:
         return _when_all([])
+    out: Any = torch.futures.Future()
+
+    def run() -> None:
+        try:
+            sent_on = _local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], True, (pass_id, retain))
+        except BaseException as exc:
+            _pass_done()
+            out.set_exception(exc)
+            return
+        if not retain:
+            with ctx.lock:
+                ctx.spent[msg_id] = pass_id
+
+        def done(f: Any) -> None:
+            _pass_done()
+            try:
+                f.wait()
+            except BaseException as exc:
+                out.set_exception(exc)
+                return
+            out.set_result(None)
+
+        _when_all(sent_on).add_done_callback(done)
+
     _pass_started()
-    try:
-        out = _when_all(_local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], True, (pass_id, retain)))
-    except BaseException:
-        _pass_done()
-        raise
-    out.add_done_callback(_pass_done)
-    if not retain:
-        with ctx.lock:
-            ctx.spent[msg_id] = pass_id
+    _engine.submit(run)
     return out
 
 
