@@ -5,14 +5,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 
 def median(values: Sequence[float]) -> float:
@@ -88,6 +90,41 @@ def memcpy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def spawned_program(module: str, worker: str, nprocs: int, args: Sequence[object], env: Mapping[str, str], timeout: float) -> float:
+    """Run ``torch.multiprocessing.spawn(module.worker, args, nprocs)`` in a fresh interpreter
+    (a real program's own launch: no launcher, torch's default threads), as the benchmark
+    ``module`` of this folder; returns the CPU seconds of all its processes.
+
+    Raises:
+        SystemExit: the program failed (its stderr's end said).
+    """
+    code = (
+        "import importlib, json, sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); "
+        "m = importlib.import_module(sys.argv[2]); "
+        "mp.spawn(getattr(m, sys.argv[3]), args=tuple(json.loads(sys.argv[4])), nprocs=int(sys.argv[5]))"
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = subprocess.run(
+        [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), module, worker, json.dumps(list(args)), str(nprocs)],
+        env=dict(env), capture_output=True, text=True, timeout=timeout,
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0:
+        raise SystemExit(f"{module} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def side_by_side(label: str, runs: Mapping[str, Sequence[Mapping[str, float]]], metric: str, lower_is_better: bool = True) -> list[object]:
+    """A table row: ``label``, each implementation's median of ``metric`` over its ``runs``,
+    and, with both torch and tdist, tdist's speed-up (torch's over tdist's where lower is
+    better)."""
+    meds = {impl: median([r[metric] for r in rs]) for impl, rs in runs.items()}
+    row: list[object] = [label, *(f"{m:.2f}" for m in meds.values())]
+    if "torch" in meds and "tdist" in meds:
+        row.append(f"{(meds['torch'] / meds['tdist'] if lower_is_better else meds['tdist'] / meds['torch']):.2f}x")
+    return row
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -28,13 +28,11 @@ import argparse
 import json
 import os
 import random
-import resource
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import busy_for_the_run, free_port, machine_line, median, table
+from _common import busy_for_the_run, free_port, machine_line, side_by_side, spawned_program, table
 
 BATCHES = 10
 
@@ -96,7 +94,7 @@ def trainer_loop(impl: str, emb: object, rank: int, epochs: int) -> float:
     return time.perf_counter() - t0
 
 
-def worker(rank: int, impl: str, ports: tuple[int, int], epochs: int, out: str) -> None:
+def worker(rank: int, impl: str, ports: list[int], epochs: int, out: str) -> None:
     import torch
 
     dist, _, rpc, RemoteModule, _, _ = _imports(impl)
@@ -119,23 +117,10 @@ def worker(rank: int, impl: str, ports: tuple[int, int], epochs: int, out: str) 
 
 def one_run(impl: str, epochs: int, env: dict[str, str], timeout: float) -> dict[str, float]:
     out = f"/tmp/bench_hybrid_{os.getpid()}_{impl}.json"
-    code = (
-        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import bench_hybrid as b; "
-        "mp.spawn(b.worker, args=(sys.argv[2], (int(sys.argv[3]), int(sys.argv[4])), int(sys.argv[5]), sys.argv[6]), nprocs=4)"
-    )
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run(
-        [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), impl,
-         str(free_port()), str(free_port()), str(epochs), out],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if res.returncode != 0:
-        raise SystemExit(f"{impl} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    cpu = spawned_program("bench_hybrid", "worker", 4, [impl, [free_port(), free_port()], epochs, out], env, timeout)
     with open(out) as f:
         got = json.load(f)
     os.unlink(out)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"train_s": got["train_s"], "steps_s": got["steps"] / got["train_s"], "cpu_s": cpu}
 
 
@@ -161,15 +146,8 @@ def main() -> None:
             results[impl].append(got)
             print(f"  round {r + 1} {impl:5s} train {got['train_s']:.2f} s  {got['steps_s']:.0f} steps/s  CPU {got['cpu_s']:.1f} s",
                   flush=True)
-    rows = []
-    for metric, label, better in (("train_s", "train s", "lower"), ("steps_s", "steps/s", "higher"),
-                                  ("cpu_s", "CPU s (whole run)", "lower")):
-        meds = {i: median([g[metric] for g in results[i]]) for i in impls}
-        row: list[object] = [label, *(f"{meds[i]:.2f}" for i in impls)]
-        if "torch" in meds and "tdist" in meds:
-            ratio = meds["torch"] / meds["tdist"] if better == "lower" else meds["tdist"] / meds["torch"]
-            row.append(f"{ratio:.2f}x")
-        rows.append(row)
+    rows = [side_by_side("train s", results, "train_s"), side_by_side("steps/s", results, "steps_s", lower_is_better=False),
+            side_by_side("CPU s (whole run)", results, "cpu_s")]
     headers = ["metric", *impls] + (["tdist speed-up"] if len(rows[0]) > len(impls) + 1 else [])
     print()
     print(table(headers, rows))

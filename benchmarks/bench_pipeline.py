@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import busy_for_the_run, free_port, machine_line, median, table
+from _common import busy_for_the_run, free_port, machine_line, side_by_side, spawned_program, table
 
 BATCH, IMAGE, CLASSES = 24, 64, 1000
 
@@ -153,23 +151,11 @@ def worker(rank: int, impl: str, port: int, split: int, batches: int, out: str) 
 
 def one_run(impl: str, split: int, batches: int, env: dict[str, str], timeout: float) -> dict[str, float]:
     out = f"/tmp/bench_pipeline_{os.getpid()}_{impl}.json"
-    code = (
-        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import bench_pipeline as b; "
-        "mp.spawn(b.worker, args=(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]), nprocs=3)"
-    )
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run(
-        [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), impl,
-         str(free_port()), str(split), str(batches), out],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if res.returncode != 0:
-        raise SystemExit(f"{impl} run failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    cpu = spawned_program("bench_pipeline", "worker", 3, [impl, free_port(), split, batches, out], env, timeout)
     with open(out) as f:
         got: dict[str, float] = json.load(f)
     os.unlink(out)
-    got["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    got["cpu_s"] = cpu
     return got
 
 
@@ -198,14 +184,9 @@ def main() -> None:
                 results[split, impl].append(got)
                 print(f"  round {r + 1} split {split} {impl:5s} loop {got['loop_s']:.2f} s  backward {got['backward_s']:.2f} s"
                       f"  CPU {got['cpu_s']:.1f} s", flush=True)
-    rows = []
-    for split in splits:
-        for metric, label in (("loop_s", "loop s"), ("backward_s", "backward s"), ("cpu_s", "CPU s (whole run)")):
-            meds = {i: median([g[metric] for g in results[split, i]]) for i in impls}
-            row: list[object] = [f"split {split}: {label}", *(f"{meds[i]:.2f}" for i in impls)]
-            if "torch" in meds and "tdist" in meds:
-                row.append(f"{meds['torch'] / meds['tdist']:.2f}x")
-            rows.append(row)
+    rows = [side_by_side(f"split {split}: {label}", {i: results[split, i] for i in impls}, metric)
+            for split in splits
+            for metric, label in (("loop_s", "loop s"), ("backward_s", "backward s"), ("cpu_s", "CPU s (whole run)"))]
     headers = ["metric", *impls] + (["tdist speed-up"] if len(rows[0]) > len(impls) + 1 else [])
     print()
     print(table(headers, rows))
