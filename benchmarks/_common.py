@@ -116,6 +116,20 @@ def spawned_program(module: str, worker: str, nprocs: int, args: Sequence[object
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def program_env(omp_threads: int) -> dict[str, str]:
+    """This process's environment for a spawned program, less what would steer it
+    (``OMP_``, ``GOMP_``, ``MASTER_``, ``TDIST_``), with ``OMP_NUM_THREADS`` when given (not 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MASTER_", "TDIST_"))}
+    if omp_threads:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    return env
+
+
+def side_by_side_table(impls: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """``table`` of ``side_by_side`` rows."""
+    return table(["metric", *impls] + (["tdist speed-up"] if len(rows[0]) > len(impls) + 1 else []), rows)
+
+
 def side_by_side(label: str, runs: Mapping[str, Sequence[Mapping[str, float]]], metric: str, lower_is_better: bool = True) -> list[object]:
     """A table row: ``label``, each implementation's median of ``metric`` over its ``runs``,
     and, with both torch and tdist, tdist's speed-up (torch's over tdist's where lower is

@@ -32,7 +32,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import busy_for_the_run, free_port, machine_line, side_by_side, spawned_program, table
+from _common import (
+    busy_for_the_run,
+    free_port,
+    machine_line,
+    program_env,
+    side_by_side,
+    side_by_side_table,
+    spawned_program,
+)
 
 BATCHES = 10
 
@@ -134,9 +142,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300)
     args = parser.parse_args()
     impls = args.impls.split(",")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MASTER_", "TDIST_"))}
-    if args.omp_threads:
-        env["OMP_NUM_THREADS"] = str(args.omp_threads)
+    env = program_env(args.omp_threads)
     print(machine_line())
     busy_for_the_run(args.busy)
     results: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
@@ -148,9 +154,8 @@ def main() -> None:
                   flush=True)
     rows = [side_by_side("train s", results, "train_s"), side_by_side("steps/s", results, "steps_s", lower_is_better=False),
             side_by_side("CPU s (whole run)", results, "cpu_s")]
-    headers = ["metric", *impls] + (["tdist speed-up"] if len(rows[0]) > len(impls) + 1 else [])
     print()
-    print(table(headers, rows))
+    print(side_by_side_table(impls, rows))
     print(f"\nmedian of {args.rounds} rounds, a fresh run of 4 processes each; OMP_NUM_THREADS "
           f"{args.omp_threads or 'unset'}{', busy host' if args.busy else ''}")
 

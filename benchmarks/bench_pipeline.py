@@ -34,7 +34,15 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import busy_for_the_run, free_port, machine_line, side_by_side, spawned_program, table
+from _common import (
+    busy_for_the_run,
+    free_port,
+    machine_line,
+    program_env,
+    side_by_side,
+    side_by_side_table,
+    spawned_program,
+)
 
 BATCH, IMAGE, CLASSES = 24, 64, 1000
 
@@ -171,9 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     impls = args.impls.split(",")
     splits = [int(s) for s in args.splits.split(",")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MASTER_", "TDIST_"))}
-    if args.omp_threads:
-        env["OMP_NUM_THREADS"] = str(args.omp_threads)
+    env = program_env(args.omp_threads)
     print(machine_line())
     busy_for_the_run(args.busy)
     results: dict[tuple[int, str], list[dict[str, float]]] = {(s, i): [] for s in splits for i in impls}
@@ -187,9 +193,8 @@ def main() -> None:
     rows = [side_by_side(f"split {split}: {label}", {i: results[split, i] for i in impls}, metric)
             for split in splits
             for metric, label in (("loop_s", "loop s"), ("backward_s", "backward s"), ("cpu_s", "CPU s (whole run)"))]
-    headers = ["metric", *impls] + (["tdist speed-up"] if len(rows[0]) > len(impls) + 1 else [])
     print()
-    print(table(headers, rows))
+    print(side_by_side_table(impls, rows))
     print(f"\nmedian of {args.rounds} rounds, a fresh run of 3 processes each, {args.batches} batches of {BATCH} "
           f"after one warm-up; OMP_NUM_THREADS {args.omp_threads or 'unset'}{', busy host' if args.busy else ''}")
 
