@@ -630,6 +630,10 @@ class _Engine:
     Nothing is handed off while passes come one at a time (a parameter server's)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """As new (also in a forked child, which has none of the threads)."""
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started = False
@@ -686,6 +690,7 @@ def _cores() -> int:
 
 
 _engine = _Engine()
+os.register_at_fork(after_in_child=_engine.reset)
 
 
 def _when_all(sent: list[tuple[int, Any]]) -> Any:
