@@ -254,6 +254,60 @@ def test_torch_groups_on_tdist_are_diagnosed_too(tmp_path: Path) -> None:
     assert "missing ranks: {2}" in report, report
 
 
+_LEAVE_FIRST = """
+import os, sys, time
+import torch, torch.distributed as tdc
+import tdist
+from tdist.c10d import _desync
+
+tdc.init_process_group("tdist")  # (torch's store: its server in rank 0's process)
+rank = tdc.get_rank()
+sub = tdc.new_group([1, 2])  # (a group rank 0 is not in, on the same store)
+t = torch.ones(4)
+tdc.all_reduce(t)
+if rank:
+    tdc.all_reduce(t, group=sub)
+deadline = time.monotonic() + 30  # (until every responder here is on the store)
+while time.monotonic() < deadline:
+    live = list(_desync._responders)
+    if len(live) == (2 if rank else 1) and all(r._state == _desync._CONNECTED for r in live):
+        break
+    time.sleep(0.01)
+print("ready", flush=True)
+sys.stdin.readline()  # (rank 0 first: its process, and the store's server, go before the others leave)
+tdc.destroy_process_group()
+print("done", flush=True)
+"""
+
+
+def test_ranks_that_leave_after_the_store_host_print_nothing(tmp_path: Path) -> None:
+    # (each rank's responders wait on torch's store, whose server goes with rank 0's process:
+    # torch's client printed "recvValueWithTimeout failed ... Did the remote server shutdown
+    # or crash?" with a C++ stack for each responder of ranks 1 and 2, and a responder's
+    # thread inside torch's C++ wait at its own exit could abort the process)
+    port = free_port()
+    procs = []
+    for r in range(3):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": "3",
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", _LEAVE_FIRST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, env=env, text=True))
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        outs = []
+        for p in procs:  # (rank 0 first, and gone before the next is told)
+            out, err = p.communicate("go\n", timeout=60)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (rc, out, err) in enumerate(outs):
+        assert rc == 0 and out.strip() == "done", (r, rc, out, err)
+        assert "TCPStore.cpp" not in err and "socket.cpp" not in err, (r, err)
+
+
 # -- dumps on request --------------------------------------------------------------------------------
 def _dump_on_request(rank: int, n: int, port: int, prefix: str) -> list[str]:
     # torch's older names of TORCH_FR_DUMP_TEMP_FILE and TORCH_FR_BUFFER_SIZE, which torch reads

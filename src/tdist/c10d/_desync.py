@@ -72,6 +72,7 @@ _DEFER = 0.2
 _DEFERRING, _CONNECTING, _CONNECTED = 0, 1, 2
 _RECENT = 4
 _POLL = 0.01  # seconds between two looks at the answers
+_POLL_EVERY = 0.5  # seconds between two looks of a responder on torch's store (see Responder)
 
 
 def clone_store(store: Any) -> Any:
@@ -88,6 +89,16 @@ def clone_store(store: Any) -> Any:
     except Exception:
         return None
     return clone
+
+
+def _server_of(torch_store: Any) -> tuple[str, int] | None:
+    """The address of the server of torch's ``torch_store`` (under its prefixes), if it is a
+    ``TCPStore``."""
+    base = torch_store
+    while hasattr(base, "underlying_store"):
+        base = base.underlying_store
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
 
 
 def _close(store: Any) -> None:
@@ -128,6 +139,15 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
 class Responder:
     """Answers the group's diagnosis requests for one rank (see the module docstring).
 
+    On torch's store (a group that torch made, or a store handed from torch) it looks for its
+    key every ``_POLL_EVERY`` seconds instead of waiting on it, as torch's own watchdog looks
+    at its store, and it leaves once the store's server has gone (an idle plain connection to
+    it, ``_torch_pg._ServerWatch``): that server lives in rank 0's process, and a responder of
+    another rank still in torch's ``wait`` when it went had torch's client print a warning
+    with a C++ stack (36 at the exit of a 2 x 2 device mesh whose rank 0 left first), and a
+    thread still inside torch's C++ call as its own interpreter ended aborted the process
+    ("terminate called without an active exception").
+
     Args:
         store: the group's store (cloned for the responder's thread).
         rec: this rank's recorder of the group.
@@ -148,7 +168,9 @@ class Responder:
         root = store
         while isinstance(root, PrefixStore):
             root = root.underlying_store
-        self._ours = isinstance(root, Store)  # (tdist's store: its client is Python through and through)
+        torch_store = root._torch_store() if isinstance(root, Store) else root
+        self._ours = torch_store is None  # (tdist's store: its client is Python through and through)
+        self._server = None if self._ours else _server_of(torch_store)
         self._thread = threading.Thread(target=self._run, args=(_DEFER if start else 0.0,), name=f"tdist-fr-{rec.rank}", daemon=True)
         _responders.add(self)
         if start:
@@ -169,8 +191,18 @@ class Responder:
         if self._stopped:
             return
         self._state = _CONNECTING
+        watch = None
+        if self._server is not None:
+            from ._torch_pg import _ServerWatch
+
+            try:
+                watch = _ServerWatch(*self._server)
+            except OSError:  # (its server has gone already)
+                return
         store = clone_store(self._store)
         if store is None:
+            if watch is not None:
+                watch.close()
             return
         self._state = _CONNECTED
         rank = self._rec.rank
@@ -180,11 +212,16 @@ class Responder:
                 key = f"fr/ask/{rank}/{self._next}"
                 t0 = time.monotonic()
                 try:
-                    store.wait([key], _WAIT)
+                    if self._ours:
+                        store.wait([key], _WAIT)
+                    elif not store.check([key]):
+                        if self._go.wait(_POLL_EVERY) or (watch is not None and watch.gone()):
+                            return
+                        continue
                 except Exception:
                     # a timeout waits again; a store that is gone ends the responder
                     failures = failures + 1 if time.monotonic() - t0 < 1.0 else 0
-                    if failures >= 3:
+                    if failures >= 3 or (not self._ours and self._go.wait(_POLL_EVERY)):
                         return
                     continue
                 if self._stopped:
@@ -198,6 +235,8 @@ class Responder:
                 self._next += 1
         finally:
             _close(store)
+            if watch is not None:
+                watch.close()
 
     def _answer(self, store: Store, request: bytes) -> None:
         if request == b"quit":
@@ -221,7 +260,7 @@ class Responder:
                 return
             self._stopped = True
         self._go.set()
-        if self._state == _CONNECTED and self._thread.is_alive():
+        if self._ours and self._state == _CONNECTED and self._thread.is_alive():
             # (from a thread: a store whose host is stopped must not hold up destroy_process_group)
             threading.Thread(target=self._wake, name=f"tdist-fr-stop-{self._rec.rank}", daemon=True).start()
 
@@ -247,8 +286,8 @@ def _stop_responders_at_exit() -> None:
     for r in live:
         if not r._stopped:
             r._stopped = True
-            r._go.set()  # (one still deferring leaves at once, never connected)
-            if r._state == _CONNECTED:
+            r._go.set()  # (one still deferring, or polling torch's store, leaves at once)
+            if r._ours and r._state == _CONNECTED:
                 r._wake()
     deadline = time.monotonic() + 2.0
     for r in live:

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -119,6 +120,9 @@ class TorchStore(Store):
         """A new connection to the same torch store (for a thread that blocks in ``wait``)."""
         return TorchStore(self._s.clone())
 
+    def _torch_store(self) -> Any:
+        return self._s
+
 
 class _ServerWatch:
     """A connection of this rank's own to the server of torch's store (on rank 0), idle, kept
@@ -156,6 +160,18 @@ class _ServerWatch:
             return cls(base.host, base.port)
         except OSError:
             return None
+
+    def gone(self) -> bool:
+        """Whether the server has closed this connection, now (never waits)."""
+        sock = self._sock
+        if sock is None:
+            return True
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return not sock.recv(1, socket.MSG_PEEK)
+        except (OSError, ValueError):
+            return True
 
     def wait_gone(self, timeout: float) -> bool:
         """Wait until the server has closed this connection (it stopped), at most ``timeout``

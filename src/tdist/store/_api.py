@@ -230,3 +230,8 @@ class Store:
     def clone(self) -> Store:
         """A new handle on the same store, for use from another thread."""
         raise NotImplementedError
+
+    def _torch_store(self) -> Any:
+        """torch's store that this one hands its calls to (``None``: none, a store of tdist's
+        own): its client is torch's C++ one (see ``c10d._desync.Responder``)."""
+        return None

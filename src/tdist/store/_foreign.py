@@ -138,3 +138,6 @@ class ForeignStore(Store):
 
     def clone(self) -> Store:
         return ForeignStore(self._store.clone())
+
+    def _torch_store(self) -> Any:
+        return self._store
