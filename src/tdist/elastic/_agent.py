@@ -332,6 +332,7 @@ class LocalAgent:
         self._dump_served: str | None = None  # (the last dump request answered)
         self._settle_until: float | None = None  # (see ``_settling``; per attempt)
         self._stacks: dict[int, str] = {}  # (see ``_snapshot``: the last failed attempt's)
+        self._loose_snapshot: str | None = None  # (``_snapshot``'s folder of its own, until a report names it)
         self._ft_restarts = 0  # (--ft: workers restarted alone)
         self._ft_earlier: list[str] = []
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
@@ -431,6 +432,7 @@ class LocalAgent:
                 if self._timer_server is not None:
                     self._timer_server.stop()  # (and its pipe is removed)
                 self._close_filtered()
+                self._drop_loose_snapshot()
                 self._restore_signal_handlers(previous)
                 wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
                 os.close(wake_r)  # (-1 first: a late _on_signal writes nowhere, not to a reused fd)
@@ -817,6 +819,8 @@ class LocalAgent:
                     error_files=self._error_files(restart_count, found), post_mortem=post_mortem,
                 )
                 self._write(self._err, report.encode() + b"\n")
+                if self._stacks:  # (the report names the snapshot's files: they stay)
+                    self._loose_snapshot = None
             elif outcome is Outcome.INTERRUPTED and self._leaving:
                 self._say("left the job on SIGTERM: the other nodes go on without this one")
                 return 0
@@ -1482,10 +1486,14 @@ class LocalAgent:
     # -- stopping ------------------------------------------------------------------------------
     def _snapshot(self, workers: list[_Worker], restart_count: int) -> None:
         """Before the workers still running are stopped after a failure: their Python stacks
-        (``SIGUSR2``) and flight records (``SIGUSR1``), where they handle those signals (a
-        worker that imported tdist does), into ``<attempt>/snapshot/`` for the post-mortem (a
-        ``tdist_snapshot_*`` folder of its own, kept, when the logs are not)."""
+        (``SIGUSR2``) and flight records (``SIGUSR1``, moved from where each worker dumps it),
+        where they handle those signals (a worker that imported tdist does), into
+        ``<attempt>/snapshot/`` for the post-mortem; when the logs are not kept, a
+        ``tdist_snapshot_*`` folder of its own, kept if the job's failure report names it,
+        removed when the next failure's replaces it or the job ends without naming it (a job
+        that succeeds after a restart leaves nothing)."""
         self._stacks = {}
+        self._drop_loose_snapshot()
         attempt = self._attempt_dir(restart_count)
         record = self._job_record
         if attempt is None or record is None:
@@ -1495,12 +1503,20 @@ class LocalAgent:
         if not any(handles_signal(int(e["pid"]), signal.SIGUSR2) for e in entries):
             return
         with contextlib.suppress(OSError):
-            dest = os.path.join(attempt, "snapshot") if self._keeps_logs else tempfile.mkdtemp(prefix="tdist_snapshot_")
-            files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT)
+            if self._keeps_logs:
+                dest = os.path.join(attempt, "snapshot")
+            else:
+                dest = self._loose_snapshot = tempfile.mkdtemp(prefix="tdist_snapshot_")
+            files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT, move_records=True)
             for path in files:
                 name = os.path.basename(path)
                 if name.startswith("stacks_"):
                     self._stacks[int(name[len("stacks_"):-len(".txt")])] = path
+
+    def _drop_loose_snapshot(self) -> None:
+        path, self._loose_snapshot = self._loose_snapshot, None
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _stop(self, workers: list[_Worker], exits: list[WorkerExit]) -> None:
         """SIGTERM every running worker's group, wait ``stop_timeout``, then SIGKILL; reap all."""
