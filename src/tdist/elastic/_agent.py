@@ -1486,8 +1486,9 @@ class LocalAgent:
     # -- stopping ------------------------------------------------------------------------------
     def _snapshot(self, workers: list[_Worker], restart_count: int) -> None:
         """Before the workers still running are stopped after a failure: their Python stacks
-        (``SIGUSR2``) and flight records (``SIGUSR1``, moved from where each worker dumps it),
-        where they handle those signals (a worker that imported tdist does), into
+        (``SIGUSR2``) and flight records (``SIGUSR1``; each stays where its worker dumped it as
+        well, where the failure report looks for it), where they handle those signals (a worker
+        that imported tdist does), into
         ``<attempt>/snapshot/`` for the post-mortem; when the logs are not kept, a
         ``tdist_snapshot_*`` folder of its own, kept if the job's failure report names it,
         removed when the next failure's replaces it or the job ends without naming it (a job
@@ -1507,7 +1508,7 @@ class LocalAgent:
                 dest = os.path.join(attempt, "snapshot")
             else:
                 dest = self._loose_snapshot = tempfile.mkdtemp(prefix="tdist_snapshot_")
-            files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT, move_records=True)
+            files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT)
             for path in files:
                 name = os.path.basename(path)
                 if name.startswith("stacks_"):

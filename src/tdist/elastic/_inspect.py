@@ -553,12 +553,10 @@ def handles_signal(pid: int, sig: int) -> bool:
     return False
 
 
-def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0, move_records: bool = False) -> list[str]:
+def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[str]:
     """``tdist dump``: every worker's Python stacks (``SIGUSR2`` and ``STACKS_REQUEST``) and flight record
     (``SIGUSR1``) into ``dest`` (``stacks_<r>.txt``; ``rank_<r>``, what ``torchfrtrace
-    dest`` reads: it takes every file whose name has ``rank_`` in it). Returns the files gathered.
-    ``move_records``: a flight record leaves the place its worker dumped it to (the launcher's
-    own snapshot, which asked for it), else it is copied."""
+    dest`` reads: it takes every file whose name has ``rank_`` in it). Returns the files gathered."""
     os.makedirs(dest, exist_ok=True)
     workers = job.get("workers", [])
     sizes = {}
@@ -603,8 +601,5 @@ def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0, move_reco
     for rank in records:
         target = os.path.join(dest, f"rank_{rank}")
         shutil.copyfile(records_of[rank], target)
-        if move_records:
-            with contextlib.suppress(OSError):
-                os.unlink(records_of[rank])
         gathered.append(target)
     return gathered
