@@ -215,13 +215,13 @@ class Responder:
                     if self._ours:
                         store.wait([key], _WAIT)
                     elif not store.check([key]):
-                        if self._go.wait(_POLL_EVERY) or (watch is not None and watch.gone()):
+                        if self._rest(watch):
                             return
                         continue
                 except Exception:
                     # a timeout waits again; a store that is gone ends the responder
                     failures = failures + 1 if time.monotonic() - t0 < 1.0 else 0
-                    if failures >= 3 or (not self._ours and self._go.wait(_POLL_EVERY)):
+                    if failures >= 3 or (not self._ours and self._rest(watch)):
                         return
                     continue
                 if self._stopped:
@@ -237,6 +237,11 @@ class Responder:
             _close(store)
             if watch is not None:
                 watch.close()
+
+    def _rest(self, watch: Any) -> bool:
+        """Between two looks at torch's store: whether to leave (stopped meanwhile, or the
+        store's server has gone)."""
+        return self._go.wait(_POLL_EVERY) or (watch is not None and watch.gone())
 
     def _answer(self, store: Store, request: bytes) -> None:
         if request == b"quit":
