@@ -569,11 +569,11 @@ def _through_leaves(ctx: DistAutogradContext, roots: list[torch.Tensor], leaves:
     one backward."""
     if not leaves:
         return
-    with _engine.computing() as crowded:
+    with _engine.computing() as (crowded, backlog):
         if not crowded or any(leaf._backward_hooks for leaf in leaves):
             _into_context(ctx, leaves, lambda: torch.autograd.backward(roots, grads, retain_graph=retain_graph, inputs=leaves))
             return
-        with capped(1):
+        with capped(1) if backlog else contextlib.nullcontext():
             computed: list[torch.Tensor | None] = list(torch.autograd.grad(roots, leaves, grads, retain_graph=retain_graph, allow_unused=True))
     reached = [(leaf, g) for leaf, g in zip(leaves, computed, strict=True) if g is not None and not getattr(leaf, "_tdist_recv_marker", False)]
     del computed
@@ -624,9 +624,12 @@ class _Engine:
     run one at a time). They run here on a few threads of their own, not on whichever RPC
     thread received them: each thread allocates from a memory arena of its own, and 24 passes
     spread over 24 threads faulted in fresh pages for every gradient, with twice torch's system
-    time. A pass that runs while another does computes on one intra-op thread (``capped``):
-    two passes, each with an OpenMP team, on two cores wait for each other's threads to be
-    scheduled. A ``backward`` on the caller's thread counts as one of the passes running.
+    time. While passes wait for a thread, each computes on one intra-op thread (``capped``):
+    the passes alone keep the cores busy, and two of them, each with an OpenMP team, on two
+    cores wait for each other's threads to be scheduled (``bench_pipeline.py``, micro-batches of one
+    image: backward 4.4 s capped, 5.2 s not); a few passes at once keep their threads (of eight
+    images, three at once: 1.6 s not capped, 1.9 s capped). A ``backward`` on the caller's thread counts
+    as one of the passes running.
     Nothing is handed off while passes come one at a time (a parameter server's)."""
 
     def __init__(self) -> None:
@@ -649,7 +652,7 @@ class _Engine:
             start = not here and not self._started
             self._started |= start
         if start:
-            for i in range(max(2, _cores())):
+            for i in range(_threads()):
                 threading.Thread(target=self._loop, name=f"tdist-backward-{i}", daemon=True).start()
         if here:
             self._run(job)
@@ -670,16 +673,24 @@ class _Engine:
             del job  # (not kept alive, with its tensors, while this thread waits)
 
     @contextlib.contextmanager
-    def computing(self) -> Iterator[bool]:
-        """Inside: this thread computes a pass; whether another does too (or waits to)."""
+    def computing(self) -> Iterator[tuple[bool, bool]]:
+        """Inside: this thread computes a pass. Yields whether another does too (or waits to),
+        and whether passes wait for a thread (more are pending than run at once: the pass
+        threads and one where it arrived)."""
         with self._lock:
             self._running += 1
             crowded = self._running > 1 or self._pending > 1
+            backlog = self._pending > _threads() + 1
         try:
-            yield crowded
+            yield crowded, backlog
         finally:
             with self._lock:
                 self._running -= 1
+
+
+def _threads() -> int:
+    """How many pass threads (``_Engine``): one a core, two at least."""
+    return max(2, _cores())
 
 
 def _cores() -> int:
