@@ -305,7 +305,10 @@ def test_ranks_that_leave_after_the_store_host_print_nothing(tmp_path: Path) -> 
                 p.kill()
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0 and out.strip() == "done", (r, rc, out, err)
-        assert "TCPStore.cpp" not in err and "socket.cpp" not in err, (r, err)
+        # (what torch's client says of a server that has gone; not its retries of a connect
+        # to one that is not up yet, which a loaded host may show before rank 0 listens)
+        for said in ("remote server shutdown or crash", "sendBytes failed", "terminate called"):
+            assert said not in err, (r, err)
 
 
 # -- dumps on request --------------------------------------------------------------------------------

@@ -1488,11 +1488,10 @@ class LocalAgent:
         """Before the workers still running are stopped after a failure: their Python stacks
         (``SIGUSR2``) and flight records (``SIGUSR1``; each stays where its worker dumped it as
         well, where the failure report looks for it), where they handle those signals (a worker
-        that imported tdist does), into
-        ``<attempt>/snapshot/`` for the post-mortem; when the logs are not kept, a
-        ``tdist_snapshot_*`` folder of its own, kept if the job's failure report names it,
-        removed when the next failure's replaces it or the job ends without naming it (a job
-        that succeeds after a restart leaves nothing)."""
+        that imported tdist does), into ``<attempt>/snapshot/`` for the post-mortem. When the
+        logs are not kept, into a ``tdist_snapshot_*`` folder of its own: kept if the job's
+        failure report names it, removed when the next failure's replaces it or the job ends
+        without naming it (a job that succeeds after a restart leaves nothing)."""
         self._stacks = {}
         self._drop_loose_snapshot()
         attempt = self._attempt_dir(restart_count)
