@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import rpc
-from ..c10d._threads import capped
+from ..c10d._threads import capped, usable_cores
 from ..rpc import _agent as _agent_module
 from ..rpc import _hooks
 from ..rpc._agent import current_agent, wait_replies
@@ -690,14 +690,7 @@ class _Engine:
 
 def _threads() -> int:
     """How many pass threads (``_Engine``): one a core, two at least."""
-    return max(2, _cores())
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return max(2, usable_cores())
 
 
 _engine = _Engine()

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["PARALLEL_BYTES", "ParkedTeam", "capped"]
+__all__ = ["PARALLEL_BYTES", "ParkedTeam", "capped", "usable_cores"]
 
 # torch runs an element-wise kernel on several threads from 32768 elements (its GRAIN_SIZE): a
 # collective on fewer bytes than this never starts them, so it need not cap them
@@ -63,6 +63,14 @@ def _runtime() -> Callable[[int], None] | None:
             _omp = set_threads
             break
     return _omp if callable(_omp) else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

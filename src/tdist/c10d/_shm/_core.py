@@ -96,6 +96,7 @@ from ..._core.errors import (
     PeerError,
 )
 from ...store._api import Store, multi_get_within
+from .._threads import usable_cores
 from .._types import RedOpType
 from ._layout import (
     _CLOSED,
@@ -139,13 +140,6 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")  # (compiled at import: not on the way t
 
 def _sanitize(name: str) -> str:
     return _UNSAFE.sub("_", name)[:48] or "group"
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class ArenaCore:
@@ -208,7 +202,7 @@ class ArenaCore:
         self._small = min(small_bytes, frame_bytes)
         self._spin_s = spin_us * 1e-6
         # intra-op threads per rank for large copies: a fair share of this process's cores
-        self._threads = max(1, _usable_cores() // size)
+        self._threads = max(1, usable_cores() // size)
         self._peers = [q for q in range(size) if q != rank]
         self._pid = os.getpid()
         self._frame = 0  # next frame of the global sequence
