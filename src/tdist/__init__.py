@@ -75,7 +75,9 @@ def _register_with_torch() -> None:
     The name is registered through torch's plug-in point (``Backend.register_backend``) now if
     torch is loaded, else the moment its import ends. ``import tdist`` itself imports no torch
     (the launcher never needs it), and registering imports nothing of tdist's: the process
-    group's own module loads when torch first asks for a group.
+    group's own module loads when torch first asks for a group. Registering also makes tdist
+    the backend torch gives CPU tensors when it forms a group with no backend named (its device
+    meshes do): ``_aliases.default_world_on_tdist``.
     """
     import contextlib
     import sys
@@ -85,6 +87,7 @@ def _register_with_torch() -> None:
         backend = getattr(getattr(torch, "distributed", None), "Backend", None)
         if backend is not None and "tdist" not in backend.backend_list:
             backend.register_backend("tdist", _torch_backend, devices=["cpu"])
+            _aliases.default_world_on_tdist()
 
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -126,8 +129,8 @@ def _register_with_torch() -> None:
         sys.meta_path.insert(0, _WhenTorchLoaded)  # type: ignore[arg-type]
 
 
-_register_with_torch()
 _aliases = importlib.import_module(f"{__name__}._aliases")
+_register_with_torch()
 _aliases.install()  # (torch's training stack's module paths: tdist.fsdp, tdist.checkpoint, ...)
 
 

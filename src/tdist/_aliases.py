@@ -12,12 +12,14 @@ for the names in ``ALIASED`` (a few of them inside packages of tdist's own, such
 ``optim.zero_redundancy_optimizer``), by importing ``torch.distributed.<name>...``. Nothing is imported
 until such a name is.
 
-The first such import also makes tdist the backend torch picks for CPU tensors when it forms the
-default group itself: torch's device meshes (``init_device_mesh``) and ``fully_shard`` without a
-mesh call ``init_process_group()`` with no backend when no group exists, and a ported program
-that relies on that (as pytorch/examples' tensor-parallel ones do) must get tdist's group, which
-``tdist.is_initialized``, ``tdist.get_rank`` and ``tdist.destroy_process_group`` see, not a gloo
-group of torch's behind tdist's back (``default_world_on_tdist``).
+tdist is the backend torch picks for CPU tensors when it forms the default group itself
+(``default_world_on_tdist``, called when tdist registers its backend with torch, and again at
+such an import): torch's device meshes (``init_device_mesh``) and ``fully_shard`` without a mesh
+call ``init_process_group()`` with no backend when no group exists. A ported program that relies
+on that (as pytorch/examples' tensor-parallel ones do, even one that changed only its ``import
+torch.distributed as dist`` line and still calls torch's ``init_device_mesh``) must get tdist's
+group, which ``tdist.is_initialized``, ``tdist.get_rank`` and ``tdist.destroy_process_group``
+see, not a gloo group of torch's behind tdist's back.
 """
 
 from __future__ import annotations
@@ -90,9 +92,9 @@ _PREFIX = "tdist."
 def default_world_on_tdist() -> None:
     """Make ``"tdist"`` torch's default backend for CPU tensors where it was gloo (torch's own
     default), so that a group torch forms on its own, ``init_process_group()`` with no backend,
-    runs on tdist. Called when a program imports torch's stack by tdist's names (a ported
-    program), and by ``tdist.init_device_mesh``; a program that names its backend is not
-    affected, nor one that never imports tdist's names of torch's modules."""
+    runs on tdist. Called when tdist registers its backend with torch (both imported), when a
+    program imports torch's stack by tdist's names, and by ``tdist.init_device_mesh`` (a
+    program may have set the map back); a program that names its backend is not affected."""
     backend = getattr(sys.modules.get("torch.distributed"), "Backend", None)
     if backend is None or "tdist" not in getattr(backend, "backend_list", ()):
         return

@@ -330,13 +330,18 @@ def _implicit_world(rank: int, n: int, port: int, entry: str) -> dict[str, Any]:
     """A ported program that calls no ``init_process_group``: torch's device mesh forms the
     world group itself (pytorch/examples' tensor-parallel programs), which must be tdist's."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
-    from tdist.tensor import Shard, distribute_tensor
+    if entry == "torch's":  # a program that changed only ``import torch.distributed as dist``
+        from torch.distributed.device_mesh import init_device_mesh as torchs
+        from torch.distributed.tensor import Shard, distribute_tensor
 
+        mesh = torchs("cpu", (n,))
+    else:
+        from tdist.tensor import Shard, distribute_tensor  # type: ignore[no-redef]
     if entry == "alias":
         from tdist.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (n,))
-    else:
+    elif entry != "torch's":
         mesh = tdist.init_device_mesh("cpu", (n,))
     a = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
     out = {
@@ -350,7 +355,7 @@ def _implicit_world(rank: int, n: int, port: int, entry: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("entry", ["alias", "tdist.init_device_mesh"])
+@pytest.mark.parametrize("entry", ["alias", "tdist.init_device_mesh", "torch's"])
 def test_a_device_mesh_made_before_any_group_forms_tdists_world_group(entry: str) -> None:
     got = run_processes(_implicit_world, 2, free_port(), entry, timeout=100)
     assert got[0] == got[1] == {"tdist sees it": True, "backend": "tdist.c10d._torch_pg", "sum": 28.0, "left": True}
