@@ -121,6 +121,7 @@ from .c10d._backend_config import (
 from .c10d._checks import supports_complex
 from .c10d._debug import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
 from .c10d._group import GroupMember, ProcessGroup, group
+from .c10d._profiling import record_comm
 from .c10d._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -206,6 +207,7 @@ __all__ += [
     "new_group",
     "new_subgroups",
     "new_subgroups_by_enumeration",
+    "record_comm",
     "recv",
     "recv_object_list",
     "reduce",

@@ -40,6 +40,7 @@ import torch
 from .._core.errors import DistBackendError, DistError
 from ._backend import Backend as BackendImpl
 from ._debug import CollectiveChecker, Fingerprint
+from ._profiling import profiled
 from ._types import (
     AllgatherOptions,
     AllreduceOptions,
@@ -339,6 +340,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
         return self._get_backend()
 
     # -- collectives (torch's ProcessGroup methods) ----------------------------------------------
+    @profiled("broadcast", "broadcast_")
     def broadcast(
         self, tensors: torch.Tensor | list[torch.Tensor], opts: BroadcastOptions | int | None = None
     ) -> Work:
@@ -358,6 +360,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
             )
         return self._impl().broadcast(_d(tensors), opts)
 
+    @profiled("all_reduce", "allreduce_")
     def allreduce(
         self,
         tensors: torch.Tensor | list[torch.Tensor],
@@ -399,6 +402,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
 
         return chain_work([work], "allreduce_coalesced", finish)
 
+    @profiled("reduce", "reduce_")
     def reduce(
         self,
         tensors: torch.Tensor | list[torch.Tensor],
@@ -422,6 +426,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
             )
         return self._impl().reduce(_d(tensors), opts)
 
+    @profiled("all_gather", "allgather_")
     def allgather(
         self,
         output_tensors: list[list[torch.Tensor]] | list[torch.Tensor],
@@ -476,6 +481,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
 
         return chain_work([work], "allgather_coalesced", finish)
 
+    @profiled("all_gather", "_allgather_base_")
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
     ) -> Work:
@@ -487,6 +493,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
 
     all_gather_single = _allgather_base
 
+    @profiled("gather", "gather_")
     def gather(
         self,
         output_tensors: list[list[torch.Tensor]] | list[torch.Tensor],
@@ -516,6 +523,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                 )
         return self._impl().gather(_dd(outs), _d(ins), opts)
 
+    @profiled("scatter", "scatter_")
     def scatter(
         self,
         output_tensors: list[torch.Tensor] | torch.Tensor,
@@ -545,6 +553,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                 )
         return self._impl().scatter(_d(outs), _dd(ins), opts)
 
+    @profiled("reduce_scatter", "reduce_scatter_")
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor] | torch.Tensor,
@@ -573,6 +582,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                 )
         return self._impl().reduce_scatter(_d(outs), _dd(ins), opts)
 
+    @profiled("reduce_scatter", "_reduce_scatter_base_")
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
     ) -> Work:
@@ -618,6 +628,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @profiled("all_to_all", "alltoall_")
     def alltoall(
         self,
         output_tensors: list[torch.Tensor],
@@ -638,6 +649,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                 )
         return self._impl().alltoall(_d(output_tensors), _d(input_tensors), opts)
 
+    @profiled("all_to_all", "alltoall_base_")
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -665,6 +677,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
 
     all_to_all_single = alltoall_base
 
+    @profiled("barrier", "barrier")
     def barrier(self, opts: BarrierOptions | None = None) -> Work:
         """Complete once every rank of the group has called ``barrier``."""
         opts = opts or BarrierOptions()
@@ -672,6 +685,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
             self._checker.check(Fingerprint("barrier"))
         return self._impl().barrier(opts)
 
+    @profiled("monitored_barrier", "monitored_barrier_")
     def monitored_barrier(
         self, timeout: timedelta | None = None, wait_all_ranks: bool = False
     ) -> None:
@@ -694,14 +708,17 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
         )
 
     # -- point to point ------------------------------------------------------------------------
+    @profiled("send", "send")
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Work:
         """Send ``tensors[0]`` to group rank ``dstRank``."""
         return self._impl().send(_d(_as_list(tensors)), dstRank, tag)
 
+    @profiled("recv", "recv_")
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Work:
         """Receive into ``tensors[0]`` from group rank ``srcRank``."""
         return self._impl().recv(_d(_as_list(tensors)), srcRank, tag)
 
+    @profiled("recvAnySource", "recv_any_source_")
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         """Receive into ``tensors[0]`` from whichever rank sends first."""
         return self._impl().recv_anysource(_d(_as_list(tensors)), tag)

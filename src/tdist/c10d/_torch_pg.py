@@ -51,6 +51,7 @@ from ._backend_config import Backend
 from ._checks import CollectiveArgumentError
 from ._checks import dense_cpu as _check
 from ._group import GroupInfo, ProcessGroup, SplitMerge, _d, _dd, chain_work
+from ._profiling import profiled
 from ._reduce import sparse_all_reduce
 
 __all__ = ["BACKEND_NAME", "StoreForTorch", "TorchProcessGroup", "TorchStore", "TorchWork", "register"]
@@ -572,6 +573,8 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
                 rec.ranks_fn = lambda: tdc.get_process_group_ranks(me())
         self._b = backend
 
+    _backend_name = BACKEND_NAME  # (the profiler's ranges: "tdist:all_reduce")
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
@@ -619,10 +622,12 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         return f"TorchProcessGroup(tdist, rank={self.rank()}, size={self.size()})"
 
     # -- collectives ---------------------------------------------------------------------------
+    @profiled("broadcast", "broadcast_")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("broadcast", tensors)
         return TorchWork(self._b.broadcast(_d(tensors), _opts(T.BroadcastOptions, opts)), tensors)
 
+    @profiled("all_reduce", "allreduce_")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         if opts is not None and not hasattr(opts, "reduceOp"):  # allreduce(tensors, op)
             opts = _with_op(opts)
@@ -633,58 +638,70 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         _check("allreduce", tensors)
         return TorchWork(self._b.allreduce(_d(tensors), _opts(T.AllreduceOptions, opts)), tensors)
 
+    @profiled("all_reduce", "allreduce_coalesced_")
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allreduce_coalesced", tensors)
         o = _opts(T.AllreduceOptions, opts)
         return _all(tensors, [self._b.allreduce([t], o) for t in _d(tensors)])
 
+    @profiled("reduce", "reduce_")
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("reduce", tensors)
         return TorchWork(self._b.reduce(_d(tensors), _opts(T.ReduceOptions, opts)), tensors)
 
+    @profiled("all_gather", "allgather_")
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allgather", inputs, *outputs)
         work = self._b.allgather(_dd(outputs), inputs, _opts(T.AllgatherOptions, opts))
         return TorchWork(work, _flat(outputs))
 
+    @profiled("all_gather", "_allgather_base_")
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("all_gather_into_tensor", [output, input])
         work = self._b._allgather_base(_d([output])[0], input, _opts(T.AllgatherOptions, opts))
         return TorchWork(work, _blocks(output, self.size()))
 
+    @profiled("all_gather", "allgather_into_tensor_coalesced_")
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         return _pairwise(self._b._allgather_base, outputs, inputs, _opts(T.AllgatherOptions, opts))
 
+    @profiled("gather", "gather_")
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("gather", inputs, *outputs)
         return TorchWork(self._b.gather(_dd(outputs), inputs, _opts(T.GatherOptions, opts)), _flat(outputs))
 
+    @profiled("scatter", "scatter_")
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
         _check("scatter", outputs, *inputs)
         return TorchWork(self._b.scatter(_d(outputs), inputs, _opts(T.ScatterOptions, opts)), outputs)
 
+    @profiled("reduce_scatter", "reduce_scatter_")
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> TorchWork:
         _check("reduce_scatter", outputs, *inputs)
         return TorchWork(self._b.reduce_scatter(_d(outputs), inputs, _opts(T.ReduceScatterOptions, opts)), outputs)
 
+    @profiled("reduce_scatter", "_reduce_scatter_base_")
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("reduce_scatter_tensor", [output, input])
         o = _opts(T.ReduceScatterOptions, opts)
         return TorchWork(self._b._reduce_scatter_base(_d([output])[0], input, o), [output])
 
+    @profiled("reduce_scatter", "reduce_scatter_tensor_coalesced_")
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
         return _pairwise(self._b._reduce_scatter_base, outputs, inputs, _opts(T.ReduceScatterOptions, opts))
 
+    @profiled("all_to_all", "alltoall_")
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("all_to_all", outputs, inputs)
         return TorchWork(self._b.alltoall(_d(outputs), inputs, _opts(T.AllToAllOptions, opts)), outputs)
 
+    @profiled("all_to_all", "alltoall_base_")
     def alltoall_base(
         self,
         output: torch.Tensor,
@@ -697,15 +714,18 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         o = _opts(T.AllToAllOptions, opts)
         return TorchWork(self._b.alltoall_base(_d([output])[0], input, output_split_sizes, input_split_sizes, o), [output])
 
+    @profiled("barrier", "barrier")
     def barrier(self, opts: Any = None) -> TorchWork:
         return TorchWork(self._b.barrier(_opts(T.BarrierOptions, opts)), [])
 
+    @profiled("monitored_barrier", "monitored_barrier_")
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         o = T.BarrierOptions()
         if isinstance(timeout, timedelta) and timeout > timedelta(0):
             o.timeout = timeout
         self._b.monitored_barrier(o, wait_all_ranks)
 
+    @profiled("all_gather", "allgather_coalesced_")
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> TorchWork:
@@ -735,14 +755,17 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
     all_to_all_single = alltoall_base
 
     # -- point to point ------------------------------------------------------------------------
+    @profiled("send", "send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
         _check("send", tensors)
         return TorchWork(self._b.send(tensors, dst, tag), tensors)
 
+    @profiled("recv", "recv_")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
         _check("recv", tensors)
         return TorchWork(self._b.recv(_d(tensors), src, tag), tensors)
 
+    @profiled("recvAnySource", "recv_any_source_")
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
         _check("recv", tensors)
         return TorchWork(self._b.recv_anysource(_d(tensors), tag), tensors)
