@@ -107,12 +107,13 @@ def parse_std(text: str) -> Std | dict[int, Std]:
     )
 
 
-def to_map(value: Std | Mapping[int, Std], local_world_size: int) -> dict[int, Std]:
-    """A ``Std`` per local rank (torchrun's ``to_map``): one value for all, or the mapping's
-    (``Std.NONE`` for a local rank it does not name; ranks beyond the node's are ignored)."""
-    if isinstance(value, Std):
-        return dict.fromkeys(range(local_world_size), value)
-    return {r: value.get(r, Std.NONE) for r in range(local_world_size)}
+def to_map(val_or_map: Std | Mapping[int, Std], local_world_size: int) -> dict[int, Std]:
+    """A ``Std`` per local rank (torchrun's ``to_map``, its parameter names): one value for
+    all, or the mapping's (``Std.NONE`` for a local rank it does not name; ranks beyond the
+    node's are ignored)."""
+    if isinstance(val_or_map, Std):
+        return dict.fromkeys(range(local_world_size), val_or_map)
+    return {r: val_or_map.get(r, Std.NONE) for r in range(local_world_size)}
 
 
 @dataclass(frozen=True)

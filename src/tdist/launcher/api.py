@@ -147,8 +147,14 @@ def _get_entrypoint_name(entrypoint: Callable[..., Any] | str | None, args: list
     return ""
 
 
-def launch_agent(config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, args: list[Any]) -> dict[int, Any]:
-    """Run ``entrypoint`` with ``args`` on this node's workers (``elastic_launch``'s body)."""
+def launch_agent(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str | None,
+    args: list[Any],
+    health_check_server: Any = None,
+) -> dict[int, Any]:
+    """Run ``entrypoint`` with ``args`` on this node's workers (``elastic_launch``'s body).
+    ``health_check_server``: torch's, accepted and not used (as by ``elastic_launch``)."""
     from ..elastic._agent import LocalAgent
     from ..elastic.multiprocessing import _call
 
