@@ -138,11 +138,19 @@ def _env() -> dict[str, str]:
 
 
 def _start_launcher(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+    """``tdist run`` of two workers, with a temporary directory of its own (``tmp_path/tmp``)."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     return subprocess.Popen(
         [sys.executable, "-m", "tdist.cli", "run", "--nproc-per-node", "2", "--master-port", "0",
          "worker.py", mark, *args],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env={**_env(), "TMPDIR": str(tmp_path / "tmp")}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )
+
+
+def _files_left(tmp: Path) -> list[str]:
+    """What is in the temporary directory ``tmp``, but for the host's job registry directory."""
+    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.name.startswith("tdist-jobs-"))
 
 
 def _wait_ready(proc: subprocess.Popen[str], n: int = 2) -> list[str]:
@@ -175,7 +183,11 @@ def test_kill_9_of_tdist_run_takes_what_the_workers_started(tmp_path: Path, mark
         wait_until(lambda: len(set(_marked(mark)) - {proc.pid}) == 10, 20, "the workers' ten descendants run")
         reapers = _reapers_of(proc.pid)
         assert len(reapers) == 1
+        assert _files_left(tmp_path / "tmp"), "the launcher made no run directory"
         _kill_9_and_find_nothing_left(proc, mark, "its launcher")
+        # nor any file: its run directory, its entry in the registry of jobs (the registry's
+        # own directory stays, as /tmp)
+        assert _files_left(tmp_path / "tmp") == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,6 +16,9 @@ that only the parent holds (closed in a forked child), and wakes on nothing else
 - ``+<pid>``: a child was started, the leader of a session (its pidfd joins the poll; a leader
   that exited while the parent lived is dropped after a grace period, so that a pid used again
   later is never taken for it);
+- ``rm:<path, hex>``: a file or directory of the parent's own (a launcher's temporary run
+  directory, its entry in the host's registry of jobs) to remove once the job's processes are
+  killed, should the parent die;
 - ``done``: the parent ends in order (``atexit``); then it exits without touching anything, so
   a normal end, and the launcher's own SIGTERM/SIGINT handling, are as they were.
 
@@ -34,7 +37,8 @@ The hard case left: a descendant that both made a session of its own and dropped
 environment variable is found only through its parent, so not once that parent is gone (a
 worker's own such child: the worker died of its parent-death signal first). Each signal goes
 through a pidfd opened after the scan and checked against the process's start time, so a pid
-used again in between is not hit. Then the reaper exits: it leaves nothing itself.
+used again in between is not hit. Then it removes the paths it was given (the killed processes
+wrote there until they died), and exits: it leaves nothing itself.
 """
 
 from __future__ import annotations
@@ -87,6 +91,12 @@ class JobReaper:
     def watch(self, pid: int) -> bool:
         """Report child ``pid`` (a session leader). False if the reaper is gone."""
         return self._send(f"+{pid}\n".encode())
+
+    def remove_on_kill(self, path: str) -> bool:
+        """Have ``path`` (a file, or a directory and all it holds) removed if this process dies
+        without its orderly end, after its job's processes are killed. False if the reaper
+        is gone."""
+        return self._send(b"rm:" + os.fsencode(os.path.abspath(path)).hex().encode() + b"\n")
 
     def _send(self, data: bytes) -> bool:
         with self._lock:
@@ -283,6 +293,18 @@ def _lead(leaders: dict[int, tuple[int | None, float | None]], pid: int) -> None
         os.close(pidfd)
 
 
+def _remove(paths: list[bytes]) -> None:
+    """Remove each of ``paths`` (a directory with all it holds), whatever is already gone."""
+    import shutil  # (only here: a reaper that reaps nothing never needs it)
+
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def serve(parent: int, fd: int, token: bytes) -> None:
     """Watch ``parent`` (the process that started this one) and its messages on ``fd``."""
     try:
@@ -290,6 +312,7 @@ def serve(parent: int, fd: int, token: bytes) -> None:
     except (AttributeError, OSError):
         parent_fd = None
     leaders: dict[int, tuple[int | None, float | None]] = {}  # pid: its pidfd, when it exited
+    paths: list[bytes] = []  # to remove after a reap (``rm:``)
     pending = b""
     done = False
     gone = os.getppid() != parent  # (it died before this one started: read what it sent, reap)
@@ -321,6 +344,9 @@ def serve(parent: int, fd: int, token: bytes) -> None:
                 done = True
             elif line.startswith(b"+") and line[1:].isdigit():
                 _lead(leaders, int(line[1:]))
+            elif line.startswith(b"rm:"):
+                with contextlib.suppress(ValueError):
+                    paths.append(bytes.fromhex(line[3:].decode("ascii")))
         if parent_fd is not None and parent_fd in ready:
             gone = True
         if gone:
@@ -335,6 +361,7 @@ def serve(parent: int, fd: int, token: bytes) -> None:
                 del leaders[pid]
     if not done:
         reap(set(leaders), token)
+        _remove(paths)
 
 
 def main(argv: list[str]) -> int:

@@ -78,6 +78,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from .._core import auth
+from .._core._reaper import job_reaper
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
 from ..store._api import Store
@@ -172,6 +173,15 @@ _TIMER_INTERVAL = 1.0
 def _error_files(base: str) -> list[str]:
     """The ``@record`` error files workers wrote under ``base``."""
     return [os.path.join(d, f) for d, _, files in os.walk(base) for f in files if f == "error.json"]
+
+
+def _remove_if_killed(path: str) -> None:
+    """A path of the launcher's own that goes if the launcher is killed (its job reaper removes
+    it after the workers): what an orderly end removes, or leaves for a report to name."""
+    reaper = job_reaper()
+    if reaper is not None:
+        reaper.remove_on_kill(path)
+
 
 class LaunchError(DistError):
     """The launcher could not set the job up (bad options, store not reachable, nodes missing)."""
@@ -905,6 +915,8 @@ class LocalAgent:
         log.info("log directory set to: %s", self._run_dir)
         writes_logs = any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
         self._keeps_logs = cfg.log_dir is not None or writes_logs
+        if self._temp_base is not None and not self._keeps_logs:
+            _remove_if_killed(self._temp_base)
         if writes_logs:
             self._say(f"workers' logs: {self._run_dir}/attempt_<n>/<local rank>/")
 
@@ -955,7 +967,9 @@ class LocalAgent:
             "metrics": self._metrics_url,
         }
         with contextlib.suppress(OSError):
-            register_job(self._job_record)
+            entry = register_job(self._job_record)
+            if restart_count == 0:
+                _remove_if_killed(entry)
 
     def _attempt_dir(self, restart_count: int) -> str | None:
         return None if self._run_dir is None else os.path.join(self._run_dir, f"attempt_{restart_count}")
@@ -1507,6 +1521,7 @@ class LocalAgent:
                 dest = os.path.join(attempt, "snapshot")
             else:
                 dest = self._loose_snapshot = tempfile.mkdtemp(prefix="tdist_snapshot_")
+                _remove_if_killed(dest)
             files = gather_dump({**record, "workers": entries}, dest, timeout=_SNAPSHOT_WAIT)
             for path in files:
                 name = os.path.basename(path)

@@ -94,8 +94,8 @@ def _registry() -> str:
 
 
 # -- the launcher's side -------------------------------------------------------------------------
-def register_job(record: dict[str, Any]) -> None:
-    """Write (or rewrite) this launcher's entry in the registry of running jobs."""
+def register_job(record: dict[str, Any]) -> str:
+    """Write (or rewrite) this launcher's entry in the registry of running jobs; its path."""
     directory = _registry()
     os.makedirs(directory, mode=0o700, exist_ok=True)
     path = os.path.join(directory, f"{os.getpid()}.json")
@@ -103,6 +103,7 @@ def register_job(record: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f)
     os.replace(tmp, path)
+    return path
 
 
 def unregister_job() -> None:
