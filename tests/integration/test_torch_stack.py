@@ -346,6 +346,8 @@ def _implicit_world(rank: int, n: int, port: int, entry: str) -> dict[str, Any]:
     a = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
     out = {
         "tdist sees it": tdist.is_initialized() and tdist.get_rank() == rank,
+        # (as torch names it: formed with no backend named)
+        "named": (tdist.get_backend(), tdist.get_backend_config()) == (tdc.get_backend(), tdc.get_backend_config()),
         "backend": type(tdc.group.WORLD._get_backend(torch.device("cpu"))).__module__,
         "sum": a.sum().full_tensor().item(),
     }
@@ -358,7 +360,9 @@ def _implicit_world(rank: int, n: int, port: int, entry: str) -> dict[str, Any]:
 @pytest.mark.parametrize("entry", ["alias", "tdist.init_device_mesh", "torch's"])
 def test_a_device_mesh_made_before_any_group_forms_tdists_world_group(entry: str) -> None:
     got = run_processes(_implicit_world, 2, free_port(), entry, timeout=100)
-    assert got[0] == got[1] == {"tdist sees it": True, "backend": "tdist.c10d._torch_pg", "sum": 28.0, "left": True}
+    assert got[0] == got[1] == {
+        "tdist sees it": True, "named": True, "backend": "tdist.c10d._torch_pg", "sum": 28.0, "left": True,
+    }
 
 
 def test_torchs_training_stack_under_tdists_module_paths(tmp_path: Path) -> None:
