@@ -938,7 +938,7 @@ def handle_on(group: Any) -> tuple[ProcessGroup, GroupInfo] | None:
     pg._set_group_desc(group.group_desc)
     pg._set_backend(group.backend, BACKEND_NAME, group.timeout, None)
     try:  # (what torch says of it: "undefined" for a group formed with no backend named)
-        named, config = tdc.get_backend(group), tdc.get_backend_config(group)
+        named, config = str(tdc.get_backend(group)), tdc.get_backend_config(group)
     except (KeyError, ValueError, RuntimeError):
         named, config = BACKEND_NAME, f"cpu:{BACKEND_NAME}"
     info = GroupInfo(name, Backend(named), config, store, {g: i for i, g in enumerate(ranks)})
