@@ -343,6 +343,7 @@ class LocalAgent:
         self._settle_until: float | None = None  # (see ``_settling``; per attempt)
         self._stacks: dict[int, str] = {}  # (see ``_snapshot``: the last failed attempt's)
         self._loose_snapshot: str | None = None  # (``_snapshot``'s folder of its own, until a report names it)
+        self._entry: str | None = None  # (its file in the host's registry of jobs, once written)
         self._ft_restarts = 0  # (--ft: workers restarted alone)
         self._ft_earlier: list[str] = []
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
@@ -968,7 +969,8 @@ class LocalAgent:
         }
         with contextlib.suppress(OSError):
             entry = register_job(self._job_record)
-            if restart_count == 0:
+            if entry != self._entry:
+                self._entry = entry
                 _remove_if_killed(entry)
 
     def _attempt_dir(self, restart_count: int) -> str | None:
