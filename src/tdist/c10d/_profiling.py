@@ -2,7 +2,8 @@
 torch's backends name theirs (``"gloo:all_reduce"``: the group's backend name, then the
 operation), from the call to the operation's completion, in ``torch.profiler`` and
 ``torch.autograd.profiler`` output and traces ("Profiling Collective Communication" in torch's
-documentation). Inside ``record_comm(name)`` the range is called ``name`` instead.
+documentation). Inside ``record_comm(name)`` a range called ``name`` spans it too, as torch's
+gloo records both.
 
 Theory of operation. ``profiled(title, op)`` wraps a ``ProcessGroup`` method. While no profiler
 runs the wrapper costs one check of torch's profiler state (tens of nanoseconds). While one runs,
@@ -42,8 +43,9 @@ _set_name: Callable[[str], None] = getattr(_c10d, "_set_comm_profiling_name", la
 
 @contextlib.contextmanager
 def record_comm(name: str) -> Iterator[None]:
-    """Within the block, this thread's collectives are named ``name`` in the profiler, in place
-    of the backend's name (``"gloo:all_reduce"``); torch's ``record_comm``.
+    """Within the block, this thread's collectives are also named ``name`` in the profiler
+    (beside the backend's ``"gloo:all_reduce"``, as torch's gloo shows them); torch's
+    ``record_comm``.
 
     Args:
         name: the profiling name of the collectives issued in the block.
