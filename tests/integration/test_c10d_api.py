@@ -4,6 +4,7 @@ object collectives, ``monitored_barrier``, debug-mode mismatch reports, destroy 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -830,6 +831,26 @@ def test_destroy_and_init_again_on_the_same_store() -> None:
     res = run_threads(body, 3, timeout=40)
     for rank, out in enumerate(res):
         assert out == [(3 + 3 * r) * (2 if rank < 2 else 1) for r in range(3)]
+
+
+def test_init_process_groups_ranks_name_the_default_group_as_torchs() -> None:
+    """torch's private ``_ranks``: the default group is named by a hash of its ranks (and of the
+    number of groups before it, none), and the next group is "0" (torch counts only the others)."""
+
+    store = dist.HashStore()
+
+    def main(rank: int, ws: int) -> tuple[Any, ...]:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=ws, _ranks=[0, 1])
+        try:
+            sub = dist.new_group([0, 1])
+            t = torch.ones(1)
+            dist.all_reduce(t, group=sub)
+            return dist.group.WORLD.group_name, sub.group_name, t.item()
+        finally:
+            dist.destroy_process_group()
+
+    expected = hashlib.sha1(b"0_1_0", usedforsecurity=False).hexdigest()
+    assert run_threads(main, 2, timeout=40) == [(expected, "0", 2.0)] * 2
 
 
 def test_default_backend_and_names() -> None:

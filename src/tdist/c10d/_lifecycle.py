@@ -240,6 +240,7 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any | None = None,
     device_id: torch.device | int | None = None,
+    _ranks: list[int] | None = None,
 ) -> None:
     """Initialize the default process group (torch's rules and messages).
 
@@ -258,6 +259,7 @@ def init_process_group(
         group_name: ignored, as in torch.
         pg_options: passed to extended-API plug-in backends.
         device_id: torch's accelerator binding; tdist drives CPU only, so any device raises.
+        _ranks: torch's: the group's ranks, whose hash then names the group (not ``"0"``).
 
     Raises:
         ValueError: the default group exists already ("trying to initialize the default
@@ -330,8 +332,12 @@ def init_process_group(
         incarnation = _incarnation(store, rank, joined)
         if incarnation > 1:
             store = PrefixStore(f"tdist_incarnation_{incarnation}", store)
-        name = str(world.group_count)
-        world.group_count += 1
+        if _ranks:  # (as torch: the hash of the ranks and of the number of groups, none yet)
+            text = "_".join([*map(str, _ranks), str(len(world.groups))])
+            name = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+        else:
+            name = str(world.group_count)
+            world.group_count += 1
         pg = _make_group(
             world, store, rank, list(range(world_size)), backend_name, creator, name, timeout,
             "default_pg",
@@ -341,7 +347,7 @@ def init_process_group(
         if not thread_isolated() and torch.distributed.is_available():  # (torch's: one per process)
             from ._torch_pg import mirror_default_group
 
-            twin = mirror_default_group(pg, PrefixStore("torch", store), timeout)
+            twin = mirror_default_group(pg, PrefixStore("torch", store), timeout, _ranks)
             if twin is not None:
                 world.torch_twins[twin] = pg
     except BaseException:

@@ -858,7 +858,7 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> TorchProces
 _mirrored: Any = None  # (tdist's default group, torch's default group that runs on it, its store)
 
 
-def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> Any:
+def mirror_default_group(pg: Any, store: Store, timeout: timedelta, ranks: list[int] | None = None) -> Any:
     """Make torch's default group run on tdist's default group ``pg`` (same ranks, same
     transport, no new connection), so that ``torch.distributed``'s functions, and torch's own
     modules that call them (DDP, ``DistributedSampler``), reach the group a program made with
@@ -877,7 +877,7 @@ def mirror_default_group(pg: Any, store: Store, timeout: timedelta) -> Any:
     # base class, and torch's own new_group would fail on it)
     for_torch = StoreForTorch(store)
     try:
-        tdc.init_process_group(BACKEND_NAME, store=for_torch, rank=pg.rank(), world_size=pg.size(), timeout=timeout)
+        tdc.init_process_group(BACKEND_NAME, store=for_torch, rank=pg.rank(), world_size=pg.size(), timeout=timeout, _ranks=ranks)
     finally:
         _adopting = None
     _mirrored = (pg, tdc.distributed_c10d._get_default_group(), for_torch)
