@@ -140,6 +140,42 @@ def test_views_are_written_only_inside() -> None:
     run_threads(body, 2, timeout=30)
 
 
+def test_tensors_with_the_negative_bit_send_and_take_their_values() -> None:
+    """``z.conj().imag`` (and ``_neg_view``) holds the negatives of its values in memory: what
+    is sent, reduced and received is its values, on either path, where it is an input and
+    where it is written (torch's gloo sends its values too)."""
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n)
+        try:
+            z = torch.tensor([1 + 2j, 3 + 4j])
+            x = z.clone().conj().imag  # values [-2, -4]
+            assert x.is_neg()
+            pg.allreduce([x]).wait()
+            assert x.tolist() == [-4.0, -8.0]
+            if rank == 0:
+                pg.send([z.conj().imag], 1, 0).wait()
+                pg.send([torch.tensor([5.0, 6.0])], 1, 1).wait()
+            else:
+                got = torch.zeros(2)
+                pg.recv([got], 0, 0).wait()
+                assert got.tolist() == [-2.0, -4.0]
+                into = torch.zeros(2)._neg_view()  # (received into: its values become 5, 6)
+                pg.recv([into], 0, 1).wait()
+                assert into.tolist() == [5.0, 6.0]
+            outs = [torch.zeros(2) for _ in range(n)]
+            pg.allgather([outs], [torch.tensor([1.0, 2.0 + rank])._neg_view()]).wait()
+            assert [o.tolist() for o in outs] == [[-1.0, -2.0 - r] for r in range(n)]
+            b = torch.tensor([float(rank), 1.0])._neg_view()
+            pg.broadcast([b], BroadcastOptions(rootRank=1)).wait()
+            assert b.tolist() == [-1.0, -1.0]
+        finally:
+            pg.shutdown()
+
+    run_threads(body, 2, timeout=30)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_rooted_and_uneven_collectives(n: int) -> None:
     store = tdist.HashStore()

@@ -244,6 +244,27 @@ def test_views_keep_their_storage_strides_and_sharing_as_torch_rpc_sends_them() 
     assert back.requires_grad and torch.equal(back.detach(), g.detach()[::2])
 
 
+def test_conjugate_and_negative_bits_travel_with_the_tensor_as_torch_sends_them() -> None:
+    z = torch.tensor([1 + 2j, 3 + 4j, 5 + 6j])
+    big = torch.complex(torch.arange(2048.0), torch.ones(2048))  # (a small view of it: copied out)
+    sent = (
+        z.conj(), z.conj()[1:], z.conj().imag, z.conj()[::2], big.conj()[:4],
+        torch.tensor([1.0, -2.0])._neg_view(), z.conj().imag.requires_grad_(False),
+    )
+    back = loads(join(dumps(sent)))
+    for got, want in zip(back, sent, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.resolve_conj().resolve_neg(), want.resolve_conj().resolve_neg())
+    assert back[0].is_conj() and back[1].is_conj() and back[2].is_neg()  # (lazy on arrival too, as torch's)
+    # a view and the tensor beside it in one message still share one storage
+    plain, conj = loads(join(dumps((z, z.conj()))))
+    plain[0] = 7 + 8j
+    assert conj[0].item() == 7 - 8j
+    leaf = torch.tensor([1.0 + 1j], requires_grad=True)
+    (got,) = loads(join(dumps((leaf.conj(),))))
+    assert got.requires_grad and got.detach().resolve_conj().tolist() == [1 - 1j]
+
+
 # Threads that pickle views of the same storages (an RPC server replying with its model to
 # several callers at once) while the garbage collector runs often. A pickler reused with
 # clear_memo() between messages crashed this with SIGSEGV within seconds: the collector visits

@@ -591,7 +591,7 @@ class ProcessGroupMPI(Backend):
         t = tensors[0]
         op = as_red_op(opts.reduceOp)
         mpi_type = _typed(t, op, "all_reduce")
-        if t.dim() and t.dtype in _NUMPY_DTYPES and t.is_contiguous():  # (the quick way: MPI on t's own memory)
+        if t.dim() and t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.is_neg():  # (the quick way: MPI on t's own memory)
             arr: Any = t.numpy()
             n = arr.size
             settle = _averaged(t, self._size) if op == RedOpType.AVG else None

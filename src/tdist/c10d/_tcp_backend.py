@@ -80,9 +80,13 @@ _CHAIN_MIN = 4 << 20  # bytes: pipelined chain broadcast above (world > 2)
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous tensor's memory (no copy)."""
+    """A writable byte view of a contiguous tensor's memory (no copy), or of a copy of its
+    values where its memory holds their negatives (the negative bit, ``z.conj().imag``: for
+    sending; what is received goes into a ``_Flat``, which has no such bit)."""
     if t.numel() == 0:
         return memoryview(bytearray(0))
+    if t.is_neg():
+        t = t.resolve_neg()
     if t.dtype in _NUMPY_DTYPES and t.dim() and t.is_contiguous():  # (the quick way)
         quick: Any = t.numpy()
         return memoryview(quick).cast("B")
@@ -246,11 +250,12 @@ class _StepRecv:
 
 
 class _Flat:
-    """A contiguous flat working copy of a tensor, written back on ``commit``."""
+    """A contiguous flat working copy of a tensor, written back on ``commit`` (the tensor
+    itself where it is contiguous and its memory holds its values: no negative bit)."""
 
     def __init__(self, t: torch.Tensor, copy: bool = False) -> None:
         self.orig = t
-        self.direct = t.is_contiguous() and not copy
+        self.direct = t.is_contiguous() and not copy and not t.is_neg()
         self.flat = t.view(-1) if self.direct else t.reshape(-1).clone()
 
     def commit(self) -> None:

@@ -44,7 +44,17 @@ _NUMPY = {
 }
 
 
-def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+def _with_bits(t: torch.Tensor, bits: dict[str, bool] | None) -> torch.Tensor:
+    """``t`` with the conjugate and negative bits of the tensor that was sent (torch's
+    metadata: ``{"conj": True}``, ``{"neg": True}``): the bytes went as they are in memory."""
+    if bits:
+        torch._C._set_tensor_metadata(t, bits)  # type: ignore[attr-defined]
+    return t
+
+
+def _rebuild_tensor(
+    buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, bits: dict[str, bool] | None = None
+) -> torch.Tensor:
     raw = buf.raw() if isinstance(buf, pickle.PickleBuffer) else memoryview(buf)
     npd = _NUMPY.get(dtype)
     if raw.nbytes and npd is not None:
@@ -57,6 +67,7 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...], requires_grad:
             t = torch.empty(shape, dtype=tdt)
         else:
             t = torch.frombuffer(raw, dtype=torch.uint8).view(tdt).reshape(shape)
+    _with_bits(t, bits)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -90,11 +101,14 @@ def _rebuild_storage(buf: Any) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.uint8)
 
 
-def _rebuild_view(base: torch.Tensor, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+def _rebuild_view(
+    base: torch.Tensor, dtype: str, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
+    requires_grad: bool, bits: dict[str, bool] | None = None,
+) -> torch.Tensor:
     tdt = _DTYPES.get(dtype)
     if tdt is None:
         raise RemoteProtocolError(f"unknown tensor dtype {dtype!r} (sent by a different torch?)")
-    t = torch.empty(0, dtype=tdt).set_(base.untyped_storage(), offset, shape, stride)
+    t = _with_bits(torch.empty(0, dtype=tdt).set_(base.untyped_storage(), offset, shape, stride), bits)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -119,6 +133,12 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
     if obj.layout != torch.strided or obj.is_quantized or not obj.is_cpu:
         return cast(Any, obj).__reduce_ex__(5)
     t = obj.detach() if obj.requires_grad else obj
+    # a lazily conjugated or negated tensor (``z.conj()``, ``z.conj().imag``) goes as its bytes
+    # in memory with its bits, as torch's pickling sends it; its bits are set again on arrival
+    bits: dict[str, bool] | None = None
+    if t.is_conj() or t.is_neg():
+        bits = torch._C._get_tensor_metadata(t)  # type: ignore[attr-defined]
+        t = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
     useful = t.numel() * t.element_size()
     storage = t.untyped_storage()
     whole = storage.nbytes()
@@ -133,11 +153,11 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
             # (either rebuilds as a tensor on that storage: ``_rebuild_view`` takes both)
             size = prior.raw.nbytes if isinstance(prior, _Storage) else prior.untyped_storage().nbytes()
             if size == whole:
-                return (_rebuild_view, (prior, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
+                return (_rebuild_view, (prior, _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad, bits))
     if (whole != useful or t.storage_offset() or not t.is_contiguous()) and not (whole >= _RECOPY_MIN and whole >= 2 * useful):
         # a view: with its storage, offset and strides, sharing the storage with the
         # message's other views
-        return (_rebuild_view, (_storage_of(storage), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad))
+        return (_rebuild_view, (_storage_of(storage), _NAMES[obj.dtype], t.storage_offset(), tuple(t.shape), tuple(t.stride()), obj.requires_grad, bits))
     if not t.is_contiguous():
         t = t.contiguous()
     elif ptr and whole == useful:
@@ -149,6 +169,8 @@ def _reduce_tensor(obj: torch.Tensor) -> Any:
             raw = t.numpy()  # a contiguous array: its buffer is the tensor's memory
         except TypeError:  # a dtype numpy lacks (bfloat16, ...): view the bytes
             raw = t.reshape(-1).view(torch.uint8).numpy()
+    if bits is not None:
+        return (_rebuild_tensor, (pickle.PickleBuffer(raw), _NAMES[obj.dtype], tuple(obj.shape), obj.requires_grad, bits))
     return (_rebuild_tensor, (pickle.PickleBuffer(raw), _NAMES[obj.dtype], tuple(obj.shape), obj.requires_grad))
 
 
