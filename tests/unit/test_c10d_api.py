@@ -36,7 +36,7 @@ from tdist.c10d._objects import (
     tensor_to_object,
     tensor_to_objects,
 )
-from tdist.c10d._types import RedOpType, Work
+from tdist.c10d._types import RedOpType, Work, as_red_op
 from tdist.testing import run_threads
 
 pytestmark = pytest.mark.timeout(30)
@@ -274,8 +274,20 @@ def test_reduce_op_members_are_instances_of_reduce_op_as_in_torch() -> None:
                                                                   tdd.ReduceOp(tdd.ReduceOp.MAX))]:
         assert isinstance(ours, dist.ReduceOp) == isinstance(theirs, tdd.ReduceOp) is True
     assert not isinstance(0, dist.ReduceOp) and not isinstance("sum", dist.ReduceOp)
-    assert dist.ReduceOp.MAX == dist.ReduceOp(dist.ReduceOp.MAX) == dist.ReduceOp(dist.ReduceOp.MAX)
-    assert dist.ReduceOp(dist.ReduceOp.MAX) != dist.ReduceOp.MIN
+    assert dist.ReduceOp(dist.ReduceOp.MAX) == dist.ReduceOp.MAX  # (the other way round: False, as torch's)
+    assert dist.ReduceOp(dist.ReduceOp.MAX) == dist.ReduceOp(dist.ReduceOp.MAX) != dist.ReduceOp.MIN
+
+
+def test_an_op_of_either_library_goes_to_the_functions_of_both() -> None:
+    """``tdist.ReduceOp`` is torch's: a program that takes its ops from one library and its
+    functions from the other (or hands them to torch's modules) works both ways."""
+    assert dist.ReduceOp is tdd.ReduceOp and dist.ReduceOp.MAX is tdd.ReduceOp.MAX
+    for op in (tdd.ReduceOp.MAX, tdd.ReduceOp(tdd.ReduceOp.MAX), tdd.ReduceOp.RedOpType.MAX, RedOpType.MAX):
+        assert as_red_op(op) is RedOpType.MAX
+    assert as_red_op(tdd._make_nccl_premul_sum(2.0)) is RedOpType.PREMUL_SUM
+    for bad in (4, "max", None, torch.ones(1)):
+        with pytest.raises(ValueError, match="Invalid ReduceOp"):
+            as_red_op(bad)
 
 
 # -- argument checks ---------------------------------------------------------------------------

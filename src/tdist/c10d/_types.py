@@ -6,6 +6,7 @@ Thread-safety: a ``Work`` is completed by one thread (the backend's) and waited 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -103,7 +104,9 @@ class ReduceOp(metaclass=_ReduceOpMeta):
 
 
 def as_red_op(op: object) -> RedOpType:
-    """Normalize ``op`` (a ``RedOpType``, a ``ReduceOp`` or the old ``reduce_op`` values).
+    """Normalize ``op``: a ``RedOpType``, a ``ReduceOp``, the old ``reduce_op`` values, or
+    torch's own (``torch.distributed.ReduceOp.MAX``, which is what ``tdist.ReduceOp.MAX`` is
+    once torch is loaded, and ``ReduceOp`` objects such as ``_make_nccl_premul_sum``'s).
 
     Raises:
         ValueError: not a reduction operation.
@@ -112,6 +115,12 @@ def as_red_op(op: object) -> RedOpType:
         return op
     if isinstance(op, ReduceOp):
         return op.op
+    if type(op).__name__ == "RedOpType" and type(op).__module__.startswith("torch"):
+        with contextlib.suppress(TypeError, ValueError):
+            return RedOpType(int(op))  # type: ignore[call-overload]
+    inner = getattr(op, "op", None)  # (torch's ReduceOp object: its RedOpType)
+    if inner is not None and inner is not op and type(op).__module__.startswith("torch"):
+        return as_red_op(inner)
     raise ValueError(f"Invalid ReduceOp: {op!r} (use dist.ReduceOp.SUM, PRODUCT, MIN, MAX, ...)")
 
 
