@@ -123,8 +123,14 @@ WORKER = textwrap.dedent(
     elif action == "id":
         print(f"rank {rank} of {os.environ['WORLD_SIZE']} in {os.environ['TORCHELASTIC_RUN_ID']}")
     elif action == "snapshot":  # rank 0 waits in a function of its own; rank 1 fails
-        import tdist  # (its handlers of SIGUSR1 and SIGUSR2)
+        import tdist  # (its status thread)
         if rank == 0:
+            def own_handler(signum, frame):  # (a scheduler's "save and requeue" hook, say)
+                with open(os.path.join(out, "signals0"), "a") as f:
+                    f.write(signal.Signals(signum).name + "\\n")
+            for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                signal.signal(sig, own_handler)
+
             def waiting_in_rank_zero():
                 open(os.path.join(out, "ready0"), "w").close()
                 time.sleep(60)
@@ -761,13 +767,16 @@ def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
 
 def test_the_post_mortem_has_the_stacks_of_the_ranks_still_running(work: Path) -> None:
     """Rank 1 fails while rank 0 waits in a function of its own: before stopping rank 0, the
-    launcher asks it for its Python stacks, and the post-mortem says where they are."""
+    launcher asks it for its Python stacks, and the post-mortem says where they are. It asks
+    without a signal: rank 0's own handlers of SIGUSR1 and SIGUSR2 (a scheduler's "save and
+    requeue" hook) never run, as under torchrun, which sends the survivors SIGTERM alone."""
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "worker.py", "snapshot", timeout=40)  # (no logs kept: a folder of its own)
     assert res.returncode == 1, res.stderr
     assert "stacks        :" in res.stderr, res.stderr
     line = next(x for x in res.stderr.splitlines() if x.strip().startswith("rank 0: ") and "stacks_0.txt" in x)
     stacks = Path(line.split(": ", 1)[1].strip()).read_text()
     assert "waiting_in_rank_zero" in stacks, stacks
+    assert not (work / "signals0").exists(), (work / "signals0").read_text()
 
 
 def test_a_job_that_succeeds_after_a_restart_leaves_no_snapshot(work: Path) -> None:

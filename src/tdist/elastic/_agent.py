@@ -88,10 +88,10 @@ from ..store._tcp import TCPStore
 from ._inspect import (
     STATUS_DIR_ENV,
     answer_dump,
+    answers,
     dump_request,
     expire_status,
     gather_dump,
-    handles_signal,
     node_metrics,
     publish_metrics,
     publish_status,
@@ -1502,9 +1502,9 @@ class LocalAgent:
     # -- stopping ------------------------------------------------------------------------------
     def _snapshot(self, workers: list[_Worker], restart_count: int) -> None:
         """Before the workers still running are stopped after a failure: their Python stacks
-        (``SIGUSR2``) and flight records (``SIGUSR1``; each stays where its worker dumped it as
-        well, where the failure report looks for it), where they handle those signals (a worker
-        that imported tdist does), into ``<attempt>/snapshot/`` for the post-mortem. When the
+        and flight records (each stays where its worker dumped it as well, where the failure
+        report looks for it), where they answer such requests (a worker that imported tdist
+        does; asked through its directory, never by a signal), into ``<attempt>/snapshot/`` for the post-mortem. When the
         logs are not kept, into a ``tdist_snapshot_*`` folder of its own: kept if the job's
         failure report names it, removed when the next failure's replaces it or the job ends
         without naming it (a job that succeeds after a restart leaves nothing)."""
@@ -1516,7 +1516,7 @@ class LocalAgent:
             return
         alive = {w.rank for w in workers if w.exit is None and w.proc.poll() is None}
         entries = [e for e in record.get("workers", []) if e.get("rank") in alive]
-        if not any(handles_signal(int(e["pid"]), signal.SIGUSR2) for e in entries):
+        if not any(answers(e) for e in entries):
             return
         with contextlib.suppress(OSError):
             if self._keeps_logs:

@@ -9,18 +9,22 @@ imported tdist (``worker_side``):
 - ``status.json``, rewritten every second by a daemon thread: the time (its heartbeat), the
   operation its process groups are in and since when (from the flight recorder, where one
   runs), and the steps it reported (``report_progress``);
-- every thread's Python stack, appended to ``stacks.txt`` when asked: by ``SIGUSR2`` (a
-  handler that wakes the status thread), or by a file ``stacks.request`` in its directory
-  (which the status thread looks for each second: the main thread may be inside a long call
-  of C code, where no Python signal handler runs). The status thread writes them from
+- every thread's Python stack, appended to ``stacks.txt`` when asked, and its flight record
+  (``tdist.flight_recorder``) dumped: asked by a file in its directory (``stacks.request``,
+  ``record.request``) and a byte written to its named pipe ``wake`` there, which wakes the
+  status thread at once (it also looks for the files each second); it removes a request once
+  it has answered it. The main thread may be inside a long call of C code, where no Python
+  signal handler runs, and the program may have handlers of its own for the user signals (a
+  scheduler's "save and requeue" hook on ``SIGUSR1`` or ``SIGUSR2``): tdist's launcher never
+  signals a worker to look into it. (``kill -USR2`` and ``kill -USR1`` by hand ask for the
+  same, where the program has no handler of its own.) The status thread writes the stacks from
   ``sys._current_frames()``, holding the interpreter's lock: ``faulthandler``'s dump of every
   thread, from the signal handler itself, walks the other threads' frames while they run,
   and crashed the worker it looked into (a segmentation fault in ``dump_traceback``, about
-  one dump in a thousand with four busy threads). ``SIGUSR1`` dumps its flight record
-  (``tdist.flight_recorder``).
+  one dump in a thousand with four busy threads).
 
 ``tdist status`` reads those files and ``/proc`` (state, CPU, memory) into a per-rank table,
-redrawn every second; ``tdist dump`` signals every worker and gathers the stacks and flight
+redrawn every second; ``tdist dump`` asks every worker and gathers the stacks and flight
 records into one folder. Both see the jobs of this host.
 
 A job of several nodes is also seen whole from anywhere that reaches its store: every node's
@@ -55,15 +59,16 @@ from typing import Any
 from .._core._process import pid_alive
 
 __all__ = [
+    "RECORD_REQUEST",
     "STACKS_REQUEST",
     "STALE",
     "answer_dump",
+    "answers",
     "collect_dump",
     "dump_request",
     "expire_status",
     "find_job",
     "gather_dump",
-    "handles_signal",
     "job_rows",
     "jobs",
     "metrics_key",
@@ -179,6 +184,8 @@ def _steps() -> tuple[int | None, float | None]:
 # wakes the status thread (the file ``STACKS_REQUEST`` asks too, seen at its next look)
 _stacks_pipe: tuple[int, int] | None = None
 STACKS_REQUEST = "stacks.request"
+RECORD_REQUEST = "record.request"
+WAKE = "wake"  # (the named pipe in a worker's directory: a byte wakes its status thread)
 
 
 def _on_stacks_signal(signum: int, frame: object) -> None:
@@ -212,23 +219,46 @@ def write_stacks(path: str) -> None:
         out.write("\n".join(lines) + "\n")
 
 
+def _wake_pipe(directory: str) -> int | None:
+    """This worker's named pipe ``wake``, open for reading (and writing, so that it never
+    reads as closed: no writer between two requests is no end), or None where none can be
+    made."""
+    path = os.path.join(directory, WAKE)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # (a restarted worker's predecessor's)
+    try:
+        os.mkfifo(path, 0o600)
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
 def _status(directory: str) -> None:
     path = os.path.join(directory, "status.json")
     stacks = os.path.join(directory, "stacks.txt")
     request = os.path.join(directory, STACKS_REQUEST)
+    record_request = os.path.join(directory, RECORD_REQUEST)
     wake = select.poll()
-    if _stacks_pipe is not None:
-        wake.register(_stacks_pipe[0], select.POLLIN)
+    pipes = [fd for fd in (_wake_pipe(directory), _stacks_pipe[0] if _stacks_pipe is not None else None) if fd is not None]
+    for fd in pipes:
+        wake.register(fd, select.POLLIN)
     while True:
         asked = False
-        if _stacks_pipe is not None:
+        for fd in pipes:
             with contextlib.suppress(OSError):  # (BlockingIOError: nothing written)
-                asked = bool(os.read(_stacks_pipe[0], 4096))
+                asked = bool(os.read(fd, 4096)) or asked
         if asked or os.path.exists(request):
-            with contextlib.suppress(OSError):
-                os.unlink(request)
             with contextlib.suppress(Exception):
                 write_stacks(stacks)
+            with contextlib.suppress(OSError):
+                os.unlink(request)  # (answered: what the asker waits for)
+        if os.path.exists(record_request):
+            recorder = sys.modules.get("tdist.c10d._flight_recorder")  # (where the program has groups)
+            if recorder is not None:
+                with contextlib.suppress(Exception):
+                    recorder.write_dumps()
+            with contextlib.suppress(OSError):
+                os.unlink(record_request)
         step, rate = _steps()
         op = None
         recorder = sys.modules.get("tdist.c10d._flight_recorder")  # (where the program has groups)
@@ -242,7 +272,7 @@ def _status(directory: str) -> None:
             with open(tmp, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, path)
-        if _stacks_pipe is None:
+        if not pipes:
             time.sleep(_STATUS_EVERY)
         else:
             with contextlib.suppress(OSError):
@@ -542,55 +572,47 @@ def collect_dump(store: Any, run_id: str, dest: str, timeout: float) -> tuple[li
     return files, len(done)
 
 
-def handles_signal(pid: int, sig: int) -> bool:
-    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` in ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
+def answers(worker: dict[str, Any]) -> bool:
+    """Whether a worker of a job's record answers requests to look into it: its status
+    thread runs (it imported tdist), with its named pipe ``wake``."""
+    return os.path.exists(os.path.join(worker["dir"], WAKE)) and pid_alive(int(worker["pid"]))
+
+
+def _ask(worker: dict[str, Any], requests: Sequence[str]) -> None:
+    for name in requests:
+        with contextlib.suppress(OSError):
+            open(os.path.join(worker["dir"], name), "w").close()
+    with contextlib.suppress(OSError):  # (ENXIO: nobody reads it any more, the worker is gone)
+        fd = os.open(os.path.join(worker["dir"], WAKE), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
 
 
 def gather_dump(job: dict[str, Any], dest: str, timeout: float = 10.0) -> list[str]:
-    """``tdist dump``: every worker's Python stacks (``SIGUSR2`` and ``STACKS_REQUEST``) and flight record
-    (``SIGUSR1``) into ``dest`` (``stacks_<r>.txt``; ``rank_<r>``, what ``torchfrtrace
-    dest`` reads: it takes every file whose name has ``rank_`` in it). Returns the files gathered."""
+    """``tdist dump``: every worker's Python stacks and flight record into ``dest``
+    (``stacks_<r>.txt``; ``rank_<r>``, what ``torchfrtrace dest`` reads: it takes every file
+    whose name has ``rank_`` in it), asked through its directory (``STACKS_REQUEST``,
+    ``RECORD_REQUEST`` and its ``wake`` pipe: no signal). Returns the files gathered."""
     os.makedirs(dest, exist_ok=True)
-    workers = job.get("workers", [])
+    workers = [w for w in job.get("workers", []) if answers(w)]
     sizes = {}
     for w in workers:
         path = os.path.join(w["dir"], "stacks.txt")
         sizes[w["rank"]] = os.path.getsize(path) if os.path.exists(path) else 0
     started = time.time()
     for w in workers:
-        if handles_signal(int(w["pid"]), signal.SIGUSR2):  # (its status thread looks for it)
-            with contextlib.suppress(OSError):
-                open(os.path.join(w["dir"], STACKS_REQUEST), "w").close()
-        for sig in (signal.SIGUSR2, signal.SIGUSR1):
-            if handles_signal(int(w["pid"]), sig):  # (a signal nobody handles would end the worker)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(w["pid"]), sig)
+        _ask(w, [STACKS_REQUEST, RECORD_REQUEST] if w.get("flight_record") else [STACKS_REQUEST])
     deadline = time.monotonic() + timeout
-    stacks_of = {w["rank"]: os.path.join(w["dir"], "stacks.txt") for w in workers if handles_signal(int(w["pid"]), signal.SIGUSR2)}
-    records_of = {w["rank"]: w["flight_record"] for w in workers
-                  if w.get("flight_record") and handles_signal(int(w["pid"]), signal.SIGUSR1)}
-
-    def arrived() -> tuple[list[int], list[int]]:
-        stacks = [r for r, p in stacks_of.items() if os.path.exists(p) and os.path.getsize(p) > sizes[r]]
-        records = [r for r, p in records_of.items() if os.path.exists(p) and os.path.getmtime(p) >= started - 1]
-        return stacks, records
-
-    while time.monotonic() < deadline:
-        stacks, records = arrived()
-        if len(stacks) == len(stacks_of) and len(records) == len(records_of):
-            break
-        time.sleep(0.05)
-    time.sleep(0.2)  # (a file being written: let its writer finish)
+    stacks_of = {w["rank"]: os.path.join(w["dir"], "stacks.txt") for w in workers}
+    records_of = {w["rank"]: w["flight_record"] for w in workers if w.get("flight_record")}
+    pending = [os.path.join(w["dir"], name) for w in workers for name in (STACKS_REQUEST, RECORD_REQUEST)]
+    while time.monotonic() < deadline and any(os.path.exists(p) for p in pending):
+        time.sleep(0.02)  # (each request is removed once answered)
+    stacks = [r for r, p in stacks_of.items() if os.path.exists(p) and os.path.getsize(p) > sizes[r]]
+    records = [r for r, p in records_of.items() if os.path.exists(p) and os.path.getmtime(p) >= started - 1]
     gathered: list[str] = []
-    stacks, records = arrived()
     for rank in stacks:
         with open(stacks_of[rank], "rb") as src:
             src.seek(sizes[rank])
