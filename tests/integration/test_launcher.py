@@ -525,6 +525,42 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
     assert "  the others    :\n    rank 0 (local_rank 0) " in root  # (finished, or stopped if still exiting)
 
 
+RAISED_FIRST = textwrap.dedent(
+    """
+    import atexit, os, time
+    from tdist.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        rank = int(os.environ["RANK"])
+        if rank == 0:
+            atexit.register(time.sleep, 60)  # (a clean-up that hangs: still running after its error)
+            raise ValueError("rank 0 raised first")
+        mine = os.environ["TORCHELASTIC_ERROR_FILE"]
+        theirs = os.path.join(os.path.dirname(os.path.dirname(mine)), "0", "error.json")
+        end = time.monotonic() + 20
+        while not os.path.exists(theirs) and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(2.1)  # (error files give whole seconds)
+        raise KeyError("rank 1 raised second")
+
+    main()
+    """
+)
+
+
+def test_a_rank_that_raised_first_is_the_root_cause_though_it_exited_last(work: Path) -> None:
+    """Rank 0 raises, then hangs in its clean-up; rank 1 raises two seconds later and exits:
+    the first failure is rank 0's, by its error file's time, as torchrun orders failures,
+    though rank 0 was still running when rank 1's exit stopped the group."""
+    (work / "raised_first.py").write_text(RAISED_FIRST)
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "raised_first.py")
+    assert res.returncode == 1, res.stderr
+    root, others = res.stderr.split("Root Cause (first observed failure):")[1].split("Post-mortem:")[0], res.stderr.split("Root Cause")[0]
+    assert "rank      : 0 (local_rank: 0)" in root and "ValueError: rank 0 raised first" in root, res.stderr
+    assert "rank      : 1 (local_rank: 1)" in others and "rank 1 raised second" in others, res.stderr
+
+
 @pytest.mark.parametrize("how", ["stall", "silent"])
 def test_a_stalled_worker_is_the_root_cause_and_every_failure_is_listed(work: Path, how: str) -> None:
     # stall: stopped (SIGSTOP), seen in its process state; silent: hung, named by the others

@@ -122,6 +122,7 @@ from ._policy import (
     line_prefix,
     next_action,
     parse_error_file,
+    raised_before,
     stream_route,
     worker_command,
     worker_env,
@@ -782,6 +783,7 @@ class LocalAgent:
         earlier: list[str] = []  # each failed attempt's cause, for the post-mortem
         while True:
             outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
+            exits = raised_before(exits, self._raised(restart_count, exits))
             self.last_exits, self.last_attempt = exits, restart_count
             role = cfg.role
             put_metric(f"workers.{role}.remaining_restarts", max(0, cfg.max_restarts - restart_count))
@@ -1057,6 +1059,14 @@ class LocalAgent:
         layout: ``attempt_<n>/<local rank>/error.json``; ``""``, none, with no log directory)."""
         attempt = self._attempt_dir(restart_count)
         return "" if attempt is None else os.path.join(attempt, str(local_rank), "error.json")
+
+    def _raised(self, restart_count: int, exits: list[WorkerExit]) -> dict[int, float]:
+        """When the workers the agent stopped had raised, by their ``@record`` error files (by
+        local rank; those that wrote one)."""
+        stopped = [e for e in exits if e.stopped_by_agent and not e.failed]
+        if not stopped or not any(e.failed for e in exits):
+            return {}
+        return {k: v.timestamp for k, v in self._error_files(restart_count, stopped).items() if v.timestamp is not None}
 
     def _error_files(self, restart_count: int, failed: list[WorkerExit]) -> dict[int, ErrorFile]:
         """What the failed workers' ``@record`` wrote, by local rank."""

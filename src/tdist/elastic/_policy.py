@@ -16,7 +16,7 @@ import signal
 import string
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "next_action",
     "parse_error_file",
     "parse_std",
+    "raised_before",
     "signal_name",
     "stream_route",
     "to_map",
@@ -579,6 +580,9 @@ class WorkerExit:
             was stopped), so its exit is a consequence, not a failure.
         stalled: it had stopped making progress when the others failed (a stopped process, or
             the one the others' errors name as stalled): the failure that caused theirs.
+        raised_at: when its ``@record`` error file says it raised (wall-clock seconds), where
+            that was before the failure that stopped the group: it had failed already, though
+            still running then (a slow clean-up, a hung exit), and is ordered by that moment.
     """
 
     local_rank: int
@@ -589,16 +593,43 @@ class WorkerExit:
     timestamp: float = 0.0
     stopped_by_agent: bool = False
     stalled: bool = False
+    raised_at: float | None = None
 
     @property
     def failed(self) -> bool:
-        return self.stalled or (self.returncode != 0 and not self.stopped_by_agent)
+        return self.stalled or self.raised_at is not None or (self.returncode != 0 and not self.stopped_by_agent)
+
+    @property
+    def failed_at(self) -> float:
+        """When it failed, on the ``observed_at`` clock: when it raised, where its error file
+        says so, else when its exit was seen."""
+        if self.raised_at is None:
+            return self.observed_at
+        return self.observed_at - max(0.0, self.timestamp - self.raised_at)
 
 
 def failures(exits: Sequence[WorkerExit]) -> list[WorkerExit]:
     """The workers that failed: a stalled one first (the others failed because of it), then
-    those that failed on their own, first observed first (ties: lowest rank)."""
-    return sorted((e for e in exits if e.failed), key=lambda e: (not e.stalled, e.observed_at, e.rank))
+    those that failed on their own, first failed first (``failed_at``; ties: lowest rank), as
+    torchrun orders them by their error files' times."""
+    return sorted((e for e in exits if e.failed), key=lambda e: (not e.stalled, e.failed_at, e.rank))
+
+
+def raised_before(exits: Sequence[WorkerExit], raised: Mapping[int, float]) -> list[WorkerExit]:
+    """``exits``, where a worker the agent stopped had raised (its error file's time, by local
+    rank, in ``raised``) a whole second or more before the first failure was seen: marked so
+    (``raised_at``). (Error files give whole seconds; one raised in the second of the failure
+    may be the agent's own signal at work, and is left as it is.)"""
+    found = failures(exits)
+    if not found:
+        return list(exits)
+    first = found[0].timestamp
+    return [
+        replace(e, raised_at=raised[e.local_rank])
+        if e.stopped_by_agent and not e.failed and e.local_rank in raised and raised[e.local_rank] + 1 <= first
+        else e
+        for e in exits
+    ]
 
 
 # what tdist's process groups say of a peer that stopped making progress (its group rank, which
@@ -751,6 +782,7 @@ class ErrorFile:
     path: str
     message: str
     traceback: str
+    timestamp: float | None = None  # (when it was raised: ``extraInfo.timestamp``, whole seconds)
 
 
 def parse_error_file(path: str, text: str) -> ErrorFile | None:
@@ -761,7 +793,11 @@ def parse_error_file(path: str, text: str) -> ErrorFile | None:
         if isinstance(message, str):  # (a plain message, as torch writes for some errors)
             return ErrorFile(path, message, message)
         extra = message.get("extraInfo") or {}
-        return ErrorFile(path, str(message.get("message", "")), str(extra.get("py_callstack", "")))
+        try:
+            when: float | None = float(extra["timestamp"])
+        except (KeyError, TypeError, ValueError):
+            when = None
+        return ErrorFile(path, str(message.get("message", "")), str(extra.get("py_callstack", "")), when)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
