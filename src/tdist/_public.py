@@ -251,11 +251,6 @@ __all__ += ["DeviceMesh", "breakpoint", "init_device_mesh"]
 # torch.distributed (``def hook(state, bucket: dist.GradBucket)``, which DDP checks is torch's
 # class): the same objects, as they belong to torch's autograd and DDP, not to a transport --------
 import torch as _torch  # noqa: E402
-
-# torch's reduction vocabulary itself, so that an op goes both ways: tdist's functions take
-# torch's (``as_red_op``) and torch's take tdist's (``tdist.ReduceOp.MAX`` is torch's)
-from torch.distributed import ReduceOp as ReduceOp  # noqa: E402
-from torch.distributed import reduce_op as reduce_op  # noqa: E402
 from torch._C._distributed_c10d import _DEFAULT_FIRST_BUCKET_BYTES as _DEFAULT_FIRST_BUCKET_BYTES  # noqa: E402
 from torch._C._distributed_c10d import BuiltinCommHookType, GradBucket, Logger, Reducer  # noqa: E402
 from torch._C._distributed_c10d import _broadcast_coalesced as _broadcast_coalesced  # noqa: E402
@@ -268,6 +263,11 @@ from torch._C._distributed_c10d import _register_comm_hook as _register_comm_hoo
 from torch._C._distributed_c10d import (  # noqa: E402
     _verify_params_across_processes as _verify_params_across_processes,
 )
+
+# torch's reduction vocabulary itself, so that an op goes both ways: tdist's functions take
+# torch's (``as_red_op``) and torch's take tdist's (``tdist.ReduceOp.MAX`` is torch's)
+from torch.distributed import ReduceOp as ReduceOp  # noqa: E402
+from torch.distributed import reduce_op as reduce_op  # noqa: E402
 from torch.distributed.distributed_c10d import GroupName, ProcessGroupGloo  # noqa: E402
 from torch.distributed.remote_device import _remote_device as _remote_device  # noqa: E402
 

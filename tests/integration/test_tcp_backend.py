@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tdist
-from tdist._core.errors import DistError, PeerError
+from tdist._core.errors import DistError, DistTimeoutError, PeerError
 from tdist.c10d._tcp_backend import ProcessGroupTCP
 from tdist.c10d._types import (
     AllgatherOptions,
@@ -134,6 +134,39 @@ def test_views_are_written_only_inside() -> None:
             outs = [torch.full((2, 3), -1.0)[:, 0] for _ in range(n)]
             pg.allgather([outs], [torch.tensor([float(rank), float(rank)])]).wait()
             assert all(torch.equal(o, torch.tensor([float(r)] * 2)) for r, o in enumerate(outs))
+        finally:
+            pg.shutdown()
+
+    run_threads(body, 2, timeout=30)
+
+
+def test_a_receive_whose_wait_timed_out_goes_on_and_gets_its_message() -> None:
+    """``irecv(...).wait(timeout)`` that expires raises ``DistTimeoutError``, and the receive goes
+    on, as any work's after its caller's timeout: the message that comes later lands in its
+    tensor and a later ``wait`` returns, where it was lost before (the sender's ``send``
+    succeeded, a new ``irecv`` never completed)."""
+    store = tdist.HashStore()
+    timed_out = threading.Event()
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n)
+        try:
+            if rank == 0:
+                with pytest.raises(RuntimeError, match="tag must be a non-negative"):  # (gloo's type)
+                    pg.send([torch.zeros(1)], 1, -1)
+                assert timed_out.wait(20)
+                pg.send([torch.tensor([1.0, 2.0])], 1, 0).wait()
+                pg.send([torch.tensor([3.0, 4.0])], 1, 0).wait()
+            else:
+                first, second = torch.zeros(2), torch.zeros(2)
+                work = pg.recv([first], 0, 0)
+                with pytest.raises(DistTimeoutError):
+                    work.wait(timedelta(seconds=0.2))
+                assert not work.is_completed()
+                timed_out.set()
+                later = pg.recv([second], 0, 0)
+                assert work.wait() and first.tolist() == [1.0, 2.0] and work.is_completed()
+                assert later.wait() and second.tolist() == [3.0, 4.0]
         finally:
             pg.shutdown()
 

@@ -789,7 +789,7 @@ class ProcessGroupMPI(Backend):
     def _tag(self, tag: int) -> int:
         upper = int(self._comm.Get_attr(MPI.TAG_UB) or 32767)
         if not 0 <= tag <= upper:
-            raise ValueError(f"tag must be an integer from 0 to {upper} (MPI_TAG_UB) on the mpi backend, got {tag}")
+            raise CollectiveArgumentError(f"tag must be an integer from 0 to {upper} (MPI_TAG_UB) on the mpi backend, got {tag}")
         return tag
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:

@@ -277,6 +277,9 @@ class _RecvWork(Work):
         self._entry = entry
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Wait for the message (see ``Work.wait``): a ``timeout`` that expires before the
+        group's deadline raises ``DistTimeoutError`` and the receive goes on, as every work's
+        (the message is not lost: it lands in this tensor, and a later ``wait`` returns)."""
         if not self.is_completed():
             deadline = self._deadline
             if timeout is not None:
@@ -286,6 +289,8 @@ class _RecvWork(Work):
             try:
                 self._backend._ep.wait(self._handle, deadline, self._op)
             except DistError as exc:
+                if isinstance(exc, DistTimeoutError) and deadline < self._deadline and not self._handle.finished:
+                    raise  # (the caller's own limit: the operation goes on)
                 if self._entry is not None:
                     Recorder.failed(self._entry, exc)
                 self._fail(exc)
@@ -1305,7 +1310,7 @@ class ProcessGroupTCP(Backend):
     # -- point to point ------------------------------------------------------------------------
     def _p2p_tag(self, tag: int) -> int:
         if not 0 <= tag < _COLL_TAG:
-            raise ValueError(f"tag must be a non-negative integer below 2**62, got {tag}")
+            raise CollectiveArgumentError(f"tag must be a non-negative integer below 2**62, got {tag}")  # (gloo: a RuntimeError)
         return tag
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
