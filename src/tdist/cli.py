@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="this node's address, as the other nodes reach it (etcd: where node 0's "
                      "store is reached; default: this host's fully qualified name)")
     run.add_argument(*_opt("--rdzv-conf"), type=_rdzv_conf, default={}, metavar="K=V,...",
-                     help="rendezvous settings: join_timeout and last_call_timeout (seconds), "
-                     "is_host (true/false), keep_alive_interval (seconds) and keep_alive_max_attempt "
+                     help="rendezvous settings: join_timeout and last_call_timeout (seconds; static: "
+                     "timeout, the same as join_timeout), read_timeout (c10d: seconds to reach the store, "
+                     "default 60), is_host (true/false), keep_alive_interval (seconds) and keep_alive_max_attempt "
                      "(c10d, etcd: a node whose heartbeat stood still that many intervals is dropped)")
     run.add_argument(*_opt("--max-restarts"), type=int, default=0, metavar="N",
                      help="restart the workers up to N times after a failure (default: 0)")
@@ -454,6 +455,8 @@ def _run(ns: argparse.Namespace) -> int:
             master_addr, master_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port or 29500)
         elif backend == "c10d":
             raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
+        if backend == "static" and "timeout" in conf:  # (torch's static rendezvous: how long the nodes may take)
+            join_timeout = conf.pop("timeout")
         rdzv = rdzv_settings(conf, join_timeout)
         for key in conf:
             log.warning("--rdzv-conf %s is not used by tdist run; ignored", key)

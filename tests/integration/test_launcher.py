@@ -1414,6 +1414,25 @@ def test_missing_node_fails_the_join(work: Path, node_rank: int) -> None:
     assert not (work / "env0.json").exists()
 
 
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_torchs_rendezvous_timeouts_bound_the_wait_for_the_other_nodes(work: Path, backend: str) -> None:
+    """torchrun's ``--rdzv-conf``: the static rendezvous's ``timeout`` (how long the nodes may
+    take to come), c10d's ``read_timeout`` (how long a node tries to reach the store): a
+    missing node fails the job in that time, where it waited for the 600 s default before."""
+    port = str(free_port())
+    if backend == "static":
+        args = ["--nnodes", "2", "--node-rank", "0", "--master-port", port, "--rdzv-conf", "timeout=1"]
+        said = "node 0: nodes [1] of 2 did not join within 1 s"
+    else:  # (a node that does not host the store, and nobody does)
+        args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-conf", "is_host=false,read_timeout=1"]
+        said = f"c10d rendezvous: the store at 127.0.0.1:{port} cannot be reached"
+    res = tdist_run(work, *args, "worker.py", "env", TDIST_SECRET="s", timeout=15)
+    assert res.returncode == 1, res.stderr
+    assert said in res.stderr and "ignored" not in res.stderr, res.stderr
+    assert not (work / "env0.json").exists()
+
+
 def test_nodes_need_a_shared_secret(work: Path) -> None:
     res = tdist_run(work, "--nnodes", "2", "--master-port", str(free_port()), "worker.py", "env")
     assert res.returncode == 1

@@ -535,8 +535,9 @@ class LocalAgent:
                 self._rdzv_server, self._hosting = server, True
                 port = server_port = server.port
                 log.info("the job's store (and its rendezvous) on %s:%d", cfg.master_addr, port)
-            try:
-                client = FailoverStore(cfg.master_addr, port, timeout=timeout, secret=secret)
+            try:  # (reached within read_timeout, as torch's c10d backend's store; then waits as long as a join)
+                client = FailoverStore(cfg.master_addr, port, timeout=timedelta(seconds=cfg.read_timeout), secret=secret)
+                client.set_timeout(timeout)
             except DistError as exc:
                 raise LaunchError(f"c10d rendezvous: the store at {cfg.master_addr}:{port} cannot be reached: {exc}") from exc
             self._rdzv_store = client

@@ -162,6 +162,8 @@ class LaunchConfig:
             ``keep_alive_interval`` seconds while it is in the rendezvous, and one whose
             heartbeat stood still for ``keep_alive_max_attempt`` intervals is dropped.
         is_host: c10d only: whether this node hosts the store (None: it tries).
+        read_timeout: c10d only: seconds a node tries to reach the rendezvous's store before it
+            gives up (torch's ``--rdzv-conf read_timeout``, 60).
         local_ranks_filter: the local ranks whose output is shown (None: every one); the
             others' is read and dropped from the console (a failure's report still quotes it,
             and their log files still get it).
@@ -230,6 +232,7 @@ class LaunchConfig:
     min_nodes: int | None = None
     local_addr: str = ""
     last_call_timeout: float = 30.0
+    read_timeout: float = 60.0
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
     local_ranks_filter: frozenset[int] | None = None
@@ -405,9 +408,10 @@ def parse_signals(text: str) -> tuple[int, ...]:
 def rdzv_settings(conf: dict[str, Any], join_timeout: float) -> dict[str, Any]:
     """The rendezvous settings of torchrun's ``--rdzv-conf`` (``rdzv_configs``), as
     ``LaunchConfig``'s fields, taken out of ``conf``: ``join_timeout`` (default
-    ``join_timeout``), ``last_call_timeout`` (30), ``keep_alive_interval`` (3),
-    ``keep_alive_max_attempt`` (3) and ``is_host`` (torch's spellings of a boolean; None when
-    not given). What is left in ``conf`` is not for tdist's launcher.
+    ``join_timeout``), ``last_call_timeout`` (30), ``read_timeout`` (60, more than 0),
+    ``keep_alive_interval`` (3), ``keep_alive_max_attempt`` (3) and ``is_host`` (torch's
+    spellings of a boolean; None when not given). What is left in ``conf`` is not for tdist's
+    launcher.
 
     Raises:
         ValueError: a value out of its range or of the wrong form.
@@ -426,8 +430,11 @@ def rdzv_settings(conf: dict[str, Any], join_timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {
         "join_timeout": seconds("join_timeout", join_timeout),
         "last_call_timeout": seconds("last_call_timeout", 30.0),
+        "read_timeout": seconds("read_timeout", 60.0),
         "keep_alive_interval": seconds("keep_alive_interval", 3),
     }
+    if out["read_timeout"] <= 0:
+        raise ValueError(f"--rdzv-conf read_timeout={out['read_timeout']:g}: expected a positive number of seconds")
     attempts = str(conf.pop("keep_alive_max_attempt", 3))
     if out["keep_alive_interval"] <= 0 or not attempts.isdigit() or int(attempts) < 1:
         raise ValueError(
