@@ -80,6 +80,16 @@ def _gradients(w: Worker) -> dict[str, Any]:
             rref.backward(cid)
             grads = dist_autograd.get_gradients(cid)
             out["rref_backward"] = torch.allclose(grads[a], b.detach() + 1) and torch.allclose(grads[b], a.detach())
+        # ... made outside the context: the owner never saw the context, and says so (torch's
+        # error), where the pass ran there and its gradients went nowhere
+        outside = rpc.remote(w.peer(2), f.summed, args=(a, b))
+        with dist_autograd.context() as cid:
+            try:
+                outside.backward(cid)
+                out["outside"] = "no error"
+            except RuntimeError as exc:
+                out["outside"] = str(exc).splitlines()[0]
+            out["outside_cid"] = cid
         local = rpc.RRef(torch.ones(3, requires_grad=True))
         rpc.RRef((local.local_value() * 2).sum()).backward()  # -1: local autograd on the owner
         out["rref_local"] = torch.equal(local.local_value().grad, torch.full((3,), 2.0))
@@ -96,6 +106,7 @@ def test_gradients_through_chains_of_rpcs_match_local_autograd(backend: str) -> 
     assert out["async_twice"]
     assert out["remote"]
     assert out["rref_backward"] and out["rref_local"]
+    assert out["outside"] == f"Could not find autograd context with id: {out['outside_cid']}"
 
 
 def _two_passes(w: Worker) -> dict[str, Any]:

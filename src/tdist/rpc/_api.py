@@ -392,6 +392,14 @@ def _rpc_sync(to: Any, func: Any, args: Any, kwargs: Any, timeout: float, shown:
     return agent.call_sync(dst.id, MsgKind.CALL, body, timeout, what)
 
 
+def call_outside_context(to: Any, func: Any, args: tuple[Any, ...]) -> Any:
+    """``rpc_sync(to, func, args)`` that carries no distributed autograd context (RPC's own
+    requests, such as ``RRef.backward``'s to the owner, which torch sends as messages of its
+    own: the owner knows a context only if the program's calls brought it there)."""
+    agent, dst, body, what = _call("rpc_sync", to, func, args, None)
+    return agent.call_sync(dst.id, MsgKind.CALL, body, UNSET_RPC_TIMEOUT, what)
+
+
 def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return an ``RRef`` to its result at
     once (the value stays on ``to``)."""

@@ -479,9 +479,11 @@ class RRef:
                     f"RRef.backward() with no distributed autograd context runs local autograd and must be "
                     f"called on the owner ({self._owner.name}), not on {self._agent.name}"
                 )
-            from ._api import rpc_sync
+            from ._api import call_outside_context
 
-            rpc_sync(self._owner, _rref_backward, args=(self, dist_autograd_ctx_id, retain_graph))
+            # (the context goes to the owner only with the program's own calls: one the owner
+            # never saw is an error there, as torch's "Could not find autograd context")
+            call_outside_context(self._owner, _rref_backward, (self, dist_autograd_ctx_id, retain_graph))
             return
         _rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
