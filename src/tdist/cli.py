@@ -149,10 +149,11 @@ def _seconds(value: str) -> float:
 def _signals(value: str) -> tuple[int, ...]:
     from .elastic._policy import parse_signals
 
-    try:
-        return parse_signals(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    unknown: list[str] = []
+    found = parse_signals(value, unknown)
+    for name in unknown:  # (as torchrun: said, and the others handled)
+        log.warning("--signals-to-handle: unknown signal %r, not handled", name)
+    return found
 
 
 # torchrun's environment defaults: PET_<its option's name> (Kubeflow's PyTorchJob sets them)
@@ -453,10 +454,14 @@ def _run(ns: argparse.Namespace) -> int:
             master_addr, master_port = ns.local_addr or socket.getfqdn(), 0
         elif ns.rdzv_endpoint:
             master_addr, master_port = parse_rendezvous_endpoint(ns.rdzv_endpoint, 29400 if backend == "c10d" else master_port or 29500)
-        elif backend == "c10d":
-            raise ValueError("--rdzv-backend c10d needs --rdzv-endpoint HOST[:PORT]")
+        elif backend == "c10d":  # (as torchrun's: the store of this host's port 29400)
+            master_addr, master_port = "localhost", 29400
         if backend == "static" and "timeout" in conf:  # (torch's static rendezvous: how long the nodes may take)
             join_timeout = conf.pop("timeout")
+        node_rank = ns.node_rank
+        if backend != "static" and node_rank != 0:  # (torchrun's warning: the rendezvous numbers the nodes)
+            log.warning("--node-rank is only used by the static rendezvous; --rdzv-backend %s numbers the nodes itself", backend)
+            node_rank = 0
         rdzv = rdzv_settings(conf, join_timeout)
         for key in conf:
             log.warning("--rdzv-conf %s is not used by tdist run; ignored", key)
@@ -469,7 +474,7 @@ def _run(ns: argparse.Namespace) -> int:
             args=tuple(ns.args),
             nproc_per_node=ns.nproc_per_node,
             nnodes=nnodes,
-            node_rank=ns.node_rank,
+            node_rank=node_rank,
             master_addr=master_addr,
             master_port=master_port,
             run_id=run_id,

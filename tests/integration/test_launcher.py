@@ -1034,8 +1034,15 @@ def test_torchrun_environment_defaults_and_options(work: Path) -> None:
     assert sorted(res.stdout.splitlines()) == [
         "rank 0 of 2 in job9 local 0 device 5", "rank 1 of 2 in job9 local 0 device 7",
     ], res.stdout
-    bad = tdist_run(work, "--signals-to-handle", "SIGNOPE", "worker.py", "id")
-    assert bad.returncode == 2 and "unknown signal 'SIGNOPE'" in bad.stderr, bad.stderr
+    # an unknown signal is said and left out, as torchrun's; a number is the signal
+    odd = tdist_run(work, "--signals-to-handle", "SIGNOPE,15", "--master-port", "0", "worker.py", "id")
+    assert odd.returncode == 0 and "unknown signal 'SIGNOPE'" in odd.stderr, odd.stderr
+    # --rdzv-backend c10d with no endpoint is this host's port 29400, and --node-rank is the
+    # static rendezvous's alone: said and left out (torchrun's warning), not an error
+    port = free_port()
+    res = tdist_run(work, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--node-rank", "3",
+                    "worker.py", "id")
+    assert res.returncode == 0 and "--node-rank is only used by the static rendezvous" in res.stderr, res.stderr
 
 
 def test_kill_9_of_the_launcher_takes_its_workers_along(work: Path) -> None:

@@ -388,20 +388,26 @@ def logs_settings(specs: Any) -> dict[str, Any]:
     }
 
 
-def parse_signals(text: str) -> tuple[int, ...]:
-    """torchrun's ``--signals-to-handle``: names separated by commas (``SIGTERM,INT``).
+def parse_signals(text: str, unknown: list[str] | None = None) -> tuple[int, ...]:
+    """torchrun's ``--signals-to-handle``: names (``SIGTERM,INT``) or numbers (``15``)
+    separated by commas. An unknown one goes to ``unknown`` where given and is left out (the
+    caller says so, as torchrun warns and goes on).
 
     Raises:
-        ValueError: an unknown signal.
+        ValueError: an unknown signal, where no ``unknown`` list is given.
     """
     out = []
     for name in (v.strip() for v in text.split(",")):
         if not name:
             continue
         try:
-            out.append(int(signal.Signals[name if name.startswith("SIG") else "SIG" + name]))
-        except KeyError:
-            raise ValueError(f"unknown signal {name!r}") from None
+            sig = signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        except (KeyError, ValueError):
+            if unknown is None:
+                raise ValueError(f"unknown signal {name!r}") from None
+            unknown.append(name)
+            continue
+        out.append(int(sig))
     return tuple(out)
 
 
