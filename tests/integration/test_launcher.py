@@ -644,7 +644,7 @@ def test_missing_script(work: Path) -> None:
         (["--nnodes", "1:2", "w.py"], "elastic node ranges (--nnodes 1:2) need --rdzv-backend c10d or etcd"),
         (["--nnodes", "3:2", "w.py"], "the most nodes (2) must not be fewer than the least (3)"),
         (["--rdzv-backend", "etcd", "w.py"], "--rdzv-backend etcd needs --rdzv-endpoint"),
-        (["--rdzv-backend", "c10d", "w.py"], "--rdzv-backend c10d needs --rdzv-endpoint"),
+        (["--rdzv-conf", "read_timeout=0", "w.py"], "read_timeout=0: expected a positive number of seconds"),
         (["--rdzv-conf", "join_timeout", "w.py"], "expected KEY=VALUE pairs"),
         (["--rdzv-conf", "keep_alive_interval=0", "w.py"], "expected a positive number of seconds"),
         (["--redirects", "4", "w.py"], "expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"),
