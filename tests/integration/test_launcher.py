@@ -925,6 +925,31 @@ def test_no_status_line_with_quiet_or_without_a_terminal(work: Path) -> None:
     assert len(res.stdout.splitlines()) == 8
 
 
+TTY = textwrap.dedent(
+    """
+    import os, sys
+    try:
+        columns = os.get_terminal_size().columns
+    except OSError:
+        columns = None
+    print("tty", sys.stdout.isatty(), sys.stderr.isatty(), columns, flush=True)
+    print("a\\nb", file=sys.stderr, flush=True)
+    """
+)
+
+
+def test_workers_write_to_a_terminal_where_the_launcher_does(work: Path) -> None:
+    """As torchrun's workers write to its terminal: on a terminal, a worker's streams are
+    terminals of the same size (colours, progress bars' width), its bytes unchanged; in a
+    pipe, pipes."""
+    (work / "tty.py").write_text(TTY)
+    got = tdist_run_on_a_terminal(work, "--nproc-per-node", "1", "--master-port", "0", "--quiet", "tty.py", columns=100)
+    assert b"tty True True 100" in got, got
+    assert b"a\r\nb\r\n" in got, got  # (one newline each, made \r\n by the launcher's own terminal alone)
+    res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "tty.py")
+    assert res.returncode == 0 and "tty False False None" in res.stdout, res.stdout + res.stderr
+
+
 # -- signals -----------------------------------------------------------------------------------
 def start_hanging(work: Path, n: int, action: str = "hang", port: tuple[str, ...] = ("--master-port", "0")) -> subprocess.Popen[str]:
     proc = subprocess.Popen(

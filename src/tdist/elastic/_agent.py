@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -66,6 +67,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import urllib.parse
@@ -217,6 +219,29 @@ def _is_terminal(stream: BinaryIO) -> bool:
         return stream.isatty()
     except (OSError, ValueError):
         return False
+
+
+def _terminal_like(console: BinaryIO) -> tuple[int, int] | None:
+    """A pseudo-terminal ``(ours, the worker's)`` for a worker's stream that goes to the
+    console ``console``, a terminal, as torchrun's workers write to the launcher's terminal:
+    the worker sees a terminal of the console's size (``isatty``, colours, a progress bar's
+    width), and what it writes comes out unchanged (no output processing: a newline stays
+    one byte). None where none can be made (the stream is a pipe then)."""
+    try:
+        ours, theirs = os.openpty()
+    except OSError:
+        return None
+    try:
+        attrs = termios.tcgetattr(theirs)
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(theirs, termios.TCSANOW, attrs)
+    except (OSError, termios.error):
+        os.close(ours)
+        os.close(theirs)
+        return None
+    with contextlib.suppress(OSError):
+        fcntl.ioctl(theirs, termios.TIOCSWINSZ, fcntl.ioctl(console.fileno(), termios.TIOCGWINSZ, b"\0" * 8))
+    return ours, theirs
 
 
 def _is_local_address(host: str) -> bool:
@@ -1224,26 +1249,42 @@ class LocalAgent:
                         files[std] = opened.enter_context(open(path, "ab" if append else "wb", buffering=0))
                     except OSError as exc:
                         raise LaunchError(f"cannot write worker {local_rank}'s log {path}: {exc}") from exc
+            # (a stream shown on a terminal goes through a terminal of its own, as torchrun's
+            # workers write to the launcher's: the worker's isatty() is true)
+            ttys: dict[Std, tuple[int, int]] = {}
+            for std, console in ((Std.OUT, self._out), (Std.ERR, self._err)):
+                pair = _terminal_like(console) if std in route.console and _is_terminal(console) else None
+                if pair is not None:
+                    ttys[std] = pair
+                    opened.callback(os.close, pair[0])
             try:
                 # (a session of its own, and it dies with the launcher, even one killed with -9)
-                proc = start_process(worker_command(cfg, local_rank), env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, pass_fds=pass_fds)
+                proc = start_process(
+                    worker_command(cfg, local_rank), env,
+                    stdout=ttys[Std.OUT][1] if Std.OUT in ttys else subprocess.PIPE,
+                    stderr=ttys[Std.ERR][1] if Std.ERR in ttys else subprocess.PIPE, pass_fds=pass_fds,
+                )
             except OSError as exc:
                 if self._metrics is not None and metrics_id is not None:
                     self._metrics.started(metrics_id, None)
                 raise LaunchError(f"cannot start {cfg.entrypoint!r}: {exc}") from exc
+            finally:
+                for _, theirs in ttys.values():  # (the worker holds its side now)
+                    os.close(theirs)
             opened.pop_all()
+        streams = {std: os.fdopen(ours, "rb") for std, (ours, _) in ttys.items()}
         if self._metrics is not None and metrics_id is not None:
             self._metrics.started(metrics_id, proc.pid)
         pidfd = open_pidfd(proc)  # (None, an old kernel: the monitor loop polls instead)
         worker = _Worker(local_rank, rank, proc, pidfd, deque(maxlen=max(cfg.tail_lines * 4, 50)), deque(maxlen=_OUTPUT_LINES))
         worker.metrics_id = metrics_id
         self._by_pid[proc.pid] = worker
-        assert proc.stdout is not None and proc.stderr is not None
+        stdout, stderr = streams.get(Std.OUT, proc.stdout), streams.get(Std.ERR, proc.stderr)
+        assert stdout is not None and stderr is not None
         header = line_prefix(cfg, local_rank).encode()
         for stream, std, out, tails in (
-            (proc.stdout, Std.OUT, self._out, (worker.output,)),
-            (proc.stderr, Std.ERR, self._err, (worker.tail, worker.output)),
+            (stdout, Std.OUT, self._out, (worker.output,)),
+            (stderr, Std.ERR, self._err, (worker.tail, worker.output)),
         ):
             t = threading.Thread(
                 target=self._pump,

@@ -23,6 +23,7 @@ None), so its pid, and its group's id, cannot have been given to another process
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
@@ -267,7 +268,12 @@ def copy_lines(
         more = select.poll()  # (not select.select: a launcher of many workers has descriptors past 1024)
         more.register(fd, select.POLLIN)
         while True:
-            chunk = os.read(fd, _READ_CHUNK)
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except OSError as exc:  # (a pseudo-terminal's side, once the process closed its own: EIO)
+                if exc.errno != errno.EIO:
+                    raise
+                chunk = b""
             if not chunk:
                 break
             pending += chunk
