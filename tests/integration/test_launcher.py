@@ -523,6 +523,7 @@ def test_a_recorded_exception_is_the_reports_root_cause(work: Path) -> None:
         "(its @record error file)"
     )
     assert "  the others    :\n    rank 0 (local_rank 0) " in root  # (finished, or stopped if still exiting)
+    assert "  logs          : not kept but for the error files named above (" in root  # (it stays: see above)
 
 
 RAISED_FIRST = textwrap.dedent(

@@ -978,6 +978,11 @@ def _format_post_mortem(
     if pm.logs is not None:
         kept = _files_in_rank_dirs(pm.logs)
         lines.append(f"  logs          : {pm.logs}/<local rank>/" + (f" ({', '.join(kept)})" if kept else ""))
+    elif errors:  # (the error files the report names stay where they are: the run's temporary directory)
+        lines.append(
+            "  logs          : not kept but for the error files named above (--log-dir DIR keeps each "
+            "rank's error.json, and the streams that -r/-t send there as stdout.log, stderr.log)"
+        )
     else:
         lines.append(
             "  logs          : not kept (--log-dir DIR keeps each rank's error.json, and the streams "
