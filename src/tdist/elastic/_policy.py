@@ -826,6 +826,10 @@ def _format_failure(
         )
     elif error is not None and error.traceback.strip():  # the exception @record wrote, as torchrun
         text = traceback_tail(error.traceback.splitlines(), max_lines)
+    elif e.returncode < 0:  # (torchrun's line for a signal's end, then what the worker last said)
+        text = f"Signal {-e.returncode} ({signal_name(-e.returncode)}) received by PID {e.pid}"
+        if any(line.strip() for line in tail):
+            text += "\n" + traceback_tail(tail, max_lines)
     else:
         text = traceback_tail(tail, max_lines)
     text = text.replace("\n", "\n    ")
@@ -835,7 +839,7 @@ def _format_failure(
         host=host,
         rank=e.rank,
         local_rank=e.local_rank,
-        exitcode=describe_returncode(e.returncode),
+        exitcode=e.returncode,  # (torchrun's form: the number alone; the signal is named below)
         pid=e.pid,
         error_file=error.path if error is not None else "<N/A>",
         traceback=("\n    " if "\n" in text else " ") + text,
