@@ -52,6 +52,7 @@ ALIASED = frozenset(
         "checkpoint",
         "collective_utils",
         "config",
+        "debug",
         "device_mesh",
         "fsdp",
         "logging_handlers",
@@ -83,6 +84,9 @@ ALIASED = frozenset(
         "elastic.utils.data.elastic_distributed_sampler",
         "elastic.utils.log_level",
         "elastic.utils.logging",
+        "elastic.utils.process_state",
+        "elastic.agent.server.health_check_server",  # (launch_agent's health_check_server)
+        "elastic.control_plane",  # (worker_main: torch's worker server, its own C++)
     }
 )
 

@@ -234,6 +234,7 @@ def test_rref_takes_a_type_parameter_as_torchs() -> None:
         "algorithms.ddp_comm_hooks.default_hooks", "_functional_collectives", "utils", "nn.jit", "config",
         "optim.zero_redundancy_optimizer", "optim.post_localSGD_optimizer", "optim.functional_sgd",
         "elastic.utils.data.elastic_distributed_sampler", "elastic.utils.logging", "elastic.multiprocessing.tail_log",
+        "debug", "elastic.control_plane", "elastic.agent.server.health_check_server", "elastic.utils.process_state",
     ],
 )
 def test_torchs_training_stack_is_importable_under_tdists_module_paths(path: str) -> None:
