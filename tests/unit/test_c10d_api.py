@@ -663,6 +663,23 @@ def test_backend_name_as_asked() -> None:
     assert FakeBackend.created[-1].timeout == timedelta(seconds=7)
 
 
+def test_the_name_torch_knows_tdist_by_is_a_backend_of_tdists_own() -> None:
+    """``import tdist as dist; dist.init_process_group("tdist")``, as a program that wrote
+    torch's ``init_process_group(backend="tdist")`` and then changed its import says: the tcp
+    backend, named as asked, as torch's group of it is."""
+    assert dist.is_backend_available("tdist") and dist.Backend.TDIST == "tdist" == dist.Backend("TDIST")
+    assert dist.is_backend_available("mpi") == dist.is_mpi_available()  # (the two say the same)
+    dist.init_process_group("tdist", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == "tdist" == tdd.get_backend() and dist.get_backend_config() == "cpu:tdist"
+        assert dist.group.WORLD.name() == "tdist"
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_groups_of_one_rank() -> None:
     _init1()
     sub = dist.new_group([0], timeout=timedelta(seconds=3), group_desc="mine")

@@ -60,11 +60,12 @@ class Backend(str):
     XCCL = "xccl"
     FAKE = "fake"
     TCP = "tcp"
+    TDIST = "tdist"  # (the name torch knows tdist's backend by: the same tcp backend here)
 
     _BackendPlugin = _Plugin
     _plugins: dict[str, _Plugin] = {}
 
-    backend_list = [UNDEFINED, GLOO, NCCL, XCCL, UCC, MPI, FAKE, TCP]
+    backend_list = [UNDEFINED, GLOO, NCCL, XCCL, UCC, MPI, FAKE, TCP, TDIST]
 
     default_device_backend_map: dict[str, str] = {
         "cpu": GLOO,
@@ -81,6 +82,7 @@ class Backend(str):
         MPI: ["cpu", "cuda"],
         FAKE: ["cpu", "cuda", "hpu", "xpu"],
         TCP: ["cpu"],
+        TDIST: ["cpu"],
     }
 
     def __new__(cls, name: str) -> Backend:  # returns a plain str, as torch's does
@@ -201,7 +203,7 @@ _NOT_BUILT_IN = {
 }
 
 #: names served by our tcp backend
-_TCP_NAMES = frozenset({Backend.UNDEFINED, Backend.GLOO, Backend.TCP})
+_TCP_NAMES = frozenset({Backend.UNDEFINED, Backend.GLOO, Backend.TCP, Backend.TDIST})
 
 
 def implementation_for(backend: str) -> str:
@@ -245,6 +247,11 @@ def is_backend_available(backend: str) -> bool:
             return True
         if name in _NOT_BUILT_IN:
             return False
+        if name == Backend.MPI:  # (as is_mpi_available: mpi4py installed, or one registered)
+            from ._lifecycle import mpi4py_installed
+
+            if mpi4py_installed():
+                return True
         return name.upper() in Backend._plugins or backend_creator(name) is not None
 
     if ":" in backend:

@@ -150,9 +150,12 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
 
 
 def _display_name(backend: str, impl: BackendImpl) -> str:
-    """What ``ProcessGroup.name()`` says: ``"gloo"`` where our tcp backend stands in for it."""
-    if implementation_for(backend) == Backend.TCP and Backend(backend) != Backend.TCP:
+    """What ``ProcessGroup.name()`` says: ``"gloo"`` where our tcp backend stands in for it
+    (``"tdist"`` where it was asked for by that name, as torch's group of it says)."""
+    if implementation_for(backend) == Backend.TCP and Backend(backend) not in (Backend.TCP, Backend.TDIST):
         return Backend.GLOO
+    if Backend(backend) == Backend.TDIST:
+        return Backend.TDIST
     try:
         return impl.name()
     except Exception:
