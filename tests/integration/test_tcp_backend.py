@@ -305,6 +305,33 @@ def test_mismatched_calls_fail_on_every_rank() -> None:
     assert any(("[4]" in m and "[8]" in m) or ("numel=4" in m and "numel=8" in m) for m in messages), messages
 
 
+@pytest.mark.parametrize("case", ["reduction", "root"])
+def test_ranks_that_disagree_on_the_reduction_or_the_root_fail_naming_both(case: str) -> None:
+    """One rank asks for MAX where the others ask for SUM (every rank would get its own
+    result), or for another root (the messages never meet: a hang until the timeout): each
+    rank fails with an error that says what each side called, on either path (over the
+    transport: the first message, or the desync check once the call blocks)."""
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> str:
+        pg = group(store, rank, n)
+        try:
+            t = torch.full((100,), float(rank + 1))
+            with pytest.raises(DistError) as info:
+                if case == "reduction":
+                    pg.allreduce([t], AllreduceOptions(reduceOp=ReduceOp.MAX if rank == 1 else ReduceOp.SUM)).wait()
+                else:
+                    pg.reduce([t], ReduceOptions(rootRank=1 if rank == 1 else 0)).wait()
+                pg.barrier().wait()  # (a rank whose part was done: at its next call, the group broken)
+            return str(info.value)
+        finally:
+            pg.shutdown()
+
+    messages = run_threads(body, 3, timeout=30)
+    said = ("op=MAX", "op=SUM") if case == "reduction" else ("root=1", "root=0")
+    assert any(all(x in m for x in said) for m in messages), messages
+
+
 def _killed_rank(rank: int, n: int, port: int) -> None:
     store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
     pg = ProcessGroupTCP(tdist.PrefixStore("k", store), rank, n, timedelta(seconds=60))

@@ -515,6 +515,8 @@ def compatible(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two ranks' entries of one sequence number are the same call."""
     if a.get("op") != b.get("op"):
         return False
+    if a.get("detail") and b.get("detail") and a["detail"] != b["detail"]:  # (another root, another reduction)
+        return False
     if a.get("op") in _SAME_SHAPES:
         return bool(a.get("sig") == b.get("sig"))
     return not a.get("dtype") or not b.get("dtype") or a.get("dtype") == b.get("dtype")
@@ -542,7 +544,8 @@ def _call(b: Mapping[str, Any]) -> str:
         text = f"{b['op']} {src}->{dst} (p2p #{b['seq']})"
     else:
         text = f"{b['op']} #{b['seq']}"
-    return text + (f" ({b['sig']})" if b.get("sig") else "")
+    shown = ", ".join(x for x in (b.get("sig"), b.get("detail")) if x)
+    return text + (f" ({shown})" if shown else "")
 
 
 def _op(b: Mapping[str, Any]) -> str:

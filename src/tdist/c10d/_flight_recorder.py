@@ -102,7 +102,9 @@ _MAX_FRAMES = 32
 # to the collective sequence number (index + 1 - PSEQ: the collectives among the group's
 # operations so far) and INS to a tuple. torch's op_id, the group's count of operations, is
 # CSEQ + PSEQ.
-ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR, THREAD = range(15)
+ID, CSEQ, PSEQ, OP, INS, INDT, OUTS, OUTDT, PEER, CREATED, STARTED, DONE, FRAMES, ERROR, THREAD, DETAIL = range(16)
+# DETAIL: what else the ranks must agree on, where a backend says (``"root=0"``,
+# ``"op=SUM root=1"``; None: nothing), which the desync check compares with theirs
 UNTIMED = 1  # DONE: completed, the time to be discovered (see the module docstring)
 # THREAD is the ident (``threading.get_ident()``) of the thread that issued the operation, its
 # name looked up at a dump. A short entry (the hot path's: see the module docstring) is the tuple
@@ -295,7 +297,7 @@ class Recorder:
         self.n = n + 1
         now = _now()
         e = [0, 0, self.p2p_seq, op, t.shape, t.dtype, None, None, None, now, now, 0,
-             capture() if self.stack else None, None, _ident()]
+             capture() if self.stack else None, None, _ident(), None]
         self.ring[n % self.cap] = e
         return e
 
@@ -315,15 +317,16 @@ class Recorder:
         in_dtype: torch.dtype | None,
         outs: tuple[Any, ...] | None = None,
         out_dtype: torch.dtype | None = None,
+        detail: str | None = None,
     ) -> list[Any]:
         """Record a collective as issued (and running, as ``one``); returns its entry (the
         backend writes ``STARTED`` and ``DONE`` into it). ``outs``/``out_dtype`` ``None``: as
-        the inputs."""
+        the inputs; ``detail``: see ``DETAIL``."""
         n = self.n
         self.n = n + 1
         now = _time_ns()
         e = [0, 0, self.p2p_seq, op, ins, in_dtype, outs, out_dtype, None, now, now, 0,
-             capture() if self.stack else None, None, _get_ident()]
+             capture() if self.stack else None, None, _get_ident(), detail]
         self.ring[n % self.cap] = e
         return e
 
@@ -335,7 +338,7 @@ class Recorder:
         self.n = n + 1
         now = _time_ns()
         e = [0, 0, seq, op, shape, dtype, None, None, (src, dst), now, now, 0,
-             capture() if self.stack else None, None, _get_ident()]
+             capture() if self.stack else None, None, _get_ident(), None]
         self.ring[n % self.cap] = e
         return e
 
@@ -423,7 +426,7 @@ def full(e: Sequence[Any], done: int) -> list[Any]:
     if len(e) != SHORT:
         return list(e)
     created, thread, pseq, op, ins, dtype = e
-    return [0, 0, pseq, op, ins, dtype, None, None, None, created, created, done, None, None, thread]
+    return [0, 0, pseq, op, ins, dtype, None, None, None, created, created, done, None, None, thread, None]
 
 
 def _normalize(e: list[Any], index: int) -> None:
@@ -525,6 +528,7 @@ def brief(e: Sequence[Any], now_ns: int) -> dict[str, Any]:
         "op": e[OP],
         "p2p": None if peer is None else list(peer),
         "sig": signature(e),
+        "detail": e[DETAIL] if len(e) > DETAIL else None,
         "dtype": _dtype_short(e[INDT] if e[INDT] is not None else e[OUTDT]),
         "state": state_of(e),
         "since_s": round(max(0, now_ns - since) / 1e9, 3),

@@ -489,7 +489,8 @@ class ProcessGroupTCP(Backend):
         age = (_time_ns() - entry[STARTED]) / 1e9
 
         def call(b: dict[str, Any]) -> str:
-            return f"{b['op']} #{b['seq']}" + (f" ({b['sig']})" if b.get("sig") else "")
+            shown = ", ".join(x for x in (b.get("sig"), b.get("detail")) if x)
+            return f"{b['op']} #{b['seq']}" + (f" ({shown})" if shown else "")
 
         message = (
             f"rank {self._rank}: {_MISMATCH} {rec.label!r} (found by the desync check after {age:.1f} s "
@@ -705,12 +706,18 @@ class ProcessGroupTCP(Backend):
         self._seq += 1
         return _COLL_TAG | (self._seq << 24)
 
-    def _fingerprint(self, what: str, dtype: torch.dtype | None = None, numel: int | None = None) -> bytes:
+    def _fingerprint(self, what: str, dtype: torch.dtype | None = None, numel: int | None = None, detail: str = "") -> bytes:
+        """What every message of a collective over the transport carries, and what a receiver
+        expects (``mismatched calls`` otherwise): the call, its sequence number, dtype, size
+        and ``detail`` (the reduction, the root), so that ranks that disagree on any of them
+        fail at the first message, where they would get different results."""
         parts = [f"{what}#{self._seq}"]
         if dtype is not None:
             parts.append(str(dtype).replace("torch.", ""))
         if numel is not None:
             parts.append(f"[{numel}]")
+        if detail:
+            parts.append(detail)
         return " ".join(parts).encode()
 
     def _staging(self, nbytes: int) -> torch.Tensor:
@@ -863,7 +870,7 @@ class ProcessGroupTCP(Backend):
                     f.commit()
                 return tensors
             if n > 1 and lead.numel() > 0:
-                meta = self._fingerprint("all_reduce", lead.dtype, lead.numel())
+                meta = self._fingerprint("all_reduce", lead.dtype, lead.numel(), f"op={op.name}")
                 sched = self._all_reduce_schedule(lead.numel() * lead.element_size())
                 if sched.nchunks == 1:
                     chunks = [lead]
@@ -905,7 +912,7 @@ class ProcessGroupTCP(Backend):
             if self._arena is not None:
                 self._arena.broadcast(lead, root, timeout=self._left(deadline))
             elif n > 1 and lead.numel() > 0:
-                meta = self._fingerprint("broadcast", lead.dtype, lead.numel())
+                meta = self._fingerprint("broadcast", lead.dtype, lead.numel(), f"root={root}")
                 nbytes = lead.numel() * lead.element_size()
                 if n > 2 and nbytes >= _CHAIN_MIN:
                     nchunks = max(2, min(64, nbytes // (1 << 20)))
@@ -922,7 +929,7 @@ class ProcessGroupTCP(Backend):
             return tensors
 
         rec = self._fr
-        entry = rec.collective("broadcast", _shapes(tensors), tensors[0].dtype) if rec is not None else None
+        entry = rec.collective("broadcast", _shapes(tensors), tensors[0].dtype, detail=f"root={root}") if rec is not None else None
         return self._submit("broadcast", opts, run, entry)
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> Work:
@@ -947,7 +954,7 @@ class ProcessGroupTCP(Backend):
                 self._arena.reduce(lead, root, op, timeout=self._left(deadline))
                 arena_avg = True  # the arena divides AVG itself
             elif n > 1 and lead.numel() > 0:
-                meta = self._fingerprint("reduce", lead.dtype, lead.numel())
+                meta = self._fingerprint("reduce", lead.dtype, lead.numel(), f"op={op.name} root={root}")
                 sched = S.binomial_tree_reduce(self._rank, n, root)
                 self._run(sched, [lead], tag, meta, "reduce", deadline, op)
             if is_root:
@@ -960,7 +967,7 @@ class ProcessGroupTCP(Backend):
             return tensors
 
         rec = self._fr
-        entry = rec.collective("reduce", _shapes(tensors), tensors[0].dtype) if rec is not None else None
+        entry = rec.collective("reduce", _shapes(tensors), tensors[0].dtype, detail=f"op={op.name} root={root}") if rec is not None else None
         return self._submit("reduce", opts, run, entry)
 
     def allgather(
@@ -1064,7 +1071,7 @@ class ProcessGroupTCP(Backend):
                     raise ValueError(f"gather: gather_list has {len(outs0)} tensors for a group of {self._size}")
                 self._arena.gather(outs0, inp, root, timeout=self._left(deadline))
                 return list(outs0) if outs0 is not None else []
-            meta = self._fingerprint("gather", inp.dtype)
+            meta = self._fingerprint("gather", inp.dtype, detail=f"root={root}")
             if self._rank != root:
                 self._ep.send(root, tag, [bytes_view(inp)], meta, deadline, "gather")
                 return []
@@ -1089,7 +1096,7 @@ class ProcessGroupTCP(Backend):
         if rec is not None and input_tensors:
             inp0 = input_tensors[0]
             outs0 = _stacked(self._size, inp0) if self._rank == root else ()
-            entry = rec.collective("gather", (inp0.shape,), inp0.dtype, outs0)
+            entry = rec.collective("gather", (inp0.shape,), inp0.dtype, outs0, detail=f"root={root}")
         return self._submit("gather", opts, run, entry)
 
     def scatter(
@@ -1112,7 +1119,7 @@ class ProcessGroupTCP(Backend):
                 self._arena.scatter(output_tensors[0], ins0, root, timeout=self._left(deadline))
                 return [output_tensors[0]]
             out = _Flat(output_tensors[0])
-            meta = self._fingerprint("scatter", out.flat.dtype)
+            meta = self._fingerprint("scatter", out.flat.dtype, detail=f"root={root}")
             if self._rank == root:
                 ins = input_tensors[0]
                 if len(ins) != self._size:
@@ -1134,7 +1141,7 @@ class ProcessGroupTCP(Backend):
         if rec is not None and output_tensors:
             out0 = output_tensors[0]
             ins0 = _stacked(self._size, out0) if self._rank == root else ()
-            entry = rec.collective("scatter", ins0, out0.dtype, (out0.shape,))
+            entry = rec.collective("scatter", ins0, out0.dtype, (out0.shape,), detail=f"root={root}")
         return self._submit("scatter", opts, run, entry)
 
     def reduce_scatter(
@@ -1176,7 +1183,7 @@ class ProcessGroupTCP(Backend):
     def _reduce_scatter_blocks(self, output: torch.Tensor, blocks: list[torch.Tensor], op: RedOpType, deadline: float) -> None:
         tag = self._next_tag()
         if self._size > 1:
-            meta = self._fingerprint("reduce_scatter", blocks[0].dtype)
+            meta = self._fingerprint("reduce_scatter", blocks[0].dtype, detail=f"op={op.name}")
             sched = S.ring_reduce_scatter(self._rank, self._size)
             self._run(sched, blocks, tag, meta, "reduce_scatter", deadline, op)
         mine = blocks[self._rank]
