@@ -765,6 +765,38 @@ def test_monitored_barrier_names_the_late_rank() -> None:
     assert all("Ranks 2 failed to pass monitoredBarrier in 300 ms" in m for m in res[1:])
 
 
+def _monitored_barrier_with_a_rank_gone(rank: int, ws: int, port: int) -> str:
+    store = dist.TCPStore("127.0.0.1", port, ws, rank == 0, timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=60))
+    dist.barrier()
+    if rank == 1:  # (gone from the group: its connections are closed)
+        dist.destroy_process_group()
+        store.wait(["verdict"], timedelta(seconds=50))
+        return "left"
+    start = time.monotonic()
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
+        return "passed"
+    except dist.DistBackendError as exc:
+        return f"{time.monotonic() - start:.0f} s: {exc}"
+    finally:
+        store.set("verdict", "1")
+        dist.destroy_process_group()
+
+
+def test_monitored_barrier_fails_at_once_for_a_rank_whose_process_is_gone() -> None:
+    """A rank gone from the group is not waited for (gloo's connection to it fails the barrier
+    at once): ranks 0 and 2 fail in seconds, naming it and why, not at the 60 s timeout."""
+    from tdist.testing import run_processes
+
+    got = run_processes(_monitored_barrier_with_a_rank_gone, 3, free_port(), timeout=50)
+    assert got[1] == "left"
+    for m in (got[0], got[2]):
+        seconds = int(m.split(" s: ")[0])
+        assert seconds < 30 and "Ranks 1 failed to pass monitoredBarrier in 60000 ms (rank 1:" in m, got
+        assert "left the process group" in m or "was lost" in m, got
+
+
 # -- debug mode ---------------------------------------------------------------------------------
 @pytest.fixture
 def detail() -> Iterator[None]:

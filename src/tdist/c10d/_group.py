@@ -704,7 +704,8 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
             seq = self._mb_seq
             self._mb_seq += 1
         monitored_barrier_via_store(
-            self._store, self._rank, self._size, seq, timeout, wait_all_ranks
+            self._store, self._rank, self._size, seq, timeout, wait_all_ranks,
+            getattr(self._backend, "lost_peers", None),
         )
 
     # -- point to point ------------------------------------------------------------------------
@@ -747,13 +748,43 @@ def _ms(timeout: timedelta) -> int:
     return round(timeout.total_seconds() * 1000)
 
 
+_MB_LOOK = 0.5  # seconds between two looks at the group's lost ranks while a monitored barrier waits
+
+
+def _wait_unless_lost(
+    store: Store, key: str, seconds: float, peer: int, lost: Callable[[], dict[int, str]] | None
+) -> str | None:
+    """Wait up to ``seconds`` for ``key``; None once it is there, else why not: ``peer``'s
+    process is gone (``lost()``, looked at every ``_MB_LOOK`` seconds: a dead rank fails the
+    barrier at once, as gloo's connection to it does, not at its timeout), or the time ran out.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        remaining = deadline - time.monotonic()
+        gone = lost() if lost is not None else {}
+        if peer in gone:
+            return f"its process is gone ({gone[peer]})"
+        try:
+            if remaining > 0:
+                store.wait([key], timedelta(seconds=min(remaining, _MB_LOOK) if lost is not None else remaining))
+                return None
+            if store.check([key]):
+                return None
+            return "timed out"
+        except (DistError, TimeoutError):
+            if time.monotonic() >= deadline:
+                return "timed out"
+
+
 def monitored_barrier_via_store(
-    store: Store, rank: int, size: int, seq: int, timeout: timedelta, wait_all_ranks: bool
+    store: Store, rank: int, size: int, seq: int, timeout: timedelta, wait_all_ranks: bool,
+    lost: Callable[[], dict[int, str]] | None = None,
 ) -> None:
     """The monitored-barrier protocol over a store (see ``ProcessGroup.monitored_barrier``).
 
     Keys (under ``store``): ``mb/<seq>/arrive/<rank>`` set by every rank but 0;
-    ``mb/<seq>/release`` set by rank 0 to ``ok`` or ``error:<message>``.
+    ``mb/<seq>/release`` set by rank 0 to ``ok`` or ``error:<message>``. ``lost``: the
+    group's ranks known gone, with why (the backend's ``lost_peers``): they are not waited for.
     """
     prefix = f"monitored_barrier/{seq}/"
     release = prefix + "release"
@@ -762,30 +793,26 @@ def monitored_barrier_via_store(
         store.set(f"{prefix}arrive/{rank}", b"1")
         # a little longer than rank 0 waits, so that its verdict arrives before we give up
         margin = max(1.0, 0.1 * seconds)
-        try:
-            store.wait([release], timedelta(seconds=seconds + margin))
-        except (DistError, TimeoutError) as exc:
+        why = _wait_unless_lost(store, release, seconds + margin, 0, lost)
+        if why is not None:
             raise DistBackendError(
                 f"[Rank {rank}]: Rank {rank} successfully reached monitoredBarrier, but received "
-                "errors while waiting for send/recv from rank 0 (no verdict within "
-                f"{_ms(timeout)} ms). Please check rank 0 logs for faulty rank."
-            ) from exc
+                f"errors while waiting for send/recv from rank 0 ({why if why != 'timed out' else f'no verdict within {_ms(timeout)} ms'}). "
+                "Please check rank 0 logs for faulty rank."
+            )
         verdict = store.get(release).decode()
         if verdict != "ok":
             raise DistBackendError(f"[Rank {rank}]: {verdict.removeprefix('error:')}")
         return
     deadline = time.monotonic() + seconds
     failed: list[int] = []
+    gone: list[str] = []
     for r in range(1, size):
-        key = f"{prefix}arrive/{r}"
-        remaining = deadline - time.monotonic()
-        try:
-            if remaining > 0:
-                store.wait([key], timedelta(seconds=remaining))
-            elif not store.check([key]):
-                raise TimeoutError(key)
-        except (DistError, TimeoutError):
+        why = _wait_unless_lost(store, f"{prefix}arrive/{r}", max(0.0, deadline - time.monotonic()), r, lost)
+        if why is not None:
             failed.append(r)
+            if why != "timed out":
+                gone.append(f"rank {r}: {why}")
             if not wait_all_ranks:
                 break
     if not failed:
@@ -800,6 +827,8 @@ def monitored_barrier_via_store(
         )
     else:
         message = f"Rank {failed[0]} failed to pass monitoredBarrier in {_ms(timeout)} ms"
+    if gone:
+        message += f" ({'; '.join(gone)})"
     store.set(release, f"error:{message} (as reported by rank 0)".encode())
     raise DistBackendError(f"[Rank 0]: {message}")
 

@@ -456,6 +456,11 @@ class ProcessGroupTCP(Backend):
             _log_no_arena(f"rank {rank} could not make its part of a shared-memory arena ({exc})")
             return None
 
+    def lost_peers(self) -> dict[int, str]:
+        """The ranks of the group whose process is known gone, with why (``monitored_barrier``
+        does not wait for them)."""
+        return self._ep.lost_peers()
+
     @property
     def flight_recorder(self) -> Recorder | None:
         """This rank's flight record of the group (``None`` when the recorder is off)."""

@@ -410,6 +410,10 @@ class Endpoint:
     def peer_pid(self, peer: int) -> int:
         return self._peer_pids.get(peer, -1)
 
+    def lost_peers(self) -> dict[int, str]:
+        """The peers whose connection is gone (their process died, or left), with why."""
+        return {q: str(p.error) for q, p in list(self._peers.items()) if p.error is not None}
+
     @property
     def broken(self) -> DistError | None:
         return self._broken
