@@ -1030,8 +1030,10 @@ def _misconfigured(index: int, n: int, port: int, ranks: list[int], sizes: list[
     [
         ([0, 1], [2, 3], "disagree on the world size"),
         ([0, 1, 1], [3, 3, 3], "rank 1 is claimed by two processes"),
+        # (the second cannot host the store, its port taken: it joins the first's, as rank 0)
+        ([0, 0], [2, 2], "rank 0 is claimed by two processes"),
     ],
-    ids=["world_size", "same_rank"],
+    ids=["world_size", "same_rank", "two_rank_zeros"],
 )
 def test_misconfigured_ranks_fail_at_the_rendezvous_naming_the_problem(ranks: list[int], sizes: list[int], words: str) -> None:
     # torch (and tdist before) waited for the whole timeout (30 minutes by default)

@@ -30,6 +30,7 @@ Thread-safety: the handler registry may be used from several threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import numbers
 import os
@@ -42,6 +43,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
+from .._core.errors import DistNetworkError
 from ._api import Store, multi_get_within
 
 __all__ = ["RendezvousHandler", "register_rendezvous_handler", "rendezvous"]
@@ -273,16 +275,22 @@ def _create_c10d_store(
 
         return PrefixStore(f"/worker/attempt_{attempt}", agent_store)
     log.debug("rank %d: %s the store at %s:%d", rank, "hosting" if rank == 0 else "joining", hostname, port)
-    store = TCPStore(
-        host_name=hostname,
-        port=port,
-        world_size=size,
-        is_master=rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,  # (the checked join below waits, and says what is wrong)
-        multi_tenant=True,
-        use_libuv=use_libuv,
-    )
+    try:
+        store = TCPStore(
+            host_name=hostname,
+            port=port,
+            world_size=size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,  # (the checked join below waits, and says what is wrong)
+            multi_tenant=True,
+            use_libuv=use_libuv,
+        )
+    except DistNetworkError as exc:
+        if rank != 0 or size is None or not _port_taken(exc):
+            raise
+        _second_rank_zero(hostname, port, size, timeout, use_libuv, exc)
+        raise
     if size is not None:
         try:
             _checked_join(store, rank, size, timeout, f"{hostname}:{port}")
@@ -290,6 +298,35 @@ def _create_c10d_store(
             store.close()
             raise
     return store
+
+
+def _port_taken(exc: BaseException) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+
+
+def _second_rank_zero(hostname: str, port: int, size: int, timeout: timedelta, use_libuv: bool, exc: BaseException) -> None:
+    """Rank 0 could not host the store: its port is taken. Where a store of this rendezvous
+    answers there (another process was given rank 0 too), join it as rank 0: the checked join
+    finds the claim and fails the round on every rank at once, naming both processes (raised
+    here), where the other ranks would wait for the whole timeout for a rank that never comes.
+    Nothing where no such store answers (the caller raises ``exc``)."""
+    from ._tcp import TCPStore
+
+    try:
+        store = TCPStore(
+            host_name=hostname, port=port, world_size=size, is_master=False,
+            timeout=timedelta(seconds=min(5.0, timeout.total_seconds())), wait_for_workers=False,
+            use_libuv=use_libuv,
+        )
+    except Exception:  # (not a store of ours, or of another job's secret: the port is just taken)
+        return
+    try:
+        if not store.check([f"{_RDZV}/rank_0"]):  # (nobody claimed rank 0 there: not this rendezvous)
+            return
+        _checked_join(store, 0, size, timeout, f"{hostname}:{port}")
+    finally:
+        store.close()
 
 
 # -- the checked join ------------------------------------------------------------------------------
