@@ -332,6 +332,32 @@ def test_ranks_that_disagree_on_the_reduction_or_the_root_fail_naming_both(case:
     assert any(all(x in m for x in said) for m in messages), messages
 
 
+def test_two_ranks_that_both_take_themselves_for_a_broadcasts_root_fail_at_the_next_call(path: str) -> None:
+    """Both send and return, each with its own data (nothing blocks: over the transport no
+    message ever meets its receive). Their next call fails on both, naming the call that no
+    one took, where they went on with different data silently."""
+    store = tdist.HashStore()
+
+    def body(rank: int, n: int) -> str:
+        pg = group(store, rank, n)
+        try:
+            t = torch.full((100,), float(rank))
+            try:
+                pg.broadcast([t], BroadcastOptions(rootRank=rank)).wait()  # (each its own root)
+                pg.allreduce([torch.ones(2)]).wait()
+                pg.allreduce([torch.ones(2)]).wait()
+            except DistError as exc:
+                return str(exc)
+            return "no error"
+        finally:
+            pg.shutdown()
+
+    messages = run_threads(body, 2, timeout=30)
+    assert all(m != "no error" for m in messages), messages
+    if path == "sockets":
+        assert any("sent broadcast#1 float32 [100] root=" in m and "which no call of this rank took" in m for m in messages), messages
+
+
 def _killed_rank(rank: int, n: int, port: int) -> None:
     store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
     pg = ProcessGroupTCP(tdist.PrefixStore("k", store), rank, n, timedelta(seconds=60))

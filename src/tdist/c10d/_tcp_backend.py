@@ -709,7 +709,27 @@ class ProcessGroupTCP(Backend):
     def _next_tag(self) -> int:
         # tag = collective bit | sequence number | step (12 bits) | piece (12 bits)
         self._seq += 1
+        if self._arena is None and self._size > 1:
+            self._no_stale_messages()
         return _COLL_TAG | (self._seq << 24)
+
+    def _no_stale_messages(self) -> None:
+        """Over the transport: a message of an earlier collective that no receive here took
+        means that its sender made another call (two ranks that both took themselves for a
+        broadcast's root sent and returned; a wrong result otherwise, silently).
+
+        Raises:
+            CollectiveMismatchError: naming the sender's call.
+        """
+        stale = self._ep.stale(_COLL_TAG, self._seq)
+        if stale is not None:
+            q, meta = stale
+            raise CollectiveMismatchError(
+                f"rank {self._rank}: mismatched calls: rank {q} sent {meta.decode(errors='replace')}, which "
+                "no call of this rank took (it made another call there, or with another root or "
+                "size); every rank must call the same collectives in the same order with the same "
+                "roots, shapes and dtypes"
+            )
 
     def _fingerprint(self, what: str, dtype: torch.dtype | None = None, numel: int | None = None, detail: str = "") -> bytes:
         """What every message of a collective over the transport carries, and what a receiver

@@ -410,6 +410,20 @@ class Endpoint:
     def peer_pid(self, peer: int) -> int:
         return self._peer_pids.get(peer, -1)
 
+    def stale(self, mask: int, below: int) -> tuple[int, bytes] | None:
+        """A message no receive took whose tag has ``mask`` set and a sequence number (the tag's
+        bits from 24 up, under ``mask``) below ``below``: its sender and meta; None where
+        there is none. (A collective's messages are all taken by the time it ends on a rank
+        that made the same call: one left over is the sign of another call.)"""
+        for q, p in list(self._peers.items()):
+            if not p.unexpected:
+                continue
+            with self._lock:
+                for tag, pending in p.unexpected.items():
+                    if pending and tag & mask and (tag & (mask - 1)) >> 24 < below:
+                        return q, pending[0].meta
+        return None
+
     def lost_peers(self) -> dict[int, str]:
         """The peers whose connection is gone (their process died, or left), with why."""
         return {q: str(p.error) for q, p in list(self._peers.items()) if p.error is not None}
