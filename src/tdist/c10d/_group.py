@@ -771,9 +771,11 @@ def _wait_unless_lost(
             if store.check([key]):
                 return None
             return "timed out"
-        except (DistError, TimeoutError):
+        except TimeoutError:  # (a look's wait ended: look again, until the deadline)
             if time.monotonic() >= deadline:
                 return "timed out"
+        except DistError as exc:  # (the store itself failed: its host is gone, say)
+            return f"the store failed: {exc}"
 
 
 def monitored_barrier_via_store(
@@ -795,10 +797,11 @@ def monitored_barrier_via_store(
         margin = max(1.0, 0.1 * seconds)
         why = _wait_unless_lost(store, release, seconds + margin, 0, lost)
         if why is not None:
+            detail = f"no verdict within {_ms(timeout)} ms" if why == "timed out" else why
             raise DistBackendError(
                 f"[Rank {rank}]: Rank {rank} successfully reached monitoredBarrier, but received "
-                f"errors while waiting for send/recv from rank 0 ({why if why != 'timed out' else f'no verdict within {_ms(timeout)} ms'}). "
-                "Please check rank 0 logs for faulty rank."
+                f"errors while waiting for send/recv from rank 0 ({detail}). Please check rank 0 "
+                "logs for faulty rank."
             )
         verdict = store.get(release).decode()
         if verdict != "ok":
