@@ -762,7 +762,7 @@ def test_monitored_barrier_names_the_late_rank() -> None:
 
     res = spmd(body, 3)
     assert res[0] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 300 ms"
-    assert all("Ranks 2 failed to pass monitoredBarrier in 300 ms" in m for m in res[1:])
+    assert all("Ranks 2 failed to pass monitoredBarrier in 300 ms" in m for m in res[1:]), res
 
 
 def _monitored_barrier_with_a_rank_gone(rank: int, ws: int, port: int) -> str:

@@ -761,9 +761,6 @@ def _wait_unless_lost(
     deadline = time.monotonic() + seconds
     while True:
         remaining = deadline - time.monotonic()
-        gone = lost() if lost is not None else {}
-        if peer in gone:
-            return f"its process is gone ({gone[peer]})"
         try:
             if remaining > 0:
                 store.wait([key], timedelta(seconds=min(remaining, _MB_LOOK) if lost is not None else remaining))
@@ -771,7 +768,10 @@ def _wait_unless_lost(
             if store.check([key]):
                 return None
             return "timed out"
-        except TimeoutError:  # (a look's wait ended: look again, until the deadline)
+        except TimeoutError:  # (a look's wait ended: is the peer gone? else look again, until the deadline)
+            gone = lost() if lost is not None else {}
+            if peer in gone and not store.check([key]):  # (what it left before it went counts)
+                return f"its process is gone ({gone[peer]})"
             if time.monotonic() >= deadline:
                 return "timed out"
         except DistError as exc:  # (the store itself failed: its host is gone, say)
@@ -794,7 +794,7 @@ def monitored_barrier_via_store(
     if rank != 0:
         store.set(f"{prefix}arrive/{rank}", b"1")
         # a little longer than rank 0 waits, so that its verdict arrives before we give up
-        margin = max(1.0, 0.1 * seconds)
+        margin = max(5.0, 0.1 * seconds)  # (a loaded host delays rank 0; a dead rank 0 is seen at once: lost)
         why = _wait_unless_lost(store, release, seconds + margin, 0, lost)
         if why is not None:
             detail = f"no verdict within {_ms(timeout)} ms" if why == "timed out" else why
