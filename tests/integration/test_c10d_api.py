@@ -797,6 +797,30 @@ def test_monitored_barrier_fails_at_once_for_a_rank_whose_process_is_gone() -> N
         assert "left the process group" in m or "was lost" in m, got
 
 
+def test_a_sub_groups_failure_says_which_global_rank_each_of_its_ranks_is() -> None:
+    """In ``new_group([1, 2])``, the transport's messages name the group's ranks ("rank 1"
+    is global rank 2): the error says which global rank each is."""
+    left = threading.Event()
+
+    def body(rank: int, ws: int) -> str:
+        sub = dist.new_group([1, 2])
+        if rank == 2:
+            dist.destroy_process_group(sub)
+            left.set()
+            return ""
+        if rank == 1:
+            assert left.wait(20)
+            try:
+                dist.all_reduce(torch.ones(2), group=sub)
+                return "no error"
+            except dist.DistError as exc:
+                return str(exc)
+        return ""
+
+    res = spmd(body, 3)
+    assert "the ranks above are those of group" in res[1] and "0 is global rank 1, 1 is global rank 2" in res[1], res
+
+
 # -- debug mode ---------------------------------------------------------------------------------
 @pytest.fixture
 def detail() -> Iterator[None]:

@@ -603,6 +603,7 @@ class ProcessGroupTCP(Backend):
             if isinstance(exc, DistError) and self._broken is None and not self._closed:
                 if entry is not None:
                     self._explain(entry, exc)
+                self._name_global_ranks(exc)
                 self._broken = exc
                 reason = f"{work._op} failed on rank {self._rank}: {exc}"
                 self._ep.abort(reason)
@@ -613,6 +614,18 @@ class ProcessGroupTCP(Backend):
         if type(entry) is list:  # (its time is discovered when the next one is issued, unless timed;
             entry[DONE] = _time_ns() if self._timed else UNTIMED  # a short entry is done once the lock is free)
         work._complete(result)
+
+    def _name_global_ranks(self, exc: DistError) -> None:
+        """In a sub-group, the ranks ``exc`` names are the group's: say which global rank each
+        is (``new_group([1, 2])``: its rank 0 is global rank 1), once."""
+        rec = self._fr
+        if rec is None:
+            return
+        ranks = rec.ranks
+        if ranks == list(range(self._size)) or not exc.args or not isinstance(exc.args[0], str):
+            return
+        mapping = ", ".join(f"{r} is global rank {g}" for r, g in enumerate(ranks))
+        exc.args = (f"{exc.args[0]}\n(the ranks above are those of group {rec.label!r}: {mapping})", *exc.args[1:])
 
     def _explain(self, entry: list[Any], exc: DistError) -> None:
         """A timeout or a lost peer: add what every rank of the group was doing to ``exc``'s
