@@ -247,11 +247,10 @@ def is_backend_available(backend: str) -> bool:
             return True
         if name in _NOT_BUILT_IN:
             return False
-        if name == Backend.MPI:  # (as is_mpi_available: mpi4py installed, or one registered)
-            from ._lifecycle import mpi4py_installed
+        if name == Backend.MPI:
+            from ._world import is_mpi_available
 
-            if mpi4py_installed():
-                return True
+            return is_mpi_available()
         return name.upper() in Backend._plugins or backend_creator(name) is not None
 
     if ":" in backend:

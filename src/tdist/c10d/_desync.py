@@ -57,7 +57,7 @@ from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
 __all__ = [
-    "GRACE", "Responder", "ask_all", "check_after", "compatible", "diagnose", "explain", "head", "mismatch",
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "describe_call", "diagnose", "explain", "head", "mismatch",
     "request_dumps", "unwatch", "watch",
 ]
 
@@ -538,7 +538,8 @@ def mismatch(failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | 
     return out
 
 
-def _call(b: Mapping[str, Any]) -> str:
+def describe_call(b: Mapping[str, Any]) -> str:
+    """An entry of the diagnosis as a call: ``all_reduce #3 (float32[4], op=SUM)``."""
     if b.get("p2p"):
         src, dst = b["p2p"]
         text = f"{b['op']} {src}->{dst} (p2p #{b['seq']})"
@@ -584,7 +585,7 @@ def _status(
 ) -> tuple[str, bool]:
     """Rank ``q``'s behaviour in one phrase, and whether it waits in the failed call as this
     rank does."""
-    call = _call(failed)
+    call = describe_call(failed)
     if q in gone:
         return f"{gone[q]}{known}", False
     if h is None:
@@ -593,7 +594,7 @@ def _status(
     recent = h.get("recent") or []
     same = [b for b in recent if not b.get("p2p") and b.get("seq") == seq] if not failed.get("p2p") else []
     elsewhere = "".join(
-        f"; it is in {_call(b)} of group {b['group']!r} ({b.get('state')} for {b.get('since_s', 0):.1f} s)"
+        f"; it is in {describe_call(b)} of group {b['group']!r} ({b.get('state')} for {b.get('since_s', 0):.1f} s)"
         for b in h.get("elsewhere") or []
     )
     if same:
@@ -602,7 +603,7 @@ def _status(
             if b.get("state") == "completed":
                 return f"completed {call}{elsewhere}", False
             return "", True
-        return f"called {_call(b)} where others called {call}{elsewhere}", False
+        return f"called {describe_call(b)} where others called {call}{elsewhere}", False
     last = recent[-1] if recent else None
     tail = f"its last op is {_op(last)}" if last else "it has recorded no operation in this group"
     if int(h.get("last_seq") or 0) < seq or failed.get("p2p"):
@@ -634,7 +635,7 @@ def explain(
     waiting: list[int] = []
     mine = heads.get(me) or {}
     last = mine.get("last_completed")
-    known = f"; it took part in {_call(last)}, the last collective completed here" if last else ""
+    known = f"; it took part in {describe_call(last)}, the last collective completed here" if last else ""
     for q in range(size):
         status, waits = _status(q, failed, heads.get(q), gone, unanswered, known)
         if waits:
@@ -644,7 +645,7 @@ def explain(
     parts = [f"{_ranks(ranks)} {status}" for status, ranks in by_status.items()]
     if waiting:
         verb = "is" if len(waiting) == 1 else "are"
-        parts.append(f"{_ranks(waiting)} {verb} waiting in {_call(failed)}")
+        parts.append(f"{_ranks(waiting)} {verb} waiting in {describe_call(failed)}")
     if not by_status:
         parts.append("no rank is missing (every rank was in this call: a slow rank, or a network stall)")
     return f"What the ranks of group {group!r} were doing: " + "; ".join(parts) + "."

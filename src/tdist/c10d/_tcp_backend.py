@@ -52,7 +52,17 @@ from . import _flight_recorder as fr
 from . import _schedules as S
 from ._backend import Backend, register_backend_creator
 from ._checks import CollectiveArgumentError, check_split_sizes
-from ._desync import Responder, ask_all, diagnose, explain, mismatch, request_dumps, unwatch, watch
+from ._desync import (
+    Responder,
+    ask_all,
+    describe_call,
+    diagnose,
+    explain,
+    mismatch,
+    request_dumps,
+    unwatch,
+    watch,
+)
 from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder
 from ._reduce import reduce_into
 from ._threads import PARALLEL_BYTES, capped
@@ -493,13 +503,9 @@ class ProcessGroupTCP(Backend):
         theirs = next(b for b in heads[q]["recent"] if not b.get("p2p") and b.get("seq") == mine["seq"])  # type: ignore[index]
         age = (_time_ns() - entry[STARTED]) / 1e9
 
-        def call(b: dict[str, Any]) -> str:
-            shown = ", ".join(x for x in (b.get("sig"), b.get("detail")) if x)
-            return f"{b['op']} #{b['seq']}" + (f" ({shown})" if shown else "")
-
         message = (
             f"rank {self._rank}: {_MISMATCH} {rec.label!r} (found by the desync check after {age:.1f} s "
-            f"without progress): rank {self._rank} called {call(mine)} but rank {q} called {call(theirs)}; "
+            f"without progress): rank {self._rank} called {describe_call(mine)} but rank {q} called {describe_call(theirs)}; "
             "every rank must call the same collectives in the same order with the same shapes and "
             f"dtypes. {explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered)}"
         )
