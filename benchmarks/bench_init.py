@@ -10,6 +10,12 @@ and each times ``dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PO
 ``destroy_process_group``. The figure of a round is the slowest rank's (the group is usable
 when every rank has it); the table shows medians over rounds.
 
+Each child runs ``gc.collect()`` after its imports, before it says it is ready. Importing torch
+leaves its first full collection due (60-150 ms on this host: it walks every object torch made);
+without the collect it lands in whichever call first allocates Python objects past the
+threshold, which is tdist's init (Python) and gloo's first Python work after its init (C++). It
+is the import's cost, paid the same by both wherever it lands, and left in it swamps the figure.
+
 ``--busy``: one low-priority busy loop per core runs meanwhile, as a training job's other work
 would leave the host (see ``_common.busy_host``).
 
@@ -36,6 +42,8 @@ if impl == "gloo":
     import torch.distributed as dist
 else:
     import tdist as dist
+import gc
+gc.collect()  # (the imports' debt: see the module's docstring)
 print("ready", flush=True)
 sys.stdin.readline()
 t0 = time.perf_counter()
