@@ -17,6 +17,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -243,6 +244,57 @@ def test_a_different_call_fails_every_rank_naming_both(scenario: str, path: str,
     report = _fr_trace(tmp_path)
     kind = "COLLECTIVE_TYPE_MISMATCH" if scenario == "other" else "SIZE_OR_SYNTAX_MISMATCH"
     assert "Collective sequence number: 3 has errors" in report and kind in report, report
+
+
+# -- two groups' collectives called in another order on two ranks: each waits for the other ------
+def _crossed(rank: int, n: int, port: int, scenario: str, env: dict[str, str]) -> str:
+    os.environ.update(env)
+    os.environ["TDIST_FR_CHECK_AFTER"] = "0.5"
+    timeout = timedelta(seconds=60)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timeout)
+    a = tdist.new_group([0, 1], timeout=timeout)
+    b = tdist.new_group([0, 1], timeout=timeout)
+    try:
+        if rank == 1:
+            tdist.barrier(group=b)
+            tdist.all_reduce(torch.ones(4), group=a)
+        elif scenario == "crossed":
+            tdist.all_reduce(torch.ones(4), group=a)
+            tdist.barrier(group=b)
+        elif scenario == "waited":  # (an async call waited for before the other group's: the same)
+            tdist.all_reduce(torch.ones(4), group=a, async_op=True).wait()
+            tdist.barrier(group=b)
+        else:  # "thread": another thread of rank 0 calls b's, later: no deadlock
+            late = threading.Thread(target=lambda: (time.sleep(2.0), tdist.barrier(group=b)))
+            late.start()  # (the checks at 0.5 s and 1.5 s must not take it for one)
+            tdist.all_reduce(torch.ones(4), group=a)
+            late.join()
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("scenario", ["crossed", "waited"])
+def test_two_groups_called_in_another_order_fail_both_ranks_naming_the_deadlock(scenario: str, path: str, tmp_path: Path) -> None:
+    """gloo hangs until the groups' timeout (30 minutes by default: no message of either group
+    ever shows a mismatch). tdist's desync check finds the two ranks waiting for each other."""
+    got = run_processes(_crossed, 2, free_port(), scenario, _env(path, tmp_path), timeout=90)
+    # (each rank's check finds it, unless the other rank's verdict, which breaks both groups
+    # there, reaches it first: then it fails with that one, as a PeerError quoting it)
+    assert any(m.startswith("CollectiveMismatchError") for m in got), got
+    for m in got:
+        assert "deadlock between groups" in m, got
+        assert "which this rank has not entered (its last collective there is #0)" in m, m
+    for m in got:
+        if m.startswith("CollectiveMismatchError: rank 0:"):
+            assert "deadlock between groups '1' and '2'" in m and "which waits for rank 1; rank 1 is in" in m, m
+            assert "all_reduce #1 (float32[4]) of group '1'" in m and "barrier #1 of group '2'" in m, m
+
+
+def test_a_call_another_thread_makes_later_is_no_deadlock(tmp_path: Path) -> None:
+    assert run_processes(_crossed, 2, free_port(), "thread", _env("shm", tmp_path), timeout=90) == ["no error"] * 2
 
 
 # -- torch's groups on the tdist backend -------------------------------------------------------------

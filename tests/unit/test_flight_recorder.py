@@ -192,6 +192,30 @@ def test_compatible_calls_and_mismatches() -> None:
     assert D.mismatch(ar, heads) == [2]
 
 
+def test_crossed_names_a_rank_that_waits_in_another_group_for_this_one() -> None:
+    """Rank 0 waits in group 'a' for rank 1, which waits in group 'b' for rank 0 (which has not
+    entered that call): a deadlock, where both are certain that they cannot issue more."""
+    ar = _b("all_reduce", 1)
+    theirs = {"group": "b", **_b("barrier", 1, "")}
+    one = {**_h(), "stuck": True, "elsewhere": [theirs]}
+    heads = {0: {**_h(ar), "stuck": True}, 1: one}
+    assert D.crossed(ar, heads, 0, {"b": 0}) == (1, theirs)
+    # no deadlock where: this rank entered the other call (or is not of its group) ...
+    assert D.crossed(ar, heads, 0, {"b": 1}) is None
+    assert D.crossed(ar, heads, 0, {}) is None
+    # ... the other rank could still issue this call (another thread of it may) or entered it ...
+    assert D.crossed(ar, {**heads, 1: {**one, "stuck": False}}, 0, {"b": 0}) is None
+    assert D.crossed(ar, {**heads, 1: {**_h(_b("all_reduce", 1)), "stuck": True, "elsewhere": [theirs]}}, 0, {"b": 0}) is None
+    # ... it has more than that one call in flight (it may be blocked in another), or its call there
+    # is a point-to-point one (which may not need this rank), or this call is one
+    two = {**one, "elsewhere": [theirs, {"group": "c", **_b("all_reduce", 4)}]}
+    assert D.crossed(ar, {**heads, 1: two}, 0, {"b": 0, "c": 9}) is None
+    p2p = {**one, "elsewhere": [{**theirs, "p2p": [1, 0]}]}
+    assert D.crossed(ar, {**heads, 1: p2p}, 0, {"b": 0}) is None
+    assert D.crossed({**ar, "p2p": [0, 1]}, heads, 0, {"b": 0}) is None
+    assert D.crossed(ar, {**heads, 1: None}, 0, {"b": 0}) is None
+
+
 def test_the_answers_are_json() -> None:
     """The answers travel as JSON (the store may be shared: never pickle)."""
     rec = _rec(0)

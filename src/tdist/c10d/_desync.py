@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -57,8 +58,8 @@ from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
 __all__ = [
-    "GRACE", "Responder", "ask_all", "check_after", "compatible", "describe_call", "diagnose", "explain", "head", "mismatch",
-    "request_dumps", "unwatch", "watch",
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "describe_call", "diagnose", "explain", "head",
+    "mismatch", "request_dumps", "stuck", "unwatch", "watch",
 ]
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,33 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
         "last_completed": fr.brief(done[-1], now) if done else None,
         "last_seq": colls[-1][fr.CSEQ] if colls else 0,
         "elsewhere": elsewhere,
+        "stuck": stuck(me) is not None,
     }
+
+
+def stuck(global_rank: int) -> int | None:
+    """The one thread that issues the operations of ``global_rank`` in this process, where it is
+    blocked in one of them now and no other thread could issue the next (no thread lives here
+    but it and tdist's own): None where that is not certain. Read at a diagnosis only."""
+    issuers: set[int] = set()
+    for rec in fr.recorders():
+        if rec.global_rank == global_rank:
+            issuers.update(e[fr.THREAD] for e in rec.entries())
+    if len(issuers) != 1:
+        return None
+    issuer: int = next(iter(issuers))
+    if any(t.ident != issuer and not t.name.startswith("tdist") for t in threading.enumerate()):
+        return None
+    frame = sys._current_frames().get(issuer)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("_execute", "wait") and code.co_filename.startswith(_C10D):
+            return issuer
+        frame = frame.f_back
+    return None
+
+
+_C10D = os.path.dirname(os.path.abspath(__file__)) + os.sep  # (the backends' files: where they wait)
 
 
 class Responder:
@@ -536,6 +563,39 @@ def mismatch(failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | 
                 out.append(q)
                 break
     return out
+
+
+def crossed(
+    failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None], me: int, entered: Mapping[str, int]
+) -> tuple[int, Mapping[str, Any]] | None:
+    """A rank that ``failed``'s call waits for, blocked in another group's collective that this
+    rank has not entered: ``(rank, its entry there)``, or None. The two ranks wait for each
+    other: a deadlock that no message shows (each group's calls match), classically two groups'
+    collectives called in a different order on two ranks.
+
+    ``entered``: for each other group of which this rank is a member, the sequence number of its
+    last collective issued there; given only where this rank cannot issue another before
+    ``failed`` returns (``stuck``: its one issuing thread is blocked in it). The other rank must
+    be as certain (its head's ``stuck``), with the other group's collective the only operation
+    it has in flight: it cannot come to ``failed``'s call before that one returns.
+    """
+    if failed.get("p2p"):
+        return None
+    seq = failed["seq"]
+    for q, h in sorted(heads.items()):
+        if q == me or h is None or not h.get("stuck"):
+            continue
+        if int(h.get("last_seq") or 0) >= seq:  # (entered it: not what this call waits for)
+            continue
+        here = [b for b in h.get("recent") or [] if b.get("state") != "completed" and not b.get("error")]
+        there = h.get("elsewhere") or []
+        if here or len(there) != 1:
+            continue
+        b = there[0]
+        group = b.get("group")
+        if not b.get("p2p") and group in entered and entered[group] < int(b.get("seq") or 0):
+            return q, b
+    return None
 
 
 def describe_call(b: Mapping[str, Any]) -> str:

@@ -29,8 +29,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -55,11 +57,13 @@ from ._checks import CollectiveArgumentError, check_split_sizes
 from ._desync import (
     Responder,
     ask_all,
+    crossed,
     describe_call,
     diagnose,
     explain,
     mismatch,
     request_dumps,
+    stuck,
     unwatch,
     watch,
 )
@@ -127,8 +131,9 @@ _get_ident = threading.get_ident
 Entry = list[Any] | tuple[Any, ...]  # a flight-record entry: full, or short (``_flight_recorder``)
 _MARK = "What the ranks of group"  # (how ``_desync.explain`` starts)
 _MISMATCH = "collective mismatch in group"  # (the desync check's verdict)
+_DEADLOCK = "deadlock between groups"  # (its verdict on calls crossed between groups)
 # a failure that quotes one of these says already what went wrong, naming both sides
-_QUOTED = (_MARK, _MISMATCH, "mismatched calls", "collective mismatch in shared-memory arena")
+_QUOTED = (_MARK, _MISMATCH, _DEADLOCK, "mismatched calls", "collective mismatch in shared-memory arena")
 
 
 # what the transport and the arena say of a peer that is gone, wherever in a (quoted) message
@@ -340,6 +345,7 @@ class _RecvWork(Work):
 
 
 _no_arena_logged: set[str] = set()
+_recording: weakref.WeakSet[ProcessGroupTCP] = weakref.WeakSet()  # (the groups with a flight record)
 
 
 def _log_no_arena(why: str) -> None:
@@ -416,6 +422,8 @@ class ProcessGroupTCP(Backend):
         # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
         # diagnosis requests (``_desync``)
         self._fr = fr.make_recorder(rank, size, self._timeout)
+        if self._fr is not None:
+            _recording.add(self)
         self._timed = self._fr is not None and self._fr.timed  # (stamp inline completions)
         if self._fr is not None:
             self._fr.busy = self._lock.locked  # (a short entry runs under the lock)
@@ -497,7 +505,10 @@ class ProcessGroupTCP(Backend):
         heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
         mine = fr.brief(fr.normalized(rec, entry), _time_ns())
         culprits = mismatch(mine, heads)
-        if not culprits or entry[DONE] or self._broken is not None:
+        if not culprits:
+            self._check_crossed(entry, mine, heads)
+            return
+        if entry[DONE] or self._broken is not None:
             return
         q = culprits[0]
         theirs = next(b for b in heads[q]["recent"] if not b.get("p2p") and b.get("seq") == mine["seq"])  # type: ignore[index]
@@ -509,11 +520,70 @@ class ProcessGroupTCP(Backend):
             "every rank must call the same collectives in the same order with the same shapes and "
             f"dtypes. {explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered)}"
         )
-        self._verdict = CollectiveMismatchError(message)
-        self._dump_everywhere()
-        self._ep.abort(message)
+        self._break_with(CollectiveMismatchError(message))
+
+    def _break_with(self, verdict: CollectiveMismatchError, dump: bool = True) -> None:
+        """Break the group with the desync check's ``verdict``: every rank's call fails with it."""
+        self._verdict = verdict
+        if dump:
+            self._dump_everywhere()
+        self._ep.abort(str(verdict))
         if self._arena is not None:
-            self._arena.abort(message)
+            self._arena.abort(str(verdict))
+
+    def _check_crossed(self, entry: list[Any], mine: dict[str, Any], heads: dict[int, dict[str, Any] | None]) -> None:
+        """The desync check's second question: does a rank that this blocked call waits for
+        wait in turn, in another group's collective, for this rank, which cannot get there
+        before this call returns (``_desync.crossed``)? Asked only where both ranks are certain
+        of it (``_desync.stuck``): here, the one thread that issues this rank's operations is
+        blocked in this call."""
+        rec = self._fr
+        if rec is None or entry[DONE] or self._broken is not None:
+            return
+        me = rec.global_rank
+        if stuck(me) != entry[fr.THREAD] or not self._issuer_blocked(entry):
+            return
+        entered: dict[str, int] = {}
+        for other in fr.recorders():
+            if other.global_rank == me and other is not rec:
+                colls = [e[fr.CSEQ] for e in other.entries() if e[fr.PEER] is None]
+                entered[other.label] = colls[-1] if colls else 0
+        found = crossed(mine, heads, self._rank, entered)
+        if found is None or entry[DONE] or self._broken is not None:
+            return
+        q, theirs = found
+        h = heads[q] or {}
+        who = f"rank {q}" + (f" (global rank {h['global_rank']})" if h.get("global_rank", q) != q else "")
+        age = (_time_ns() - entry[STARTED]) / 1e9
+        last = entered[theirs["group"]]
+        message = (
+            f"rank {self._rank}: {_DEADLOCK} {rec.label!r} and {theirs['group']!r} (found by the desync "
+            f"check after {age:.1f} s without progress): this rank is in {describe_call(mine)} of group "
+            f"{rec.label!r}, which waits for {who}; {who} is in {describe_call(theirs)} of group "
+            f"{theirs['group']!r}, which this rank has not entered (its last collective there is "
+            f"#{last}) and cannot enter before its call in group {rec.label!r} returns. Ranks must "
+            "call the collectives of the groups they share in the same order."
+        )
+        self._break_with(CollectiveMismatchError(message))
+        # and the other group, which this rank cannot call now: the rank waiting there hears of
+        # it at once, not when this rank leaves after its error (its own check may come later)
+        for g in list(_recording):
+            rec_g = g._fr
+            if rec_g is not None and rec_g.label == theirs["group"] and rec_g.global_rank == me and g._broken is None:
+                g._break_with(CollectiveMismatchError(message), dump=False)
+
+    def _issuer_blocked(self, entry: list[Any]) -> bool:
+        """Whether the thread that issued ``entry`` (this group's oldest running operation) is
+        blocked in it: running it (operations run one at a time) or waiting for its ``Work``."""
+        frame = sys._current_frames().get(entry[fr.THREAD])
+        while frame is not None:
+            name = frame.f_code.co_name
+            if name == "_execute" or name == "wait":
+                owner = frame.f_locals.get("self")
+                if owner is self or (isinstance(owner, Work) and getattr(owner, "_entry", None) is entry):
+                    return True
+            frame = frame.f_back
+        return False
 
     def _local_fates(self) -> dict[int, str]:
         """Peers on this host whose process is stopped or gone, as ``/proc`` says (a stopped
@@ -581,6 +651,7 @@ class ProcessGroupTCP(Backend):
                     if isinstance(entry, tuple):  # (a short entry runs where it was issued)
                         entry = self._widen(entry)
                     entry[STARTED] = 0  # (queued: the worker stamps its start)
+                    work._entry = entry  # type: ignore[attr-defined]  # (the desync check: who waits for it)
                 self._queue.append((work, fn, entry))
                 self._ensure_worker()
                 self._cv.notify()
