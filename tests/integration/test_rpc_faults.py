@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tdist.testing import free_port
+
 from . import rpc_funcs as f
 from ._rpc_harness import (
     BACKENDS,
@@ -298,6 +300,66 @@ def test_a_worker_lost_fails_shutdown_only_once_the_live_ones_have_come() -> Non
     for out in (server, trainer):
         assert out["error"] is not None and out["error"]["type"] == "PeerError", out
         assert f"{name(VICTIM)}" in out["error"]["text"] and "will never reach it" in out["error"]["text"], out
+
+
+_HOSTED_BY_WORKER0 = """
+import os, signal, sys, threading, time
+import tdist.rpc as rpc
+rank = int(os.environ["RANK"])
+rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+main = threading.get_ident()
+
+def stop_once_waiting():  # (worker2: stopped once it waits in the shutdown's barrier, its part set)
+    while True:
+        frame, names = sys._current_frames().get(main), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if "_barrier" in names and names[0] in ("wait", "poll", "_read_reply", "recv"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # (the test continues it once worker0 has left)
+            return
+        time.sleep(0.001)
+
+if rank == 2:
+    threading.Thread(target=stop_once_waiting, daemon=True).start()
+try:
+    rpc.shutdown()
+    print("shutdown returned", flush=True)
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+def test_a_worker_that_finds_the_store_gone_names_the_lost_worker_not_the_stores_host() -> None:
+    """worker0 hosts the store (env://, as without a launcher). worker1 dies; worker0's
+    shutdown fails naming it, and worker0 leaves, taking the store along. worker2, which has
+    not looked at the missing workers yet, then finds the store gone: it names worker1 too,
+    not worker0."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_", "TDIST_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3", **HEARTBEAT_ENV)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _HOSTED_BY_WORKER0], env={**env, "RANK": str(r)}, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        for r in range(3)
+    ]
+    try:
+        out0 = procs[0].communicate(timeout=40)[0]
+        assert "PeerError" in out0 and "worker1 (id 1) will never reach it" in out0, out0
+        os.kill(procs[2].pid, signal.SIGCONT)
+        out2 = procs[2].communicate(timeout=40)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.wait()
+    assert "PeerError: worker2 (id 2): RPC shutdown: worker1 (id 1) was lost" in out2, out2
+    assert "(and worker0 (id 0), which hosted the store, is gone too)" in out2, out2
 
 
 # -- dynamic membership ------------------------------------------------------------------------

@@ -985,12 +985,16 @@ class RpcAgent:
         try:
             self._barrier(name, timeout)
         except DistNetworkError as exc:
-            # the store went with its host: a worker lost before it (not one that left by
-            # shutting down) is the better answer
-            for i in range(self.world_size):
-                lost = self._lost_peer(i) if i != self.rank else None
-                if lost is not None and i not in self._left:
-                    raise PeerError(f"{self.label}: RPC shutdown: {self.describe(i)} was lost: {lost}", peer=i) from exc
+            # the store went with its host: a worker lost (not one that left by shutting down)
+            # is the better answer; not the store's host (id 0) where another is lost too, as
+            # that one may have left after its own error about the other (which this worker,
+            # not connected to it, had not heard of yet)
+            lost = {i: self._lost_peer(i) for i in range(self.world_size) if i != self.rank and i not in self._left}
+            gone = [i for i, why in lost.items() if why is not None]
+            if gone:
+                first = next((i for i in gone if i != 0), gone[0])
+                also = f" (and {self.describe(0)}, which hosted the store, is gone too)" if first != 0 and 0 in gone else ""
+                raise PeerError(f"{self.label}: RPC shutdown: {self.describe(first)} was lost: {lost[first]}{also}", peer=first) from exc
             if 0 in self._left:
                 # the store's host shut down before this worker came (its wait timed out, as
                 # torch's shutdown timeout lets it): nobody is left to wait for through it
