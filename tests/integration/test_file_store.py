@@ -664,3 +664,30 @@ def test_prefix_store_over_file_store(store: tdist.FileStore, path: str) -> None
         assert tdist.PrefixStore("job", other).get("k") == b"v"
     with pytest.raises(StoreTimeoutError, match=r"keys: job/missing \(FileStore"):
         p.get("missing")
+
+
+@pytest.mark.parametrize("kind", ["file", "hash", "tcp", "prefix"])
+def test_a_store_neither_copies_nor_pickles_and_stays_usable(kind: str, tmp_path: Path) -> None:
+    """As torch's ("cannot pickle ... object"): a copy that shared the original's file or socket
+    closed it when the copy was dropped, and the original then failed."""
+    import copy
+    import gc
+    import pickle
+
+    from tdist.testing import free_port
+
+    store: tdist.Store
+    if kind == "file":
+        store = tdist.FileStore(str(tmp_path / "f"), 1)
+    elif kind == "hash":
+        store = tdist.HashStore()
+    elif kind == "tcp":
+        store = tdist.TCPStore("127.0.0.1", free_port(), 1, True)
+    else:
+        store = tdist.PrefixStore("p", tdist.HashStore())
+    store.set("k", "v")
+    for how in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=f"cannot pickle '{type(store).__name__}' object"):
+            how(store)
+    gc.collect()
+    assert store.get("k") == b"v"

@@ -95,6 +95,12 @@ class Store:
         assert seconds is not None
         return timedelta(seconds=seconds)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A store is a connection or a handle of this process, as torch's: it neither pickles
+        nor copies (a copy sharing the socket or the file, closed when the copy goes, broke
+        the original). ``clone()`` makes a new connection where there is one to make."""
+        raise TypeError(f"cannot pickle {type(self).__name__!r} object")
+
     # -- timeouts ------------------------------------------------------------------------------
     @property
     def timeout(self) -> timedelta:
