@@ -168,6 +168,24 @@ def _stuck() -> dict[str, Any]:
     return out
 
 
+def _destroyed() -> dict[str, Any]:
+    """Rank 1 destroys its group where rank 0 calls an all_reduce: the destroy's own wait for
+    the other ranks must not be taken for rank 0's collective."""
+    dist.init_process_group("mpi", timeout=timedelta(seconds=4))
+    r = dist.get_rank()
+    out: dict[str, Any] = {"rank": r}
+    if r == 0:
+        t = torch.full((4,), 7.0)
+        try:
+            dist.all_reduce(t)
+            out["error"] = None
+            out["result"] = t.tolist()
+        except Exception as exc:
+            out["error"] = [type(exc).__name__, str(exc)]
+    dist.destroy_process_group()
+    return out
+
+
 def _dies() -> dict[str, Any]:
     dist.init_process_group("mpi", timeout=timedelta(seconds=4))
     r = dist.get_rank()
@@ -265,7 +283,7 @@ def _write(result: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone}[case]()
+    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "destroyed": _destroyed, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone}[case]()
     _write(result)
     if case in ("stuck", "dies"):
         # the survivors leave together: mpiexec ends the job's processes once one has left (a

@@ -124,6 +124,14 @@ def test_a_stuck_collective_raises_naming_the_rank_that_never_reached_it() -> No
         assert waited < 30
 
 
+def test_a_collective_that_another_rank_destroyed_its_group_under_fails_not_garbage() -> None:
+    """The destroy's wait for the other ranks (a barrier) ran on the group's communicator, where
+    MPI paired it with rank 0's all_reduce: that returned at once, with garbage."""
+    res = _mpiexec(2, "destroyed")
+    kind, msg = res[0]["error"]
+    assert kind == "DistTimeoutError" and "all_reduce #1 timed out" in msg, res[0]
+
+
 def test_a_rank_that_dies_is_named_by_the_others_when_mpiexec_lets_them_live() -> None:
     """MPICH's mpiexec ends the job when a rank dies; with ``-disable-auto-cleanup`` the others
     live on, and their collective fails within its timeout, naming the dead rank."""

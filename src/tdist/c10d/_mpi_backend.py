@@ -439,6 +439,9 @@ class ProcessGroupMPI(Backend):
     def __init__(self, comm: Any, store: Store | None, timeout: timedelta) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._comm = comm
+        # the barrier of ``shutdown`` runs on a communicator of its own: on ``comm`` it would
+        # pair with a collective another rank still waits in, which then returned garbage
+        self._exit_comm = comm.Dup()
         self._store = store
         self._timeout = timeout.total_seconds()
         self._seq = 0
@@ -829,14 +832,15 @@ class ProcessGroupMPI(Backend):
         if self._responder is not None:
             self._responder.stop()
         if self._broken is None and not MPI.Is_finalized():
-            _quiet_barrier(self._comm, min(self._timeout, _EXIT_WAIT))
+            _quiet_barrier(self._exit_comm, min(self._timeout, _EXIT_WAIT))
         self._closed = True
         comm, self._comm = self._comm, None
-        if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
-            try:
-                comm.Free()
-            except MPI.Exception:
-                pass
+        for c in (comm, self._exit_comm):
+            if c is not None and c != MPI.COMM_NULL and not MPI.Is_finalized():
+                try:
+                    c.Free()
+                except MPI.Exception:
+                    pass
 
     def abort(self) -> None:
         """Ends the whole MPI job, as torch's MPI backend does (MPI has no way to leave one
