@@ -1151,3 +1151,16 @@ def test_master_listen_fd_serves_on_a_socket_listening_or_not(state: str) -> Non
         client.close()
     finally:
         master.close()
+
+
+def test_libuv_backend_says_what_was_asked_as_torchs_does() -> None:
+    """torch's ``libuvBackend`` is True by default (``use_libuv=True``) and False with
+    ``use_libuv=False``; tdist's server is one implementation, but the property says the same."""
+    from tdist.testing import free_port
+
+    for kwargs, expected in (({}, True), ({"use_libuv": True}, True), ({"use_libuv": False}, False)):
+        store = dist.TCPStore("127.0.0.1", free_port(), 1, True, **kwargs)
+        try:
+            assert store.libuvBackend is expected, kwargs
+        finally:
+            store.close()

@@ -166,7 +166,8 @@ class TCPStore(Store):
         wait_for_workers: see ``world_size``.
         multi_tenant: masters in one process with the same host and port share one server.
         master_listen_fd: a socket for the server to use (listening already, or bound, or not even bound: then it listens on an ephemeral port), as torch's.
-        use_libuv: accepted for compatibility with torch; ignored.
+        use_libuv: torch's choice of server implementation; tdist's store has one, so it is
+            recorded (``libuvBackend`` says it, as torch's) and changes nothing.
         secret: the job's shared secret (default ``TDIST_SECRET``); without one the store is
             open to anyone who can connect, as torch's is.
 
@@ -193,6 +194,7 @@ class TCPStore(Store):
         _clone: bool = False,
     ) -> None:
         super().__init__(timeout)
+        self._use_libuv = bool(use_libuv)
         if not isinstance(host_name, str):
             raise TypeError(f"TCPStore host_name must be str, got {type(host_name).__name__}")
         if isinstance(port, bool) or not isinstance(port, int):
@@ -755,7 +757,8 @@ class TCPStore(Store):
 
     @property
     def libuvBackend(self) -> bool:
-        return False
+        """``use_libuv`` as given (torch's: whether its libuv server serves; True by default)."""
+        return self._use_libuv
 
     def set(self, key: str, value: str | bytes) -> None:
         if type(key) is str and type(value) is bytes and self._transport == "unix":
