@@ -168,6 +168,18 @@ def _stuck() -> dict[str, Any]:
     return out
 
 
+def _split() -> dict[str, Any]:
+    """``split_group`` on the mpi backend: each split's members make its communicator alone."""
+    dist.init_process_group("mpi")
+    r = dist.get_rank()
+    g = dist.split_group(split_ranks=[[0, 2], [1]])
+    t = torch.tensor([float(r + 1)])
+    dist.all_reduce(t, group=g)
+    out = {"rank": r, "ranks": dist.get_process_group_ranks(g), "sum": t.item()}
+    dist.destroy_process_group()
+    return out
+
+
 def _destroyed() -> dict[str, Any]:
     """Rank 1 destroys its group where rank 0 calls an all_reduce: the destroy's own wait for
     the other ranks must not be taken for rank 0's collective."""
@@ -283,7 +295,7 @@ def _write(result: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "destroyed": _destroyed, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone}[case]()
+    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "destroyed": _destroyed, "split": _split, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone}[case]()
     _write(result)
     if case in ("stuck", "dies"):
         # the survivors leave together: mpiexec ends the job's processes once one has left (a

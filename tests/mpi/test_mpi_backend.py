@@ -124,6 +124,13 @@ def test_a_stuck_collective_raises_naming_the_rank_that_never_reached_it() -> No
         assert waited < 30
 
 
+def test_split_group_works_on_the_mpi_backend() -> None:
+    """(new_group's ``use_local_synchronization=True`` is refused on MPI, as torch's; a split,
+    which is made by its members alone, said so though the program never asked for it)"""
+    res = _mpiexec(3, "split")
+    assert [(g["ranks"], g["sum"]) for g in res] == [([0, 2], 4.0), ([1], 2.0), ([0, 2], 4.0)], res
+
+
 def test_a_collective_that_another_rank_destroyed_its_group_under_fails_not_garbage() -> None:
     """The destroy's wait for the other ranks (a barrier) ran on the group's communicator, where
     MPI paired it with rank 0's all_reduce: that returned at once, with garbage."""

@@ -440,6 +440,8 @@ def new_group(
     group_desc: str | None = None,
     device_id: torch.device | None = None,
     sort_ranks: bool = True,
+    *,
+    _split: bool = False,
 ) -> ProcessGroup | int | None:
     """Create a group of ``ranks`` (every rank of the default group must call it, in the same
     order, unless ``use_local_synchronization``).
@@ -479,7 +481,8 @@ def new_group(
     creator = _creator_for(backend_name, pg_options)
     global_rank = default.rank()
     if use_local_synchronization:
-        if backend_name == Backend.MPI:
+        if backend_name == Backend.MPI and not _split:  # (torch's rule; a split's members make
+            # the communicator alone, as MPI lets them: ``split_group`` works on every backend)
             raise ValueError("MPI backend doesn't support use_local_synchronization=True")
         if ranks is not None and global_rank not in ranks:
             return None

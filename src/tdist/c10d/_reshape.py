@@ -135,6 +135,7 @@ def split_group(
         pg_options=pg_options,
         use_local_synchronization=True,
         group_desc=group_desc,
+        _split=True,
     )
 
 
@@ -190,7 +191,7 @@ def split_one(
         members = _members(info)
         return new_group(
             [members[r] for r in mine], timeout=timeout, backend=info.backend, pg_options=opts,
-            use_local_synchronization=True, group_desc=desc,
+            use_local_synchronization=True, group_desc=desc, _split=True,
         )
     if ours is None:
         raise ValueError(f"Group {parent} is not a group of tdist's")
