@@ -80,6 +80,34 @@ def test_fsdp2_trains_on_tdist_as_on_gloo(n: int, backend: str) -> None:
     assert any(got[0]["local"][i] != got[1]["local"][i] for i in range(len(got[0]["local"])))  # (sharded)
 
 
+def _ddp_compiled(rank: int, n: int) -> dict[str, Any]:
+    """DDP under ``torch.compile``: DDP's reducer rebuilds its buckets with a broadcast before
+    the second compiled forward, from torch's C++; dynamo, tracing tdist's group method there,
+    raised "Attempted to access unregistered member on an OpaqueObject"."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    ddp = DDP(model)
+    compiled = torch.compile(ddp, backend="eager")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [p.flatten().tolist() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("backend", ["tdist", "tdist-api"])
+def test_ddp_under_torch_compile_trains_on_tdist_as_on_gloo(backend: str) -> None:
+    got, want = _run(_ddp_compiled, 2, backend), _run(_ddp_compiled, 2, "gloo")
+    assert got == want
+
+
 def _dtensor(rank: int, n: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

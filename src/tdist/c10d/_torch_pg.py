@@ -951,3 +951,33 @@ def register() -> None:
     import tdist
 
     tdist._register_with_torch()
+
+
+def _eager_under_compile() -> None:
+    """Have ``torch.compile``'s frame evaluator leave tdist's groups alone, as
+    ``torch.compiler.disable`` would (without importing dynamo, which ``import torch`` does
+    not): their methods are called from torch's C++ (DDP's reducer rebuilds its buckets with a
+    broadcast before a compiled forward), and dynamo, tracing them there, failed on the group
+    ("Attempted to access unregistered member on an OpaqueObject"). Every operation of tdist's
+    runs eagerly, its callees too (``_profiling.profiled``'s wrapper is every operation's entry)."""
+    try:
+        from torch._C._dynamo.eval_frame import (
+            _FrameAction,
+            _FrameExecStrategy,
+            set_code_exec_strategy,
+        )
+    except ImportError:  # (another torch: nothing to mark)
+        return
+    skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    codes = [profiled("", "")(lambda self: None).__code__]
+    for cls in (TorchProcessGroup, TorchWork, StoreForTorch, TorchStore):
+        for value in vars(cls).values():
+            fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+            if code is not None:
+                codes.append(code)
+    for code in codes:
+        set_code_exec_strategy(code, skip)
+
+
+_eager_under_compile()
