@@ -454,7 +454,13 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(work: Path) -> N
     err = res.stderr
     assert "ValueError: rank 1 gives up" in err.splitlines()
     report = err[err.index("worker.py FAILED"):]
-    assert "<NO_OTHER_FAILURES>" in report  # the ranks we stopped are not failures
+    # the ranks the launcher stopped are listed as torchrun lists them (its SIGTERM ended them)
+    failures = report.split("Root Cause")[0]
+    for r in (0, 2):
+        assert f"rank      : {r} (local_rank: {r})" in failures, report
+        pid = (work / f"pid{r}").read_text()
+        assert f"exitcode  : -15 (pid: {pid})  (SIGTERM)" in failures, report
+        assert f"traceback : Signal 15 (SIGTERM) received by PID {pid}" in failures, report
     root = report.split("Root Cause (first observed failure):")[1]
     assert "rank      : 1 (local_rank: 1)" in root
     assert f"exitcode  : 1 (pid: {(work / 'pid1').read_text()})" in root

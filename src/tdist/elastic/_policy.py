@@ -782,7 +782,7 @@ _FAILURE = """[{idx}]:
   time      : {time}
   host      : {host}
   rank      : {rank} (local_rank: {local_rank})
-  exitcode  : {exitcode} (pid: {pid})
+  exitcode  : {exitcode} (pid: {pid}) {signal}
   error_file: {error_file}
   traceback :{traceback}"""
 
@@ -839,8 +839,9 @@ def _format_failure(
         host=host,
         rank=e.rank,
         local_rank=e.local_rank,
-        exitcode=e.returncode,  # (torchrun's form: the number alone; the signal is named below)
+        exitcode=e.returncode,  # (torchrun's form: "-15 (pid: N)  (SIGTERM)", "1 (pid: N) ")
         pid=e.pid,
+        signal=f" ({signal_name(-e.returncode)})" if e.returncode < 0 else "",
         error_file=error.path if error is not None else "<N/A>",
         traceback=("\n    " if "\n" in text else " ") + text,
     )
@@ -1005,8 +1006,9 @@ def format_failure_report(
     error_files: Mapping[int, ErrorFile] | None = None,
     post_mortem: PostMortem | None = None,
 ) -> str:
-    """A report of failed workers in the shape of torchrun's ``ChildFailedError``, then, with
-    ``post_mortem``, a summary: how the first failure happened, what the other ranks were
+    """A report of failed workers in the shape of torchrun's ``ChildFailedError`` (with
+    ``post_mortem``, its "Failures:" also lists, as torchrun's, the workers the launcher
+    stopped that exited with a non-zero status), then, with ``post_mortem``, a summary: how the first failure happened, what the other ranks were
     doing when they were stopped, flight-recorder dumps, restarts, where the logs are.
 
     Args:
@@ -1027,9 +1029,24 @@ def format_failure_report(
     title = f"{name} FAILED"
     root, others = failed[0], failed[1:]
     errors = error_files or {}
+    # and, as torchrun lists them, the ranks the launcher stopped that exited with a non-zero
+    # status (its SIGTERM: "Signal 15 (SIGTERM) received"; the post-mortem says what they did)
+    listed = {e.local_rank for e in failed}
+    stopped = [] if post_mortem is None else sorted(
+        (e for e in post_mortem.exits if e.stopped_by_agent and e.returncode != 0 and e.local_rank not in listed),
+        key=lambda e: e.rank,
+    )
     other_text = "\n".join(
-        _format_failure(i + 1, e, host, tails.get(e.local_rank, ()), max_lines, errors.get(e.local_rank))
-        for i, e in enumerate(others)
+        [
+            *(
+                _format_failure(i + 1, e, host, tails.get(e.local_rank, ()), max_lines, errors.get(e.local_rank))
+                for i, e in enumerate(others)
+            ),
+            *(
+                _format_failure(len(others) + i + 1, e, host, (), max_lines, errors.get(e.local_rank))
+                for i, e in enumerate(stopped)
+            ),
+        ]
     )
     root_text = _format_failure(0, root, host, tails.get(root.local_rank, ()), max_lines, errors.get(root.local_rank))
     summary = [] if post_mortem is None else _format_post_mortem(failed, host, tails, errors, post_mortem)
