@@ -1368,14 +1368,17 @@ def test_elastic_node_range(work: Path, backend: str, request: pytest.FixtureReq
 
 def test_a_node_that_comes_later_joins_a_running_elastic_job(work: Path) -> None:
     # --nnodes 1:2: the first node runs alone; when the second comes, the first's group stops
-    # and both start again as one job (a change of membership: no restart spent)
+    # and both start again as one job (a change of membership: no restart spent). The first
+    # node's workers formed a group of their own: the new group's keys must not meet its keys
+    # (the count of restarts is the same), whatever each rank counted before
     (work / "sc.py").write_text(
-        "import os, sys, time\n"
+        "import os, sys, time, datetime\n"
+        "import tdist as dist, torch\n"
         "ws = int(os.environ['WORLD_SIZE'])\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=20))\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\n"
         "print('start', os.environ['RANK'], 'of', ws, flush=True)\n"
         "if ws == 2:\n    time.sleep(30); sys.exit(3)  # (alone: wait to be joined)\n"
-        "import tdist as dist, torch\n"
-        "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
         "print('rank', os.environ['RANK'], 'of', ws, 'sum', int(t.item()))\ndist.destroy_process_group()\n"
     )
     args = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",

@@ -333,6 +333,7 @@ class LocalAgent:
         self._wake_w = -1
         self._store: Store | None = None
         self._joined = False  # every node joined: the exit barrier can expect them all
+        self._rdzv_round: int | None = None  # (a dynamic rendezvous's round: ``_next_round``)
         self._next_peer_check = 0.0
         # (this host's name in the report and the events, as torch's: its fully qualified name)
         self._host = socket.getfqdn()
@@ -667,6 +668,10 @@ class LocalAgent:
             master_addr=master_addr, master_port=master_port,
         )
         self._store = info.store
+        # (the workers' keys go in a namespace of the round: the count of restarts stays where a
+        # node joined or left, and the store may be the same, so a group formed again in a new
+        # round would meet keys of the last one, and its new members, counting afresh, not)
+        self._rdzv_round = getattr(handler, "round", None)
         self._joined = True
         self._next_waiting_check = self._clock() + cfg.monitor_interval
         log.info("node %d of %d (%s rendezvous, up to %d nodes)", info.rank, info.world_size, handler.get_backend(), self._max_nodes)
@@ -1141,6 +1146,7 @@ class LocalAgent:
                 rank_dir = None if attempt is None else os.path.join(attempt, str(local_rank))
                 env = worker_env(
                     self._env, cfg, local_rank, master_port=port, restart_count=restart_count, secret=secret,
+                    rdzv_round=self._rdzv_round,
                     error_file=self._error_file(restart_count, local_rank), torch_port=torch_port,
                     flight_record_prefix=(
                         os.path.join(rank_dir, _FLIGHT_RECORD_NAME) if rank_dir is not None and self._keeps_logs else None

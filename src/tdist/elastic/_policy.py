@@ -506,6 +506,7 @@ def worker_env(
     error_file: str | None = None,
     torch_port: int | None = None,
     flight_record_prefix: str | None = None,
+    rdzv_round: int | None = None,
 ) -> dict[str, str]:
     """The environment of worker ``local_rank``: ``base`` plus what torchrun sets.
 
@@ -520,6 +521,8 @@ def worker_env(
     ``OMP_NUM_THREADS`` is set to 1 when unset and several workers share the node (as torchrun
     does), ``TDIST_SECRET`` carries the job's secret, and ``TORCHELASTIC_ERROR_FILE`` (when
     ``error_file`` is given) is where ``@record`` writes the worker's uncaught exception.
+    ``rdzv_round`` (a dynamic rendezvous's round) becomes ``TDIST_AGENT_ROUND``: tdist's
+    ``env://`` keeps the workers' keys of each round apart, as it keeps each restart's.
     ``flight_record_prefix`` becomes ``TORCH_FR_DUMP_TEMP_FILE``, where a rank dumps its flight
     record (``<prefix><rank>``), unless ``base`` names a place already (that variable, its
     older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, or ``TDIST_FR_DUMP_TEMP_FILE``).
@@ -549,6 +552,10 @@ def worker_env(
     # (said either way, as torchrun's: one inherited from an enclosing torchrun job would send
     # torch's client to a MASTER_PORT that nobody serves)
     env["TORCHELASTIC_USE_AGENT_STORE"] = str(torch_port is None)
+    if rdzv_round is not None:
+        env["TDIST_AGENT_ROUND"] = str(rdzv_round)
+    else:  # (not one inherited from an enclosing job)
+        env.pop("TDIST_AGENT_ROUND", None)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # (torchrun's default, for NCCL groups)
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(signal.Signals(s).name for s in config.signals)
     if config.virtual_local_rank:  # (torchrun's: the worker's one device is its device 0)

@@ -273,7 +273,11 @@ def _create_c10d_store(
             )
         from ._prefix import PrefixStore
 
-        return PrefixStore(f"/worker/attempt_{attempt}", agent_store)
+        # (and, under a dynamic rendezvous, of its round: a node that joins or leaves starts a
+        # new round, where the count of restarts stays, and the store may be the same)
+        rdzv_round = os.environ.get("TDIST_AGENT_ROUND")
+        prefix = f"/worker/attempt_{attempt}" + (f"/round_{rdzv_round}" if rdzv_round else "")
+        return PrefixStore(prefix, agent_store)
     log.debug("rank %d: %s the store at %s:%d", rank, "hosting" if rank == 0 else "joining", hostname, port)
     try:
         store = TCPStore(

@@ -349,6 +349,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return self._backend
 
     @property
+    def round(self) -> int | None:
+        """The round this node last joined (every node of it has the same), or None before one."""
+        return None if self._in_round is None else self._in_round[0]
+
+    @property
     def use_agent_store(self) -> bool:
         # (the workers get a store of their own: rank 0's MASTER_ADDR and MASTER_PORT)
         return False
