@@ -108,6 +108,8 @@ def _carry_on(dist: Any, t: torch.Tensor) -> None:
 
 def _rank_main(rank: int, n: int, port: int, scenario: str, api: str, env: dict[str, str], pg_timeout: float) -> None:
     os.environ.update(env)
+    if "TORCH_DISTRIBUTED_DEBUG" in env:  # (read at import: the test process's was imported without it)
+        tdist.set_debug_level_from_env()
     torch.set_num_threads(1)
     store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
     store.set(f"pid/{rank}", str(os.getpid()))
@@ -223,6 +225,20 @@ def test_a_dead_rank_is_named(path: str, tmp_path: Path) -> None:
         assert "rank 2 is gone (its process" in m, m
         assert "all_reduce #3" in m, m
     assert {"rank_0", "rank_1"} <= {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("scenario", ["die", "sigstop"])
+def test_debug_detail_names_a_dead_or_stopped_rank_as_fast_as_without_it(scenario: str, tmp_path: Path) -> None:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every call through the store first; that wait
+    did not look at the ranks known gone, and a dead or stopped rank was found at the group's
+    timeout (60 s here), as "did not reach collective #N", where gloo names it at once."""
+    env = {**_env("shm", tmp_path), "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TDIST_HEARTBEAT_TIMEOUT": "2"}
+    got = _run(scenario, env, pg_timeout=60.0)
+    for r in range(N - 1):
+        m = got[r]
+        assert m.startswith("PeerError") and "debug check of all_reduce" in m, m
+        assert "rank 2 will never reach it" in m, m
+        assert ("stalled" in m) if scenario == "sigstop" else ("lost" in m or "died" in m), m
 
 
 # -- desyncs: the cheap check raises on every rank, naming both sides, long before the timeout ----

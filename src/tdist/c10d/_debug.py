@@ -24,12 +24,13 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .._core.errors import CollectiveMismatchError, DistBackendError, DistError
+from .._core.errors import CollectiveMismatchError, DistBackendError, DistError, PeerError
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -224,6 +225,8 @@ def compare(fps: Sequence[Fingerprint], me: int, seq: int = 0, group: str = "") 
 
 #: how long a rank that found a mismatch waits for the others to have read the fingerprints
 _MISMATCH_WAIT = 5.0
+#: seconds between two looks at the lost ranks while a check waits for their fingerprints
+_LOOK = 0.5
 
 
 class CollectiveChecker:
@@ -235,14 +238,29 @@ class CollectiveChecker:
         size: the group's size.
         timeout: how long to wait for the other ranks' fingerprints.
         group: the group's name, for messages.
+        lost: the group's ranks known gone, with why (the backend's ``lost_peers``): a rank
+            that died or stalled fails the wait for its fingerprint at once, as the collective
+            would without the check, not at the timeout.
+        broken: the failure that broke the group (the backend's), if one did: its ranks that
+            went on do not wait for the fingerprints of ranks that will never check again.
+        fail: breaks the group with a rank's loss found here (the backend's ``break_group``),
+            so that every rank's next call fails, the lost one's too should it come back.
     """
 
-    def __init__(self, store: Store, rank: int, size: int, timeout: timedelta, group: str) -> None:
+    def __init__(
+        self, store: Store, rank: int, size: int, timeout: timedelta, group: str,
+        lost: Callable[[], dict[int, str]] | None = None,
+        broken: Callable[[], BaseException | None] | None = None,
+        fail: Callable[[DistError], None] | None = None,
+    ) -> None:
         self._store = store
         self._rank = rank
         self._size = size
         self._timeout = timeout
         self._group = group
+        self._lost = lost
+        self._broken = broken
+        self._fail = fail
         self._seq = 0
         self._lock = threading.Lock()
 
@@ -259,8 +277,10 @@ class CollectiveChecker:
         keys = [f"{seq}/{r}" for r in range(self._size)]
         self._store.set(keys[self._rank], fp.to_json())
         try:
-            self._store.wait(keys, self._timeout)
+            self._wait(keys, fp, seq)
         except (DistError, TimeoutError) as exc:
+            if isinstance(exc, DistBackendError):  # (a rank gone, the group broken: said already)
+                raise
             missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
             raise DistBackendError(
                 f"[Rank {self._rank}] debug check of {fp.describe()} ({self._where(seq)}): ranks "
@@ -278,6 +298,42 @@ class CollectiveChecker:
             # that the store's host, raising and exiting first, takes no rank's read with it)
             self._all_read(seq)
             raise CollectiveMismatchError(message)
+
+    def _wait(self, keys: list[str], fp: Fingerprint, seq: int) -> None:
+        """Wait for every rank's fingerprint, looking at the lost ranks every ``_LOOK`` s.
+
+        Raises:
+            PeerError: a rank whose fingerprint is missing is gone (its process died or stalled).
+            DistError, TimeoutError: the timeout expired, or the store failed.
+        """
+        if self._lost is None and self._broken is None:
+            self._store.wait(keys, self._timeout)
+            return
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            look = min(_LOOK, max(0.0, deadline - time.monotonic()))
+            try:
+                self._store.wait(keys, timedelta(seconds=max(look, 0.001)))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            gone = self._lost() if self._lost is not None else {}
+            for r, k in enumerate(keys):
+                if r in gone and not self._store.check([k]):  # (what it left before it went counts)
+                    err = PeerError(
+                        f"[Rank {self._rank}] debug check of {fp.describe()} ({self._where(seq)}): rank "
+                        f"{r} will never reach it: {gone[r]}", peer=r,
+                    )
+                    if self._fail is not None:
+                        self._fail(err)
+                    raise err
+            failure = self._broken() if self._broken is not None else None
+            if failure is not None:
+                raise DistBackendError(
+                    f"[Rank {self._rank}] debug check of {fp.describe()} ({self._where(seq)}): the process "
+                    f"group is broken by an earlier failure: {failure}"
+                ) from failure
 
     def _all_read(self, seq: int) -> None:
         """Wait, at most ``_MISMATCH_WAIT`` seconds, until every rank has read collective

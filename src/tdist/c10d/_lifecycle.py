@@ -190,7 +190,9 @@ def _make_group(
     checker = None
     if get_debug_level() == DebugLevel.DETAIL:
         checker = CollectiveChecker(
-            PrefixStore("tdist_debug", prefix_store), group_rank, size, timeout, name
+            PrefixStore("tdist_debug", prefix_store), group_rank, size, timeout, name,
+            lost=getattr(impl, "lost_peers", None), broken=getattr(impl, "broken_by", None),
+            fail=getattr(impl, "break_group", None),
         )
     pg._set_backend(impl, _display_name(backend, impl), timeout, checker)
     with world.lock:

@@ -479,6 +479,22 @@ class ProcessGroupTCP(Backend):
         does not wait for them)."""
         return self._ep.lost_peers()
 
+    def broken_by(self) -> BaseException | None:
+        """The failure that broke the group (here, or on a peer, which said so), or None."""
+        return self._broken or self._ep.broken
+
+    def break_group(self, exc: DistError) -> None:
+        """Break the group with ``exc``, a failure found outside its operations (the debug
+        check's: a rank gone before the call): every rank's next operation fails with it, as
+        after a failed operation, instead of waiting for a rank that will not come."""
+        if self._broken is not None or self._closed:
+            return
+        self._broken = exc
+        reason = f"rank {self._rank}: {exc}"
+        self._ep.abort(reason)
+        if self._arena is not None:
+            self._arena.abort(reason)
+
     @property
     def flight_recorder(self) -> Recorder | None:
         """This rank's flight record of the group (``None`` when the recorder is off)."""

@@ -425,7 +425,13 @@ class Endpoint:
         return None
 
     def lost_peers(self) -> dict[int, str]:
-        """The peers whose connection is gone (their process died, or left), with why."""
+        """The peers whose connection is gone (their process died, or left), or that have sent
+        nothing for ``stall_timeout`` (stalled: failed now, as a wait on them fails them; for
+        waits that go through no connection, as the store's), with why."""
+        now = time.monotonic()
+        for p in list(self._peers.values()):
+            if p.error is None:
+                self._stalled(p, "a wait for it", now)
         return {q: str(p.error) for q, p in list(self._peers.items()) if p.error is not None}
 
     @property
