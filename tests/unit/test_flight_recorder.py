@@ -337,3 +337,15 @@ def test_short_entries_read_as_full_ones_and_run_only_while_their_group_is_busy(
         ("broadcast", 4), ("all_reduce", 5), ("broadcast", 6), ("all_reduce", 7)]
     assert all(F.state_of(e) == "completed" for e in rec.entries())
     assert not any(isinstance(x, torch.Tensor) for e in rec.ring for x in e or ())
+
+
+def test_dumps_on_failure_follow_tdists_variable_then_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("TDIST_FR_DUMP_ON_FAILURE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    assert F.dump_on_failure()
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # (torch's documented switch)
+    assert not F.dump_on_failure()
+    monkeypatch.setenv("TDIST_FR_DUMP_ON_FAILURE", "1")  # (tdist's own says first)
+    assert F.dump_on_failure()
+    monkeypatch.setenv("TDIST_FR_DUMP_ON_FAILURE", "off")
+    assert not F.dump_on_failure()

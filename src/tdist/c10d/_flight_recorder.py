@@ -186,8 +186,9 @@ def dump_prefix() -> str:
 
 def dump_on_failure() -> bool:
     """Whether a timeout or a lost peer writes every rank's dump (``TDIST_FR_DUMP_ON_FAILURE``,
-    default 1)."""
-    return os.environ.get("TDIST_FR_DUMP_ON_FAILURE", "1").strip().lower() not in ("0", "false", "no", "off")
+    else torch's ``TORCH_NCCL_DUMP_ON_TIMEOUT``, as its NCCL backend reads it; default 1)."""
+    value = os.environ.get("TDIST_FR_DUMP_ON_FAILURE") or os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") or "1"
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def _stack_on() -> bool:
