@@ -187,6 +187,8 @@ def test_a_rank_that_never_enters_the_collective_is_named_on_every_rank(
         assert "its last op is broadcast #2 (float32[10], completed" in m, m
         assert f"at {THIS_FILE}:" in m, m
         assert "ranks 0, 1 are waiting in all_reduce #3 (float32[1024])" in m, m
+        if path == "shm" and scenario == "skip":  # (the arena counts its operations as the recorder does)
+            assert "had not arrived at operation #3" in m, m
     # the culprit hears of it at its next call, with the same account
     assert "rank 2 never entered all_reduce #3" in got[CULPRIT], got[CULPRIT]
     # every rank left its dump (the culprit's written at the others' request)

@@ -625,11 +625,11 @@ class ArenaCore:
         frame = target - 1 - self._frame
         if word == _D:
             what = "released a ring slot (finished reading an earlier frame)"
-        elif frame <= 0:
-            what = f"arrived at operation #{self._seq}"
+        elif frame <= 0:  # (operations counted from 1, as the flight recorder's collectives are)
+            what = f"arrived at operation #{self._seq + 1}"
         else:
             step = "reduced" if word == _X else "written"
-            what = f"{step} frame {frame} of operation #{self._seq}"
+            what = f"{step} frame {frame} of operation #{self._seq + 1}"
         return DistTimeoutError(
             f"rank {self.rank}: {self._op} in shared-memory arena {self.name!r} timed out after "
             f"{self._op_timeout:g} s: ranks {missing} had not {what}"
@@ -720,7 +720,7 @@ class ArenaCore:
                 parts.append(f"op#{d.redop}")
         if d.root >= 0:
             parts.append(f"root={d.root}")
-        return f"{kind}({', '.join(parts)}) as operation #{d.seq} at frame {d.f0}"
+        return f"{kind}({', '.join(parts)}) as operation #{d.seq + 1} at frame {d.f0}"
 
     def _sync(self, kind: _Kind, deadline: float) -> None:
         """A barrier on the arena: one frame, nothing written."""
