@@ -1693,6 +1693,43 @@ def test_ft_restarts_a_failed_worker_alone_and_it_joins_the_running_job(work: Pa
     assert len(steps) == 1 and 30 <= steps.pop() < 1000, res.stdout
 
 
+_FT_LATE = """
+import os, signal, time
+import tdist as dist
+from tdist.elastic import ft
+
+out, rank = os.environ["TEST_OUT"], os.environ["RANK"]
+if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":  # (the replacement comes once the job is over)
+    for r in ("0", "2"):
+        while not os.path.exists(os.path.join(out, "gone" + r)):
+            time.sleep(0.01)
+mgr = ft.Manager(ft.job_store(), min_size=1, max_size=3, initial_size=3, timeout=20, grace=1.0, rejoin_timeout=10,
+                 state_dict=lambda: {}, load_state_dict=lambda sd: None)
+mgr.start()
+while mgr.current_step < 5:
+    with mgr.step():
+        if rank == "1" and mgr.current_step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+print("done", rank, "step", mgr.current_step, flush=True)
+mgr.shutdown()
+open(os.path.join(out, "gone" + rank), "w").close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ft_a_worker_restarted_after_the_job_finished_is_no_failure(work: Path) -> None:
+    """``tdist run --ft``: rank 1 dies near the end; the others finish the job without it; its
+    restart comes after they left and finds the job over (``QuorumError``): the job succeeded,
+    and the launcher says so (exit 0), where it reported the job FAILED."""
+    (work / "late.py").write_text(_FT_LATE)
+    res = tdist_run(work, "--ft", "--max-restarts", "1", "--nproc-per-node", "3", "--master-port", "0", "late.py", timeout=80)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(line for line in res.stdout.splitlines() if line.startswith("done")) == ["done 0 step 5", "done 2 step 5"]
+    assert "cannot join: the job is over" in res.stderr
+    assert "worker rank 1, started again, came after the job had finished without it: nothing left to do" in res.stderr
+    assert "FAILED" not in res.stderr
+
+
 _PROGRESS = (
     "import time, tdist, torch\n"
     "from tdist.elastic import report_progress\n"

@@ -129,6 +129,7 @@ from ._policy import (
     worker_command,
     worker_env,
 )
+from ._quorum import JOB_OVER as _JOB_OVER
 from .events import Event, EventSource
 from .events import record as record_event
 from .metrics import put_metric
@@ -372,6 +373,7 @@ class LocalAgent:
         self._loose_snapshot: str | None = None  # (``_snapshot``'s folder of its own, until a report names it)
         self._entry: str | None = None  # (its file in the host's registry of jobs, once written)
         self._ft_restarts = 0  # (--ft: workers restarted alone)
+        self._ft_replaced: set[int] = set()  # (their local ranks)
         self._ft_earlier: list[str] = []
         self._rdzv_server: StoreServer | None = None  # (c10d: the job's store, if this node hosts it)
         self._round_server: StoreServer | None = None  # (c10d, etcd: the workers' store, on node 0)
@@ -727,9 +729,15 @@ class LocalAgent:
         the group's (its exit leaves ``exits``)."""
         for i, w in enumerate(workers):
             e = w.exit
+            if e is not None and e.failed and w.local_rank in self._ft_replaced and self._came_late(w):
+                late = dataclasses.replace(e, came_late=True)
+                exits[exits.index(e)] = w.exit = late
+                self._say(f"worker rank {e.rank}, started again, came after the job had finished without it: nothing left to do")
+                continue
             if e is None or not e.failed or self._ft_restarts >= self.config.max_restarts:
                 continue
             self._ft_restarts += 1
+            self._ft_replaced.add(w.local_rank)
             self._ft_earlier.append(f"rank {e.rank} failed (exit code {describe_returncode(e.returncode)}); restarted alone")
             self._say(
                 f"worker rank {e.rank} failed (exit code {describe_returncode(e.returncode)}); restarting it alone, "
@@ -742,6 +750,14 @@ class LocalAgent:
             env = {**env, "TORCHELASTIC_RESTART_COUNT": str(self._ft_restarts)}
             workers[i] = self._start_worker(w.local_rank, env, rank_dir, append=True)
             self._register(workers, restart_count, attempt)
+
+    @staticmethod
+    def _came_late(w: _Worker) -> bool:
+        """Whether worker ``w`` ended with the fault-tolerant job's "the job is over": it came
+        to join after the job's last member had left (``tdist.elastic.ft``'s ``QuorumError``)."""
+        for t in w.readers:  # (its last lines: read to the end)
+            t.join(0.5)
+        return any(_JOB_OVER in line for line in w.tail)
 
     def _settling(self, workers: list[_Worker]) -> bool:
         """Whether to wait before calling our workers' failure one: in an elastic job with room

@@ -226,7 +226,7 @@ class _QuorumClient:
             if step is q.Step.FINISH:
                 return self.state
             if step is q.Step.ERROR_CLOSED:
-                raise QuorumError(f"fault-tolerant job: node {self.me} cannot join: the job is over (its last member left)")
+                raise QuorumError(f"fault-tolerant job: node {self.me} cannot join: {q.JOB_OVER}")
             if step is q.Step.ERROR_LOST:
                 raise QuorumError(
                     f"fault-tolerant job: every member of quorum {self.state.epoch} "

@@ -603,6 +603,9 @@ class WorkerExit:
         raised_at: when its ``@record`` error file says it raised (wall-clock seconds), where
             that was before the failure that stopped the group: it had failed already, though
             still running then (a slow clean-up, a hung exit), and is ordered by that moment.
+        came_late: (``--ft``) a worker started again alone that found the fault-tolerant job
+            over when it came to join it (its ``QuorumError``): the job had finished without
+            it, which is no failure of the job.
     """
 
     local_rank: int
@@ -614,9 +617,12 @@ class WorkerExit:
     stopped_by_agent: bool = False
     stalled: bool = False
     raised_at: float | None = None
+    came_late: bool = False
 
     @property
     def failed(self) -> bool:
+        if self.came_late:
+            return False
         return self.stalled or self.raised_at is not None or (self.returncode != 0 and not self.stopped_by_agent)
 
     @property

@@ -65,6 +65,10 @@ __all__ = [
 ]
 
 
+#: what a ``QuorumError`` says when the job had ended (``tdist run --ft`` reads it in the last
+#: lines of a worker started again: it came too late, which is no failure of the job)
+JOB_OVER = "the job is over (its last member left)"
+
 class Step(enum.Enum):
     """What a decision tells a node to do now."""
 
