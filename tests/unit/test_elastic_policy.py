@@ -370,6 +370,16 @@ def test_describe_exception() -> None:
         "ValueError: two (raised at a.py:2, in main)"
     )
     assert describe_exception("no traceback here\n") is None
+    # an RPC's exception, rebuilt on the caller: its last traceback is the remote one (tdist.rpc's
+    # note), which ran on the callee, called by the caller's rpc_sync
+    remote = (
+        tb + "\nThe above exception was the direct cause of the following exception:\n\n" + tb
+        + "On WorkerInfo(id=1, name=worker1), raised in rpc_sync(worker1, m.boom):\n"
+        + tb.replace("a.py", "w.py")
+    )
+    assert describe_exception(remote) == (
+        "KeyError: 'k' (raised on worker1 at w.py:2, in main, called by rpc_sync(worker1, m.boom))"
+    )
 
 
 def test_post_mortem() -> None:

@@ -791,6 +791,10 @@ def traceback_tail(lines: Sequence[str], max_lines: int = 20) -> str:
     return "\n".join(picked)
 
 
+#: the most lines of an error file's traceback the report quotes (torchrun quotes it whole; a
+#: chain of causes, an RPC's remote traceback, go on longer than a stderr tail's lines)
+_ERROR_FILE_LINES = 400
+
 _FAILURE = """[{idx}]:
   time      : {time}
   host      : {host}
@@ -837,8 +841,9 @@ def _format_failure(
             "<stalled: it had stopped making progress when the others failed (stopped, or named "
             f"stalled in their errors); the launcher ended it ({describe_returncode(e.returncode)})>"
         )
-    elif error is not None and error.traceback.strip():  # the exception @record wrote, as torchrun
-        text = traceback_tail(error.traceback.splitlines(), max_lines)
+    elif error is not None and error.traceback.strip():  # the exception @record wrote, whole, as torchrun
+        tb = [line.rstrip("\n") for line in error.traceback.splitlines()]
+        text = "\n".join(tb if len(tb) <= _ERROR_FILE_LINES else ["...", *tb[-_ERROR_FILE_LINES:]])
     elif e.returncode < 0:  # (torchrun's line for a signal's end, then what the worker last said)
         text = f"Signal {-e.returncode} ({signal_name(-e.returncode)}) received by PID {e.pid}"
         if any(line.strip() for line in tail):
@@ -879,9 +884,16 @@ def describe_exception(traceback_text: str) -> str | None:
             exception = line  # (the first line of the message; a long one goes on below)
     if exception is None:
         return None
+    remote = _REMOTE_ORIGIN.match(lines[start - 1]) if start > 0 else None
+    where = "" if remote is None else f" on {remote['name']}"  # (an RPC's remote traceback: tdist.rpc's form)
+    by = "" if remote is None else f", called by {remote['call']}"
     if frame is None:
-        return exception
-    return f"{exception} (raised at {frame['file']}:{frame['line']}, in {frame['func']})"
+        return exception if remote is None else f"{exception} (raised{where}{by})"
+    return f"{exception} (raised{where} at {frame['file']}:{frame['line']}, in {frame['func']}{by})"
+
+
+# the line above a remote traceback in a rebuilt RPC exception (``tdist.rpc._errors``)
+_REMOTE_ORIGIN = re.compile(r"^On WorkerInfo\(id=(?P<id>\d+), name=(?P<name>.*?)\), raised in (?P<call>.+):$")
 
 
 @dataclass(frozen=True)
