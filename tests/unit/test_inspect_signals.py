@@ -49,3 +49,21 @@ def test_a_signal_that_comes_while_the_handler_runs_does_not_deadlock_it(tmp_pat
                          text=True, timeout=30)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("handled ") and int(res.stdout.split()[1]) > 0, res.stdout
+
+
+def test_the_steps_per_second_drop_while_no_step_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tdist status``'s steps/s: a rank that stops making progress shows it, where the rate
+    of its last two steps stood for ever."""
+    from tdist.elastic import _inspect
+
+    clock = [100.0]
+    monkeypatch.setattr(_inspect.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_inspect, "_progress", [])
+    _inspect.report_progress(10)
+    clock[0] = 101.0
+    _inspect.report_progress(20)
+    assert _inspect._steps() == (20, 10.0)
+    clock[0] = 101.5  # (sooner than the next step is due: the same rate)
+    assert _inspect._steps() == (20, 10.0)
+    clock[0] = 111.0  # (10 s without a step)
+    assert _inspect._steps() == (20, 1.0)

@@ -177,7 +177,10 @@ def _steps() -> tuple[int | None, float | None]:
         return None, None
     if len(p) < 2 or p[1][1] <= p[0][1]:
         return p[-1][0], None
-    return p[1][0], (p[1][0] - p[0][0]) / (p[1][1] - p[0][1])
+    # the rate of the last two reports, until the next one is later than that rate says: then
+    # over the time since the last (a rank that stops making progress is seen to slow down)
+    span = max(p[1][1] - p[0][1], time.monotonic() - p[1][1])
+    return p[1][0], (p[1][0] - p[0][0]) / span
 
 
 # a dump of the stacks is asked for: ``SIGUSR2``'s handler writes a byte to this pipe, which
