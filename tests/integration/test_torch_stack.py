@@ -44,6 +44,20 @@ def _model() -> torch.nn.Module:
     )
 
 
+def _train(forward: Any, opt: torch.optim.Optimizer, rank: int, steps: int) -> list[float]:
+    """``steps`` training steps of ``forward`` on this rank's data; the losses."""
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(forward(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _fsdp2(rank: int, n: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
@@ -52,16 +66,7 @@ def _fsdp2(rank: int, n: int) -> dict[str, Any]:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, reshard_after_forward=True)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    losses = []
-    for step in range(4):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, torch.optim.Adam(model.parameters(), lr=0.01), rank, 4)
     return {
         "full": [p.full_tensor().flatten().tolist() for p in model.parameters()],
         "local": [p.to_local().flatten().tolist() for p in model.parameters()],
@@ -88,17 +93,7 @@ def _ddp_compiled(rank: int, n: int) -> dict[str, Any]:
 
     model = _model()
     ddp = DDP(model)
-    compiled = torch.compile(ddp, backend="eager")
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    losses = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(compiled(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(torch.compile(ddp, backend="eager"), torch.optim.SGD(ddp.parameters(), lr=0.1), rank, 3)
     return {"losses": losses, "params": [p.flatten().tolist() for p in model.parameters()]}
 
 
