@@ -264,6 +264,37 @@ def test_a_different_call_fails_every_rank_naming_both(scenario: str, path: str,
     assert "Collective sequence number: 3 has errors" in report and kind in report, report
 
 
+def _p2p_timeout(rank: int, n: int, port: int) -> str:
+    store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("p2p", store), rank=rank, world_size=n, timeout=timedelta(seconds=3))
+    tdist.all_reduce(torch.ones(2))
+    try:
+        if rank == 0:
+            tdist.recv(torch.zeros(3), 1)  # (rank 1 never sends: it is in a barrier)
+        else:
+            tdist.barrier()
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        store.set(f"done/{rank}", "1")
+        store.wait([f"done/{q}" for q in range(n)])  # (each answers the other's diagnosis until both have theirs)
+        tdist.destroy_process_group()
+
+
+def test_a_receive_that_times_out_says_what_its_sender_was_doing() -> None:
+    """As a collective's timeout does: the rank that was to send is named, with its operation."""
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    try:
+        got = run_processes(_p2p_timeout, 2, master.port, timeout=60)
+    finally:
+        master.close()
+    assert got[0].startswith("DistTimeoutError"), got
+    assert "rank 1, which was to send it, is in barrier #2" in got[0], got
+    assert "rank 0 is waiting in recv 1->0 (p2p #1) (float32[3])" in got[0], got
+    assert "rank 0 never entered barrier #2; its last op is recv 1->0" in got[1], got
+
+
 # -- two groups' collectives called in another order on two ranks: each waits for the other ------
 def _crossed(rank: int, n: int, port: int, scenario: str, env: dict[str, str]) -> str:
     os.environ.update(env)

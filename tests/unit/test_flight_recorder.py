@@ -180,6 +180,19 @@ def test_explain_names_another_call_gone_silent_and_elsewhere() -> None:
     assert text.endswith("rank 0 is waiting in all_reduce #3 (float32[4]).")
 
 
+def test_explain_a_point_to_point_operation_names_the_other_side() -> None:
+    recv = {**_b("recv", 1, "float32[3]"), "p2p": [1, 0]}
+    busy = _h(_b("barrier", 2, ""))
+    text = D.explain(0, 3, recv, {0: _h(recv), 1: busy, 2: _h()}, {}, "0")
+    assert text == (
+        "What the ranks of group '0' were doing: rank 1, which was to send it, is in barrier #2 (running for "
+        "1.5 s); rank 0 is waiting in recv 1->0 (p2p #1) (float32[3])."
+    )
+    send = {**_b("send", 1, "float32[3]"), "p2p": [1, 0]}
+    assert "rank 0, which was to receive it, is gone" in D.explain(1, 3, send, {}, {0: "is gone"}, "0")
+    assert "rank 0, which was to receive it, has recorded no operation" in D.explain(1, 3, send, {0: _h()}, {}, "0")
+
+
 def test_compatible_calls_and_mismatches() -> None:
     ar = _b("all_reduce", 3, "float32[4]")
     assert D.compatible(ar, _b("all_reduce", 3, "float32[4]"))

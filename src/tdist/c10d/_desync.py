@@ -691,6 +691,8 @@ def explain(
         group: the group's name.
         unanswered: what to say of a rank that did not answer.
     """
+    if failed.get("p2p"):
+        return _explain_p2p(me, failed, heads, gone, group, unanswered)
     by_status: dict[str, list[int]] = {}
     waiting: list[int] = []
     mine = heads.get(me) or {}
@@ -709,3 +711,32 @@ def explain(
     if not by_status:
         parts.append("no rank is missing (every rank was in this call: a slow rank, or a network stall)")
     return f"What the ranks of group {group!r} were doing: " + "; ".join(parts) + "."
+
+
+def _explain_p2p(
+    me: int, failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None], gone: Mapping[int, str],
+    group: str, unanswered: str,
+) -> str:
+    """``explain`` of a point-to-point operation: what the other side was doing."""
+    src, dst = failed["p2p"]
+    peer = src if me == dst else dst
+    role = "send" if peer == src else "receive"
+    h = heads.get(peer)
+    if peer in gone:
+        doing = gone[peer]
+    elif h is None:
+        doing = unanswered
+    else:
+        busy = [(b, None) for b in h.get("recent") or [] if b.get("state") != "completed"]
+        busy += [(b, b.get("group")) for b in h.get("elsewhere") or []]
+        if busy:
+            b, other = busy[-1]
+            doing = f"is in {_op(b)}" + (f" of group {other!r}" if other else "")
+        elif h.get("recent"):
+            doing = f"is in no operation of this group; its last is {_op(h['recent'][-1])}"
+        else:
+            doing = "has recorded no operation in this group"
+    return (
+        f"What the ranks of group {group!r} were doing: rank {peer}, which was to {role} it, {doing}; "
+        f"rank {me} is waiting in {describe_call(failed)}."
+    )

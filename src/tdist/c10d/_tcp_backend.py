@@ -308,6 +308,8 @@ class _RecvWork(Work):
                     raise  # (the caller's own limit: the operation goes on)
                 if self._entry is not None:
                     Recorder.failed(self._entry, exc)
+                    # (what every rank of the group was doing, as a collective's failure says)
+                    self._backend._explain(self._entry, exc)
                 self._fail(exc)
                 raise
             self._settle()
