@@ -75,6 +75,9 @@ ALIASED = frozenset(
         "optim.post_localSGD_optimizer",
         "optim.utils",
         "optim.zero_redundancy_optimizer",
+        # (torch's analyzer of flight-record dumps, which reads tdist's as they are)
+        "flight_recorder.components",
+        "flight_recorder.fr_trace",
         # (torchelastic's utilities, whose module paths ported code imports)
         "elastic.multiprocessing.redirects",
         "elastic.rendezvous.etcd_server",  # (torch's test helper: starts an etcd binary)
@@ -120,6 +123,14 @@ class _Existing:  # (a loader; importlib.abc's base costs an import of typing)
         default_world_on_tdist()
         return module
 
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """torch's module's code (``python -m tdist.<name>`` runs it as ``__main__``, as
+        ``python -m torch.distributed.<name>`` does: runpy asks the loader)."""
+        spec = importlib.util.find_spec(self.target)
+        loader = None if spec is None else spec.loader
+        get_code = getattr(loader, "get_code", None)
+        return None if get_code is None else get_code(self.target)
+
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing to run (torch's import ran it); the import system has put the alias's spec
         on torch's module, and torch's own goes back (its relative imports read it)."""
@@ -142,7 +153,9 @@ class _Finder:  # (a meta path finder)
         if found is None:
             return None
         is_package = found.submodule_search_locations is not None
-        return importlib.machinery.ModuleSpec(name, _Existing(torch_name), is_package=is_package)  # type: ignore[arg-type]
+        spec = importlib.machinery.ModuleSpec(name, _Existing(torch_name), origin=found.origin, is_package=is_package)  # type: ignore[arg-type]
+        spec.has_location = found.has_location  # (``python -m``'s ``sys.argv[0]`` is the origin)
+        return spec
 
 
 _finder = _Finder()

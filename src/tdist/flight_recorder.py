@@ -26,6 +26,10 @@ from .c10d import _flight_recorder as _fr
 
 __all__ = ["dump", "dump_all", "dump_dict", "install_signal_handler"]
 
+# (a package, for torch's analyzer under this path: ``tdist.flight_recorder.fr_trace`` and
+# ``.components`` are torch's modules, ``_aliases``)
+__path__: list[str] = []
+
 
 def dump_dict(rank: int | None = None) -> dict[str, Any]:
     """This process's flight record in torch's format (``version``, ``pg_config``,

@@ -235,6 +235,7 @@ def test_rref_takes_a_type_parameter_as_torchs() -> None:
         "optim.zero_redundancy_optimizer", "optim.post_localSGD_optimizer", "optim.functional_sgd",
         "elastic.utils.data.elastic_distributed_sampler", "elastic.utils.logging", "elastic.multiprocessing.tail_log",
         "debug", "elastic.control_plane", "elastic.agent.server.health_check_server", "elastic.utils.process_state",
+        "flight_recorder.fr_trace", "flight_recorder.components.types",
     ],
 )
 def test_torchs_training_stack_is_importable_under_tdists_module_paths(path: str) -> None:
@@ -266,3 +267,16 @@ def test_tdists_own_optimizer_module_path_gives_tdists_distributed_optimizer() -
         importlib.import_module("tdist.optim.nosuch")
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("tdist.fsdp.nosuch")
+
+
+def test_torchs_modules_under_tdists_paths_run_with_python_m() -> None:
+    """``python -m tdist.flight_recorder.fr_trace`` runs torch's analyzer of the dumps, as
+    ``python -m torch.distributed.flight_recorder.fr_trace`` does."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tdist.flight_recorder.fr_trace", "--help"], capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: fr_trace.py" in proc.stdout and "--selected-ranks" in proc.stdout, proc.stdout
