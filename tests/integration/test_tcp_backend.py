@@ -140,6 +140,31 @@ def test_views_are_written_only_inside() -> None:
     run_threads(body, 2, timeout=30)
 
 
+def test_a_receive_that_times_out_names_the_tags_its_peer_sent_instead() -> None:
+    """gloo's sender blocks in its send until a receive with its tag comes; tdist's send
+    returns, and the receive that waits for another tag times out: its error names the tag
+    that came."""
+    store = tdist.HashStore()
+    failed = threading.Event()
+
+    def body(rank: int, n: int) -> str:
+        pg = ProcessGroupTCP(tdist.PrefixStore("tags", store), rank, n, timedelta(seconds=2))
+        try:
+            if rank == 0:
+                pg.send([torch.ones(3)], 1, 1).wait()
+                assert failed.wait(20)  # (alive until the receive has failed)
+                return ""
+            with pytest.raises(DistTimeoutError) as info:
+                pg.recv([torch.zeros(3)], 0, 2).wait()
+            failed.set()
+            return str(info.value)
+        finally:
+            pg.shutdown()
+
+    said = run_threads(body, 2, timeout=30)[1]
+    assert "rank 0 sent messages with tag 1, which no receive took: this one waits for tag 2" in said, said
+
+
 def test_a_receive_whose_wait_timed_out_goes_on_and_gets_its_message() -> None:
     """``irecv(...).wait(timeout)`` that expires raises ``DistTimeoutError``, and the receive goes
     on, as any work's after its caller's timeout: the message that comes later lands in its

@@ -306,6 +306,7 @@ class _RecvWork(Work):
             except DistError as exc:
                 if isinstance(exc, DistTimeoutError) and deadline < self._deadline and not self._handle.finished:
                     raise  # (the caller's own limit: the operation goes on)
+                self._backend._untaken_tags(self._handle, exc)
                 if self._entry is not None:
                     Recorder.failed(self._entry, exc)
                     # (what every rank of the group was doing, as a collective's failure says)
@@ -480,6 +481,18 @@ class ProcessGroupTCP(Backend):
         """The ranks of the group whose process is known gone, with why (``monitored_barrier``
         does not wait for them)."""
         return self._ep.lost_peers()
+
+    def _untaken_tags(self, handle: RecvHandle, exc: DistError) -> None:
+        """A receive that failed: name the tags of the messages its peer sent that no receive
+        took (gloo's sender would block in its send; tdist's returned, and its receiver waits)."""
+        tags = [t for t in self._ep.untaken_tags(handle.peer, _COLL_TAG) if t != handle.tag]
+        if tags and exc.args and isinstance(exc.args[0], str):
+            who = "its peer" if handle.peer < 0 else f"rank {handle.peer}"
+            exc.args = (
+                f"{exc.args[0]} ({who} sent messages with tag {', '.join(map(str, tags))}, which no receive "
+                f"took: this one waits for tag {handle.tag}; do the tags of send and recv agree?)",
+                *exc.args[1:],
+            )
 
     def broken_by(self) -> BaseException | None:
         """The failure that broke the group (here, or on a peer, which said so), or None."""

@@ -410,6 +410,12 @@ class Endpoint:
     def peer_pid(self, peer: int) -> int:
         return self._peer_pids.get(peer, -1)
 
+    def untaken_tags(self, peer: int, below: int) -> list[int]:
+        """The tags (below ``below``) of the messages from ``peer`` that no receive took yet
+        (``-1``: from any peer), for a receive's error: a tag that differs is the usual cause."""
+        peers = list(self._peers.values()) if peer < 0 else [p for p in [self._peers.get(peer)] if p is not None]
+        return sorted({t for p in peers for t, q in list(p.unexpected.items()) if t < below and q})
+
     def stale(self, mask: int, below: int) -> tuple[int, bytes] | None:
         """A message no receive took whose tag has ``mask`` set and a sequence number (the tag's
         bits from 24 up, under ``mask``) below ``below``: its sender and meta; None where
