@@ -400,3 +400,20 @@ def test_a_torch_store_wrapped_for_tdist_raises_tdists_errors_which_are_torchs_t
     store.set("a", "1")
     assert store.get("a") == b"1" and store.add("n", 2) == 2
     assert issubclass(StoreTimeoutError, DistStoreError)
+
+
+def test_a_list_of_byte_values_is_refused_as_torchs_bindings_refuse_it() -> None:
+    """torch 2.13's ``set``, ``compare_set``, ``append`` and ``multi_set`` take ``str`` or
+    ``bytes`` only (``TypeError: incompatible function arguments``); tdist stored the list."""
+    store = tdist.HashStore()
+    for call in (
+        lambda: store.set("k", [1, 2, 3]),  # type: ignore[arg-type]
+        lambda: store.compare_set("k", "", [1]),  # type: ignore[arg-type]
+        lambda: store.append("k", [1]),  # type: ignore[arg-type]
+        lambda: store.multi_set(["k"], [[1]]),  # type: ignore[list-item]
+    ):
+        with pytest.raises(TypeError, match="must be str or bytes"):
+            call()
+    assert store.num_keys() == 0
+    store.set("k", bytearray(b"x"))  # (as torch's)
+    assert store.get("k") == b"x"

@@ -30,9 +30,6 @@ def as_bytes(value: str | bytes | bytearray | memoryview, what: str = "value") -
         return value.encode()
     if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
-    if isinstance(value, list) and all(isinstance(b, int) for b in value):
-        # torch's bindings accept a list of byte values (std::vector<uint8_t>)
-        return bytes(value)
     raise TypeError(f"store {what} must be str or bytes, got {type(value).__name__}")
 
 
