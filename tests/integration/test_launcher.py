@@ -1239,6 +1239,37 @@ def test_two_nodes_share_one_store(two_nodes: tuple[Path, int]) -> None:
     assert lines == [f"rank {r} of 4 ok" for r in range(4)]
 
 
+_SIZES = (
+    "import os\nimport tdist as dist\nimport torch\n"
+    "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+    "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'local', os.environ['LOCAL_RANK'], "
+    "'sum', int(t.item()))\ndist.destroy_process_group()\n"
+)
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_nodes_with_different_numbers_of_workers_rank_them_as_torchrun(work: Path, backend: str) -> None:
+    """Node 0 with 2 workers, node 1 with 1: ranks 0, 1 and 2 of 3, as torchrun's (each node
+    counted with its own --nproc-per-node: two workers got rank 1, and the group waited its
+    whole timeout)."""
+    (work / "sizes.py").write_text(_SIZES)
+    port = free_port()
+    common = ["--nnodes", "2", "--master-port", str(port), "--monitor-interval", "0.1", "--stop-timeout", "2"]
+    if backend == "c10d":
+        common = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                  "--rdzv-id", "sizes", "--local-addr", "127.0.0.1"]
+    nodes = [
+        start_launcher(work, *common, *([] if backend == "c10d" else ["--node-rank", str(k)]),
+                       "--nproc-per-node", str(n), "sizes.py")
+        for k, n in ((0, 2), (1, 1))
+    ]
+    outs = outputs(nodes, timeout=60)
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert [line.split(" local ")[0] for line in lines] == [f"rank {r} of 3" for r in range(3)], lines
+    assert all(line.endswith("sum 3") for line in lines), lines
+
+
 TORCH_PROGRAM = """
 import sys, torch, torch.distributed as dist
 import tdist  # (registers the "tdist" backend)

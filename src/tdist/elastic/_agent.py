@@ -670,6 +670,13 @@ class LocalAgent:
             master_addr=master_addr, master_port=master_port,
         )
         self._store = info.store
+
+        def late(missing: list[int]) -> str:
+            return f"nodes {missing} of the round did not say their --nproc-per-node within {cfg.join_timeout:g} s"
+
+        self._share_node_sizes(
+            info.store, f"{AGENT_PREFIX}/nproc", lambda: "interrupted" if self._signum is not None else None, late
+        )
         # (the workers' keys go in a namespace of the round: the count of restarts stays where a
         # node joined or left, and the store may be the same, so a group formed again in a new
         # round would meet keys of the last one, and its new members, counting afresh, not)
@@ -1705,8 +1712,23 @@ class LocalAgent:
             )
 
         self._wait_for_nodes(store, keys, stopped, late)
+        self._share_node_sizes(store, f"{AGENT_PREFIX}/nproc", stopped, late)
         self._joined = True
         log.info("node %d: all %d nodes joined", cfg.node_rank, cfg.nnodes)
+
+    def _share_node_sizes(
+        self, store: Store, prefix: str, stopped: Callable[[], str | None], late: Callable[[list[int]], str]
+    ) -> None:
+        """Every node's ``--nproc-per-node``, through ``store`` (under ``prefix``), once the
+        nodes have met: where they differ, global ranks follow the node ranks and the world is
+        their sum, as torchrun's (each node counted with its own before: two workers got one
+        rank, and the group waited its whole timeout)."""
+        cfg = self.config
+        store.set(f"{prefix}/{cfg.node_rank}", str(cfg.nproc_per_node))
+        keys = [f"{prefix}/{k}" for k in range(cfg.nnodes)]
+        self._wait_for_nodes(store, keys, stopped, late)
+        sizes = tuple(int(v) for v in store.multi_get(keys))
+        self.config = dataclasses.replace(cfg, node_sizes=None if len(set(sizes)) == 1 else sizes)
 
     def _watch_store(self, server: StoreServer) -> None:
         """Watch a store server this node started (its death ends the job). Its process serves

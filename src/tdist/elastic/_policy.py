@@ -203,6 +203,9 @@ class LaunchConfig:
         virtual_local_rank: torchrun's ``--virtual-local-rank``: every worker's ``LOCAL_RANK``
             is 0 and its ``CUDA_VISIBLE_DEVICES`` names its own device alone (its local rank,
             or the launcher's ``CUDA_VISIBLE_DEVICES`` entry at its local rank).
+        node_sizes: every node's ``nproc_per_node``, by node rank, where the nodes were started
+            with different ones (set by the launcher once the nodes have met; torchrun's way:
+            global ranks follow the node ranks, and the world is their sum).
     """
 
     entrypoint: str
@@ -248,6 +251,7 @@ class LaunchConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     virtual_local_rank: bool = False
+    node_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.entrypoint, str):
@@ -295,9 +299,13 @@ class LaunchConfig:
 
     @property
     def world_size(self) -> int:
+        if self.node_sizes is not None:
+            return sum(self.node_sizes)
         return self.nnodes * self.nproc_per_node
 
     def global_rank(self, local_rank: int) -> int:
+        if self.node_sizes is not None:
+            return sum(self.node_sizes[: self.node_rank]) + local_rank
         return self.node_rank * self.nproc_per_node + local_rank
 
 
