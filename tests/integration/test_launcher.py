@@ -1270,6 +1270,55 @@ def test_nodes_with_different_numbers_of_workers_rank_them_as_torchrun(work: Pat
     assert all(line.endswith("sum 3") for line in lines), lines
 
 
+_LOOP = (
+    "import os, time\nimport tdist as dist\nimport torch\n"
+    "dist.init_process_group('gloo')\n"
+    "open(os.path.join(os.environ['TEST_OUT'], 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+    "while True:\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.01)\n"
+)
+
+
+def test_the_store_host_leaves_soon_after_a_failure_though_a_node_is_cut_off(work: Path) -> None:
+    """Node 1 is cut off (its launcher and worker stopped, as a lost link leaves them: no
+    connection closes). Node 0's worker fails naming it; node 0 ends the job and, hosting the
+    job's store, waited the whole exit barrier (300 s) for node 1 to say it finished. It now
+    waits --stop-timeout and 10 s more."""
+    (work / "loop.py").write_text(_LOOP)
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            tdist_cmd("run", "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "1", "--master-port", str(port),
+                      "--monitor-interval", "0.1", "--stop-timeout", "2", "loop.py"),
+            cwd=work, env=launcher_env(work, TDIST_SECRET="multi-node-secret", TDIST_HEARTBEAT_TIMEOUT="2"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for k in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while not (work / "pid1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cut = [nodes[1].pid, int((work / "pid1").read_text())]
+        for pid in cut:
+            os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = nodes[0].communicate(timeout=120)
+        took = time.monotonic() - start
+        assert nodes[0].returncode == 1, err
+        assert "loop.py FAILED" in err and "stalled" in err, err
+        assert took < 60, (took, err)  # (the exit barrier's own limit is 300 s)
+    finally:
+        for p in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.wait()
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
+            pid1 = int((work / "pid1").read_text())
+            os.kill(pid1, signal.SIGCONT)
+            os.kill(pid1, signal.SIGKILL)
+
+
 TORCH_PROGRAM = """
 import sys, torch, torch.distributed as dist
 import tdist  # (registers the "tdist" backend)

@@ -187,6 +187,11 @@ def _remove_if_killed(path: str) -> None:
         reaper.remove_on_kill(path)
 
 
+#: after a failure ended the job, how long past ``--stop-timeout`` the node that hosts the job's
+#: store waits for the other nodes to say they finished (they read the failure within a monitor
+#: interval, then stop their workers); a node cut off from the network never says it
+_FAILED_EXIT_WAIT = 10.0
+
 class LaunchError(DistError):
     """The launcher could not set the job up (bad options, store not reachable, nodes missing)."""
 
@@ -335,6 +340,7 @@ class LocalAgent:
         self._store: Store | None = None
         self._joined = False  # every node joined: the exit barrier can expect them all
         self._rdzv_round: int | None = None  # (a dynamic rendezvous's round: ``_next_round``)
+        self._job_failed = False  # (this node ended the job on a failure: ``_post_failure``)
         self._next_peer_check = 0.0
         # (this host's name in the report and the events, as torch's: its fully qualified name)
         self._host = socket.getfqdn()
@@ -1811,6 +1817,7 @@ class LocalAgent:
         if self._store is None:
             return
         key = f"{AGENT_PREFIX}/stopped" if final else f"{AGENT_PREFIX}/attempt{self._attempt}/failed"
+        self._job_failed = self._job_failed or final
         with contextlib.suppress(DistError):
             self._store.compare_set(key, b"", what.encode())
 
@@ -1864,9 +1871,15 @@ class LocalAgent:
             if not self._hosting and self._round_server is None and self._given_rendezvous is None:
                 return
             keys = [f"{AGENT_PREFIX}/finished/node{k}" for k in range(cfg.nnodes)]
-            deadline = self._clock() + cfg.exit_barrier_timeout
+            # (after this node ended the job on a failure, the live nodes read it and stop their
+            # workers within --stop-timeout: a node that does not come by then is cut off, and
+            # is not waited for the whole exit barrier; a signal ends the wait then)
+            limit = cfg.exit_barrier_timeout
+            if self._job_failed:
+                limit = min(limit, cfg.stop_timeout + _FAILED_EXIT_WAIT)
+            deadline = self._clock() + limit
             while not store.check(keys):
-                if self._clock() >= deadline or self._signal_count > 1:
+                if self._clock() >= deadline or self._signal_count > (0 if self._job_failed else 1):
                     log.warning("node %d: stopping the job's store before every node finished", cfg.node_rank)
                     return
                 with contextlib.suppress(DistStoreError):
