@@ -217,7 +217,9 @@ def _large_both_ways(rank: int, world: int, port: int) -> bool:
 def test_large_messages_both_ways_at_once_travel_whole() -> None:
     # Requests one way and replies the other, each a single process-group message copied
     # straight from the sender's memory: neither side's reader waits on a send of its own.
-    assert run_processes(_large_both_ways, WORLD, free_port(), timeout=50) == [True] * WORLD
+    # (fresh interpreters: its threads' 12 MiB tensors run torch's OpenMP, which a child forked
+    # from a test process that used it may find broken: "Invalid thread pool!")
+    assert run_processes(_large_both_ways, WORLD, free_port(), timeout=50, start_method="spawn") == [True] * WORLD
 
 
 def test_world_size_none_is_refused_directly() -> None:
