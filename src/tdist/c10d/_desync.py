@@ -49,8 +49,9 @@ import socket
 import sys
 import threading
 import time
+import types
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -58,8 +59,8 @@ from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
 __all__ = [
-    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "describe_call", "diagnose", "explain", "head",
-    "mismatch", "request_dumps", "stuck", "unwatch", "watch",
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "describe_call", "diagnose", "explain", "frames_of",
+    "head", "mismatch", "request_dumps", "stuck", "unwatch", "watch",
 ]
 
 log = logging.getLogger(__name__)
@@ -151,13 +152,19 @@ def stuck(global_rank: int) -> int | None:
     issuer: int = next(iter(issuers))
     if any(t.ident != issuer and not t.name.startswith("tdist") for t in threading.enumerate()):
         return None
-    frame = sys._current_frames().get(issuer)
-    while frame is not None:
+    for frame in frames_of(issuer):
         code = frame.f_code
         if code.co_name in ("_execute", "wait") and code.co_filename.startswith(_C10D):
             return issuer
-        frame = frame.f_back
     return None
+
+
+def frames_of(thread: int) -> Iterator[types.FrameType]:
+    """The Python frames of thread ``thread`` (an ident), innermost first (none if it is gone)."""
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 _C10D = os.path.dirname(os.path.abspath(__file__)) + os.sep  # (the backends' files: where they wait)

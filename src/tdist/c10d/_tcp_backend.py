@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 import threading
 import time
 import weakref
@@ -61,6 +60,7 @@ from ._desync import (
     describe_call,
     diagnose,
     explain,
+    frames_of,
     mismatch,
     request_dumps,
     stuck,
@@ -505,7 +505,11 @@ class ProcessGroupTCP(Backend):
         if self._broken is not None or self._closed:
             return
         self._broken = exc
-        reason = f"rank {self._rank}: {exc}"
+        self._abort(f"rank {self._rank}: {exc}")
+
+    def _abort(self, reason: str) -> None:
+        """Tell every rank of the group that it is broken, and why (through the connections and,
+        on one host, the shared-memory arena): their pending and next operations fail with it."""
         self._ep.abort(reason)
         if self._arena is not None:
             self._arena.abort(reason)
@@ -558,9 +562,7 @@ class ProcessGroupTCP(Backend):
         self._verdict = verdict
         if dump:
             self._dump_everywhere()
-        self._ep.abort(str(verdict))
-        if self._arena is not None:
-            self._arena.abort(str(verdict))
+        self._abort(str(verdict))
 
     def _check_crossed(self, entry: list[Any], mine: dict[str, Any], heads: dict[int, dict[str, Any] | None]) -> None:
         """The desync check's second question: does a rank that this blocked call waits for
@@ -606,14 +608,11 @@ class ProcessGroupTCP(Backend):
     def _issuer_blocked(self, entry: list[Any]) -> bool:
         """Whether the thread that issued ``entry`` (this group's oldest running operation) is
         blocked in it: running it (operations run one at a time) or waiting for its ``Work``."""
-        frame = sys._current_frames().get(entry[fr.THREAD])
-        while frame is not None:
-            name = frame.f_code.co_name
-            if name == "_execute" or name == "wait":
+        for frame in frames_of(entry[fr.THREAD]):
+            if frame.f_code.co_name in ("_execute", "wait"):
                 owner = frame.f_locals.get("self")
                 if owner is self or (isinstance(owner, Work) and getattr(owner, "_entry", None) is entry):
                     return True
-            frame = frame.f_back
         return False
 
     def _local_fates(self) -> dict[int, str]:
@@ -713,10 +712,7 @@ class ProcessGroupTCP(Backend):
                     self._explain(entry, exc)
                 self._name_global_ranks(exc)
                 self._broken = exc
-                reason = f"{work._op} failed on rank {self._rank}: {exc}"
-                self._ep.abort(reason)
-                if self._arena is not None:
-                    self._arena.abort(reason)
+                self._abort(f"{work._op} failed on rank {self._rank}: {exc}")
             work._fail(exc)
             return
         if type(entry) is list:  # (its time is discovered when the next one is issued, unless timed;
