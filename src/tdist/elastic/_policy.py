@@ -1069,17 +1069,9 @@ def format_failure_report(
         (e for e in post_mortem.exits if e.stopped_by_agent and e.returncode != 0 and e.local_rank not in listed),
         key=lambda e: e.rank,
     )
+    shown = [(e, tails.get(e.local_rank, ())) for e in others] + [(e, ()) for e in stopped]
     other_text = "\n".join(
-        [
-            *(
-                _format_failure(i + 1, e, host, tails.get(e.local_rank, ()), max_lines, errors.get(e.local_rank))
-                for i, e in enumerate(others)
-            ),
-            *(
-                _format_failure(len(others) + i + 1, e, host, (), max_lines, errors.get(e.local_rank))
-                for i, e in enumerate(stopped)
-            ),
-        ]
+        _format_failure(i + 1, e, host, tail, max_lines, errors.get(e.local_rank)) for i, (e, tail) in enumerate(shown)
     )
     root_text = _format_failure(0, root, host, tails.get(root.local_rank, ()), max_lines, errors.get(root.local_rank))
     summary = [] if post_mortem is None else _format_post_mortem(failed, host, tails, errors, post_mortem)
