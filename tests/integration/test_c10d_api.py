@@ -145,7 +145,10 @@ def test_broadcast_and_reduce_from_every_root(ws: int) -> None:
 
 
 def test_parameters_that_require_grad_can_be_written() -> None:
-    """As torch's C++ collectives, ours write outside autograd (DDP-style parameter sync)."""
+    """As torch's C++ collectives, broadcast and all_reduce write outside autograd (DDP-style
+    parameter sync). all_gather ends with a ``copy_`` in gloo, which autograd refuses on a leaf
+    that requires grad, unless under ``no_grad`` (see
+    ``test_outputs_that_require_grad_are_written_as_gloos_copy``)."""
 
     def body(rank: int, ws: int) -> list[Any]:
         p = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
@@ -153,7 +156,10 @@ def test_parameters_that_require_grad_can_be_written() -> None:
         after_broadcast = p.tolist()
         dist.all_reduce(p)
         outs = [torch.zeros(3, requires_grad=True) for _ in range(ws)]
-        dist.all_gather(outs, p)
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+            dist.all_gather(outs, p)
+        with torch.no_grad():
+            dist.all_gather(outs, p)
         assert p.requires_grad and p.grad_fn is None
         return [after_broadcast, p.tolist(), [o.tolist() for o in outs]]
 
@@ -1143,3 +1149,117 @@ def test_a_mismatch_is_reported_on_every_rank_when_the_stores_host_finds_it_firs
 
     got = run_processes(_mismatched_while_one_rank_reads_late, 2, free_port(), timeout=50)
     assert got == ["CollectiveMismatchError"] * 2
+
+
+def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written() -> None:
+    """A collective's input that is also an output slot of another rank (or a view of
+    another rank's part of the output, or an input list that is the output list turned
+    round) gives what gloo gives: every rank's values, not a peer's data read back as this
+    rank's (gloo copies its inputs first)."""
+
+    def body(rank: int, ws: int) -> list[Any]:
+        t = torch.full((2,), float(rank + 1))
+        outs = [torch.zeros(2) for _ in range(ws)]
+        outs[(rank - 1) % ws] = t  # (this rank's input sits in the previous rank's slot)
+        dist.all_gather(outs, t)
+        o = torch.zeros(2 * ws)
+        j = (rank + 1) % ws  # (the input is the next rank's part of the output)
+        o[2 * j:2 * j + 2] = rank + 1
+        dist.all_gather_into_tensor(o, o[2 * j:2 * j + 2])
+        ins = [torch.full((1,), float(10 * rank + k)) for k in range(ws)]
+        dist.all_to_all(ins[1:] + ins[:1], ins)
+        single = torch.arange(float(ws)) + 10 * rank
+        flipped = single.flip(0)  # (a copy: the output is the input itself, reversed in place below)
+        dist.all_to_all_single(single, single)  # (in place, each part to its own rank)
+        g = [torch.zeros(1) for _ in range(ws)]
+        mine = g[(rank + 1) % ws]
+        mine.fill_(rank + 1)
+        dist.all_gather(g, mine)
+        own = torch.full((3,), float(rank))
+        own_slots = [torch.zeros(3) for _ in range(ws)]
+        own_slots[rank] = own  # (the usual in-place call: the input is its own slot)
+        dist.all_gather(own_slots, own)
+        del flipped
+        return [
+            [x[0].item() for x in outs], o[::2].tolist(), [x.item() for x in ins[1:] + ins[:1]],
+            single.tolist(), [x.item() for x in g], [x[0].item() for x in own_slots],
+        ]
+
+    ws = 3
+    for rank, got in enumerate(spmd(body, ws)):
+        assert got[0] == [float(k + 1) for k in range(ws)], (rank, got)
+        assert got[1] == [float(k + 1) for k in range(ws)], (rank, got)
+        assert got[2] == [float(10 * k + rank) for k in range(ws)], (rank, got)
+        assert got[3] == [float(10 * k + rank) for k in range(ws)], (rank, got)
+        assert got[4] == [float(k + 1) for k in range(ws)], (rank, got)
+        assert got[5] == [float(k) for k in range(ws)], (rank, got)
+
+
+def test_outputs_that_require_grad_are_written_as_gloos_copy() -> None:
+    """The collectives that gloo ends with a ``copy_`` into their outputs refuse, as that copy
+    does in grad mode, a leaf that requires grad, before anything is sent (all_gather in
+    both forms, reduce_scatter in both forms, all_to_all, all_reduce_coalesced; gather on its
+    root); another output that requires grad gets the copy's grad_fn. all_reduce, broadcast,
+    scatter and all_to_all_single write such a leaf, as gloo. Under ``no_grad`` all write."""
+    leaf_error = "a leaf Variable that requires grad is being used in an in-place operation"
+
+    def body(rank: int, ws: int) -> dict[str, str]:
+        def leaf(n: int) -> torch.Tensor:
+            return torch.zeros(n, requires_grad=True)
+
+        calls = {
+            "all_gather": lambda: dist.all_gather([leaf(2) for _ in range(ws)], torch.ones(2)),
+            "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(leaf(2 * ws), torch.ones(2)),
+            "reduce_scatter": lambda: dist.reduce_scatter(leaf(2), [torch.ones(2)] * ws),
+            "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(leaf(2), torch.ones(2 * ws)),
+            "all_to_all": lambda: dist.all_to_all([leaf(1) for _ in range(ws)], [torch.ones(1)] * ws),
+            "all_reduce_coalesced": lambda: dist.all_reduce_coalesced([leaf(2)]),
+            "all_reduce": lambda: dist.all_reduce(leaf(2)),
+            "broadcast": lambda: dist.broadcast(leaf(2), 0),
+            "all_to_all_single": lambda: dist.all_to_all_single(leaf(ws), torch.ones(ws)),
+            "scatter": lambda: dist.scatter(leaf(2), [torch.ones(2)] * ws if rank == 0 else None, src=0),
+        }
+        out = {}
+        for name, call in calls.items():
+            try:
+                call()
+                out[name] = "ok"
+            except RuntimeError as exc:
+                out[name] = "refused" if leaf_error in str(exc) else str(exc)
+        with torch.no_grad():
+            dist.all_gather([leaf(2) for _ in range(ws)], torch.ones(2))
+        x = torch.zeros(2, requires_grad=True) * 1
+        dist.all_gather([x if r == 0 else torch.zeros(2) for r in range(ws)], torch.full((2,), float(rank + 1)))
+        out["non-leaf"] = f"{type(x.grad_fn).__name__} {x.tolist()}"
+        g = torch.zeros(1, requires_grad=True) * 1
+        dist.gather(torch.ones(1), [g] + [torch.zeros(1) for _ in range(ws - 1)] if rank == 0 else None, dst=0)
+        out["gather root"] = type(g.grad_fn).__name__
+        return out
+
+    refused = {"all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_reduce_coalesced"}
+    for rank, got in enumerate(spmd(body, 2)):
+        assert {k for k, v in got.items() if v == "refused"} == refused, (rank, got)
+        assert all(got[k] == "ok" for k in ("all_reduce", "broadcast", "all_to_all_single", "scatter")), (rank, got)
+        assert got["non-leaf"] == "CopyBackwards [1.0, 1.0]", (rank, got)
+        assert got["gather root"] == ("CopyBackwards" if rank == 0 else "MulBackward0"), (rank, got)
+
+
+def test_all_to_all_single_of_nothing_and_split_sizes_given_as_a_tensor() -> None:
+    """A tensor with no elements goes through all_to_all_single whatever its dim 0 (torch's
+    does: nothing travels); split sizes given as a tensor are refused with torch's type,
+    TypeError, before anything is sent."""
+
+    def body(rank: int, ws: int) -> list[Any]:
+        got = []
+        for shape in [(3, 0), (1, 0), (0,)]:
+            out = torch.zeros(shape)
+            dist.all_to_all_single(out, torch.zeros(shape))
+            got.append(tuple(out.shape))
+        with pytest.raises(TypeError, match="split_sizes must be a list of ints"):
+            dist.all_to_all_single(torch.zeros(2), torch.zeros(2), torch.tensor([1, 1]), torch.tensor([1, 1]))
+        x = torch.full((2,), float(rank))
+        dist.all_reduce(x)  # (the group still works)
+        got.append(x.tolist())
+        return got
+
+    assert spmd(body, 2) == [[(3, 0), (1, 0), (0,), [1.0, 1.0]]] * 2

@@ -198,6 +198,46 @@ def test_a_receive_whose_wait_timed_out_goes_on_and_gets_its_message() -> None:
     run_threads(body, 2, timeout=30)
 
 
+def test_a_receive_into_a_larger_tensor_fills_its_start_as_gloos() -> None:
+    """gloo's ``recv`` takes a message shorter than its tensor: it fills the tensor's start
+    and leaves the rest. Every way a message travels: a small one, one through the
+    connection, one by cross-memory copy; arrived before its receive or after; a tensor
+    that is not contiguous. A longer message than the tensor is refused."""
+    store = tdist.HashStore()
+    sent = threading.Event()
+    sizes = {1: 4, 2: 30_000, 3: 300_000}  # (elements of float32: 16 B, 120 KB, 1.2 MB)
+
+    def body(rank: int, n: int) -> None:
+        pg = group(store, rank, n)
+        try:
+            if rank == 0:
+                for tag in (1, 2):  # (these arrive before their receives)
+                    pg.send([torch.arange(sizes[tag], dtype=torch.float32)], 1, tag).wait()
+                sent.set()
+                pg.send([torch.arange(sizes[3], dtype=torch.float32)], 1, 3).wait()
+                pg.send([torch.arange(6, dtype=torch.float32)], 1, 4).wait()
+                pg.send([torch.arange(8, dtype=torch.float32)], 1, 5).wait()
+                return
+            bufs = {tag: torch.full((k + 5,), -1.0) for tag, k in sizes.items()}
+            late = pg.recv([bufs[3]], 0, 3)  # (posted before its message)
+            assert sent.wait(30)
+            for tag in (1, 2):
+                assert pg.recv([bufs[tag]], 0, tag).wait()
+            assert late.wait()
+            for tag, k in sizes.items():
+                assert torch.equal(bufs[tag][:k], torch.arange(k, dtype=torch.float32)), tag
+                assert bufs[tag][k:].tolist() == [-1.0] * 5, tag
+            strided = torch.full((10, 2), -1.0)[:, 0]  # (not contiguous: 10 elements)
+            pg.recv([strided], 0, 4).wait()
+            assert strided.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] + [-1.0] * 4
+            with pytest.raises(DistError, match="sent 32 bytes but the receiving tensor holds only 16 bytes"):
+                pg.recv([torch.zeros(4)], 0, 5).wait()
+        finally:
+            pg.shutdown()
+
+    run_threads(body, 2, timeout=60)
+
+
 def test_tensors_with_the_negative_bit_send_and_take_their_values() -> None:
     """``z.conj().imag`` (and ``_neg_view``) holds the negatives of its values in memory: what
     is sent, reduced and received is its values, on either path, where it is an input and

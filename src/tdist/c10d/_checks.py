@@ -353,7 +353,11 @@ def check_split_sizes(
             even split of a dim 0 the group size does not divide.
     """
     rows = tensor.shape[0] if tensor.dim() > 0 else tensor.numel()
+    if isinstance(split_sizes, torch.Tensor):  # (torch's bindings take no tensor there either)
+        raise TypeError(f"{what}: {name}_split_sizes must be a list of ints, not a tensor")
     if not split_sizes:
+        if tensor.numel() == 0:  # (nothing travels: any split will do, as torch's)
+            return [rows // size] * (size - 1) + [rows - rows // size * (size - 1)]
         if rows % size != 0:
             raise CollectiveArgumentError(
                 f"{what}: dim 0 of {name} ({rows}) is not divisible by the group size ({size}); "

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -95,6 +95,23 @@ def _as_list(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tenso
 
 def _even_split(t: torch.Tensor, size: int) -> list[int]:
     return [t.shape[0] // size] * size if t.dim() else []
+
+
+def _copied_into(ts: Iterable[torch.Tensor]) -> None:
+    """For the collectives that gloo ends with a ``copy_`` into each output (all_gather and
+    all_gather_into_tensor, gather on the root, reduce_scatter in both forms, all_to_all,
+    all_reduce_coalesced): autograd sees that copy as torch's does. In grad mode, a leaf that
+    requires grad (or a view of one) is refused with autograd's own error, before anything is
+    sent; any other output that requires grad gets the copy's ``grad_fn`` (nothing flows back
+    through it), and its version moves on. Outside grad mode nothing changes, as in torch.
+    (all_reduce, broadcast, scatter, all_to_all_single and recv write without a ``copy_``, in
+    gloo as here: ``_d``.)"""
+    if not torch.is_grad_enabled():
+        return
+    needing = [t for t in ts if t.requires_grad]
+    needing.sort(key=lambda t: not t.is_leaf)  # (a refused leaf first: then nothing has changed)
+    for t in needing:
+        t.copy_(t.detach())  # (the same memory: only autograd's record of a copy)
 
 
 def _d(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -388,6 +405,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
         opts = opts or AllreduceOptions()
         if not tensors:
             return Work.completed([], "allreduce_coalesced")
+        _copied_into(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         inner = AllreduceOptions(reduceOp=opts.reduceOp, timeout=opts.timeout, asyncOp=opts.asyncOp)
         work = self.allreduce([flat], inner)
@@ -451,6 +469,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                         recvs={r: _shape(t) for r, t in enumerate(outs[0])},
                     )
                 )
+        _copied_into(t for o in outs for t in o)
         return self._impl().allgather(_dd(outs), _d(ins), opts)
 
     def allgather_coalesced(
@@ -489,6 +508,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
         opts = opts or AllgatherOptions()
         if self._checker is not None:
             self._checker.check(Fingerprint("all_gather_into_tensor", dtype=_dtype(input), shape=_shape(input)))
+        _copied_into([output])
         return self._impl()._allgather_base(output.detach(), input.detach(), opts)
 
     all_gather_single = _allgather_base
@@ -521,6 +541,8 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                         recvs={r: _shape(t) for r, t in enumerate(outs[0])} if outs else {},
                     )
                 )
+        if self.rank() == root:
+            _copied_into(t for o in outs for t in o)
         return self._impl().gather(_dd(outs), _d(ins), opts)
 
     @profiled("scatter", "scatter_")
@@ -580,6 +602,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                         recvs=dict.fromkeys(range(self._size), _shape(outs[0])),
                     )
                 )
+        _copied_into(outs)
         return self._impl().reduce_scatter(_d(outs), _dd(ins), opts)
 
     @profiled("reduce_scatter", "_reduce_scatter_base_")
@@ -597,6 +620,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                     reduce_op=as_red_op(opts.reduceOp).name,
                 )
             )
+        _copied_into([output])
         return self._impl()._reduce_scatter_base(output.detach(), input.detach(), opts)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -647,6 +671,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
                         recvs={r: _shape(t) for r, t in enumerate(output_tensors)},
                     )
                 )
+        _copied_into(output_tensors)
         return self._impl().alltoall(_d(output_tensors), _d(input_tensors), opts)
 
     @profiled("all_to_all", "alltoall_base_")

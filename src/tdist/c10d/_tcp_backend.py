@@ -238,6 +238,40 @@ def _check_own_part(outs: list[torch.Tensor], ins: list[torch.Tensor], rank: int
         )
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch: ``[first, end)`` in the address space (empty: nothing)."""
+    p = t.data_ptr()
+    if t.is_contiguous():
+        return p, p + t.nbytes
+    if t.numel() == 0:
+        return p, p
+    return p, p + (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
+def _apart(ins: list[torch.Tensor], outs: list[torch.Tensor], own: int | None = None) -> list[torch.Tensor]:
+    """``ins``, each that shares memory with an output slot it does not go to replaced by a
+    copy. A collective writes its output slots while it still reads its inputs; an input that
+    is another slot (``all_gather(outs, outs[k])``), a view of another rank's part of the
+    output, or an input list that is the output list turned round, would be read after a
+    peer's data overwrote it (gloo copies its inputs first). Input ``i`` goes to slot ``i``,
+    or, with ``own``, every input goes to slot ``own`` (all_gather's own slot). The usual
+    in-place call (the input is its own slot) copies nothing."""
+    spans = [_span(o) for o in outs]
+    result = ins
+    for i, t in enumerate(ins):
+        lo, hi = _span(t)
+        if lo == hi:
+            continue
+        goes = i if own is None else own
+        for k, (a, b) in enumerate(spans):
+            if a < hi and lo < b and not (k == goes and (a, b) == (lo, hi)):
+                if result is ins:
+                    result = list(ins)
+                result[i] = t.clone(memory_format=torch.contiguous_format)
+                break
+    return result
+
+
 def _align(nbytes: int) -> int:
     return (nbytes + 63) & ~63
 
@@ -1137,7 +1171,7 @@ class ProcessGroupTCP(Backend):
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
             for outs, inp in zip(output_tensors, input_tensors, strict=True):
-                self._allgather_one(outs, inp, deadline)
+                self._allgather_one(outs, _apart([inp], outs, self._rank)[0], deadline)
             return [t for outs in output_tensors for t in outs]
 
         rec = self._fr
@@ -1176,13 +1210,20 @@ class ProcessGroupTCP(Backend):
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
+            # (the input may be this rank's own part of the output: the in-place call)
+            if output.is_contiguous() and self._size > 1:
+                n = input.numel()
+                parts = [output.view(-1)[k * n:(k + 1) * n] for k in range(self._size)]
+                inp = _apart([input], parts, self._rank)[0]
+            else:
+                inp = _apart([input], [output])[0]
             if self._arena is not None:
                 self._next_tag()
-                self._arena.all_gather_into_tensor(output, input, timeout=self._left(deadline))
+                self._arena.all_gather_into_tensor(output, inp, timeout=self._left(deadline))
                 return per_rank
             out = _Flat(output)
-            blocks = list(out.flat.chunk(self._size)) if input.numel() else [out.flat[:0]] * self._size
-            self._allgather_one(blocks, input, deadline)
+            blocks = list(out.flat.chunk(self._size)) if inp.numel() else [out.flat[:0]] * self._size
+            self._allgather_one(blocks, inp, deadline)
             out.commit()
             return per_rank
 
@@ -1207,6 +1248,8 @@ class ProcessGroupTCP(Backend):
             deadline = self._deadline(opts)
             tag = self._next_tag()
             inp = input_tensors[0].contiguous()
+            if self._rank == root and output_tensors and len(output_tensors[0]) == self._size:
+                inp = _apart([inp], output_tensors[0], root)[0]
             if self._arena is not None:
                 outs0 = output_tensors[0] if self._rank == root else None
                 if outs0 is not None and len(outs0) != self._size:
@@ -1390,6 +1433,7 @@ class ProcessGroupTCP(Backend):
         return self._submit("all_to_all", opts, run, entry)
 
     def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor], deadline: float, what: str) -> None:
+        ins = _apart(ins, outs)
         tag = self._next_tag()
         if self._arena is not None:
             self._arena.all_to_all(outs, ins, timeout=self._left(deadline), op=what)
@@ -1508,7 +1552,8 @@ class ProcessGroupTCP(Backend):
         flat = _Flat(tensor)
         rec = self._fr
         entry = rec.p2p("recv", tensor.shape, tensor.dtype, src, self._rank) if rec is not None else None
-        handle = self._ep.post_recv(src, self._p2p_tag(tag), bytes_view(flat.flat), None, what)
+        # (a shorter message fills the tensor's start, as gloo's receive does)
+        handle = self._ep.post_recv(src, self._p2p_tag(tag), bytes_view(flat.flat), None, what, at_most=True)
         return _RecvWork(self, handle, flat, what, time.monotonic() + self._timeout, entry)
 
     # -- lifetime ------------------------------------------------------------------------------

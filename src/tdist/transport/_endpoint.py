@@ -98,14 +98,17 @@ class RecvHandle:
     """
 
     __slots__ = (
-        "_latch", "buffer", "data", "error", "expect_meta", "finished", "meta", "nbytes", "peer", "source",
-        "tag", "what",
+        "_latch", "at_most", "buffer", "data", "error", "expect_meta", "finished", "meta", "nbytes", "peer",
+        "source", "tag", "what",
     )
 
-    def __init__(self, peer: int, tag: int, buffer: memoryview | None, expect_meta: bytes | None, what: str) -> None:
+    def __init__(
+        self, peer: int, tag: int, buffer: memoryview | None, expect_meta: bytes | None, what: str, at_most: bool = False
+    ) -> None:
         self.peer = peer  # -1: any source
         self.tag = tag
         self.buffer = buffer
+        self.at_most = at_most  # (a shorter message fills the start of ``buffer``)
         self.expect_meta = expect_meta
         self.what = what
         self.finished = False
@@ -585,13 +588,15 @@ class Endpoint:
         buffer: memoryview | None = None,
         expect_meta: bytes | None = None,
         what: str = "recv",
+        at_most: bool = False,
     ) -> RecvHandle:
         """Post a receive from ``peer`` (-1: any source) for ``tag``.
 
-        ``buffer`` (writable, contiguous) receives the payload, which must be exactly its size;
-        with ``None`` the payload is kept as ``handle.data``.
+        ``buffer`` (writable, contiguous) receives the payload, which must be exactly its size
+        (with ``at_most``: at most its size, filling its start, as gloo's receive); with
+        ``None`` the payload is kept as ``handle.data`` (``nbytes``: the payload's size).
         """
-        handle = RecvHandle(peer, tag, buffer, expect_meta, what)
+        handle = RecvHandle(peer, tag, buffer, expect_meta, what, at_most)
         with self._lock:
             if self._broken is not None:
                 handle._finish(peer, self._broken)
@@ -889,11 +894,12 @@ class Endpoint:
                 f"while this rank expects {handle.expect_meta.decode(errors='replace')}; every rank "
                 "must call the same collectives in the same order with the same shapes and dtypes"
             )
-        if handle.buffer is not None and handle.buffer.nbytes != nbytes:
+        held = -1 if handle.buffer is None else handle.buffer.nbytes
+        if held >= 0 and (nbytes > held if handle.at_most else nbytes != held):
             return CollectiveMismatchError(
                 f"rank {self.rank}: {handle.what}: rank {source} sent {nbytes} bytes but the "
-                f"receiving tensor holds {handle.buffer.nbytes} bytes (tag {handle.tag}); sizes or "
-                "dtypes differ between the ranks"
+                f"receiving tensor holds {'only ' if handle.at_most else ''}{held} bytes (tag "
+                f"{handle.tag}); sizes or dtypes differ between the ranks"
             )
         return None
 
