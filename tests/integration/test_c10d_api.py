@@ -1151,11 +1151,17 @@ def test_a_mismatch_is_reported_on_every_rank_when_the_stores_host_finds_it_firs
     assert got == ["CollectiveMismatchError"] * 2
 
 
-def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written() -> None:
+@pytest.mark.parametrize("path", ["shm", "sockets"])
+def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A collective's input that is also an output slot of another rank (or a view of
     another rank's part of the output, or an input list that is the output list turned
-    round) gives what gloo gives: every rank's values, not a peer's data read back as this
-    rank's (gloo copies its inputs first)."""
+    round, or, over the connections, all_to_all_single in place) gives what gloo gives:
+    every rank's values, not a peer's data read back as this rank's (gloo copies its inputs
+    first)."""
+    monkeypatch.setenv("TDIST_SHM", "1" if path == "shm" else "0")
+    splits = [[1, 5, 2], [5, 1, 3], [2, 3, 4]]  # (in place: what r sends k, k sends r)
 
     def body(rank: int, ws: int) -> list[Any]:
         t = torch.full((2,), float(rank + 1))
@@ -1180,9 +1186,14 @@ def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written
         own_slots[rank] = own  # (the usual in-place call: the input is its own slot)
         dist.all_gather(own_slots, own)
         del flipped
+        sz = splits[rank]
+        uneven = torch.cat([torch.full((sz[k],), float(10 * rank + k)) for k in range(ws)])
+        dist.all_to_all_single(uneven, uneven, sz, sz)
+        expected = torch.cat([torch.full((splits[k][rank],), float(10 * k + rank)) for k in range(ws)])
         return [
             [x[0].item() for x in outs], o[::2].tolist(), [x.item() for x in ins[1:] + ins[:1]],
             single.tolist(), [x.item() for x in g], [x[0].item() for x in own_slots],
+            torch.equal(uneven, expected),
         ]
 
     ws = 3
@@ -1193,6 +1204,7 @@ def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written
         assert got[3] == [float(10 * k + rank) for k in range(ws)], (rank, got)
         assert got[4] == [float(k + 1) for k in range(ws)], (rank, got)
         assert got[5] == [float(k) for k in range(ws)], (rank, got)
+        assert got[6], (rank, got)
 
 
 def test_outputs_that_require_grad_are_written_as_gloos_copy() -> None:

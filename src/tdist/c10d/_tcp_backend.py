@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from datetime import timedelta
 from typing import Any
 
@@ -248,23 +248,22 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return p, p + (sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
-def _apart(ins: list[torch.Tensor], outs: list[torch.Tensor], own: int | None = None) -> list[torch.Tensor]:
-    """``ins``, each that shares memory with an output slot it does not go to replaced by a
-    copy. A collective writes its output slots while it still reads its inputs; an input that
-    is another slot (``all_gather(outs, outs[k])``), a view of another rank's part of the
-    output, or an input list that is the output list turned round, would be read after a
-    peer's data overwrote it (gloo copies its inputs first). Input ``i`` goes to slot ``i``,
-    or, with ``own``, every input goes to slot ``own`` (all_gather's own slot). The usual
-    in-place call (the input is its own slot) copies nothing."""
+def _apart(ins: list[torch.Tensor], outs: list[torch.Tensor], harmless: Container[tuple[int, int]] = ()) -> list[torch.Tensor]:
+    """``ins``, each that shares memory with an output slot replaced by a copy. A collective
+    writes its output slots while it still reads its inputs; an input that is another slot
+    (``all_gather(outs, outs[k])``), a view of another rank's part of the output, or an input
+    list that is the output list turned round, would be read after a peer's data overwrote
+    it (gloo copies its inputs first). ``harmless`` holds the pairs ``(i, k)`` where input
+    ``i`` may be exactly slot ``k`` (the usual in-place call: the input is its own slot),
+    which copies nothing."""
     spans = [_span(o) for o in outs]
     result = ins
     for i, t in enumerate(ins):
         lo, hi = _span(t)
         if lo == hi:
             continue
-        goes = i if own is None else own
         for k, (a, b) in enumerate(spans):
-            if a < hi and lo < b and not (k == goes and (a, b) == (lo, hi)):
+            if a < hi and lo < b and not ((a, b) == (lo, hi) and (i, k) in harmless):
                 if result is ins:
                     result = list(ins)
                 result[i] = t.clone(memory_format=torch.contiguous_format)
@@ -1171,7 +1170,7 @@ class ProcessGroupTCP(Backend):
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
             for outs, inp in zip(output_tensors, input_tensors, strict=True):
-                self._allgather_one(outs, _apart([inp], outs, self._rank)[0], deadline)
+                self._allgather_one(outs, _apart([inp], outs, {(0, self._rank)})[0], deadline)
             return [t for outs in output_tensors for t in outs]
 
         rec = self._fr
@@ -1214,7 +1213,7 @@ class ProcessGroupTCP(Backend):
             if output.is_contiguous() and self._size > 1:
                 n = input.numel()
                 parts = [output.view(-1)[k * n:(k + 1) * n] for k in range(self._size)]
-                inp = _apart([input], parts, self._rank)[0]
+                inp = _apart([input], parts, {(0, self._rank)})[0]
             else:
                 inp = _apart([input], [output])[0]
             if self._arena is not None:
@@ -1249,7 +1248,7 @@ class ProcessGroupTCP(Backend):
             tag = self._next_tag()
             inp = input_tensors[0].contiguous()
             if self._rank == root and output_tensors and len(output_tensors[0]) == self._size:
-                inp = _apart([inp], output_tensors[0], root)[0]
+                inp = _apart([inp], output_tensors[0], {(0, root)})[0]
             if self._arena is not None:
                 outs0 = output_tensors[0] if self._rank == root else None
                 if outs0 is not None and len(outs0) != self._size:
@@ -1433,7 +1432,10 @@ class ProcessGroupTCP(Backend):
         return self._submit("all_to_all", opts, run, entry)
 
     def _exchange(self, outs: list[torch.Tensor], ins: list[torch.Tensor], deadline: float, what: str) -> None:
-        ins = _apart(ins, outs)
+        # (a peer's part may land before this rank has sent the one it lands on, over the
+        # connections and, where the splits differ, in the arena: only this rank's own part
+        # may be its output part, the in-place call then copying the others)
+        ins = _apart(ins, outs, {(self._rank, self._rank)})
         tag = self._next_tag()
         if self._arena is not None:
             self._arena.all_to_all(outs, ins, timeout=self._left(deadline), op=what)
