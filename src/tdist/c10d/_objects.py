@@ -256,11 +256,11 @@ def send_object_list(
     """Send the objects of ``object_list`` to ``dst`` (sizes first, then the pickles).
 
     Raises:
-        ValueError: ``dst`` is this rank.
+        ValueError: ``dst`` is this rank, or this rank is not in ``group`` ("Invalid process
+            group specified", as torch's).
     """
-    if _not_member(group):
-        warn_not_in_group("send_object_list", _global_rank_or_minus_one())
-        return
+    if _not_member(group):  # (torch's looks up the peer first, which a non-member cannot)
+        raise ValueError("Invalid process group specified")
     pg = _resolve(group)
     peer = _group_rank(pg, dst, group_dst)
     C.check_not_self_rank(pg.rank(), peer, "destination")
@@ -292,6 +292,8 @@ def recv_object_list(
         ValueError: ``src`` is this rank.
     """
     if _not_member(group):
+        if src is not None or group_src is not None:  # (as torch's: the peer is looked up first)
+            raise ValueError("Invalid process group specified")
         warn_not_in_group("recv_object_list", _global_rank_or_minus_one())
         return -1
     pg = _resolve(group)
