@@ -271,6 +271,19 @@ def _apart(ins: list[torch.Tensor], outs: list[torch.Tensor], harmless: Containe
     return result
 
 
+def _apart_from_part(inp: torch.Tensor, output: torch.Tensor, part: int) -> torch.Tensor:
+    """``inp``, or a copy of it where it shares memory with ``output`` other than by being
+    exactly its part ``part`` (parts as large as ``inp``, in order: all_gather_into_tensor's
+    in-place call, which copies nothing); ``_apart`` for one output cut in parts."""
+    lo, hi = _span(inp)
+    a, b = _span(output)
+    if lo == hi or hi <= a or b <= lo:
+        return inp
+    if output.is_contiguous() and inp.is_contiguous() and lo == a + part * inp.nbytes:
+        return inp
+    return inp.clone(memory_format=torch.contiguous_format)
+
+
 def _align(nbytes: int) -> int:
     return (nbytes + 63) & ~63
 
@@ -1209,13 +1222,7 @@ class ProcessGroupTCP(Backend):
 
         def run() -> list[torch.Tensor]:
             deadline = self._deadline(opts)
-            # (the input may be this rank's own part of the output: the in-place call)
-            if output.is_contiguous() and self._size > 1:
-                n = input.numel()
-                parts = [output.view(-1)[k * n:(k + 1) * n] for k in range(self._size)]
-                inp = _apart([input], parts, {(0, self._rank)})[0]
-            else:
-                inp = _apart([input], [output])[0]
+            inp = _apart_from_part(input, output, self._rank)
             if self._arena is not None:
                 self._next_tag()
                 self._arena.all_gather_into_tensor(output, inp, timeout=self._left(deadline))
