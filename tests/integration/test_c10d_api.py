@@ -1180,7 +1180,6 @@ def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written
         ins = [torch.full((1,), float(10 * rank + k)) for k in range(ws)]
         dist.all_to_all(ins[1:] + ins[:1], ins)
         single = torch.arange(float(ws)) + 10 * rank
-        flipped = single.flip(0)  # (a copy: the output is the input itself, reversed in place below)
         dist.all_to_all_single(single, single)  # (in place, each part to its own rank)
         g = [torch.zeros(1) for _ in range(ws)]
         mine = g[(rank + 1) % ws]
@@ -1190,7 +1189,6 @@ def test_an_input_that_is_another_ranks_output_slot_is_read_before_it_is_written
         own_slots = [torch.zeros(3) for _ in range(ws)]
         own_slots[rank] = own  # (the usual in-place call: the input is its own slot)
         dist.all_gather(own_slots, own)
-        del flipped
         sz = splits[rank]
         uneven = torch.cat([torch.full((sz[k],), float(10 * rank + k)) for k in range(ws)])
         dist.all_to_all_single(uneven, uneven, sz, sz)
