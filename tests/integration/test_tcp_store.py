@@ -27,7 +27,15 @@ from tdist._core.errors import (
     StoreTimeoutError,
     StoreValueError,
 )
-from tdist.store._protocol import HEADER, FrameDecoder, Op, Status, encode_frame, encode_int
+from tdist.store._protocol import (
+    HEADER,
+    OPENING,
+    FrameDecoder,
+    Op,
+    Status,
+    encode_frame,
+    encode_int,
+)
 
 from .._sync import wait_inside, wait_until, when_inside
 
@@ -50,6 +58,7 @@ def client_of(store: dist.TCPStore, **kw: object) -> dist.TCPStore:
 def raw_connect(port: int) -> tuple[socket.socket, FrameDecoder]:
     """A bare TCP connection that has read the server's HELLO."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(OPENING)  # (over TCP a tdist client speaks first)
     dec = FrameDecoder()
     while (hello := dec.next_frame()) is None:
         dec.feed(sock.recv(4096))
@@ -634,6 +643,7 @@ def test_a_master_is_served_at_once_and_its_own_process_takes_over_from_exactly_
         wait_until(lambda: {"later", "never"} <= server._parked.keys() and len(server._parked["q2"]) == 2, 10, "all wait")
         def hello() -> tuple[socket.socket, FrameDecoder, bytes]:
             sock = socket.create_connection(("127.0.0.1", master.port), timeout=10)
+            sock.sendall(OPENING)
             dec = FrameDecoder()
             frame = read_frame(sock, dec)
             assert frame.code == Op.HELLO  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from tdist.store._protocol import (
     encode_int,
 )
 from tdist.store._state import KVState
+from tdist.store._torch_wire import MAGIC, Query, QueryDecoder, is_torch_opening
 
 FIELD_SETS = [
     (),
@@ -183,3 +184,60 @@ def test_auth_proofs() -> None:
     assert auth.server_proof(secret, ns, nc) != proof
     assert auth.resolve_secret("abc") == b"abc"
     assert auth.resolve_secret(b"") is None
+
+
+# bytes that torch's own client sent (recorded between it and torch's server): VALIDATE and
+# PING as it connects, its ADD of "init/", then a set, a wait, a get, a multi_set, a cancel
+TORCH_CLIENT_BYTES = (
+    b"\x00\xce\xf7\x85<\r\x91m\x00\x00"
+    b"\x04\x05\x00\x00\x00\x00\x00\x00\x00init/\x01\x00\x00\x00\x00\x00\x00\x00"
+    b"\x01\x02\x00\x00\x00\x00\x00\x00\x00/k\x01\x00\x00\x00\x00\x00\x00\x00v"
+    b"\x06\x01\x00\x00\x00\x00\x00\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00/k"
+    b"\x03\x02\x00\x00\x00\x00\x00\x00\x00/k"
+    b"\x0b\x02\x00\x00\x00\x00\x00\x00\x00\x02\x00\x00\x00\x00\x00\x00\x00/p"
+    b"\x01\x00\x00\x00\x00\x00\x00\x001\x02\x00\x00\x00\x00\x00\x00\x00/q\x01\x00\x00\x00\x00\x00\x00\x002"
+    b"\x0c"
+)
+TORCH_CLIENT_QUERIES = [
+    (Query.VALIDATE, [MAGIC]),
+    (Query.PING, [0x6D91]),
+    (Query.ADD, [b"init/", 1]),
+    (Query.SET, [b"/k", b"v"]),
+    (Query.WAIT, [b"/k"]),
+    (Query.GET, [b"/k"]),
+    (Query.MULTI_SET, [b"/p", b"1", b"/q", b"2"]),
+    (Query.CANCEL_WAIT, []),
+]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, len(TORCH_CLIENT_BYTES)])
+def test_torch_queries_decode_from_any_split_of_the_bytes(piece: int) -> None:
+    dec = QueryDecoder(1 << 20)
+    got = []
+    for i in range(0, len(TORCH_CLIENT_BYTES), piece):
+        dec.feed(TORCH_CLIENT_BYTES[i : i + piece])
+        while (query := dec.next_query()) is not None:
+            got.append(query)
+    assert got == TORCH_CLIENT_QUERIES
+    assert dec.buffered == 0 and dec.peek() is None
+
+
+def test_torch_openings_and_bad_queries() -> None:
+    assert is_torch_opening(TORCH_CLIENT_BYTES[:2]) is None
+    assert is_torch_opening(TORCH_CLIENT_BYTES[:5]) is True
+    assert is_torch_opening(b"TDS\x01") is False
+    assert is_torch_opening(b"\x00\x01") is False
+    for bad, match in (
+        (b"\x63", "unknown torch TCPStore query type 99"),
+        (b"\x03" + (1 << 21).to_bytes(8, "little"), "exceeds the limit"),
+        (b"\x06" + (1 << 40).to_bytes(8, "little"), "names 1099511627776 keys"),
+    ):
+        dec = QueryDecoder(1 << 20)
+        dec.feed(bad)
+        with pytest.raises(RemoteProtocolError, match=match):
+            dec.next_query()
+    dec = QueryDecoder(1 << 20)
+    dec.feed(b"\x03" + (4).to_bytes(8, "little") + b"/ab")  # (one byte of the key to come)
+    assert dec.next_query() is None and dec.buffered == 12 and dec.peek() == Query.GET
+    dec.feed(b"c")
+    assert dec.next_query() == (Query.GET, [b"/abc"])

@@ -5,7 +5,10 @@ Theory of operation. Every message in either direction is one frame::
     u32 body_length | u8 code | u32 field_count | field_count x (u32 length | bytes)
 
 little-endian, where ``body_length`` counts everything after itself. ``code`` is an ``Op`` for a
-request and a ``Status`` for a reply; integers travel as 8-byte signed fields. A connection
+request and a ``Status`` for a reply; integers travel as 8-byte signed fields. Over TCP the
+client speaks first, with the four bytes ``OPENING``: the server's TCP port also serves torch's
+own clients, which speak first too (``_torch_wire``), and the first bytes tell the two apart.
+Then (at once, over the Unix socket, which only tdist's clients use) the connection
 opens with the server's ``HELLO`` (protocol version, whether a secret is required, a nonce, the
 server's TCP port); when a secret is required the client's first frame must be ``AUTH`` and is
 limited to ``MAX_AUTH_FRAME`` bytes, so nothing larger is read before the peer is trusted.
@@ -31,6 +34,7 @@ from .._core.errors import LocalProtocolError, RemoteProtocolError
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "MAX_AUTH_FRAME",
+    "OPENING",
     "PROTOCOL_VERSION",
     "ErrorKind",
     "Frame",
@@ -45,6 +49,8 @@ __all__ = [
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME = 1 << 30  # 1 GiB
 MAX_AUTH_FRAME = 256
+# what a tdist client sends first over TCP (torch's client sends 0x00 first: ``_torch_wire``)
+OPENING = b"TDS\x01"
 
 HEADER = struct.Struct("<IBI")  # body_length, code, field_count
 FIELD_LEN = struct.Struct("<I")

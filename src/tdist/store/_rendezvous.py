@@ -45,6 +45,7 @@ from urllib.parse import urlparse, urlunparse
 
 from .._core.errors import DistNetworkError
 from ._api import Store, multi_get_within
+from ._protocol import OPENING
 
 __all__ = ["RendezvousHandler", "register_rendezvous_handler", "rendezvous"]
 
@@ -209,8 +210,8 @@ def _agent_store(hostname: str, port: int) -> tuple[str, int] | None:
 
 
 #: how long a new connection to the agent's store waits for a tdist server's greeting before it
-#: takes the server for torchrun's (torch's C++ ``TCPStore``, which waits for its client to
-#: speak first); a tdist server greets as it accepts
+#: takes the server for torchrun's (torch's C++ ``TCPStore``, which ignores tdist's ``OPENING``);
+#: a tdist server greets as it reads it
 _GREETING_WAIT = 1.0
 
 
@@ -226,6 +227,10 @@ def _agent_is_torchs(hostname: str, port: int) -> bool:
     except OSError:
         return False
     with sock:
+        try:  # (a tdist server greets a client that opens as tdist's; torch's ignores it)
+            sock.sendall(OPENING)
+        except OSError:
+            return False
         readable, _, _ = select.select([sock], [], [], _GREETING_WAIT)
     return not readable
 

@@ -55,6 +55,7 @@ from ._protocol import (
     FIELD_LEN,
     HEAD_FIELD,
     MAX_AUTH_FRAME,
+    OPENING,
     PROTOCOL_VERSION,
     ErrorKind,
     Frame,
@@ -66,6 +67,8 @@ from ._protocol import (
     encode_int,
 )
 from ._state import KVState
+from ._torch_wire import MAGIC as _TORCH_MAGIC
+from ._torch_wire import Query, QueryDecoder, Reply, is_torch_opening
 
 TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
 if TYPE_CHECKING:
@@ -108,6 +111,9 @@ os.register_at_fork(after_in_child=_forget_in_child)
 _SET_QUIET = int(Op.SET_QUIET)
 _CHECK_TRUE = encode_frame(Status.OK, (b"\x01",))
 _CHECK_FALSE = encode_frame(Status.OK, (b"\x00",))
+# what a connection is (``_Conn.kind``): a tdist client; one over TCP whose first bytes have not
+# told yet; a client of torch's (``torch.distributed.TCPStore``, its own protocol: ``_torch_wire``)
+_TDIST, _SNIFFING, _TORCH = 0, 1, 2
 _BURST_PAUSE = 30e-6  # seconds that the loop rests after a wake-up for sets only (see serve_forever)
 _BEAT_EVERY = 1.0  # seconds between beats to a standby when nothing changes
 _FOLLOWER_BACKLOG = 64 << 20  # bytes queued for a standby that reads none: it is dropped
@@ -178,9 +184,11 @@ class _Conn:
         "closed",
         "decoder",
         "follower",
+        "kind",
         "nonce",
         "out",
         "paused",
+        "queries",
         "seal",
         "sock",
         "writing",
@@ -198,6 +206,8 @@ class _Conn:
         self.paused = False  # too many replies unread: its requests are not read (``_flush``)
         self.nonce = b""
         self.seal: auth.Seal | None = None  # tags our frames once the client proved the secret
+        self.kind = _TDIST
+        self.queries: QueryDecoder | None = None  # (a client of torch's: its requests)
         self.follower = False  # a standby: sent the data's changes, asks nothing more
 
 
@@ -215,6 +225,13 @@ class StoreServer:
         spin: seconds to keep polling after activity before sleeping, when serving in a
             process of its own (default: ``_core.spin``'s budget, ``TDIST_SPIN_US``).
         state: the data to serve (a standby taking over: ``_replica``); default empty.
+        torch_clients: whether clients of torch's own ``TCPStore`` are served (over TCP, in
+            torch's protocol: ``_torch_wire``). They prove no secret, so each reaches only the
+            keys torch's client names: those that begin with ``/`` (it puts one before every
+            key of its caller) and its own ``init/``. None (the default): served when the
+            store requires no secret (it is open to anyone then anyway); True: served with a
+            secret too (``tdist run``'s store, which torch programs use as torchrun's); False:
+            refused.
 
     Raises:
         DistNetworkError: the address cannot be bound (in use, not local).
@@ -239,12 +256,14 @@ class StoreServer:
         spin: float | None = None,
         unix_fd: int | None = None,
         state: KVState | None = None,
+        torch_clients: bool | None = None,
     ) -> None:
         self.host = host
         if spin is None:
             spin = _spin.SPIN
         self.spin = spin
         self.secret = auth.resolve_secret(secret)
+        self.torch_clients = self.secret is None if torch_clients is None else torch_clients
         self.max_frame = max_frame
         self.auth_timeout = auth_timeout
         self._clock = clock
@@ -509,6 +528,7 @@ class StoreServer:
             "status": status_w,
             "parent": os.getpid(),
             "secret": None if self.secret is None else self.secret.hex(),
+            "torch_clients": self.torch_clients,
             "max_frame": self.max_frame,
             "auth_timeout": self.auth_timeout,
             "spin": self.spin,
@@ -939,7 +959,8 @@ class StoreServer:
             "data": state.data,
             "queues": {k: list(q) for k, q in state.queues.items()},
             "conns": [
-                (c.addr, c.authed, c.decoder.max_frame, c.decoder.unread(), bytes(c.out), c.nonce,
+                (c.addr, c.kind, c.authed, c.decoder.max_frame,
+                 (c.decoder if c.queries is None else c.queries).unread(), bytes(c.out), c.nonce,
                  None if c.decoder.seal is None else c.decoder.seal.state(),
                  None if c.seal is None else c.seal.state(),
                  self._followers.get(c), c.follower)
@@ -1009,6 +1030,7 @@ class StoreServer:
             unix_fd=fds[1] if listeners > 1 else None,
             unix=listeners > 1,
             spin=float(cfg["spin"]),  # type: ignore[arg-type]
+            torch_clients=bool(cfg["torch_clients"]),
         )
         server._install(state, fds[listeners:])
         return server
@@ -1020,13 +1042,20 @@ class StoreServer:
         self._state.queues = {k: deque(v) for k, v in state["queues"].items()}
         conns: list[_Conn] = []
         parent = f"pid {os.getppid()}"
-        for fd, (addr, authed, max_frame, unread, out, nonce, rseal, sseal, follows, follower) in zip(fds, state["conns"], strict=True):
+        for fd, (addr, kind, authed, max_frame, unread, out, nonce, rseal, sseal, follows, follower) in zip(
+            fds, state["conns"], strict=True
+        ):
             sock = socket.socket(fileno=fd)
             sock.setblocking(False)
             conn = _Conn(sock, parent if addr == "this process" else addr, authed, max_frame)
+            conn.kind = kind
             conn.decoder.seal = None if rseal is None else auth.Seal.resume(rseal)
             conn.seal = None if sseal is None else auth.Seal.resume(sseal)
-            conn.decoder.feed(unread)
+            if kind == _TORCH:
+                conn.queries = QueryDecoder(self.max_frame)
+                conn.queries.feed(unread)
+            else:
+                conn.decoder.feed(unread)
             conn.out += out
             conn.nonce = nonce
             conn.follower = follower
@@ -1119,16 +1148,60 @@ class StoreServer:
                 self._unauthed[conn] = None
                 if len(self._unauthed) > _MAX_UNAUTHED:
                     self._shed_unauthed()
-            hello = [
-                encode_int(PROTOCOL_VERSION),
-                b"\x01" if self.secret is not None else b"\x00",
-                conn.nonce,
-                encode_int(self.port),
-            ]
-            self._out(conn, encode_frame(Op.HELLO, hello))
-            self._flush(conn)
+            if addr == "unix":
+                self._greet(conn)
+            else:  # (over TCP the client speaks first: tdist's or torch's, ``_sniff``)
+                conn.kind = _SNIFFING
             if self.secret is not None:
                 self._add_timer(self._clock() + self.auth_timeout, functools.partial(self._auth_expired, conn))
+
+    def _greet(self, conn: _Conn) -> None:
+        """Send a tdist client the server's HELLO."""
+        hello = [
+            encode_int(PROTOCOL_VERSION),
+            b"\x01" if self.secret is not None else b"\x00",
+            conn.nonce,
+            encode_int(self.port),
+        ]
+        self._out(conn, encode_frame(Op.HELLO, hello))
+        self._flush(conn)
+
+    def _sniff(self, conn: _Conn) -> None:
+        """The first bytes of a TCP connection (in its decoder) say whose client it is: tdist's
+        (``OPENING``: greet it) or torch's (``VALIDATE``: serve it in torch's protocol, if
+        this server serves those); anything else is closed."""
+        head = conn.decoder.unread()
+        if len(head) < len(OPENING) and OPENING.startswith(head):
+            return
+        if head.startswith(OPENING):
+            conn.kind = _TDIST
+            conn.decoder = FrameDecoder(conn.decoder.max_frame)
+            conn.decoder.feed(head[len(OPENING) :])
+            self._greet(conn)
+            if conn.decoder.buffered and not conn.closed:
+                self._process(conn)
+            return
+        torch = is_torch_opening(head)
+        if torch is None:
+            return
+        if not torch:
+            self._close(conn, f"not a store client: it opened with {head[:8]!r}")
+            return
+        if not self.torch_clients:
+            log.warning(
+                "store server on port %d: refused a client of torch's TCPStore from %s: this "
+                "store requires the job's secret, which torch's client cannot prove (use "
+                "tdist's TCPStore)", self.port, conn.addr,
+            )
+            self._close(conn, None)
+            return
+        conn.kind = _TORCH
+        conn.authed = True  # (to the keys torch's client names: ``_torch_key``)
+        self._unauthed.pop(conn, None)
+        conn.decoder = FrameDecoder(0)
+        conn.queries = QueryDecoder(self.max_frame)
+        conn.queries.feed(head)
+        self._serve_torch(conn)
 
     def _shed_unauthed(self) -> None:
         """Close the oldest connection that has not authenticated yet (if any)."""
@@ -1198,6 +1271,16 @@ class StoreServer:
         if not data:
             self._close(conn, "client closed the connection" if conn.decoder.buffered == 0
                         else "client closed the connection in the middle of a request")
+            return
+        if conn.kind:  # (not a tdist client, or not known yet)
+            if conn.queries is not None:
+                conn.queries.feed(data)
+                if conn.blocked is not None and conn.queries.buffered > _MAX_BACKLOG_FRAMES * self.max_frame:
+                    self._close(conn, "too many bytes sent behind a blocked request")
+                    return
+            else:
+                conn.decoder.feed(data)
+            self._process(conn)
             return
         if conn.blocked is None and conn.authed and not conn.paused:
             if len(data) > 4 and data[4] == _SET_QUIET and not conn.decoder.buffered:
@@ -1276,6 +1359,12 @@ class StoreServer:
         self._close(conn, str(exc))
 
     def _process(self, conn: _Conn) -> None:
+        if conn.kind:
+            if conn.kind == _TORCH:
+                self._serve_torch(conn)
+            else:
+                self._sniff(conn)
+            return
         while not conn.closed and conn.blocked is None:
             if len(conn.out) >= _OUT_PAUSE:  # replies pile up: the next request waits for room
                 self._flush(conn)
@@ -1535,7 +1624,7 @@ class StoreServer:
         self._reply(conn)
         if self._followers:
             self._replicate(key)
-        self._changed(key)
+        self._changed(key, pushed=True)
 
     def _op_queue_pop(self, conn: _Conn, f: list[bytes]) -> None:
         self._nargs(f, 2, "QUEUE_POP")
@@ -1558,6 +1647,130 @@ class StoreServer:
 
     def _op_ping(self, conn: _Conn, f: list[bytes]) -> None:
         self._reply(conn, f)
+
+    # -- torch's clients (``_torch_wire``) --------------------------------------------------------
+    def _serve_torch(self, conn: _Conn) -> None:
+        """Serve the queries a client of torch's sent, in order. While its ``WAIT`` waits,
+        only a ``CANCEL_WAIT`` is taken (torch's client sends nothing else meanwhile); the rest
+        wait their turn. A query that breaks the protocol, or names a key out of its reach,
+        closes the connection (torch's protocol has no error reply: its client reports the
+        lost connection)."""
+        queries = conn.queries
+        assert queries is not None
+        while not conn.closed:
+            if len(conn.out) >= _OUT_PAUSE:
+                self._flush(conn)
+                if conn.closed or conn.paused:
+                    return
+                continue
+            if conn.blocked is not None and queries.peek() != Query.CANCEL_WAIT:
+                break
+            try:
+                query = queries.next_query()
+                if query is None:
+                    break
+                self._torch_query(conn, *query)
+            except (RemoteProtocolError, StoreValueError) as exc:
+                log.warning("store server on port %d: torch client %s: %s", self.port, conn.addr, exc)
+                self._flush(conn)
+                self._close(conn, None)
+                return
+        if not conn.closed:
+            self._flush(conn)
+
+    @staticmethod
+    def _torch_key(raw: bytes | int) -> str:
+        """A key a client of torch's named, if it may: one that torch's client can name (it
+        puts ``/`` before its caller's keys; ``init/`` is its own), never one of tdist's."""
+        assert isinstance(raw, bytes)
+        key = _decode_key(raw)
+        if not key.startswith("/") and key != "init/":
+            raise RemoteProtocolError(
+                f"key {key[:60]!r} is not one torch's TCPStore client names (they begin with '/'): "
+                "tdist's own keys are out of a torch client's reach"
+            )
+        return key
+
+    def _torch_query(self, conn: _Conn, kind: int, args: list[bytes | int]) -> None:
+        state, out, key_of = self._state, conn.out, self._torch_key
+        if kind == Query.PING:
+            out += Reply.nonce(int(args[0]))
+        elif kind in (Query.GET, Query.QUEUE_LEN, Query.QUEUE_POP):
+            key = key_of(args[0])
+            if kind == Query.GET:  # (torch's client waits first: a missing key reads empty)
+                out += Reply.value(state.data.get(key, b""))
+            elif kind == Query.QUEUE_LEN:
+                out += Reply.number(state.queue_len(key))
+            else:  # (never waits: torch's client waits for the queue first)
+                out += Reply.number(state.queue_len(key))
+                value = state.queue_pop(key)
+                if value is not None:
+                    out += Reply.value(value)
+                    self._changes((key,), changed=False)
+        elif kind in (Query.CHECK, Query.WAIT, Query.MULTI_GET):
+            keys = [key_of(k) for k in args]
+            if kind == Query.CHECK:
+                out += Reply.READY if not state.missing(keys) else Reply.NOT_READY
+            elif kind == Query.MULTI_GET:
+                for key in keys:
+                    out += Reply.value(state.data.get(key, b""))
+            elif not state.missing(keys):
+                out += Reply.STOP_WAITING
+            else:  # (no deadline here: torch's client gives up by CANCEL_WAIT)
+                self._park(conn, Op.WAIT, keys, None)
+        elif kind == Query.CANCEL_WAIT:
+            waiter = conn.blocked
+            if waiter is not None:
+                waiter.done = True
+                self._unpark(waiter)
+                conn.blocked = None
+            out += Reply.WAIT_CANCELED
+        elif kind in (Query.SET, Query.APPEND, Query.QUEUE_PUSH):
+            key = key_of(args[0])
+            assert isinstance(args[1], bytes)
+            if kind == Query.SET:
+                state.set(key, args[1])
+            elif kind == Query.APPEND:
+                state.append(key, args[1])
+            else:
+                state.queue_push(key, args[1])
+            self._changes((key,), pushed=kind == Query.QUEUE_PUSH)
+        elif kind == Query.MULTI_SET:
+            keys = [key_of(k) for k in args[0::2]]
+            for key, item in zip(keys, args[1::2], strict=True):
+                assert isinstance(item, bytes)
+                state.set(key, item)
+            self._changes(keys)
+        elif kind == Query.ADD:
+            key = key_of(args[0])
+            out += Reply.number(state.add(key, int(args[1])))
+            self._changes((key,))
+        elif kind == Query.COMPARE_SET:
+            key = key_of(args[0])
+            assert isinstance(args[1], bytes) and isinstance(args[2], bytes)
+            value, changed = state.compare_set(key, args[1], args[2])
+            out += Reply.value(value)
+            if changed:
+                self._changes((key,))
+        elif kind == Query.DELETE_KEY:
+            key = key_of(args[0])
+            deleted = state.delete(key)
+            out += Reply.number(int(deleted))
+            if deleted:
+                self._changes((key,), changed=False)
+        elif kind == Query.GETNUMKEYS:
+            out += Reply.number(state.num_keys())
+        elif args[0] != _TORCH_MAGIC:  # VALIDATE (again)
+            raise RemoteProtocolError("VALIDATE with the wrong magic number")
+
+    def _changes(self, keys: list[str] | tuple[str, ...], *, changed: bool = True, pushed: bool = False) -> None:
+        """``keys`` changed: to the standby, then to the requests waiting on them (not
+        ``changed``: only the standby, for a key deleted or a queue popped)."""
+        for key in keys:
+            if self._followers:
+                self._replicate(key)
+            if changed and self._parked:
+                self._changed(key, pushed=pushed)
 
     # -- standbys (``_replica``) ----------------------------------------------------------------
     def _op_follow(self, conn: _Conn, f: list[bytes]) -> None:
@@ -1640,11 +1853,15 @@ class StoreServer:
             if not lst:
                 del self._parked[key]
 
-    def _changed(self, key: str) -> None:
+    def _changed(self, key: str, pushed: bool = False) -> None:
+        """``key`` changed: answer the requests waiting on it that can be now. A push to its
+        queue (``pushed``) wakes one of torch's clients' ``WAIT``s, as torch's server does
+        (each would pop next: the others would find the queue empty)."""
         waiters = self._parked.pop(key, None)
         if not waiters:
             return
         state = self._state
+        torch_woken = False
         for i, waiter in enumerate(waiters):
             if waiter.done:
                 continue
@@ -1667,6 +1884,11 @@ class StoreServer:
             if missing:
                 self._park_on(waiter, missing[0])
                 continue
+            if pushed and waiter.conn.kind == _TORCH:
+                if torch_woken:
+                    self._park_on(waiter, key)
+                    continue
+                torch_woken = True
             if waiter.op == Op.WAIT:
                 self._finish(waiter, ())
             else:
@@ -1680,7 +1902,10 @@ class StoreServer:
         conn.blocked = None
         if conn.closed:
             return
-        self._reply(conn, fields)
+        if conn.kind == _TORCH:
+            conn.out += Reply.STOP_WAITING
+        else:
+            self._reply(conn, fields)
         self._ready.append(conn)
 
     def _expire(self, waiter: _Waiter) -> None:

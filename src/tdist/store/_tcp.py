@@ -39,6 +39,7 @@ from ._api import DEFAULT_TIMEOUT, Store, as_bytes, check_key, key_list
 from ._protocol import (
     DEFAULT_MAX_FRAME,
     HEAD_FIELD,
+    OPENING,
     PROTOCOL_VERSION,
     ErrorKind,
     Frame,
@@ -353,6 +354,7 @@ class TCPStore(Store):
                     sock = socket.create_connection((self._connect_host, self._port), timeout=remaining)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self._transport = "tcp"
+                    sock.sendall(OPENING)  # (over TCP the client speaks first: ``_protocol``)
                     self._handshake(sock, deadline)
                 sock.setblocking(False)
                 self._sock = sock

@@ -1,0 +1,211 @@
+"""torch's ``TCPStore`` wire protocol, the server's half, sans-IO: bytes in, queries out.
+
+Theory of operation. torch's client (``torch.distributed.TCPStore(..., is_master=False)``,
+C++) speaks first: it opens every connection with ``VALIDATE`` and a magic number, then
+``PING`` with a nonce that the server echoes. A query is a ``QueryType`` byte and its
+arguments, with no length in front of the whole: a key or a value is a ``u64`` length and its
+bytes, a count of keys a ``u64``, a number an ``i64`` (little-endian, the byte order of every
+machine torch runs on). Replies have no header either: each query's reply has a shape of its
+own (``Reply``), and ``SET``, ``APPEND``, ``MULTI_SET`` and ``QUEUE_PUSH`` have none. A
+``WAIT`` on keys not set yet is answered when they are (``STOP_WAITING``); the client that
+gives up sends ``CANCEL_WAIT``, which is answered ``WAIT_CANCELED`` whatever came before it.
+torch's client puts ``/`` before every key of its caller; its only key of its own is
+``init/``, which it adds one to as it connects.
+
+tdist's store server speaks this beside its own protocol on its TCP port
+(``StoreServer``: the first bytes of a connection tell the two apart), so that
+``torch.distributed.TCPStore`` clients, and torch's ``env://`` under ``tdist run``, use a tdist
+store as they would torch's. Read from torch's ``TCPStore.cpp`` and ``TCPStoreLibUvBackend.cpp``
+and checked against torch's own client byte by byte.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .._core.errors import RemoteProtocolError
+
+__all__ = ["MAGIC", "Query", "QueryDecoder", "Reply", "is_torch_opening"]
+
+MAGIC = 0x3C85F7CE
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+# the most keys one CHECK/WAIT/MULTI_GET/MULTI_SET may name (torch's server has a limit too)
+MAX_KEYS = 1 << 16
+
+
+class Query:
+    """torch's ``QueryType`` values."""
+
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    APPEND = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+    CANCEL_WAIT = 12
+    PING = 13
+    QUEUE_PUSH = 14
+    QUEUE_POP = 15
+    QUEUE_LEN = 16
+
+
+# a query's arguments, in order: k = a key or value (u64 length, bytes), q = an i64, u = a u32,
+# n = a u64 count of keys that follow, m = a u64 count of key/value pairs that follow
+_SHAPES: dict[int, str] = {
+    Query.VALIDATE: "u",
+    Query.SET: "kk",
+    Query.COMPARE_SET: "kkk",
+    Query.GET: "k",
+    Query.ADD: "kq",
+    Query.CHECK: "n",
+    Query.WAIT: "n",
+    Query.GETNUMKEYS: "",
+    Query.DELETE_KEY: "k",
+    Query.APPEND: "kk",
+    Query.MULTI_GET: "n",
+    Query.MULTI_SET: "m",
+    Query.CANCEL_WAIT: "",
+    Query.PING: "u",
+    Query.QUEUE_PUSH: "kk",
+    Query.QUEUE_POP: "k",
+    Query.QUEUE_LEN: "k",
+}
+
+
+def is_torch_opening(head: bytes | bytearray) -> bool | None:
+    """Whether a connection's first bytes are torch's client's ``VALIDATE``: True, False, or
+    None while fewer than its five bytes are in and they agree so far."""
+    opening = bytes([Query.VALIDATE]) + _U32.pack(MAGIC)
+    n = min(len(head), len(opening))
+    if bytes(head[:n]) != opening[:n]:
+        return False
+    return True if n == len(opening) else None
+
+
+class QueryDecoder:
+    """Accumulates a torch client's bytes and yields its complete queries, as
+    ``(query type, arguments)``: bytes for keys and values, ints for numbers.
+
+    ``max_size`` bounds each key and value a client announces; a larger one, an unknown query
+    type or too many keys raises ``RemoteProtocolError`` before anything of it is buffered.
+    """
+
+    def __init__(self, max_size: int) -> None:
+        self.max_frame = max_size  # (the name ``StoreServer`` reads off any decoder)
+        self.seal = None  # (a torch client proves nothing: no session tags)
+        self._buf = bytearray()
+        self._pos = 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    def unread(self) -> bytes:
+        """The bytes fed and not yet taken as queries."""
+        return bytes(self._buf[self._pos :])
+
+    def peek(self) -> int | None:
+        """The type of the next query, if a byte of it is in."""
+        return self._buf[self._pos] if self._pos < len(self._buf) else None
+
+    def next_query(self) -> tuple[int, list[bytes | int]] | None:
+        """The next complete query, or ``None`` when more bytes are needed.
+
+        Raises:
+            RemoteProtocolError: the bytes cannot be a query of torch's (an unknown type, a
+                key or value larger than allowed, too many keys).
+        """
+        buf, pos = self._buf, self._pos
+        end = len(buf)
+        if pos >= end:
+            return None
+        kind = buf[pos]
+        shape = _SHAPES.get(kind)
+        if shape is None:
+            raise RemoteProtocolError(f"unknown torch TCPStore query type {kind}")
+        pos += 1
+        args: list[bytes | int] = []
+        for part in shape:
+            if part == "u":
+                if end - pos < 4:
+                    return None
+                args.append(_U32.unpack_from(buf, pos)[0])
+                pos += 4
+            elif part == "q":
+                if end - pos < 8:
+                    return None
+                args.append(_I64.unpack_from(buf, pos)[0])
+                pos += 8
+            elif part == "k":
+                got = self._bytes(buf, pos, end)
+                if got is None:
+                    return None
+                args.append(got[0])
+                pos = got[1]
+            else:  # "n" keys, "m" key/value pairs
+                if end - pos < 8:
+                    return None
+                count = _U64.unpack_from(buf, pos)[0]
+                if count > MAX_KEYS:
+                    raise RemoteProtocolError(f"torch TCPStore query names {count} keys (at most {MAX_KEYS})")
+                pos += 8
+                for _ in range(count * (2 if part == "m" else 1)):
+                    got = self._bytes(buf, pos, end)
+                    if got is None:
+                        return None
+                    args.append(got[0])
+                    pos = got[1]
+        self._pos = pos
+        if pos == end:
+            buf.clear()
+            self._pos = 0
+        elif pos > (1 << 20) and pos > end // 2:
+            del buf[:pos]
+            self._pos = 0
+        return kind, args
+
+    def _bytes(self, buf: bytearray, pos: int, end: int) -> tuple[bytes, int] | None:
+        if end - pos < 8:
+            return None
+        size = _U64.unpack_from(buf, pos)[0]
+        if size > self.max_frame:
+            raise RemoteProtocolError(f"torch TCPStore key or value of {size} bytes exceeds the limit of {self.max_frame} bytes")
+        pos += 8
+        if end - pos < size:
+            return None
+        return bytes(buf[pos : pos + size]), pos + size
+
+
+class Reply:
+    """The bytes of torch's replies."""
+
+    STOP_WAITING = b"\x00"
+    WAIT_CANCELED = b"\x01"
+    READY = b"\x00"
+    NOT_READY = b"\x01"
+
+    @staticmethod
+    def value(data: bytes) -> bytes:
+        return _U64.pack(len(data)) + data
+
+    @staticmethod
+    def number(n: int) -> bytes:
+        return _I64.pack(n)
+
+    @staticmethod
+    def nonce(n: int) -> bytes:
+        return _U32.pack(n)
