@@ -269,10 +269,10 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     envs = [json.loads((work / f"env{r}.json").read_text()) for r in range(2)]
     port = envs[0]["MASTER_PORT"]
     assert port != "0" and envs[1]["MASTER_PORT"] == port
-    # tdist's env:// finds the job's store by TDIST_AGENT_STORE; MASTER_PORT is another port,
-    # free for the torch store that a program calling torch's init_process_group hosts itself
+    # as torchrun's: MASTER_ADDR:MASTER_PORT is the job's store, every worker its client
+    # (TORCHELASTIC_USE_AGENT_STORE=True); tdist's env:// finds it by TDIST_AGENT_STORE too
     agent = envs[0]["TDIST_AGENT_STORE"]
-    assert agent.startswith("127.0.0.1:") and agent != f"127.0.0.1:{port}" and envs[1]["TDIST_AGENT_STORE"] == agent
+    assert agent == f"127.0.0.1:{port}" and envs[1]["TDIST_AGENT_STORE"] == agent
     secret = envs[0]["TDIST_SECRET"]
     assert secret and len(secret) >= 32 and envs[1]["TDIST_SECRET"] == secret
     for r, env in enumerate(envs):
@@ -283,7 +283,7 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
             "ROLE_NAME": "default", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "job42", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
             "OMP_NUM_THREADS": "1", "TDIST_SECRET": secret,
         }
     # (as torchrun's: the workers' lines as they are, without --tee no prefix)
@@ -294,6 +294,67 @@ def test_workers_get_torchrun_environment(work: Path) -> None:
     assert "err from 1" in res.stderr.splitlines()
     # torchrun's warning when it gives several workers OMP_NUM_THREADS=1, said once
     assert res.stderr.count("OMP_NUM_THREADS is not set: each of the 2 workers gets OMP_NUM_THREADS=1") == 1
+
+
+AGENT_STORE_CLIENTS = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+# as programs written for torchrun do: every rank a client of the agent's store
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                      timeout=timedelta(seconds=20))
+rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store.set(f"hello/{rank}", f"from {rank}")
+store.add("arrived", 1)
+store.wait([f"hello/{r}" for r in range(n)])
+print(rank, os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_USE_AGENT_STORE"], store.get(f"hello/{(rank + 1) % n}").decode())
+dist.init_process_group("gloo")  # (env://: torch's client of the same store)
+print(rank, "group of", dist.get_world_size(), int(store.get("arrived")))
+dist.destroy_process_group()
+"""
+
+
+def test_torch_programs_are_clients_of_the_job_store_at_master_port(work: Path) -> None:
+    # torchrun's agent serves its store at --master-port, and torch's programs connect to it
+    # there with torch's own client: so does tdist run's, in torch's protocol
+    port = free_port()
+    (work / "clients.py").write_text(AGENT_STORE_CLIENTS)
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", str(port), "clients.py", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == [
+        f"0 {port} True from 1", "0 group of 2 2", f"1 {port} True from 0", "1 group of 2 2",
+    ]
+
+
+RESTARTED_TORCH_PROGRAM = """
+import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+store = dist.distributed_c10d._get_default_store()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+# (a key of the last group: torch's keys are the same in every group, tdist run clears them)
+print("attempt", attempt, "rank", dist.get_rank(), "sees the last group's key:", store.check(["left"]), flush=True)
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.barrier()
+if attempt == 0:
+    store.set("left", "by attempt 0")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        sys.exit(3)
+    dist.barrier()  # (rank 1 is gone: the launcher stops this one)
+dist.destroy_process_group()
+"""
+
+
+def test_a_restarted_torch_program_does_not_meet_the_last_groups_keys(work: Path) -> None:
+    (work / "again.py").write_text(RESTARTED_TORCH_PROGRAM)
+    res = tdist_run(work, "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", "0", "again.py", timeout=90)
+    assert res.returncode == 0, res.stderr
+    lines = sorted(line for line in res.stdout.splitlines() if line.startswith("attempt"))
+    assert lines == [
+        f"attempt {a} rank {r} sees the last group's key: False" for a in (0, 1) for r in (0, 1)
+    ], res.stdout
 
 
 PROMPT = textwrap.dedent(
@@ -1332,8 +1393,8 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("backend", ["tdist", "gloo"])
 def test_two_nodes_run_a_program_that_calls_torchs_init_process_group(two_nodes: tuple[Path, int], backend: str) -> None:
-    # as under torchrun: MASTER_ADDR:MASTER_PORT is free for torch's own store, which the
-    # program's rank 0 hosts; node 0 picks the port and the other node learns it from the job
+    # as under torchrun: MASTER_ADDR:MASTER_PORT is the job's store, on node 0, and torch's
+    # env:// makes every rank its client (torch's protocol: TORCHELASTIC_USE_AGENT_STORE=True)
     work, port = two_nodes
     (work / "t.py").write_text(TORCH_PROGRAM)
     nodes = [start_node(work, port, k, "t.py", backend) for k in (1, 0)]

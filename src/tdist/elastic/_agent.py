@@ -440,7 +440,7 @@ class LocalAgent:
                 # one node binds the given address; several must be reachable from the others
                 bind = cfg.master_addr if cfg.nnodes == 1 else ""
                 try:
-                    server = StoreServer(bind, cfg.master_port, secret=secret)
+                    server = StoreServer(bind, cfg.master_port, secret=secret, torch_clients=True)
                 except DistError as exc:
                     raise LaunchError(f"{exc} (--master-port)") from exc
                 server.start("process")
@@ -666,7 +666,7 @@ class LocalAgent:
         )
         if info.rank == 0 and master_port not in hosted and not served:
             try:
-                self._round_server = StoreServer("", master_port, secret=secret)
+                self._round_server = StoreServer("", master_port, secret=secret, torch_clients=True)
             except DistError as exc:
                 raise LaunchError(f"node 0: cannot start the job's store: {exc}") from exc
             self._round_server.start("process")
@@ -676,6 +676,8 @@ class LocalAgent:
             master_addr=master_addr, master_port=master_port,
         )
         self._store = info.store
+        if info.rank == 0 and self._rdzv_round is not None:  # (before the barrier below)
+            self._forget_torch_keys(master_addr, master_port, secret)
 
         def late(missing: list[int]) -> str:
             return f"nodes {missing} of the round did not say their --nproc-per-node within {cfg.join_timeout:g} s"
@@ -828,7 +830,7 @@ class LocalAgent:
                 return None
             bind = ""
         try:
-            return StoreServer(bind, cfg.master_port, secret=secret)
+            return StoreServer(bind, cfg.master_port, secret=secret, torch_clients=True)
         except DistError as exc:
             cause = exc.__cause__
             taken = isinstance(cause, OSError) and cause.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
@@ -874,7 +876,9 @@ class LocalAgent:
                     self._next_round(secret)
                     cfg, port = self.config, self.config.master_port
                 elif cfg.nnodes > 1:
-                    self._rejoin(restart_count)
+                    self._rejoin(restart_count, port, secret)
+                else:
+                    self._forget_torch_keys(cfg.master_addr, port, secret)
                 continue
             if outcome is Outcome.FAILED:
                 assert root is not None
@@ -1196,7 +1200,7 @@ class LocalAgent:
                 self._record_worker_event(state, None, 0, restart_count, pid=None)
             for w in workers:
                 self._record_worker_event("START", w.rank, w.local_rank, restart_count, pid=w.proc.pid)
-            self._group_started(workers, restart_count, torch_port)
+            self._group_started(workers, restart_count, port if torch_port is None else torch_port)
             while True:
                 self._reap(workers, exits)
                 if cfg.ft and self._signum is None:
@@ -1666,28 +1670,11 @@ class LocalAgent:
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
-    def _torch_port(self, port: int) -> int:
-        """``MASTER_PORT`` for this group: a free port of node 0 where the rank 0 of a program
-        that calls ``torch.distributed.init_process_group`` itself hosts torch's own store
-        (torch's client cannot talk to the job's store). Node 0 picks it and posts it in the
-        job's store for this attempt; the other nodes read it there."""
-        from .rendezvous import _free_port
-
-        cfg = self.config
-        if cfg.nnodes == 1 or self._store is None:
-            return _free_port(cfg.master_addr)
-        store, key = self._store, f"{AGENT_PREFIX}/attempt{self._attempt}/torch_port/{port}"
-        if cfg.node_rank == 0:
-            store.set(key, str(_free_port()).encode())
-
-        def stopped() -> str | None:
-            peer, final = self._peer_failure()
-            if final or self._signum is not None:
-                return f"node 0 did not post the workers' MASTER_PORT: {peer or 'interrupted'}"
-            return None
-
-        self._wait_for_nodes(store, [key], stopped, lambda _: "node 0 did not post the workers' MASTER_PORT in time")
-        return int(store.get(key))
+    def _torch_port(self, port: int) -> int | None:
+        """The workers' ``MASTER_PORT`` where it is not the job's store (``port``), which
+        torch's own clients use as torchrun's (``TORCHELASTIC_USE_AGENT_STORE=True``; the
+        store serves torch's protocol too): None here; a spec's own port in a subclass."""
+        return None
 
     # -- several nodes -------------------------------------------------------------------------
     def _join(self, port: int, secret: str) -> None:
@@ -1821,12 +1808,15 @@ class LocalAgent:
         with contextlib.suppress(DistError):
             self._store.compare_set(key, b"", what.encode())
 
-    def _rejoin(self, attempt: int) -> None:
+    def _rejoin(self, attempt: int, port: int, secret: str) -> None:
         """Before attempt ``attempt`` of several nodes: wait until every node is there (each
-        has stopped its previous group), within the join timeout."""
+        has stopped its previous group), within the join timeout. Node 0 clears the last
+        group's torch keys first (``_forget_torch_keys``): no node starts its workers before."""
         store, cfg = self._store, self.config
         assert store is not None
         keys = [f"{AGENT_PREFIX}/attempt{attempt}/node{k}" for k in range(cfg.nnodes)]
+        if cfg.node_rank == 0:
+            self._forget_torch_keys(cfg.master_addr, port, secret)
         store.set(keys[cfg.node_rank], b"1")
 
         def stopped() -> str | None:
@@ -1840,6 +1830,30 @@ class LocalAgent:
 
         self._wait_for_nodes(store, keys, stopped, late)
         log.info("node %d: all %d nodes are back for restart %d", cfg.node_rank, cfg.nnodes, attempt)
+
+    def _forget_torch_keys(self, host: str, port: int, secret: str) -> None:
+        """Between two worker groups (every worker of the last has stopped, none of the next
+        has started): the keys torch's own clients wrote in the workers' store at
+        ``host:port`` go, those that begin with ``/`` (torch's client puts one before every
+        key). torch's ``init_process_group`` names the same keys in every group
+        (``default_pg/...``), and under torchrun a group formed again meets the last one's,
+        such as the addresses of ranks that are gone. tdist's own ``env://`` keeps each
+        group's keys apart already (``TDIST_AGENT_ROUND`` and the restart count)."""
+        try:
+            store = TCPStore(host, port, timeout=timedelta(seconds=self.config.join_timeout), secret=secret or None)
+        except DistError as exc:
+            log.warning("cannot clear the last worker group's torch keys from the store at %s:%d: %s", host, port, exc)
+            return
+        try:
+            stale = [key for key in store.list_keys() if key.startswith("/")]
+            for key in stale:
+                store.delete_key(key)
+            if stale:
+                log.info("cleared %d keys of the last worker group's torch clients from the store", len(stale))
+        except DistError as exc:
+            log.warning("cannot clear the last worker group's torch keys from the store at %s:%d: %s", host, port, exc)
+        finally:
+            store.close()
 
     def _wait_for_nodes(
         self, store: Store, keys: list[str], stopped: Callable[[], str | None], late: Callable[[list[int]], str]

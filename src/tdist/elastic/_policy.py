@@ -518,13 +518,12 @@ def worker_env(
 ) -> dict[str, str]:
     """The environment of worker ``local_rank``: ``base`` plus what torchrun sets.
 
-    The job's store (``master_port``, which speaks tdist's authenticated protocol) is named by
-    ``TDIST_AGENT_STORE``, where tdist's ``env://`` finds it. ``MASTER_PORT`` is
-    ``torch_port``, free for a program that calls ``torch.distributed.init_process_group``
-    itself: its rank 0 hosts torch's own store there, as without an agent store under
-    torchrun. Without ``torch_port`` the workers are clients of the job's store
-    (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's way), which torch's own client cannot
-    talk to.
+    The job's store (``master_port``) is ``MASTER_PORT``, and every worker is its client
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), as under torchrun: it serves torch's own
+    ``TCPStore`` clients in torch's protocol (on the keys they name), and tdist's, which prove
+    the job's secret, in tdist's; ``TDIST_AGENT_STORE`` names it for tdist's ``env://``.
+    ``torch_port`` (a ``WorkerSpec``'s own ``master_port``) is ``MASTER_PORT`` instead, with
+    ``TORCHELASTIC_USE_AGENT_STORE=False``: the program's rank 0 hosts torch's store there.
 
     ``OMP_NUM_THREADS`` is set to 1 when unset and several workers share the node (as torchrun
     does), ``TDIST_SECRET`` carries the job's secret, and ``TORCHELASTIC_ERROR_FILE`` (when

@@ -101,7 +101,7 @@ class _SpecAgent(LocalAgent):
         addr, port = super()._workers_store(info)
         return self._spec.master_addr or addr, port
 
-    def _torch_port(self, port: int) -> int:
+    def _torch_port(self, port: int) -> int | None:
         return self._spec.master_port or super()._torch_port(port)
 
     def _group_started(self, workers: list[_Worker], restart_count: int, torch_port: int) -> None:
