@@ -1,6 +1,6 @@
 """TCPStore side by side: tdist against torch.distributed, same machine, same client count.
 
-Run: .venv/bin/python benchmarks/bench_store.py [--rounds 5] [--ops 5000] [--busy]
+Run: .venv/bin/python benchmarks/bench_store.py [--rounds 5] [--ops 5000] [--busy] [--torch-clients]
 
 ``--busy``: one low-priority busy loop per core runs meanwhile (``_common.busy_host``), as a
 training job leaves the host: a speed that comes from spinning on idle cores does not survive it.
@@ -13,6 +13,10 @@ its group's store (tdist: its server in a thread of the process, as ``init_proce
 ``init_rpc`` start theirs). "create" times ``TCPStore(host, 0, is_master=True)`` itself (and its
 first request), a master closed between two. The other rows start timing once tdist's server
 runs in its own process (a thread of the master serves its first moments: ``StoreServer.start``).
+
+``--torch-clients``: every client is torch's own ``TCPStore`` client, on both sides; only the
+server differs (torch's, or tdist's serving torch's protocol: what a torch program's store
+calls cost under ``tdist run``, against torchrun). The master's own rows are left out.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from _common import busy_host, machine_line, median, table
 from tdist.testing import free_port
 
 IMPLS = ("torch", "tdist")
+TORCH_CLIENTS = False  # (--torch-clients: torch's client against either server)
 
 
 def make_master(impl: str, port: int, settled: bool = True) -> Any:
@@ -61,7 +66,7 @@ def measure_create(impl: str, n: int) -> float:
 
 
 def make_client(impl: str, port: int) -> Any:
-    if impl == "torch":
+    if impl == "torch" or TORCH_CLIENTS:
         return tdc.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False)
     return tdist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), wait_for_workers=False)
 
@@ -214,7 +219,8 @@ def mixed(impl: str, clients: int, n: int) -> tuple[bool, float]:
         p.join(30)
     errors = [r for _, r in results if isinstance(r, str)]
     expected = sum(r for _, r in results if isinstance(r, int))
-    final = master.add("mixed_ctr", 0)
+    # (torch's client puts "/" before its keys; tdist's master names the key as it is)
+    final = master.add("/mixed_ctr" if TORCH_CLIENTS and impl == "tdist" else "mixed_ctr", 0)
     ok = not errors and final == expected
     if errors:
         print(f"  {impl} mixed errors: {errors[:3]}")
@@ -232,9 +238,13 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated operations to run (e.g. add,check)")
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
+    ap.add_argument("--torch-clients", action="store_true", help="torch's client on both sides: only the server differs")
     args = ap.parse_args()
+    global TORCH_CLIENTS
+    TORCH_CLIENTS = args.torch_clients
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    print(f"# store benchmark: {machine_line()}" + (" | busy host" if args.busy else ""))
+    print(f"# store benchmark: {machine_line()}" + (" | busy host" if args.busy else "")
+          + (" | torch's clients on both servers" if args.torch_clients else ""))
     with busy_host(args.busy):
         run(args)
 
@@ -259,6 +269,8 @@ def run(args: argparse.Namespace) -> None:
     if args.only:
         wanted = set(args.only.split(","))
         cases = [c for c in cases if c[0] in wanted]
+    if args.torch_clients:
+        cases = [(op, n, unit, busy, 1.0) for op, n, unit, busy, _ in cases if n > 0]
     samples: dict[tuple[str, int, bool, str], list[float]] = {}
     for r in range(args.rounds):
         order = IMPLS if r % 2 == 0 else IMPLS[::-1]

@@ -1273,9 +1273,19 @@ class StoreServer:
                         else "client closed the connection in the middle of a request")
             return
         if conn.kind:  # (not a tdist client, or not known yet)
-            if conn.queries is not None:
-                conn.queries.feed(data)
-                if conn.blocked is not None and conn.queries.buffered > _MAX_BACKLOG_FRAMES * self.max_frame:
+            queries = conn.queries
+            if queries is not None and conn.blocked is None and not conn.paused:
+                try:
+                    query = queries.parse_whole(data)
+                except RemoteProtocolError:
+                    query = None  # (the general path reports it)
+                if query is not None:  # the common case: exactly one query arrived
+                    if self._torch_query_or_close(conn, query):
+                        self._flush(conn)
+                    return
+            if queries is not None:
+                queries.feed(data)
+                if conn.blocked is not None and queries.buffered > _MAX_BACKLOG_FRAMES * self.max_frame:
                     self._close(conn, "too many bytes sent behind a blocked request")
                     return
             else:
@@ -1667,16 +1677,30 @@ class StoreServer:
                 break
             try:
                 query = queries.next_query()
-                if query is None:
-                    break
-                self._torch_query(conn, *query)
-            except (RemoteProtocolError, StoreValueError) as exc:
-                log.warning("store server on port %d: torch client %s: %s", self.port, conn.addr, exc)
-                self._flush(conn)
-                self._close(conn, None)
+            except RemoteProtocolError as exc:
+                self._torch_refuse(conn, exc)
+                return
+            if query is None:
+                break
+            if not self._torch_query_or_close(conn, query):
                 return
         if not conn.closed:
             self._flush(conn)
+
+    def _torch_query_or_close(self, conn: _Conn, query: tuple[int, list[bytes | int]]) -> bool:
+        """Serve one query of a client of torch's; False: it broke the protocol, and its
+        connection is closed."""
+        try:
+            self._torch_query(conn, *query)
+        except (RemoteProtocolError, StoreValueError) as exc:
+            self._torch_refuse(conn, exc)
+            return False
+        return True
+
+    def _torch_refuse(self, conn: _Conn, exc: Exception) -> None:
+        log.warning("store server on port %d: torch client %s: %s", self.port, conn.addr, exc)
+        self._flush(conn)
+        self._close(conn, None)
 
     @staticmethod
     def _torch_key(raw: bytes | int) -> str:

@@ -129,65 +129,90 @@ class QueryDecoder:
             RemoteProtocolError: the bytes cannot be a query of torch's (an unknown type, a
                 key or value larger than allowed, too many keys).
         """
-        buf, pos = self._buf, self._pos
-        end = len(buf)
-        if pos >= end:
+        buf = self._buf
+        got = _parse(buf, self._pos, len(buf), self.max_frame)
+        if got is None:
             return None
-        kind = buf[pos]
-        shape = _SHAPES.get(kind)
-        if shape is None:
-            raise RemoteProtocolError(f"unknown torch TCPStore query type {kind}")
-        pos += 1
-        args: list[bytes | int] = []
-        for part in shape:
-            if part == "u":
-                if end - pos < 4:
-                    return None
-                args.append(_U32.unpack_from(buf, pos)[0])
-                pos += 4
-            elif part == "q":
-                if end - pos < 8:
-                    return None
-                args.append(_I64.unpack_from(buf, pos)[0])
-                pos += 8
-            elif part == "k":
-                got = self._bytes(buf, pos, end)
-                if got is None:
-                    return None
-                args.append(got[0])
-                pos = got[1]
-            else:  # "n" keys, "m" key/value pairs
-                if end - pos < 8:
-                    return None
-                count = _U64.unpack_from(buf, pos)[0]
-                if count > MAX_KEYS:
-                    raise RemoteProtocolError(f"torch TCPStore query names {count} keys (at most {MAX_KEYS})")
-                pos += 8
-                for _ in range(count * (2 if part == "m" else 1)):
-                    got = self._bytes(buf, pos, end)
-                    if got is None:
-                        return None
-                    args.append(got[0])
-                    pos = got[1]
+        kind, args, pos = got
         self._pos = pos
-        if pos == end:
+        if pos == len(buf):
             buf.clear()
             self._pos = 0
-        elif pos > (1 << 20) and pos > end // 2:
+        elif pos > (1 << 20) and pos > len(buf) // 2:
             del buf[:pos]
             self._pos = 0
         return kind, args
 
-    def _bytes(self, buf: bytearray, pos: int, end: int) -> tuple[bytes, int] | None:
-        if end - pos < 8:
+    def parse_whole(self, data: bytes) -> tuple[int, list[bytes | int]] | None:
+        """Fast path: ``data`` is exactly one query and nothing is buffered; else ``None``,
+        and the decoder is unchanged (feed the data and use ``next_query``).
+
+        Raises:
+            RemoteProtocolError: as ``next_query``.
+        """
+        if self._pos != len(self._buf):
             return None
-        size = _U64.unpack_from(buf, pos)[0]
-        if size > self.max_frame:
-            raise RemoteProtocolError(f"torch TCPStore key or value of {size} bytes exceeds the limit of {self.max_frame} bytes")
-        pos += 8
-        if end - pos < size:
+        got = _parse(data, 0, len(data), self.max_frame)
+        if got is None or got[2] != len(data):
             return None
-        return bytes(buf[pos : pos + size]), pos + size
+        return got[0], got[1]
+
+
+def _parse(buf: bytes | bytearray, pos: int, end: int, limit: int) -> tuple[int, list[bytes | int], int] | None:
+    """The query at ``buf[pos:end]``: its type, its arguments and where it ends; None when it is
+    not all in."""
+    if pos >= end:
+        return None
+    kind = buf[pos]
+    shape = _SHAPES.get(kind)
+    if shape is None:
+        raise RemoteProtocolError(f"unknown torch TCPStore query type {kind}")
+    pos += 1
+    args: list[bytes | int] = []
+    for part in shape:
+        if part == "k":
+            got = _field(buf, pos, end, limit)
+            if got is None:
+                return None
+            args.append(got[0])
+            pos = got[1]
+        elif part == "q":
+            if end - pos < 8:
+                return None
+            args.append(_I64.unpack_from(buf, pos)[0])
+            pos += 8
+        elif part == "u":
+            if end - pos < 4:
+                return None
+            args.append(_U32.unpack_from(buf, pos)[0])
+            pos += 4
+        else:  # "n" keys, "m" key/value pairs
+            if end - pos < 8:
+                return None
+            count = _U64.unpack_from(buf, pos)[0]
+            if count > MAX_KEYS:
+                raise RemoteProtocolError(f"torch TCPStore query names {count} keys (at most {MAX_KEYS})")
+            pos += 8
+            for _ in range(count * (2 if part == "m" else 1)):
+                got = _field(buf, pos, end, limit)
+                if got is None:
+                    return None
+                args.append(got[0])
+                pos = got[1]
+    return kind, args, pos
+
+
+def _field(buf: bytes | bytearray, pos: int, end: int, limit: int) -> tuple[bytes, int] | None:
+    """A key or value at ``buf[pos:end]`` (its ``u64`` length, its bytes) and where it ends."""
+    if end - pos < 8:
+        return None
+    size = _U64.unpack_from(buf, pos)[0]
+    if size > limit:
+        raise RemoteProtocolError(f"torch TCPStore key or value of {size} bytes exceeds the limit of {limit} bytes")
+    pos += 8
+    if end - pos < size:
+        return None
+    return bytes(buf[pos : pos + size]), pos + size
 
 
 class Reply:
