@@ -1,9 +1,12 @@
 """The launcher side by side: ``tdist run`` against ``torchrun``, same script, same machine.
 
-Run: .venv/bin/python benchmarks/bench_launch.py [--rounds 5] [--nproc 2]
+Run: .venv/bin/python benchmarks/bench_launch.py [--rounds 5] [--nproc 2] [--program torch]
 
 Each run starts ``--nproc`` workers on this node; every worker forms the default group with its
 own library (``init_process_group("gloo")``), all-reduces a tensor, leaves the group and exits.
+``--program torch``: under both launchers the workers run torch's ``torch.distributed`` (under
+``tdist run`` its ``env://`` is a client of the job's store, in torch's protocol, as of
+torchrun's agent store).
 Measured from the moment the launcher is started, in wall time:
 
 - ``workers started``: until the last worker runs its first line (the launcher's own start-up:
@@ -51,11 +54,11 @@ COMMANDS = {
 }
 
 
-def one_run(impl: str, nproc: int, work: Path) -> tuple[float, float]:
+def one_run(impl: str, nproc: int, work: Path, program: str) -> tuple[float, float]:
     for f in work.glob("start*"):
         f.unlink()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_", "TDIST_"))}
-    env.update(BENCH_OUT=str(work), BENCH_IMPL=impl)
+    env.update(BENCH_OUT=str(work), BENCH_IMPL=impl if program == "own" else "torch")
     # --standalone: one node, a free port, a run id of its own; the same command line for both
     cmd = [*COMMANDS[impl], "--standalone", "--nproc-per-node", str(nproc), str(work / "worker.py")]
     t0 = time.time()
@@ -72,6 +75,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--busy", action="store_true", help="one low-priority busy loop per core meanwhile")
+    ap.add_argument("--program", choices=("own", "torch"), default="own",
+                    help="the workers' library: each launcher's own, or torch's under both")
     args = ap.parse_args()
     busy_for_the_run(args.busy)
     results: dict[str, list[tuple[float, float]]] = {impl: [] for impl in COMMANDS}
@@ -81,9 +86,10 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(COMMANDS) if r % 2 == 0 else list(reversed(COMMANDS))
             for impl in order:
-                results[impl].append(one_run(impl, args.nproc, work))
+                results[impl].append(one_run(impl, args.nproc, work, args.program))
     print(machine_line())
-    print(f"{args.nproc} workers on this node; medians of {args.rounds} alternating rounds (seconds)\n")
+    library = "each launcher's own library" if args.program == "own" else "torch.distributed under both"
+    print(f"{args.nproc} workers on this node ({library}); medians of {args.rounds} alternating rounds (seconds)\n")
     rows = []
     for i, what in enumerate(("workers started", "job done")):
         t = median([x[i] for x in results["torch"]])

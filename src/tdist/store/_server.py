@@ -9,6 +9,14 @@ further request until the waiter is answered, so replies stay in order. Any writ
 a key re-checks the waiters parked on it. A connection that breaks the protocol gets an error
 frame and is closed; nothing a client sends can stop the loop or touch other clients' keys.
 
+The TCP port serves clients of torch's own ``TCPStore`` too, in torch's protocol
+(``_torch_wire``): a client over TCP speaks first, tdist's with ``OPENING``, torch's with its
+``VALIDATE``, and the first bytes decide (``_sniff``) how the connection is served from then on
+(``_Conn.kind``). A torch client's queries act on the same data, its ``WAIT``s park as tdist's
+do (without a deadline: its client cancels), and it reaches only the keys its client names
+(``_torch_key``); a server with a secret serves torch's clients only when told to
+(``torch_clients``). The Unix socket serves tdist's clients alone, and greets them at once.
+
 The loop runs in a thread, or (the default for ``TCPStore``) in a process of its own that serves
 nothing else, so a busy Python parent holding the GIL cannot slow the store down. That process is
 a new interpreter, not a fork (see ``StoreServer.start``), and exits when its parent closes the
