@@ -110,9 +110,12 @@ class Backend(str):
 
         Args:
             name: the name ``init_process_group(backend=...)`` will use.
-            func: ``func(store, group_rank, group_size, timeout)`` returning a backend object
-                with the ``tdist.c10d._backend.Backend`` methods; with ``extended_api``,
-                ``func(dist_backend_options, pg_options)``.
+            func: ``func(store, group_rank, group_size, timeout)`` returning a backend object:
+                one with the ``tdist.c10d._backend.Backend`` methods, or one of torch's (its
+                ``ProcessGroupGloo``, a C++ extension's, a Python subclass of its
+                ``ProcessGroup``), which gets torch's options (``c10d._foreign_backend``). The
+                store is a torch ``Store``, as torch's ``init_process_group`` gives. With
+                ``extended_api``, ``func(dist_backend_options, pg_options)``.
             extended_api: whether ``func`` takes the extended arguments.
             devices: the device types the backend serves (``None``: cpu and cuda, with a
                 warning, as torch).

@@ -73,7 +73,7 @@ class _DistributedBackendOptions:
     """What an extended-API backend creator receives (torch's ``_DistributedBackendOptions``)."""
 
     def __init__(
-        self, store: Store, group_rank: int, group_size: int, timeout: timedelta, group_id: str,
+        self, store: Any, group_rank: int, group_size: int, timeout: timedelta, group_id: str,
         global_ranks_in_group: list[int],
     ) -> None:
         self.store = store
@@ -109,12 +109,21 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
         def make_plugin(
             store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
         ) -> BackendImpl:
+            from ._foreign_backend import ForeignBackend, is_torchs
+            from ._torch_pg import StoreForTorch
+
+            # (a torch Store, as torch's own init_process_group hands its creators: one of
+            # torch's backends, a C++ extension's, takes nothing else; tdist's take it too)
+            given = StoreForTorch(store)
             if extended:
-                opts = _DistributedBackendOptions(store, rank, size, timeout, name, ranks)
-                backend_obj: BackendImpl = fn(opts, pg_options)
+                opts = _DistributedBackendOptions(given, rank, size, timeout, name, ranks)
+                backend_obj = fn(opts, pg_options)
             else:
-                backend_obj = fn(store, rank, size, timeout)
-            return backend_obj
+                backend_obj = fn(given, rank, size, timeout)
+            if is_torchs(backend_obj):  # (it takes torch's options, and gives torch's works)
+                return ForeignBackend(backend_obj, rank, size)
+            result: BackendImpl = backend_obj
+            return result
 
         return make_plugin
     creator = backend_creator(impl)
