@@ -266,3 +266,24 @@ def test_a_torch_client_waiting_moves_with_the_server_to_its_own_process(monkeyp
         half.close()
     finally:
         srv.stop()
+
+
+def test_tdists_client_tells_torchs_server_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.store._rendezvous import _agent_is_torchs
+    from tdist.store._tcp import TorchServerError
+
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    monkeypatch.delenv("TDIST_AGENT_STORE", raising=False)
+    theirs = torch_dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    # (torch's server answers tdist's opening with its nonce: no waiting out the timeout)
+    with pytest.raises(TorchServerError, match="is torch's own TCPStore server"):
+        tdist.TCPStore("127.0.0.1", theirs.port, timeout=timedelta(seconds=600))
+    assert _agent_is_torchs("127.0.0.1", theirs.port)
+    assert theirs.num_keys() >= 0  # (and it serves on)
+    for secret in (None, "s3cret"):
+        ours = StoreServer("127.0.0.1", 0, secret=secret)
+        ours.start("thread")
+        try:
+            assert not _agent_is_torchs("127.0.0.1", ours.port)
+        finally:
+            ours.stop()

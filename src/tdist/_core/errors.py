@@ -15,7 +15,9 @@ module's ``CollectiveMismatchError``)::
     │   └── CollectiveArgumentError (ValueError)  [c10d._checks] an argument a collective cannot
     │                                           work with (where torch's gloo raises RuntimeError)
     ├── DistNetworkError                        a connection could not be made or was lost
-    │   └── AuthenticationError                 the peer did not prove the shared secret
+    │   ├── AuthenticationError                 the peer did not prove the shared secret
+    │   └── TorchServerError                    [store._tcp] tdist's store client reached torch's
+    │                                           own TCPStore server
     ├── DistStoreError                          a store operation failed
     │   ├── StoreTimeoutError (TimeoutError)    keys did not appear in time
     │   │   └── EtcdStoreTimeoutError (LookupError)  [store._etcd] an EtcdStore's get/wait

@@ -6,10 +6,12 @@ Theory of operation. Every message in either direction is one frame::
 
 little-endian, where ``body_length`` counts everything after itself. ``code`` is an ``Op`` for a
 request and a ``Status`` for a reply; integers travel as 8-byte signed fields. Over TCP the
-client speaks first, with the four bytes ``OPENING``: the server's TCP port also serves torch's
-own clients, which speak first too (``_torch_wire``), and the first bytes tell the two apart.
-Then (at once, over the Unix socket, which only tdist's clients use) the connection
-opens with the server's ``HELLO`` (protocol version, whether a secret is required, a nonce, the
+client speaks first, with ``OPENING``: the server's TCP port also serves torch's own clients,
+which speak first too (``_torch_wire``), and the first bytes tell the two apart. ``OPENING`` is
+what torch's client sends first (``VALIDATE``, then ``PING``) with a nonce torch's never sends,
+so that torch's own server, reached by mistake, answers at once (it echoes the nonce), where it
+would otherwise wait for ever. Then (at once, over the Unix socket, which only tdist's clients
+use) the connection opens with the server's ``HELLO`` (protocol version, whether a secret is required, a nonce, the
 server's TCP port); when a secret is required the client's first frame must be ``AUTH`` and is
 limited to ``MAX_AUTH_FRAME`` bytes, so nothing larger is read before the peer is trusted.
 After ``AUTH_OK`` every frame in either direction is followed by a tag of ``auth.TAG_SIZE``
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME",
     "MAX_AUTH_FRAME",
     "OPENING",
+    "OPENING_ECHO",
     "PROTOCOL_VERSION",
     "ErrorKind",
     "Frame",
@@ -49,8 +52,11 @@ __all__ = [
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME = 1 << 30  # 1 GiB
 MAX_AUTH_FRAME = 256
-# what a tdist client sends first over TCP (torch's client sends 0x00 first: ``_torch_wire``)
-OPENING = b"TDS\x01"
+# what a tdist client sends first over TCP: torch's client's opening (VALIDATE with torch's magic
+# number, PING), with a nonce torch's client never sends (its PING sends its pid, below 2**22);
+# torch's server answers it with the nonce, ``OPENING_ECHO``
+OPENING_ECHO = b"TDS1"
+OPENING = b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x0d" + OPENING_ECHO
 
 HEADER = struct.Struct("<IBI")  # body_length, code, field_count
 FIELD_LEN = struct.Struct("<I")

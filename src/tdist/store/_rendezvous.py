@@ -34,9 +34,9 @@ import errno
 import logging
 import numbers
 import os
-import select
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -45,7 +45,7 @@ from urllib.parse import urlparse, urlunparse
 
 from .._core.errors import DistNetworkError
 from ._api import Store, multi_get_within
-from ._protocol import OPENING
+from ._protocol import OPENING, OPENING_ECHO
 
 __all__ = ["RendezvousHandler", "register_rendezvous_handler", "rendezvous"]
 
@@ -209,17 +209,17 @@ def _agent_store(hostname: str, port: int) -> tuple[str, int] | None:
     return None
 
 
-#: how long a new connection to the agent's store waits for a tdist server's greeting before it
-#: takes the server for torchrun's (torch's C++ ``TCPStore``, which ignores tdist's ``OPENING``);
-#: a tdist server greets as it reads it
+#: how long a new connection to the agent's store waits for its first answer
 _GREETING_WAIT = 1.0
 
 
 def _agent_is_torchs(hostname: str, port: int) -> bool:
     """Whether the agent's store at ``hostname:port`` is torch's, not a tdist server: so under
     torch's own ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True`` and no ``TDIST_AGENT_STORE``).
-    Told by a connection that gets no greeting within ``_GREETING_WAIT`` seconds; a connection
-    that fails, or sees its end, is left to tdist's client to retry and report."""
+    A connection that opens as tdist's client does (``OPENING``) is answered at once by either:
+    torch's server echoes its nonce (``OPENING_ECHO``), tdist's greets. A connection that fails,
+    sees its end or hears nothing within ``_GREETING_WAIT`` is left to tdist's client to retry
+    and report."""
     if os.environ.get("TDIST_AGENT_STORE"):
         return False
     try:
@@ -227,12 +227,19 @@ def _agent_is_torchs(hostname: str, port: int) -> bool:
     except OSError:
         return False
     with sock:
-        try:  # (a tdist server greets a client that opens as tdist's; torch's ignores it)
+        try:
             sock.sendall(OPENING)
+            head = b""
+            deadline = time.monotonic() + _GREETING_WAIT
+            while len(head) < len(OPENING_ECHO) and (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                data = sock.recv(len(OPENING_ECHO) - len(head))
+                if not data:
+                    break
+                head += data
         except OSError:
             return False
-        readable, _, _ = select.select([sock], [], [], _GREETING_WAIT)
-    return not readable
+    return head == OPENING_ECHO
 
 
 def _torch_client(hostname: str, port: int, world_size: int | None, timeout: timedelta) -> Store:

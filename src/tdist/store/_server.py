@@ -1176,8 +1176,8 @@ class StoreServer:
 
     def _sniff(self, conn: _Conn) -> None:
         """The first bytes of a TCP connection (in its decoder) say whose client it is: tdist's
-        (``OPENING``: greet it) or torch's (``VALIDATE``: serve it in torch's protocol, if
-        this server serves those); anything else is closed."""
+        (``OPENING``: greet it) or torch's (its ``VALIDATE`` and ``PING`` with another nonce:
+        serve it in torch's protocol, if this server serves those); anything else is closed."""
         head = conn.decoder.unread()
         if len(head) < len(OPENING) and OPENING.startswith(head):
             return

@@ -40,6 +40,7 @@ from ._protocol import (
     DEFAULT_MAX_FRAME,
     HEAD_FIELD,
     OPENING,
+    OPENING_ECHO,
     PROTOCOL_VERSION,
     ErrorKind,
     Frame,
@@ -53,7 +54,7 @@ from ._protocol import (
 from ._server import StoreServer, _Conn, unix_address
 from ._state import check_amount
 
-__all__ = ["TCPStore"]
+__all__ = ["TCPStore", "TorchServerError"]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,11 @@ def serving_in_a_thread() -> Iterator[None]:
         yield
     finally:
         _mode_here.reset(token)
+
+
+class TorchServerError(DistNetworkError):
+    """tdist's store client reached torch's own ``TCPStore`` server (which speaks only torch's
+    protocol): said at once, not retried."""
 
 
 class TCPStore(Store):
@@ -355,7 +361,7 @@ class TCPStore(Store):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self._transport = "tcp"
                     sock.sendall(OPENING)  # (over TCP the client speaks first: ``_protocol``)
-                    self._handshake(sock, deadline)
+                    self._handshake(sock, deadline, opened=True)
                 sock.setblocking(False)
                 self._sock = sock
                 self._spin_poll = select.poll()
@@ -365,7 +371,7 @@ class TCPStore(Store):
                 self._quiet_sent = False
                 self._pid = os.getpid()
                 return
-            except AuthenticationError:
+            except (AuthenticationError, TorchServerError):
                 if sock is not None:
                     sock.close()
                 raise
@@ -411,10 +417,30 @@ class TCPStore(Store):
             return None
         return sock
 
-    def _handshake(self, sock: socket.socket, deadline: float) -> int:
-        """Read HELLO, prove the secret if asked; returns the server's TCP port."""
+    def _handshake(self, sock: socket.socket, deadline: float, opened: bool = False) -> int:
+        """Read HELLO, prove the secret if asked; returns the server's TCP port. ``opened``:
+        this client sent ``OPENING``, which torch's own server answers with ``OPENING_ECHO``.
+
+        Raises:
+            TorchServerError: the server is torch's own ``TCPStore`` server.
+        """
         sock.settimeout(max(0.05, deadline - time.monotonic()))
         decoder = FrameDecoder(4096)
+        if opened:
+            head = b""
+            while len(head) < len(OPENING_ECHO):
+                data = sock.recv(65536)
+                if not data:
+                    raise DistNetworkError(f"the store at {self._addr} closed the connection during handshake")
+                head += data
+            if head.startswith(OPENING_ECHO):
+                raise TorchServerError(
+                    f"the store at {self._addr} is torch's own TCPStore server, not tdist's: "
+                    "torch's client (torch.distributed.TCPStore) joins it, as tdist's env:// and "
+                    "PrefixStore do when given one; or serve the store with tdist "
+                    "(tdist.TCPStore(is_master=True), `tdist run`), which serves both clients"
+                )
+            decoder.feed(head)
         hello = self._read_frame(sock, decoder, "handshake")
         if hello.code != Op.HELLO or len(hello.fields) != 4:
             raise DistNetworkError(f"{self._addr} did not answer as a tdist store server")
