@@ -268,22 +268,35 @@ def test_a_torch_client_waiting_moves_with_the_server_to_its_own_process(monkeyp
         srv.stop()
 
 
-def test_tdists_client_tells_torchs_server_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tdists_client_of_torchs_server(monkeypatch: pytest.MonkeyPatch) -> None:
     from tdist.store._rendezvous import _agent_is_torchs
     from tdist.store._tcp import TorchServerError
 
     monkeypatch.delenv("TDIST_SECRET", raising=False)
     monkeypatch.delenv("TDIST_AGENT_STORE", raising=False)
-    theirs = torch_dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    # (torch's server answers tdist's opening with its nonce: no waiting out the timeout)
+    theirs = torch_dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    # tdist's client, as code ported from torch's makes it (torchrun's agent store): served
+    # through torch's client, which torch's server answers at once (no waiting out the timeout)
+    ours = tdist.TCPStore("127.0.0.1", theirs.port, 2, timeout=timedelta(seconds=600))
+    assert ours.transport == "torch"
+    ours.set("k", "v")
+    assert theirs.get("k") == b"v" and ours.get("k") == b"v"
+    assert ours.add("n", 2) == 2 and ours.compare_set("k", "v", "w") == b"w"
+    assert ours.check(["k", "n"]) and not ours.check(["absent"])
+    with pytest.raises(tdist.DistStoreError):  # (torch's timeout, as tdist's error: torch's too)
+        ours.wait(["absent"], timedelta(milliseconds=100))
+    assert ours.clone().get("k") == b"w"
+    ours.close()
+    with pytest.raises(tdist.DistNetworkError, match="closed"):
+        ours.get("k")
+    # a client that holds a secret refuses a server that asks for none, torch's among them
     with pytest.raises(TorchServerError, match="is torch's own TCPStore server"):
-        tdist.TCPStore("127.0.0.1", theirs.port, timeout=timedelta(seconds=600))
+        tdist.TCPStore("127.0.0.1", theirs.port, timeout=timedelta(seconds=600), secret="s3cret")
     assert _agent_is_torchs("127.0.0.1", theirs.port)
-    assert theirs.num_keys() >= 0  # (and it serves on)
     for secret in (None, "s3cret"):
-        ours = StoreServer("127.0.0.1", 0, secret=secret)
-        ours.start("thread")
+        srv = StoreServer("127.0.0.1", 0, secret=secret)
+        srv.start("thread")
         try:
-            assert not _agent_is_torchs("127.0.0.1", ours.port)
+            assert not _agent_is_torchs("127.0.0.1", srv.port)
         finally:
-            ours.stop()
+            srv.stop()

@@ -54,6 +54,10 @@ from ._protocol import (
 from ._server import StoreServer, _Conn, unix_address
 from ._state import check_amount
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._foreign import ForeignStore
+
 __all__ = ["TCPStore", "TorchServerError"]
 
 log = logging.getLogger(__name__)
@@ -247,7 +251,12 @@ class TCPStore(Store):
             self._port = port
         self._connect_host = "127.0.0.1" if host_name in _WILDCARD else host_name
         try:
-            self._connect(self._timeout_seconds(None))
+            try:
+                self._connect(self._timeout_seconds(None))
+            except TorchServerError:
+                if not self._join_torchs_server(wait_for_workers):
+                    raise
+                return
             if world_size is not None and wait_for_workers:
                 joined = self.add(_INIT_KEY, 1)
                 if is_master and joined < world_size:
@@ -257,6 +266,30 @@ class TCPStore(Store):
             raise
 
     # -- setup ---------------------------------------------------------------------------------
+    def _join_torchs_server(self, wait_for_workers: bool) -> bool:
+        """The server is torch's own (torchrun's agent store, a program's torch master): serve
+        this store through torch's client of it, as ``tdist.TCPStore`` code ported from
+        ``torch.distributed`` expects (``_OnTorchsServer``). Not for a client that holds a
+        secret (torch's server proves none: refused, as any server that asks for none), nor in
+        a process that must not load torch (``_process.TORCHLESS``). Whether it could."""
+        from .._core import _process
+
+        if self._secret is not None or _process.TORCHLESS:
+            return False
+        from torch._C._distributed_c10d import TCPStore as TorchTCPStore
+
+        from ._foreign import ForeignStore
+
+        client = TorchTCPStore(
+            self._connect_host, self._port, self._world_size, False, self._timeout,
+            wait_for_workers=wait_for_workers,
+        )
+        self.__class__ = _OnTorchsServer
+        self._foreign = ForeignStore(client)
+        self._transport = "torch"
+        log.debug("TCPStore client for %s: torch's own server: joined with torch's client", self._addr)
+        return True
+
     def _start_server(
         self, host: str, port: int, multi_tenant: bool, listen_fd: int | None, max_frame: int | None
     ) -> None:
@@ -998,4 +1031,83 @@ class TCPStore(Store):
     def __repr__(self) -> str:
         role = "master" if self._is_master else "client"
         return f"TCPStore({self._addr}, {role}, via {self._transport})"
+
+
+class _OnTorchsServer(TCPStore):
+    """A ``TCPStore`` client whose server is torch's own: every call goes to torch's client of it
+    (``TCPStore._join_torchs_server``), through ``ForeignStore``, which raises tdist's errors.
+    Its ``transport`` is ``"torch"``."""
+
+    _foreign: ForeignStore
+
+    @property
+    def _t(self) -> ForeignStore:
+        if self._closed:
+            raise DistNetworkError(f"TCPStore client for {self._addr} is closed")
+        return self._foreign
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._foreign.set_timeout(timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._t.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._t.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._t.add(key, amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return self._t.compare_set(key, expected_value, desired_value)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        self._t.wait(keys, timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._t.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._t.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._t.num_keys()
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return self._t.multi_get(keys)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self._t.multi_set(keys, values)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._t.append(key, value)
+
+    def list_keys(self) -> list[str]:
+        return self._t.list_keys()
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self._t.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        return self._t.queue_pop(key, block)
+
+    def queue_len(self, key: str) -> int:
+        return self._t.queue_len(key)
+
+    def ping(self, payload: bytes = b"") -> bytes:
+        self._t.check(["init/"])  # (torch's client has no ping: a round trip all the same)
+        return payload
+
+    def clone(self) -> TCPStore:
+        return TCPStore(self._connect_host, self._port, None, False, self._timeout, wait_for_workers=False)
+
+    def _torch_store(self) -> object:
+        return self._foreign.wrapped
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __del__(self) -> None:
+        self._closed = True
 
