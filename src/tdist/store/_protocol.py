@@ -39,6 +39,7 @@ __all__ = [
     "OPENING",
     "OPENING_ECHO",
     "PROTOCOL_VERSION",
+    "ByteQueue",
     "ErrorKind",
     "Frame",
     "FrameDecoder",
@@ -195,18 +196,11 @@ def parse_body(code: int, count: int, body: memoryview | bytes, start: int, end:
     return Frame(code, fields)
 
 
-class FrameDecoder:
-    """Accumulates received bytes and yields complete frames.
+class ByteQueue:
+    """Received bytes not taken yet: a decoder's buffer (``FrameDecoder``, and
+    ``_torch_wire.QueryDecoder`` for torch's protocol)."""
 
-    ``max_frame`` bounds the body length a peer may announce; a larger announcement raises
-    ``RemoteProtocolError`` before any of it is buffered. Once ``seal`` is set (the session's
-    receiving ``auth.Seal``), every frame must be followed by its tag, checked before the frame
-    is read; a frame that fails it raises ``RemoteProtocolError``.
-    """
-
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self.max_frame = max_frame
-        self.seal: auth.Seal | None = None
+    def __init__(self) -> None:
         self._buf = bytearray()
         self._pos = 0
 
@@ -221,8 +215,35 @@ class FrameDecoder:
         self._buf += data
 
     def unread(self) -> bytes:
-        """The bytes fed and not yet taken as frames."""
+        """The bytes fed and not yet taken."""
         return bytes(self._buf[self._pos :])
+
+    def _taken(self, end: int) -> None:
+        """The bytes up to ``end`` are taken: the buffer is emptied once all are, and its
+        head is dropped once it is most of a large buffer."""
+        buf = self._buf
+        self._pos = end
+        if end == len(buf):
+            buf.clear()
+            self._pos = 0
+        elif end > (1 << 20) and end > len(buf) // 2:
+            del buf[:end]
+            self._pos = 0
+
+
+class FrameDecoder(ByteQueue):
+    """Accumulates received bytes and yields complete frames.
+
+    ``max_frame`` bounds the body length a peer may announce; a larger announcement raises
+    ``RemoteProtocolError`` before any of it is buffered. Once ``seal`` is set (the session's
+    receiving ``auth.Seal``), every frame must be followed by its tag, checked before the frame
+    is read; a frame that fails it raises ``RemoteProtocolError``.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        super().__init__()
+        self.max_frame = max_frame
+        self.seal: auth.Seal | None = None
 
     def parse_whole(self, data: bytes) -> Frame | None:
         """Fast path: ``data`` is exactly one frame and nothing is buffered; else ``None``.
@@ -300,12 +321,5 @@ class FrameDecoder:
             if mac:
                 self._check(view, pos, end)
             frame = parse_body(code, count, view, pos + HEADER.size, end)
-        end += mac
-        self._pos = end
-        if end == len(buf):
-            buf.clear()
-            self._pos = 0
-        elif end > (1 << 20) and end > len(buf) // 2:
-            del buf[:end]
-            self._pos = 0
+        self._taken(end + mac)
         return frame

@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 
 from .._core.errors import RemoteProtocolError
+from ._protocol import ByteQueue
 
 __all__ = ["MAGIC", "Query", "QueryDecoder", "Reply", "is_torch_opening"]
 
@@ -90,7 +91,7 @@ def is_torch_opening(head: bytes | bytearray) -> bool | None:
     return True if n == len(opening) else None
 
 
-class QueryDecoder:
+class QueryDecoder(ByteQueue):
     """Accumulates a torch client's bytes and yields its complete queries, as
     ``(query type, arguments)``: bytes for keys and values, ints for numbers.
 
@@ -99,24 +100,8 @@ class QueryDecoder:
     """
 
     def __init__(self, max_size: int) -> None:
-        self.max_frame = max_size  # (the name ``StoreServer`` reads off any decoder)
-        self.seal = None  # (a torch client proves nothing: no session tags)
-        self._buf = bytearray()
-        self._pos = 0
-
-    @property
-    def buffered(self) -> int:
-        return len(self._buf) - self._pos
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        self._buf += data
-
-    def unread(self) -> bytes:
-        """The bytes fed and not yet taken as queries."""
-        return bytes(self._buf[self._pos :])
+        super().__init__()
+        self.max_frame = max_size
 
     def peek(self) -> int | None:
         """The type of the next query, if a byte of it is in."""
@@ -134,13 +119,7 @@ class QueryDecoder:
         if got is None:
             return None
         kind, args, pos = got
-        self._pos = pos
-        if pos == len(buf):
-            buf.clear()
-            self._pos = 0
-        elif pos > (1 << 20) and pos > len(buf) // 2:
-            del buf[:pos]
-            self._pos = 0
+        self._taken(pos)
         return kind, args
 
     def parse_whole(self, data: bytes) -> tuple[int, list[bytes | int]] | None:
