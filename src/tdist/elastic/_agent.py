@@ -676,7 +676,7 @@ class LocalAgent:
             master_addr=master_addr, master_port=master_port,
         )
         self._store = info.store
-        if info.rank == 0 and self._rdzv_round is not None:  # (before the barrier below)
+        if info.rank == 0 and self._rdzv_round is not None and not served:  # (before the barrier below)
             self._forget_torch_keys(master_addr, master_port, secret)
 
         def late(missing: list[int]) -> str:
@@ -1845,6 +1845,8 @@ class LocalAgent:
             log.warning("cannot clear the last worker group's torch keys from the store at %s:%d: %s", host, port, exc)
             return
         try:
+            if store.transport == "torch":  # (not a tdist server: a rendezvous handler's, left alone)
+                return
             stale = [key for key in store.list_keys() if key.startswith("/")]
             for key in stale:
                 store.delete_key(key)
