@@ -1450,10 +1450,12 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
     assert EtcdStore(host, port, prefix="/tdist/etcd").num_keys() == 0  # (and nested no other job's)
 
 
-def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) -> None:
+@pytest.mark.parametrize("rdzv", ["c10d", "static"])
+def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int], rdzv: str) -> None:
     # torchrun's fault-tolerant form: --max-restarts with several nodes; rank 3 (node 1) fails in
     # the first attempt while the others wait; every node restarts its group, and the second
-    # attempt's workers form a group across the nodes
+    # attempt's workers form a group across the nodes (static: a torch program, whose keys
+    # node 0 clears between the attempts, and never the launchers' own)
     work, port = two_nodes
     (work / "ft.py").write_text(
         "import os, sys, time\n"
@@ -1466,16 +1468,20 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int]) 
         "            time.sleep(0.01)\n"
         "        sys.exit(9)\n"
         "    time.sleep(60)\n"
-        "import tdist as dist, torch\n"
+        "import torch\n"
+        "dist = __import__('tdist') if sys.argv[1] == 'tdist' else __import__('torch.distributed').distributed\n"
         "dist.init_process_group('gloo')\nt = torch.ones(1)\ndist.all_reduce(t)\n"
         "print('rank', rank, 'attempt', attempt, 'sum', int(t.item()))\ndist.destroy_process_group()\n"
     )
-    nodes = [
-        start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--monitor-interval", "0.1",
-                      "--stop-timeout", "2", "ft.py")
-        for _ in range(2)
-    ]
+    if rdzv == "c10d":
+        nodes = [
+            start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--monitor-interval", "0.1",
+                          "--stop-timeout", "2", "ft.py", "tdist")
+            for _ in range(2)
+        ]
+    else:
+        nodes = [start_node(work, port, k, "--max-restarts", "1", "ft.py", "torch") for k in (1, 0)]
     outs = outputs(nodes, timeout=40)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())

@@ -105,18 +105,21 @@ def test_tdist_and_torch_clients_share_the_keys_torchs_client_names(monkeypatch:
         theirs = torch_client(srv.port)
         ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
         theirs.set("from_torch", "t")
-        assert ours.get("/from_torch") == b"t"  # (torch's client puts "/" before its keys)
-        ours.set("/from_tdist", b"d")
+        # (torch's client puts "/" before its keys; the server, "torch:" before theirs)
+        assert ours.get("torch:/from_torch") == b"t" and not ours.check(["from_torch", "/from_torch"])
+        ours.set("torch:/from_tdist", b"d")
         assert theirs.get("from_tdist") == b"d"
-        assert ours.add("/count", 2) == 2 and theirs.add("count", 3) == 5
+        assert ours.add("torch:/count", 2) == 2 and theirs.add("count", 3) == 5
         assert ours.check(["init/"])  # (its own, added as it connected)
+        ours.set("/not_theirs", b"x")
+        assert not theirs.check(["not_theirs"]) and theirs.num_keys() == 4  # (init/ and its own 3)
 
         # a torch client waiting on a key is answered when a tdist client sets it
         got: list[bytes] = []
         waiter = threading.Thread(target=lambda: got.append(theirs.get("later")))
         waiter.start()
-        wait_until(lambda: "/later" in srv._parked, 10, "torch's get waits on the server")
-        ours.set("/later", b"L")
+        wait_until(lambda: "torch:/later" in srv._parked, 10, "torch's get waits on the server")
+        ours.set("torch:/later", b"L")
         waiter.join(10)
         assert got == [b"L"]
     finally:
@@ -130,9 +133,9 @@ def test_a_push_wakes_one_of_torchs_waiting_pops(server: StoreServer) -> None:
     pops = [threading.Thread(target=lambda c=c: got.append(outcome(lambda: c.queue_pop("jobs")))) for c in (a, b)]
     for t in pops:
         t.start()
-    ours.queue_push("/jobs", b"first")
+    ours.queue_push("torch:/jobs", b"first")
     wait_until(lambda: got, 10, "one pop has its item")
-    ours.queue_push("/jobs", b"second")  # (the other waited on: it did not find the queue empty)
+    ours.queue_push("torch:/jobs", b"second")  # (the other waited on: it did not find the queue empty)
     for t in pops:
         t.join(10)
     assert sorted(got) == [b"first", b"second"]
@@ -190,25 +193,30 @@ def test_a_store_with_a_secret_keeps_torchs_clients_off_its_keys(
     finally:
         guarded.stop()
 
-    # served when asked (tdist run's store), and only on the keys torch's client names
+    # served when asked (tdist run's store), in a namespace of their own
     shared = StoreServer("127.0.0.1", 0, secret="s3cret", torch_clients=True)
     shared.start("process")
     try:
         ours = tdist.TCPStore("127.0.0.1", shared.port, timeout=timedelta(seconds=5), secret="s3cret")
         ours.set("job/token", b"private")
+        ours.set("/job/token", b"private too")  # (a tdist key that begins with "/", as torch's do)
         theirs = torch_client(shared.port)
         theirs.set("k", "v")
-        assert theirs.get("k") == b"v" and ours.get("/k") == b"v"
-
-        for request in (torch_get(b"job/token"), torch_set(b"job/token", b"mine"), torch_get(b"\xff\xfe")):
+        assert theirs.get("k") == b"v" and ours.get("torch:/k") == b"v"
+        assert not theirs.check(["job/token"])
+        for name in (b"job/token", b"/job/token"):  # (a raw client names any key: it stays in its namespace)
             sock = raw_torch_connection(shared.port)
-            sock.sendall(request)
-            assert closed(sock)  # (no answer: the connection goes)
+            sock.sendall(torch_get(name))
+            assert read_value(sock) == b""
+            sock.sendall(torch_set(name, b"mine"))
+            sock.sendall(torch_get(name))
+            assert read_value(sock) == b"mine"
             sock.close()
-        assert ours.get("job/token") == b"private"
+        assert ours.get("job/token") == b"private" and ours.get("/job/token") == b"private too"
+        assert ours.get("torch:job/token") == b"mine"
         sock = raw_torch_connection(shared.port)
-        sock.sendall(torch_get(b"/k"))
-        assert read_value(sock) == b"v"  # (what torch's client names, it reaches)
+        sock.sendall(torch_get(b"\xff\xfe"))  # (not UTF-8: refused, the connection goes)
+        assert closed(sock)
         sock.close()
         assert theirs.get("k") == b"v"
     finally:
@@ -228,12 +236,12 @@ def test_bad_openings_and_queries_cost_one_connection(server: StoreServer) -> No
         b"\x06" + struct.pack("<Q", 1 << 30),  # a wait on too many keys
         b"\x04" + struct.pack("<Q", 2) + b"/k" + struct.pack("<q", 1),  # add to a key holding text
     ):
-        ours.set("/k", b"text")
+        ours.set("torch:/k", b"text")
         sock = raw_torch_connection(server.port)
         sock.sendall(query)
         assert closed(sock), query
         sock.close()
-    ours.set("/still", b"up")
+    ours.set("torch:/still", b"up")
     assert torch_client(server.port).get("still") == b"up"
 
 
@@ -249,7 +257,7 @@ def test_a_torch_client_waiting_moves_with_the_server_to_its_own_process(monkeyp
         got: list[Any] = []
         waiter = threading.Thread(target=lambda: got.append(outcome(lambda: theirs.get("during"))))
         waiter.start()
-        wait_until(lambda: "/during" in srv._parked, 10, "torch's get waits on the server's thread")
+        wait_until(lambda: "torch:/during" in srv._parked, 10, "torch's get waits on the server's thread")
         half = raw_torch_connection(srv.port)
         query = torch_get(b"/before")
         half.sendall(query[:5])  # (half a query in when the server moves)
@@ -260,7 +268,7 @@ def test_a_torch_client_waiting_moves_with_the_server_to_its_own_process(monkeyp
         half.sendall(query[5:])
         assert read_value(half) == b"b"
         ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
-        ours.set("/during", b"d")
+        ours.set("torch:/during", b"d")
         waiter.join(10)
         assert got == [b"d"]
         half.close()

@@ -87,6 +87,7 @@ from ..store._api import Store
 from ..store._replica import FailoverStore, StandbyKeeper
 from ..store._server import StoreServer
 from ..store._tcp import TCPStore
+from ..store._torch_wire import TORCH_KEYS
 from ._inspect import (
     STATUS_DIR_ENV,
     answer_dump,
@@ -1834,8 +1835,8 @@ class LocalAgent:
     def _forget_torch_keys(self, host: str, port: int, secret: str) -> None:
         """Between two worker groups (every worker of the last has stopped, none of the next
         has started): the keys torch's own clients wrote in the workers' store at
-        ``host:port`` go, those that begin with ``/`` (torch's client puts one before every
-        key). torch's ``init_process_group`` names the same keys in every group
+        ``host:port`` go (the server keeps them apart: ``TORCH_KEYS``). torch's
+        ``init_process_group`` names the same keys in every group
         (``default_pg/...``), and under torchrun a group formed again meets the last one's,
         such as the addresses of ranks that are gone. tdist's own ``env://`` keeps each
         group's keys apart already (``TDIST_AGENT_ROUND`` and the restart count)."""
@@ -1847,7 +1848,7 @@ class LocalAgent:
         try:
             if store.transport == "torch":  # (not a tdist server: a rendezvous handler's, left alone)
                 return
-            stale = [key for key in store.list_keys() if key.startswith("/")]
+            stale = [key for key in store.list_keys() if key.startswith(TORCH_KEYS)]
             for key in stale:
                 store.delete_key(key)
             if stale:

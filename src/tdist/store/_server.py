@@ -12,10 +12,10 @@ frame and is closed; nothing a client sends can stop the loop or touch other cli
 The TCP port serves clients of torch's own ``TCPStore`` too, in torch's protocol
 (``_torch_wire``): a client over TCP speaks first, tdist's with ``OPENING``, torch's with its
 ``VALIDATE``, and the first bytes decide (``_sniff``) how the connection is served from then on
-(``_Conn.kind``). A torch client's queries act on the same data, its ``WAIT``s park as tdist's
-do (without a deadline: its client cancels), and it reaches only the keys its client names
-(``_torch_key``); a server with a secret serves torch's clients only when told to
-(``torch_clients``). The Unix socket serves tdist's clients alone, and greets them at once.
+(``_Conn.kind``). A torch client's queries act on the same data, in a namespace of torch's
+clients (``_torch_key``: tdist's own keys are out of their reach), and its ``WAIT``s park as
+tdist's do (without a deadline: its client cancels); a server with a secret serves torch's
+clients only when told to (``torch_clients``). The Unix socket serves tdist's clients alone, and greets them at once.
 
 The loop runs in a thread, or (the default for ``TCPStore``) in a process of its own that serves
 nothing else, so a busy Python parent holding the GIL cannot slow the store down. That process is
@@ -76,7 +76,7 @@ from ._protocol import (
 )
 from ._state import KVState
 from ._torch_wire import MAGIC as _TORCH_MAGIC
-from ._torch_wire import Query, QueryDecoder, Reply, is_torch_opening
+from ._torch_wire import TORCH_KEYS, Query, QueryDecoder, Reply, is_torch_opening
 
 TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
 if TYPE_CHECKING:
@@ -234,12 +234,12 @@ class StoreServer:
             process of its own (default: ``_core.spin``'s budget, ``TDIST_SPIN_US``).
         state: the data to serve (a standby taking over: ``_replica``); default empty.
         torch_clients: whether clients of torch's own ``TCPStore`` are served (over TCP, in
-            torch's protocol: ``_torch_wire``). They prove no secret, so each reaches only the
-            keys torch's client names: those that begin with ``/`` (it puts one before every
-            key of its caller) and its own ``init/``. None (the default): served when the
-            store requires no secret (it is open to anyone then anyway); True: served with a
-            secret too (``tdist run``'s store, which torch programs use as torchrun's); False:
-            refused.
+            torch's protocol: ``_torch_wire``). They prove no secret, so their keys live in a
+            namespace of their own (``TORCH_KEYS`` before each: a tdist client reads torch's
+            ``"/k"`` as ``"torch:/k"``), out of which they reach nothing. None (the default):
+            served when the store requires no secret (it is open to anyone then anyway);
+            True: served with a secret too (``tdist run``'s store, which torch programs use as
+            torchrun's); False: refused.
 
     Raises:
         DistNetworkError: the address cannot be bound (in use, not local).
@@ -1204,7 +1204,7 @@ class StoreServer:
             self._close(conn, None)
             return
         conn.kind = _TORCH
-        conn.authed = True  # (to the keys torch's client names: ``_torch_key``)
+        conn.authed = True  # (to its own keys: ``_torch_key``)
         self._unauthed.pop(conn, None)
         conn.decoder = FrameDecoder(0)
         conn.queries = QueryDecoder(self.max_frame)
@@ -1712,16 +1712,12 @@ class StoreServer:
 
     @staticmethod
     def _torch_key(raw: bytes | int) -> str:
-        """A key a client of torch's named, if it may: one that torch's client can name (it
-        puts ``/`` before its caller's keys; ``init/`` is its own), never one of tdist's."""
+        """The key a client of torch's names, in the namespace of torch's clients
+        (``TORCH_KEYS``): tdist's own keys are out of its reach, whatever their names. (Its
+        client's ``init/``, the count of clients that connected, is the server's own.)"""
         assert isinstance(raw, bytes)
         key = _decode_key(raw)
-        if not key.startswith("/") and key != "init/":
-            raise RemoteProtocolError(
-                f"key {key[:60]!r} is not one torch's TCPStore client names (they begin with '/'): "
-                "tdist's own keys are out of a torch client's reach"
-            )
-        return key
+        return key if key == "init/" else TORCH_KEYS + key
 
     def _torch_query(self, conn: _Conn, kind: int, args: list[bytes | int]) -> None:
         state, out, key_of = self._state, conn.out, self._torch_key
@@ -1790,8 +1786,8 @@ class StoreServer:
             out += Reply.number(int(deleted))
             if deleted:
                 self._changes((key,), changed=False)
-        elif kind == Query.GETNUMKEYS:
-            out += Reply.number(state.num_keys())
+        elif kind == Query.GETNUMKEYS:  # (the keys a torch client can name)
+            out += Reply.number(sum(1 for key in state.data if key.startswith(TORCH_KEYS) or key == "init/"))
         elif args[0] != _TORCH_MAGIC:  # VALIDATE (again)
             raise RemoteProtocolError("VALIDATE with the wrong magic number")
 

@@ -10,7 +10,8 @@ own (``Reply``), and ``SET``, ``APPEND``, ``MULTI_SET`` and ``QUEUE_PUSH`` have 
 ``WAIT`` on keys not set yet is answered when they are (``STOP_WAITING``); the client that
 gives up sends ``CANCEL_WAIT``, which is answered ``WAIT_CANCELED`` whatever came before it.
 torch's client puts ``/`` before every key of its caller; its only key of its own is
-``init/``, which it adds one to as it connects.
+``init/``, which it adds one to as it connects. tdist's server keeps the keys of torch's clients
+in a namespace of their own, ``TORCH_KEYS`` (they prove no secret).
 
 tdist's store server speaks this beside its own protocol on its TCP port
 (``StoreServer``: the first bytes of a connection tell the two apart), so that
@@ -26,9 +27,12 @@ import struct
 from .._core.errors import RemoteProtocolError
 from ._protocol import ByteQueue
 
-__all__ = ["MAGIC", "Query", "QueryDecoder", "Reply", "is_torch_opening"]
+__all__ = ["MAGIC", "TORCH_KEYS", "Query", "QueryDecoder", "Reply", "is_torch_opening"]
 
 MAGIC = 0x3C85F7CE
+# what tdist's server puts before the keys torch's clients name (``StoreServer._torch_key``):
+# theirs live apart from tdist's, and a tdist client reads torch's "/k" as "torch:/k"
+TORCH_KEYS = "torch:"
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
