@@ -16,11 +16,11 @@ on tdist's own backends.
 from __future__ import annotations
 
 import contextlib
-import sys
 from datetime import timedelta
 from typing import Any
 
 import torch
+from torch._C import _distributed_c10d as _c10d
 
 from . import _types as T
 from ._backend import Backend
@@ -41,22 +41,15 @@ _TORCH_OPTIONS = {
 _FIELDS = ("reduceOp", "rootRank", "rootTensor", "timeout", "asyncOp", "device_ids")
 
 
-def _c10d() -> Any:
-    return sys.modules.get("torch._C._distributed_c10d") or __import__(
-        "torch._C._distributed_c10d", fromlist=["Backend"]
-    )
-
-
 def is_torchs(backend: object) -> bool:
     """Whether a plug-in's backend object is one of torch's (its C++ classes, or a Python
     subclass of them), which takes torch's options; tdist's and duck-typed ones take tdist's."""
-    c10d = _c10d()
-    return isinstance(backend, (c10d.Backend, c10d.ProcessGroup))
+    return isinstance(backend, (_c10d.Backend, _c10d.ProcessGroup))
 
 
 def torch_options(opts: T._Options) -> Any:
     """torch's option record for tdist's ``opts``: the fields both have."""
-    c10d = _c10d()
+    c10d: Any = _c10d
     out = getattr(c10d, _TORCH_OPTIONS[type(opts)])()
     for name in _FIELDS:
         if not hasattr(out, name):
