@@ -1491,6 +1491,39 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int], 
     assert "rank 3 exited with code 9; restarting the worker group (restart 1 of 1)" in said
 
 
+def test_a_node_whose_workers_finished_restarts_with_a_node_whose_worker_failed(two_nodes: tuple[Path, int]) -> None:
+    # node 0's workers succeed; then rank 3, on node 1, fails: the attempt failed, and both
+    # nodes restart their groups (node 0 had waited for the others' workers in its exit
+    # barrier, node 1 for node 0 to come back for the restart: each until its timeout)
+    work, port = two_nodes
+    (work / "late.py").write_text(
+        "import os, sys, time\n"
+        "attempt, rank = int(os.environ['TORCHELASTIC_RESTART_COUNT']), int(os.environ['RANK'])\n"
+        "open(f'pid{rank}.{attempt}', 'w').write(str(os.getpid()))\n"
+        "if attempt == 0 and rank == 3:  # (fails once node 0's workers have exited)\n"
+        "    end = time.monotonic() + 20\n"
+        "    def gone(r):  # (exited, and reaped by its launcher)\n"
+        "        try:\n"
+        "            pid = int(open(f'pid{r}.0').read())\n"
+        "        except (OSError, ValueError):\n"
+        "            return False\n"
+        "        try:\n"
+        "            os.kill(pid, 0)\n"
+        "        except OSError:\n"
+        "            return True\n"
+        "        return False\n"
+        "    while not (gone(0) and gone(1)) and time.monotonic() < end:\n"
+        "        time.sleep(0.01)\n"
+        "    sys.exit(3)\n"
+        "print('rank', rank, 'attempt', attempt)\n"
+    )
+    nodes = [start_node(work, port, k, "--max-restarts", "1", "late.py") for k in (1, 0)]
+    outs = outputs(nodes, timeout=40)
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
+    assert lines == sorted([f"rank {r} attempt 0" for r in range(3)] + [f"rank {r} attempt 1" for r in range(4)])
+
+
 @pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_elastic_node_range(work: Path, backend: str, request: pytest.FixtureRequest) -> None:
     # --nnodes 1:3: two nodes come; after the last call they run as a job of two nodes

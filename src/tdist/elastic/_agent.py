@@ -846,6 +846,8 @@ class LocalAgent:
         earlier: list[str] = []  # each failed attempt's cause, for the post-mortem
         while True:
             outcome, exits, tails, outputs = self._run_group(port, secret, restart_count)
+            if outcome is Outcome.SUCCEEDED and cfg.nnodes > 1 and not cfg.ft:
+                outcome = self._settle_success()
             exits = raised_before(exits, self._raised(restart_count, exits))
             self.last_exits, self.last_attempt = exits, restart_count
             role = cfg.role
@@ -1875,6 +1877,34 @@ class LocalAgent:
                 raise LaunchError(f"node {cfg.node_rank}: {late(missing)}")
             with contextlib.suppress(DistStoreError):
                 store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+
+    def _settle_success(self) -> Outcome:
+        """This node's workers all succeeded; the attempt is the job's, across the nodes: wait
+        until every node's did (``SUCCEEDED``), or another node posts a failure of the attempt
+        that it restarts after (``PEER_FAILED``: the group restarts, this node's too, as after
+        any failure). Else a node whose worker failed as this node's finished restarts alone,
+        and waits for this node to rejoin while this one waits for it to finish. A failure
+        that ended the job leaves this node's success as it is (the failed node reports it),
+        as do the exit barrier's timeout and a signal."""
+        store, cfg = self._store, self.config
+        if store is None:
+            return Outcome.SUCCEEDED
+        key = f"{AGENT_PREFIX}/attempt{self._attempt}/succeeded/node"
+        keys = [f"{key}{k}" for k in range(cfg.nnodes)]
+        deadline = self._clock() + cfg.exit_barrier_timeout
+        try:
+            store.set(keys[cfg.node_rank], b"1")
+            while not store.check(keys):
+                peer, final = self._peer_failure()
+                if peer is not None and not final:
+                    return Outcome.PEER_FAILED
+                if final or self._signum is not None or self._clock() >= deadline:
+                    break
+                with contextlib.suppress(DistStoreError):
+                    store.wait(keys, timedelta(seconds=min(0.1, max(0.01, deadline - self._clock()))))
+        except DistError as exc:
+            log.warning("node %d: could not wait for the other nodes' workers: %s", cfg.node_rank, exc)
+        return Outcome.SUCCEEDED
 
     def _exit_barrier(self) -> None:
         store, cfg = self._store, self.config
