@@ -1867,16 +1867,31 @@ class LocalAgent:
         timeout. Raises ``LaunchError`` with ``stopped()``'s reason when it gives one, or with
         ``late(missing nodes)`` at the deadline."""
         cfg = self.config
-        deadline = self._clock() + cfg.join_timeout
+        why: list[str] = []
+
+        def stop() -> bool:
+            reason = stopped()
+            if reason is not None:
+                why.append(reason)
+            return reason is not None
+
+        if not self._until_keys(store, keys, self._clock() + cfg.join_timeout, stop):
+            if why:
+                raise LaunchError(f"node {cfg.node_rank}: {why[0]}")
+            missing = [k for k in range(len(keys)) if not store.check([keys[k]])]
+            raise LaunchError(f"node {cfg.node_rank}: {late(missing)}")
+
+    def _until_keys(
+        self, store: Store, keys: list[str], deadline: float, stop: Callable[[], bool], poll: float = 1.0
+    ) -> bool:
+        """Wait until every key of ``keys`` is set (True), or until ``stop()`` says so or
+        ``deadline`` passes (False); ``stop`` is asked at least every ``poll`` seconds."""
         while not store.check(keys):
-            why = stopped()
-            if why is not None:
-                raise LaunchError(f"node {cfg.node_rank}: {why}")
-            if self._clock() >= deadline:
-                missing = [k for k in range(len(keys)) if not store.check([keys[k]])]
-                raise LaunchError(f"node {cfg.node_rank}: {late(missing)}")
+            if stop() or self._clock() >= deadline:
+                return False
             with contextlib.suppress(DistStoreError):
-                store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+                store.wait(keys, timedelta(seconds=min(poll, max(0.01, deadline - self._clock()))))
+        return True
 
     def _settle_success(self) -> Outcome:
         """This node's workers all succeeded; the attempt is the job's, across the nodes: wait
@@ -1891,20 +1906,20 @@ class LocalAgent:
             return Outcome.SUCCEEDED
         key = f"{AGENT_PREFIX}/attempt{self._attempt}/succeeded/node"
         keys = [f"{key}{k}" for k in range(cfg.nnodes)]
-        deadline = self._clock() + cfg.exit_barrier_timeout
+        restart = False
+
+        def stop() -> bool:
+            nonlocal restart
+            peer, final = self._peer_failure()
+            restart = peer is not None and not final
+            return peer is not None or self._signum is not None
+
         try:
             store.set(keys[cfg.node_rank], b"1")
-            while not store.check(keys):
-                peer, final = self._peer_failure()
-                if peer is not None and not final:
-                    return Outcome.PEER_FAILED
-                if final or self._signum is not None or self._clock() >= deadline:
-                    break
-                with contextlib.suppress(DistStoreError):
-                    store.wait(keys, timedelta(seconds=min(0.1, max(0.01, deadline - self._clock()))))
+            self._until_keys(store, keys, self._clock() + cfg.exit_barrier_timeout, stop, poll=0.1)
         except DistError as exc:
             log.warning("node %d: could not wait for the other nodes' workers: %s", cfg.node_rank, exc)
-        return Outcome.SUCCEEDED
+        return Outcome.PEER_FAILED if restart else Outcome.SUCCEEDED
 
     def _exit_barrier(self) -> None:
         store, cfg = self._store, self.config
@@ -1924,13 +1939,10 @@ class LocalAgent:
             limit = cfg.exit_barrier_timeout
             if self._job_failed:
                 limit = min(limit, cfg.stop_timeout + _FAILED_EXIT_WAIT)
-            deadline = self._clock() + limit
-            while not store.check(keys):
-                if self._clock() >= deadline or self._signal_count > (0 if self._job_failed else 1):
-                    log.warning("node %d: stopping the job's store before every node finished", cfg.node_rank)
-                    return
-                with contextlib.suppress(DistStoreError):
-                    store.wait(keys, timedelta(seconds=min(1.0, max(0.01, deadline - self._clock()))))
+            signals = 0 if self._job_failed else 1
+            if not self._until_keys(store, keys, self._clock() + limit, lambda: self._signal_count > signals):
+                log.warning("node %d: stopping the job's store before every node finished", cfg.node_rank)
+                return
             if cfg.rdzv_backend == "etcd" and cfg.node_rank == 0:  # the job is over: its keys leave etcd
                 delete_all = getattr(self._rdzv_store, "delete_all", None)
                 if delete_all is not None:

@@ -1105,9 +1105,3 @@ class _OnTorchsServer(TCPStore):
     def _torch_store(self) -> object:
         return self._foreign.wrapped
 
-    def close(self) -> None:
-        self._closed = True
-
-    def __del__(self) -> None:
-        self._closed = True
-
