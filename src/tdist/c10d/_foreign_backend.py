@@ -89,13 +89,18 @@ class ForeignWork(T.Work):
             return -1
 
     def _settled(self, fut: Any) -> None:
+        # (torch's work goes once it is done: its future holds this callback, so keeping it
+        # would make a cycle through torch's objects, freed by the garbage collector whenever
+        # it runs, at the interpreter's exit among them)
+        source = self._source()
+        self._w = None
         try:
             value = fut.value()
         except BaseException as exc:
             self._fail(exc)
             return
         result = value if isinstance(value, list) else ([] if value is None else [value])
-        self._complete(result, self._source())
+        self._complete(result, source)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         if not self._by_future and not self._is_done:
