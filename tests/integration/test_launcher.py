@@ -1250,7 +1250,10 @@ def test_kill_9_of_any_process_of_a_job_leaves_nothing_behind(work: Path, victim
             assert proc.returncode != 0
         for pid in job:
             assert wait_gone(pid, 10), f"process {pid} of the job outlived the kill -9 of its {victim}"
-        assert not (set(os.listdir("/dev/shm")) - shm_before)
+        # (other programs on this host, the suite's other stream among them, make named
+        # semaphores and MPICH segments meanwhile; the job makes neither)
+        left = [n for n in set(os.listdir("/dev/shm")) - shm_before if not n.startswith(("sem.", "mpich_shm_"))]
+        assert not left, f"the job left /dev/shm entries: {left}"
         assert not (set(_listening_sockets()) & job_sockets), "a socket of the job still listens"
     finally:
         if proc.poll() is None:
