@@ -20,6 +20,10 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
+# the project's bytecode, compiled here (0.1 s when it is up to date): where
+# PYTHONDONTWRITEBYTECODE is set, Python writes none, and every process the tests start would
+# compile tdist again as it imports it (0.35 s of each start, against 0.15 s from bytecode)
+"$PWD/.venv/bin/python" -m compileall -q -j 0 src tests benchmarks examples >/dev/null || true
 stamp=.venv/.tdist-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
