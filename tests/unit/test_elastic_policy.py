@@ -370,6 +370,10 @@ def test_describe_exception() -> None:
         "ValueError: two (raised at a.py:2, in main)"
     )
     assert describe_exception("no traceback here\n") is None
+    # after init_process_group (torch's, which tdist's makes too) every line of an uncaught
+    # exception's report begins with "[rankN]: "
+    prefixed = "".join(f"[rank1]: {line}\n" if line else "\n" for line in tb.splitlines())
+    assert describe_exception("[rank1]: noise\n" + prefixed) == "KeyError: 'k' (raised at a.py:2, in main)"
     # an RPC's exception, rebuilt on the caller: its last traceback is the remote one (tdist.rpc's
     # note), which ran on the callee, called by the caller's rpc_sync
     remote = (

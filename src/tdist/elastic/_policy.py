@@ -878,7 +878,9 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 def describe_exception(traceback_text: str) -> str | None:
     """``"ValueError: boom (raised at train.py:12, in step)"``: the exception a Python
     traceback ends with and its innermost frame; None when the text holds no traceback."""
-    lines = [line.rstrip() for line in traceback_text.splitlines()]
+    # (torch's init_process_group, which tdist's makes too, has every line of an uncaught
+    # exception's report begin with "[rankN]: ")
+    lines = [_RANK_PREFIX.sub("", line.rstrip(), count=1) for line in traceback_text.splitlines()]
     start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")), default=None)
     if start is None:
         return None
@@ -898,6 +900,8 @@ def describe_exception(traceback_text: str) -> str | None:
         return exception if remote is None else f"{exception} (raised{where}{by})"
     return f"{exception} (raised{where} at {frame['file']}:{frame['line']}, in {frame['func']}{by})"
 
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 # the line above a remote traceback in a rebuilt RPC exception (``tdist.rpc._errors``)
 _REMOTE_ORIGIN = re.compile(r"^On WorkerInfo\(id=(?P<id>\d+), name=(?P<name>.*?)\), raised in (?P<call>.+):$")
