@@ -71,6 +71,18 @@ def die_with(parent: int | None) -> None:
         os._exit(1)
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name, from the state letter on
+    (``[0]``: the state, ``[11]``/``[12]``: user and system CPU time in clock ticks, of every
+    thread), or None where there is no such process (or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 1 :].decode(errors="replace").split() or None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` (of this pid space) still runs: an exited one not yet reaped by
     its parent (a zombie) does not; a process of another user's does."""

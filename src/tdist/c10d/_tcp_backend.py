@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .._core._process import proc_stat
 from .._core.errors import (
     CollectiveMismatchError,
     DistBackendError,
@@ -139,7 +140,7 @@ _QUOTED = (_MARK, _MISMATCH, _DEADLOCK, "mismatched calls", "collective mismatch
 # what the transport and the arena say of a peer that is gone, wherever in a (quoted) message
 _FATES = (
     (re.compile(r"peer rank (\d+) \(pid \d+\) stalled|rank (\d+) \([^)]*\) has sent nothing"),
-     "is stalled (no heartbeat: stopped by SIGSTOP, hung, or cut off)"),
+     "is stalled (no heartbeat: stopped, hung, or cut off)"),
     (re.compile(r"peer rank (\d+) \(pid \d+\) closed|rank (\d+) \([^)]*\) left the process group"),
      "left the group"),
     (re.compile(r"peer rank (\d+) \(pid \d+\) died|connection to rank (\d+) \([^)]*\)[^;]* was lost"),
@@ -159,17 +160,6 @@ def _gone(exc: PeerError, me: int) -> dict[int, str]:
             if q != me:
                 out.setdefault(q, fate)
     return out
-
-
-def _proc_state(pid: int) -> str | None:
-    """A local process's state letter from ``/proc`` (``None``: no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    tail = stat[stat.rfind(")") + 1 :].split()
-    return tail[0] if tail else None
 
 
 def _check_op(op: RedOpType, dtype: torch.dtype, what: str) -> None:
@@ -672,7 +662,8 @@ class ProcessGroupTCP(Backend):
             pid = self._ep.peer_pid(q)
             if pid <= 0 or pid == me:
                 continue
-            state = _proc_state(pid)
+            fields = proc_stat(pid)
+            state = fields[0] if fields else None
             if state is None or state in ("Z", "X"):
                 out[q] = f"is gone (its process, pid {pid}, has exited)"
             elif state in ("T", "t"):

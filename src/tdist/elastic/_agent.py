@@ -80,6 +80,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from .._core import auth
+from .._core._process import proc_stat
 from .._core._reaper import job_reaper
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
@@ -214,11 +215,8 @@ class _Worker:
 
 def _process_state(pid: int) -> str:
     """The state letter of process ``pid`` (``T``: stopped), or ``""``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    fields = proc_stat(pid)
+    return fields[0] if fields else ""
 
 
 def _is_terminal(stream: BinaryIO) -> bool:

@@ -56,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._core._process import pid_alive
+from .._core._process import pid_alive, proc_stat
 
 __all__ = [
     "RECORD_REQUEST",
@@ -310,9 +310,8 @@ def worker_side() -> None:
 def _proc(pid: int) -> dict[str, Any]:
     """State, CPU seconds and resident memory of ``pid`` from ``/proc``."""
     out: dict[str, Any] = {"state": "gone", "cpu_s": None, "rss_mb": None}
+    fields = proc_stat(pid) or []
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
         ticks = os.sysconf("SC_CLK_TCK")
         out["state"] = {"R": "running", "S": "sleeping", "D": "disk", "T": "stopped", "t": "stopped",
                         "Z": "exited"}.get(fields[0], fields[0])

@@ -67,7 +67,14 @@ from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
 from ._link import Copy, Link, advertised_address, host_id
-from ._liveness import GROUP_STALL, Heartbeats, default_interval, default_stall_timeout
+from ._liveness import (
+    GROUP_STALL,
+    STALL_CAUSES,
+    Heartbeats,
+    default_interval,
+    default_stall_timeout,
+    still_running,
+)
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     TOKEN_SIZE,
@@ -788,9 +795,12 @@ class Endpoint:
         silent = now - p.last_rx
         if silent <= self.stall_timeout:
             return None
+        local = self.same_host(p.rank)
+        if local and still_running(self.peer_pid(p.rank)):
+            return None  # busy in one call that holds its interpreter lock (``_liveness``)
         err = PeerError(
             f"rank {self.rank}: {p.describe()} has sent nothing for {silent:.1f} s (no heartbeat) "
-            f"during {what}: it is stalled (stopped, hung or cut off); "
+            f"during {what}: it is stalled ({STALL_CAUSES[local]}); "
             f"TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
             peer=p.rank,
         )

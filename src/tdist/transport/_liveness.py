@@ -19,6 +19,13 @@ own; in a process group's endpoint, on its reader thread, between reads):
   counts every link as just heard: the peers had no chance to be heard meanwhile, and must not
   be blamed for this process's own pause.
 
+Busy is not stalled. A heartbeat needs the interpreter lock, so a peer inside one long call that
+holds it (``sum(range(10**9))``, ``json.loads`` of a large document, a C extension that keeps
+the lock) is silent as a stopped one. On this host the two are told apart: a silent peer whose
+process used CPU time since the last look (``still_running``) is busy, and only the operation's
+own timeout applies to it, as under torch. A peer on another host cannot be looked at: its
+silence past the stall timeout is a stall.
+
 Knobs: ``TDIST_HEARTBEAT_INTERVAL`` (1 s) and ``TDIST_HEARTBEAT_TIMEOUT`` (stall timeout; 10 s
 for process groups, RPC's own default is 5 s).
 """
@@ -31,11 +38,47 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from .._core._process import proc_stat
 from ._link import Link
 
-__all__ = ["GROUP_STALL", "Heartbeats", "default_interval", "default_stall_timeout"]
+__all__ = ["GROUP_STALL", "STALL_CAUSES", "Heartbeats", "default_interval", "default_stall_timeout", "still_running"]
 
 GROUP_STALL = 10.0  # a process group's stall timeout unless TDIST_HEARTBEAT_TIMEOUT says
+
+
+# what a peer's silence past the stall timeout may be, by whether it is of this host (its process
+# uses no CPU: ``still_running`` said no) or not (nothing can be looked at)
+STALL_CAUSES = {
+    True: "stopped, or hung: its process uses no CPU",
+    False: "stopped, hung, cut off, or inside one long call that holds its interpreter lock",
+}
+
+# (pid: its CPU ticks and when they were read, the last look that was compared with)
+_cpu_seen: dict[int, tuple[int, float]] = {}
+_LOOK_APART = 0.05  # seconds between the two looks compared: a busy process uses ticks (10 ms) in it
+
+
+def still_running(pid: int) -> bool:
+    """Whether process ``pid`` of this host, silent on its connections, is running all the same:
+    it has used CPU time since an earlier look (a first look, and a look within ``_LOOK_APART``
+    of it, cannot tell yet: yes). A stopped process (``SIGSTOP``, a debugger), one that has
+    exited, and one that uses no CPU (a hang, a deadlock) are not; nor is this process itself
+    (a peer in it is one of its threads, which tests run: its CPU time says nothing of it)."""
+    if pid == os.getpid():
+        return False
+    fields = proc_stat(pid)
+    if fields is None or len(fields) < 13 or fields[0] in ("T", "t", "Z", "X"):
+        _cpu_seen.pop(pid, None)
+        return False
+    ticks, now = int(fields[11]) + int(fields[12]), time.monotonic()
+    seen = _cpu_seen.get(pid)
+    if seen is None:
+        _cpu_seen[pid] = (ticks, now)
+        return True
+    if now - seen[1] < _LOOK_APART:
+        return True
+    _cpu_seen[pid] = (ticks, now)
+    return ticks > seen[0]
 
 
 def default_interval() -> float:

@@ -75,7 +75,7 @@ from .._core.errors import (
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._link import Copy, Link, host_id
-from ._liveness import Heartbeats
+from ._liveness import STALL_CAUSES, Heartbeats, still_running
 from ._memory import CMA_MIN, address, cma_read, fresh_buffer
 from ._protocol import (
     TOKEN_SIZE,
@@ -251,7 +251,7 @@ class Messenger:
         self._heartbeats = Heartbeats(
             f"tdist-rpc-hb-{my_id}", self.heartbeat_interval, self.stall_timeout, lambda: self._conns.values(),
             lambda c: cast(_Conn, c).closed,
-            lambda c, silent: self._lose(cast(_Conn, c), None, stalled=silent),
+            lambda c, silent: self._stalled(cast(_Conn, c), silent),
         )
         self._ctrl_thread = threading.Thread(target=self._ctrl_loop, name=f"tdist-rpc-ctrl-{my_id}", daemon=True)
         self._threads = [
@@ -375,8 +375,20 @@ class Messenger:
     def _unwritable(self, c: _Conn, now: float) -> PeerError | None:
         """Why ``c`` cannot take a frame now (lost, or stalled: then it is lost), or None."""
         if not c.closed and now - c.last_rx > self.stall_timeout:
-            self._lose(c, None, stalled=now - c.last_rx)
+            self._stalled(c, now - c.last_rx)
         return self._error_for(c) if c.closed else None
+
+    def _stalled(self, c: _Conn, silent: float) -> None:
+        """Nothing has come on ``c`` for ``silent`` seconds, past the stall timeout: lose it,
+        unless its peer is a process of this host that runs all the same (busy in one call that
+        holds its interpreter lock: ``_liveness.still_running``)."""
+        if c.same_host:
+            pid = None
+            with contextlib.suppress(Exception):
+                pid = self.lookup(c.peer).get("pid")
+            if isinstance(pid, int) and still_running(pid):
+                return
+        self._lose(c, None, stalled=silent)
 
     def _error_for(self, c: _Conn) -> PeerError:
         # a fresh exception each time: a stored one would grow its traceback with every raise
@@ -771,7 +783,7 @@ class Messenger:
         if stalled is not None:
             err = PeerError(
                 f"{self.label}: {what} has sent nothing for {stalled:.1f} s (no heartbeat): it is "
-                f"stalled (stopped, hung or cut off); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
+                f"stalled ({STALL_CAUSES[c.same_host]}); TDIST_HEARTBEAT_TIMEOUT={self.stall_timeout:g} s",
                 peer=c.peer,
             )
         elif graceful:

@@ -96,6 +96,7 @@ from ..._core.errors import (
     PeerError,
 )
 from ...store._api import Store, multi_get_within
+from ...transport._liveness import STALL_CAUSES, still_running
 from .._threads import usable_cores
 from .._types import RedOpType
 from ._layout import (
@@ -613,11 +614,13 @@ class ArenaCore:
             if beat == 0.0:
                 continue  # still mapping the segment: only the deadline applies
             age = now - beat
-            if age - max(my_age, 0.0) > self._stall:
+            # (a peer that runs all the same is busy in one call that holds its interpreter
+            # lock: only the operation's timeout applies; see ``transport._liveness``)
+            if age - max(my_age, 0.0) > self._stall and not still_running(pid):
                 raise PeerError(
                     f"rank {self.rank}: peer rank {q} (pid {pid}) stalled during {self._op}: no "
-                    f"heartbeat for {age:.1f} s (limit {self._stall:g} s); is it stopped "
-                    "(SIGSTOP), swapped out or starved?",
+                    f"heartbeat for {age:.1f} s (limit {self._stall:g} s); it is "
+                    f"{STALL_CAUSES[True]} (SIGSTOP, a debugger, swapped out?)",
                     peer=q,
                 )
 
