@@ -536,7 +536,7 @@ class TCPStore(Store):
         with self._lock:
             sock = self._sock
             if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
-                sock = self._ready_socket()
+                sock = self._ready_socket(op)
             reply = None if self._direct is None else self._serve_direct(frame_bytes)
             if reply:
                 frame = self._direct_frame(reply)
@@ -608,7 +608,7 @@ class TCPStore(Store):
         """
         frame_bytes = encode_frame(op, fields)
         with self._lock:
-            sock = self._ready_socket()
+            sock = self._ready_socket(op)
             if self._direct is not None and self._quiet_direct(op, frame_bytes):
                 return
             if self._send_seal is not None:
@@ -642,9 +642,12 @@ class TCPStore(Store):
         if not data:
             raise ConnectionResetError("connection closed by the server")
 
-    def _ready_socket(self) -> socket.socket:
-        if self._broken is not None:
-            raise self._broken
+    def _ready_socket(self, op: Op) -> socket.socket:
+        broken = self._broken
+        if broken is not None:
+            # (a fresh error that names this request: the first one's text named its own)
+            err = type(broken)(f"{op.name.removesuffix('_QUIET')} cannot be sent: {broken}")
+            raise err from broken
         if self._closed:
             raise DistStoreError(f"TCPStore client for {self._addr} is closed")
         if self._sock is None or self._pid != _current_pid[0]:
