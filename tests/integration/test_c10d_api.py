@@ -808,6 +808,53 @@ def test_monitored_barrier_fails_at_once_for_a_rank_whose_process_is_gone() -> N
         assert "left the process group" in m or "was lost" in m, got
 
 
+def _new_group_with_a_member_killed(rank: int, ws: int, port: int) -> None:
+    import os
+    import signal
+
+    store = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=60))
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.new_group([0, 1, 2])
+        out = "formed"
+    except dist.DistBackendError as exc:
+        out = f"{time.monotonic() - start:.0f} s: {exc}"
+    store.set(f"result{rank}", out)
+    os._exit(0)
+
+
+def test_new_group_with_a_member_that_died_fails_naming_it() -> None:
+    """``new_group`` waits for every member's address; one that the default group knows dead
+    fails it at once on the others, naming it, not at the group's 60 s timeout with a store
+    key (torch hangs there)."""
+    import multiprocessing
+
+    # (the results wait 40 s at most, below the groups' 60 s: a wait that runs out the group's
+    # timeout fails here)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=40))
+    procs = [multiprocessing.get_context("fork").Process(target=_new_group_with_a_member_killed, args=(r, 3, master.port))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        for r in (0, 2):
+            got = master.get(f"result{r}").decode()
+            seconds = int(got.split(" s: ")[0]) if " s: " in got else None
+            assert seconds is not None and seconds < 30, got
+            assert "rank 1 never published its address, and it is gone" in got and "lost" in got, got
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        master.close()
+
+
 def test_a_sub_groups_failure_says_which_global_rank_each_of_its_ranks_is() -> None:
     """In ``new_group([1, 2])``, the transport's messages name the group's ranks ("rank 1"
     is global rank 2): the error says which global rank each is."""

@@ -153,9 +153,34 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
     def make(
         store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
     ) -> BackendImpl:
+        if getattr(found, "takes_gone", False):
+            return found(store, rank, size, timeout, gone=_gone_in_world(ranks))  # type: ignore[call-arg]
         return found(store, rank, size, timeout)
 
     return make
+
+
+def _gone_in_world(ranks: list[int]) -> Callable[[int], str | None] | None:
+    """For a new group of global ``ranks``: ``gone(group_rank)``, why the default group knows
+    that member gone (its process died, or it left), else None; None where there is no default
+    group yet (this is it)."""
+    world = current_world()
+    default = None if world is None else world.default_pg
+    if default is None:
+        return None
+
+    def gone(group_rank: int) -> str | None:
+        try:
+            impl = default._impl()
+            lost = getattr(impl, "lost_peers", None)
+            if lost is None:
+                return None
+            why: str | None = lost().get(ranks[group_rank])
+            return why
+        except Exception:  # (a destroyed default group: nothing known)
+            return None
+
+    return gone
 
 
 def _display_name(backend: str, impl: BackendImpl) -> str:

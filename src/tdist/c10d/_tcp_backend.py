@@ -404,7 +404,10 @@ class ProcessGroupTCP(Backend):
         timeout: the default deadline of every operation (and of building connections).
     """
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, name: str = "") -> None:
+    def __init__(
+        self, store: Any, rank: int, size: int, timeout: timedelta, name: str = "",
+        gone: Callable[[int], str | None] | None = None,
+    ) -> None:
         super().__init__(rank, size)
         self._timeout = timeout.total_seconds()
         self._group_name = name
@@ -427,7 +430,7 @@ class ProcessGroupTCP(Backend):
         try:
             self._ep = Endpoint(
                 store, rank, size, timeout=self._timeout, name=name, connect_later=True,
-                extra=None if offer is None else {"shm": offer.record},
+                extra=None if offer is None else {"shm": offer.record}, gone=gone,
             )
         except BaseException:
             if offer is not None:
@@ -1607,8 +1610,12 @@ class ProcessGroupTCP(Backend):
         self.shutdown()
 
 
-def _create(store: Any, rank: int, size: int, timeout: timedelta) -> Backend:
-    return ProcessGroupTCP(store, rank, size, timeout)
+def _create(store: Any, rank: int, size: int, timeout: timedelta, gone: Callable[[int], str | None] | None = None) -> Backend:
+    return ProcessGroupTCP(store, rank, size, timeout, gone=gone)
+
+
+# (``_lifecycle`` gives it ``gone``: a sub-group's member that its world group knows gone)
+_create.takes_gone = True  # type: ignore[attr-defined]
 
 
 register_backend_creator("tcp", _create)

@@ -52,6 +52,7 @@ import time
 from _thread import allocate_lock as _allocate_lock
 from collections import deque
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, cast
 
 from .._core import auth, spin
@@ -216,6 +217,9 @@ class Endpoint:
         extra: JSON-able data published with this rank's address; every peer's is in
             ``peer_extras`` once the constructor returns (one exchange through the store for
             the group's other set-up too: the backend's shared-memory arena).
+        gone: ``gone(peer)``: why ``peer`` is known gone (its process died, say: a sub-group's
+            parent knows), or None. A peer whose address does not come and that is gone fails
+            the wait at once, naming it, where it would wait out ``timeout``.
 
     Raises:
         DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built
@@ -235,6 +239,7 @@ class Endpoint:
         name: str = "",
         connect_later: bool = False,
         extra: Any = None,
+        gone: Callable[[int], str | None] | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
@@ -292,7 +297,7 @@ class Endpoint:
         self._reader: threading.Thread | None = None
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         if size > 1:
-            self._build_mesh(store, timeout, extra)
+            self._build_mesh(store, timeout, extra, gone)
         if not connect_later:
             self.connected()
 
@@ -326,7 +331,7 @@ class Endpoint:
                 p.lane_ok = True
 
     # -- building the mesh ---------------------------------------------------------------------
-    def _build_mesh(self, store: Any, timeout: float, extra: Any) -> None:
+    def _build_mesh(self, store: Any, timeout: float, extra: Any, gone: Callable[[int], str | None] | None) -> None:
         deadline = time.monotonic() + timeout
         listeners = Listeners(advertised_address(store), self._label, f"tdist-ep-{self.rank}", max(16, self.size))
         if self.rank == 0:
@@ -338,7 +343,10 @@ class Endpoint:
         store.set(f"ep/{self.rank}", json.dumps(info))
         try:  # (every rank's address first, in one request: the group's other set-up may go on while we connect)
             peers = [peer for peer in range(self.size) if peer != self.rank]
-            got = store.multi_get([f"ep/{peer}" for peer in peers] + ([] if self.rank == 0 else ["ep/token"]))
+            keys = [f"ep/{peer}" for peer in peers] + ([] if self.rank == 0 else ["ep/token"])
+            if gone is not None:
+                self._wait_for_addresses(store, keys, peers, deadline, gone)
+            got = store.multi_get(keys)
             if self.rank != 0:
                 self._token = got.pop()
             self._table.token = self._token
@@ -355,6 +363,31 @@ class Endpoint:
             name=f"tdist-rd-{self.name}-{self.rank}", daemon=True,
         )
         self._mesh.start()
+
+    def _wait_for_addresses(
+        self, store: Any, keys: list[str], peers: list[int], deadline: float, gone: Callable[[int], str | None]
+    ) -> None:
+        """Wait for the peers' addresses, a second at a time: a peer that has not published
+        its address and is ``gone`` fails the wait at once, naming it (else the store's wait
+        runs out the group's timeout, naming a key)."""
+        from .._core.errors import StoreTimeoutError
+
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store.wait(keys, timedelta(seconds=max(0.001, min(1.0, left))))
+                return
+            except StoreTimeoutError:
+                if left <= 1.0:
+                    raise
+            for peer in peers:
+                why = gone(peer)
+                if why is not None and not store.check([f"ep/{peer}"]):
+                    raise PeerError(
+                        f"rank {self.rank}: forming {f'process group {self.name!r}' if self.name else 'a process group'}: rank {peer} never "
+                        f"published its address, and it is gone: {why}",
+                        peer=peer,
+                    )
 
     def _connect_all(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
         """Connect to the lower ranks and accept the higher ones (the mesh thread; its error

@@ -55,7 +55,9 @@ STALL_CAUSES = {
 
 # (pid: its CPU ticks and when they were read, the last look that was compared with)
 _cpu_seen: dict[int, tuple[int, float]] = {}
-_LOOK_APART = 0.05  # seconds between the two looks compared: a busy process uses ticks (10 ms) in it
+# seconds between the two looks compared: a busy process uses CPU ticks (10 ms) in it, even on
+# a loaded host where it gets a fraction of a core
+_LOOK_APART = 0.5
 
 
 def still_running(pid: int) -> bool:
