@@ -346,6 +346,40 @@ def test_a_call_another_thread_makes_later_is_no_deadlock(tmp_path: Path) -> Non
     assert run_processes(_crossed, 2, free_port(), "thread", _env("shm", tmp_path), timeout=90) == ["no error"] * 2
 
 
+# -- two ranks that both receive first: each waits for the other's send ------------------------
+def _receives_first(rank: int, n: int, port: int, scenario: str) -> str:
+    os.environ["TDIST_FR_CHECK_AFTER"] = "0.5"
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                             timeout=timedelta(seconds=60))
+    t = torch.ones(3)
+    try:
+        if scenario == "crossed" or rank == 0:
+            tdist.recv(t, src=1 - rank)
+            if scenario == "late":
+                tdist.send(t, dst=1)
+        else:  # "late": rank 1 sends only after a while (rank 0's checks must not call it a deadlock)
+            time.sleep(2.0)
+            tdist.send(t, dst=0)
+            tdist.recv(t, src=0)
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_two_ranks_that_both_receive_first_fail_naming_the_deadlock() -> None:
+    """gloo waits for the group's timeout (30 minutes by default): no message ever comes."""
+    got = run_processes(_receives_first, 2, free_port(), "crossed", timeout=90)
+    assert any(m.startswith("CollectiveMismatchError") for m in got), got
+    for m in got:
+        assert "point-to-point deadlock in group" in m and "neither sends before its receive returns" in m, got
+
+
+def test_a_send_that_comes_late_is_no_deadlock() -> None:
+    assert run_processes(_receives_first, 2, free_port(), "late", timeout=90) == ["no error"] * 2
+
+
 # -- torch's groups on the tdist backend -------------------------------------------------------------
 def test_torch_groups_on_tdist_are_diagnosed_too(tmp_path: Path) -> None:
     got = _run("skip", _env("shm", tmp_path), api=f"torch:{free_port()}")

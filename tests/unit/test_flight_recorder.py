@@ -229,6 +229,26 @@ def test_crossed_names_a_rank_that_waits_in_another_group_for_this_one() -> None
     assert D.crossed(ar, {**heads, 1: None}, 0, {"b": 0}) is None
 
 
+def test_receives_crossed_names_a_rank_that_receives_from_this_one() -> None:
+    """Rank 0 receives from rank 1, which receives from rank 0: neither sends before its receive
+    returns, where rank 1 is certain that it cannot (its head's ``stuck``)."""
+    mine = _b("recv", 1, p2p=[1, 0])
+    theirs = _b("recv", 1, p2p=[0, 1])
+    one = {**_h(theirs), "stuck": True}
+    assert D.receives_crossed(mine, {1: one}, 0) == 1
+    # not where: rank 1 could still send (another thread of it may), it is in something else too,
+    # or elsewhere, or its receive is from another rank, or it did not answer ...
+    assert D.receives_crossed(mine, {1: {**one, "stuck": False}}, 0) is None
+    assert D.receives_crossed(mine, {1: {**_h(theirs, _b("send", 2, p2p=[1, 2])), "stuck": True}}, 0) is None
+    assert D.receives_crossed(mine, {1: {**one, "elsewhere": [{"group": "b", **_b("barrier", 1, "")}]}}, 0) is None
+    assert D.receives_crossed(mine, {1: {**_h(_b("recv", 1, p2p=[2, 1])), "stuck": True}}, 0) is None
+    assert D.receives_crossed(mine, {1: None}, 0) is None
+    # ... or this call is a send, a collective, or a receive from any rank
+    assert D.receives_crossed(_b("send", 1, p2p=[0, 1]), {1: one}, 0) is None
+    assert D.receives_crossed(_b("all_reduce", 1), {1: one}, 0) is None
+    assert D.receives_crossed(_b("recv", 1, p2p=[-1, 0]), {1: one}, 0) is None
+
+
 def test_the_answers_are_json() -> None:
     """The answers travel as JSON (the store may be shared: never pickle)."""
     rec = _rec(0)

@@ -495,9 +495,10 @@ class _Watchdog:
                         self._watched.pop(pg_id, None)
                     continue
                 for e in rec.live(_RECENT):
-                    if e[fr.PEER] is not None or e[fr.DONE] or e[fr.ERROR]:
+                    # (collectives, and receives: two ranks that both receive first wait forever)
+                    if (e[fr.PEER] is not None and e[fr.OP] != "recv") or e[fr.DONE] or e[fr.ERROR]:
                         continue
-                    if e[fr.STARTED]:  # (the oldest running collective: what the group waits on)
+                    if e[fr.STARTED]:  # (the oldest running operation: what the group waits on)
                         key = (pg_id, e[fr.CREATED], e[fr.OP])  # (a short entry's full form is a new list each time)
                         due = self._due.get(key, after)
                         if (now - e[fr.STARTED]) / 1e9 >= due:
@@ -602,6 +603,26 @@ def crossed(
         group = b.get("group")
         if not b.get("p2p") and group in entered and entered[group] < int(b.get("seq") or 0):
             return q, b
+    return None
+
+
+def receives_crossed(failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None], me: int) -> int | None:
+    """The rank that ``failed``, a receive from it, waits for, where that rank is blocked in a
+    receive from this rank: neither can send what the other waits for before its own receive
+    returns (a deadlock that no message shows: both ranks called ``recv`` first). None unless
+    the other rank is certain of it (its head's ``stuck``), with that receive, in this group,
+    its only operation in flight; the caller is as certain of its own side.
+    """
+    p2p = failed.get("p2p")
+    if not p2p or failed.get("op") != "recv" or p2p[1] != me or p2p[0] < 0:
+        return None
+    q = int(p2p[0])
+    h = heads.get(q)
+    if h is None or not h.get("stuck") or h.get("elsewhere"):
+        return None
+    busy = [b for b in h.get("recent") or [] if b.get("state") != "completed" and not b.get("error")]
+    if len(busy) == 1 and busy[0].get("op") == "recv" and list(busy[0].get("p2p") or ()) == [me, q]:
+        return q
     return None
 
 

@@ -63,6 +63,7 @@ from ._desync import (
     explain,
     frames_of,
     mismatch,
+    receives_crossed,
     request_dumps,
     stuck,
     unwatch,
@@ -133,8 +134,10 @@ Entry = list[Any] | tuple[Any, ...]  # a flight-record entry: full, or short (``
 _MARK = "What the ranks of group"  # (how ``_desync.explain`` starts)
 _MISMATCH = "collective mismatch in group"  # (the desync check's verdict)
 _DEADLOCK = "deadlock between groups"  # (its verdict on calls crossed between groups)
+_DEADLOCK_P2P = "point-to-point deadlock in group"  # (on two ranks that both receive first)
+_RECENT_OWN = 16  # (this rank's operations looked at for any other in flight)
 # a failure that quotes one of these says already what went wrong, naming both sides
-_QUOTED = (_MARK, _MISMATCH, _DEADLOCK, "mismatched calls", "collective mismatch in shared-memory arena")
+_QUOTED = (_MARK, _MISMATCH, _DEADLOCK, _DEADLOCK_P2P, "mismatched calls", "collective mismatch in shared-memory arena")
 
 
 # what the transport and the arena say of a peer that is gone, wherever in a (quoted) message
@@ -339,16 +342,22 @@ class _RecvWork(Work):
                     deadline = min(deadline, time.monotonic() + seconds)
             try:
                 self._backend._ep.wait(self._handle, deadline, self._op)
-            except DistError as exc:
-                if isinstance(exc, DistTimeoutError) and deadline < self._deadline and not self._handle.finished:
+            except DistError as caught:
+                if isinstance(caught, DistTimeoutError) and deadline < self._deadline and not self._handle.finished:
                     raise  # (the caller's own limit: the operation goes on)
-                self._backend._untaken_tags(self._handle, exc)
-                if self._entry is not None:
+                exc = self._backend._verdict or caught  # (the desync check broke the group under it: say why)
+                if exc is caught:
+                    self._backend._untaken_tags(self._handle, exc)
+                    if self._entry is not None:
+                        Recorder.failed(self._entry, exc)
+                        # (what every rank of the group was doing, as a collective's failure says)
+                        self._backend._explain(self._entry, exc)
+                elif self._entry is not None:
                     Recorder.failed(self._entry, exc)
-                    # (what every rank of the group was doing, as a collective's failure says)
-                    self._backend._explain(self._entry, exc)
                 self._fail(exc)
-                raise
+                if exc is caught:
+                    raise
+                raise exc from caught
             self._settle()
         return super().wait(timeout)
 
@@ -361,9 +370,10 @@ class _RecvWork(Work):
         h = self._handle
         e = self._entry
         if h.error is not None:
+            exc = self._backend._verdict or h.error
             if e is not None:
-                Recorder.failed(e, h.error)
-            self._fail(h.error)
+                Recorder.failed(e, exc)
+            self._fail(exc)
             return
         self._flat.commit()
         if e is not None:
@@ -576,6 +586,9 @@ class ProcessGroupTCP(Backend):
         rec = self._fr
         if rec is None or self._closed or self._broken is not None or self._verdict is not None or entry[DONE]:
             return
+        if entry[fr.PEER] is not None:
+            self._check_receives_crossed(entry)
+            return
         heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
         mine = fr.brief(fr.normalized(rec, entry), _time_ns())
         culprits = mismatch(mine, heads)
@@ -643,6 +656,34 @@ class ProcessGroupTCP(Backend):
             rec_g = g._fr
             if rec_g is not None and rec_g.label == theirs["group"] and rec_g.global_rank == me and g._broken is None:
                 g._break_with(CollectiveMismatchError(message), dump=False)
+
+    def _check_receives_crossed(self, entry: list[Any]) -> None:
+        """The desync check of a receive that blocks: is the rank it waits for blocked in a
+        receive from this rank (``_desync.receives_crossed``)? Asked only where this rank is
+        certain that it cannot send meanwhile: the one thread that issues its operations is
+        blocked in this receive, and nothing else of it is in flight."""
+        rec = self._fr
+        if rec is None or entry[DONE] or self._broken is not None:
+            return
+        me = rec.global_rank
+        if stuck(me) != entry[fr.THREAD] or not self._issuer_blocked(entry):
+            return
+        if any(e is not entry and not e[DONE] and not e[fr.ERROR] for other in fr.recorders()
+               if other.global_rank == me for e in other.live(_RECENT_OWN)):
+            return
+        heads, _ = ask_all(self._store, rec, {}, None, 1.0)
+        mine = fr.brief(fr.normalized(rec, entry), _time_ns())
+        q = receives_crossed(mine, heads, self._rank)
+        if q is None or entry[DONE] or self._broken is not None:
+            return
+        age = (_time_ns() - entry[STARTED]) / 1e9
+        message = (
+            f"rank {self._rank}: {_DEADLOCK_P2P} {rec.label!r} (found by the desync check after {age:.1f} s "
+            f"without progress): this rank is in {describe_call(mine)}, from rank {q}, and rank {q} is in a "
+            f"receive from this rank; neither sends before its receive returns. One of the two must send "
+            "first (or use isend/irecv, or batch_isend_irecv)."
+        )
+        self._break_with(CollectiveMismatchError(message))
 
     def _issuer_blocked(self, entry: list[Any]) -> bool:
         """Whether the thread that issued ``entry`` (this group's oldest running operation) is
