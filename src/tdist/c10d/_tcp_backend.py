@@ -623,10 +623,8 @@ class ProcessGroupTCP(Backend):
         of it (``_desync.stuck``): here, the one thread that issues this rank's operations is
         blocked in this call."""
         rec = self._fr
-        if rec is None or entry[DONE] or self._broken is not None:
-            return
-        me = rec.global_rank
-        if stuck(me) != entry[fr.THREAD] or not self._issuer_blocked(entry):
+        me = self._blocked_for_certain(entry)
+        if rec is None or me is None:
             return
         entered: dict[str, int] = {}
         for other in fr.recorders():
@@ -663,10 +661,8 @@ class ProcessGroupTCP(Backend):
         certain that it cannot send meanwhile: the one thread that issues its operations is
         blocked in this receive, and nothing else of it is in flight."""
         rec = self._fr
-        if rec is None or entry[DONE] or self._broken is not None:
-            return
-        me = rec.global_rank
-        if stuck(me) != entry[fr.THREAD] or not self._issuer_blocked(entry):
+        me = self._blocked_for_certain(entry)
+        if rec is None or me is None:
             return
         if any(e is not entry and not e[DONE] and not e[fr.ERROR] for other in fr.recorders()
                if other.global_rank == me for e in other.live(_RECENT_OWN)):
@@ -684,6 +680,18 @@ class ProcessGroupTCP(Backend):
             "first (or use isend/irecv, or batch_isend_irecv)."
         )
         self._break_with(CollectiveMismatchError(message))
+
+    def _blocked_for_certain(self, entry: list[Any]) -> int | None:
+        """This rank's global rank where the group is whole and the one thread that issues its
+        operations is blocked in ``entry`` (``_desync.stuck``): it cannot issue another before
+        ``entry`` returns. None where that is not certain."""
+        rec = self._fr
+        if rec is None or entry[DONE] or self._broken is not None:
+            return None
+        me = rec.global_rank
+        if stuck(me) != entry[fr.THREAD] or not self._issuer_blocked(entry):
+            return None
+        return me
 
     def _issuer_blocked(self, entry: list[Any]) -> bool:
         """Whether the thread that issued ``entry`` (this group's oldest running operation) is
