@@ -345,15 +345,15 @@ class _RecvWork(Work):
             except DistError as caught:
                 if isinstance(caught, DistTimeoutError) and deadline < self._deadline and not self._handle.finished:
                     raise  # (the caller's own limit: the operation goes on)
-                exc = self._backend._verdict or caught  # (the desync check broke the group under it: say why)
+                # (the desync check's verdict, where it broke the group under this receive: it
+                # says why, and what both sides were doing, already)
+                exc = self._backend._verdict or caught
                 if exc is caught:
                     self._backend._untaken_tags(self._handle, exc)
-                    if self._entry is not None:
-                        Recorder.failed(self._entry, exc)
-                        # (what every rank of the group was doing, as a collective's failure says)
-                        self._backend._explain(self._entry, exc)
-                elif self._entry is not None:
+                if self._entry is not None:
                     Recorder.failed(self._entry, exc)
+                    if exc is caught:  # (what every rank of the group was doing, as a collective's failure says)
+                        self._backend._explain(self._entry, exc)
                 self._fail(exc)
                 if exc is caught:
                     raise

@@ -63,6 +63,7 @@ from .._core.errors import (
     DistTimeoutError,
     PeerError,
     RemoteProtocolError,
+    StoreTimeoutError,
 )
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
@@ -370,8 +371,7 @@ class Endpoint:
         """Wait for the peers' addresses, a second at a time: a peer that has not published
         its address and is ``gone`` fails the wait at once, naming it (else the store's wait
         runs out the group's timeout, naming a key)."""
-        from .._core.errors import StoreTimeoutError
-
+        group = f"process group {self.name!r}" if self.name else "a process group"
         while True:
             left = deadline - time.monotonic()
             try:
@@ -384,8 +384,8 @@ class Endpoint:
                 why = gone(peer)
                 if why is not None and not store.check([f"ep/{peer}"]):
                     raise PeerError(
-                        f"rank {self.rank}: forming {f'process group {self.name!r}' if self.name else 'a process group'}: rank {peer} never "
-                        f"published its address, and it is gone: {why}",
+                        f"rank {self.rank}: forming {group}: rank {peer} never published its address, "
+                        f"and it is gone: {why}",
                         peer=peer,
                     )
 
