@@ -1127,6 +1127,32 @@ def test_misconfigured_ranks_fail_at_the_rendezvous_naming_the_problem(ranks: li
         assert took < 20, results
 
 
+def _rendezvous_without_rank_2(rank: int, n: int, port: int) -> tuple[str, str, float]:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    t0 = time.monotonic()
+    try:  # (rank 0, which hosts the store, gives up first; rank 1 would wait 60 s)
+        dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=2 if rank == 0 else 60))
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    dist.destroy_process_group()
+    return "joined", "", time.monotonic() - t0
+
+
+def test_a_rendezvous_that_times_out_fails_every_waiting_rank_with_its_reason() -> None:
+    """Rank 0 times out waiting for rank 2; rank 1 fails with it, saying which rank never
+    joined, where it waited on (and got "lost the connection to the store" once rank 0's
+    process, which hosts the store, ended)."""
+    from tdist.testing import run_processes
+
+    results = run_processes(_rendezvous_without_rank_2, 2, free_port(), timeout=80, start_method="spawn")
+    for rank, (kind, text, took) in enumerate(results):
+        assert kind == "DistTimeoutError", results
+        assert text.startswith(f"rank {rank}: the rendezvous at ") and "rank(s) [2] of 3 never joined" in text, results
+        assert took < 30, results
+
+
 def test_a_timed_out_all_to_all_single_is_named_so() -> None:
     gone = threading.Event()
 

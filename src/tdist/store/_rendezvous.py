@@ -435,11 +435,18 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
             verdict = multi_get_within(store, [base + "full"], timeout)[0]
         except StoreTimeoutError:
             missing = [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
-            raise DistTimeoutError(
-                f"rank {rank}: the rendezvous at {where} timed out after {timeout.total_seconds():g} s: "
-                f"rank(s) {missing} of {world_size} never joined; are they running, with this "
-                "address and world size?"
-            ) from None
+            message = (
+                f"the rendezvous at {where} timed out after {timeout.total_seconds():g} s (rank {rank} "
+                f"first): rank(s) {missing} of {world_size} never joined; are they running, with "
+                "this address and world size?"
+            )
+            # (the round says so to the ranks that wait in it: they fail now too, with this
+            # text, not later, or with a lost store when rank 0's process, its host, ends)
+            verdict = store.compare_set(base + "full", "", _TIMED_OUT + message)
+            if verdict == _TIMED_OUT.encode() + message.encode():
+                raise DistTimeoutError(f"rank {rank}: {message}") from None
+    if verdict.startswith(_TIMED_OUT.encode()):
+        raise DistTimeoutError(f"rank {rank}: " + verdict.decode(errors="replace").removeprefix(_TIMED_OUT))
     if verdict != b"1":
         raise _rendezvous_error(verdict.decode(errors="replace").removeprefix(_ABORTED))
     store._rdzv_claim = (base + f"rank_{rank}", me)
@@ -447,6 +454,7 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
 
 
 _ABORTED = "aborted: "
+_TIMED_OUT = "timed out: "
 
 
 def release_claim(store: Any) -> None:
