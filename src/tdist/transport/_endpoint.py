@@ -65,7 +65,6 @@ from .._core.errors import (
     RemoteProtocolError,
     StoreTimeoutError,
 )
-from .._core.peercred import unix_peer
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
@@ -830,7 +829,7 @@ class Endpoint:
         if silent <= self.stall_timeout:
             return None
         local = self.same_host(p.rank)
-        if local and still_running(self._local_pid(p)):
+        if local and still_running(p.local_pid() or self.peer_pid(p.rank)):
             return None  # busy in one call that holds its interpreter lock (``_liveness``)
         err = PeerError(
             f"rank {self.rank}: {p.describe()} has sent nothing for {silent:.1f} s (no heartbeat) "
@@ -840,14 +839,6 @@ class Endpoint:
         )
         self._fail_peer(p, err)
         return p.error or err
-
-    def _local_pid(self, p: _Peer) -> int:
-        """The pid of ``p``, a peer of this host, as this process's pid namespace numbers it:
-        the kernel's word for a Unix socket (``SO_PEERCRED``), else what the peer published."""
-        with contextlib.suppress(OSError):
-            if p.sock.family == socket.AF_UNIX:
-                return unix_peer(p.sock)[0]
-        return self.peer_pid(p.rank)
 
     def _lost(self, p: _Peer, exc: BaseException | None, what: str) -> DistError:
         if p.error is not None:

@@ -41,6 +41,7 @@ from typing import Any, cast
 
 from .._core import auth
 from .._core.net import literal_family
+from .._core.peercred import unix_peer
 from . import _handshake
 from ._memory import cma_possible
 from ._protocol import NEED_DATA, Arriving, Frame, FrameDecoder, Kind, pack_header, unpack_ack
@@ -108,6 +109,14 @@ class Link:
         self.last_tx = now
         self.tail = b""
         self.closed = False  # out of its connection table (``_table``): its descriptor may be reused
+
+    def local_pid(self) -> int | None:
+        """The pid at the other end of a Unix socket, as this process's pid namespace numbers it
+        (the kernel's word: ``SO_PEERCRED``); None on another socket, or a closed one."""
+        with contextlib.suppress(OSError):
+            if self.sock.family == socket.AF_UNIX:
+                return unix_peer(self.sock)[0]
+        return None
 
     def frame(
         self, kind: Kind, tag: int, meta: bytes = b"", payload: Sequence[memoryview] = (), nbytes: int = 0

@@ -72,7 +72,6 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from .._core.peercred import unix_peer
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._link import Copy, Link, host_id
@@ -383,12 +382,9 @@ class Messenger:
         """Nothing has come on ``c`` for ``silent`` seconds, past the stall timeout: lose it,
         unless its peer is a process of this host that runs all the same (busy in one call that
         holds its interpreter lock: ``_liveness.still_running``)."""
-        if c.same_host:  # (a Unix socket: the kernel says who is at its other end; no store request)
-            pid = None
-            with contextlib.suppress(OSError):
-                pid = unix_peer(c.sock)[0]
-            if pid is not None and still_running(pid):
-                return
+        pid = c.local_pid() if c.same_host else None  # (the kernel's word: no store request)
+        if pid is not None and still_running(pid):
+            return
         self._lose(c, None, stalled=silent)
 
     def _error_for(self, c: _Conn) -> PeerError:
