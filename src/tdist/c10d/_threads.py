@@ -24,6 +24,16 @@ computes on one thread, and its team's idle thread spins after every kernel thro
 for a reply, on a core the other processes need (that example trained 2.2x slower than on
 torch, 4 processes on 2 cores). An RPC agent keeps one team parked, which puts its process in
 torch's mode.
+
+The autograd engine after a fork. torch replaces its autograd engine in a forked child (a fork
+handler marks it stale; the first use there destroys and rebuilds it, unguarded, and that first
+use may come without the interpreter's lock: an operation saving a tensor for backward asks the
+engine for its default hooks). Two of tdist's threads whose first autograd work in a forked
+child comes at the same moment (two RPC requests, each running ``x * w`` in its distributed
+autograd context) both rebuild it, and the process dies of a segmentation fault in the
+engine's destructor. ``_settle_autograd_engine`` makes that first use while the child has one
+thread: at fork (``os.register_at_fork``) and as this module loads (a child forked before
+tdist was imported).
 """
 
 from __future__ import annotations
@@ -121,6 +131,16 @@ class ParkedTeam:
         if self.thread is not None:
             self.thread.join(5.0)
             atexit.unregister(self.stop)
+
+
+def _settle_autograd_engine() -> None:
+    """Let torch rebuild its autograd engine now, if a fork left it stale (the module's
+    docstring): any call that asks for the engine does, and this one does nothing else."""
+    torch.autograd.Variable._execution_engine.is_checkpoint_valid()
+
+
+_settle_autograd_engine()
+os.register_at_fork(after_in_child=_settle_autograd_engine)
 
 
 def _spins_by_default() -> bool:
