@@ -36,18 +36,20 @@ def _quick_liveness() -> None:
 
 
 def _hold_the_interpreter_lock(seconds: float) -> float:
-    """One C call of at least about ``seconds`` that never lets the interpreter lock go; its
-    length. (Its size comes from the quickest of three short runs: on a loaded host a slow
-    sample would make the call too short.)"""
-    quickest = float("inf")
-    for _ in range(3):
+    """Busy for ``seconds``, never letting the interpreter lock go (as one long C call would);
+    its length. (A thread that holds the lock drops it only when another asks, after the switch
+    interval: made longer than the call, nobody asks. A ``sum`` sized from a sample was as
+    long as the sample said only on a steady host: under a full suite it came out at half.)"""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        time.sleep(0.01)  # (every thread that waits for the lock now waits with the new interval)
         t0 = time.perf_counter()
-        sum(range(2_000_000))
-        quickest = min(quickest, time.perf_counter() - t0)
-    n = int(2_000_000 * seconds / max(quickest, 1e-6))
-    t0 = time.perf_counter()
-    sum(range(n))
-    return time.perf_counter() - t0
+        while time.perf_counter() - t0 < seconds:
+            pass
+        return time.perf_counter() - t0
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _collective_beside_a_busy_rank(rank: int, world: int, port: int, shm: str) -> tuple[float, list[float]]:
