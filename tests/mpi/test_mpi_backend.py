@@ -118,7 +118,7 @@ def test_a_stuck_collective_raises_naming_the_rank_that_never_reached_it() -> No
     assert res[2]["skipped"]
     for r in (0, 1):
         kind, msg, waited = res[r]["error"]
-        assert kind == "DistTimeoutError", msg
+        assert kind == "CollectiveTimeoutError", msg
         assert "all_reduce #2" in msg and "rank 2 never entered all_reduce #2" in msg, msg
         assert "ranks 0, 1 are waiting in all_reduce #2" in msg, msg
         assert waited < 30
@@ -136,7 +136,7 @@ def test_a_collective_that_another_rank_destroyed_its_group_under_fails_not_garb
     MPI paired it with rank 0's all_reduce: that returned at once, with garbage."""
     res = _mpiexec(2, "destroyed")
     kind, msg = res[0]["error"]
-    assert kind == "DistTimeoutError" and "all_reduce #1 timed out" in msg, res[0]
+    assert kind == "CollectiveTimeoutError" and "all_reduce #1 timed out" in msg, res[0]
 
 
 def test_a_rank_that_dies_is_named_by_the_others_when_mpiexec_lets_them_live() -> None:
@@ -146,7 +146,7 @@ def test_a_rank_that_dies_is_named_by_the_others_when_mpiexec_lets_them_live() -
     assert [r["rank"] for r in res] == [0, 2]
     for got in res:
         kind, msg, waited = got["error"]
-        assert kind == "DistTimeoutError" and "rank 1 did not answer" in msg, msg
+        assert kind == "CollectiveTimeoutError" and "rank 1 did not answer" in msg, msg
         assert waited < 30
 
 

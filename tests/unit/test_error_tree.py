@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(30)
         (e.StoreTimeoutError, td.DistStoreError),
         (e.QueueEmptyError, td.QueueEmptyError),
         (e.DistTimeoutError, td.DistError),
+        (e.CollectiveTimeoutError, td.DistBackendError),
     ],
 )
 def test_torch_handlers_catch_tdist_errors(ours: type[BaseException], torchs: type[BaseException]) -> None:
@@ -42,6 +43,7 @@ def test_torch_handlers_catch_tdist_errors(ours: type[BaseException], torchs: ty
 
 def test_timeouts_stay_builtin_timeouts_and_errors_pickle() -> None:
     assert issubclass(e.StoreTimeoutError, TimeoutError) and issubclass(e.DistTimeoutError, TimeoutError)
+    assert issubclass(e.CollectiveTimeoutError, e.DistTimeoutError)  # (an ``except`` of either catches it)
     err = pickle.loads(pickle.dumps(e.PeerError("worker1 died", peer=1)))
     assert type(err) is e.PeerError and str(err) == "worker1 died" and err.peer == 1
     assert type(pickle.loads(pickle.dumps(e.StoreTimeoutError("late")))) is e.StoreTimeoutError

@@ -12,6 +12,8 @@ module's ``CollectiveMismatchError``)::
     │   ├── PeerError                           a named peer died, stalled or broke the protocol
     │   ├── CollectiveMismatchError (ValueError)  ranks called different collectives, or one
     │   │                                       with arguments that do not fit
+    │   ├── CollectiveTimeoutError (DistTimeoutError)  a collective or point-to-point operation
+    │   │                                       did not finish within its timeout
     │   └── CollectiveArgumentError (ValueError)  [c10d._checks] an argument a collective cannot
     │                                           work with (where torch's gloo raises RuntimeError)
     ├── DistNetworkError                        a connection could not be made or was lost
@@ -104,6 +106,7 @@ else:  # the `tdist` command's own process: torch's tree, without importing torc
 __all__ = [
     "AuthenticationError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DistBackendError",
     "DistError",
     "DistNetworkError",
@@ -182,3 +185,12 @@ class RemoteProtocolError(ProtocolError):
 
 class DistTimeoutError(DistError, TimeoutError):
     """A deadline expired."""
+
+
+class CollectiveTimeoutError(DistBackendError, DistTimeoutError):
+    """A collective or point-to-point operation did not finish within its timeout.
+
+    A ``DistBackendError``, as torch's NCCL raises for one: the rank whose operation timed out
+    and the ranks its failure aborted (``PeerError``) fail with one family, so one ``except``
+    catches the failure on every rank. A ``DistTimeoutError`` (and ``TimeoutError``) too.
+    """

@@ -11,7 +11,7 @@ operation (which ranks never reached it).
 Each operation starts MPI's non-blocking call (``Iallreduce``, ``Ibcast``, ``Isend``, ...) in the
 caller's thread, so every rank starts its collectives in program order, and returns a ``Work``
 that completes when the request does. Waiting polls the request (``Test``) against the
-operation's deadline: a stuck collective raises ``DistTimeoutError`` naming the ranks that
+operation's deadline: a stuck collective raises ``CollectiveTimeoutError`` naming the ranks that
 never reached it, where torch's MPI backend waits forever.
 
 Buffers: a contiguous tensor goes to MPI as a buffer on its own memory (no copy); a
@@ -43,7 +43,7 @@ import torch
 from mpi4py import MPI
 
 from .._core.deadline import to_seconds
-from .._core.errors import DistBackendError, DistError, DistTimeoutError
+from .._core.errors import CollectiveTimeoutError, DistBackendError, DistError
 from ..store import Store
 from . import _flight_recorder as fr
 from ._backend import Backend
@@ -395,7 +395,7 @@ class _MPIWork(Work):
                 self._fail(err)
                 break
             if until is not None and now >= until:
-                raise DistTimeoutError(f"rank {self._backend.rank()}: {self._op}: wait timed out after {mine} s")
+                raise CollectiveTimeoutError(f"rank {self._backend.rank()}: {self._op}: wait timed out after {mine} s")
             time.sleep(0 if now < slow else 1e-4)  # (the GIL for other threads; after a second, the core too)
         return super().wait(timeout)
 
@@ -523,16 +523,16 @@ class ProcessGroupMPI(Backend):
         work._poll()
         return work
 
-    def _timed_out(self, what: str, peer: int, waited: float, entry: list[Any] | None = None) -> DistTimeoutError:
+    def _timed_out(self, what: str, peer: int, waited: float, entry: list[Any] | None = None) -> CollectiveTimeoutError:
         """The error of an operation past its deadline, naming who kept it waiting (what every
         rank was doing, from the flight record, where there is one: ``_desync``)."""
         if peer == -2:
-            return DistTimeoutError(
+            return CollectiveTimeoutError(
                 f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend: no rank "
                 "of the group sent a matching message"
             )
         if peer >= 0:
-            return DistTimeoutError(
+            return CollectiveTimeoutError(
                 f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend: rank "
                 f"{peer} of the group never matched it (dead, stopped, or in another operation)"
             )
@@ -540,7 +540,7 @@ class ProcessGroupMPI(Backend):
         if entry is not None and rec is not None and self._store is not None:
             from ._desync import diagnose
 
-            err = DistTimeoutError(f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend")
+            err = CollectiveTimeoutError(f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend")
             fr.Recorder.failed(entry, err)
             prefix = fr.dump_prefix() if fr.dump_on_failure() else None
             text = diagnose(self._store, rec, entry, {}, prefix)
@@ -549,8 +549,8 @@ class ProcessGroupMPI(Backend):
                     fr.write_dump(f"{prefix}{rec.global_rank}", rec.global_rank)
                 except OSError:
                     pass
-            return DistTimeoutError(f"{err}\n{text}")
-        return DistTimeoutError(
+            return CollectiveTimeoutError(f"{err}\n{text}")
+        return CollectiveTimeoutError(
             f"rank {self._rank}: {what} timed out after {waited:.1f} s on the mpi backend; {self._who_is_missing(what)}"
         )
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._core.deadline import to_seconds
-from .._core.errors import DistError, DistTimeoutError
+from .._core.errors import CollectiveTimeoutError, DistError
 
 __all__ = [
     "AllToAllOptions",
@@ -248,7 +248,7 @@ class Work:
                 which backends always set, so this never blocks forever).
 
         Raises:
-            DistTimeoutError: the timeout expired first (the operation goes on).
+            CollectiveTimeoutError: the timeout expired first (the operation goes on).
             DistError: the operation failed; the backend's error, naming peer and operation.
         """
         seconds = to_seconds(timeout)
@@ -263,7 +263,7 @@ class Work:
                 event = self._event
             event.wait(seconds)
         if not self._is_done:
-            raise DistTimeoutError(
+            raise CollectiveTimeoutError(
                 f"Work.wait: {self._op or 'operation'} did not complete within {seconds:g} s"
             )
         if self._exc is not None:

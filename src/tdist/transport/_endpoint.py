@@ -58,6 +58,7 @@ from typing import Any, cast
 from .._core import auth, spin
 from .._core.errors import (
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     DistError,
     DistNetworkError,
     DistTimeoutError,
@@ -716,12 +717,12 @@ class Endpoint:
             raise failure
         return handle
 
-    def _send_timed_out(self, p: _Peer, what: str) -> DistTimeoutError:
-        return DistTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
+    def _send_timed_out(self, p: _Peer, what: str) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(f"rank {self.rank}: {what} to rank {p.rank} timed out")
 
-    def _timed_out(self, handle: RecvHandle, what: str | None) -> DistTimeoutError:
+    def _timed_out(self, handle: RecvHandle, what: str | None) -> CollectiveTimeoutError:
         src = "any rank" if handle.peer < 0 else f"rank {handle.peer}"
-        return DistTimeoutError(f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})")
+        return CollectiveTimeoutError(f"rank {self.rank}: {what or handle.what} timed out waiting for {src} (tag {handle.tag})")
 
     def abort(self, reason: str) -> None:
         """Give the group up: tell every peer why, fail everything pending here."""

@@ -49,7 +49,7 @@ Nothing hangs silently:
   waiter that finds a peer's heartbeat older than ``stall_timeout`` (default
   ``3 * heartbeat_interval``, measured against its own heartbeat so that a paused host accuses
   nobody) raises ``PeerError`` naming it as stalled;
-* an operation past its deadline raises ``DistTimeoutError`` naming the operation and the ranks
+* an operation past its deadline raises ``CollectiveTimeoutError`` naming the operation and the ranks
   that had not arrived;
 * a rank that fails for any reason (including the above, a mismatch, or an exception in a torch
   kernel) marks its state *failed*, writes the reason, and wakes every peer: they raise
@@ -90,9 +90,9 @@ from ..._core import spin
 from ..._core.deadline import to_seconds
 from ..._core.errors import (
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     DistBackendError,
     DistError,
-    DistTimeoutError,
     PeerError,
 )
 from ...store._api import Store, multi_get_within
@@ -624,7 +624,7 @@ class ArenaCore:
                     peer=q,
                 )
 
-    def _timeout_error(self, word: int, target: int, missing: list[int]) -> DistTimeoutError:
+    def _timeout_error(self, word: int, target: int, missing: list[int]) -> CollectiveTimeoutError:
         frame = target - 1 - self._frame
         if word == _D:
             what = "released a ring slot (finished reading an earlier frame)"
@@ -633,7 +633,7 @@ class ArenaCore:
         else:
             step = "reduced" if word == _X else "written"
             what = f"{step} frame {frame} of operation #{self._seq + 1}"
-        return DistTimeoutError(
+        return CollectiveTimeoutError(
             f"rank {self.rank}: {self._op} in shared-memory arena {self.name!r} timed out after "
             f"{self._op_timeout:g} s: ranks {missing} had not {what}"
         )
