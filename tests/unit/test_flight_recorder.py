@@ -382,3 +382,27 @@ def test_dumps_on_failure_follow_tdists_variable_then_torchs(monkeypatch: pytest
     assert F.dump_on_failure()
     monkeypatch.setenv("TDIST_FR_DUMP_ON_FAILURE", "off")
     assert not F.dump_on_failure()
+
+
+class _LostStore:
+    """A store whose server has gone (every call fails as the client says then)."""
+
+    def add(self, key: str, amount: int) -> int:
+        from tdist._core.errors import DistNetworkError
+
+        raise DistNetworkError("lost the connection to the store at 127.0.0.1:1 during ADD")
+
+
+def test_a_store_lost_with_rank_0_says_that_rank_0_hosted_it() -> None:
+    """(``env://`` and ``tcp://`` serve the store from global rank 0's process: once it is gone,
+    the ranks that could not be asked are explained by it)"""
+    rec = _rec(1)
+    _, said = D.ask_all(_LostStore(), rec, {0: "its process has exited"}, grace=0.5)
+    assert "could not be asked (DistNetworkError: lost the connection" in said, said
+    assert "global rank 0, which is gone, hosted it" in said, said
+    _, said = D.ask_all(_LostStore(), rec, {2: "its process has exited"}, grace=0.5)
+    assert "hosted it" not in said, said  # (rank 0 lives: it is not why)
+    sub = _rec(0)
+    sub._ranks = [1, 2, 3]  # (a group without global rank 0: its rank 0 is global rank 1)
+    _, said = D.ask_all(_LostStore(), sub, {0: "its process has exited"}, grace=0.5)
+    assert "hosted it" not in said, said

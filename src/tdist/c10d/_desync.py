@@ -434,13 +434,21 @@ def ask_all(
     unanswered = f"did not answer within {grace:g} s (stopped, e.g. by SIGSTOP, hung holding the GIL, or unreachable)"
     if not box or isinstance(box[0], BaseException):
         why = "the store did not answer" if not box else f"{type(box[0]).__name__}: {box[0]}"
-        unanswered = f"could not be asked ({why})"
+        unanswered = f"could not be asked ({why}{_store_host_gone(rec, gone)})"
     else:
         heads, broke = box[0]
         if broke is not None:
-            unanswered = f"did not answer before the store failed ({broke})"
+            unanswered = f"did not answer before the store failed ({broke}{_store_host_gone(rec, gone)})"
     heads[rec.rank] = head(rec)
     return heads, unanswered
+
+
+def _store_host_gone(rec: fr.Recorder, gone: Mapping[int, str]) -> str:
+    """Why the store may have failed, where the failure says it: global rank 0's process, which
+    ``env://`` and ``tcp://`` make the store's host, is gone (under ``tdist run`` the launcher
+    hosts it, and it outlives a rank)."""
+    ranks = rec.ranks
+    return "; global rank 0, which is gone, hosted it under env:// or tcp://" if 0 in ranks and ranks.index(0) in gone else ""
 
 
 # -- the watchdog: a collective that blocks is checked against the other ranks' calls ------------
