@@ -126,19 +126,30 @@ def test_tdist_and_torch_clients_share_the_keys_torchs_client_names(monkeypatch:
         srv.stop()
 
 
-def test_a_push_wakes_one_of_torchs_waiting_pops(server: StoreServer) -> None:
-    a, b = torch_client(server.port, timeout=10), torch_client(server.port, timeout=10)
-    ours = tdist.TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
-    got: list[Any] = []
-    pops = [threading.Thread(target=lambda c=c: got.append(outcome(lambda: c.queue_pop("jobs")))) for c in (a, b)]
-    for t in pops:
-        t.start()
-    ours.queue_push("torch:/jobs", b"first")
-    wait_until(lambda: got, 10, "one pop has its item")
-    ours.queue_push("torch:/jobs", b"second")  # (the other waited on: it did not find the queue empty)
-    for t in pops:
-        t.join(10)
-    assert sorted(got) == [b"first", b"second"]
+def test_a_push_wakes_one_of_torchs_waiting_pops(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (torch's blocking pop is a WAIT, then a POP: a pop whose WAIT comes after the push finds
+    # the item there and pops too, and one of the two finds the queue empty, as on torch's own
+    # server; so both wait first. A server in a thread, whose waiters are in sight: torch's
+    # queue_pop lets the GIL go while it waits.)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    srv = StoreServer("127.0.0.1", 0)
+    srv.start("thread")
+    try:
+        a, b = torch_client(srv.port, timeout=10), torch_client(srv.port, timeout=10)
+        ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
+        got: list[Any] = []
+        pops = [threading.Thread(target=lambda c=c: got.append(outcome(lambda: c.queue_pop("jobs")))) for c in (a, b)]
+        for t in pops:
+            t.start()
+        wait_until(lambda: len(srv._parked.get("torch:/jobs", ())) == 2, 10, "both pops wait on the server")
+        ours.queue_push("torch:/jobs", b"first")
+        wait_until(lambda: got, 10, "one pop has its item")
+        ours.queue_push("torch:/jobs", b"second")  # (the other waited on: it did not find the queue empty)
+        for t in pops:
+            t.join(10)
+        assert sorted(got, key=repr) == [b"first", b"second"], got
+    finally:
+        srv.stop()
 
 
 def raw_torch_connection(port: int) -> socket.socket:
