@@ -1351,3 +1351,38 @@ def test_all_to_all_single_of_nothing_and_split_sizes_given_as_a_tensor() -> Non
         return got
 
     assert spmd(body, 2) == [[(3, 0), (1, 0), (0,), [1.0, 1.0]]] * 2
+
+
+@pytest.mark.parametrize("path", ["shm", "sockets"])
+def test_min_and_max_leave_the_same_bits_on_every_rank(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tie of +0.0 and -0.0, or of NaNs with other sign bits, is decided the same way on every
+    rank (over the connections, the two ranks of a recursive-doubling exchange each combined its
+    own partial result first, and kept different zeros), and as a fold in rank order decides it."""
+    monkeypatch.setenv("TDIST_SHM", "1" if path == "shm" else "0")
+    nan = float("nan")
+
+    def value(rank: int) -> torch.Tensor:
+        # per element: a zero whose sign alternates with rank and position, a NaN whose sign
+        # does, and plain numbers
+        zeros = [(-0.0 if (rank + i) % 2 else 0.0) for i in range(6)]
+        nans = [(-nan if (rank + i) % 2 else nan) for i in range(4)]
+        return torch.tensor(zeros + nans + [float(rank), -float(rank)])
+
+    def body(rank: int, ws: int) -> list[list[int]]:
+        out = []
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            t = value(rank)
+            dist.all_reduce(t, op=op)
+            out.append(t.view(torch.int32).tolist())
+        return out
+
+    for ws in (2, 3, 4, 5):
+        got = spmd(body, ws)
+        assert all(g == got[0] for g in got), (ws, got)
+        for k, fold in enumerate((torch.maximum, torch.minimum)):
+            expected = value(0)
+            for r in range(1, ws):
+                expected = fold(expected, value(r))
+            assert got[0][k][:6] == expected[:6].view(torch.int32).tolist(), (ws, k, got[0][k], expected)
+            assert torch.tensor(got[0][k], dtype=torch.int32).view(torch.float32)[6:10].isnan().all()
+            assert got[0][k][10:] == expected[10:].view(torch.int32).tolist()

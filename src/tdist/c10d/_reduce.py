@@ -12,8 +12,15 @@ from ._types import RedOpType
 __all__ = ["reduce_into", "sparse_all_reduce"]
 
 
-def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
-    """``dst = op(dst, src)`` element-wise, in place (AVG reduces as SUM)."""
+def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType, src_first: bool = False) -> None:
+    """``dst = op(dst, src)`` element-wise, in place (AVG reduces as SUM); ``op(src, dst)`` with
+    ``src_first``.
+
+    The order matters for MIN and MAX alone, and only in bits: on a tie of +0.0 and -0.0, or of
+    two NaNs, ``torch.maximum`` keeps its second operand. Two ranks that both combine the same
+    two partial results (an exchange of a recursive-doubling all_reduce) end with the same bits
+    only if both put the same one first: the lower ranks' (``src_first`` where ``src`` came
+    from a lower rank)."""
     if op in (RedOpType.SUM, RedOpType.AVG):
         if dst.dtype == torch.bool:
             dst.logical_or_(src)
@@ -25,9 +32,9 @@ def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: RedOpType) -> None:
         else:
             dst.mul_(src)
     elif op == RedOpType.MIN:
-        torch.minimum(dst, src, out=dst)
+        torch.minimum(*((src, dst) if src_first else (dst, src)), out=dst)
     elif op == RedOpType.MAX:
-        torch.maximum(dst, src, out=dst)
+        torch.maximum(*((src, dst) if src_first else (dst, src)), out=dst)
     elif op == RedOpType.BAND:
         dst.bitwise_and_(src)
     elif op == RedOpType.BOR:

@@ -1042,7 +1042,10 @@ class ProcessGroupTCP(Backend):
     ) -> None:
         """Copy or reduce the received pieces into their chunks, in order. Without ``block``
         only pieces that have arrived, and (for a chunk this step also sends) only ranges
-        already sent: sends read the values from before the step."""
+        already sent: sends read the values from before the step. A lower rank's piece is the
+        first operand of a reduction (``reduce_into``: the same bits on both sides of an
+        exchange)."""
+        rank = self.rank()
         for sr in recvs:
             r = sr.recv
             while sr.next < len(sr.handles):
@@ -1060,7 +1063,7 @@ class ProcessGroupTCP(Backend):
                         dst = chunks[r.chunks[0]][a:b]
                         piece = sr.buf[a:b]
                         if r.action == S.Action.REDUCE:
-                            reduce_into(dst, piece, op)
+                            reduce_into(dst, piece, op, r.peer < rank)
                         else:
                             dst.copy_(piece)
                     else:
@@ -1071,7 +1074,7 @@ class ProcessGroupTCP(Backend):
                             piece = sr.buf[pos : pos + n]
                             pos += n
                             if r.action == S.Action.REDUCE:
-                                reduce_into(dst, piece, op)
+                                reduce_into(dst, piece, op, r.peer < rank)
                             else:
                                 dst.copy_(piece)
                 sr.next += 1
