@@ -273,7 +273,12 @@ def run_processes(
         *args: passed to every rank after ``rank`` and ``world_size``.
         timeout: seconds until the run fails with ``RankTimeoutError``; the ranks still
             running are killed.
-        start_method: how processes start (``multiprocessing`` start methods).
+        start_method: how processes start (``multiprocessing`` start methods). ``"fork"``,
+            the quickest, copies this process, with one limit of torch's: once this process
+            has run an operation on several intra-op threads, GNU OpenMP's team does not
+            survive the fork, and a rank's first operation on several threads hangs (to
+            ``timeout``). There, use ``"spawn"``, or one intra-op thread in this process
+            (``torch.set_num_threads(1)``), as ``torch.multiprocessing`` advises.
         grace: after the first failure, seconds to let the other ranks finish before they
             are killed.
 
