@@ -278,7 +278,7 @@ def run_processes(
             has run an operation on several intra-op threads, GNU OpenMP's team does not
             survive the fork, and a rank's first operation on several threads hangs (to
             ``timeout``). There, use ``"spawn"``, or one intra-op thread in this process
-            (``torch.set_num_threads(1)``), as ``torch.multiprocessing`` advises.
+            (``torch.set_num_threads(1)``) before the first run.
         grace: after the first failure, seconds to let the other ranks finish before they
             are killed.
 
