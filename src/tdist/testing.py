@@ -277,8 +277,8 @@ def run_processes(
             the quickest, copies this process, with one limit of torch's: once this process
             has run an operation on several intra-op threads, GNU OpenMP's team does not
             survive the fork, and a rank's first operation on several threads hangs (to
-            ``timeout``). There, use ``"spawn"``, or one intra-op thread in this process
-            (``torch.set_num_threads(1)``) before the first run.
+            ``timeout``). There, use ``"spawn"``, or keep this process on one intra-op
+            thread (``torch.set_num_threads(1)`` before its first operation).
         grace: after the first failure, seconds to let the other ranks finish before they
             are killed.
 
