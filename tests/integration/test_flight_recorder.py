@@ -266,7 +266,10 @@ def test_a_different_call_fails_every_rank_naming_both(scenario: str, path: str,
 
 def _p2p_timeout(rank: int, n: int, port: int) -> str:
     store = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=30))
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("p2p", store), rank=rank, world_size=n, timeout=timedelta(seconds=3))
+    # (rank 1's timeout is longer: its barrier must not time out first, and abort rank 0's
+    # receive before it times out itself; a receive's timeout breaks nothing on rank 1)
+    timeout = timedelta(seconds=3 if rank == 0 else 5)
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("p2p", store), rank=rank, world_size=n, timeout=timeout)
     tdist.all_reduce(torch.ones(2))
     try:
         if rank == 0:
