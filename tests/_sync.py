@@ -16,6 +16,9 @@ deadline, and fails naming what never happened:
 A claim that something must *not* happen can only be watched for a while: those tests keep a
 bounded window that ends early when the claim breaks (``holds_for(pred, window, what)``,
 ``Event.wait(window)``, ``Thread.join(window)``).
+
+A test's processes are reaped, whatever happened, with ``join_or_kill(procs)``: each gets a
+while to end on its own, then is killed.
 """
 
 from __future__ import annotations
@@ -95,3 +98,13 @@ def when_inside(name: str, fn: Callable[[], object], file: str = "", timeout: fl
     t.start()
     armed.set()
     return t
+
+
+def join_or_kill(procs: list[Any], wait: float = 10.0) -> None:
+    """Let each of ``procs`` (``multiprocessing`` processes) end within ``wait`` seconds, and
+    kill the ones that do not."""
+    for p in procs:
+        p.join(wait)
+        if p.is_alive():
+            p.kill()
+            p.join(5)

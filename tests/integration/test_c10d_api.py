@@ -21,6 +21,8 @@ from tdist.c10d._api import _destroy_all_worlds_for_tests
 from tdist.c10d._debug import CollectiveMismatchError
 from tdist.testing import LocalStore, free_port, local_store, run_threads
 
+from .._sync import join_or_kill
+
 pytestmark = pytest.mark.timeout(60)
 
 PG_TIMEOUT = timedelta(seconds=20)
@@ -847,11 +849,7 @@ def test_new_group_with_a_member_that_died_fails_naming_it() -> None:
             assert seconds is not None and seconds < 30, got
             assert "rank 1 never published its address, and it is gone" in got and "lost" in got, got
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_or_kill(procs)
         master.close()
 
 

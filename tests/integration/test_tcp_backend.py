@@ -29,7 +29,7 @@ from tdist.c10d._types import (
 )
 from tdist.testing import run_threads
 
-from .._sync import when_inside
+from .._sync import join_or_kill, when_inside
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -464,11 +464,7 @@ def test_killed_rank_fails_the_collective_everywhere_within_5s() -> None:
         if victim:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGKILL)
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_or_kill(procs)
         master.close()
 
 

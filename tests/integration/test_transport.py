@@ -23,7 +23,7 @@ from tdist._core.errors import DistError, DistTimeoutError, PeerError
 from tdist.testing import run_processes, run_threads
 from tdist.transport import Endpoint
 
-from .._sync import when_inside
+from .._sync import join_or_kill, when_inside
 from ._faults import ShortOnce
 
 pytestmark = pytest.mark.timeout(60)
@@ -159,11 +159,7 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, sig)
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_or_kill(procs)
         master.close()
 
 
