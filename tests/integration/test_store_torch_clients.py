@@ -38,6 +38,17 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreServer]:
     srv.stop()
 
 
+@pytest.fixture
+def thread_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreServer]:
+    """An open tdist server in a thread of this process, whose waiters a test can see
+    (``_parked``); for calls of torch's client that let the GIL go while they wait."""
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    srv = StoreServer("127.0.0.1", 0)
+    srv.start("thread")
+    yield srv
+    srv.stop()
+
+
 def torch_client(port: int, timeout: float = 5.0) -> Any:
     return torch_dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=timeout))
 
@@ -97,59 +108,49 @@ def test_torchs_client_gets_from_a_tdist_server_what_it_gets_from_torchs(server:
     assert expected[11][0] == "DistStoreError" and expected[27][0] == "QueueEmptyError"
 
 
-def test_tdist_and_torch_clients_share_the_keys_torchs_client_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TDIST_SECRET", raising=False)
-    srv = StoreServer("127.0.0.1", 0)
-    srv.start("thread")  # (its waiters are in sight)
-    try:
-        theirs = torch_client(srv.port)
-        ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
-        theirs.set("from_torch", "t")
-        # (torch's client puts "/" before its keys; the server, "torch:" before theirs)
-        assert ours.get("torch:/from_torch") == b"t" and not ours.check(["from_torch", "/from_torch"])
-        ours.set("torch:/from_tdist", b"d")
-        assert theirs.get("from_tdist") == b"d"
-        assert ours.add("torch:/count", 2) == 2 and theirs.add("count", 3) == 5
-        assert ours.check(["init/"])  # (its own, added as it connected)
-        ours.set("/not_theirs", b"x")
-        assert not theirs.check(["not_theirs"]) and theirs.num_keys() == 4  # (init/ and its own 3)
+def test_tdist_and_torch_clients_share_the_keys_torchs_client_names(thread_server: StoreServer) -> None:
+    srv = thread_server
+    theirs = torch_client(srv.port)
+    ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
+    theirs.set("from_torch", "t")
+    # (torch's client puts "/" before its keys; the server, "torch:" before theirs)
+    assert ours.get("torch:/from_torch") == b"t" and not ours.check(["from_torch", "/from_torch"])
+    ours.set("torch:/from_tdist", b"d")
+    assert theirs.get("from_tdist") == b"d"
+    assert ours.add("torch:/count", 2) == 2 and theirs.add("count", 3) == 5
+    assert ours.check(["init/"])  # (its own, added as it connected)
+    ours.set("/not_theirs", b"x")
+    assert not theirs.check(["not_theirs"]) and theirs.num_keys() == 4  # (init/ and its own 3)
 
-        # a torch client waiting on a key is answered when a tdist client sets it
-        got: list[bytes] = []
-        waiter = threading.Thread(target=lambda: got.append(theirs.get("later")))
-        waiter.start()
-        wait_until(lambda: "torch:/later" in srv._parked, 10, "torch's get waits on the server")
-        ours.set("torch:/later", b"L")
-        waiter.join(10)
-        assert got == [b"L"]
-    finally:
-        srv.stop()
+    # a torch client waiting on a key is answered when a tdist client sets it
+    got: list[bytes] = []
+    waiter = threading.Thread(target=lambda: got.append(theirs.get("later")))
+    waiter.start()
+    wait_until(lambda: "torch:/later" in srv._parked, 10, "torch's get waits on the server")
+    ours.set("torch:/later", b"L")
+    waiter.join(10)
+    assert got == [b"L"]
 
 
-def test_a_push_wakes_one_of_torchs_waiting_pops(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_push_wakes_one_of_torchs_waiting_pops(thread_server: StoreServer) -> None:
     # (torch's blocking pop is a WAIT, then a POP: a pop whose WAIT comes after the push finds
     # the item there and pops too, and one of the two finds the queue empty, as on torch's own
     # server; so both wait first. A server in a thread, whose waiters are in sight: torch's
     # queue_pop lets the GIL go while it waits.)
-    monkeypatch.delenv("TDIST_SECRET", raising=False)
-    srv = StoreServer("127.0.0.1", 0)
-    srv.start("thread")
-    try:
-        a, b = torch_client(srv.port, timeout=10), torch_client(srv.port, timeout=10)
-        ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
-        got: list[Any] = []
-        pops = [threading.Thread(target=lambda c=c: got.append(outcome(lambda: c.queue_pop("jobs")))) for c in (a, b)]
-        for t in pops:
-            t.start()
-        wait_until(lambda: len(srv._parked.get("torch:/jobs", ())) == 2, 10, "both pops wait on the server")
-        ours.queue_push("torch:/jobs", b"first")
-        wait_until(lambda: got, 10, "one pop has its item")
-        ours.queue_push("torch:/jobs", b"second")  # (the other waited on: it did not find the queue empty)
-        for t in pops:
-            t.join(10)
-        assert sorted(got, key=repr) == [b"first", b"second"], got
-    finally:
-        srv.stop()
+    srv = thread_server
+    a, b = torch_client(srv.port, timeout=10), torch_client(srv.port, timeout=10)
+    ours = tdist.TCPStore("127.0.0.1", srv.port, timeout=timedelta(seconds=5))
+    got: list[Any] = []
+    pops = [threading.Thread(target=lambda c=c: got.append(outcome(lambda: c.queue_pop("jobs")))) for c in (a, b)]
+    for t in pops:
+        t.start()
+    wait_until(lambda: len(srv._parked.get("torch:/jobs", ())) == 2, 10, "both pops wait on the server")
+    ours.queue_push("torch:/jobs", b"first")
+    wait_until(lambda: got, 10, "one pop has its item")
+    ours.queue_push("torch:/jobs", b"second")  # (the other waited on: it did not find the queue empty)
+    for t in pops:
+        t.join(10)
+    assert sorted(got, key=repr) == [b"first", b"second"], got
 
 
 def raw_torch_connection(port: int) -> socket.socket:
