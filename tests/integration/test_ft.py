@@ -7,6 +7,7 @@ parameters can be checked against one process training alone."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -233,12 +234,20 @@ def test_survivors_of_a_sigkill_mid_step_finish_in_place() -> None:
     assert out["victim"] == -signal.SIGKILL
     survivors = [out["a"], out["b"]]
     _check_same(survivors, _reference())
+    # (the quorums after the kill depend on timing: typically one of the two survivors, [(1, 3),
+    # (2, 2)]; on a loaded host a survivor slow to come back from the abort may first leave the
+    # other alone, [(1, 3), (2, 1), (3, 2)], and join it as a newcomer, [(1, 3), (3, 2)], or a
+    # quorum of the same two forms again. What holds in every case is checked.)
+    assert any(q[2] >= 1 for r in survivors for q in r["quorums"][1:])  # (the victim lost)
     for r in survivors:
         assert r["world_size"] == 2
-        assert [q[:2] for q in r["quorums"]] == [(1, 3), (2, 2)] and r["quorums"][1][2] == 1  # one lost
-        sizes = [size for number, committed, size in r["steps"] if committed]
-        assert len(sizes) == STEPS and sizes[0] == 3 and sizes[-1] == 2
-        assert [s for s in r["steps"] if not s[1]] in ([], [(7, False, 3)])  # (step 7 tried again, or healed)
+        epochs = [q[:2] for q in r["quorums"]]
+        assert epochs[0] == (1, 3) and epochs[-1][1] == 2, epochs
+        assert all(a[0] < b[0] for a, b in itertools.pairwise(epochs)) and all(s in (1, 2) for _, s in epochs[1:]), epochs
+        committed = [(number, size) for number, ok, size in r["steps"] if ok]
+        assert committed[0] == (0, 3) and committed[-1] == (STEPS - 1, 2), committed
+        assert all(a[0] < b[0] for a, b in itertools.pairwise(committed)), committed  # (each once)
+        assert all(s == (7, False, 3) for s in r["steps"] if not s[1]), r["steps"]  # (step 7 tried again, or healed)
 
 
 def test_a_joiner_receives_the_state_from_a_live_peer_and_takes_part() -> None:
