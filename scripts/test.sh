@@ -6,7 +6,8 @@ scripts/setup.sh || exit 1
 status=0
 echo "== ruff"; .venv/bin/ruff check src tests benchmarks examples || status=1
 echo "== mypy"; .venv/bin/mypy || status=1
-# two worker processes (pytest-xdist), a test file's tests in one of them: the suite is mostly
-# processes that wait on each other, so two streams keep both cores busy (-n 0: one stream)
-echo "== pytest"; .venv/bin/pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@" || status=1
+# three worker processes (pytest-xdist), a test file's tests in one of them: the suite is mostly
+# processes that wait on each other (timeouts, peers, restarts), and two streams left a quarter
+# of the two cores idle; three took 7:35 where two took 8:24-8:58 (-n 0: one stream)
+echo "== pytest"; .venv/bin/pytest -q -p no:cacheprovider -n 3 --dist loadfile "$@" || status=1
 exit $status
