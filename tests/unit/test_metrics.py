@@ -179,3 +179,42 @@ def test_current_op_is_the_oldest_operation_in_flight() -> None:
     assert op is not None and op["group"] == "pg_a"
     F.Recorder.failed(a.live(1)[0], RuntimeError("lost"))  # (a failed one is not in flight)
     assert F.current_op([a, b]) is None
+
+
+def test_the_endpoint_sheds_its_oldest_connections_and_drops_silent_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the endpoint is open to whoever can connect: connections that stay open (half a request,
+    # then nothing) cannot pile up threads nor keep a scraper out
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from tdist.elastic import _metrics_server as S
+
+    assert S._Quiet.timeout is not None and S._Quiet.timeout <= 30  # (a silent client's read limit)
+    server = S.MetricsServer("127.0.0.1", 0, {"run_id": "t"})
+    idle: list[socket.socket] = []
+    try:
+        base = threading.active_count()
+        for _ in range(3 * S._CLIENTS):
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # (< the read limit)
+            c.sendall(b"GET /metr")
+            idle.append(c)
+        for c in idle[: 2 * S._CLIENTS]:  # shed by the newer ones: closed unanswered, at once
+            assert c.recv(1) == b""
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=20).read()
+        assert b"tdist_job_info" in body  # (a scrape sheds the oldest idle one: it gets in)
+        deadline = time.monotonic() + 10
+        while threading.active_count() > base + S._CLIENTS:  # (a shed one's thread ends with it)
+            assert time.monotonic() < deadline, threading.active_count() - base
+            time.sleep(0.02)
+        # silent past the read limit: closed (1 s here)
+        monkeypatch.setattr(S._Quiet, "timeout", 1.0)
+        late = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+        idle.append(late)
+        late.sendall(b"GET /metr")
+        assert late.recv(1) == b""
+    finally:
+        for c in idle:
+            c.close()
+        server.close()

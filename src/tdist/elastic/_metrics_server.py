@@ -25,6 +25,10 @@ job's (counters never go down); its workers are not shown once its part is ``_ST
 Thread-safety: the agent's thread calls ``connect``/``started``/``exited``/``attempt``/
 ``snapshot``/``set_others``/``close``; the reader and the HTTP threads share the state under
 ``_lock``.
+
+Open to whoever can connect (no secret: a scraper has none), so what a client can hold is
+bounded: at most ``_CLIENTS`` connections are served at once (one thread each; a new one sheds
+the oldest), and each has ``_IDLE_LIMIT`` seconds for every read and write of its exchange.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ log = logging.getLogger(__name__)
 _ANSWER_WAIT = 1.0  # seconds a scrape waits for the workers' fresh totals
 _READ_CHUNK = 1 << 16
 _STATES = ("running", "succeeded", "failed", "stopped")
+_CLIENTS = 16  # connections served at once (a scraper keeps one); a new one sheds the oldest
+_IDLE_LIMIT = 10.0  # seconds a client has for each read and write (its request, our answer)
 
 
 @dataclass
@@ -88,7 +94,34 @@ class _Conn:
 
 
 class _Server(ThreadingMixIn, WSGIServer):
+    """One thread a connection, at most ``_CLIENTS`` connections: a new one past that sheds the
+    oldest (as the store sheds its oldest idle connection), so a client that keeps connections
+    open cannot keep a scraper out, and idle connections cannot pile up threads."""
+
     daemon_threads = True
+    request_queue_size = 64  # (the listen backlog; socketserver's 5 drops a burst's connections for 1 s)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._live: dict[Any, None] = {}  # the connections being served, oldest first
+        self._live_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._live_lock:
+            if len(self._live) >= _CLIENTS:
+                oldest = next(iter(self._live))
+                del self._live[oldest]
+                with contextlib.suppress(OSError):  # (its thread ends as its socket does)
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._live[request] = None
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._live_lock:
+                self._live.pop(request, None)
 
 
 class _Server6(_Server):
@@ -96,6 +129,8 @@ class _Server6(_Server):
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = _IDLE_LIMIT  # (the socket's: a silent client's thread ends, its connection closed)
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
