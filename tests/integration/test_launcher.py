@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import select
 import shutil
 import signal
@@ -1260,6 +1261,49 @@ def test_kill_9_of_any_process_of_a_job_leaves_nothing_behind(work: Path, victim
             proc.kill()
             proc.wait()
         for pid in _descendants(proc.pid) + pids(work, 2):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+_LEAVER = """
+import os, signal, subprocess, sys, time
+out, rank = os.environ["TEST_OUT"], int(os.environ["RANK"])
+own = subprocess.Popen(["sleep", "60"], start_new_session=True)  # (a session of its own)
+plain = subprocess.Popen(["sleep", "61"])  # (in the worker's session)
+with open(os.path.join(out, f"left{rank}.tmp"), "w") as f:
+    f.write(f"{own.pid} {plain.pid}")
+os.rename(os.path.join(out, f"left{rank}.tmp"), os.path.join(out, f"left{rank}"))
+if sys.argv[1] == "killed":  # rank 0 dies of SIGKILL once rank 1 has started its children
+    if rank == 0:
+        end = time.monotonic() + 20
+        while not os.path.exists(os.path.join(out, "left1")) and time.monotonic() < end:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "succeeded"])
+def test_what_the_workers_left_running_goes_with_a_group_that_was_stopped(work: Path, how: str) -> None:
+    # a worker killed with -9 leaves its children (a data loader's, a subprocess, one in a
+    # session of its own) running; the launcher stops the group and kills them too. A group
+    # whose workers all exited 0 is left alone, as torchrun leaves it.
+    (work / "leaver.py").write_text(_LEAVER)
+    r = tdist_run(work, "--nproc-per-node", "2", "--monitor-interval", "0.1", "--stop-timeout", "2", "leaver.py", how, timeout=60)
+    left = [int(p) for k in (0, 1) if (work / f"left{k}").exists() for p in (work / f"left{k}").read_text().split()]
+    try:
+        assert len(left) == 4, (left, r.stderr)
+        if how == "killed":
+            assert r.returncode != 0 and "SIGKILL" in r.stderr, r.stderr
+            for pid in left:
+                assert wait_gone(pid, 10), f"process {pid}, started by a worker, outlived its stopped group"
+            # (rank 1's plain child went with the stop signal to its process group already)
+            assert re.search(r"killed [34] processes that the stopped workers had left running", r.stderr), r.stderr
+        else:
+            assert r.returncode == 0, r.stderr
+            assert not any(gone(pid) for pid in left)
+    finally:
+        for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

@@ -60,7 +60,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._process import Spawned
 
-__all__ = ["TOKENS_ENV", "JobReaper", "job_reaper"]
+__all__ = ["TOKENS_ENV", "JobReaper", "job_reaper", "kill_marked", "with_token"]
 
 TOKENS_ENV = "TDIST_JOB_TOKENS"  # the tokens of the reapers whose job a process belongs to, ":"-separated
 
@@ -85,8 +85,7 @@ class JobReaper:
     def mark(self, env: Mapping[str, str]) -> dict[str, str]:
         """``env`` with this reaper's token added to ``TDIST_JOB_TOKENS`` (kept: a job that runs
         inside another one's worker belongs to both)."""
-        tokens = [t for t in env.get(TOKENS_ENV, "").split(":") if t and t != self.token]
-        return {**env, TOKENS_ENV: ":".join([*tokens, self.token])}
+        return with_token(env, self.token)
 
     def watch(self, pid: int) -> bool:
         """Report child ``pid`` (a session leader). False if the reaper is gone."""
@@ -121,6 +120,23 @@ class JobReaper:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)
                 self._fd = -1
+
+
+def with_token(env: Mapping[str, str], token: str) -> dict[str, str]:
+    """``env`` with ``token`` added to ``TDIST_JOB_TOKENS`` (the tokens there are kept)."""
+    tokens = [t for t in env.get(TOKENS_ENV, "").split(":") if t and t != token]
+    return {**env, TOKENS_ENV: ":".join([*tokens, token])}
+
+
+def kill_marked(token: str) -> list[int]:
+    """Kill, as a reaper does (SIGKILL, in rounds, bounded: ``reap``), every process of this
+    user that carries ``token`` in ``TDIST_JOB_TOKENS`` (given to children with ``with_token``)
+    and what descends from it. For a parent that is alive: what the children it stopped left
+    running. Returns the pids the first scan found (none: nothing was left)."""
+    found = sorted(_targets(set(), token.encode()))
+    if found:
+        reap(set(), token.encode())
+    return found
 
 
 _reaper: JobReaper | None = None

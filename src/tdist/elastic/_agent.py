@@ -61,6 +61,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -81,7 +82,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from .._core import auth
 from .._core._process import proc_stat
-from .._core._reaper import job_reaper
+from .._core._reaper import job_reaper, kill_marked, with_token
 from .._core.deadline import Clock
 from .._core.errors import DistError, DistStoreError
 from ..store._api import Store
@@ -1166,6 +1167,9 @@ class LocalAgent:
         workers: list[_Worker] = []
         exits: list[WorkerExit] = []
         outcome = Outcome.RUNNING
+        # (the group's mark, inherited by whatever its workers start: what they leave running
+        # goes with the group when it is stopped, ``_stop_leftovers``)
+        group_token = secrets.token_hex(8)
         try:
             self._by_pid.clear()
             torch_port = self._torch_port(port)
@@ -1190,6 +1194,7 @@ class LocalAgent:
                     env[STATUS_DIR_ENV] = rank_dir
                 if self._timer_file is not None:
                     env[TIMER_FILE_ENV] = self._timer_file
+                env = with_token(env, group_token)
                 started[local_rank] = (env, rank_dir)
                 workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
@@ -1246,6 +1251,8 @@ class LocalAgent:
             if outcome is Outcome.FAILED:
                 self._snapshot(workers, restart_count)
             self._stop(workers, exits)
+            if outcome is not Outcome.SUCCEEDED:
+                self._stop_leftovers(group_token)
             deadline = self._clock() + _READER_JOIN
             for w in workers:
                 for t in w.readers:
@@ -1650,6 +1657,16 @@ class LocalAgent:
             describe=lambda p: f"worker rank {ranks[id(p)]} (pid {p.pid})",
         )
         self._reap(alive, exits)
+
+    def _stop_leftovers(self, group_token: str) -> None:
+        """Kill what the stopped group's workers left running (a worker that was killed, or
+        failed, leaves its data loaders and subprocesses behind; so does one that ignores the
+        stop signal's children). A group that succeeded is left alone, as torchrun leaves it:
+        a worker that exited 0 may have started something on purpose."""
+        left = kill_marked(group_token)
+        if left:
+            pids = ", ".join(map(str, left))
+            self._say(f"killed {len(left)} processes that the stopped workers had left running (pids {pids})")
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
