@@ -4,6 +4,8 @@ handshakes, a listener served from a thread."""
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import select
 import socket
 import threading
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from tdist._core.errors import DistNetworkError, DistTimeoutError, PeerError
-from tdist.transport import _dial
+from tdist.transport import _dial, _handshake
 from tdist.transport._dial import Dialer, Doorway, Listeners
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,6 +138,35 @@ def test_a_silent_stranger_holds_up_nobody_and_is_dropped_at_its_deadline() -> N
             stranger.close()
     finally:
         server.close()
+
+
+def test_failed_connections_are_logged_one_by_one_then_counted(caplog: pytest.LogCaptureFixture) -> None:
+    # whoever can connect cannot flood the log: strangers sending garbage are logged one by one
+    # up to _ONE_BY_ONE in a span, then counted, and the count is said when the span (or the
+    # door) ends; a stranger on the Unix socket is named by its pid
+    caplog.set_level(logging.WARNING, logger="tdist.transport._dial")
+    server = _Server(my_id=1)
+    strangers = 3 * server.doorway._failures.one_by_one
+    try:
+        for i in range(strangers):
+            if i == 0:  # (the first one on the Unix socket)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect("\0" + server.listeners.address["unix"])
+            else:
+                s = socket.create_connection(("127.0.0.1", server.listeners.address["port"]))
+            with s:
+                s.sendall(b"\xff" * _handshake.JOIN.size)  # (a JOIN's size, not one: fails at once)
+                s.settimeout(10)
+                while s.recv(4096):  # (until the door closes it)
+                    pass
+    finally:
+        server.close()  # (its loop's thread is joined: every failure is logged or counted)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tdist.transport._dial"]
+    one_by_one = [m for m in lines if "handshake with" in m]
+    assert len(one_by_one) == server.doorway._failures.one_by_one, lines
+    assert f"pid {os.getpid()}" in one_by_one[0], one_by_one[0]
+    assert any("counted, not logged one by one" in m for m in lines), lines
+    assert any(f"{strangers - server.doorway._failures.one_by_one} more connections failed" in m for m in lines), lines
 
 
 def test_more_strangers_than_the_limit_shed_the_oldest_and_a_member_still_gets_in() -> None:

@@ -13,16 +13,21 @@ Two rules every listener of tdist follows (store server, process-group mesh, RPC
   when one more comes, the oldest pending one is dropped, so silent or slow strangers cannot
   hold the door for others. Neither runs a thread per handshake. A peer of the job finishes its
   handshake in milliseconds.
+
+And one rule for what they say: a connection that fails (a stranger, a wrong secret, garbage)
+is logged, but whoever can connect must not flood the log with them (``FailureLog``: a few one
+by one, then a count).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from collections.abc import Callable
 
-__all__ = ["Starvation"]
+__all__ = ["FailureLog", "Starvation"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +78,52 @@ class Starvation:
             self.starved = False
             log.warning("%s: accepting connections again (%d attempts failed meanwhile)", self.label, self.failures)
             self.failures = 0
+
+
+class FailureLog:
+    """Warnings about failed connections, bounded: logged one by one up to ``one_by_one`` in a
+    span of ``span`` seconds, then counted; the count is said when the span has ended, at the
+    next failure or ``flush`` (which the owner calls when ``due`` has come, and at its close).
+
+    Not thread-safe: one per listener loop, or guarded by the caller.
+    """
+
+    def __init__(
+        self, label: str, logger: logging.Logger, one_by_one: int = 5, span: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label = label
+        self.one_by_one = one_by_one
+        self.span = span
+        self._log = logger
+        self._clock = clock
+        self._end = -math.inf  # the span the count is of
+        self._said = 0
+        self._muted = 0
+
+    def warn(self, fmt: str, *args: object) -> None:
+        now = self._clock()
+        if now >= self._end:
+            self.flush()
+            self._end, self._said = now + self.span, 0
+        self._said += 1
+        if self._said <= self.one_by_one:
+            self._log.warning(fmt, *args)
+            if self._said == self.one_by_one:
+                self._log.warning(
+                    "%s: %d failed connections in a row; the next ones for %g s are counted, not logged one by one",
+                    self.label, self.one_by_one, self._end - now,
+                )
+        else:
+            self._muted += 1
+
+    @property
+    def due(self) -> float:
+        """When ``flush`` has a count to say (``inf``: none)."""
+        return self._end if self._muted else math.inf
+
+    def flush(self) -> None:
+        """Say how many failures were counted, if any."""
+        if self._muted:
+            self._log.warning("%s: %d more connections failed (not logged one by one)", self.label, self._muted)
+            self._muted = 0

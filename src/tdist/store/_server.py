@@ -55,7 +55,7 @@ from .._core.errors import (
     RemoteProtocolError,
     StoreValueError,
 )
-from .._core.floods import Starvation
+from .._core.floods import FailureLog, Starvation
 from .._core.net import literal_family
 from .._core.peercred import check_unix_peer, unix_peer
 from ._protocol import (
@@ -290,6 +290,7 @@ class StoreServer:
         # descriptors run out or too many strangers wait (``_core.floods``)
         self._unauthed: dict[_Conn, None] = {}
         self._starvation = Starvation(f"store server on port {port}")
+        self._failures = FailureLog(f"store server on port {port}", log)  # (strangers: no flood of lines)
         self._stop_requested = False
         self._thread: threading.Thread | None = None
         self._proc: _process.Spawned | None = None
@@ -602,6 +603,7 @@ class StoreServer:
         try:
             self.serve_forever(control_r, parent_pid=parent_pid)
         finally:
+            self._failures.flush()
             self._control_r = None
             os.close(control_r)
             for sock in self._listeners:
@@ -1143,7 +1145,7 @@ class StoreServer:
                 try:
                     check_unix_peer(sock, f"store server on port {self.port}")
                 except (AuthenticationError, OSError) as exc:
-                    log.warning("%s", exc)
+                    self._failures.warn("%s", exc)
                     sock.close()
                     continue
             conn = _Conn(sock, addr, self.secret is None, self.max_frame)
@@ -1196,7 +1198,7 @@ class StoreServer:
             self._close(conn, f"not a store client: it opened with {head[:8]!r}")
             return
         if not self.torch_clients:
-            log.warning(
+            self._failures.warn(
                 "store server on port %d: refused a client of torch's TCPStore from %s: this "
                 "store requires the job's secret, which torch's client cannot prove (use "
                 "tdist's TCPStore)", self.port, conn.addr,
@@ -1485,8 +1487,7 @@ class StoreServer:
         if not ok:
             self._reply_error(conn, ErrorKind.AUTH, "authentication failed: wrong or missing secret")
             self._flush(conn)
-            log.warning("store server on port %d: client %s failed authentication",
-                        self.port, conn.addr)
+            self._failures.warn("store server on port %d: client %s failed authentication", self.port, conn.addr)
             self._close(conn, None)
             return
         conn.authed = True
@@ -1706,7 +1707,7 @@ class StoreServer:
         return True
 
     def _torch_refuse(self, conn: _Conn, exc: Exception) -> None:
-        log.warning("store server on port %d: torch client %s: %s", self.port, conn.addr, exc)
+        self._failures.warn("store server on port %d: torch client %s: %s", self.port, conn.addr, exc)
         self._flush(conn)
         self._close(conn, None)
 

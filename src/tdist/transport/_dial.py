@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from .._core import peercred
 from .._core.errors import (
     AuthenticationError,
     DistNetworkError,
@@ -41,7 +42,7 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
 )
-from .._core.floods import Starvation
+from .._core.floods import FailureLog, Starvation
 from . import _handshake
 from ._link import host_id, tune_tcp
 
@@ -374,6 +375,7 @@ class Doorway:
         self._paused: dict[int, float] = {}  # listeners left alone until then (no descriptors)
         self._due = math.inf  # (``due()``: kept by ``service``, read by any thread)
         self._shed = 0
+        self._failures = FailureLog(label, log)  # (whoever can connect: no flood of lines)
         self._closed = False
         self._ep = select.epoll()
         try:
@@ -415,8 +417,10 @@ class Doorway:
             for acceptance in list(self._shaking.values()):
                 if now >= acceptance.deadline:
                     if not self._quiet():
-                        log.warning("%s: handshake with %s too slow; dropped", self._label, acceptance.what)
+                        self._failures.warn("%s: handshake with %s too slow; dropped", self._label, acceptance.what)
                     self._drop(acceptance)
+            if now >= self._failures.due:
+                self._failures.flush()
             for fd, until in list(self._paused.items()):
                 if now >= until:
                     del self._paused[fd]
@@ -425,7 +429,10 @@ class Doorway:
             for listener in listeners:
                 if listener.fileno() not in self._paused:
                     self._accept(listener, now, joined)
-            self._due = min([a.deadline for a in self._shaking.values()] + list(self._paused.values()), default=math.inf)
+            self._due = min(
+                [a.deadline for a in self._shaking.values()] + list(self._paused.values())
+                + [self._failures.due], default=math.inf,
+            )
             return joined
         finally:
             self._lock.release()
@@ -513,17 +520,24 @@ class Doorway:
             self._shed = 0
 
     def _failed(self, sock: socket.socket, end: str, exc: BaseException) -> None:
+        who = end
+        if end == "unix":  # (the kernel says which local process it was)
+            try:
+                pid, uid = peercred.unix_peer(sock)
+                who = f"a local process (pid {pid}, uid {uid}) on the Unix socket"
+            except OSError:
+                who = "a local process on the Unix socket"
         with contextlib.suppress(OSError):
             sock.close()
         if isinstance(exc, AuthenticationError):
-            log.warning("%s: dropped a connection from %s: %s", self._label, end, exc)
+            self._failures.warn("%s: dropped a connection from %s: %s", self._label, who, exc)
         elif isinstance(exc, _handshake.Refused):
-            log.warning(
+            self._failures.warn(
                 "%s: refused a connection from %s claiming id %d: not of this job, or not expected",
-                self._label, end, exc.peer,
+                self._label, who, exc.peer,
             )
         elif isinstance(exc, Exception) and not self._quiet():
-            log.warning("%s: handshake with %s failed: %s", self._label, end, exc)
+            self._failures.warn("%s: handshake with %s failed: %s", self._label, who, exc)
 
     def _forget(self, sock: socket.socket) -> None:
         fd = sock.fileno()
@@ -540,6 +554,7 @@ class Doorway:
         """Drop every handshake under way and stop (the listeners stay the caller's)."""
         with self._lock:
             self._closed = True
+            self._failures.flush()
             for acceptance in list(self._shaking.values()):
                 self._drop(acceptance)
             self._listening.clear()
