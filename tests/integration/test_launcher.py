@@ -1920,6 +1920,40 @@ def test_ft_restarts_a_failed_worker_alone_and_it_joins_the_running_job(work: Pa
     assert len(steps) == 1 and 30 <= steps.pop() < 1000, res.stdout
 
 
+_FT_LEAVER = """
+import os, subprocess, sys, time
+out, rank = os.environ["TEST_OUT"], int(os.environ["RANK"])
+if rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":  # (fails, leaving a child)
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    with open(os.path.join(out, "child.tmp"), "w") as f:
+        f.write(str(child.pid))
+    os.rename(os.path.join(out, "child.tmp"), os.path.join(out, "child"))
+    sys.exit(3)
+if rank == 0:  # (started again)
+    open(os.path.join(out, "back"), "w").close()
+end = time.monotonic() + 30
+while not os.path.exists(os.path.join(out, "back")) and time.monotonic() < end:
+    time.sleep(0.02)
+"""
+
+
+def test_ft_a_worker_restarted_alone_first_loses_what_it_left_running(work: Path) -> None:
+    # --ft: rank 0 fails, leaving a child in a session of its own; before it is started again
+    # alone, that child is killed (the others, and the job, go on and succeed)
+    (work / "ftleaver.py").write_text(_FT_LEAVER)
+    res = tdist_run(work, "--ft", "--max-restarts", "1", "--nproc-per-node", "2", "--monitor-interval", "0.1",
+                    "ftleaver.py", timeout=60)
+    child = int((work / "child").read_text()) if (work / "child").exists() else None
+    try:
+        assert res.returncode == 0 and child is not None, res.stderr[-3000:]
+        assert "restarting it alone" in res.stderr and "killed 1 process that worker rank 0 had left running" in res.stderr, res.stderr
+        assert wait_gone(child, 10), "the failed worker's child outlived its restart"
+    finally:
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+
 _FT_LATE = """
 import os, signal, time
 import tdist as dist

@@ -182,6 +182,11 @@ def _error_files(base: str) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(base) for f in files if f == "error.json"]
 
 
+def _worker_token(group_token: str, local_rank: int) -> str:
+    """The mark of one worker of a group (``TDIST_JOB_TOKENS``, beside the group's)."""
+    return f"{group_token}r{local_rank}"
+
+
 def _remove_if_killed(path: str) -> None:
     """A path of the launcher's own that goes if the launcher is killed (its job reaper removes
     it after the workers): what an orderly end removes, or leaves for a report to name."""
@@ -348,6 +353,7 @@ class LocalAgent:
         # None with --log-dir /dev/null. Without --log-dir, base is a temporary directory of ours.
         self._run_dir: str | None = None
         self._temp_base: str | None = None
+        self._group_token = ""  # (the running group's mark: ``_run_group``)
         self._keeps_logs = False  # the run's directory stays (--log-dir, or a stream in it)
         self._attempt_started = 0.0  # time.time() when the current group started
         # the live status line, at the bottom of the terminal (all under _write_lock)
@@ -761,6 +767,7 @@ class LocalAgent:
             for t in w.readers:
                 t.join(0.5)
             exits.remove(e)
+            self._stop_leftovers(_worker_token(self._group_token, w.local_rank), f"worker rank {e.rank}")
             env, rank_dir = started[w.local_rank]
             env = {**env, "TORCHELASTIC_RESTART_COUNT": str(self._ft_restarts)}
             workers[i] = self._start_worker(w.local_rank, env, rank_dir, append=True)
@@ -1169,7 +1176,7 @@ class LocalAgent:
         outcome = Outcome.RUNNING
         # (the group's mark, inherited by whatever its workers start: what they leave running
         # goes with the group when it is stopped, ``_stop_leftovers``)
-        group_token = secrets.token_hex(8)
+        group_token = self._group_token = secrets.token_hex(8)
         try:
             self._by_pid.clear()
             torch_port = self._torch_port(port)
@@ -1194,7 +1201,7 @@ class LocalAgent:
                     env[STATUS_DIR_ENV] = rank_dir
                 if self._timer_file is not None:
                     env[TIMER_FILE_ENV] = self._timer_file
-                env = with_token(env, group_token)
+                env = with_token(with_token(env, group_token), _worker_token(group_token, local_rank))
                 started[local_rank] = (env, rank_dir)
                 workers.append(self._start_worker(local_rank, env, rank_dir))
             log.info(
@@ -1658,15 +1665,15 @@ class LocalAgent:
         )
         self._reap(alive, exits)
 
-    def _stop_leftovers(self, group_token: str) -> None:
-        """Kill what the stopped group's workers left running (a worker that was killed, or
-        failed, leaves its data loaders and subprocesses behind; so does one that ignores the
-        stop signal's children). A group that succeeded is left alone, as torchrun leaves it:
-        a worker that exited 0 may have started something on purpose."""
-        left = kill_marked(group_token)
+    def _stop_leftovers(self, token: str, whose: str = "the stopped workers") -> None:
+        """Kill what the stopped group's workers (or a failed worker that ``--ft`` restarts
+        alone) left running: a worker that was killed, or failed, leaves its data loaders and
+        subprocesses behind. A group that succeeded is left alone, as torchrun leaves it: a
+        worker that exited 0 may have started something on purpose."""
+        left = kill_marked(token)
         if left:
             pids = ", ".join(map(str, left))
-            self._say(f"killed {len(left)} processes that the stopped workers had left running (pids {pids})")
+            self._say(f"killed {len(left)} process{'es' if len(left) > 1 else ''} that {whose} had left running (pids {pids})")
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
