@@ -302,6 +302,22 @@ def test_a_receive_that_times_out_says_what_its_sender_was_doing() -> None:
 def _crossed(rank: int, n: int, port: int, scenario: str, env: dict[str, str]) -> str:
     os.environ.update(env)
     os.environ["TDIST_FR_CHECK_AFTER"] = "0.5"
+    if scenario == "slow":  # rank 0 finds the deadlock (rank 1 looks later), and its abort of
+        # group '2', where rank 1 waits, is slow: rank 0's own failing call, and its destroy of
+        # the groups right after, must not overtake it (rank 1 would hear only of a closed arena)
+        if rank == 1:
+            os.environ["TDIST_FR_CHECK_AFTER"] = "5"
+        else:
+            from tdist.c10d._tcp_backend import ProcessGroupTCP
+
+            abort = ProcessGroupTCP._abort
+
+            def slow_abort(self: Any, reason: str) -> None:
+                if self._fr is not None and self._fr.label == "2":
+                    time.sleep(0.5)
+                abort(self, reason)
+
+            ProcessGroupTCP._abort = slow_abort  # type: ignore[method-assign]
     timeout = timedelta(seconds=60)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timeout)
     a = tdist.new_group([0, 1], timeout=timeout)
@@ -310,7 +326,7 @@ def _crossed(rank: int, n: int, port: int, scenario: str, env: dict[str, str]) -
         if rank == 1:
             tdist.barrier(group=b)
             tdist.all_reduce(torch.ones(4), group=a)
-        elif scenario == "crossed":
+        elif scenario in ("crossed", "slow"):
             tdist.all_reduce(torch.ones(4), group=a)
             tdist.barrier(group=b)
         elif scenario == "waited":  # (an async call waited for before the other group's: the same)
@@ -328,7 +344,7 @@ def _crossed(rank: int, n: int, port: int, scenario: str, env: dict[str, str]) -
         tdist.destroy_process_group()
 
 
-@pytest.mark.parametrize("scenario", ["crossed", "waited"])
+@pytest.mark.parametrize("scenario", ["crossed", "waited", "slow"])
 def test_two_groups_called_in_another_order_fail_both_ranks_naming_the_deadlock(scenario: str, path: str, tmp_path: Path) -> None:
     """gloo hangs until the groups' timeout (30 minutes by default: no message of either group
     ever shows a mismatch). tdist's desync check finds the two ranks waiting for each other."""

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -609,11 +609,16 @@ class ProcessGroupTCP(Backend):
         )
         self._break_with(CollectiveMismatchError(message))
 
-    def _break_with(self, verdict: CollectiveMismatchError, dump: bool = True) -> None:
-        """Break the group with the desync check's ``verdict``: every rank's call fails with it."""
+    def _break_with(self, verdict: CollectiveMismatchError, dump: bool = True, also: Sequence[ProcessGroupTCP] = ()) -> None:
+        """Break the group with the desync check's ``verdict``: every rank's call fails with it;
+        and the groups ``also`` with it, before this one: this group's abort wakes this rank's
+        caller, which fails and may destroy its groups at once, and a rank waiting in one of
+        those would then hear only that this rank closed it, not why."""
         self._verdict = verdict
         if dump:
             self._dump_everywhere()
+        for g in also:
+            g._break_with(CollectiveMismatchError(str(verdict)), dump=False)
         self._abort(str(verdict))
 
     def _check_crossed(self, entry: list[Any], mine: dict[str, Any], heads: dict[int, dict[str, Any] | None]) -> None:
@@ -647,13 +652,13 @@ class ProcessGroupTCP(Backend):
             f"#{last}) and cannot enter before its call in group {rec.label!r} returns. Ranks must "
             "call the collectives of the groups they share in the same order."
         )
-        self._break_with(CollectiveMismatchError(message))
         # and the other group, which this rank cannot call now: the rank waiting there hears of
-        # it at once, not when this rank leaves after its error (its own check may come later)
-        for g in list(_recording):
-            rec_g = g._fr
-            if rec_g is not None and rec_g.label == theirs["group"] and rec_g.global_rank == me and g._broken is None:
-                g._break_with(CollectiveMismatchError(message), dump=False)
+        # it at once (its own check may come later)
+        others = [
+            g for g in list(_recording)
+            if (rec_g := g._fr) is not None and rec_g.label == theirs["group"] and rec_g.global_rank == me and g._broken is None
+        ]
+        self._break_with(CollectiveMismatchError(message), also=others)
 
     def _check_receives_crossed(self, entry: list[Any]) -> None:
         """The desync check of a receive that blocks: is the rank it waits for blocked in a
