@@ -1670,7 +1670,11 @@ class LocalAgent:
         alone) left running: a worker that was killed, or failed, leaves its data loaders and
         subprocesses behind. A group that succeeded is left alone, as torchrun leaves it: a
         worker that exited 0 may have started something on purpose."""
-        left = kill_marked(token)
+        try:
+            left = kill_marked(token)
+        except Exception as exc:  # (a clean-up: never in place of the group's own outcome)
+            log.warning("killing what the workers left running failed: %s", exc)
+            return
         if left:
             pids = ", ".join(map(str, left))
             self._say(f"killed {len(left)} process{'es' if len(left) > 1 else ''} that {whose} had left running (pids {pids})")
