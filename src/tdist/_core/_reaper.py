@@ -133,10 +133,7 @@ def kill_marked(token: str) -> list[int]:
     user that carries ``token`` in ``TDIST_JOB_TOKENS`` (given to children with ``with_token``)
     and what descends from it. For a parent that is alive: what the children it stopped left
     running. Returns the pids the first scan found (none: nothing was left)."""
-    found = sorted(_targets(set(), token.encode()))
-    if found:
-        reap(set(), token.encode())
-    return found
+    return reap(set(), token.encode())
 
 
 _reaper: JobReaper | None = None
@@ -279,13 +276,17 @@ def _kill(pid: int, started: int) -> None:
         os.close(pidfd)
 
 
-def reap(sessions: set[int], token: bytes) -> None:
-    """Kill the job's processes (see the module), in rounds, for at most ``_REAP_FOR`` s."""
+def reap(sessions: set[int], token: bytes) -> list[int]:
+    """Kill the job's processes (see the module), in rounds, for at most ``_REAP_FOR`` s.
+    Returns the pids the first round found (none: there was nothing to kill)."""
     deadline = time.monotonic() + _REAP_FOR
+    first: list[int] | None = None
     while True:
         targets = _targets(sessions, token)
+        if first is None:
+            first = sorted(targets)
         if not targets or time.monotonic() > deadline:
-            return
+            return first
         for pid, started in targets.items():
             _kill(pid, started)
         time.sleep(_ROUND_PAUSE)
