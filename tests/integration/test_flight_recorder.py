@@ -361,6 +361,59 @@ def test_two_groups_called_in_another_order_fail_both_ranks_naming_the_deadlock(
             assert "all_reduce #1 (float32[4]) of group '1'" in m and "barrier #1 of group '2'" in m, m
 
 
+# -- three groups, each rank in two, called so that each waits for the next: a cycle of three ----
+def _cycle(rank: int, n: int, port: int, scenario: str, env: dict[str, str]) -> str:
+    os.environ.update(env)
+    os.environ["TDIST_FR_CHECK_AFTER"] = "0.5"
+    timeout = timedelta(seconds=60)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timeout)
+    # rank r is in groups[r] and groups[r - 1]; it calls groups[r]'s first, which waits for rank
+    # r + 1, which is in groups[r + 1]'s first: each waits for the next, round the cycle
+    groups = [tdist.new_group([r, (r + 1) % n], timeout=timeout) for r in range(n)]
+    try:
+        if scenario == "cycle" or rank != n - 1:
+            tdist.all_reduce(torch.ones(4), group=groups[rank])
+            tdist.all_reduce(torch.ones(4), group=groups[rank - 1])
+        else:  # "broken": the last rank calls them in the order that ends the cycle: no deadlock
+            tdist.all_reduce(torch.ones(4), group=groups[rank - 1])
+            tdist.all_reduce(torch.ones(4), group=groups[rank])
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_groups_called_in_a_cycle_fail_every_rank_naming_the_deadlock(path: str, tmp_path: Path) -> None:
+    """Three ranks, three groups of two, each rank's first call in a group that the next rank
+    has not entered: no two ranks wait for each other, all three wait round a cycle. gloo (and
+    the two-rank check) waits for the groups' timeout; the desync check follows the waits
+    through every rank's answer to the default group and finds the cycle."""
+    got = run_processes(_cycle, 3, free_port(), "cycle", _env(path, tmp_path), timeout=90)
+    assert any(m.startswith("CollectiveMismatchError") for m in got), got
+    for m in got:
+        assert "deadlock between groups" in m, got
+    # (each rank's own verdict follows the cycle from it: global rank r waits in its first
+    # group's call for r + 1, ..., and the last waits in a group whose call r has not entered)
+    own = 0
+    for r, m in enumerate(got):
+        if f"this rank (global rank {r})" not in m:
+            continue  # (another rank's verdict reached it first, quoted)
+        own += 1
+        assert m.startswith("CollectiveMismatchError"), m
+        chain = [f"this rank (global rank {r}) is in all_reduce #1 (float32[4]) of group '{r + 1}', which waits for global rank {(r + 1) % 3}"]
+        for k in (1, 2):
+            q = (r + k) % 3
+            nxt = f"global rank {(q + 1) % 3}" if k == 1 else "this rank"
+            chain.append(f"global rank {q} is in all_reduce #1 (float32[4]) of group '{q + 1}', which waits for {nxt}")
+        assert "; ".join(chain) + ", which has not entered it (its last collective there is #0)" in m, m
+    assert own, got
+
+
+def test_groups_called_in_an_order_that_ends_the_cycle_are_no_deadlock(tmp_path: Path) -> None:
+    assert run_processes(_cycle, 3, free_port(), "broken", _env("shm", tmp_path), timeout=90) == ["no error"] * 3
+
+
 def test_a_call_another_thread_makes_later_is_no_deadlock(tmp_path: Path) -> None:
     assert run_processes(_crossed, 2, free_port(), "thread", _env("shm", tmp_path), timeout=90) == ["no error"] * 2
 

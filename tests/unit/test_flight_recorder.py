@@ -229,6 +229,39 @@ def test_crossed_names_a_rank_that_waits_in_another_group_for_this_one() -> None
     assert D.crossed(ar, {**heads, 1: None}, 0, {"b": 0}) is None
 
 
+def test_cycle_follows_the_waits_through_other_groups_back_to_this_rank() -> None:
+    # the default group "0" of ranks 0-2; "a" = [0, 1], "b" = [1, 2], "c" = [2, 0]; rank 0 is in
+    # a's all_reduce #1, rank 1 in b's, rank 2 in c's, none has entered the group it waits in
+    def rank(r: int, group: str, members: list[int], entered: dict[str, int], stuck: bool = True) -> dict[str, Any]:
+        call = {"group": group, "ranks": members, **_b("all_reduce", 1)}
+        return {**_h(), "global_rank": r, "group": "0", "ranks": [0, 1, 2], "stuck": stuck, "elsewhere": [call], "entered": entered}
+
+    mine = _b("all_reduce", 1)
+    heads = {
+        0: rank(0, "a", [0, 1], {"0": 0, "a": 1, "c": 0}),
+        1: rank(1, "b", [1, 2], {"0": 0, "a": 0, "b": 1}),
+        2: rank(2, "c", [2, 0], {"0": 0, "b": 0, "c": 1}),
+    }
+    entered = {"0": 0, "a": 1, "c": 0}
+    hops = D.cycle(0, mine, "a", [0, 1], heads, entered)
+    assert hops is not None and [(r, b["group"], nxt) for r, b, nxt in hops] == [(1, "b", 2), (2, "c", 0)]
+    # no cycle: this rank has entered c's call (rank 2 does not wait for it), or rank 1 has
+    # entered a's (this call does not wait for it), or a rank on the way is not certain of its
+    # wait, did not answer, or has a second operation in flight, or this call is point-to-point
+    assert D.cycle(0, mine, "a", [0, 1], heads, {**entered, "c": 1}) is None
+    assert D.cycle(0, mine, "a", [0, 1], {**heads, 1: rank(1, "b", [1, 2], {"0": 0, "a": 1, "b": 1})}, entered) is None
+    assert D.cycle(0, mine, "a", [0, 1], {**heads, 2: rank(2, "c", [2, 0], {"c": 1}, stuck=False)}, entered) is None
+    assert D.cycle(0, mine, "a", [0, 1], {**heads, 2: None}, entered) is None
+    two = {**heads[1], "elsewhere": [*heads[1]["elsewhere"], {"group": "d", "ranks": [1, 2], **_b("barrier", 1, "")}]}
+    assert D.cycle(0, mine, "a", [0, 1], {**heads, 1: two}, entered) is None
+    assert D.cycle(0, {**mine, "p2p": [0, 1]}, "a", [0, 1], heads, entered) is None
+    # a rank waiting in the default group itself (its call in "recent"): followed as well
+    in_default = {**_h(_b("barrier", 1, "")), "global_rank": 2, "group": "0", "ranks": [0, 1, 2], "stuck": True,
+                  "entered": {"0": 1, "b": 0, "c": 0}}
+    hops = D.cycle(0, mine, "a", [0, 1], {**heads, 2: in_default}, entered)
+    assert hops is not None and [(r, b["group"], nxt) for r, b, nxt in hops] == [(1, "b", 2), (2, "0", 0)]
+
+
 def test_receives_crossed_names_a_rank_that_receives_from_this_one() -> None:
     """Rank 0 receives from rank 1, which receives from rank 0: neither sends before its receive
     returns, where rank 1 is certain that it cannot (its head's ``stuck``)."""

@@ -59,7 +59,7 @@ from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
 __all__ = [
-    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "describe_call", "diagnose", "explain", "frames_of",
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "cycle", "describe_call", "diagnose", "explain", "frames_of",
     "head", "mismatch", "request_dumps", "stuck", "unwatch", "watch",
 ]
 
@@ -120,21 +120,29 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
     done = [e for e in colls if e[fr.DONE]]
     elsewhere = []
     me = rec.global_rank
+    entered = {}  # (each group of this process's: its last collective's number, for ``cycle``)
     for other in fr.recorders():
-        if other is rec or other.global_rank != me:
+        if other.global_rank != me:
+            continue
+        others = [e for e in other.entries() if e[fr.PEER] is None]
+        entered[other.label] = others[-1][fr.CSEQ] if others else 0
+        if other is rec:
             continue
         for e in other.entries()[-_RECENT:]:
             if not e[fr.DONE] and not e[fr.ERROR]:
-                elsewhere.append({"group": other.label, **fr.brief(e, now)})
+                elsewhere.append({"group": other.label, "ranks": other.ranks, **fr.brief(e, now)})
     return {
         "rank": rec.rank,
         "global_rank": me,
+        "group": rec.label,
+        "ranks": rec.ranks,
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "recent": [fr.brief(e, now) for e in es[-_RECENT:]],
         "last_completed": fr.brief(done[-1], now) if done else None,
         "last_seq": colls[-1][fr.CSEQ] if colls else 0,
         "elsewhere": elsewhere,
+        "entered": entered,
         "stuck": stuck(me) is not None,
     }
 
@@ -611,6 +619,77 @@ def crossed(
         group = b.get("group")
         if not b.get("p2p") and group in entered and entered[group] < int(b.get("seq") or 0):
             return q, b
+    return None
+
+
+def cycle(
+    me: int, mine: Mapping[str, Any], group: str, ranks: Sequence[int], heads: Mapping[int, Mapping[str, Any] | None],
+    entered: Mapping[str, int],
+) -> list[tuple[int, Mapping[str, Any], int]] | None:
+    """A cycle of waits through several groups back to this rank: ``mine``, this rank's blocked
+    collective in group ``group`` (global ranks ``ranks``), waits for a rank blocked in another
+    group's collective, which waits for a third, and so on, until one waits for this rank in a
+    group whose collective this rank has not entered (``entered``: this rank's last collective
+    in each of its groups) and cannot enter before ``mine`` returns. Returns the hops, each
+    ``(global rank waited for, the call it is in, global rank that call waits for)``, the last
+    waiting for ``me``; or None. (``crossed`` finds two ranks that wait for each other with the
+    answers of this call's group alone.)
+
+    ``heads``: every rank's ``head`` in a group of them all (the default group), by global rank.
+    A rank is followed only where it is certain of its wait (its head's ``stuck``) and its one
+    operation in flight is that collective; a rank waits for the members of its call's group
+    that have not entered it. Ranks that did not answer are not followed.
+    """
+    if mine.get("p2p"):
+        return None
+
+    def call_of(h: Mapping[str, Any] | None) -> tuple[Mapping[str, Any], Sequence[int], str] | None:
+        if h is None or not h.get("stuck"):
+            return None
+        busy = [b for b in h.get("recent") or [] if b.get("state") != "completed" and not b.get("error")]
+        there = h.get("elsewhere") or []
+        if len(busy) + len(there) != 1:
+            return None
+        if busy:
+            return busy[0], h.get("ranks") or [], str(h.get("group") or "")
+        return there[0], there[0].get("ranks") or [], str(there[0].get("group") or "")
+
+    def waits_for(call: Mapping[str, Any], members: Sequence[int], group: str, who: int) -> list[int]:
+        seq = int(call.get("seq") or 0)
+        out = []
+        for m in members:
+            if m == who:
+                continue
+            if m == me:
+                if entered.get(group, 0) < seq:
+                    out.append(m)
+                continue
+            h = heads.get(m)
+            if h is not None and int((h.get("entered") or {}).get(group, 0)) < seq:
+                out.append(m)
+        return out
+
+    calls = {g: c for g, h in heads.items() if g != me and (c := call_of(h)) is not None and not c[0].get("p2p")}
+    start = waits_for(mine, ranks, group, me)
+    # depth-first from the ranks this call waits for, each rank visited once: a path back here
+    path: list[tuple[int, Mapping[str, Any], int]] = []
+    seen: set[int] = set()
+
+    def visit(r: int) -> bool:
+        if r in seen or r not in calls:
+            return False
+        seen.add(r)
+        call, members, group = calls[r]
+        for nxt in waits_for(call, members, group, r):
+            path.append((r, {**call, "group": group}, nxt))
+            if nxt == me or visit(nxt):
+                return True
+            path.pop()
+        return False
+
+    for r in start:
+        if visit(r):
+            return path
     return None
 
 

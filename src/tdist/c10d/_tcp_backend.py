@@ -58,6 +58,7 @@ from ._desync import (
     Responder,
     ask_all,
     crossed,
+    cycle,
     describe_call,
     diagnose,
     explain,
@@ -637,7 +638,10 @@ class ProcessGroupTCP(Backend):
                 colls = [e[fr.CSEQ] for e in other.entries() if e[fr.PEER] is None]
                 entered[other.label] = colls[-1] if colls else 0
         found = crossed(mine, heads, self._rank, entered)
-        if found is None or entry[DONE] or self._broken is not None:
+        if found is None:
+            self._check_cycle(entry, mine, me, {**entered, rec.label: int(mine["seq"])})
+            return
+        if entry[DONE] or self._broken is not None:
             return
         q, theirs = found
         h = heads[q] or {}
@@ -657,6 +661,54 @@ class ProcessGroupTCP(Backend):
         others = [
             g for g in list(_recording)
             if (rec_g := g._fr) is not None and rec_g.label == theirs["group"] and rec_g.global_rank == me and g._broken is None
+        ]
+        self._break_with(CollectiveMismatchError(message), also=others)
+
+    def _check_cycle(self, entry: list[Any], mine: dict[str, Any], me: int, entered: dict[str, int]) -> None:
+        """The desync check's third question, where no rank of this group waits for this one
+        (``_check_crossed``): do the waits go round a cycle of ranks through other groups, back
+        to this rank (``_desync.cycle``)? The other ranks' answers come through the default
+        group, of which every rank is a member: the largest group of this process, the oldest
+        among equals."""
+        rec = self._fr
+        if rec is None:
+            return
+        world = None
+        for g in list(_recording):
+            r = g._fr
+            if g is self or r is None or r.global_rank != me or g._closed:
+                continue
+            if world is None or (r.size, -r.pg_id) > (world._fr.size, -world._fr.pg_id):  # type: ignore[union-attr]
+                world = g
+        if world is None or world._fr is None or world._fr.size <= self._size:
+            return  # (no group beyond this one's ranks: nothing else can be in a cycle)
+        answers, _ = ask_all(world._store, world._fr, {}, None, 1.0)
+        ranks = world._fr.ranks
+        heads = {ranks[q]: h for q, h in answers.items() if q < len(ranks)}
+        hops = cycle(me, mine, rec.label, rec.ranks, heads, entered)
+        if hops is None or entry[DONE] or self._broken is not None:
+            return
+        age = (_time_ns() - entry[STARTED]) / 1e9
+        groups = [rec.label, *dict.fromkeys(b["group"] for _, b, _ in hops if b["group"] != rec.label)]
+        named = ", ".join(repr(g) for g in groups[:-1]) + f" and {groups[-1]!r}" if len(groups) > 1 else repr(rec.label)
+        steps = [f"this rank (global rank {me}) is in {describe_call(mine)} of group {rec.label!r}, which waits for global rank {hops[0][0]}"]
+        for q, b, nxt in hops:
+            steps.append(
+                f"global rank {q} is in {describe_call(b)} of group {b['group']!r}, which waits for "
+                + (f"global rank {nxt}" if nxt != me else "this rank")
+            )
+        last = hops[-1][1]["group"]
+        message = (
+            f"rank {self._rank}: {_DEADLOCK} {named} (found by the desync check after {age:.1f} s without "
+            f"progress): {'; '.join(steps)}, which has not entered it (its last collective there is "
+            f"#{entered.get(last, 0)}) and cannot enter it before its call in group {rec.label!r} returns. "
+            "Ranks must call the collectives of the groups they share in the same order."
+        )
+        # (and the group where a rank waits for this one: it hears of it at once)
+        others = [
+            g for g in list(_recording)
+            if (rec_g := g._fr) is not None and rec_g.label == last and rec_g.global_rank == me and g is not self
+            and g._broken is None
         ]
         self._break_with(CollectiveMismatchError(message), also=others)
 
