@@ -304,6 +304,25 @@ def test_client_connect_errors() -> None:
         dist.TCPStore("127.0.0.1", 70000, is_master=True)
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_a_master_listens_on_every_address_of_its_host_as_torchs_does(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's server listens on every local address, whatever host name its master is given:
+    a job's other hosts reach it by an address the name may not resolve to on the master's
+    own host (a hostname that /etc/hosts gives as 127.0.1.1, Debian's default). 127.0.0.2 is
+    an address of every Linux host that a server bound to 127.0.0.1 alone does not answer."""
+    master = dist.TCPStore(host, 0, is_master=True, timeout=timedelta(seconds=10))
+    try:
+        master.set("k", "v")
+        monkeypatch.setenv("TDIST_STORE_UNIX", "0")  # (over TCP, to that address)
+        client = dist.TCPStore("127.0.0.2", master.port, timeout=timedelta(seconds=10))
+        assert client.get("k") == b"v"
+        client.close()
+    finally:
+        master.close()
+    with pytest.raises(DistNetworkError, match="does not resolve"):  # (a name that does not resolve: at once)
+        dist.TCPStore("no-such-host.invalid", 0, is_master=True, timeout=timedelta(seconds=10))
+
+
 def test_client_retries_until_server_starts() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

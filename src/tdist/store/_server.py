@@ -140,6 +140,9 @@ _HANDOVER_WAIT = 60.0
 _SPAWN_AFTER = 0.1
 
 
+_ANY = ("", "0.0.0.0", "::", "*")  # (hosts that bind every interface)
+
+
 def unix_address(port: int) -> str:
     """The abstract Unix-socket name a server on TCP ``port`` also listens on."""
     return f"\0tdist-store-{port}"
@@ -224,6 +227,9 @@ class StoreServer:
 
     Args:
         host: the address to bind; ``""``, ``"0.0.0.0"`` or ``"::"`` bind every interface.
+        every_address: bind every interface all the same, once ``host`` is known to be an
+            address or a name that resolves (``TCPStore``'s master: torch's server listens on
+            every local address, whatever host name it is given).
         port: the TCP port; 0 picks a free one (read it back from ``port``).
         secret: the shared secret clients must prove; ``None`` reads ``TDIST_SECRET``, and with
             neither the store is open to anyone who can connect (as torch's is).
@@ -265,7 +271,11 @@ class StoreServer:
         unix_fd: int | None = None,
         state: KVState | None = None,
         torch_clients: bool | None = None,
+        every_address: bool = False,
     ) -> None:
+        if every_address and listen_fd is None and host not in _ANY:
+            self._resolve(host, port)  # (a name that does not resolve fails here, as before)
+            host = ""
         self.host = host
         if spin is None:
             spin = _spin.SPIN
@@ -416,8 +426,27 @@ class StoreServer:
 
     # -- binding -------------------------------------------------------------------------------
     @staticmethod
+    def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
+        """The family and address that ``host`` (a name or an address) binds.
+
+        Raises:
+            DistNetworkError: a name that does not resolve.
+        """
+        if (literal := literal_family(host)) is not None:  # (no resolver: see _core.net)
+            return literal, (host, port)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise DistNetworkError(
+                f"cannot start a store server on {host}:{port}: the host name does not "
+                f"resolve ({exc})"
+            ) from exc
+        family, _, _, _, sockaddr = infos[0]
+        return family, (str(sockaddr[0]), int(sockaddr[1]))
+
+    @staticmethod
     def _bind_tcp(host: str, port: int, backlog: int) -> socket.socket:
-        if host in ("", "0.0.0.0", "::", "*"):
+        if host in _ANY:
             family, addr = socket.AF_INET6, ("::", port)
             try:
                 sock = socket.socket(family, socket.SOCK_STREAM)
@@ -426,19 +455,8 @@ class StoreServer:
                 family, addr = socket.AF_INET, ("0.0.0.0", port)
                 sock = socket.socket(family, socket.SOCK_STREAM)
             bind_addr: tuple[str, int] | tuple[str, int, int, int] = addr
-        elif (literal := literal_family(host)) is not None:  # (no resolver: see _core.net)
-            bind_addr = (host, port)
-            sock = socket.socket(literal, socket.SOCK_STREAM)
         else:
-            try:
-                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except socket.gaierror as exc:
-                raise DistNetworkError(
-                    f"cannot start a store server on {host}:{port}: the host name does not "
-                    f"resolve ({exc})"
-                ) from exc
-            family, _, _, _, sockaddr = infos[0]
-            bind_addr = (str(sockaddr[0]), int(sockaddr[1]))
+            family, bind_addr = StoreServer._resolve(host, port)
             sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

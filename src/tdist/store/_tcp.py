@@ -165,7 +165,10 @@ class TCPStore(Store):
     """A store served over TCP by the master (``is_master=True``) and reached by clients.
 
     Args:
-        host_name: the server's host name or address (the master binds it).
+        host_name: the server's host name or address. The master listens on every address
+            of its host, as torch's does (another host may reach it by an address that the
+            name does not resolve to here, e.g. a hostname that ``/etc/hosts`` gives as
+            127.0.1.1); a name that does not resolve is an error at once.
         port: the server's port; the master may pass 0 for a free one (read ``port``).
         world_size: the number of store users; with ``wait_for_workers`` the master waits for
             all of them to connect.
@@ -320,6 +323,7 @@ class TCPStore(Store):
                 secret=self._secret,
                 listen_fd=listen_fd,
                 max_frame=DEFAULT_MAX_FRAME if max_frame is None else max_frame,
+                every_address=True,
             )
             mode = _server_mode()
             # this client's connection to the server: a socket pair, served as one that has
