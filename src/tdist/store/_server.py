@@ -426,7 +426,7 @@ class StoreServer:
 
     # -- binding -------------------------------------------------------------------------------
     @staticmethod
-    def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
+    def _resolve(host: str, port: int) -> tuple[int, tuple[str, int]]:
         """The family and address that ``host`` (a name or an address) binds.
 
         Raises:
