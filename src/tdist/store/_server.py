@@ -456,8 +456,8 @@ class StoreServer:
                 sock = socket.socket(family, socket.SOCK_STREAM)
             bind_addr: tuple[str, int] | tuple[str, int, int, int] = addr
         else:
-            family, bind_addr = StoreServer._resolve(host, port)
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            resolved, bind_addr = StoreServer._resolve(host, port)
+            sock = socket.socket(resolved, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(bind_addr)
