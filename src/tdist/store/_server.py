@@ -470,7 +470,7 @@ class StoreServer:
                 else "check that the address belongs to this host"
             )
             raise DistNetworkError(
-                f"cannot start a store server on {host}:{port}: {exc.strerror or exc}; {hint}"
+                f"cannot start a store server on {host or '*'}:{port}: {exc.strerror or exc}; {hint}"
             ) from exc
         return sock
 
