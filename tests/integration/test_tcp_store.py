@@ -323,6 +323,29 @@ def test_a_master_listens_on_every_address_of_its_host_as_torchs_does(host: str,
         dist.TCPStore("no-such-host.invalid", 0, is_master=True, timeout=timedelta(seconds=10))
 
 
+def test_a_master_of_the_agents_port_joins_the_agents_store_as_torchs_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under an elastic agent (torchrun, ``tdist run``: ``TORCHELASTIC_USE_AGENT_STORE``), a
+    worker's ``TCPStore(MASTER_ADDR, MASTER_PORT, is_master=rank == 0)`` finds the agent's
+    store on that port and joins it as a client (torch's test_agent_store); elsewhere a taken
+    port is an error."""
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    try:
+        agent.set("k", "v")
+        with pytest.raises(DistNetworkError, match="Address already in use"):
+            dist.TCPStore("127.0.0.1", agent.port, 1, True, timeout=timedelta(seconds=2))
+        monkeypatch.setenv("MASTER_PORT", str(agent.port))
+        for value in ("1", "True"):
+            monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", value)
+            worker = dist.TCPStore("127.0.0.1", agent.port, 1, True, timeout=timedelta(seconds=10))
+            assert worker.port == agent.port and worker.get("k") == b"v"
+            worker.close()
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+        with pytest.raises(DistNetworkError, match="Address already in use"):
+            dist.TCPStore("127.0.0.1", agent.port, 1, True, timeout=timedelta(seconds=2))
+    finally:
+        agent.close()
+
+
 def test_client_retries_until_server_starts() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
+import errno
 import functools
 import ipaddress
 import logging
@@ -67,6 +68,20 @@ _INIT_KEY = "init/"
 _GRACE = 5.0
 _CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
 _WILDCARD = ("", "0.0.0.0", "::", "*")
+
+
+def _the_agents_port(port: int, exc: DistNetworkError) -> bool:
+    """Whether a master could not bind ``port`` because the elastic agent's store holds it:
+    ``TORCHELASTIC_USE_AGENT_STORE`` is set (torchrun's and ``tdist run``'s workers; "1" or
+    "true", any case, as torch reads it) and ``port`` is ``MASTER_PORT``, which is taken."""
+    cause = exc.__cause__
+    return (
+        port != 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true")
+        and os.environ.get("MASTER_PORT", "").strip() == str(port)
+        and isinstance(cause, OSError)
+        and cause.errno == errno.EADDRINUSE
+    )
 
 _INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
 _INT = struct.Struct("<q")
@@ -249,7 +264,15 @@ class TCPStore(Store):
         # caller's thread (``StoreServer.serve_direct``); the socket pair carries the rest
         self._direct: tuple[StoreServer, _Conn] | None = None
         if is_master:
-            self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
+            try:
+                self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
+            except DistNetworkError as exc:
+                if not _the_agents_port(port, exc):
+                    raise
+                # under an elastic agent whose store holds MASTER_PORT, a master of that port
+                # joins it as a client, as torch's does (a worker's own `is_master=rank == 0`)
+                self._is_master = is_master = False
+                self._port = port
         else:
             self._port = port
         self._connect_host = "127.0.0.1" if host_name in _WILDCARD else host_name
