@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # torch's package has these loaded; ours imports them on first use (and master_worker, torch
 # 0.3's master-worker mode)
-_SUBMODULES = ("autograd", "constants", "elastic", "flight_recorder", "master_worker", "optim", "rpc")
+_SUBMODULES = ("autograd", "constants", "distributed_c10d", "elastic", "flight_recorder", "master_worker", "optim", "rpc")
 
 
 def _load() -> None:

@@ -48,6 +48,23 @@ def _get_default_store() -> Any:
     return world.groups[default].store
 
 
+def _get_process_group_store(pg: Any) -> Any:
+    """The store of group ``pg`` (torch's private helper): its namespace of the store the
+    groups were made on, as torch's; ``pg`` may be torch's handle on a group of tdist's.
+
+    Raises:
+        ValueError: ``pg`` is not a live group of this process (torch fails on its lookup).
+    """
+    from .c10d._world import _from_torch, _world
+
+    world = _world()
+    ours = _from_torch(pg) or pg
+    info = world.groups.get(ours) if not _not_member(ours) else None
+    if info is None:
+        raise ValueError(f"_get_process_group_store: {pg!r} is not a process group of this process")
+    return info.store
+
+
 def _rank_not_in_group(group: object) -> bool:
     """True when ``group`` is the placeholder a non-member holds (``GroupMember.NON_GROUP_MEMBER``);
     None (the default group) is never that."""

@@ -346,6 +346,20 @@ def test_a_master_of_the_agents_port_joins_the_agents_store_as_torchs_does(monke
         agent.close()
 
 
+def test_errors_say_what_torchs_tests_expect() -> None:
+    """The words torch's own test_store.py matches (each error keeps tdist's account after them)."""
+    with pytest.raises(ValueError, match="TCPStore world size cannot be 0"):
+        dist.TCPStore("localhost", 0, world_size=0, is_master=False)
+    with pytest.raises(dist.DistStoreError, match=r"Timed out after \d+ seconds waiting for clients. \d+/\d+ clients joined."):
+        dist.TCPStore("localhost", 0, 2, True, timeout=timedelta(seconds=1))
+    master = dist.TCPStore("localhost", 0, 1, True)
+    try:
+        with pytest.raises(DistNetworkError, match=f"^The server socket has failed to listen on any local .*{master.port}"):
+            dist.TCPStore("localhost", master.port, 1, True)
+    finally:
+        master.close()
+
+
 def test_client_retries_until_server_starts() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

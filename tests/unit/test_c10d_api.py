@@ -5,6 +5,8 @@ backend, and the public surface against ``torch.distributed``."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import types
 import warnings
@@ -624,6 +626,11 @@ def test_init_twice_destroy_and_again() -> None:
     # which torch's modules take (DDP, FSDP, PowerSGDState(process_group=dist.group.WORLD))
     assert isinstance(world, torch.distributed.ProcessGroup) and world.rank() == 0 and world.size() == 1
     assert torch.distributed.distributed_c10d._get_default_group() is world
+    # torch's private store helpers: the default group's namespace, by our handle or torch's
+    default_store = dist.distributed_c10d._get_default_store()
+    assert isinstance(default_store, dist.PrefixStore)
+    assert dist.distributed_c10d._get_process_group_store(world) is default_store
+    assert dist.distributed_c10d._get_process_group_store(_default_group()) is default_store
     pg = _default_group()
     # (both count as groups, as with torch.distributed; only the first is tdist's own)
     assert isinstance(pg, dist.ProcessGroup) and isinstance(world, dist.ProcessGroup)
@@ -1068,3 +1075,11 @@ def test_destroying_a_group_after_the_default_one_is_torchs_value_error() -> Non
             dist.all_reduce(torch.ones(1), group=gone)
     with pytest.raises(AssertionError, match=r"^Process group cannot be None"):
         dist.destroy_process_group()
+
+
+def test_distributed_c10d_is_an_attribute_of_a_fresh_import() -> None:
+    """``import tdist as dist; dist.distributed_c10d`` as the first use, as with torch's package
+    (where torch.distributed has it loaded)."""
+    code = "import tdist as dist; print(dist.distributed_c10d.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "tdist.distributed_c10d", done.stderr

@@ -178,6 +178,8 @@ def test_concurrent_adds_and_barrier_through_prefix(base: tdist.HashStore) -> No
 
 
 def test_constructor_checks_types(base: tdist.HashStore) -> None:
+    with pytest.raises(ValueError, match="store argument cannot be None"):  # (torch's type and words)
+        tdist.PrefixStore("p", None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="prefix must be str"):
         tdist.PrefixStore(1, base)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be a Store"):
@@ -215,3 +217,61 @@ def test_same_outcomes_as_torch_prefixstore() -> None:
     ours = run_script(tdist.HashStore(), tdist.PrefixStore)
     theirs = run_script(tdd.HashStore(), tdd.PrefixStore)
     assert ours == theirs
+
+
+# -- a store written in Python (a subclass of Store), behind a prefix store: torch's own tests ----
+def _python_store(dist: Any) -> Any:
+    """torch's test_store.py's MyPythonStore: the core calls only, values checked to be bytes."""
+
+    class MyPythonStore(dist.Store):  # type: ignore[name-defined,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.store: dict[str, bytes] = {}
+
+        def set(self, key: str, value: object) -> None:
+            assert type(value) is bytes, value
+            self.store[key] = value
+
+        def get(self, key: str) -> bytes:
+            return self.store.get(key, b"")
+
+        def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+            assert type(expected) is bytes and type(desired) is bytes, (expected, desired)
+            val = self.store.get(key)
+            if expected == val or val is None:
+                val = self.store[key] = desired
+            return val
+
+    return MyPythonStore()
+
+
+@pytest.mark.parametrize("impl", ["torch", "tdist"])
+def test_a_python_store_gets_bytes_and_the_fallbacks_use_compare_set_alone(impl: str) -> None:
+    """torch's test_extended_methods_fallbacks and test_append_roundtrip: a prefix store hands a
+    Store subclass its values as bytes, and the base class's append needs compare_set alone."""
+    dist: Any = tdd if impl == "torch" else tdist
+    inner = _python_store(dist)  # (held: torch's prefix store keeps only its C++ half alive)
+    store = dist.PrefixStore("p", inner)
+    assert not store.has_extended_api()
+    store.set("s", "text")  # (a str becomes bytes on the way)
+    store.append("foo", b"po")
+    store.append("foo", "tato")
+    assert store.get("foo") == b"potato"
+    store.multi_set(["a", "b"], [b"c", "d"])
+    assert store.multi_get(["a", "b", "foo", "s"]) == [b"c", b"d", b"potato", b"text"]
+    assert store.compare_set("a", "c", "e") == b"e"
+
+
+@pytest.mark.parametrize("impl", ["torch", "tdist"])
+def test_a_python_store_without_a_method_says_not_implemented(impl: str) -> None:
+    """torch's test_optional_methods_fail: a RuntimeError saying "Not implemented."."""
+    dist: Any = tdd if impl == "torch" else tdist
+
+    class Empty(dist.Store):  # type: ignore[name-defined,misc]
+        pass
+
+    store = Empty()
+    assert not store.has_extended_api()
+    for call in (lambda: store.append("foo", "bar"), lambda: store.multi_get(["foo"]), lambda: store.multi_set(["foo"], [b"bar"])):
+        with pytest.raises(RuntimeError, match=r"Not implemented\."):
+            call()

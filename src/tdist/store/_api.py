@@ -119,7 +119,7 @@ class Store:
     # -- the core API --------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
         """Store ``value`` under ``key``, replacing any old value."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to the store's timeout for it to be set.
@@ -127,7 +127,7 @@ class Store:
         Raises:
             StoreTimeoutError: the key did not appear in time.
         """
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer at ``key`` (0 if missing); returns the new value.
@@ -135,7 +135,7 @@ class Store:
         Raises:
             StoreValueError: the key holds something that is not an integer.
         """
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """Set ``key`` to ``desired_value`` if it holds ``expected_value``.
@@ -143,7 +143,7 @@ class Store:
         A missing key counts as holding ``b""``. Returns the value after the call, except that a
         missing key with a non-empty ``expected_value`` returns ``expected_value`` (as torch).
         """
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every key in ``keys`` is set.
@@ -151,19 +151,19 @@ class Store:
         Raises:
             StoreTimeoutError: naming the keys still missing when the timeout expired.
         """
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key in ``keys`` is set, without waiting."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; returns whether it existed."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def num_keys(self) -> int:
         """The number of keys in the store."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     # -- the extended API ----------------------------------------------------------------------
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
@@ -179,10 +179,23 @@ class Store:
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key`` (set it if missing). This default, for a
-        subclass that implements only the core API, goes through ``compare_set`` until no other
-        writer came in between (as torch's base class does)."""
+        subclass that implements only the core API, reads what the key holds (``check``,
+        ``get``) and goes through ``compare_set`` until no other writer came in between.
+
+        A subclass without ``check`` gets torch's base class's way, ``compare_set`` alone: the
+        first sets a missing key or says what it holds, each next one appends to what the last
+        one said. (It cannot tell a key that holds ``value`` already from one it just set: such
+        an append changes nothing, as torch's.)"""
         tail = as_bytes(value)
-        expected = self.get(key) if self.check([key]) else b""  # (a missing key holds b"")
+        try:
+            expected = self.get(key) if self.check([key]) else b""  # (a missing key holds b"")
+        except NotImplementedError:
+            desired = tail
+            current = self.compare_set(key, b"", desired)
+            while current != desired:
+                desired = current + tail
+                current = self.compare_set(key, current, desired)
+            return
         while True:
             current = self.compare_set(key, expected, expected + tail)
             if current == expected + tail:
@@ -191,11 +204,11 @@ class Store:
 
     def list_keys(self) -> list[str]:
         """Every key in the store."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Push ``value`` at the tail of the queue ``key``."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the head of the queue ``key``, waiting up to the timeout if ``block``.
@@ -204,11 +217,11 @@ class Store:
             QueueEmptyError: ``block`` is False and the queue is empty.
             StoreTimeoutError: nothing arrived in time.
         """
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def queue_len(self, key: str) -> int:
         """The number of values in the queue ``key``."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def has_extended_api(self) -> bool:
         """Whether the store has the queue and key-listing calls: every tdist store; a Python
@@ -232,7 +245,7 @@ class Store:
 
     def clone(self) -> Store:
         """A new handle on the same store, for use from another thread."""
-        raise NotImplementedError
+        raise NotImplementedError("Not implemented.")  # (torch's words)
 
     def _torch_store(self) -> Any:
         """torch's store that this one hands its calls to (``None``: none, a store of tdist's

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ._api import Store, check_key, key_list
+from ._api import Store, as_bytes, check_key, key_list
 
 __all__ = ["PrefixStore"]
 
@@ -14,7 +14,7 @@ class PrefixStore(Store):
     """A view of ``store`` in which every key is ``f"{prefix}/{key}"`` (``torch.distributed.PrefixStore``).
 
     Every call is delegated to the underlying store, so ``PrefixStore`` is as thread-safe as
-    that store. The timeout is the underlying store's: ``set_timeout`` changes it for every
+    that store; values reach it as bytes, as torch's hands them to a ``Store`` subclass. The timeout is the underlying store's: ``set_timeout`` changes it for every
     user of that store, as in torch. Prefix stores nest (``PrefixStore("b", PrefixStore("a",
     s))`` uses keys ``a/b/...``).
 
@@ -26,6 +26,8 @@ class PrefixStore(Store):
     def __init__(self, prefix: str, store: Store) -> None:
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore prefix must be str, got {type(prefix).__name__}")
+        if store is None:
+            raise ValueError("store argument cannot be None")  # (torch's words)
         if not isinstance(store, Store):  # (torch's store: wrapped; anything else: TypeError)
             from ._foreign import as_store
 
@@ -75,7 +77,7 @@ class PrefixStore(Store):
     # -- the Store API -------------------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
         """Store ``value`` under ``prefix/key``."""
-        self._store.set(self._key(key), value)
+        self._store.set(self._key(key), as_bytes(value))
 
     def get(self, key: str) -> bytes:
         """The value of ``prefix/key``, waiting up to the underlying store's timeout.
@@ -97,7 +99,7 @@ class PrefixStore(Store):
         self, key: str, expected_value: str | bytes, desired_value: str | bytes
     ) -> bytes:
         """Compare-and-set ``prefix/key``; see ``Store.compare_set``."""
-        return self._store.compare_set(self._key(key), expected_value, desired_value)
+        return self._store.compare_set(self._key(key), as_bytes(expected_value), as_bytes(desired_value))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         """Block until every ``prefix/key`` is set.
@@ -129,11 +131,11 @@ class PrefixStore(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set every ``prefix/key`` to the matching value."""
         keys = key_list(keys, "multi_set")
-        self._store.multi_set(self._keys(keys), values)
+        self._store.multi_set(self._keys(keys), [as_bytes(v) for v in values])
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``prefix/key``."""
-        self._store.append(self._key(key), value)
+        self._store.append(self._key(key), as_bytes(value))
 
     def list_keys(self) -> list[str]:
         """The keys under this prefix, with the prefix stripped."""
@@ -142,7 +144,7 @@ class PrefixStore(Store):
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """Push ``value`` on the queue ``prefix/key``."""
-        self._store.queue_push(self._key(key), value)
+        self._store.queue_push(self._key(key), as_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """Pop the head of the queue ``prefix/key``; see ``Store.queue_pop``."""

@@ -469,9 +469,10 @@ class StoreServer:
                 if exc.errno == errno.EADDRINUSE
                 else "check that the address belongs to this host"
             )
-            raise DistNetworkError(
-                f"cannot start a store server on {host or '*'}:{port}: {exc.strerror or exc}; {hint}"
-            ) from exc
+            why = f"{exc.strerror or exc}; {hint}"
+            if host in _ANY:  # (bound as torch's server binds, on every address: torch's words)
+                raise DistNetworkError(f"The server socket has failed to listen on any local network address. port: {port}: {why}") from exc
+            raise DistNetworkError(f"cannot start a store server on {host}:{port}: {why}") from exc
         return sock
 
     @staticmethod

@@ -231,7 +231,10 @@ class TCPStore(Store):
         if not 0 <= port < 65536:
             raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
         if world_size is not None and world_size < 1 and world_size != -1:
-            raise ValueError(f"TCPStore world_size must be positive, got {world_size}")
+            raise ValueError(
+                "TCPStore world size cannot be 0" if world_size == 0  # (torch's words)
+                else f"TCPStore world_size must be positive (or -1: any number), got {world_size}"
+            )
         if world_size == -1:
             world_size = None
         if not is_master and port == 0:
@@ -376,10 +379,10 @@ class TCPStore(Store):
             if joined >= world_size:
                 return
             if time.monotonic() >= deadline:
-                raise StoreTimeoutError(
-                    f"TCPStore master on {self._host}:{self._port} timed out after {timeout:g} s "
-                    f"waiting for workers: {joined}/{world_size} clients joined; check that every "
-                    "rank was started and reaches this address"
+                raise StoreTimeoutError(  # (torch's words first)
+                    f"Timed out after {round(timeout)} seconds waiting for clients. {joined}/{world_size} "
+                    f"clients joined. (TCPStore master on {self._host}:{self._port}; check that every "
+                    "rank was started and reaches this address)"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
