@@ -360,6 +360,34 @@ def test_errors_say_what_torchs_tests_expect() -> None:
         master.close()
 
 
+def test_a_master_on_a_host_without_ipv6_listens_on_every_ipv4_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where IPv6 is turned off (the socket can be made, its bind fails), every address is every
+    IPv4 address."""
+    import errno
+
+    from tdist.store import _server
+
+    real = socket.socket
+
+    class NoIPv6(real):  # type: ignore[misc,valid-type]
+        def bind(self, address: object) -> None:
+            if self.family == socket.AF_INET6:
+                raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+            super().bind(address)
+
+    monkeypatch.setattr(_server.socket, "socket", NoIPv6)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setattr(_server.socket, "socket", real)
+    try:
+        master.set("k", "v")
+        monkeypatch.setenv("TDIST_STORE_UNIX", "0")
+        client = dist.TCPStore("127.0.0.2", master.port, timeout=timedelta(seconds=10))
+        assert client.get("k") == b"v"
+        client.close()
+    finally:
+        master.close()
+
+
 def test_client_retries_until_server_starts() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -447,33 +447,37 @@ class StoreServer:
     @staticmethod
     def _bind_tcp(host: str, port: int, backlog: int) -> socket.socket:
         if host in _ANY:
-            family, addr = socket.AF_INET6, ("::", port)
+            # every address: IPv6 and IPv4 on one socket where the host has IPv6; IPv4 alone
+            # where it has none (a host or container with IPv6 turned off: the module may be
+            # there, and only the bind fails)
+            tries: list[tuple[int, tuple[str, int]]] = [(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))]
+        else:
+            tries = [StoreServer._resolve(host, port)]
+        for i, (family, bind_addr) in enumerate(tries):
+            sock = None
             try:
                 sock = socket.socket(family, socket.SOCK_STREAM)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            except OSError:
-                family, addr = socket.AF_INET, ("0.0.0.0", port)
-                sock = socket.socket(family, socket.SOCK_STREAM)
-            bind_addr: tuple[str, int] | tuple[str, int, int, int] = addr
-        else:
-            resolved, bind_addr = StoreServer._resolve(host, port)
-            sock = socket.socket(resolved, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(bind_addr)
-            sock.listen(backlog)
-        except OSError as exc:
-            sock.close()
-            hint = (
-                "another process is using the port; pick another or pass port=0"
-                if exc.errno == errno.EADDRINUSE
-                else "check that the address belongs to this host"
-            )
-            why = f"{exc.strerror or exc}; {hint}"
-            if host in _ANY:  # (bound as torch's server binds, on every address: torch's words)
-                raise DistNetworkError(f"The server socket has failed to listen on any local network address. port: {port}: {why}") from exc
-            raise DistNetworkError(f"cannot start a store server on {host}:{port}: {why}") from exc
-        return sock
+                if family == socket.AF_INET6 and host in _ANY:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(bind_addr)
+                sock.listen(backlog)
+                return sock
+            except OSError as exc:
+                if sock is not None:
+                    sock.close()
+                if i + 1 < len(tries) and exc.errno != errno.EADDRINUSE:
+                    continue
+                hint = (
+                    "another process is using the port; pick another or pass port=0"
+                    if exc.errno == errno.EADDRINUSE
+                    else "check that the address belongs to this host"
+                )
+                why = f"{exc.strerror or exc}; {hint}"
+                if host in _ANY:  # (bound as torch's server binds, on every address: torch's words)
+                    raise DistNetworkError(f"The server socket has failed to listen on any local network address. port: {port}: {why}") from exc
+                raise DistNetworkError(f"cannot start a store server on {host}:{port}: {why}") from exc
+        raise AssertionError("unreachable")  # (the last try returns or raises)
 
     @staticmethod
     def _bind_unix(port: int, backlog: int) -> socket.socket | None:
