@@ -79,6 +79,37 @@ def test_the_standby_has_every_change_and_serves_it_when_the_server_is_killed(ma
         standby.stop()
 
 
+@pytest.mark.parametrize("serves", [True, False])
+def test_a_standby_serves_torchs_clients_where_its_server_did(serves: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tdist run's job store has a secret and serves torch's own clients (a torch program's
+    TCPStore): so does the standby that takes over from it; one of a store that refuses them
+    refuses them too."""
+    import torch.distributed as tdd
+
+    from tdist.store._server import StoreServer
+
+    monkeypatch.setenv("TDIST_SECRET", "failover-secret")
+    server = StoreServer("127.0.0.1", 0, torch_clients=serves)
+    server.start("thread")
+    took_over = threading.Event()
+    standby = StoreStandby("127.0.0.1", server.port, timeout=_T, silence=10.0, on_takeover=lambda _: took_over.set())
+    try:
+        assert standby.synced.wait(10)
+        server.stop()  # (its connections close: the standby takes over)
+        assert took_over.wait(10) and standby.serving
+        port = int(standby.address.rpartition(":")[2])
+        if serves:
+            client = tdd.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+            client.set("k", "v")
+            assert client.get("k") == b"v"
+            del client
+        else:
+            with pytest.raises(tdd.DistError):
+                tdd.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
+    finally:
+        standby.stop()
+
+
 def test_a_wait_under_way_goes_on_at_the_standby(master: TCPStore) -> None:
     standby = _standby(master)
     try:

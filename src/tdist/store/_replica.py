@@ -98,6 +98,7 @@ class StoreStandby:
         self._on_takeover = on_takeover
         self._listen_host = listen_host
         self._state = KVState()
+        self._torch_clients = False  # (whether the server followed serves torch's clients: FOLLOW's reply)
         self.server: StoreServer | None = None
         self._stop = threading.Event()
         self.synced = threading.Event()
@@ -113,7 +114,8 @@ class StoreStandby:
                     if conn is not None and conn.family != socket.AF_UNIX:
                         advertise = str(conn.getsockname()[0])
                 self.address = f"{advertise}:{self.port}"
-                self._client._call(Op.FOLLOW, [self.address.encode()])
+                said = self._client._call(Op.FOLLOW, [self.address.encode()])
+                self._torch_clients = bool(said) and said[0] == b"\x01"
             except BaseException:
                 self._client.close()
                 raise
@@ -188,7 +190,10 @@ class StoreStandby:
         with contextlib.suppress(Exception):
             self._client.close()
         try:
-            server = StoreServer(self._listen_host, listen_fd=self._sock.detach(), secret=self._secret, state=self._state)
+            server = StoreServer(
+                self._listen_host, listen_fd=self._sock.detach(), secret=self._secret, state=self._state,
+                torch_clients=self._torch_clients,  # (as the server it follows: tdist run's store serves them)
+            )
             # (``serving`` before it serves: a client it answers finds it serving)
             self.server = server
             server.start("thread")

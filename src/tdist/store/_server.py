@@ -1827,7 +1827,8 @@ class StoreServer:
     # -- standbys (``_replica``) ----------------------------------------------------------------
     def _op_follow(self, conn: _Conn, f: list[bytes]) -> None:
         """A standby asks for the data and every later change; it serves at ``f[0]`` (host:port)
-        once this server is lost. One standby at a time: two would both take over."""
+        once this server is lost. One standby at a time: two would both take over. The reply
+        says whether this server serves torch's clients, which the standby then serves too."""
         self._nargs(f, 1, "FOLLOW")
         address = f[0].decode(errors="replace")
         for other, at in self._followers.items():
@@ -1837,7 +1838,7 @@ class StoreServer:
         if not self._followers:
             self._add_timer(self._clock() + _BEAT_EVERY, self._beat_followers)
         self._followers[conn] = address
-        self._reply(conn)
+        self._reply(conn, [b"\x01" if self.torch_clients else b"\x00"])  # (the standby serves them as this does)
         state = self._state
         for key in {**dict.fromkeys(state.data), **dict.fromkeys(state.queues)}:
             self._out(conn, self._key_frame(key))
