@@ -639,7 +639,7 @@ class ProcessGroupTCP(Backend):
                 entered[other.label] = colls[-1] if colls else 0
         found = crossed(mine, heads, self._rank, entered)
         if found is None:
-            self._check_cycle(entry, mine, me, {**entered, rec.label: int(mine["seq"])})
+            self._check_cycle(entry, mine, me, {**entered, rec.label: int(mine["seq"])}, heads)
             return
         if entry[DONE] or self._broken is not None:
             return
@@ -664,12 +664,14 @@ class ProcessGroupTCP(Backend):
         ]
         self._break_with(CollectiveMismatchError(message), also=others)
 
-    def _check_cycle(self, entry: list[Any], mine: dict[str, Any], me: int, entered: dict[str, int]) -> None:
+    def _check_cycle(
+        self, entry: list[Any], mine: dict[str, Any], me: int, entered: dict[str, int], answers: dict[int, dict[str, Any] | None]
+    ) -> None:
         """The desync check's third question, where no rank of this group waits for this one
         (``_check_crossed``): do the waits go round a cycle of ranks through other groups, back
         to this rank (``_desync.cycle``)? The other ranks' answers come through the default
-        group, of which every rank is a member: the largest group of this process, the oldest
-        among equals."""
+        group, of which every rank is a member (the largest group of this process, the oldest
+        among equals); where this group is that one, its own ``answers`` are everyone's."""
         rec = self._fr
         if rec is None:
             return
@@ -680,10 +682,13 @@ class ProcessGroupTCP(Backend):
                 continue
             if world is None or (r.size, -r.pg_id) > (world._fr.size, -world._fr.pg_id):  # type: ignore[union-attr]
                 world = g
-        if world is None or world._fr is None or world._fr.size <= self._size:
-            return  # (no group beyond this one's ranks: nothing else can be in a cycle)
-        answers, _ = ask_all(world._store, world._fr, {}, None, 1.0)
-        ranks = world._fr.ranks
+        if world is not None and world._fr is not None and world._fr.size > self._size:
+            answers, _ = ask_all(world._store, world._fr, {}, None, 1.0)
+            ranks = world._fr.ranks
+        elif world is not None:
+            ranks = rec.ranks  # (this group is the largest: its answers are every rank's)
+        else:
+            return  # (no other group: no cycle through one)
         heads = {ranks[q]: h for q, h in answers.items() if q < len(ranks)}
         hops = cycle(me, mine, rec.label, rec.ranks, heads, entered)
         if hops is None or entry[DONE] or self._broken is not None:
