@@ -139,6 +139,8 @@ _DEADLOCK_P2P = "point-to-point deadlock in group"  # (on two ranks that both re
 _RECENT_OWN = 16  # (this rank's operations looked at for any other in flight)
 # a failure that quotes one of these says already what went wrong, naming both sides
 _QUOTED = (_MARK, _MISMATCH, _DEADLOCK, _DEADLOCK_P2P, "mismatched calls", "collective mismatch in shared-memory arena")
+# the groups a deadlock verdict names ("deadlock between groups 'a', 'b' and 'c' (found ...")
+_DEADLOCK_GROUPS = re.compile(_DEADLOCK + r" ((?:'[^']*'(?:, | and )?)+) \(")
 
 
 # what the transport and the arena say of a peer that is gone, wherever in a (quoted) message
@@ -893,11 +895,15 @@ class ProcessGroupTCP(Backend):
         if isinstance(exc, CollectiveMismatchError):
             if exc is not self._verdict:  # (the desync check had them written)
                 self._dump_everywhere()
+            # (this rank's own verdict too: its check may still be writing the dumps, before it
+            # breaks the other group, when another rank's abort wakes this call)
+            self._pass_on_deadlock(str(exc))
             return
         if not isinstance(exc, (DistTimeoutError, PeerError)):
             return
         text = str(exc)
         if any(m in text for m in _QUOTED):  # (a peer's diagnosis or mismatch, quoted in its abort)
+            self._pass_on_deadlock(text)
             return
         prefix = fr.dump_prefix() if fr.dump_on_failure() else None
         earlier = self._ep.broken
@@ -918,6 +924,24 @@ class ProcessGroupTCP(Backend):
                 fr.write_dump(f"{prefix}{g}", g)
             except OSError as err:
                 log.warning("rank %d: writing the flight-recorder dump failed: %s", self._rank, err)
+
+    def _pass_on_deadlock(self, text: str) -> None:
+        """A peer's deadlock verdict reached this rank's call (``text`` quotes it): break this
+        process's other groups that the verdict names, with it, before the call fails. Ranks of
+        a cycle wait in groups that the rank which found it is not a member of; this rank is,
+        and its caller, failing, may destroy its groups at once: a rank waiting in one would
+        then hear only that this rank left it, not why."""
+        found = _DEADLOCK_GROUPS.search(text)
+        rec = self._fr
+        if found is None or rec is None:
+            return
+        names = set(re.findall(r"'([^']*)'", found.group(1)))
+        me = rec.global_rank
+        for g in list(_recording):
+            r = g._fr
+            if (g is not self and r is not None and r.global_rank == me and r.label in names and g._broken is None
+                    and g._verdict is None and not g._closed):
+                g._break_with(CollectiveMismatchError(text), dump=False)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
