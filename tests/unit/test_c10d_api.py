@@ -1083,3 +1083,19 @@ def test_distributed_c10d_is_an_attribute_of_a_fresh_import() -> None:
     code = "import tdist as dist; print(dist.distributed_c10d.__name__)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "tdist.distributed_c10d", done.stderr
+
+
+def test_process_group_takes_torchs_two_constructors() -> None:
+    """``ProcessGroup(rank, size)`` (torch's tests subclass it so for a Python backend) and
+    ``ProcessGroup(store, rank, size)``."""
+
+    class Dummy(dist.ProcessGroup):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__(rank, size)
+
+    for pg in (Dummy(1, 2), dist.ProcessGroup(0, 3), dist.ProcessGroup(dist.HashStore(), 1, 2), dist.ProcessGroup(rank=0, size=2)):
+        assert (pg.rank(), pg.size()) in ((1, 2), (0, 3), (0, 2))
+    with pytest.raises(RuntimeError, match="without a store"):
+        Dummy(0, 1).get_group_store()
+    with pytest.raises(TypeError):
+        dist.ProcessGroup(0)  # type: ignore[call-arg]

@@ -271,10 +271,22 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
     XCCL = BackendType.XCCL
     CUSTOM = BackendType.CUSTOM
 
-    def __init__(self, store: Store, rank: int, size: int) -> None:
-        self._store = store
-        self._rank = rank
-        self._size = size
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # torch's two overloads: ``ProcessGroup(rank, size)`` (a group of a Python backend of
+        # its own, as torch's tests subclass it) and ``ProcessGroup(store, rank, size)``
+        params = ("rank", "size") if len(args) + len(kwargs) == 2 and "store" not in kwargs else ("store", "rank", "size")
+        if len(args) > len(params) or set(kwargs) - set(params[len(args):]):
+            raise TypeError(
+                "ProcessGroup() takes (rank, size) or (store, rank, size), got "
+                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
+            )
+        bound = dict(zip(params, args, strict=False)) | kwargs
+        missing = [p for p in params if p not in bound]
+        if missing:
+            raise TypeError(f"ProcessGroup() missing argument(s): {', '.join(missing)}")
+        self._store: Store | None = bound.get("store")  # (None: the (rank, size) form)
+        self._rank = int(bound["rank"])
+        self._size = int(bound["size"])
         self._backend: BackendImpl | None = None
         self._backend_name = "undefined"
         self._group_name = ""
@@ -343,7 +355,13 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
         self._checker = checker
 
     def get_group_store(self) -> Store:
-        """The group's store namespace."""
+        """The group's store namespace.
+
+        Raises:
+            RuntimeError: a group made as ``ProcessGroup(rank, size)`` has none.
+        """
+        if self._store is None:
+            raise RuntimeError("this process group was made without a store (ProcessGroup(rank, size))")
         return self._store
 
     def __repr__(self) -> str:
@@ -729,7 +747,7 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
             seq = self._mb_seq
             self._mb_seq += 1
         monitored_barrier_via_store(
-            self._store, self._rank, self._size, seq, timeout, wait_all_ranks,
+            self.get_group_store(), self._rank, self._size, seq, timeout, wait_all_ranks,
             getattr(self._backend, "lost_peers", None),
         )
 
