@@ -194,6 +194,9 @@ def _errors(d: Any, rank: int, ws: int, sub: Any, out: dict[str, Any]) -> None:
     err("reduce_scatter_list_len", lambda: d.reduce_scatter(torch.zeros(1), [torch.ones(1)] * (ws + 1)))
     # (every rank sends itself 2 elements into 1: gloo's enforce, tdist's check before sending)
     err("all_to_all_single_own_part", lambda: d.all_to_all_single(torch.zeros(ws), torch.ones(2 * ws), None, [2] * ws))
+    # (gloo refuses a non-contiguous input, ValueError, and takes a non-contiguous output)
+    err("all_to_all_single_noncontiguous_input", lambda: d.all_to_all_single(torch.zeros(ws, 2), torch.ones(2, ws).t()))
+    err("all_to_all_single_noncontiguous_output", lambda: d.all_to_all_single(torch.zeros(2, ws).t(), torch.ones(ws, 2)))
 
 
 def _torch_rank(rank: int, ws: int, port: int) -> dict[str, Any]:

@@ -1605,6 +1605,8 @@ class ProcessGroupTCP(Backend):
     ) -> Work:
         opts = opts or AllToAllOptions()
         n = self._size
+        if not input.is_contiguous():  # (gloo's check, and its type and words: on the input alone)
+            raise ValueError("Tensors must be contiguous")
 
         def splits(t: torch.Tensor, sizes: list[int], what: str) -> list[torch.Tensor]:
             # (torch's own all_to_all_single and its functional collectives call the backend
