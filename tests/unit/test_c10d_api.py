@@ -1099,3 +1099,19 @@ def test_process_group_takes_torchs_two_constructors() -> None:
         Dummy(0, 1).get_group_store()
     with pytest.raises(TypeError):
         dist.ProcessGroup(0)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "tcp"])
+def test_torchs_twin_of_a_group_is_named_by_the_backend_the_program_asked_for(backend: str) -> None:
+    """torch's test_init_process_group_for_all_backends: after ``init_process_group("gloo")``
+    the default group's ``name()`` is "gloo" (torch's twin of tdist's group, which torch's own
+    code knows as running on "tdist"); a sub-group's twin too."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = dist.distributed_c10d._get_default_group()
+        assert world.name() == backend and dist.get_backend() == backend
+        assert tdd.get_backend() == "tdist"  # (torch's view: its group runs on tdist's backend)
+        sub = dist.new_group([0])
+        assert sub.name() == backend and isinstance(sub, tdd.ProcessGroup)
+    finally:
+        dist.destroy_process_group()

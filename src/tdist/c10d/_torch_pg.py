@@ -574,9 +574,18 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         self._b = backend
 
     _backend_name = BACKEND_NAME  # (the profiler's ranges: "tdist:all_reduce")
+    _shown_name: str | None = None  # (the twin of a group tdist made: the backend its program named)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    def name(self) -> str:
+        """The backend's name, as torch's ``ProcessGroup.name()``: for torch's twin of a group
+        that ``tdist.init_process_group("gloo")`` or ``tdist.new_group`` made, the backend the
+        program named ("gloo"), as torch says of its own gloo group; else "tdist". (torch's own
+        code reads ``getBackendName`` and ``get_backend``, which say "tdist": the group runs on
+        tdist's backend.)"""
+        return self._shown_name or BACKEND_NAME
 
     # (a group written in Python registers no per-device backend with torch, whose Python code
     # asks for them: ``_get_pg_default_device`` (distributed checkpoints' state-dict loading),
@@ -881,6 +890,7 @@ def mirror_default_group(pg: Any, store: Store, timeout: timedelta, ranks: list[
     finally:
         _adopting = None
     _mirrored = (pg, tdc.distributed_c10d._get_default_group(), for_torch)
+    _mirrored[1]._shown_name = pg.name()
     return _mirrored[1]
 
 
@@ -897,11 +907,14 @@ def mirror_group(pg: Any, members: list[int], timeout: timedelta, desc: str | No
     global _adopting
     _adopting = None if pg is None else pg._get_backend()
     try:
-        return tdc.new_group(
+        twin = tdc.new_group(
             members, timeout=timeout, backend=BACKEND_NAME, use_local_synchronization=local, group_desc=desc
         )
     finally:
         _adopting = None
+    if isinstance(twin, TorchProcessGroup) and pg is not None:
+        twin._shown_name = pg.name()
+    return twin
 
 
 def forget_default_group(pg: Any) -> None:
