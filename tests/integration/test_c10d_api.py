@@ -585,6 +585,17 @@ def test_coalesced_forms() -> None:
         outs = [[torch.zeros(1), torch.zeros(2)] for _ in range(ws)]
         fut = dist.all_gather_coalesced(outs, [torch.ones(1) * rank, torch.ones(2) * rank * 2], async_op=True)
         fut.wait()
+        # (torch's test_allgather_coalesced_checks: gloo's words, RuntimeError, before any message)
+        ins = [torch.zeros(1)]
+        bad = [[torch.zeros(1)] for _ in range(ws)]
+        bad[0] = [torch.zeros(0)]
+        with pytest.raises(RuntimeError, match=r"invalid size of output tensor at index 0"):
+            dist.all_gather_coalesced(bad, ins)
+        bad[0] = [torch.zeros(1, dtype=torch.float64)]
+        with pytest.raises(RuntimeError, match=r"invalid tensor type at index 0"):
+            dist.all_gather_coalesced(bad, ins)
+        with pytest.raises(RuntimeError, match=r"output lists should be equal to world size"):
+            dist.all_gather_coalesced([[torch.zeros(1)] for _ in range(ws + 1)], ins)
         return [t.tolist() for t in ts], [[t.tolist() for t in lst] for lst in outs]
 
     for res in spmd(body, 3):

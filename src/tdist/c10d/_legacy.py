@@ -92,6 +92,36 @@ def all_reduce_coalesced(
     return None
 
 
+def _check_coalesced_slots(outs: list[list[torch.Tensor]], ins: list[torch.Tensor], size: int) -> None:
+    """Every rank's list of slots matches the inputs, one by one, in shape and dtype (gloo's
+    checks, in its order and words, each with the rest of tdist's account).
+
+    Raises:
+        CollectiveArgumentError: the first slot that does not.
+    """
+    what = "all_gather_coalesced"
+    if len(outs) != size:
+        raise C.CollectiveArgumentError(
+            f"{what}: output lists should be equal to world size (got {len(outs)} lists of output_tensor_lists for a "
+            f"group of {size} ranks)"
+        )
+    for r, lst in enumerate(outs):
+        if len(lst) != len(ins):
+            raise C.CollectiveArgumentError(
+                f"{what}: invalid output size: (expected length {len(ins)}, got {len(lst)}) in the list of rank {r}"
+            )
+        for i, (t, x) in enumerate(zip(lst, ins, strict=True)):
+            if t.shape != x.shape:
+                raise C.CollectiveArgumentError(
+                    f"{what}: invalid size of output tensor at index {i} (expected length {tuple(x.shape)}, got "
+                    f"{tuple(t.shape)}) in the list of rank {r}"
+                )
+            if t.dtype != x.dtype:
+                raise C.CollectiveArgumentError(
+                    f"{what}: invalid tensor type at index {i} (expected {x.dtype}, got {t.dtype}) in the list of rank {r}"
+                )
+
+
 def all_gather_coalesced(
     output_tensor_lists: list[list[torch.Tensor]],
     input_tensor_list: list[torch.Tensor],
@@ -121,9 +151,8 @@ def all_gather_coalesced(
     outs = [C.as_tensor_list(lst, "output_tensor_lists") for lst in output_tensor_lists]
     for lst in outs:
         C.ensure_same_dtype(lst)
-    C.ensure_same_dtype(ins, [t for lst in outs for t in lst])
     pg = _resolve(group)
-    C.check_list_len(outs, pg.size(), "all_gather_coalesced", "output_tensor_lists")
+    _check_coalesced_slots(outs, ins, pg.size())
     opts = _set_async(AllgatherOptions(), async_op)
     work = pg.allgather_coalesced([C.real_views(lst) for lst in outs], C.real_views(ins), opts)
     if async_op:
