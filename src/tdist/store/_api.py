@@ -189,13 +189,8 @@ class Store:
         tail = as_bytes(value)
         try:
             expected = self.get(key) if self.check([key]) else b""  # (a missing key holds b"")
-        except NotImplementedError:
-            desired = tail
-            current = self.compare_set(key, b"", desired)
-            while current != desired:
-                desired = current + tail
-                current = self.compare_set(key, current, desired)
-            return
+        except NotImplementedError:  # (no check: start from b"", which compare_set corrects)
+            expected = b""
         while True:
             current = self.compare_set(key, expected, expected + tail)
             if current == expected + tail:

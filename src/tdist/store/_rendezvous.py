@@ -30,7 +30,6 @@ Thread-safety: the handler registry may be used from several threads.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import numbers
 import os
@@ -266,6 +265,7 @@ def _create_c10d_store(
     with ``MASTER_ADDR:MASTER_PORT``) every rank is a client and the store
     is namespaced by the restart attempt, so a restarted group never sees its predecessor's keys.
     """
+    from ._server import port_taken
     from ._tcp import TCPStore
 
     _check_port(port)
@@ -303,7 +303,7 @@ def _create_c10d_store(
             use_libuv=use_libuv,
         )
     except DistNetworkError as exc:
-        if rank != 0 or size is None or not _port_taken(exc):
+        if rank != 0 or size is None or not port_taken(exc):
             raise
         _second_rank_zero(hostname, port, size, timeout, use_libuv, exc)
         raise
@@ -314,11 +314,6 @@ def _create_c10d_store(
             store.close()
             raise
     return store
-
-
-def _port_taken(exc: BaseException) -> bool:
-    cause = exc.__cause__
-    return isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
 
 
 def _second_rank_zero(hostname: str, port: int, size: int, timeout: timedelta, use_libuv: bool, exc: BaseException) -> None:

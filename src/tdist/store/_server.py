@@ -143,6 +143,12 @@ _SPAWN_AFTER = 0.1
 _ANY = ("", "0.0.0.0", "::", "*")  # (hosts that bind every interface)
 
 
+def port_taken(exc: BaseException) -> bool:
+    """Whether ``exc``, a store server's failure to start, says that its port is taken."""
+    cause = exc.__cause__
+    return isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+
+
 def unix_address(port: int) -> str:
     """The abstract Unix-socket name a server on TCP ``port`` also listens on."""
     return f"\0tdist-store-{port}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
-import errno
 import functools
 import ipaddress
 import logging
@@ -52,7 +51,7 @@ from ._protocol import (
     encode_frame,
     encode_int,
 )
-from ._server import StoreServer, _Conn, unix_address
+from ._server import StoreServer, _Conn, port_taken, unix_address
 from ._state import check_amount
 
 TYPE_CHECKING = False
@@ -74,13 +73,11 @@ def _the_agents_port(port: int, exc: DistNetworkError) -> bool:
     """Whether a master could not bind ``port`` because the elastic agent's store holds it:
     ``TORCHELASTIC_USE_AGENT_STORE`` is set (torchrun's and ``tdist run``'s workers; "1" or
     "true", any case, as torch reads it) and ``port`` is ``MASTER_PORT``, which is taken."""
-    cause = exc.__cause__
     return (
         port != 0
         and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true")
         and os.environ.get("MASTER_PORT", "").strip() == str(port)
-        and isinstance(cause, OSError)
-        and cause.errno == errno.EADDRINUSE
+        and port_taken(exc)
     )
 
 _INT_FIELD = struct.Struct("<Iq")  # a length-prefixed integer field
