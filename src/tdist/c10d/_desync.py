@@ -59,7 +59,7 @@ from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
 __all__ = [
-    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "cycle", "describe_call", "diagnose", "explain", "frames_of",
+    "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "cycle", "describe_call", "diagnose", "entered", "explain", "frames_of",
     "head", "mismatch", "request_dumps", "stuck", "unwatch", "watch",
 ]
 
@@ -120,13 +120,8 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
     done = [e for e in colls if e[fr.DONE]]
     elsewhere = []
     me = rec.global_rank
-    entered = {}  # (each group of this process's: its last collective's number, for ``cycle``)
     for other in fr.recorders():
-        if other.global_rank != me:
-            continue
-        others = [e for e in other.entries() if e[fr.PEER] is None]
-        entered[other.label] = others[-1][fr.CSEQ] if others else 0
-        if other is rec:
+        if other is rec or other.global_rank != me:
             continue
         for e in other.entries()[-_RECENT:]:
             if not e[fr.DONE] and not e[fr.ERROR]:
@@ -142,9 +137,20 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
         "last_completed": fr.brief(done[-1], now) if done else None,
         "last_seq": colls[-1][fr.CSEQ] if colls else 0,
         "elsewhere": elsewhere,
-        "entered": entered,
+        "entered": entered(me),
         "stuck": stuck(me) is not None,
     }
+
+
+def entered(global_rank: int) -> dict[str, int]:
+    """The number of the last collective issued in each group of ``global_rank`` in this
+    process, by group label (0: none yet): how far this rank has entered each."""
+    out = {}
+    for rec in fr.recorders():
+        if rec.global_rank == global_rank:
+            colls = [e for e in rec.entries() if e[fr.PEER] is None]
+            out[rec.label] = colls[-1][fr.CSEQ] if colls else 0
+    return out
 
 
 def stuck(global_rank: int) -> int | None:

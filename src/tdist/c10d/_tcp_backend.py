@@ -61,6 +61,7 @@ from ._desync import (
     cycle,
     describe_call,
     diagnose,
+    entered,
     explain,
     frames_of,
     mismatch,
@@ -634,14 +635,10 @@ class ProcessGroupTCP(Backend):
         me = self._blocked_for_certain(entry)
         if rec is None or me is None:
             return
-        entered: dict[str, int] = {}
-        for other in fr.recorders():
-            if other.global_rank == me and other is not rec:
-                colls = [e[fr.CSEQ] for e in other.entries() if e[fr.PEER] is None]
-                entered[other.label] = colls[-1] if colls else 0
-        found = crossed(mine, heads, self._rank, entered)
+        here = {**entered(me), rec.label: int(mine["seq"])}  # (this group: as far as this call)
+        found = crossed(mine, heads, self._rank, here)
         if found is None:
-            self._check_cycle(entry, mine, me, {**entered, rec.label: int(mine["seq"])}, heads)
+            self._check_cycle(entry, mine, me, here, heads)
             return
         if entry[DONE] or self._broken is not None:
             return
@@ -649,7 +646,7 @@ class ProcessGroupTCP(Backend):
         h = heads[q] or {}
         who = f"rank {q}" + (f" (global rank {h['global_rank']})" if h.get("global_rank", q) != q else "")
         age = (_time_ns() - entry[STARTED]) / 1e9
-        last = entered[theirs["group"]]
+        last = here[theirs["group"]]
         message = (
             f"rank {self._rank}: {_DEADLOCK} {rec.label!r} and {theirs['group']!r} (found by the desync "
             f"check after {age:.1f} s without progress): this rank is in {describe_call(mine)} of group "
@@ -660,11 +657,21 @@ class ProcessGroupTCP(Backend):
         )
         # and the other group, which this rank cannot call now: the rank waiting there hears of
         # it at once (its own check may come later)
-        others = [
+        self._break_with(CollectiveMismatchError(message), also=self._siblings({theirs["group"]}))
+
+    def _siblings(self, labels: set[str] | None = None) -> list[ProcessGroupTCP]:
+        """This rank's other groups in this process (the same global rank) that are neither
+        broken nor closed, oldest first; only those labelled ``labels`` where given."""
+        rec = self._fr
+        if rec is None:
+            return []
+        me = rec.global_rank
+        out = [
             g for g in list(_recording)
-            if (rec_g := g._fr) is not None and rec_g.label == theirs["group"] and rec_g.global_rank == me and g._broken is None
+            if g is not self and (r := g._fr) is not None and r.global_rank == me and (labels is None or r.label in labels)
+            and g._broken is None and g._verdict is None and not g._closed
         ]
-        self._break_with(CollectiveMismatchError(message), also=others)
+        return sorted(out, key=lambda g: g._fr.pg_id if g._fr is not None else 0)
 
     def _check_cycle(
         self, entry: list[Any], mine: dict[str, Any], me: int, entered: dict[str, int], answers: dict[int, dict[str, Any] | None]
@@ -677,13 +684,8 @@ class ProcessGroupTCP(Backend):
         rec = self._fr
         if rec is None:
             return
-        world = None
-        for g in list(_recording):
-            r = g._fr
-            if g is self or r is None or r.global_rank != me or g._closed:
-                continue
-            if world is None or (r.size, -r.pg_id) > (world._fr.size, -world._fr.pg_id):  # type: ignore[union-attr]
-                world = g
+        # (the largest, the oldest among equals: ``_siblings`` gives them oldest first)
+        world = max(self._siblings(), key=lambda g: g._fr.size if g._fr is not None else 0, default=None)
         if world is not None and world._fr is not None and world._fr.size > self._size:
             answers, _ = ask_all(world._store, world._fr, {}, None, 1.0)
             ranks = world._fr.ranks
@@ -712,12 +714,7 @@ class ProcessGroupTCP(Backend):
             "Ranks must call the collectives of the groups they share in the same order."
         )
         # (and the group where a rank waits for this one: it hears of it at once)
-        others = [
-            g for g in list(_recording)
-            if (rec_g := g._fr) is not None and rec_g.label == last and rec_g.global_rank == me and g is not self
-            and g._broken is None
-        ]
-        self._break_with(CollectiveMismatchError(message), also=others)
+        self._break_with(CollectiveMismatchError(message), also=self._siblings({last}))
 
     def _check_receives_crossed(self, entry: list[Any]) -> None:
         """The desync check of a receive that blocks: is the rank it waits for blocked in a
@@ -935,13 +932,8 @@ class ProcessGroupTCP(Backend):
         rec = self._fr
         if found is None or rec is None:
             return
-        names = set(re.findall(r"'([^']*)'", found.group(1)))
-        me = rec.global_rank
-        for g in list(_recording):
-            r = g._fr
-            if (g is not self and r is not None and r.global_rank == me and r.label in names and g._broken is None
-                    and g._verdict is None and not g._closed):
-                g._break_with(CollectiveMismatchError(text), dump=False)
+        for g in self._siblings(set(re.findall(r"'([^']*)'", found.group(1)))):
+            g._break_with(CollectiveMismatchError(text), dump=False)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
