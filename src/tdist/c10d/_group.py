@@ -239,6 +239,14 @@ class SplitMerge:
         return merge_remote(self, store, size, timeout, group_name, group_desc)
 
 
+def _rank_size(rank: int, size: int) -> tuple[None, int, int]:
+    return None, rank, size
+
+
+def _store_rank_size(store: Store, rank: int, size: int) -> tuple[Store, int, int]:
+    return store, rank, size
+
+
 class ProcessGroup(SplitMerge, metaclass=_GroupClass):
     """A group of ranks and its backend (``torch.distributed.ProcessGroup``).
 
@@ -274,19 +282,11 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # torch's two overloads: ``ProcessGroup(rank, size)`` (a group of a Python backend of
         # its own, as torch's tests subclass it) and ``ProcessGroup(store, rank, size)``
-        params = ("rank", "size") if len(args) + len(kwargs) == 2 and "store" not in kwargs else ("store", "rank", "size")
-        if len(args) > len(params) or set(kwargs) - set(params[len(args):]):
-            raise TypeError(
-                "ProcessGroup() takes (rank, size) or (store, rank, size), got "
-                f"{len(args)} positional and {sorted(kwargs)} keyword arguments"
-            )
-        bound = dict(zip(params, args, strict=False)) | kwargs
-        missing = [p for p in params if p not in bound]
-        if missing:
-            raise TypeError(f"ProcessGroup() missing argument(s): {', '.join(missing)}")
-        self._store: Store | None = bound.get("store")  # (None: the (rank, size) form)
-        self._rank = int(bound["rank"])
-        self._size = int(bound["size"])
+        form = _rank_size if len(args) + len(kwargs) == 2 and "store" not in kwargs else _store_rank_size
+        store, rank, size = form(*args, **kwargs)
+        self._store: Store | None = store  # (None: the (rank, size) form)
+        self._rank = int(rank)
+        self._size = int(size)
         self._backend: BackendImpl | None = None
         self._backend_name = "undefined"
         self._group_name = ""
