@@ -426,6 +426,28 @@ def test_a_constructor_of_other_arguments_than_its_args_keeps_type_and_fields() 
     assert isinstance(exc.__cause__, RemoteTraceback)
 
 
+class TwoArgValueError(ValueError):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}-{b}")
+
+
+def test_a_type_torch_cannot_make_from_its_message_is_a_runtime_error_saying_what_it_was() -> None:
+    # torch's RPC calls type(message), and for a type that refuses it raises a RuntimeError
+    # whose text says "Original exception on remote side was ...": ours keeps the type, and
+    # is that RuntimeError, whose str() says so too
+    for original, text in [(FieldsNotInArgs("h", 1, "why"), "h:1: why"), (TwoArgValueError(1, 2), "1-2")]:
+        exc = rebuild(over_the_wire(raised(original)), call=CALL)
+        assert kind(exc) is type(original) and isinstance(exc, RuntimeError)
+        assert str(exc).startswith(text)
+        assert f"Original exception on remote side was {type(original).__name__}(" in str(exc)
+        # a second hop says it once, and the type is still kept
+        again = rebuild(over_the_wire(raised(exc)), call=CALL)
+        assert kind(again) is type(original) and str(again).count("Original exception on remote side") == 1
+    # a type made from its message reads as it did
+    assert "Original exception" not in str(rebuild(over_the_wire(raised(KeyError("k")))))
+    assert "Original exception" not in str(rebuild(over_the_wire(raised(UserValueError("u")))))
+
+
 def test_a_class_that_says_how_to_pickle_it_is_not_rebuilt_without_its_constructor() -> None:
     exc = rebuild(over_the_wire(raised(BadReduce("no pickle"))))
     assert kind(exc) is BadReduce  # (from its message: its __reduce__ is not bypassed)

@@ -60,6 +60,7 @@ from ._execution import (
     _set_owner_error,
     _unwrap,
     dispatch,
+    failed,
     with_pickler_hint,
 )
 from ._future import Future
@@ -115,6 +116,9 @@ class _ThreadState(threading.local):
     # (agent, caller, request id, reply): a remote() whose value is set and whose reply has not
     # gone; a fetch reply to that caller from this thread takes it along (``_run_remote``)
     ack: tuple[Any, int, int, Any] | None = None
+    # while a request is unpickled: the user RRefs made from it that their owner has not
+    # confirmed yet (``note_unconfirmed``); the request runs once they are
+    unconfirmed: list[Any] | None = None
 
 
 _tls = _ThreadState()
@@ -170,6 +174,14 @@ def _calls_in_flight() -> list[dict[str, Any]]:
 def serialization_peer() -> int | None:
     """While this thread pickles or unpickles an RPC message: the other worker's id."""
     return _tls.peer
+
+
+def note_unconfirmed(fork_id: Any) -> None:
+    """A user RRef unpickled now is not confirmed by its owner yet: a request that carried it
+    runs once it is (as torch's callee waits for the forks in a request)."""
+    pending = _tls.unconfirmed
+    if pending is not None:
+        pending.append(fork_id)
 
 
 # the keys of get_debug_info that torch's agent also reports as its metrics
@@ -593,15 +605,16 @@ class RpcAgent:
                 self._on_reply(src, tag, kind == MsgKind.REPLY_OK, decode)
             return
         if kind in REQUESTS:
+            unconfirmed: list[Any] = []
             try:
-                body = self._decode(src, decode)
+                body = self._decode(src, decode, unconfirmed)
             except BaseException as exc:
                 err = _errors.capture(with_pickler_hint(exc), self.label)
                 if kind == MsgKind.REMOTE:
                     self._remote_undecodable(src, decode, err)
                 self._to_pool(lambda: self._reply_error(src, tag, err))
                 return
-            self._accept_request(src, tag, kind, body)
+            self._accept_request(src, tag, kind, body, unconfirmed)
             return
         if kind == MsgKind.RREF:
             try:
@@ -659,13 +672,13 @@ class RpcAgent:
         self._on_reply(src, remote_tag, True, lambda: remote_reply)
         self._on_reply(src, tag, True, lambda: value)
 
-    def _decode(self, src: int, decode: Callable[..., Any]) -> Any:
-        old = _tls.peer
-        _tls.peer = src
+    def _decode(self, src: int, decode: Callable[..., Any], unconfirmed: list[Any] | None = None) -> Any:
+        old, old_unconfirmed = _tls.peer, _tls.unconfirmed
+        _tls.peer, _tls.unconfirmed = src, unconfirmed
         try:
             return decode()
         finally:
-            _tls.peer = old
+            _tls.peer, _tls.unconfirmed = old, old_unconfirmed
 
     def encode(self, dst: int, body: Any) -> list[memoryview]:
         """Serialize ``body`` for ``dst`` (RRefs inside fork for ``dst``)."""
@@ -676,21 +689,29 @@ class RpcAgent:
         finally:
             _tls.peer = old
 
-    def _accept_request(self, src: int, tag: int, kind: MsgKind, body: Any) -> None:
+    def _accept_request(self, src: int, tag: int, kind: MsgKind, body: Any, unconfirmed: list[Any]) -> None:
+        """Run a request; one that carried user RRefs not confirmed yet (``unconfirmed``) once
+        their owners confirm them, so that the function sees them confirmed, as torch's."""
         if kind == MsgKind.REMOTE:
             # the owner's record exists from the moment the request arrives (in arrival order)
             rid, fid, func, args, kwargs = body
             rref_id = GloballyUniqueId(*rid)
             self._owner_future(rref_id)
             self.rref_ctx.run(self.rref_ctx.proto.owner_created_by_remote, rref_id, GloballyUniqueId(*fid), src)
-            self._schedule(lambda: self._run_remote(src, tag, func, args, kwargs, rref_id))
+            job = lambda: self._run_remote(src, tag, func, args, kwargs, rref_id)  # noqa: E731
         elif kind == MsgKind.FETCH:
             self._serve_fetch(src, tag, body)
+            return
         elif kind == MsgKind.JOIN:
             self._on_join(src, tag, body)
+            return
         else:
             func, args, kwargs = body
-            self._schedule(lambda: self._run_call(src, tag, func, args, kwargs))
+            job = lambda: self._run_call(src, tag, func, args, kwargs)  # noqa: E731
+        if unconfirmed:  # (on a pool thread: the confirmation comes in the middle of other work)
+            self.rref_ctx.when_confirmed(unconfirmed, lambda: self._to_pool(job))
+        else:
+            self._schedule(job)
 
     def _schedule(self, job: Callable[[], None]) -> None:
         """Run a request's job: on the worker pool here (a subclass may run it where the
@@ -740,7 +761,7 @@ class RpcAgent:
         try:
             is_async, result = dispatch(func, args or (), kwargs or {})
         except BaseException as exc:
-            self._reply_error(src, tag, _errors.capture(exc, self.label))
+            self._reply_error(src, tag, failed(exc, self))
             return
         if is_async:
             self._reply_when_done(src, tag, result, func)
@@ -817,7 +838,7 @@ class RpcAgent:
         try:
             is_async, result = dispatch(func, args or (), kwargs or {})
         except BaseException as exc:
-            record = _errors.capture(exc, self.label)
+            record = failed(exc, self)
             _set_owner_error(fut, record)
             self._reply_error(src, tag, record)
             return

@@ -7,7 +7,8 @@ turning numbers into tensors: ``torch.add(1, 1)`` runs ``aten::add.int`` and ret
 ``torch.sqrt(4)`` returns the float ``2.0``. Called from Python, the same functions return
 tensors. ``call`` makes that choice when no argument is a tensor (with a tensor, the first
 schemas, the tensor ones, are the ones Python picks too); when no schema matches it calls the
-function as Python does.
+function as Python does, and arguments that fit no overload raise torch's RPC's
+``RuntimeError`` (Python's ``TypeError`` says why).
 """
 
 from __future__ import annotations
@@ -105,4 +106,10 @@ def call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     if overload is not None:
                         return overload(*args, **kwargs)
                     break
-    return func(*args, **kwargs)
+    try:
+        return func(*args, **kwargs)
+    except TypeError as exc:
+        if type(func) is not types.BuiltinFunctionType or _operator(func) is None:
+            raise
+        # torch's RPC matches an operator's arguments to its schemas and says so (a RuntimeError)
+        raise RuntimeError(f"Overloaded torch operator invoked from Python failed to match any schema:\n{exc}") from None

@@ -79,7 +79,10 @@ Rebuilding, in order (first match wins):
    notes, cause and traceback. It pickles as the original type (a second hop rebuilds it the
    same way); :func:`plain_type` gives that type. Where the two cannot be combined (a class that
    refuses subclasses, ``Exception`` itself, state that does not carry over): rule 4's
-   :class:`RemoteError`.
+   :class:`RemoteError`. A type that ``type(message)`` cannot make (its constructor takes other
+   arguments), which torch raises as a ``RuntimeError`` saying "Original exception on remote
+   side was ...", is made such a class too, even a ``ValueError``, and its ``str()`` ends with
+   that sentence (kept out of its pickle).
 
 Finding the type imports its module on the caller, as unpickling would; connections are
 authenticated before anything is unpickled or imported.
@@ -114,7 +117,7 @@ import threading
 import traceback as _traceback
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "MAX_PICKLED_BYTES",
@@ -348,7 +351,8 @@ class _Bare:
 
     def __reduce__(self) -> tuple[Any, ...]:
         exc = self.exc
-        return (_rebuild_bare, (plain_type(type(exc)), exc.args, dict(getattr(exc, "__dict__", {}))))
+        state = {k: v for k, v in getattr(exc, "__dict__", {}).items() if k != _ORIGINAL}  # (ours only)
+        return (_rebuild_bare, (plain_type(type(exc)), exc.args, state))
 
 
 def _rebuild_bare(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
@@ -554,6 +558,31 @@ def plain_type(cls: type[BaseException]) -> type[BaseException]:
     return base if isinstance(base, type) else cls
 
 
+_ALSO_RUNTIME_UNMADE: dict[type[BaseException], type[BaseException] | None] = {}
+
+_ORIGINAL = "_tdist_original"
+"""The attribute (in ``__dict__``) of a rebuilt exception whose type cannot be made from its
+message alone: ``str()`` adds it (``_str_and_original``). torch's RPC raises a ``RuntimeError``
+for such a type whose text says "Original exception on remote side was ..."; code written for
+it looks for that phrase, and ours keeps the type besides."""
+
+
+def _str_and_original(self: BaseException) -> str:
+    text = cast(Any, type(self))._tdist_base.__str__(self)
+    original = self.__dict__.get(_ORIGINAL)
+    return text if not original else f"{text}\n\n{original}"
+
+
+def _made_from_message(kind: type[BaseException], message: str) -> bool:
+    """Whether ``kind(message)`` works (torch's RPC rebuilds a remote exception so). It runs
+    the type's constructor, fenced, as rebuilding from the message does."""
+    try:
+        kind(message)
+    except BaseException:
+        return False
+    return True
+
+
 def _also_reduce(self: BaseException) -> Any:
     # pickled as the user's type, which the other side imports (this class is made here and
     # shares its name: pickling it by reference would find the user's class and refuse)
@@ -576,6 +605,8 @@ def _as_plain(rv: Any, cls: type[BaseException]) -> Any:
     rest = list(rv[1:])
     if rest and isinstance(rest[0], tuple) and rest[0] and rest[0][0] is cls:  # copyreg.__newobj__
         rest[0] = (base, *rest[0][1:])
+    if len(rest) > 1 and isinstance(rest[1], dict) and _ORIGINAL in rest[1]:  # (this side's only)
+        rest[1] = {k: v for k, v in rest[1].items() if k != _ORIGINAL}
     return (head, *rest)
 
 
@@ -611,10 +642,14 @@ def runtime_twin(
         return made
 
 
-def _also_runtime_type(kind: type[BaseException]) -> tuple[type[BaseException] | None, str]:
+def _also_runtime_type(kind: type[BaseException], unmade: bool = False) -> tuple[type[BaseException] | None, str]:
     """The class derived from ``kind`` and ``RuntimeError`` for a remote error (one per
-    ``kind``: :func:`runtime_twin`), pickled as ``kind``; else ``None`` and why not."""
-    made = runtime_twin(kind, {"__reduce__": _also_reduce, "__reduce_ex__": _also_reduce_ex}, _ALSO_RUNTIME)
+    ``kind``: :func:`runtime_twin`), pickled as ``kind``; else ``None`` and why not. With
+    ``unmade`` (``kind(message)`` fails), its ``str()`` also says what the remote exception was."""
+    namespace: dict[str, Any] = {"__reduce__": _also_reduce, "__reduce_ex__": _also_reduce_ex}
+    if unmade:
+        namespace["__str__"] = _str_and_original
+    made = runtime_twin(kind, namespace, _ALSO_RUNTIME_UNMADE if unmade else _ALSO_RUNTIME)
     if made is None:
         return None, f"{kind.__qualname__} cannot be combined with RuntimeError"
     return made, ""
@@ -625,13 +660,16 @@ def _also_runtime_error(exc: Exception, record: RemoteExceptionRecord, call: str
     ``RuntimeError`` for it), with its ``args``, attributes, notes, cause and context; ``exc``
     itself where torch keeps the type; a :class:`RemoteError` where they cannot be combined."""
     kind = type(exc)
-    if issubclass(kind, _TORCH_KEEPS):
+    unmade = not _made_from_message(kind, record.message)
+    if issubclass(kind, _TORCH_KEEPS) and not unmade:
         return exc
-    made, why_not = _also_runtime_type(kind)
+    made, why_not = _also_runtime_type(kind, unmade)
     if made is not None:
         try:
             both = _copy_into(exc, made)
             if both is not None:
+                if unmade:  # (what torch's text says when it cannot make the type: see _ORIGINAL)
+                    both.__dict__[_ORIGINAL] = f"Original exception on remote side was {record.exc_repr}"
                 return both
             why_not = f"{kind.__qualname__}'s state does not carry over to a RuntimeError subclass"
         except BaseException as err:  # a __new__ of its own, a broken attribute...

@@ -7,6 +7,7 @@ which thread runs them is the agent's business.
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -15,12 +16,23 @@ import torch
 from . import _builtins, _errors
 from ._future import Future
 
-__all__ = ["PICKLER_HINT", "dispatch", "invoke_rref_method", "run_user_function", "with_pickler_hint"]
+__all__ = ["PICKLER_HINT", "dispatch", "failed", "invoke_rref_method", "run_user_function", "with_pickler_hint"]
 
 
 def invoke_rref_method(rref: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What an RRef proxy runs on the owner: ``rref.local_value().name(*args, **kwargs)``."""
     return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def failed(exc: BaseException, agent: Any) -> Any:
+    """The record of what a user function raised on this worker (``agent``), which is also
+    printed to ``sys.stderr`` (the one at the time of the call), as torch's callee prints it."""
+    record = _errors.capture(exc, agent.label)
+    try:
+        print(f"On {agent.get_worker_info()}:\n{record.exc_repr}\n{record.traceback}", file=sys.stderr)
+    except Exception:  # (a closed or broken stderr: the caller still gets the error)
+        pass
+    return record
 
 
 def _not_a_future(func: Any, result: Any) -> RuntimeError:

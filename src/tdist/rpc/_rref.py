@@ -29,9 +29,9 @@ import torch
 
 from .._core.errors import DistError, PeerError
 from . import _errors, _hooks, _remote_profiling
-from ._agent import RpcAgent, current_agent, serialization_peer
+from ._agent import RpcAgent, current_agent, note_unconfirmed, serialization_peer
 from ._calls import CallText, LazyText, RpcTimeoutError
-from ._execution import _not_a_future, _OwnerError, run_user_function
+from ._execution import _not_a_future, _OwnerError, failed, run_user_function
 from ._future import Future
 from ._message import MsgKind
 from ._rref_protocol import (
@@ -78,6 +78,8 @@ class RRefContext:
         self._pending: dict[int, list[Any]] = {}  # protocol messages not sent yet, by worker
         self._released: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake_pending = False
+        # requests that wait for user RRefs they carried to be confirmed: (forks, start)
+        self._waiting: list[tuple[list[ForkId], Any]] = []
         self._thread = threading.Thread(target=self._loop, name=f"tdist-rref-{agent.rank}", daemon=True)
         self._thread.start()
 
@@ -88,7 +90,31 @@ class RRefContext:
             self.perform(actions)
         return actions
 
+    def when_confirmed(self, forks: list[ForkId], start: Any) -> None:
+        """Call ``start()`` once every user RRef in ``forks`` is confirmed by its owner or lost
+        (a lost one fails where it is used, with the reason)."""
+        with self.lock:
+            if any(self._unconfirmed(f) for f in forks):
+                self._waiting.append((forks, start))
+                return
+        start()
+
+    def _unconfirmed(self, fork_id: ForkId) -> bool:
+        u = self.proto.user(fork_id)
+        return u is not None and not u.confirmed and not u.lost
+
+    def _wake(self) -> None:
+        """(Under the lock.) Start the waiting requests whose RRefs are all confirmed now."""
+        still = []
+        for forks, start in self._waiting:
+            if any(self._unconfirmed(f) for f in forks):
+                still.append((forks, start))
+            else:
+                start()
+        self._waiting = still
+
     def perform(self, actions: Any) -> None:
+        wake = False
         for a in actions:
             if isinstance(a, Send):
                 self._put(("send", (a.dst, a.msg)))
@@ -99,14 +125,18 @@ class RRefContext:
                 obj = ref() if ref is not None else None
                 if obj is not None:
                     obj._confirmed = True
+                wake = bool(self._waiting)
             elif isinstance(a, RRefLost):
                 self.lost[a.rref_id] = a.reason
+                wake = bool(self._waiting)
                 fut = self.agent._owners.get(a.rref_id)
                 if fut is not None and not fut.done():
                     err = RuntimeError(f"{self.agent.label}: RRef {a.rref_id} is lost: {a.reason}")
                     fut.set_result(_OwnerError(_errors.capture(err, self.agent.label)))
             elif isinstance(a, ProtocolWarning):
                 log.info("%s: RRef protocol: %s", self.agent.label, a.text)
+        if wake:
+            self._wake()
 
     def _put(self, item: tuple[str, Any]) -> None:
         self._queued += 1
@@ -351,10 +381,10 @@ class RRef:
         Raises:
             RuntimeError: called on a user (not the owner), or the value failed.
         """
-        if not self._is_owner:
+        if not self._is_owner:  # (torch's words)
             raise RuntimeError(
-                f"Cannot call localValue() on a non-owner RRef: RRef {self._rref_id} is owned by "
-                f"{self._owner.name}, and this is {self._agent.name}. Use to_here() to copy the value."
+                f"For UserRRef(rref_id={self._rref_id}, fork_id={self._fork_id}), can't call localValue() on "
+                f"user {self._agent.get_worker_info()}. Call it on owner {self._owner}"
             )
         return self._owned_value(None)
 
@@ -415,7 +445,22 @@ class RRef:
                     return self._fetch(timeout)
         return self._fetch(timeout)
 
+    def _deleted(self) -> bool:
+        """Whether this user RRef was deleted: by a graceful shutdown (which releases the users
+        still held, as torch's), or when its agent went otherwise."""
+        agent = self._agent
+        if self._is_owner or not agent._closed:
+            return False
+        with agent.rref_ctx.lock:
+            u = agent.rref_ctx.proto.user(self._fork_id)
+        return u is None or u.released
+
     def _fetch(self, timeout: float) -> Any:
+        if self._deleted():  # (torch's words)
+            raise RuntimeError(
+                f"UserRRef(rref_id={self._rref_id}, fork_id={self._fork_id}) has been deleted. Cannot call "
+                "to_here() on it after deletion."
+            )
         hooks = _hooks.autograd
         if hooks is not None and hooks.active:  # in a distributed autograd context: recorded
             done, value = hooks.to_here_with_autograd(self, timeout)
@@ -474,10 +519,10 @@ class RRef:
                 or the backward pass's errors.
         """
         if not self._is_owner:
-            if dist_autograd_ctx_id == -1:
+            if dist_autograd_ctx_id == -1:  # (torch's words, then why)
                 raise RuntimeError(
-                    f"RRef.backward() with no distributed autograd context runs local autograd and must be "
-                    f"called on the owner ({self._owner.name}), not on {self._agent.name}"
+                    "User RRefs require 'dist_autograd_ctx_id' to be specified: without a distributed "
+                    f"autograd context, backward() runs local autograd, on the owner ({self._owner.name})"
                 )
             from ._api import call_outside_context
 
@@ -508,6 +553,8 @@ class RRef:
 
     # -- pickling and lifetime ------------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._deleted():  # (torch's words)
+            raise RuntimeError("Cannot call fork an UserRRef after deletion.")
         dst = serialization_peer()
         if dst is None:
             raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
@@ -547,8 +594,8 @@ class RRef:
 def _rref_backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
     """On the owner: ``RRef.backward``."""
     value = rref.local_value()
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise RuntimeError(f"RRef.backward() needs a scalar tensor value, got {type(value).__name__}")
+    if not isinstance(value, torch.Tensor):  # (torch's words; autograd's own say the rest)
+        raise RuntimeError(f"RRef should contain a tensor for .backward() (it holds a {type(value).__qualname__})")
     if context_id == -1:
         value.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
     else:  # (a worker that never loaded autograd has no context: autograd says so)
@@ -626,6 +673,8 @@ def _rebuild_rref(rref_id: tuple[int, int], fork_id: tuple[int, int], owner_id: 
         if not obj._is_owner:
             u = ctx.proto.user(fid)
             obj._confirmed = bool(u is not None and u.confirmed)
+            if u is not None and not u.confirmed and not u.lost:
+                note_unconfirmed(fid)
     return obj
 
 
@@ -671,10 +720,11 @@ def create_remote(agent: RpcAgent, dst: WorkerInfo, func: Any, args: tuple[Any, 
 
 
 def _run_local(agent: RpcAgent, func: Any, args: Any, kwargs: Any, value_fut: Any, created: Any) -> None:
-    def fail(exc: BaseException) -> None:
+    def fail(exc: BaseException, record: Any = None) -> None:
         # the value is the error (to_here() and local_value() raise it); the creation itself
         # completed, as torch's creation future does
-        record = _errors.capture(exc, agent.label)
+        if record is None:
+            record = _errors.capture(exc, agent.label)
         if not value_fut.done():
             value_fut.set_result(_OwnerError(record))
         created.set_result(None)
@@ -682,7 +732,7 @@ def _run_local(agent: RpcAgent, func: Any, args: Any, kwargs: Any, value_fut: An
     try:
         is_async, result = run_user_function(func, args, kwargs)
     except BaseException as exc:
-        fail(exc)
+        fail(exc, failed(exc, agent))  # (printed, as another worker's call that fails is)
         return
     if is_async and not isinstance(result, torch._C.Future):
         fail(_not_a_future(func, result))

@@ -7,6 +7,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
+
 from ._execution import invoke_rref_method
 from .constants import UNSET_RPC_TIMEOUT
 
@@ -14,6 +16,14 @@ __all__ = ["RRefProxy"]
 
 
 def _invoke_rpc(rref: Any, rpc_api: Any, func_name: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+    from ._api import remote
+
+    if rpc_api is remote:
+        # the method is looked up first, on the value's type (asked of the owner once), so a
+        # missing one raises AttributeError here, as torch's, not at to_here()
+        kind = rref._get_type(timeout=timeout)
+        if not issubclass(kind, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+            getattr(kind, func_name)
     return rpc_api(rref.owner(), invoke_rref_method, args=(rref, func_name, args, kwargs), timeout=timeout)
 
 
