@@ -1,6 +1,6 @@
 """What torch's own RPC tests check of a program, beyond values: the errors' types and words, a
 callee's report of a failed function on its stderr, forked RRefs confirmed before the callee
-runs, and RRefs after shutdown. Over both agents; ``TDIST_RPC_TEST_IMPL=torch`` runs it on
+runs, a timeout on the first contact, and RRefs after shutdown. Over both agents; ``TDIST_RPC_TEST_IMPL=torch`` runs it on
 torch's (see ``_rpc_harness``).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from . import rpc_funcs as f
-from ._rpc_harness import BACKENDS, TORCH, Worker, rpc, run
+from ._rpc_harness import BACKENDS, TIMEOUT_RE, TORCH, Worker, rpc, run
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("backend", BACKENDS)]
 
@@ -42,6 +42,12 @@ def _torch_words(w: Worker) -> dict[str, Any]:
     sys.stderr = tee
     out: dict[str, Any] = {}
     try:
+        # a call that times out on the first contact with its callee is a timeout, and the
+        # connection serves the next call
+        with pytest.raises(RuntimeError, match=TIMEOUT_RE):
+            rpc.rpc_sync(q, f.sleep_then, args=(0.5, 1), timeout=0.001)
+        assert rpc.rpc_sync(q, f.add, args=(1, 1)) == 2
+
         # the first RRef this worker makes: ids as torch numbers them
         rref = rpc.remote(p, torch.add, args=(torch.ones(1), torch.ones(1)))
         me, owner = rpc.get_worker_info(), rpc.get_worker_info(p)

@@ -489,7 +489,8 @@ class RpcAgent:
                     err: BaseException
                     if isinstance(exc, PeerError):
                         err = exc
-                    elif isinstance(exc, DistTimeoutError):
+                    elif isinstance(exc, DistTimeoutError) or (deadline is not None and time.monotonic() >= deadline):
+                        # (a first contact that the call's deadline cut short: the call timed out)
                         err = self._timeout_error(call)
                     else:
                         err = PeerError(f"{self.label}: could not send {what} to {self.describe(dst)}: {exc}", peer=dst)

@@ -536,6 +536,9 @@ class Doorway:
                 "%s: refused a connection from %s claiming id %d: not of this job, or not expected",
                 self._label, who, exc.peer,
             )
+        elif isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            # the dialer gave up (its caller's deadline came first): nothing to warn about
+            log.debug("%s: %s left during the handshake: %s", self._label, who, exc)
         elif isinstance(exc, Exception) and not self._quiet():
             self._failures.warn("%s: handshake with %s failed: %s", self._label, who, exc)
 
