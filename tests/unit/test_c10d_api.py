@@ -1099,6 +1099,14 @@ def test_process_group_takes_torchs_two_constructors() -> None:
         Dummy(0, 1).get_group_store()
     with pytest.raises(TypeError):
         dist.ProcessGroup(0)  # type: ignore[call-arg]
+    # name(): "undefined" for a bare group, a Python backend's getBackendName() (as torch's)
+    assert Dummy(0, 1).name() == "undefined"
+
+    class Named(Dummy):
+        def getBackendName(self) -> str:
+            return "Dummy"
+
+    assert Named(0, 1).name() == "Dummy"
 
 
 @pytest.mark.parametrize("backend", ["gloo", "tcp"])

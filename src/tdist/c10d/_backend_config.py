@@ -133,7 +133,7 @@ class Backend(str):
                         Backend.default_device_backend_map[device] = lower
             if devices is None:
                 warnings.warn(
-                    f"Device capability of {name} unspecified, assuming `cpu` and `cuda`. Please "
+                    f"Device capability of {name} unspecified, assuming `cpu` and `cuda` or `xpu`. Please "
                     "specify it via the `devices` argument of `register_backend`.",
                     stacklevel=2,
                 )

@@ -307,7 +307,11 @@ class ProcessGroup(SplitMerge, metaclass=_GroupClass):
         return self._size
 
     def name(self) -> str:
-        """The backend's name (``"gloo"`` where our tcp backend stands in for gloo)."""
+        """The backend's name (``"gloo"`` where our tcp backend stands in for gloo); a Python
+        subclass's ``getBackendName()`` where it has one, as torch's."""
+        get = getattr(type(self), "getBackendName", None)
+        if get is not None:
+            return str(get(self))
         return self._backend_name
 
     def _get_backend_name(self) -> str:
