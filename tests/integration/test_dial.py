@@ -302,3 +302,42 @@ def test_a_listener_left_alone_for_want_of_descriptors_is_watched_again_when_due
     finally:
         door.close()
         server_listeners.close()
+
+
+def test_a_dialler_whose_join_went_out_waits_for_the_welcome_past_its_callers_deadline() -> None:
+    # The acceptor counts the connection made once it has read the JOIN: a dialler that gave up
+    # there, at its caller's deadline, would leave it a connection closing at once (a peer lost,
+    # to an RPC agent). A call with a tiny timeout still times out; the connection is made.
+    late = Listeners("127.0.0.1", "late", "tdist-test")
+    door = Doorway(late, my_id=1, secret=SECRET, label="late", rule=lambda _i, t: t == TOKEN)
+    try:
+        info = {**late.address, "host": "another host"}
+        deadline = time.monotonic() + 0.3
+        result: list[Any] = []
+        t = threading.Thread(target=lambda: result.append(Dialer(
+            info, deadline, my_id=0, token=TOKEN, secret=SECRET, expect=1, label="me", what="rank 1",
+            hello_within=10.0).run()))
+        t.start()
+        ready = select.poll()
+        ready.register(door.fileno(), select.POLLIN)
+        while door.pending == 0:  # accepted: its HELLO went
+            ready.poll(100)
+            assert door.service() == []
+        assert ready.poll(10_000)  # the JOIN is in
+        while time.monotonic() < deadline + 0.2:  # (the caller's deadline passes before the WELCOME)
+            time.sleep(0.05)
+        joined: list[Any] = []
+        end = time.monotonic() + 10
+        while not joined and time.monotonic() < end:
+            joined += door.service()
+            ready.poll(100)
+        t.join(10)
+        assert [j[0] for j in joined] == [0] and len(result) == 1, result
+        sock = result[0][0]
+        sock.sendall(b"ping")  # (one live connection)
+        assert joined[0][3].recv(4) == b"ping"
+        sock.close()
+        joined[0][3].close()
+    finally:
+        door.close()
+        late.close()

@@ -189,8 +189,15 @@ class Dialer:
         if self._sock is None:
             return min(self.wake_at, self.deadline)
         if self._shaking is not None:
-            return min(self._record_by, self.deadline)
+            return self._shake_by(self._shaking)
         return self.deadline
+
+    def _shake_by(self, shaking: _handshake.Connection) -> float:
+        """When the handshake under way times out. Once our JOIN is out the acceptor may have
+        counted the connection made: only the WELCOME's own time limit ends it then, not the
+        caller's deadline (a dialer that gave up there would leave the acceptor a connection
+        that closes at once: a peer lost, to it)."""
+        return self._record_by if shaking.joined else min(self._record_by, self.deadline)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -253,7 +260,7 @@ class Dialer:
             if done is None:
                 if shaking.hello_in and not hello:  # (our JOIN is out: its answer is due soon)
                     self._record_by = now + _RECORD
-                elif now >= min(self._record_by, self.deadline):
+                elif now >= self._shake_by(shaking):
                     raise TimeoutError("timed out")
                 return None
         except (ConnectionResetError, BrokenPipeError) as exc:

@@ -89,6 +89,11 @@ class Connection:
             _send_record(sock, JOIN.pack(MAGIC, VERSION, my_id, token, self._nonce_c, ZERO_PROOF), what)
 
     @property
+    def joined(self) -> bool:
+        """Our JOIN went: from here the acceptor may count the connection made."""
+        return self._joined
+
+    @property
     def hello_in(self) -> bool:
         """The acceptor's HELLO came (and our JOIN went)."""
         return bool(self._nonce_s)
