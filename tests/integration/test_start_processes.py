@@ -380,13 +380,16 @@ def test_kill_9_of_the_parent_takes_its_processes_along(tmp_path: Path, kind: st
             ctx = start_processes("orphan", {entry}, {args}, {{0: {{}}, 1: {{}}}}, specs)
             ctx.wait(120)
     """))
-    proc = subprocess.Popen([sys.executable, str(parent)], env=os.environ.copy())
+    tmp = tmp_path / "tmp"  # (the parent's temporary files: a kill -9 leaves none there)
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(parent)], env={**os.environ, "TMPDIR": str(tmp)})
     try:
         pids = [int(line) for line in _read_lines(fifo, 2, timeout=60)]
         proc.kill()
         proc.wait(30)
         for pid in pids:
             assert _gone(pid), f"process {pid} outlived its parent"
+        assert sorted(os.listdir(tmp)) == []
     finally:
         if proc.poll() is None:
             proc.kill()

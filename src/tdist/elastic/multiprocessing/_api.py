@@ -378,6 +378,10 @@ class PContext(abc.ABC):
     def _command(self, local_rank: int) -> list[str]:
         """The argv of local rank ``local_rank``'s process."""
 
+    def _pass_fds(self, local_rank: int) -> tuple[int, ...]:
+        """The descriptors local rank ``local_rank``'s process inherits."""
+        return ()
+
     def _header(self, local_rank: int) -> str:
         return self._log_line_prefixes.get(local_rank, f"[{self.name}{local_rank}]:")
 
@@ -398,7 +402,10 @@ class PContext(abc.ABC):
                 else:
                     files.append(open(path, "wb"))  # (closed below)
                     targets[std] = files[-1]
-            proc = start_process(self._command(local_rank), env, stdout=targets[Std.OUT], stderr=targets[Std.ERR])
+            proc = start_process(
+                self._command(local_rank), env, stdout=targets[Std.OUT], stderr=targets[Std.ERR],
+                pass_fds=self._pass_fds(local_rank),
+            )
         except BaseException:
             for f in teed.values():
                 if f is not None:
@@ -638,33 +645,36 @@ class MultiprocessContext(PContext):
         )
         self.start_method = start_method
         self._fn = entrypoint
-        self._calls: str | None = None  # (the calls and return values, a folder removed by close())
+        # each local rank's call and return value, in files of memory only (``memfd``) that its
+        # process inherits: nothing on disk for a crash of this process to leave behind
+        self._calls: dict[int, tuple[int, int]] = {}
 
     def _start(self) -> None:
-        if self._calls is None:
-            self._calls = tempfile.mkdtemp(prefix="tdist_start_processes_")
-            for local_rank in range(self.nprocs):
-                try:
-                    _call.write_call(self._call_file(local_rank), self._fn, self.args[local_rank])
-                except Exception as exc:
-                    raise type(exc)(
-                        f"{self.name}: cannot send {self._what()} with local rank {local_rank}'s arguments to a "
-                        f"new process (its start method {self.start_method!r} runs as 'spawn' does: the function "
-                        f"must be importable by name, its arguments picklable): {exc}"
-                    ) from exc
+        if not self._calls:
+            try:
+                for local_rank in range(self.nprocs):
+                    call = os.memfd_create(f"tdist-call-{local_rank}", os.MFD_CLOEXEC)
+                    self._calls[local_rank] = (call, os.memfd_create(f"tdist-value-{local_rank}", os.MFD_CLOEXEC))
+                    try:
+                        _call.write_call(_call.fd_path(call), self._fn, self.args[local_rank])
+                    except Exception as exc:
+                        raise type(exc)(
+                            f"{self.name}: cannot send {self._what()} with local rank {local_rank}'s arguments to a "
+                            f"new process (its start method {self.start_method!r} runs as 'spawn' does: the function "
+                            f"must be importable by name, its arguments picklable): {exc}"
+                        ) from exc
+            except BaseException:
+                self._close_calls()
+                raise
         super()._start()
 
-    def _call_file(self, local_rank: int) -> str:
-        assert self._calls is not None
-        return os.path.join(self._calls, f"call_{local_rank}.pkl")
-
-    def _value_file(self, local_rank: int) -> str:
-        assert self._calls is not None
-        return os.path.join(self._calls, f"value_{local_rank}.pkl")
+    def _pass_fds(self, local_rank: int) -> tuple[int, ...]:
+        return self._calls[local_rank]
 
     def _command(self, local_rank: int) -> list[str]:
         python = os.fsdecode(multiprocessing.spawn.get_executable() or sys.executable)  # (bytes, at times)
-        return _call.worker_command(python, self._call_file(local_rank), self._value_file(local_rank))
+        call, value = self._calls[local_rank]
+        return _call.worker_command(python, _call.fd_path(call), _call.fd_path(value))
 
     def _what(self) -> str:
         return f"fn: {getattr(self._fn, '__qualname__', repr(self._fn))} (start_method: {self.start_method})"
@@ -674,13 +684,19 @@ class MultiprocessContext(PContext):
         if failed:
             first = failed[0]
             return RunProcsResult(failures={first.local_rank: self._failure(first)}, stdouts=self.stdouts, stderrs=self.stderrs)
-        values = {r: _call.read_result(self._value_file(r)) for r in range(self.nprocs)}
+        values = {r: _call.read_result(_call.fd_path(self._calls[r][1])) for r in range(self.nprocs)}
         return RunProcsResult(return_values=values, stdouts=self.stdouts, stderrs=self.stderrs)
 
     def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
         super().close(death_sig, timeout)
-        if self._calls is not None:
-            shutil.rmtree(self._calls, ignore_errors=True)
+        self._close_calls()
+
+    def _close_calls(self) -> None:
+        calls, self._calls = self._calls, {}
+        for fds in calls.values():
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def start_processes(

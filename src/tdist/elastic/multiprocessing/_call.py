@@ -6,7 +6,9 @@ preparation data (its main module, path and working directory, as ``spawn`` give
 a function of the launching script is found in its ``__mp_main__``), then ``(function, args,
 macros)``: with ``macros`` (a launcher's worker, as torch's agent does), ``${local_rank}`` in a
 ``str`` argument becomes the worker's ``LOCAL_RANK``. The worker writes the function's return
-value, pickled, to a value file (``read_result``).
+value, pickled, to a value file (``read_result``). ``start_processes`` keeps both in files of memory
+(``memfd``) that the worker inherits and opens by ``fd_path``: a kill -9 of the launching process
+leaves no file behind.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ import pickle
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["WORKER_MODULE", "launcher_call", "launcher_values", "read_result", "worker_command", "write_call"]
+__all__ = [
+    "WORKER_MODULE", "fd_path", "is_fd_path", "launcher_call", "launcher_values", "read_result", "worker_command", "write_call",
+]
 
 #: The worker's module, as its ``python -m`` runs it (imported by nothing else: ``runpy``
 #: warns about a module that its package imported before it ran).
 WORKER_MODULE = "tdist.elastic.multiprocessing._worker"
+
+_FD_DIR = "/proc/self/fd/"
 
 
 def write_call(path: str, fn: Callable[..., Any], args: Sequence[Any], macros: bool = False) -> None:
@@ -44,11 +50,23 @@ def worker_command(python: str, call: str, result: str) -> list[str]:
     return [python, "-u", "-m", WORKER_MODULE, call, result]
 
 
+def fd_path(fd: int) -> str:
+    """The name by which a process that inherited descriptor ``fd`` opens its file anew (a
+    file of memory, ``memfd``: a call or value file that is on no disk)."""
+    return f"{_FD_DIR}{fd}"
+
+
+def is_fd_path(path: str) -> bool:
+    return path.startswith(_FD_DIR)
+
+
 def read_result(path: str) -> Any:
     """The value a worker wrote to ``path``; None if it wrote none (it ended its process
     itself with exit code 0, ``os._exit(0)``)."""
     try:
         with open(path, "rb") as f:
+            if is_fd_path(path) and not f.peek(1):  # (an inherited file: empty until written)
+                return None
             return pickle.load(f)
     except FileNotFoundError:
         return None

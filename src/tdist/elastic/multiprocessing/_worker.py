@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> None:
+    from ._call import is_fd_path
     from .errors import record
 
     call, result = argv
@@ -28,6 +29,11 @@ def main(argv: Sequence[str]) -> None:
         from .._policy import substitute_local_rank
 
         args = tuple(substitute_local_rank(args, os.environ.get("LOCAL_RANK", "")))
+    if is_fd_path(result):  # (a file of memory this process inherited, empty: written in place)
+        value = record(fn)(*args)
+        with open(result, "wb") as f:
+            pickle.dump(value, f)
+        return
     with contextlib.suppress(FileNotFoundError):  # (an earlier attempt's value is not this one's)
         os.unlink(result)
     value = record(fn)(*args)
