@@ -341,3 +341,36 @@ def test_a_dialler_whose_join_went_out_waits_for_the_welcome_past_its_callers_de
     finally:
         door.close()
         late.close()
+
+
+def test_a_dial_for_one_call_without_a_secret_joins_only_after_the_hello() -> None:
+    # (else the acceptor may take the JOIN, counting the connection made, while the dialler,
+    # its caller's deadline past, closes it: a peer lost, to the acceptor); a process group's
+    # mesh dial still joins at once (half a round trip less)
+    from tdist.transport._protocol import HELLO, JOIN, MAGIC, VERSION
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    info = {"host": "another host", "addr": "127.0.0.1", "port": listener.getsockname()[1], "unix": "", "pid": 0}
+    try:
+        for hello_within, early in ((10.0, False), (None, True)):
+            dialer = Dialer(info, time.monotonic() + 30, my_id=0, token=TOKEN, secret=None, expect=1, label="me",
+                            what="rank 1", hello_within=hello_within)
+            give_up = time.monotonic() + 10
+            while dialer.wants()[1] != select.POLLIN:  # (until connected: its handshake begins)
+                assert dialer.step() is None and time.monotonic() < give_up
+                time.sleep(0.01)
+            theirs, _ = listener.accept()
+            readable = select.poll()
+            readable.register(theirs.fileno(), select.POLLIN)
+            assert bool(readable.poll(200)) is early  # a JOIN before any HELLO?
+            if not early:
+                theirs.sendall(HELLO.pack(MAGIC, VERSION, 0, b"n" * 32))
+                while not readable.poll(10):
+                    assert dialer.step() is None and time.monotonic() < give_up
+            assert len(theirs.recv(JOIN.size, socket.MSG_WAITALL)) == JOIN.size
+            dialer.close()
+            theirs.close()
+    finally:
+        listener.close()

@@ -130,7 +130,7 @@ class Dialer:
     connection fails, then authenticate (``_handshake.Connection``; ``what`` names the peer,
     ``expect`` is its id). The acceptor's first record may take ``hello_within`` seconds
     (``None``: until ``deadline``; a process-group peer answers only once its owner is ready),
-    its answer to ours ``_RECORD``.
+    its answer to ours ``_RECORD``, past ``deadline`` if need be (``_shake_by``).
 
     ``step()`` advances it as far as it goes without waiting and returns
     ``(socket, end, same_host, session)`` once connected (``end``: how messages name the
@@ -193,11 +193,14 @@ class Dialer:
         return self.deadline
 
     def _shake_by(self, shaking: _handshake.Connection) -> float:
-        """When the handshake under way times out. Once our JOIN is out the acceptor may have
-        counted the connection made: only the WELCOME's own time limit ends it then, not the
-        caller's deadline (a dialer that gave up there would leave the acceptor a connection
-        that closes at once: a peer lost, to it)."""
-        return self._record_by if shaking.joined else min(self._record_by, self.deadline)
+        """When the handshake under way times out. Once the acceptor's HELLO is in and our JOIN
+        out, it may have counted the connection made: only the WELCOME's own time limit ends it
+        then, not the caller's deadline (a dialer that gave up there would leave the acceptor a
+        connection that closes at once: a peer lost, to it). Before the HELLO, the caller's
+        deadline holds: an acceptor that does not answer (stopped, stalled) is not waited for.
+        (A dial for one call, ``hello_within``, sends its JOIN only after the HELLO, even
+        without a secret: so the acceptor cannot have counted it made before.)"""
+        return self._record_by if shaking.hello_in else min(self._record_by, self.deadline)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -312,7 +315,9 @@ class Dialer:
         sock = cast(socket.socket, self._sock)
         pid = int(self.info["pid"]) if self.same and self.info.get("pid") else None
         try:
-            self._shaking = _handshake.Connection(sock, self._my_id, self._token, self._secret, self._what, pid=pid)
+            self._shaking = _handshake.Connection(
+                sock, self._my_id, self._token, self._secret, self._what, pid=pid, join_early=self._hello_within is None
+            )
         except (OSError, RemoteProtocolError) as exc:
             raise self._handshake_failed(exc) from exc
         self._record_by = self.deadline if self._hello_within is None else time.monotonic() + self._hello_within

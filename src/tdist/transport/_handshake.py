@@ -56,7 +56,8 @@ class Connection:
     the JOIN once the HELLO is in and returns the acceptor's ``(id, session)`` (the session
     with a secret only) once the WELCOME is in, None meanwhile. Deadlines are the owner's.
 
-    ``pid``: the process expected at the other end of a Unix socket.
+    ``pid``: the process expected at the other end of a Unix socket. ``join_early``: without a
+    secret, the JOIN goes at once, not after the HELLO (see below).
 
     Raises (from the constructor or ``step``):
         AuthenticationError: either side could not prove the secret, or a Unix socket's other
@@ -68,7 +69,14 @@ class Connection:
     __slots__ = ("_buf", "_got", "_joined", "_my_id", "_nonce_c", "_nonce_s", "_secret", "_token", "sock", "what")
 
     def __init__(
-        self, sock: socket.socket, my_id: int, token: bytes, secret: bytes | None, what: str, pid: int | None = None
+        self,
+        sock: socket.socket,
+        my_id: int,
+        token: bytes,
+        secret: bytes | None,
+        what: str,
+        pid: int | None = None,
+        join_early: bool = True,
     ) -> None:
         check_unix_peer(sock, what, pid)
         sock.setblocking(False)
@@ -83,15 +91,12 @@ class Connection:
         self._nonce_c = auth.make_nonce()
         # Without a secret the JOIN proves nothing and needs nothing of the HELLO: it goes at
         # once, so that the acceptor can answer its HELLO's JOIN as soon as it has sent it
-        # (half a round trip, a wake-up of each side, less); the HELLO is still checked.
-        self._joined = secret is None
+        # (half a round trip, a wake-up of each side, less); the HELLO is still checked. Not for
+        # a dialler that may give up before the WELCOME (``join_early=False``): after its JOIN
+        # the acceptor may count the connection made, and it would see it close at once.
+        self._joined = secret is None and join_early
         if self._joined:
             _send_record(sock, JOIN.pack(MAGIC, VERSION, my_id, token, self._nonce_c, ZERO_PROOF), what)
-
-    @property
-    def joined(self) -> bool:
-        """Our JOIN went: from here the acceptor may count the connection made."""
-        return self._joined
 
     @property
     def hello_in(self) -> bool:
@@ -127,8 +132,7 @@ class Connection:
                 )
             self._nonce_s = nonce_s
             if not self._joined:
-                assert secret is not None
-                proof = auth.client_proof(secret, nonce_s, self._nonce_c)
+                proof = ZERO_PROOF if secret is None else auth.client_proof(secret, nonce_s, self._nonce_c)
                 _send_record(self.sock, JOIN.pack(MAGIC, VERSION, self._my_id, self._token, self._nonce_c, proof), what)
                 self._joined = True
             self._buf = bytearray(WELCOME.size)
