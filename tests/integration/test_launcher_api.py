@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,8 @@ def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_
 ) -> None:
     mine = tmp_path / "launcher_error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(mine))
+    # (the run's log directory keeps the worker's error file, as torchrun's does: in tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     @record
     def launcher() -> None:

@@ -232,10 +232,11 @@ def test_an_orderly_end_leaves_no_reaper(tmp_path: Path, mark: str, end: str) ->
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_kill_9_of_a_run_processes_caller_takes_its_ranks(tmp_path: Path, mark: str, start_method: str) -> None:
-    # (pytest-timeout's thread method ends a test's process with os._exit: its ranks go with it)
+    # (pytest-timeout's thread method ends a test's process with os._exit: its ranks go with it;
+    # TMPDIR: Python's forkserver leaves its socket's directory, pymp-*, when its caller is killed)
     proc = subprocess.Popen(
         [sys.executable, "-u", "ranks.py", mark, start_method],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env={**_env(), "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     ranks: list[int] = []
     try:

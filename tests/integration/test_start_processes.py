@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -232,7 +233,8 @@ def _failure_fields(f: Any) -> tuple[Any, ...]:
 
 
 @pytest.mark.slow
-def test_a_failed_function_reports_its_first_failure_with_its_recorded_error_as_torchs(tmp_path: Path) -> None:
+def test_a_failed_function_reports_its_first_failure_with_its_recorded_error_as_torchs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (torch's leaves its error files there)
     outcomes = []
     for name, start in (("ours", start_processes), ("torch", torch_start_processes)):
         specs = (DefaultLogsSpecs if name == "ours" else torch_api.DefaultLogsSpecs)(log_dir=str(tmp_path / name))

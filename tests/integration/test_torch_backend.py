@@ -856,6 +856,7 @@ def test_a_program_ported_to_tdist_runs_under_torchs_own_torchrun(tmp_path: Any)
     prog = tmp_path / "prog.py"
     prog.write_text(_UNDER_TORCHRUN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TDIST_", "TORCHELASTIC_", "MASTER_"))}
+    env["TMPDIR"] = str(tmp_path)  # (torchrun leaves its run's log directory, torchelastic_*)
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(prog), str(tmp_path)],
         capture_output=True, text=True, timeout=80, env=env,
