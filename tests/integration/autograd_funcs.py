@@ -66,6 +66,22 @@ def explode_in_backward(x: torch.Tensor) -> torch.Tensor:
     return _Explode.apply(x) * 2  # type: ignore[no-untyped-call]
 
 
+class _Fail(torch.autograd.Function):
+    """A backward that raises a plain ``Exception`` (torch's tests' "Simulate error")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise Exception("Simulate error on backward pass")
+
+
+def fail_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _Fail.apply(x) * 2  # type: ignore[no-untyped-call]
+
+
 slow_started = threading.Event()  # set as the backward of a ``slow`` starts (in this process)
 
 

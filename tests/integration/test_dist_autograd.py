@@ -192,6 +192,27 @@ def _errors(w: Worker) -> dict[str, Any]:
             dist_autograd.backward(cid, [x.sum()])
         with pytest.raises(RuntimeError, match="Could not find autograd context with id"):
             dist_autograd.get_gradients(cid)
+        # a plain Exception in a backward function: here; on the callee; here, reached through
+        # the callee (torch's test_backward_autograd_engine_error)
+        simulated = []
+        for where in ("here", "there", "here through there"):
+            with dist_autograd.context() as cid:
+                if where == "here":
+                    y = f.fail_in_backward(x)
+                elif where == "there":
+                    y = rpc.rpc_sync(w.peer(1), f.fail_in_backward, args=(x,))
+                else:
+                    y = rpc.rpc_sync(w.peer(1), torch.mul, args=(f.fail_in_backward(x), 2))
+                with pytest.raises(RuntimeError) as info:
+                    dist_autograd.backward(cid, [y.sum()])
+                simulated.append(str(info.value).splitlines()[0])
+        out["simulated"] = simulated
+        with dist_autograd.context() as cid:  # (torch's binding's words; test_backward_invalid_args)
+            for args in ((cid, None), (None, None), (cid, [1.0])):
+                with pytest.raises(TypeError, match="incompatible function arguments"):
+                    dist_autograd.backward(*args)
+            with pytest.raises(TypeError, match="incompatible function arguments"):
+                dist_autograd.get_gradients("x")
     w.barrier()
     return out
 
@@ -200,6 +221,11 @@ def test_errors_nested_context_unknown_context_and_a_remote_backward_failure(bac
     out = run(_errors, backend, world_size=2)[0]
     assert out["remote_error"] is not None and "backward exploded on purpose" in out["remote_error"]
     assert out["remote_error"].startswith("Error on Node 0: ") and out["remote_error_types"] == (True, True)
+    assert out["simulated"] == [
+        "Error on Node 0: Simulate error on backward pass",
+        "Error on Node 0: Error on Node 1: Simulate error on backward pass",
+        "Error on Node 0: Simulate error on backward pass",
+    ]
 
 
 def _graph_semantics(w: Worker) -> dict[str, Any]:

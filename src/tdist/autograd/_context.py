@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import os
 import queue
+import reprlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -147,12 +148,24 @@ def _new_id(rank: int) -> int:
     return (rank << 48) | next(_ids)
 
 
+def _bad_arguments(name: str, signature: str, *given: Any) -> TypeError:
+    """The ``TypeError`` of a function given arguments of the wrong types, in the words of
+    torch's bindings (which its tests match: "incompatible function arguments")."""
+    shown = ", ".join(reprlib.repr(g) for g in given)
+    return TypeError(
+        f"{name}(): incompatible function arguments. The following argument types are supported:\n"
+        f"    1. {signature}\n\nInvoked with: {shown}"
+    )
+
+
 def _retrieve_context(context_id: int) -> DistAutogradContext:
     """The context ``context_id`` on this worker.
 
     Raises:
-        RuntimeError: there is none (torch's message).
+        TypeError: ``context_id`` is not an int. RuntimeError: there is none (torch's message).
     """
+    if not isinstance(context_id, int):
+        raise _bad_arguments("_retrieve_context", "(context_id: int) -> DistAutogradContext", context_id)
     with _lock:
         ctx = _contexts.get(context_id)
     if ctx is None:
@@ -279,7 +292,7 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
         TypeError: ``context_id`` is not an int. RuntimeError: no such context here.
     """
     if not isinstance(context_id, int):
-        raise TypeError(f"get_gradients(): context_id must be an int, got {type(context_id).__name__}")
+        raise _bad_arguments("get_gradients", "(context_id: int) -> dict[torch.Tensor, torch.Tensor]", context_id)
     ctx = _retrieve_context(context_id)
     with ctx.lock:
         return dict(ctx.grads)
@@ -743,12 +756,19 @@ def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id:
         return _when_all([])
     out: Any = torch.futures.Future()
 
+    def failed(exc: BaseException) -> None:
+        # (the worker where a pass fails says so, "Error on Node 1: ...", unless the pass began
+        # here: its ``backward`` says it, once; the workers it passes on its way back do not)
+        if isinstance(exc, Exception):
+            exc = _node_failure(exc, prefix=pass_id >> 48 != _rank())
+        out.set_exception(exc)
+
     def run() -> None:
         try:
             sent_on = _local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], True, (pass_id, retain))
         except BaseException as exc:
             _pass_done()
-            out.set_exception(exc)
+            failed(exc)
             return
         if not retain:
             with ctx.lock:
@@ -759,7 +779,7 @@ def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id:
             try:
                 f.wait()
             except BaseException as exc:
-                out.set_exception(exc)
+                out.set_exception(exc)  # (said by the worker where it failed)
                 return
             out.set_result(None)
 
@@ -782,16 +802,17 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         RuntimeError: unknown context, a root that is not a scalar or does not require grad,
             or an error on any worker the pass reached (naming it).
     """
-    if not isinstance(context_id, int):
-        raise TypeError(f"backward(): context_id must be an int, got {type(context_id).__name__}")
-    if not isinstance(roots, (list, tuple)):
-        raise TypeError(f"backward(): roots must be a list of tensors, got {type(roots).__name__}")
+    if (
+        not isinstance(context_id, int)
+        or not isinstance(roots, (list, tuple))
+        or not all(isinstance(r, torch.Tensor) for r in roots)
+    ):
+        signature = "(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None"
+        raise _bad_arguments("backward", signature, context_id, roots)
     ctx = _retrieve_context(context_id)
     if not roots:
         raise RuntimeError("No tensors provided for gradient computation.")
     for i, r in enumerate(roots):  # (torch's checks and messages)
-        if not isinstance(r, torch.Tensor):
-            raise TypeError(f"backward(): roots must be tensors, got {type(r).__name__}")
         if not r.requires_grad:
             raise RuntimeError("requires_grad not set on root")
         if r.numel() != 1:
@@ -810,18 +831,32 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     try:
         wait_replies(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
     except Exception as exc:
-        # (torch's engine raises every failure of a pass as a RuntimeError "Error on Node N:
-        # ..."; this one is that and still its own type, which pickles as itself; a plain
-        # RuntimeError is raised anew with that text)
-        text = f"Error on Node {_rank()}: {exc}"
-        if type(exc) is RuntimeError:
-            raise RuntimeError(text).with_traceback(exc.__traceback__) from exc
-        failure = _as_runtime_error(exc, text)
-        if failure is exc:
-            raise
-        raise failure from exc.__cause__
+        failure = _node_failure(exc)
+        raise failure from failure.__cause__
     finally:
         _pass_done()
+
+
+def _node_failure(exc: Exception, prefix: bool = True) -> BaseException:
+    """A failure of a pass on this worker as torch's engine raises it: a ``RuntimeError``
+    "Error on Node N: ..." (N: this worker's id), whatever was raised (a callee's failure that
+    comes back says "Error on Node 0: Error on Node 1: ...", as torch's). Here it is still its
+    own type too where the two combine (``_as_runtime_error``; it pickles as itself), else (a
+    plain ``Exception`` or ``RuntimeError``, a type that does not combine) a ``RuntimeError``
+    caused by it. Without ``prefix``: ``exc`` itself, a plain ``Exception`` as a
+    ``RuntimeError`` with its text (which an RPC reply carries as such)."""
+    if not prefix:
+        if type(exc) is not Exception:
+            return exc
+        failure: BaseException = RuntimeError(str(exc)).with_traceback(exc.__traceback__)
+        failure.__cause__ = exc
+        return failure
+    text = f"Error on Node {_rank()}: {exc}"
+    failure = _as_runtime_error(exc, text)
+    if failure is exc:
+        failure = RuntimeError(text).with_traceback(exc.__traceback__)
+        failure.__cause__ = exc
+    return failure
 
 
 # -- registration -------------------------------------------------------------------------------

@@ -63,11 +63,12 @@ def _torch_text(self: BaseException) -> str:
 def _as_runtime_error(exc: BaseException, text: str | None = None) -> BaseException:
     """``exc`` as an instance of a class derived from its own type and ``RuntimeError`` (see
     the module docstring), whose message is ``text`` (default: torch's for a callback);
-    ``exc`` itself where it is a ``RuntimeError`` already, not an ``Exception``, or of a type
-    that cannot be combined (``OSError``'s layout, for one)."""
+    ``exc`` itself where it is a ``RuntimeError`` already (with a ``text``: ``RuntimeError``
+    itself), not an ``Exception``, or of a type that cannot be combined (``Exception`` itself,
+    for one)."""
     # (a remote error, which ``_errors.rebuild`` made a RuntimeError too, counts as its own type)
     kind = plain_type(type(exc))
-    if issubclass(kind, RuntimeError) or not isinstance(exc, Exception):
+    if not isinstance(exc, Exception) or (issubclass(kind, RuntimeError) and (text is None or kind is RuntimeError)):
         return exc
     both = runtime_twin(kind, {"__reduce__": _reduce_to_original, "__str__": _torch_text}, _BOTH)
     if both is None:
