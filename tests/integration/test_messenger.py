@@ -292,11 +292,16 @@ def test_no_poller_waits_on_a_connection_while_other_work_runs(monkeypatch: pyte
 
 def test_a_poller_does_not_wait_on_a_connection_whose_requests_come_seldom(monkeypatch: pytest.MonkeyPatch) -> None:
     with _answering(monkeypatch, 0.005, quiet=True, ping=False) as (a, b):
-        for i in range(spin.WINDOW + 1):  # answered, then silence longer than a wait (a gap each, the first excepted)
+        # answered, then silence longer than a wait (a gap each, the first excepted): after
+        # WINDOW + 1 of them on an idle host; more where a loaded host kept b's poller from
+        # waiting until a request was in already (which counts as a quick one)
+        for i in range(spin.WINDOW * 8):
             a.send(1, i, i)
             a.get()
             time.sleep(0.03)
-        c = _conn_to(b, 0)
+            c = _conn_to(b, 0)
+            if i >= spin.WINDOW and c.gaps.seconds() == 0:
+                break
         assert c.gaps.seconds() == 0  # (its last requests all came late)
         a.send(1, 100, "seldom")
         assert a.get()[3] == ("re", 100)
@@ -304,9 +309,11 @@ def test_a_poller_does_not_wait_on_a_connection_whose_requests_come_seldom(monke
         while time.monotonic() < end:
             assert not c.spinner
             time.sleep(0.0005)
-        for i in range(2):  # (the first comes after the watch above:) a request soon after its
-            a.send(1, 200 + i, i)  # answer: b waits for the next one again
-            a.get()
+        for i in range(40):  # (the first comes after the watch above:) a request soon after its
+            a.send(1, 200 + i, i)  # answer: b waits for the next one again (soon: within the
+            a.get()  # budget, which a loaded host may miss now and then)
+            if i >= 1 and c.gaps.seconds() > 0:
+                break
         assert c.gaps.seconds() > 0
 
 
