@@ -52,34 +52,26 @@ def chain(a: torch.Tensor, b: torch.Tensor, third: str) -> torch.Tensor:
     return c.sin().sum() * 2 + a.sum()
 
 
-class _Explode(torch.autograd.Function):
+class _Raise(torch.autograd.Function):
+    """Its backward raises the exception its forward was given."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, error: Exception) -> torch.Tensor:
+        ctx.error = error
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        raise ValueError("backward exploded on purpose")
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        raise ctx.error
 
 
 def explode_in_backward(x: torch.Tensor) -> torch.Tensor:
-    return _Explode.apply(x) * 2  # type: ignore[no-untyped-call]
-
-
-class _Fail(torch.autograd.Function):
-    """A backward that raises a plain ``Exception`` (torch's tests' "Simulate error")."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        raise Exception("Simulate error on backward pass")
+    return _Raise.apply(x, ValueError("backward exploded on purpose")) * 2  # type: ignore[no-untyped-call]
 
 
 def fail_in_backward(x: torch.Tensor) -> torch.Tensor:
-    return _Fail.apply(x) * 2  # type: ignore[no-untyped-call]
+    """A plain ``Exception`` in the backward (torch's tests' "Simulate error")."""
+    return _Raise.apply(x, Exception("Simulate error on backward pass")) * 2  # type: ignore[no-untyped-call]
 
 
 slow_started = threading.Event()  # set as the backward of a ``slow`` starts (in this process)
