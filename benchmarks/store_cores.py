@@ -36,12 +36,14 @@ def _store(impl: str, port: int, master: bool) -> Any:
     return cls("127.0.0.1", port, None, master, timedelta(seconds=60), wait_for_workers=False)
 
 
-def _client(impl: str, port: int, op: str, n: int, out: Any) -> None:
+def _client(impl: str, port: int, op: str, n: int, out: Any, go: Any) -> None:
     os.sched_setaffinity(0, {0})
     try:
         store = _store(impl, port, False)
         store.set("warm", b"1")
         store.get("warm")
+        if not go.wait(60):
+            raise TimeoutError("the master never said go")
         t0 = time.perf_counter()
         if op == "set":
             for _ in range(n):
@@ -60,16 +62,20 @@ def measure(impl: str, op: str, same: bool, n: int) -> float:
     ctx = mp.get_context("fork")
     port = free_port()
     out = ctx.Queue()
-    proc = ctx.Process(target=_client, args=(impl, port, op, n, out))
+    go = ctx.Event()
+    proc = ctx.Process(target=_client, args=(impl, port, op, n, out, go))
     proc.start()  # (forked before the master exists: see bench_store.py)
     core = {0} if same else {1}
     os.sched_setaffinity(0, core)  # (torch's server thread starts here, and inherits it)
     try:
         master = _store(impl, port, True)
         server = getattr(master, "_server", None)
-        child = getattr(server, "_proc", None)
-        if child is not None:  # (tdist's server process)
-            os.sched_setaffinity(child.pid, core)
+        # tdist's server: timed once its own process serves (a thread of the master serves
+        # its first 0.1-0.2 s, as bench_store.py's rows), that process pinned too
+        pid = None if server is None else server.pid
+        if pid is not None:
+            os.sched_setaffinity(pid, core)
+        go.set()
         value = out.get(timeout=120)
         proc.join(30)
         if isinstance(value, str):
