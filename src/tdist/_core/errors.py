@@ -21,7 +21,8 @@ module's ``CollectiveMismatchError``)::
     │   └── TorchServerError                    [store._tcp] tdist's store client reached torch's
     │                                           own TCPStore server
     ├── DistStoreError                          a store operation failed
-    │   ├── StoreTimeoutError (TimeoutError)    keys did not appear in time
+    │   ├── StoreTimeoutError (DistTimeoutError)  keys did not appear in time (ranks that
+    │   │                                       never joined a rendezvous among them)
     │   │   └── EtcdStoreTimeoutError (LookupError)  [store._etcd] an EtcdStore's get/wait
     │   │                                       (torch documents LookupError there)
     │   ├── StoreValueError (ValueError)        a value was not what the command needs
@@ -159,10 +160,6 @@ class DistStoreError(DistError, _TorchStoreError):
     """A store operation failed (``torch.distributed.DistStoreError``)."""
 
 
-class StoreTimeoutError(DistStoreError, TimeoutError):
-    """Keys awaited in a store did not appear before the timeout."""
-
-
 class StoreValueError(DistStoreError, ValueError):
     """A stored value cannot be used as the command needs (``add`` on a non-number)."""
 
@@ -185,6 +182,11 @@ class RemoteProtocolError(ProtocolError):
 
 class DistTimeoutError(DistError, TimeoutError):
     """A deadline expired."""
+
+
+class StoreTimeoutError(DistStoreError, DistTimeoutError):
+    """Keys awaited in a store did not appear before the timeout (also the checked join's
+    ranks that never came: torch raises a ``DistStoreError`` there)."""
 
 
 class CollectiveTimeoutError(DistBackendError, DistTimeoutError):

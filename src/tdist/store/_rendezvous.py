@@ -387,9 +387,10 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
     Raises:
         ValueError: ranks disagree on the world size, another process holds this rank, or the
             round was aborted by a rank that found one of those.
-        DistTimeoutError: not every rank joined within ``timeout``.
+        StoreTimeoutError: not every rank joined within ``timeout`` (a ``DistStoreError``, as
+            torch's, and a ``DistTimeoutError``).
     """
-    from .._core.errors import DistTimeoutError, StoreTimeoutError
+    from .._core.errors import StoreTimeoutError
 
     me = _holder_id()
     n = int(store.add(f"{_RDZV}/rank_{rank}", 1))
@@ -439,9 +440,9 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
             # text, not later, or with a lost store when rank 0's process, its host, ends)
             verdict = store.compare_set(base + "full", "", _TIMED_OUT + message)
             if verdict == _TIMED_OUT.encode() + message.encode():
-                raise DistTimeoutError(f"rank {rank}: {message}") from None
+                raise StoreTimeoutError(f"rank {rank}: {message}") from None
     if verdict.startswith(_TIMED_OUT.encode()):
-        raise DistTimeoutError(f"rank {rank}: " + verdict.decode(errors="replace").removeprefix(_TIMED_OUT))
+        raise StoreTimeoutError(f"rank {rank}: " + verdict.decode(errors="replace").removeprefix(_TIMED_OUT))
     if verdict != b"1":
         raise _rendezvous_error(verdict.decode(errors="replace").removeprefix(_ABORTED))
     store._rdzv_claim = (base + f"rank_{rank}", me)
