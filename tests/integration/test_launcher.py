@@ -895,6 +895,25 @@ def test_a_job_that_succeeds_after_a_restart_leaves_no_snapshot(work: Path) -> N
     assert sorted(p.name for p in (work / "tmp").iterdir() if p.name.startswith("tdist_snapshot_")) == []
 
 
+def test_kept_logs_hold_no_named_pipe_once_the_run_ends(work: Path) -> None:
+    # (a worker that imports tdist keeps its status there, and a named pipe that wakes its
+    # status thread: ``cat logs/*`` or ``grep -r`` on a pipe nobody writes to waits for good)
+    (work / "status.py").write_text(
+        "import os, time\n"
+        "import tdist\n"
+        "pipe = os.path.join(os.path.dirname(os.environ['TORCHELASTIC_ERROR_FILE']), '.wake')\n"
+        "end = time.monotonic() + 15\n"
+        "while not os.path.exists(pipe) and time.monotonic() < end:\n"
+        "    time.sleep(0.01)\n"
+        "assert os.path.exists(pipe)\n"
+    )
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs), "status.py")
+    assert res.returncode == 0, res.stderr
+    left = [p for p in logs.rglob("*") if not (p.is_file() or p.is_dir())]
+    assert left == [] and list(logs.rglob("status.json")), sorted(logs.rglob("*"))
+
+
 def test_log_dir_devnull_writes_nothing(work: Path) -> None:
     res = tdist_run(work, "--nproc-per-node", "1", "--master-port", "0", "--log-dir", os.devnull,
                     "-r", "3", "worker.py", "env")

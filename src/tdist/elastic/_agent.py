@@ -101,6 +101,7 @@ from ._inspect import (
     publish_metrics,
     publish_status,
     register_job,
+    remove_wake_pipes,
     unregister_job,
 )
 from ._metrics import METRICS_FD_ENV, TIMED_ENV
@@ -489,6 +490,8 @@ class LocalAgent:
                 wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
                 os.close(wake_r)  # (-1 first: a late _on_signal writes nowhere, not to a reused fd)
                 os.close(wake_w)
+                if self._run_dir is not None:
+                    remove_wake_pipes(self._run_dir)
                 if self._temp_base is not None and not self._keeps_logs and not _error_files(self._temp_base):
                     # (nothing was there: an error file a worker wrote stays, as torchrun's do,
                     # since the report names it)

@@ -11,7 +11,7 @@ imported tdist (``worker_side``):
   runs), and the steps it reported (``report_progress``);
 - every thread's Python stack, appended to ``stacks.txt`` when asked, and its flight record
   (``tdist.flight_recorder``) dumped: asked by a file in its directory (``stacks.request``,
-  ``record.request``) and a byte written to its named pipe ``wake`` there, which wakes the
+  ``record.request``) and a byte written to its named pipe ``.wake`` there, which wakes the
   status thread at once (it also looks for the files each second); it removes a request once
   it has answered it. The main thread may be inside a long call of C code, where no Python
   signal handler runs, and the program may have handlers of its own for the user signals (a
@@ -188,7 +188,9 @@ def _steps() -> tuple[int | None, float | None]:
 _stacks_pipe: tuple[int, int] | None = None
 STACKS_REQUEST = "stacks.request"
 RECORD_REQUEST = "record.request"
-WAKE = "wake"  # (the named pipe in a worker's directory: a byte wakes its status thread)
+# the named pipe in a worker's directory: a byte wakes its status thread (hidden, and removed by
+# the launcher at the end: ``cat logs/*`` on a pipe nobody writes to waits for good)
+WAKE = ".wake"
 
 
 def _on_stacks_signal(signum: int, frame: object) -> None:
@@ -223,7 +225,7 @@ def write_stacks(path: str) -> None:
 
 
 def _wake_pipe(directory: str) -> int | None:
-    """This worker's named pipe ``wake``, open for reading (and writing, so that it never
+    """This worker's named pipe ``.wake``, open for reading (and writing, so that it never
     reads as closed: no writer between two requests is no end), or None where none can be
     made."""
     path = os.path.join(directory, WAKE)
@@ -234,6 +236,15 @@ def _wake_pipe(directory: str) -> int | None:
         return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def remove_wake_pipes(run_dir: str) -> None:
+    """The workers' named pipes under a run's directory (at the run's end: its logs are kept,
+    and read with ``cat`` and ``grep``, which a pipe without a writer holds for good)."""
+    for root, _dirs, files in os.walk(run_dir):
+        if WAKE in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, WAKE))
 
 
 def _status(directory: str) -> None:

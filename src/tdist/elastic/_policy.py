@@ -962,12 +962,13 @@ def _what_it_was_doing(e: WorkerExit) -> str:
 
 def _files_in_rank_dirs(attempt: str) -> list[str]:
     """The names of the files in an attempt's ``<local rank>/`` directories (what the
-    post-mortem says is there: the streams only where ``-r``/``-t`` sent them)."""
+    post-mortem says is there: the streams only where ``-r``/``-t`` sent them), but the hidden
+    ones (a worker's named pipe, ``_inspect.WAKE``, goes at the run's end)."""
     names: set[str] = set()
     try:
         for entry in os.scandir(attempt):
             if entry.is_dir() and entry.name.isdigit():
-                names.update(os.listdir(entry.path))
+                names.update(n for n in os.listdir(entry.path) if not n.startswith("."))
     except OSError:
         return []
     return sorted(names)
