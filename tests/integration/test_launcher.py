@@ -843,6 +843,46 @@ def test_recorded_exception_in_the_log_dirs_error_json(work: Path) -> None:
     assert f"error_file: {error_json}" in root  # (kept: --log-dir)
 
 
+def test_a_worker_stopped_after_it_raised_is_reported_with_its_error_file(work: Path) -> None:
+    # rank 1 raises first; rank 0 then raises (its @record error file written, early in a
+    # second, so that it is not taken for one raised a second before rank 1's exit) and
+    # lingers; rank 1 exits: the launcher stops rank 0, whose entry quotes its error, as
+    # torchrun's does
+    (work / "raised.py").write_text(
+        "import os, time\n"
+        "from tdist.elastic.multiprocessing.errors import record\n"
+        "rank = os.environ['RANK']\n"
+        "mine = os.environ['TORCHELASTIC_ERROR_FILE']\n"
+        "other = os.path.join(os.path.dirname(os.path.dirname(mine)), '10'[int(rank)], 'error.json')\n"
+        "def until(path):\n"
+        "    end = time.monotonic() + 15\n"
+        "    while not os.path.exists(path) and time.monotonic() < end:\n"
+        "        time.sleep(0.01)\n"
+        "@record\n"
+        "def work():\n"
+        "    raise ValueError(f'rank {rank} gave up')\n"
+        "if rank == '0':\n"
+        "    until(other)\n"
+        "    while time.time() % 1 > 0.2:  # (error files say whole seconds: see raised_before)\n"
+        "        time.sleep(0.01)\n"
+        "try:\n"
+        "    work()\n"
+        "except ValueError:\n"
+        "    if rank == '0':\n"
+        "        time.sleep(60)  # (until stopped)\n"
+        "    until(other)\n"
+        "    raise SystemExit(1)\n"
+    )
+    logs = work / "logs"
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--log-dir", str(logs), "raised.py")
+    assert res.returncode == 1, res.stderr
+    failures, root = res.stderr.split("Failures:")[1].split("Root Cause")
+    error_json = run_dir(logs) / "attempt_0/0/error.json"
+    assert "rank      : 1 (local_rank: 1)" in root and "ValueError: rank 1 gave up" in root, res.stderr
+    assert "(SIGTERM)" in failures and f"error_file: {error_json}" in failures, res.stderr
+    assert "ValueError: rank 0 gave up" in failures, res.stderr
+
+
 def test_post_mortem_points_to_flight_records_and_logs(work: Path) -> None:
     # with --log-dir, each worker's TORCH_FR_DUMP_TEMP_FILE is in its log folder
     logs = work / "logs"

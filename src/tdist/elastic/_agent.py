@@ -905,7 +905,9 @@ class LocalAgent:
                 )
                 report = format_failure_report(
                     self._title(), found, host=self._host, tails=tails, max_lines=cfg.tail_lines,
-                    error_files=self._error_files(restart_count, found), post_mortem=post_mortem,
+                    # (the stopped workers' too: one that raised before the launcher's signal
+                    # came is reported with its error, as torchrun's)
+                    error_files=self._error_files(restart_count, exits), post_mortem=post_mortem,
                 )
                 self._write(self._err, report.encode() + b"\n")
                 if self._stacks:  # (the report names the snapshot's files: they stay)
