@@ -500,7 +500,8 @@ class ArenaCore:
                 self._wake(q)
         except (ValueError, OSError):  # pragma: no cover - the mapping is gone
             pass
-        log.warning("rank %s: shared-memory arena %s failed in %s: %s", self.rank, self.name, self._op, exc)
+        # (debug: the caller raises it, and a program that handles it wants no line on stderr)
+        log.debug("rank %s: shared-memory arena %s failed in %s: %s", self.rank, self.name, self._op, exc)
 
     def _peer_text(self, q: int) -> str:
         n = min(self._w[self._base[q] + _ERRLEN], _ERR_BYTES)
