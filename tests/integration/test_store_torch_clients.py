@@ -34,6 +34,10 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreServer]:
     monkeypatch.delenv("TDIST_SECRET", raising=False)
     srv = StoreServer("127.0.0.1", 0)
     srv.start("process")
+    # (a thread of this process serves until the process takes over: wait for that, or a
+    # queue_len sent meanwhile holds the GIL that thread needs, for good; a loaded host's
+    # slow start of the process hung the suite so)
+    assert srv.pid is not None
     yield srv
     srv.stop()
 
