@@ -845,17 +845,17 @@ def _node_failure(exc: Exception, prefix: bool = True) -> BaseException:
     plain ``Exception`` or ``RuntimeError``, a type that does not combine) a ``RuntimeError``
     caused by it. Without ``prefix``: ``exc`` itself, a plain ``Exception`` as a
     ``RuntimeError`` with its text (which an RPC reply carries as such)."""
-    if not prefix:
-        if type(exc) is not Exception:
-            return exc
-        failure: BaseException = RuntimeError(str(exc)).with_traceback(exc.__traceback__)
-        failure.__cause__ = exc
-        return failure
-    text = f"Error on Node {_rank()}: {exc}"
-    failure = _as_runtime_error(exc, text)
-    if failure is exc:
-        failure = RuntimeError(text).with_traceback(exc.__traceback__)
-        failure.__cause__ = exc
+    if prefix:
+        text = f"Error on Node {_rank()}: {exc}"
+        twin = _as_runtime_error(exc, text)
+        if twin is not exc:
+            return twin
+    elif type(exc) is not Exception:
+        return exc
+    else:
+        text = str(exc)
+    failure = RuntimeError(text).with_traceback(exc.__traceback__)
+    failure.__cause__ = exc
     return failure
 
 
