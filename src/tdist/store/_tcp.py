@@ -218,6 +218,7 @@ class TCPStore(Store):
         secret: str | bytes | None = None,
         max_frame: int | None = None,
         _clone: bool = False,
+        _serve_later: bool = False,
     ) -> None:
         super().__init__(timeout)
         self._use_libuv = bool(use_libuv)
@@ -263,9 +264,11 @@ class TCPStore(Store):
         # a master's own client of the server it serves from a thread: requests served in the
         # caller's thread (``StoreServer.serve_direct``); the socket pair carries the rest
         self._direct: tuple[StoreServer, _Conn] | None = None
+        # (``_serve_later``: a master's server made and bound, whose loop ``_serve_now`` starts)
+        self._unstarted: tuple[StoreServer, str] | None = None
         if is_master:
             try:
-                self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame)
+                self._start_server(host_name, port, multi_tenant, master_listen_fd, max_frame, _serve_later)
             except DistNetworkError as exc:
                 if not _the_agents_port(port, exc):
                     raise
@@ -284,6 +287,7 @@ class TCPStore(Store):
                     raise
                 return
             if world_size is not None and wait_for_workers:
+                self._serve_now()  # (a master that waits for its workers serves them first)
                 joined = self.add(_INIT_KEY, 1)
                 if is_master and joined < world_size:
                     self._wait_for_workers(world_size)
@@ -317,7 +321,8 @@ class TCPStore(Store):
         return True
 
     def _start_server(
-        self, host: str, port: int, multi_tenant: bool, listen_fd: int | None, max_frame: int | None
+        self, host: str, port: int, multi_tenant: bool, listen_fd: int | None, max_frame: int | None,
+        later: bool = False,
     ) -> None:
         key = (host, port)
         with _tenants_lock:
@@ -356,9 +361,10 @@ class TCPStore(Store):
             # caller's thread (``_serve_direct``), and it does not spin for their replies
             self._own, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             self._own_conn = server.adopt(theirs)
-            server.start(mode)
-            if mode == "thread":
-                _thread_servers.add(id(server))
+            if later:
+                self._unstarted = (server, mode)
+            else:
+                self._start_loop(server, mode)
             self._budget.spin = 0.0
             self._server, self._port = server, server.port
             if multi_tenant:
@@ -366,6 +372,26 @@ class TCPStore(Store):
                 _tenants[self._tenant_key] = (server, 1)
                 if port == 0:
                     _tenants[key] = (server, 1)
+
+    @staticmethod
+    def _start_loop(server: StoreServer, mode: str) -> None:
+        server.start(mode)
+        if mode == "thread":
+            _thread_servers.add(id(server))
+
+    def _serve_now(self) -> None:
+        """Start serving, for a master made with ``_serve_later`` (else nothing): its own
+        requests are served in the caller's thread meanwhile (``_serve_direct``), and the
+        others' wait in the kernel's backlog.
+
+        For the rank that hosts a group's store in a thread: its own first requests of the
+        rendezvous go first, then the thread starts, as the caller is about to wait for the
+        others. Started first, the thread's start (0.3-0.6 ms here) came before those requests,
+        and the requests of the ranks that connected meanwhile waited for the caller's Python
+        to let go of the interpreter lock."""
+        unstarted, self._unstarted = self._unstarted, None
+        if unstarted is not None:
+            self._start_loop(*unstarted)
 
     def _wait_for_workers(self, world_size: int) -> None:
         timeout = self._timeout_seconds(None)
@@ -1015,6 +1041,8 @@ class TCPStore(Store):
         finally:
             if locked:
                 self._lock.release()
+        if self._unstarted is not None and self._pid == os.getpid():
+            self._serve_now()  # (so that it stops, or retires, as any other: a failed rendezvous)
         self._release_server(wait=True)
 
     def _release_server(self, wait: bool) -> None:
