@@ -164,18 +164,20 @@ def test_dead_or_stalled_peer_fails_every_waiter(how: str) -> None:
 
 
 def _threads_started_forming(rank: int, n: int, port: int) -> list[str]:
-    started: list[str] = []
-    start = threading.Thread.start
+    # (counted as they are made: some start without waiting to run, ``QuickThread``)
+    made: list[threading.Thread] = []
+    init = threading.Thread.__init__
 
-    def counted(self: threading.Thread) -> None:
-        started.append(self.name)
-        start(self)
+    def counted(self: threading.Thread, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
 
-    threading.Thread.start = counted  # type: ignore[method-assign]
+    threading.Thread.__init__ = counted  # type: ignore[method-assign]
     try:
         ep = Endpoint(tdist.PrefixStore("threads", tdist.TCPStore("127.0.0.1", port)), rank, n, timeout=30)
     finally:
-        threading.Thread.start = start  # type: ignore[method-assign]
+        threading.Thread.__init__ = init  # type: ignore[method-assign]
+    started = [t.name for t in made if t.is_alive() or t.ident is not None]
     ep.close()
     return started
 

@@ -58,6 +58,7 @@ from .._core.errors import (
 from .._core.floods import FailureLog, Starvation
 from .._core.net import literal_family
 from .._core.peercred import check_unix_peer, unix_peer
+from .._core.threads import QuickThread
 from ._protocol import (
     DEFAULT_MAX_FRAME,
     FIELD_LEN,
@@ -532,9 +533,8 @@ class StoreServer:
             self._add_timer(self._clock() + _SPAWN_AFTER, functools.partial(self._spawn, r, self._status_w))
         else:
             self._handed.set()  # (nothing to hand over)
-        self._thread = threading.Thread(
-            target=self._serve_and_close, args=(r,), name=f"tdist-store-{self.port}", daemon=True
-        )
+        # (not waiting for it to run: it does once this thread waits, see ``QuickThread``)
+        self._thread = QuickThread(self._serve_and_close, f"tdist-store-{self.port}", (r,))
         self._thread.start()
         self._warn_if_open()
 

@@ -66,6 +66,7 @@ from .._core.errors import (
     RemoteProtocolError,
     StoreTimeoutError,
 )
+from .._core.threads import QuickThread
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
@@ -360,9 +361,9 @@ class Endpoint:
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
             self.peer_extras[peer] = pinfo.get("x")
-        self._mesh = self._reader = threading.Thread(
-            target=self._connect_all, args=(listeners, infos, deadline, timeout),
-            name=f"tdist-rd-{self.name}-{self.rank}", daemon=True,
+        # (not waiting for it to run: it does once this thread waits, see ``QuickThread``)
+        self._mesh = self._reader = QuickThread(
+            self._connect_all, f"tdist-rd-{self.name}-{self.rank}", (listeners, infos, deadline, timeout)
         )
         self._mesh.start()
 
