@@ -795,7 +795,7 @@ def _monitored_barrier_with_a_rank_gone(rank: int, ws: int, port: int) -> str:
     dist.barrier()
     if rank == 1:  # (gone from the group: its connections are closed)
         dist.destroy_process_group()
-        store.wait(["verdict"], timedelta(seconds=50))
+        store.wait(["verdict0"], timedelta(seconds=50))
         return "left"
     start = time.monotonic()
     try:
@@ -804,7 +804,9 @@ def _monitored_barrier_with_a_rank_gone(rank: int, ws: int, port: int) -> str:
     except dist.DistBackendError as exc:
         return f"{time.monotonic() - start:.0f} s: {exc}"
     finally:
-        store.set("verdict", "1")
+        store.set(f"verdict{rank}", "1")
+        if rank == 0:  # (its store goes with it: not before rank 2 has set its verdict)
+            store.wait(["verdict2"], timedelta(seconds=50))
         dist.destroy_process_group()
 
 

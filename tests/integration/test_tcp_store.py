@@ -292,6 +292,52 @@ def test_master_waits_for_workers() -> None:
         dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=0.3))
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_master_made_to_serve_later_serves_its_own_requests_and_starts_serving_when_one_waits(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (how the host of a group's store joins its rendezvous: its own requests first, its
+    # server's loop once it waits for the others)
+    monkeypatch.setenv("TDIST_STORE_SERVER", mode)
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    master = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False, _serve_later=True)
+    try:
+        server = master._server
+        assert server is not None
+        master.set("a", "1")
+        assert master.add("n", 5) == 5
+        assert master.compare_set("c", "", "x") == b"x"
+        assert master.get("a") == b"1"
+        assert server._thread is None  # (served in this thread: no loop yet)
+        clients: list[dist.TCPStore] = []
+
+        def client() -> None:  # (its handshake waits for the loop)
+            c = client_of(master)
+            clients.append(c)
+            c.set("k", "v")
+
+        t = threading.Thread(target=client, daemon=True)
+        t.start()
+        master.wait(["k"], timedelta(seconds=10))  # (starts the loop: the reply comes from it)
+        t.join(10)
+        assert clients and clients[0].get("a") == b"1" and clients[0].add("n", 1) == 6
+        clients[0].close()
+    finally:
+        master.close()
+
+
+def test_a_master_made_to_serve_later_and_closed_before_it_served_frees_its_port() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False, _serve_later=True)
+    port = master.port
+    assert master.add("n", 1) == 1
+    master.close()
+    again = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))
+    try:
+        assert again.add("n", 1) == 1  # (a new store: nothing of the first)
+    finally:
+        again.close()
+
+
 def test_client_connect_errors() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

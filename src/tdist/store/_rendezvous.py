@@ -301,7 +301,7 @@ def _create_c10d_store(
             wait_for_workers=False,  # (the checked join below waits, and says what is wrong)
             multi_tenant=True,
             use_libuv=use_libuv,
-            _serve_later=size is not None,  # (started by the checked join: ``TCPStore._serve_now``)
+            _serve_later=size is not None,  # (serving once the checked join waits: ``TCPStore._serve_now``)
         )
     except DistNetworkError as exc:
         if rank != 0 or size is None or not port_taken(exc):
@@ -310,7 +310,7 @@ def _create_c10d_store(
         raise
     if size is not None:
         try:
-            _checked_join(store, rank, size, timeout, f"{hostname}:{port}", store._serve_now)
+            _checked_join(store, rank, size, timeout, f"{hostname}:{port}")
         except BaseException:
             store.close()
             raise
@@ -383,13 +383,8 @@ def _holder_gone(value: str) -> bool:
     return False
 
 
-def _checked_join(
-    store: Any, rank: int, world_size: int, timeout: timedelta, where: str,
-    before_waiting: Callable[[], None] = lambda: None,
-) -> None:
-    """Join this rendezvous's round on ``store`` (see above); ``before_waiting()`` is called
-    before any request that waits for another rank (the host of a store whose server is not
-    serving yet starts it then).
+def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, where: str) -> None:
+    """Join this rendezvous's round on ``store`` (see above).
 
     Raises:
         ValueError: ranks disagree on the world size, another process holds this rank, or the
@@ -412,7 +407,6 @@ def _checked_join(
 
     if n > 1:  # this rank joined this store before: was the one before released?
         previous = f"{_RDZV}/{n - 1}/"
-        before_waiting()
         with contextlib.suppress(StoreTimeoutError):
             store.wait([previous + f"rank_{rank}"], timedelta(seconds=5))
         held = store.get(previous + f"rank_{rank}").decode() if store.check([previous + f"rank_{rank}"]) else ""
@@ -435,7 +429,6 @@ def _checked_join(
     if int(store.add(base + "joined", 1)) >= world_size:
         verdict = store.compare_set(base + "full", "", "1")  # (unless an abort came first)
     else:
-        before_waiting()
         try:  # (one request where the store's timeout is ours, as for the store made here)
             verdict = multi_get_within(store, [base + "full"], timeout)[0]
         except StoreTimeoutError:

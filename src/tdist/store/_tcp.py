@@ -380,15 +380,17 @@ class TCPStore(Store):
             _thread_servers.add(id(server))
 
     def _serve_now(self) -> None:
-        """Start serving, for a master made with ``_serve_later`` (else nothing): its own
-        requests are served in the caller's thread meanwhile (``_serve_direct``), and the
-        others' wait in the kernel's backlog.
+        """Start serving, for a master made with ``_serve_later`` (else nothing). Until then
+        its own requests are served in the caller's thread (``_serve_direct``), and the others'
+        wait in the kernel's backlog; the first of its own requests whose reply must come from
+        the server's loop (one that waits for a key, or any that could not be served here)
+        starts it, as does ``close``.
 
         For the rank that hosts a group's store in a thread: its own first requests of the
-        rendezvous go first, then the thread starts, as the caller is about to wait for the
-        others. Started first, the thread's start (0.3-0.6 ms here) came before those requests,
-        and the requests of the ranks that connected meanwhile waited for the caller's Python
-        to let go of the interpreter lock."""
+        rendezvous go first, and the thread starts as it waits for the others. Started first,
+        the thread's start (0.3-0.6 ms here) came before those requests, and the requests of
+        the ranks that connected meanwhile waited for the caller's Python to let go of the
+        interpreter lock."""
         unstarted, self._unstarted = self._unstarted, None
         if unstarted is not None:
             self._start_loop(*unstarted)
@@ -591,6 +593,8 @@ class TCPStore(Store):
             if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
                 sock = self._ready_socket(op)
             reply = None if self._direct is None else self._serve_direct(frame_bytes)
+            if not reply and self._unstarted is not None:
+                self._serve_now()  # (its reply comes from the server's loop)
             if reply:
                 frame = self._direct_frame(reply)
                 if frame.code == Status.OK:
