@@ -252,20 +252,19 @@ class ArenaCore:
 
     # -- construction ----------------------------------------------------------------------------
     def _prepare(self) -> None:
-        """This rank's half of the set-up, before it hears of the others: rank 0 makes and
-        maps the segment; every rank makes its wake-up pipe (``record`` says where both are)."""
+        """This rank's half of the set-up, before it hears of the others: rank 0 makes the
+        segment and writes its header; every rank makes its wake-up pipe (``record`` says where
+        both are). Every rank maps the segment in ``join`` (rank 0 too: its mapping, 0.1-0.3 ms
+        here, then comes after its record is out, beside the others', not before them)."""
         self._seg_fd = -1
         if self.rank == 0:
             # a memfd: shared memory without a name, gone with the last process that holds it
             seg_fd = os.memfd_create(f"tdist-arena-{_sanitize(self.name)}", os.MFD_CLOEXEC)
             self._fds.append(seg_fd)
             os.ftruncate(seg_fd, self._nbytes)
-            self._map(seg_fd)
-            w = self._w
-            for i, v in enumerate(
-                (_MAGIC, _VERSION, self.size, self._K, self._F, self._rank_words, self._data_off, self._small)
-            ):
-                w[i] = v
+            header = array.array("Q", self._layout())
+            if os.pwrite(seg_fd, header.tobytes(), 0) != 8 * len(header):
+                raise OSError(f"a short write of the header of arena {self.name!r}")
             # (no posix_fallocate: a memfd lives on the kernel's own shmem mount, which has no
             # size limit, so a page that cannot be had is the memory controller's business, as
             # for any tensor's page; allocating 8 MiB up front cost every group 1.6 ms of CPU)
@@ -311,8 +310,14 @@ class ArenaCore:
             raise
         self._joined = True
 
+    def _layout(self) -> tuple[int, ...]:
+        """The segment's header: what every rank must agree on."""
+        return (_MAGIC, _VERSION, self.size, self._K, self._F, self._rank_words, self._data_off, self._small)
+
     def _join(self, records: Mapping[int, Mapping[str, Any]]) -> None:
-        if self.rank != 0:
+        if self.rank == 0:
+            self._map(self._seg_fd)
+        else:
             seg = records[0]
             seg_path = f"/proc/{seg['pid']}/fd/{seg['seg']}"
             try:
@@ -334,7 +339,7 @@ class ArenaCore:
             finally:
                 os.close(fd)
             header = tuple(self._w[0:8])
-            expected = (_MAGIC, _VERSION, self.size, self._K, self._F, self._rank_words, self._data_off, self._small)
+            expected = self._layout()
             if header != expected:
                 raise DistError(
                     f"rank {self.rank}: segment {seg_path} has layout {header}, expected {expected} "
