@@ -278,19 +278,19 @@ class Endpoint:
             lambda: self._peers.values(),
             lambda p: cast(_Peer, p).error is not None,
         )
-        # the mesh thread connects, then stays on as the reader (``_read_loop``); ``_meshed`` is
-        # set once its connections are made (or failed: ``_mesh_errors``)
-        self._mesh: threading.Thread | None = None
+        # the connections are made by ``connected()``, in the owner's thread, from what
+        # ``_build_mesh`` left in ``_to_mesh`` (the listeners and the peers' addresses); then the
+        # reader thread starts on them (``_read_loop``). ``_meshed`` is clear while they are made.
+        # (``connect_later``: nothing is accepted or connected before the owner calls
+        # ``connected()``: a connection needs both ends there, so no rank's set-up ends before
+        # every other rank has done what precedes its ``connected()``, e.g. opened this rank's
+        # arena descriptors, which a rank that destroys its group at once would otherwise close
+        # under it; accepting at once let a higher rank finish before a lower one joined. Made in
+        # the owner's thread, not a thread of their own: two thread hand-offs fewer while a
+        # group forms, each a wake-up on this machine's critical path)
+        self._to_mesh: tuple[Listeners, dict[int, PeerAddress], float, float] | None = None
         self._meshed = threading.Event()
-        self._mesh_errors: list[BaseException] = []
-        # (``connect_later``: the mesh thread neither accepts nor connects before the owner
-        # calls ``connected()``: a connection needs both ends there, so no rank's set-up ends
-        # before every other rank has done what precedes its ``connected()``, e.g. opened this
-        # rank's arena descriptors, which a rank that destroys its group at once would otherwise
-        # close under it; accepting at once let a higher rank finish before a lower one joined)
-        self._may_connect = threading.Event()
-        if not connect_later:
-            self._may_connect.set()
+        self._meshed.set()
         self._lanes_in: tuple[_Peer, ...] = ()  # peers whose lane to us is open
         # the reader thread waits on ``_ep`` (every connection, one-shot) for a readable one; a
         # thread waiting for a message from one peer reads that connection itself (``_read_own``,
@@ -305,18 +305,25 @@ class Endpoint:
             self.connected()
 
     def connected(self) -> None:
-        """Wait until the connections to every peer are made (``connect_later``).
+        """Make the connections to every peer (``connect_later``; in this thread, within the
+        endpoint's timeout), then start the reader thread on them. Nothing once they are made,
+        or after ``close()``.
 
         Raises:
             DistNetworkError, AuthenticationError, DistTimeoutError: the mesh could not be built.
         """
-        self._may_connect.set()
-        mesh, self._mesh = self._mesh, None
-        if mesh is None:
-            return
-        self._meshed.wait()  # (its own deadline bounds it)
-        if self._mesh_errors:
-            raise self._mesh_errors[0]
+        with self._lock:
+            to_mesh, self._to_mesh = self._to_mesh, None
+            if to_mesh is None:
+                return
+            self._meshed.clear()  # (a ``close()`` meanwhile waits for it)
+        try:
+            self._connect_mesh(*to_mesh)
+            # (not waiting for it to run: it does once this thread waits, see ``QuickThread``)
+            self._reader = QuickThread(self._read_loop, f"tdist-rd-{self.name}-{self.rank}")
+            self._reader.start()
+        finally:
+            self._meshed.set()
 
     def add_tick(self, tick: Callable[[], None]) -> None:
         """Have ``tick()`` called on each heartbeat round (by the reader thread, every
@@ -361,11 +368,7 @@ class Endpoint:
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
             self.peer_extras[peer] = pinfo.get("x")
-        # (not waiting for it to run: it does once this thread waits, see ``QuickThread``)
-        self._mesh = self._reader = QuickThread(
-            self._connect_all, f"tdist-rd-{self.name}-{self.rank}", (listeners, infos, deadline, timeout)
-        )
-        self._mesh.start()
+        self._to_mesh = (listeners, infos, deadline, timeout)  # (made by ``connected()``)
 
     def _wait_for_addresses(
         self, store: Any, keys: list[str], peers: list[int], deadline: float, gone: Callable[[int], str | None]
@@ -391,24 +394,10 @@ class Endpoint:
                         peer=peer,
                     )
 
-    def _connect_all(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
-        """Connect to the lower ranks and accept the higher ones (the mesh thread; its error
-        goes to ``connected()``), then read the connections: this thread is the reader."""
-        try:
-            self._connect_mesh(listeners, infos, deadline, timeout)
-        except BaseException as exc:  # (raised in the caller's thread by connected())
-            self._mesh_errors.append(exc)
-            return
-        finally:
-            self._meshed.set()
-        self._read_loop()
-
     def _connect_mesh(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
         """Dial every lower rank and let every higher one in, all side by side in this thread
         (``_dial.Dialer``s and a ``Doorway``: no thread per connection, and a silent or slow
         stranger on the port delays nobody)."""
-        # (``connect_later``: nothing is accepted or connected before the owner's ``connected()``)
-        self._may_connect.wait(max(0.0, deadline - time.monotonic()))
         doorway = None
         try:
             if self.rank < self.size - 1:
@@ -743,11 +732,12 @@ class Endpoint:
         """Say goodbye to every peer and close the connections."""
         if self._closing:
             return
-        self._closing = True
-        self._may_connect.set()  # (a mesh thread waiting to connect sees the close)
-        mesh, self._mesh = self._mesh, None
-        if mesh is not None:  # (closed before connected(): its thread sees _closing)
-            self._meshed.wait(2.0)
+        with self._lock:
+            self._closing = True  # (a mesh being made meanwhile sees it: ``_destroyed``)
+            to_mesh, self._to_mesh = self._to_mesh, None
+        if to_mesh is not None:  # (closed before connected(): nothing was connected)
+            to_mesh[0].close()
+        self._meshed.wait(2.0)
         self._heartbeats.stop()
         # A receive may be complete here while its sender still waits for our ack (the ack leaves
         # from the ack thread a moment later): send every ack before the goodbye, or the sender
