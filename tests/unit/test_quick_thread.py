@@ -63,3 +63,25 @@ def test_arguments_reach_the_target() -> None:
     t.start()
     t.join(10)
     assert got == [(1, "x")]
+
+
+def test_a_child_forked_before_the_thread_ran_sees_it_stopped() -> None:
+    import os
+
+    gate = threading.Event()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)  # (the thread cannot run before the fork: this one holds the lock)
+    try:
+        t = QuickThread(gate.wait, "tdist-test-fork", (10,))
+        t.start()
+        pid = os.fork()
+        if pid == 0:  # (the child: no such thread here; is_alive and join must say so at once)
+            code = 0 if not t.is_alive() else 1
+            t.join(5)
+            os._exit(code)
+    finally:
+        sys.setswitchinterval(old)
+    gate.set()
+    t.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

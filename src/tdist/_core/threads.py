@@ -63,11 +63,18 @@ class QuickThread(threading.Thread):
             raise
         self._launched = True
 
-    def _starting(self) -> bool:
-        """Launched, its first line still to run."""
+    def _unrun(self) -> bool:
+        """Launched, its first line not run."""
         return self._launched and self._running is not None and not self._running.is_set()
 
+    def _starting(self) -> bool:
+        """Launched, its first line still to run (not in a child forked meanwhile, where it
+        never will: threading stops there the threads that the fork did not copy)."""
+        return self._unrun() and not vars(self).get("_is_stopped", False)
+
     def join(self, timeout: float | None = None) -> None:
+        if self._unrun() and not self._starting():
+            return  # (a forked child's copy: no such thread here)
         if self._starting():
             assert self._running is not None
             start = time.monotonic()
