@@ -364,7 +364,7 @@ class TCPStore(Store):
             if later:
                 self._unstarted = (server, mode)
             else:
-                self._start_loop(server, mode)
+                self._start_serving(server, mode)
             self._budget.spin = 0.0
             self._server, self._port = server, server.port
             if multi_tenant:
@@ -374,7 +374,7 @@ class TCPStore(Store):
                     _tenants[key] = (server, 1)
 
     @staticmethod
-    def _start_loop(server: StoreServer, mode: str) -> None:
+    def _start_serving(server: StoreServer, mode: str) -> None:
         server.start(mode)
         if mode == "thread":
             _thread_servers.add(id(server))
@@ -393,7 +393,7 @@ class TCPStore(Store):
         interpreter lock."""
         unstarted, self._unstarted = self._unstarted, None
         if unstarted is not None:
-            self._start_loop(*unstarted)
+            self._start_serving(*unstarted)
 
     def _wait_for_workers(self, world_size: int) -> None:
         timeout = self._timeout_seconds(None)
