@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -310,19 +311,62 @@ def test_a_master_made_to_serve_later_serves_its_own_requests_and_starts_serving
         assert master.get("a") == b"1"
         assert server._thread is None  # (served in this thread: no loop yet)
         clients: list[dist.TCPStore] = []
+        unstarted: list[bool] = []
 
-        def client() -> None:  # (its handshake waits for the loop)
+        def client() -> None:  # (its handshake and its add are answered by the master's wait)
             c = client_of(master)
             clients.append(c)
+            assert c.add("n", 1) == 6
+            unstarted.append(server._thread is None)
             c.set("k", "v")
 
         t = threading.Thread(target=client, daemon=True)
         t.start()
-        master.wait(["k"], timedelta(seconds=10))  # (starts the loop: the reply comes from it)
+        master.wait(["k"], timedelta(seconds=10))  # (serves the client while it waits)
         t.join(10)
-        assert clients and clients[0].get("a") == b"1" and clients[0].add("n", 1) == 6
+        assert unstarted == [True]  # (no loop while the master waited: it served them itself)
+        assert server._thread is not None  # (started once the wait was over)
+        assert clients and clients[0].get("a") == b"1" and clients[0].add("n", 1) == 7
         clients[0].close()
     finally:
+        master.close()
+
+
+def test_a_master_that_serves_while_it_waits_hears_its_answer_from_the_loop_that_started_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the master's wait serves the others while its server's thread is started but not running
+    # yet; the loop then starts and answers the wait: the wait must hear that answer (it is
+    # asleep on the same epoll then, which wakes one of its sleepers per event)
+    monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
+    monkeypatch.delenv("TDIST_SECRET", raising=False)
+    from tdist.store._server import StoreServer
+
+    go = threading.Event()
+    serve_forever = StoreServer.serve_forever
+
+    def held_back(self: StoreServer, *args: Any, **kwargs: Any) -> None:
+        go.wait(10)
+        serve_forever(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreServer, "serve_forever", held_back)
+    master = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False, _serve_later=True)
+    try:
+        server = master._server
+        assert server is not None
+        master._serve_now()  # (its thread is started, and held back before its loop)
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(master.get("k")), daemon=True)
+        t.start()
+        client = client_of(master)  # (greeted by the master's wait)
+        go.set()
+        wait_until(lambda: server._looping, 10, "the loop to serve")
+        client.set("k", "v")  # (the loop or the wait takes it: the loop answers either way)
+        t.join(10)
+        assert got == [b"v"]
+        client.close()
+    finally:
+        go.set()
         master.close()
 
 

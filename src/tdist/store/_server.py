@@ -35,6 +35,7 @@ import itertools
 import json
 import logging
 import marshal
+import math
 import os
 import select
 import signal
@@ -332,6 +333,7 @@ class StoreServer:
         self._lock = threading.Lock()
         self._fdmap: dict[int, object] = {}
         self._ep: select.epoll | None = None
+        self._looping = False  # the loop's thread serves (``serve_forever``)
         if listen_fd is not None:
             self._tcp = socket.socket(fileno=listen_fd)
             if not self._tcp.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
@@ -770,14 +772,16 @@ class StoreServer:
         self._status_r = self._status_w = None
 
     def _start_loop(self, control_fd: int | None) -> select.epoll:
-        """The loop's epoll, with the listeners, the control pipe and the adopted clients."""
-        ep = select.epoll()
-        self._ep = ep
-        self._fdmap = {}
-        for sock in self._listeners:
-            sock.setblocking(False)
-            ep.register(sock.fileno(), select.EPOLLIN)
-            self._fdmap[sock.fileno()] = sock
+        """The loop's epoll, with the listeners, the control pipe and the adopted clients (the
+        lock held). The epoll is the one ``serve_until`` made, if it served first."""
+        ep = self._ep
+        if ep is None:
+            ep = self._ep = select.epoll()
+            self._fdmap = {}
+            for sock in self._listeners:
+                sock.setblocking(False)
+                ep.register(sock.fileno(), select.EPOLLIN)
+                self._fdmap[sock.fileno()] = sock
         if control_fd is not None:
             ep.register(control_fd, select.EPOLLIN)
             self._fdmap[control_fd] = None
@@ -813,6 +817,7 @@ class StoreServer:
         except BaseException:
             lock.release()
             raise
+        self._looping = True  # (``serve_until`` leaves the serving to this loop from now on)
         spin = self.spin if parent_pid is not None else 0.0
         clock = self._clock
         fdmap = self._fdmap
@@ -1140,13 +1145,65 @@ class StoreServer:
             events = ep.poll(0)
         except (OSError, ValueError):  # (closed: the loop has ended)
             return
+        self._serve_clients(events)
+
+    def _serve_clients(self, events: list[tuple[int, int]]) -> None:
+        """What epoll said of the clients and the listeners (the lock held, outside the loop's
+        thread): the control pipe and the successor's connection stay the loop's."""
         fdmap = self._fdmap
         for fd, mask in events:
             data = fdmap.get(fd)
             if type(data) is _Conn:
                 self._serve_conn(data, mask)
-            elif isinstance(data, socket.socket):
+            elif isinstance(data, socket.socket) and data is not self._successor:
                 self._accept(data)
+
+    def serve_until(self, done: Callable[[], bool], wake: socket.socket, seconds: float) -> None:
+        """Serve the clients in the caller's thread until ``done()`` or for ``seconds``, while
+        the loop's thread does not serve yet (``start`` not called, or its thread not running
+        yet); returns at once where the loop serves. ``wake``: a socket that is readable once
+        ``done()`` may be true (the caller's end of its connection): the loop's thread, once it
+        runs, may be the one that answers.
+
+        For the master's own client whose request waits for the other clients (a rendezvous:
+        ``TCPStore._call_frame``): this thread serves them while it would wait anyway, where
+        the loop's thread would first have to start and then take turns with this one for the
+        interpreter lock. On a busy host a new thread waits 1-3 ms for a core about every other
+        time, and the other ranks' requests, their connections' greetings first, would wait
+        with it. The timers (the clients' deadlines) run here only before ``start``, which
+        adds the loop's own timer."""
+        if self._looping:
+            return
+        lock = self._lock
+        deadline = self._clock() + seconds
+        with lock:
+            if self._looping or self._stop_requested:
+                return
+            ep = self._start_loop(None)
+            either = select.poll()  # (the clients' events, or the answer)
+            either.register(ep.fileno(), select.POLLIN)
+            either.register(wake, select.POLLIN)
+        while not done() and not self._looping:
+            now = self._clock()
+            if now >= deadline:
+                return
+            timeout = deadline - now
+            started = self._control_r is not None
+            if self._timers and not started:
+                timeout = min(timeout, max(0.0, self._timers[0][0] - now))
+            try:
+                either.poll(math.ceil(timeout * 1000))
+                events = ep.poll(0)
+            except (OSError, ValueError):  # (closed: the server stopped)
+                return
+            with lock:
+                if self._looping or self._stop_requested:
+                    return  # (what it read is the loop's now: epoll reports it again)
+                self._serve_clients(events)
+                if not started:
+                    self._run_timers()
+                if self._ready:
+                    self._drain_ready()
 
     # -- connections ---------------------------------------------------------------------------
     def _accept(self, listener: socket.socket) -> None:

@@ -383,14 +383,16 @@ class TCPStore(Store):
         """Start serving, for a master made with ``_serve_later`` (else nothing). Until then
         its own requests are served in the caller's thread (``_serve_direct``), and the others'
         wait in the kernel's backlog; the first of its own requests whose reply must come from
-        the server's loop (one that waits for a key, or any that could not be served here)
-        starts it, as does ``close``.
+        the server's loop starts it, as does ``close``: one that waits for a key, once it has
+        its answer (meanwhile the caller serves the others itself: ``StoreServer.serve_until``),
+        or any that could not be served here.
 
         For the rank that hosts a group's store in a thread: its own first requests of the
-        rendezvous go first, and the thread starts as it waits for the others. Started first,
-        the thread's start (0.3-0.6 ms here) came before those requests, and the requests of
-        the ranks that connected meanwhile waited for the caller's Python to let go of the
-        interpreter lock."""
+        rendezvous go first, then it serves the others' while it waits for them, and the thread
+        starts once it has. Started first, the thread's start (0.3-0.6 ms here, and 1-3 ms about
+        every other time on a busy host) came before those requests, and the requests of the
+        ranks that connected meanwhile waited for it, then for the caller's Python to let go
+        of the interpreter lock."""
         unstarted, self._unstarted = self._unstarted, None
         if unstarted is not None:
             self._start_serving(*unstarted)
@@ -593,6 +595,12 @@ class TCPStore(Store):
             if sock is None or self._pid != _current_pid[0]:  # (closed or broken: no socket)
                 sock = self._ready_socket(op)
             reply = None if self._direct is None else self._serve_direct(frame_bytes)
+            if reply is not None and not reply and self._direct is not None:
+                # served, and waits for the others: serve them here meanwhile, where the
+                # server's thread has not started or does not run yet (``serve_until``)
+                started = time.monotonic()
+                self._direct[0].serve_until(self._reply_in, sock, io_timeout)
+                io_timeout = max(0.0, io_timeout - (time.monotonic() - started))
             if not reply and self._unstarted is not None:
                 self._serve_now()  # (its reply comes from the server's loop)
             if reply:
@@ -626,6 +634,10 @@ class TCPStore(Store):
         if frame.code == Status.OK:
             return frame.fields
         raise self._error(op, frame, wait)
+
+    def _reply_in(self) -> bool:
+        """Whether a reply waits to be read (``_call_frame``, the lock held)."""
+        return bool(self._decoder.buffered) or bool(self._spin_poll.poll(0))
 
     def _serve_direct(self, frame_bytes: bytes) -> bytes | None:
         """A request served by the server this master hosts in a thread, in this thread (the
