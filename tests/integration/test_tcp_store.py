@@ -294,13 +294,24 @@ def test_master_waits_for_workers() -> None:
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_a_master_made_to_serve_later_serves_its_own_requests_and_starts_serving_when_one_waits(
+def test_a_master_made_to_serve_later_serves_its_own_requests_and_the_others_while_it_waits(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # (how the host of a group's store joins its rendezvous: its own requests first, its
-    # server's loop once it waits for the others)
+    # (how the host of a group's store joins its rendezvous: its own requests first, served
+    # in its thread; then, while it waits for the others, it serves them itself, whether or
+    # not its server's thread runs yet: held back here until the end)
+    from tdist.store._server import StoreServer
+
     monkeypatch.setenv("TDIST_STORE_SERVER", mode)
     monkeypatch.delenv("TDIST_SECRET", raising=False)
+    go = threading.Event()
+    serve_forever = StoreServer.serve_forever
+
+    def held_back(self: StoreServer, *args: Any, **kwargs: Any) -> None:
+        go.wait(10)
+        serve_forever(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreServer, "serve_forever", held_back)
     master = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False, _serve_later=True)
     try:
         server = master._server
@@ -311,24 +322,24 @@ def test_a_master_made_to_serve_later_serves_its_own_requests_and_starts_serving
         assert master.get("a") == b"1"
         assert server._thread is None  # (served in this thread: no loop yet)
         clients: list[dist.TCPStore] = []
-        unstarted: list[bool] = []
 
-        def client() -> None:  # (its handshake and its add are answered by the master's wait)
+        def client() -> None:  # (its handshake and its requests are answered by the master's wait)
             c = client_of(master)
             clients.append(c)
             assert c.add("n", 1) == 6
-            unstarted.append(server._thread is None)
             c.set("k", "v")
 
         t = threading.Thread(target=client, daemon=True)
         t.start()
         master.wait(["k"], timedelta(seconds=10))  # (serves the client while it waits)
         t.join(10)
-        assert unstarted == [True]  # (no loop while the master waited: it served them itself)
-        assert server._thread is not None  # (started once the wait was over)
-        assert clients and clients[0].get("a") == b"1" and clients[0].add("n", 1) == 7
+        assert clients and not t.is_alive()
+        assert server._thread is not None and not server._looping  # (started, held back: not serving)
+        go.set()
+        assert clients[0].get("a") == b"1" and clients[0].add("n", 1) == 7  # (the loop serves now)
         clients[0].close()
     finally:
+        go.set()
         master.close()
 
 

@@ -542,8 +542,8 @@ class StoreServer:
 
     def _warn_if_open(self) -> None:
         """Say once a process that its store server takes any client. After the server has
-        started: its first log line costs this thread 0.1 ms, which its clients' first
-        answers need not wait for."""
+        started, or where ``serve_until`` first has nothing to do: a process's first log line
+        costs its thread 0.1-0.2 ms, which the clients' first answers need not wait for."""
         global _OPEN_WARNED
         if self.secret is None and not _OPEN_WARNED:
             _OPEN_WARNED = True
@@ -1158,12 +1158,15 @@ class StoreServer:
             elif isinstance(data, socket.socket) and data is not self._successor:
                 self._accept(data)
 
-    def serve_until(self, done: Callable[[], bool], wake: socket.socket, seconds: float) -> None:
+    def serve_until(
+        self, done: Callable[[], bool], wake: socket.socket, seconds: float, idle: Callable[[], None] | None = None
+    ) -> None:
         """Serve the clients in the caller's thread until ``done()`` or for ``seconds``, while
         the loop's thread does not serve yet (``start`` not called, or its thread not running
         yet); returns at once where the loop serves. ``wake``: a socket that is readable once
         ``done()`` may be true (the caller's end of its connection): the loop's thread, once it
-        runs, may be the one that answers.
+        runs, may be the one that answers. ``idle()`` is called the first time there is
+        nothing to serve (the others are not there yet): a moment nobody waits for.
 
         For the master's own client whose request waits for the other clients (a rendezvous:
         ``TCPStore._call_frame``): this thread serves them while it would wait anyway, where
@@ -1183,6 +1186,7 @@ class StoreServer:
             either = select.poll()  # (the clients' events, or the answer)
             either.register(ep.fileno(), select.POLLIN)
             either.register(wake, select.POLLIN)
+        was_idle = False
         while not done() and not self._looping:
             now = self._clock()
             if now >= deadline:
@@ -1192,6 +1196,12 @@ class StoreServer:
             if self._timers and not started:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
             try:
+                if not was_idle and not either.poll(0):
+                    was_idle = True  # (nothing to do: the others are not there yet)
+                    self._warn_if_open()  # (the first log line of a process: 0.1-0.2 ms)
+                    if idle is not None:
+                        idle()
+                        started = self._control_r is not None
                 either.poll(math.ceil(timeout * 1000))
                 events = ep.poll(0)
             except (OSError, ValueError):  # (closed: the server stopped)

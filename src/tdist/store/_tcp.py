@@ -597,9 +597,11 @@ class TCPStore(Store):
             reply = None if self._direct is None else self._serve_direct(frame_bytes)
             if reply is not None and not reply and self._direct is not None:
                 # served, and waits for the others: serve them here meanwhile, where the
-                # server's thread has not started or does not run yet (``serve_until``)
+                # server's thread has not started or does not run yet (``serve_until``), and
+                # start it (where it waits to) once they have not come yet: its start costs
+                # nobody then, and this thread serves on until it runs
                 started = time.monotonic()
-                self._direct[0].serve_until(self._reply_in, sock, io_timeout)
+                self._direct[0].serve_until(self._reply_in, sock, io_timeout, self._serve_now)
                 io_timeout = max(0.0, io_timeout - (time.monotonic() - started))
             if not reply and self._unstarted is not None:
                 self._serve_now()  # (its reply comes from the server's loop)
