@@ -293,13 +293,9 @@ def test_master_waits_for_workers() -> None:
         dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=0.3))
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_a_master_made_to_serve_later_serves_its_own_requests_and_the_others_while_it_waits(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # (how the host of a group's store joins its rendezvous: its own requests first, served
-    # in its thread; then, while it waits for the others, it serves them itself, whether or
-    # not its server's thread runs yet: held back here until the end)
+def _master_whose_loop_is_held_back(mode: str, monkeypatch: pytest.MonkeyPatch) -> tuple[dist.TCPStore, threading.Event]:
+    """A master made to serve later, without a secret, whose server's loop, once started,
+    waits for the event before it serves (set it when done: the test's ``finally``)."""
     from tdist.store._server import StoreServer
 
     monkeypatch.setenv("TDIST_STORE_SERVER", mode)
@@ -313,6 +309,17 @@ def test_a_master_made_to_serve_later_serves_its_own_requests_and_the_others_whi
 
     monkeypatch.setattr(StoreServer, "serve_forever", held_back)
     master = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False, _serve_later=True)
+    return master, go
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_master_made_to_serve_later_serves_its_own_requests_and_the_others_while_it_waits(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (how the host of a group's store joins its rendezvous: its own requests first, served
+    # in its thread; then, while it waits for the others, it serves them itself, whether or
+    # not its server's thread runs yet: held back here until the end)
+    master, go = _master_whose_loop_is_held_back(mode, monkeypatch)
     try:
         server = master._server
         assert server is not None
@@ -349,19 +356,7 @@ def test_a_master_that_serves_while_it_waits_hears_its_answer_from_the_loop_that
     # the master's wait serves the others while its server's thread is started but not running
     # yet; the loop then starts and answers the wait: the wait must hear that answer (it is
     # asleep on the same epoll then, which wakes one of its sleepers per event)
-    monkeypatch.setenv("TDIST_STORE_SERVER", "thread")
-    monkeypatch.delenv("TDIST_SECRET", raising=False)
-    from tdist.store._server import StoreServer
-
-    go = threading.Event()
-    serve_forever = StoreServer.serve_forever
-
-    def held_back(self: StoreServer, *args: Any, **kwargs: Any) -> None:
-        go.wait(10)
-        serve_forever(self, *args, **kwargs)
-
-    monkeypatch.setattr(StoreServer, "serve_forever", held_back)
-    master = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=10), wait_for_workers=False, _serve_later=True)
+    master, go = _master_whose_loop_is_held_back("thread", monkeypatch)
     try:
         server = master._server
         assert server is not None
