@@ -383,16 +383,17 @@ class TCPStore(Store):
         """Start serving, for a master made with ``_serve_later`` (else nothing). Until then
         its own requests are served in the caller's thread (``_serve_direct``), and the others'
         wait in the kernel's backlog; the first of its own requests whose reply must come from
-        the server's loop starts it, as does ``close``: one that waits for a key, once it has
-        its answer (meanwhile the caller serves the others itself: ``StoreServer.serve_until``),
-        or any that could not be served here.
+        the server's loop starts it, as does ``close``: one that waits for a key (the caller
+        serves the others itself meanwhile, ``StoreServer.serve_until``, and starts the thread
+        at the first moment it has nothing to serve, or else once it has its answer), or any
+        that could not be served here.
 
         For the rank that hosts a group's store in a thread: its own first requests of the
-        rendezvous go first, then it serves the others' while it waits for them, and the thread
-        starts once it has. Started first, the thread's start (0.3-0.6 ms here, and 1-3 ms about
-        every other time on a busy host) came before those requests, and the requests of the
-        ranks that connected meanwhile waited for it, then for the caller's Python to let go
-        of the interpreter lock."""
+        rendezvous go first, then it serves the others' while it waits for them, and the
+        thread's start falls where nobody waits for it. Started first, the thread's start
+        (0.3-0.6 ms here, and 1-3 ms about every other time on a busy host) came before those
+        requests, and the requests of the ranks that connected meanwhile waited for it, then
+        for the caller's Python to let go of the interpreter lock."""
         unstarted, self._unstarted = self._unstarted, None
         if unstarted is not None:
             self._start_serving(*unstarted)
@@ -597,9 +598,9 @@ class TCPStore(Store):
             reply = None if self._direct is None else self._serve_direct(frame_bytes)
             if reply is not None and not reply and self._direct is not None:
                 # served, and waits for the others: serve them here meanwhile, where the
-                # server's thread has not started or does not run yet (``serve_until``), and
-                # start it (where it waits to) once they have not come yet: its start costs
-                # nobody then, and this thread serves on until it runs
+                # server's thread has not started or does not run yet (``serve_until``); a
+                # master made to serve later starts that thread at the first moment there is
+                # nothing to serve (its start costs nobody then), serving on until it runs
                 started = time.monotonic()
                 self._direct[0].serve_until(self._reply_in, sock, io_timeout, self._serve_now)
                 io_timeout = max(0.0, io_timeout - (time.monotonic() - started))
