@@ -542,8 +542,9 @@ class StoreServer:
 
     def _warn_if_open(self) -> None:
         """Say once a process that its store server takes any client. After the server has
-        started, or where ``serve_until`` first has nothing to do: a process's first log line
-        costs its thread 0.1-0.2 ms, which the clients' first answers need not wait for."""
+        started (for a master made to serve later, where its rendezvous wait first has nothing
+        to do): a process's first log line costs its thread 0.1-0.2 ms, which the clients'
+        first answers need not wait for."""
         global _OPEN_WARNED
         if self.secret is None and not _OPEN_WARNED:
             _OPEN_WARNED = True
@@ -1186,8 +1187,10 @@ class StoreServer:
             either = select.poll()  # (the clients' events, or the answer)
             either.register(ep.fileno(), select.POLLIN)
             either.register(wake, select.POLLIN)
-        was_idle = False
         while not done() and not self._looping:
+            if idle is not None and not either.poll(0):
+                idle()  # (nothing to do: the others are not there yet)
+                idle = None
             now = self._clock()
             if now >= deadline:
                 return
@@ -1196,12 +1199,6 @@ class StoreServer:
             if self._timers and not started:
                 timeout = min(timeout, max(0.0, self._timers[0][0] - now))
             try:
-                if not was_idle and not either.poll(0):
-                    was_idle = True  # (nothing to do: the others are not there yet)
-                    self._warn_if_open()  # (the first log line of a process: 0.1-0.2 ms)
-                    if idle is not None:
-                        idle()
-                        started = self._control_r is not None
                 either.poll(math.ceil(timeout * 1000))
                 events = ep.poll(0)
             except (OSError, ValueError):  # (closed: the server stopped)
