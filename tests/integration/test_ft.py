@@ -67,7 +67,9 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
     """One process of the job: trains until STEPS steps are committed (a lost step is tried
     again: its batch is the step's)."""
     torch.set_num_threads(1)
-    os.environ.update(TDIST_HEARTBEAT_INTERVAL="0.25", TDIST_HEARTBEAT_TIMEOUT="2")  # (a stall is seen in 2 s)
+    # (a stall is seen in 2 s where a test stops a rank; elsewhere a rank slowed by a loaded
+    # machine must not be taken for a stalled one)
+    os.environ.update(TDIST_HEARTBEAT_INTERVAL="0.25", TDIST_HEARTBEAT_TIMEOUT=str(role.get("stall_s", 10)))
     if "start_after" in role:  # (a joiner: start once the job has gone that far)
         probe = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=60))
         probe.wait([f"progress/{role['start_after']}"])
@@ -130,7 +132,7 @@ def _worker(port: int, role: dict[str, Any]) -> dict[str, Any]:
             end = time.monotonic() + 60
             while True:
                 st = State.decode(mgr._client.store.get(STATE_KEY))
-                if len(st.members) == 3 or set(st.candidates) - set(st.members):
+                if len(st.members) == role.get("hold_for", 3) or set(st.candidates) - set(st.members):
                     break  # (back already, or asking)
                 assert time.monotonic() < end, f"nobody came back to join: {st}"
                 time.sleep(0.02)
@@ -230,7 +232,9 @@ def _check_same(results: list[dict[str, Any]], reference: list[torch.Tensor]) ->
 
 
 def test_survivors_of_a_sigkill_mid_step_finish_in_place() -> None:
-    out = _run({"a": {}, "b": {}, "victim": {"kill_at": 7}})
+    # (the survivors wait at step 16 until both are members again or one asks to join: a
+    # survivor slow to come back from the kill's abort joins before the other ends the job)
+    out = _run({"a": {"hold_at": 16, "hold_for": 2}, "b": {"hold_at": 16, "hold_for": 2}, "victim": {"kill_at": 7}})
     assert out["victim"] == -signal.SIGKILL
     survivors = [out["a"], out["b"]]
     _check_same(survivors, _reference())
@@ -292,7 +296,10 @@ def test_the_job_outlives_the_host_of_its_store() -> None:
 def test_a_stalled_rank_is_left_out_and_comes_back_as_a_joiner() -> None:
     # stopped (SIGSTOP) inside a step: the others see it stall (2 s), name it, go on without it
     # after the grace (1 s); woken up later, its step fails, and it joins again, healed
-    out = _run({"a": {"hold_at": 16}, "b": {"hold_at": 16}, "sleeper": {"stop_at": 5, "cont_after": 12}})
+    out = _run({
+        "a": {"hold_at": 16, "stall_s": 2}, "b": {"hold_at": 16, "stall_s": 2},
+        "sleeper": {"stop_at": 5, "cont_after": 12, "stall_s": 2},
+    })
     results = [out["a"], out["b"], out["sleeper"]]
     _check_same(results, _reference())
     sizes = [size for _, committed, size in out["a"]["steps"] if committed]
