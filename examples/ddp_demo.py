@@ -1,7 +1,7 @@
 """torch's DistributedDataParallel on the tdist backend: a 34M-parameter classifier trained on
 scikit-learn's digits by N workers.
 
-    .venv/bin/tdist run --nproc-per-node 2 examples/ddp_demo.py [--epochs 5]
+    .venv/bin/tdist run --nproc-per-node 2 examples/ddp_demo.py [--epochs 5] [--limit STEPS]
 
 The program is torch's own DDP recipe (torchrun's environment, ``DistributedSampler``,
 ``DistributedDataParallel``); the one tdist line is ``import tdist``, which registers the
@@ -52,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="per worker")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many steps per epoch (a quick check)")
     ap.add_argument("--backend", default="tdist", help='"gloo" runs the same on torch\'s own backend')
     args = ap.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -72,6 +73,8 @@ def main() -> None:
         sampler.set_epoch(epoch)
         t0, total, count = time.perf_counter(), torch.zeros(2), 0
         for x, y in loader:
+            if count == args.limit:
+                break
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
             loss.backward()

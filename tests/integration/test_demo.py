@@ -47,7 +47,8 @@ def test_ddp_demo_trains_torchs_ddp_under_tdist_run(backend: str, epochs: int) -
     ``torch.distributed.init_process_group`` itself (torch's own store at MASTER_PORT, as
     under torchrun). (``--backend gloo`` runs the same program on torch's own backend: the
     benchmarks do; not repeated here, for the suite's time.)"""
-    lines = _rank0_lines(2, "ddp_demo.py", "--epochs", str(epochs), "--backend", backend, timeout=140)
+    # (3 steps of each epoch: the whole program, at a quarter of its compute)
+    lines = _rank0_lines(2, "ddp_demo.py", "--epochs", str(epochs), "--limit", "3", "--backend", backend, timeout=140)
     assert lines[0].startswith(f"DDP on {backend}: 2 workers, 33.9 M parameters"), lines
     assert sum(line.startswith("epoch ") for line in lines) == epochs
     assert "all 2 workers hold identical parameters" in lines[-1], lines
