@@ -32,6 +32,7 @@ from tdist.elastic._policy import (
     line_prefix,
     next_action,
     parse_std,
+    raised_before,
     stream_route,
     to_map,
     traceback_tail,
@@ -56,6 +57,21 @@ def test_first_failure_is_the_first_observed() -> None:
 
 def test_ties_go_to_the_lowest_rank() -> None:
     assert first_failure([ex(3, 1, 5.0), ex(1, 1, 5.0)]) == ex(1, 1, 5.0)
+
+
+def test_a_stopped_worker_that_raised_before_the_failure_is_the_root_cause_and_not_after_the_failure_raised() -> None:
+    # rank 1 failed (exit seen at wall-clock 100.5); the agent then stopped rank 0, whose error
+    # file says it raised at 98 (whole seconds)
+    failed = dataclasses.replace(ex(1, 1, 5.0), timestamp=100.5)
+    stopped = dataclasses.replace(ex(0, -15, 5.2, stopped=True), timestamp=100.6)
+    marked = raised_before([stopped, failed], {0: 98.0})
+    assert first_failure(marked) == dataclasses.replace(stopped, raised_at=98.0)
+    # the same, but rank 1's own error file says it raised at 97, before rank 0, and took its
+    # time to exit: rank 1 stays the root cause
+    assert first_failure(raised_before([stopped, failed], {0: 98.0, 1: 97.0})) == failed
+    # within the second of the first failure: maybe the agent's own signal at work, left alone
+    assert first_failure(raised_before([stopped, failed], {0: 98.0, 1: 98.0})) == failed
+    assert first_failure(raised_before([stopped, failed], {0: 100.0})) == failed
 
 
 def test_workers_stopped_by_the_agent_are_not_failures() -> None:

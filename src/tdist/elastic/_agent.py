@@ -1139,12 +1139,13 @@ class LocalAgent:
         return "" if attempt is None else os.path.join(attempt, str(local_rank), "error.json")
 
     def _raised(self, restart_count: int, exits: list[WorkerExit]) -> dict[int, float]:
-        """When the workers the agent stopped had raised, by their ``@record`` error files (by
-        local rank; those that wrote one)."""
+        """When the workers had raised, by their ``@record`` error files (by local rank; those
+        that wrote one), where the agent stopped some of them after a failure."""
         stopped = [e for e in exits if e.stopped_by_agent and not e.failed]
         if not stopped or not any(e.failed for e in exits):
             return {}
-        return {k: v.timestamp for k, v in self._error_files(restart_count, stopped).items() if v.timestamp is not None}
+        ended = stopped + [e for e in exits if e.failed]
+        return {k: v.timestamp for k, v in self._error_files(restart_count, ended).items() if v.timestamp is not None}
 
     def _error_files(self, restart_count: int, failed: list[WorkerExit]) -> dict[int, ErrorFile]:
         """What the failed workers' ``@record`` wrote, by local rank."""

@@ -650,13 +650,16 @@ def failures(exits: Sequence[WorkerExit]) -> list[WorkerExit]:
 
 def raised_before(exits: Sequence[WorkerExit], raised: Mapping[int, float]) -> list[WorkerExit]:
     """``exits``, where a worker the agent stopped had raised (its error file's time, by local
-    rank, in ``raised``) a whole second or more before the first failure was seen: marked so
-    (``raised_at``). (Error files give whole seconds; one raised in the second of the failure
-    may be the agent's own signal at work, and is left as it is.)"""
+    rank, in ``raised``) a whole second or more before the first failure: marked so
+    (``raised_at``). The first failure's moment is when it raised, where its own error file
+    says so, else when its exit was seen: a worker that raised, then took its time to exit
+    (waiting for a peer, a slow clean-up, a loaded machine), failed when it raised, before
+    what the others raised meanwhile. (Error files give whole seconds; one raised in the
+    second of the failure may be the agent's own signal at work, and is left as it is.)"""
     found = failures(exits)
     if not found:
         return list(exits)
-    first = found[0].timestamp
+    first = min(found[0].timestamp, raised.get(found[0].local_rank, found[0].timestamp))
     return [
         replace(e, raised_at=raised[e.local_rank])
         if e.stopped_by_agent and not e.failed and e.local_rank in raised and raised[e.local_rank] + 1 <= first
