@@ -164,7 +164,7 @@ def _chain_and_deletion(w: Worker) -> dict[str, Any]:
         out["alive_while_a_user_holds_it"] = False
     rpc.rpc_sync(b, f.drop_rref, args=(tag,))
     t0 = time.monotonic()
-    deadline = t0 + 5
+    deadline = t0 + 20  # (a loaded machine: 5 s was not always enough)
     while rpc.rpc_sync(owner, f.is_alive, args=(tag,)) and time.monotonic() < deadline:
         time.sleep(0.05)
     out["deleted_after_last_user_s"] = None if time.monotonic() >= deadline else time.monotonic() - t0
@@ -197,7 +197,7 @@ def test_rref_forward_chain_after_the_creator_dropped_it(backend: str) -> None:
 def test_owner_deletes_the_value_after_the_last_user_dropped_it(backend: str) -> None:
     for out in observe(_chain_and_deletion, backend):
         assert out["alive_while_a_user_holds_it"] is True
-        assert out["deleted_after_last_user_s"] is not None, "still alive 5 s after the last user"
+        assert out["deleted_after_last_user_s"] is not None, "still alive 20 s after the last user"
         assert out["local_alive_while_lent"] is True
         assert out["local_deleted_after_return"] is True
 
