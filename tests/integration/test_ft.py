@@ -287,7 +287,10 @@ def test_the_job_outlives_the_host_of_its_store() -> None:
     """Members on ``FailoverStore`` clients: one keeps a standby of the store's server. SIGKILL
     to the server (a process of its own) once step 8 is committed: the standby takes over, and
     the members finish every step with one state, as in a job that lost nothing."""
-    out = _run({"a": {"failover": True}, "b": {"failover": True}, "c": {"failover": True}}, kill_store_at=8)
+    # (a stall seen in 2 s, as this test was written for: with 10 s it failed once in a loaded
+    # run, its ranks 20 s apart after the failover; not understood yet)
+    roles = {name: {"failover": True, "stall_s": 2} for name in ("a", "b", "c")}
+    out = _run(roles, kill_store_at=8)
     results = [out["a"], out["b"], out["c"]]
     _check_same(results, _reference())
     assert all(r["world_size"] == 3 and all(committed for _, committed, _ in r["steps"]) for r in results)
