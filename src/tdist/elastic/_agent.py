@@ -1141,11 +1141,12 @@ class LocalAgent:
     def _raised(self, restart_count: int, exits: list[WorkerExit]) -> dict[int, float]:
         """When the workers had raised, by their ``@record`` error files (by local rank; those
         that wrote one), where the agent stopped some of them after a failure."""
+        failed = [e for e in exits if e.failed]
         stopped = [e for e in exits if e.stopped_by_agent and not e.failed]
-        if not stopped or not any(e.failed for e in exits):
+        if not stopped or not failed:
             return {}
-        ended = stopped + [e for e in exits if e.failed]
-        return {k: v.timestamp for k, v in self._error_files(restart_count, ended).items() if v.timestamp is not None}
+        found = self._error_files(restart_count, stopped + failed)
+        return {k: v.timestamp for k, v in found.items() if v.timestamp is not None}
 
     def _error_files(self, restart_count: int, failed: list[WorkerExit]) -> dict[int, ErrorFile]:
         """What the failed workers' ``@record`` wrote, by local rank."""
