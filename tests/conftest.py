@@ -7,9 +7,16 @@ pytest process keeps any test from planting that trap for the tests after it; fo
 set their own thread counts.
 """
 
+import multiprocessing
+
 import torch
 
 torch.set_num_threads(1)
+
+# Ranks that must not inherit the pytest process's state start from Python's forkserver
+# (``run_processes(..., start_method="forkserver")``), which imports torch once per pytest
+# process instead of once per rank, as "spawn" would (about 1.5 s of CPU each).
+multiprocessing.set_forkserver_preload(["torch"])
 
 
 # -- an etcd server, for the etcd store and rendezvous (scripts/setup.sh installs etcd) --------

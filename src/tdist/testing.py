@@ -223,15 +223,22 @@ def _process_main(
     args: tuple[Any, ...],
     conn: multiprocessing.connection.Connection,
     caller: int | None = None,
-    forkserver: bool = False,
+    forkserver: tuple[dict[str, str], str] | None = None,
 ) -> None:
     """The body of one rank's process: run ``fn`` and send back its result or exception. It
     dies with ``caller``, the process that called ``run_processes``, even one killed with
     SIGKILL (a test's timeout that ends pytest with ``os._exit``), instead of running on,
     waiting for peers: the kernel's parent-death signal, or, started by a forkserver (which
     lives as long as its children, since they hold its keep-alive pipe), a thread that waits
-    on a pidfd of the caller."""
-    if forkserver:
+    on a pidfd of the caller. ``forkserver``: the caller's environment and working folder,
+    which a forkserver's child takes instead of the forkserver's own (as a spawned one has
+    them)."""
+    if forkserver is not None:
+        env, cwd = forkserver
+        os.environ.clear()
+        os.environ.update(env)
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
         _die_with_caller(caller)
     else:
         die_with(caller)
@@ -279,6 +286,12 @@ def run_processes(
             survive the fork, and a rank's first operation on several threads hangs (to
             ``timeout``). There, use ``"spawn"``, or keep this process on one intra-op
             thread (``torch.set_num_threads(1)`` before its first operation).
+            ``"spawn"`` starts a new interpreter per rank, which imports torch again (about
+            1.5 s of CPU each). ``"forkserver"`` forks each rank from Python's forkserver, a
+            process started once that holds no threads: as safe as ``"spawn"``, and as quick
+            as ``"fork"`` where the forkserver imported torch already
+            (``multiprocessing.set_forkserver_preload(["torch"])`` before its first use). Its
+            ranks get this process's environment and working folder, as spawned ones do.
         grace: after the first failure, seconds to let the other ranks finish before they
             are killed.
 
@@ -296,6 +309,7 @@ def run_processes(
         raise ValueError(f"run_processes: world_size must be positive, got {world_size}")
     # typeshed types a context chosen at run time as BaseContext, which lacks Process
     ctx: Any = multiprocessing.get_context(start_method)
+    carried = (dict(os.environ), os.getcwd()) if start_method == "forkserver" else None
     name = getattr(fn, "__name__", "fn")
     procs: list[multiprocessing.process.BaseProcess] = []
     readers: list[multiprocessing.connection.Connection] = []
@@ -303,7 +317,7 @@ def run_processes(
         for rank in range(world_size):
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_process_main, args=(fn, rank, world_size, args, w, os.getpid(), start_method == "forkserver"), name=f"rank{rank}-{name}",
+                target=_process_main, args=(fn, rank, world_size, args, w, os.getpid(), carried), name=f"rank{rank}-{name}",
                 daemon=True,
             )
             p.start()

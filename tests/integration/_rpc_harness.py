@@ -155,7 +155,7 @@ def _worker_main(rank: int, world_size: int, scenario: Callable[[Worker], Any], 
 
 def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WORLD,
         timeout: float = 40.0, init: bool = True, env: dict[str, str] | None = None,
-        shared: dict[str, Any] | None = None, start_method: Literal["fork", "spawn"] = "fork",
+        shared: dict[str, Any] | None = None, start_method: Literal["fork", "forkserver"] = "fork",
         **options_kwargs: Any) -> list[Any]:
     """Run ``scenario`` on ``world_size`` fresh processes; its results by rank.
 
@@ -169,8 +169,8 @@ def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WO
         env: environment variables every worker sets first.
         shared: objects made before the fork that every worker shares (``multiprocessing``
             events, values, queues); ``w.shared``.
-        start_method: ``"spawn"`` for a scenario that must not inherit this process's state
-            (torch's thread pools do not survive a fork: ``torch.jit._fork`` in a forked
+        start_method: ``"forkserver"`` for a scenario that must not inherit this process's
+            state (torch's thread pools do not survive a fork: ``torch.jit._fork`` in a forked
             worker may abort); ``scenario`` is then found by name in its module.
         **options_kwargs: passed to the backend's options (``rpc_timeout=...``).
     """

@@ -485,7 +485,7 @@ def _adds_and_appends(rank: int, world_size: int, path: str) -> list[int]:
 
 
 def test_processes_concurrent_adds_and_appends(path: str) -> None:
-    results = run_processes(_adds_and_appends, 4, path, timeout=60, start_method="spawn")
+    results = run_processes(_adds_and_appends, 4, path, timeout=60, start_method="forkserver")
     assert sorted(v for r in results for v in r) == list(range(1, 401))
     # every process closed its handle: the last of world_size removed the file
     assert not os.path.exists(path)

@@ -351,8 +351,8 @@ def _async_script_functions(w: Worker) -> None:
 
 
 def test_async_execution_over_torchscript(backend: str) -> None:
-    # (spawned workers: torch.jit._fork uses torch's thread pool, which a fork may leave broken)
-    run(_async_script_functions, backend, world_size=2, start_method="spawn", timeout=60)
+    # (workers from the forkserver: torch.jit._fork uses torch's thread pool, which a fork of this process may leave broken)
+    run(_async_script_functions, backend, world_size=2, start_method="forkserver", timeout=60)
 
 
 def _tensors(w: Worker) -> None:

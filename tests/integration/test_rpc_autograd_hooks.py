@@ -1,4 +1,4 @@
-"""Workers that import ``tdist.rpc`` alone (fresh processes: spawned, and this module imports no
+"""Workers that import ``tdist.rpc`` alone (fresh processes: from the forkserver, and this module imports no
 autograd) take part in distributed autograd all the same: a callee loads ``tdist.autograd``, and
 plugs it into RPC, when a recorded call reaches it, before the call runs, so the calls it makes
 in turn are recorded too; an owner that never loaded it, asked for ``RRef.backward`` with a
@@ -75,7 +75,7 @@ def _scenario(w: Worker) -> dict[str, Any]:
 
 
 def test_workers_without_autograd_load_it_when_a_recorded_call_reaches_them() -> None:
-    results = run(_scenario, "tensorpipe", world_size=3, start_method="spawn", timeout=80)
+    results = run(_scenario, "tensorpipe", world_size=3, start_method="forkserver", timeout=80)
     assert [r["start"] for r in results] == [(False, False)] * 3
     first = results[0]
     stale, message = first["stale"]

@@ -220,7 +220,7 @@ def test_large_messages_both_ways_at_once_travel_whole() -> None:
     # (fresh interpreters: its threads' 12 MiB tensors run torch's OpenMP, which a child forked
     # from a test process that used it may find broken: "Invalid thread pool!")
     # (one pair: every rank both calls and answers)
-    assert run_processes(_large_both_ways, 2, free_port(), timeout=50, start_method="spawn") == [True] * 2
+    assert run_processes(_large_both_ways, 2, free_port(), timeout=50, start_method="forkserver") == [True] * 2
 
 
 def test_world_size_none_is_refused_directly() -> None:

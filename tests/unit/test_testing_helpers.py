@@ -124,9 +124,29 @@ def test_threads_bad_world_size() -> None:
 
 
 # -- processes ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_processes_return_results_by_rank(start_method: str) -> None:
     assert run_processes(square, 2, 5, timeout=20, start_method=start_method) == [(5, 2), (6, 2)]  # type: ignore[arg-type]
+
+
+def environment_and_folder(rank: int, world_size: int, name: str) -> tuple[str | None, str]:
+    return os.environ.get(name), os.getcwd()
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_processes_get_the_callers_environment_and_folder_as_it_is_at_the_call(
+    start_method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (the forkserver, started once, keeps the environment of its start: a rank forked by it
+    # takes the caller's as it is at the call, as a spawned one does)
+    run_processes(square, 1, timeout=20, start_method=start_method)  # type: ignore[arg-type]  # (the server up)
+    name = f"TDIST_TEST_CARRIED_{os.getpid()}"
+    monkeypatch.setenv(name, "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    got = run_processes(environment_and_folder, 2, name, timeout=20, start_method=start_method)  # type: ignore[arg-type]
+    assert got == [("set after the server started", str(tmp_path))] * 2
+    monkeypatch.delenv(name)
+    assert run_processes(environment_and_folder, 1, name, timeout=20, start_method=start_method)[0][0] is None  # type: ignore[arg-type]
 
 
 def test_processes_exception_comes_back_with_rank_and_remote_traceback() -> None:

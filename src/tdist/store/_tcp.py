@@ -107,6 +107,22 @@ def _drain_retired_servers() -> None:
             server.wait_idle(max(0.0, deadline - time.monotonic()))
 
 
+_drain_registered_in: int | None = None  # the process that registered the drain below
+
+
+def _drain_also_in_multiprocessing_children() -> None:
+    """Run ``_drain_retired_servers`` at the end of a process that ``multiprocessing`` started,
+    too: such a process ends with ``os._exit`` once its target returns (``fork`` and
+    ``forkserver``), which runs ``multiprocessing``'s finalizers but no ``atexit`` handler."""
+    global _drain_registered_in
+    if _drain_registered_in == os.getpid():
+        return
+    _drain_registered_in = os.getpid()
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, _drain_retired_servers, exitpriority=100)
+
+
 @functools.lru_cache(maxsize=64)
 def _is_local(host: str) -> bool:
     """Whether ``host`` names an address of this machine (in this network namespace)."""
@@ -1087,9 +1103,11 @@ class TCPStore(Store):
                         del _tenants[k]
                         _retired[k] = server
                 server.retire()
-                return
             finally:
                 _tenants_lock.release()
+            if wait and id(server) in _thread_servers:
+                _drain_also_in_multiprocessing_children()
+            return
         _thread_servers.discard(id(server))
         server.stop(wait=wait)
 
