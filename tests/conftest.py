@@ -86,3 +86,79 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# -- where a test that runs past its timeout was -------------------------------------------------
+# pytest-timeout's thread method prints every thread's stack, then ends the process with
+# os._exit: under pytest-xdist that process is a worker, whose output is lost with it, and the
+# run only says which test it was running. So every test arms faulthandler to write the stacks,
+# a second before its timeout, to its worker's file in a folder of the run; the file is emptied
+# when the test ends in time, and the run prints what is left in the folder at its end.
+import faulthandler  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from typing import IO, Any  # noqa: E402
+
+_STACKS_VAR = "TDIST_TEST_STACKS_DIR"  # (the run's folder: set by the main process, for its workers)
+_stacks_file: IO[str] | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _STACKS_VAR not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[_STACKS_VAR] = tempfile.mkdtemp(prefix="tdist-test-stacks-")
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value: Any = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+        if value is not None:
+            return float(value)
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except (ValueError, TypeError):
+        return 0.0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    global _stacks_file
+    timeout, folder = _timeout_of(item), os.environ.get(_STACKS_VAR)
+    armed = bool(folder and timeout > 2)
+    if armed:
+        if _stacks_file is None:
+            name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            _stacks_file = open(os.path.join(folder, f"{name}.txt"), "w")  # noqa: SIM115
+        _stacks_file.seek(0)
+        _stacks_file.truncate()
+        _stacks_file.write(f"{item.nodeid} ran past its timeout ({timeout:g} s); its process's threads were at:\n")
+        _stacks_file.flush()
+        faulthandler.dump_traceback_later(timeout - 1, file=_stacks_file)
+    try:
+        yield
+    finally:
+        if armed and _stacks_file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            _stacks_file.seek(0)
+            _stacks_file.truncate()
+            _stacks_file.flush()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    folder = os.environ.get(_STACKS_VAR)
+    if not folder or os.environ.get("PYTEST_XDIST_WORKER") or not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            text = f.read()
+        if text.strip():
+            terminalreporter.section(f"stacks of a test that ran past its timeout ({name[:-4]})", sep="~")
+            terminalreporter.write(text)
+    sys.stdout.flush()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = os.environ.get(_STACKS_VAR)
+    if folder and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(folder, ignore_errors=True)
+        del os.environ[_STACKS_VAR]
