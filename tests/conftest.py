@@ -128,7 +128,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if armed:
         if _stacks_file is None:
             name = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            _stacks_file = open(os.path.join(folder, f"{name}.txt"), "w")  # noqa: SIM115
+            _stacks_file = open(os.path.join(folder, f"{name}.txt"), "w")
         _stacks_file.seek(0)
         _stacks_file.truncate()
         _stacks_file.write(f"{item.nodeid} ran past its timeout ({timeout:g} s); its process's threads were at:\n")
