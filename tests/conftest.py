@@ -91,12 +91,15 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
 # -- where a test that runs past its timeout was -------------------------------------------------
 # pytest-timeout's thread method prints every thread's stack, then ends the process with
 # os._exit: under pytest-xdist that process is a worker, whose output is lost with it, and the
-# run only says which test it was running. So every test arms faulthandler to write the stacks,
-# a second before its timeout, to its worker's file in a folder of the run; the file is emptied
-# when the test ends in time, and the run prints what is left in the folder at its end.
+# run only says which test it was running. So a timer of every test writes the stacks, a second
+# before its timeout, to its worker's file in a folder of the run; the file is emptied when the
+# test ends in time, and the run prints what is left in the folder at its end. (A timer thread,
+# as pytest-timeout's own, not faulthandler.dump_traceback_later: a process forked while that
+# one is armed hangs at its exit, waiting for the watchdog thread that it does not have.)
 import faulthandler  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 from typing import IO, Any  # noqa: E402
 
 _STACKS_VAR = "TDIST_TEST_STACKS_DIR"  # (the run's folder: set by the main process, for its workers)
@@ -133,12 +136,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _stacks_file.truncate()
         _stacks_file.write(f"{item.nodeid} ran past its timeout ({timeout:g} s); its process's threads were at:\n")
         _stacks_file.flush()
-        faulthandler.dump_traceback_later(timeout - 1, file=_stacks_file)
+        timer = threading.Timer(timeout - 1, faulthandler.dump_traceback, (_stacks_file,))
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
         if armed and _stacks_file is not None:
-            faulthandler.cancel_dump_traceback_later()
+            timer.cancel()
+            timer.join()
             _stacks_file.seek(0)
             _stacks_file.truncate()
             _stacks_file.flush()
