@@ -478,11 +478,29 @@ class Manager:
         finally:
             self._state = "closed"
             self._teardown()
+            deadline = self._clock() + self._timeout
             try:
-                self._client.leave(self._clock() + self._timeout)
+                self._client.leave(deadline)
             except DistError as exc:
                 log.warning("ft: node %s could not leave the quorum: %s", self.name, exc)
+            else:
+                self._serve_while_others_leave(deadline)
             self._upkeep_stop.set()
+
+    def _serve_while_others_leave(self, deadline: float) -> None:
+        """Where the job's store serves from this process (its standby took over from a lost
+        server), the members still leaving need it: serve on until none is left (the last one
+        out ends the job), or until ``deadline``. (Stopped at once, it took the store away from
+        members that had not left yet: each spent its whole timeout failing to.)"""
+        keeper = self._keeper
+        standby = None if keeper is None else keeper.standby
+        if standby is None or not standby.serving:
+            return
+        try:
+            while self._client.state.members and self._clock() < deadline:
+                self._client._wait(deadline)
+        except DistError as exc:
+            log.warning("ft: node %s: serving the job's store until the others left: %s", self.name, exc)
 
     def __enter__(self) -> Manager:
         self.start()
