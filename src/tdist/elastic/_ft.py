@@ -496,9 +496,10 @@ class Manager:
         standby = None if keeper is None else keeper.standby
         if standby is None or not standby.serving:
             return
-        try:
-            while self._client.state.members and self._clock() < deadline:
-                self._client._wait(deadline)
+        client = self._client
+        try:  # (a member whose process is gone never leaves: not waited for)
+            while set(client.state.members) - set(client.state.dead) - client._dead_here() and self._clock() < deadline:
+                client._wait(deadline)
         except DistError as exc:
             log.warning("ft: node %s: serving the job's store until the others left: %s", self.name, exc)
 
