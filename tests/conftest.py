@@ -142,7 +142,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         yield
     finally:
-        if armed and _stacks_file is not None:
+        if armed:
+            assert _stacks_file is not None
             timer.cancel()
             timer.join()
             _stacks_file.seek(0)

@@ -96,11 +96,20 @@ _retired: dict[tuple[str, int], StoreServer] = {}
 _EXIT_DRAIN = 2.0  # the most seconds an exiting process waits for its retired servers' clients
 
 
+_drained_in: int | None = None  # the process whose end drained its retired servers already
+
+
 @atexit.register
 def _drain_retired_servers() -> None:
     """At exit, a group's store served from a thread here answers the group's other ranks until
     they have left it too (their ``destroy_process_group`` releases their rank through it), for
-    at most ``_EXIT_DRAIN`` seconds in all; else they would wait for this process to be gone."""
+    at most ``_EXIT_DRAIN`` seconds in all; else they would wait for this process to be gone.
+    Once per process: it runs as an ``atexit`` handler and as a ``multiprocessing`` finalizer
+    (below), and a process that ends normally runs both."""
+    global _drained_in
+    if _drained_in == os.getpid():
+        return
+    _drained_in = os.getpid()
     deadline = time.monotonic() + _EXIT_DRAIN
     for server in list(_retired.values()):
         if id(server) in _thread_servers:
