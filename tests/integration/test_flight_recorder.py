@@ -193,6 +193,7 @@ def test_a_rank_that_never_enters_the_collective_is_named_on_every_rank(
         assert "its last op is broadcast #2 (float32[10], completed" in m, m
         assert f"at {THIS_FILE}:" in m, m
         assert "ranks 0, 1 are waiting in all_reduce #3 (float32[1024])" in m, m
+        assert f"its thread is now at {THIS_FILE}:" in m and "in _scenario" in m, m  # (where it is busy)
         if path == "shm" and scenario == "skip":  # (the arena counts its operations as the recorder does)
             assert "had not arrived at operation #3" in m, m
     # the culprit hears of it at its next call, with the same account
@@ -422,6 +423,50 @@ def test_groups_called_in_an_order_that_ends_the_cycle_are_no_deadlock(tmp_path:
 
 def test_a_call_another_thread_makes_later_is_no_deadlock(tmp_path: Path) -> None:
     assert run_processes(_crossed, 2, free_port(), "thread", _env("shm", tmp_path), timeout=90) == ["no error"] * 2
+
+
+# -- a rank that is alive and busy elsewhere: the others warn while they wait ------------------
+def _busy_elsewhere(rank: int, n: int, port: int, env: dict[str, str]) -> str:
+    """Rank 2 is busy in code of its own (here: waiting on a store key) while ranks 0 and 1
+    wait in an all_reduce; it comes once both have warned. No error: the wait was legal."""
+    import logging
+
+    os.environ.update(env)
+    os.environ["TDIST_FR_CHECK_AFTER"] = "0.1"  # (the warning comes after 15 times that)
+    warnings: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and "has waited" in record.getMessage():
+                warnings.append(record.getMessage())
+                store.set(f"warned/{rank}", "1")
+
+    logging.getLogger("tdist.c10d").addHandler(Catch())
+    store = tdist.TCPStore("127.0.0.1", port, is_master=rank == 0, world_size=n, timeout=timedelta(seconds=60))
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("pg", store), rank=rank, world_size=n, timeout=timedelta(seconds=60))
+    t = torch.ones(8)
+    tdist.barrier()
+    if rank == 2:
+        store.wait(["warned/0", "warned/1"])  # (the busy part of its own)
+    tdist.all_reduce(t)
+    assert t.tolist() == [3.0] * 8
+    tdist.destroy_process_group()
+    return warnings[0] if warnings else "no warning"
+
+
+def test_a_collective_that_waits_long_for_a_busy_rank_warns_naming_it_and_where_it_is(path: str, tmp_path: Path) -> None:
+    """gloo says nothing until the group's timeout (30 minutes by default). tdist's desync check
+    finds nothing wrong (rank 2 is alive, and has called nothing else), and after 15 checks'
+    worth of waiting it warns, naming the rank and the line of its program it is at; the
+    collective then completes."""
+    got = run_processes(_busy_elsewhere, N, free_port(), _env(path, tmp_path), timeout=90)
+    assert got[2] == "no warning", got
+    for m in got[:2]:
+        assert "all_reduce #2 (float32[8]) of group" in m and "has waited" in m, m
+        assert "waits on until the group's timeout (0:01:00)" in m, m
+        assert "rank 2 never entered all_reduce #2 (float32[8]); its last op is barrier #1" in m, m
+        assert f"its thread is now at {THIS_FILE}:" in m and "in _busy_elsewhere" in m, m
+        assert "ranks 0, 1 are waiting in all_reduce #2 (float32[8])" in m, m
 
 
 # -- two ranks that both receive first: each waits for the other's send ------------------------

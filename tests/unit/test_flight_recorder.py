@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,29 @@ def test_explain_names_the_rank_that_never_entered() -> None:
         "broadcast #2 (float32[10], completed 1.5 s ago) at train.py:88; ranks 0, 1, 3 are waiting in all_reduce #3 "
         "(float32[1024])."
     )
+
+
+def test_explain_says_where_a_rank_that_never_entered_is_now() -> None:
+    bcast = _b("broadcast", 2, "float32[10]", "completed")
+    ar = _b("all_reduce", 3, "float32[1024]")
+    late = {**_h(bcast), "now_at": "train.py:57 in evaluate"}
+    text = D.explain(0, 2, ar, {0: _h(bcast, ar), 1: late}, {}, "0")
+    assert "rank 1 never entered all_reduce #3 (float32[1024]); its last op is broadcast #2 (float32[10], completed 1.5 s ago); " \
+        "its thread is now at train.py:57 in evaluate; rank 0 is waiting" in text, text
+    # (one in another group's call: that call says where it is)
+    late["elsewhere"] = [{"group": "tp", **_b("all_gather", 7)}]
+    assert "now at" not in D.explain(0, 2, ar, {0: _h(bcast, ar), 1: late}, {}, "0")
+
+
+def test_now_at_names_the_programs_frame_of_a_thread() -> None:
+    here = threading.get_ident()
+    assert D.now_at(here) == f"{os.path.basename(__file__)}:{sys._getframe().f_lineno} in test_now_at_names_the_programs_frame_of_a_thread"
+    box: list[str | None] = []
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    box.append(D.now_at(t.ident or 0))
+    assert box == [None]  # (a thread that is gone)
 
 
 def test_explain_names_another_call_gone_silent_and_elsewhere() -> None:

@@ -60,7 +60,7 @@ from . import _flight_recorder as fr
 
 __all__ = [
     "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "cycle", "describe_call", "diagnose", "entered", "explain", "frames_of",
-    "head", "mismatch", "request_dumps", "stuck", "unwatch", "watch",
+    "head", "long_wait", "mismatch", "now_at", "request_dumps", "stuck", "unwatch", "watch",
 ]
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,23 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
         "elsewhere": elsewhere,
         "entered": entered(me),
         "stuck": stuck(me) is not None,
+        "now_at": now_at(es[-1][fr.THREAD]) if es else None,
     }
+
+
+_TDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # (the tdist package)
+_THREADING = os.path.abspath(threading.__file__)
+
+
+def now_at(thread: int) -> str | None:
+    """``train.py:57 in evaluate``: where thread ``thread`` (an ident) is now, its innermost
+    frame outside tdist, torch and ``threading`` (the program's own code, or its call into one
+    of them); None where the thread is gone. Read at a diagnosis only."""
+    for frame in frames_of(thread):
+        name = frame.f_code.co_filename
+        if not name.startswith((_TDIST, fr.TORCH_DIR)) and os.path.abspath(name) != _THREADING:
+            return f"{os.path.basename(name)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return None
 
 
 def entered(global_rank: int) -> dict[str, int]:
@@ -476,6 +492,12 @@ def check_after() -> float:
         return 2.0
 
 
+def long_wait() -> float:
+    """Seconds after which a collective that the desync check finds blocked, with nothing
+    wrong, is reported in a warning at each check (15 times ``check_after()``: 30 s)."""
+    return 15 * check_after()
+
+
 class _Watchdog:
     """One daemon thread per process that looks at every watched recorder twice a second; a
     collective running for ``check_after()`` seconds is handed to its backend's check (which
@@ -787,6 +809,8 @@ def _status(
         return f"called {describe_call(b)} where others called {call}{elsewhere}", False
     last = recent[-1] if recent else None
     tail = f"its last op is {_op(last)}" if last else "it has recorded no operation in this group"
+    if h.get("now_at") and not elsewhere:
+        tail += f"; its thread is now at {h['now_at']}"
     if int(h.get("last_seq") or 0) < seq or failed.get("p2p"):
         return f"never entered {call}; {tail}{elsewhere}", False
     return f"is past {call}; {tail}{elsewhere}", False

@@ -132,6 +132,7 @@ _SCALAR_NAMES = {
 }
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tdist package
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+TORCH_DIR = _TORCH + os.sep  # (torch's package: frames there are not the program's)
 
 
 # torch's older names of its flight-recorder variables, which torch still reads (saying they are

@@ -64,6 +64,7 @@ from ._desync import (
     entered,
     explain,
     frames_of,
+    long_wait,
     mismatch,
     receives_crossed,
     request_dumps,
@@ -598,6 +599,7 @@ class ProcessGroupTCP(Backend):
         culprits = mismatch(mine, heads)
         if not culprits:
             self._check_crossed(entry, mine, heads)
+            self._warn_of_long_wait(entry, mine, heads, unanswered)
             return
         if entry[DONE] or self._broken is not None:
             return
@@ -612,6 +614,26 @@ class ProcessGroupTCP(Backend):
             f"dtypes. {explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered)}"
         )
         self._break_with(CollectiveMismatchError(message))
+
+    def _warn_of_long_wait(
+        self, entry: list[Any], mine: dict[str, Any], heads: dict[int, dict[str, Any] | None], unanswered: str
+    ) -> None:
+        """A collective that the desync check found blocked for ``long_wait()`` seconds or more
+        with nothing wrong (each rank that has not come is alive, and has called nothing else
+        there) may still be a hang: a rank stuck in a loop of its own, or waiting on something
+        outside the group. A warning says who the wait is for and where it is now, at this
+        check and at each later one; the group's timeout still ends the wait, as in torch."""
+        rec = self._fr
+        if rec is None or entry[DONE] or self._broken is not None or self._verdict is not None or self._closed:
+            return
+        age = (_time_ns() - entry[STARTED]) / 1e9
+        if age < long_wait():
+            return
+        log.warning(
+            "rank %d: %s of group %r has waited %.0f s, and waits on until the group's timeout (%s). %s",
+            self._rank, describe_call(mine), rec.label, age, timedelta(seconds=round(self._timeout)),
+            explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered),
+        )
 
     def _break_with(self, verdict: CollectiveMismatchError, dump: bool = True, also: Sequence[ProcessGroupTCP] = ()) -> None:
         """Break the group with the desync check's ``verdict``: every rank's call fails with it;
