@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -1169,6 +1170,46 @@ def test_a_rendezvous_that_times_out_fails_every_waiting_rank_with_its_reason() 
         assert kind == "StoreTimeoutError", results
         assert text.startswith(f"rank {rank}: the rendezvous at ") and "rank(s) [2] of 3 never joined" in text, results
         assert took < 30, results
+
+
+def _late_rank_2(rank: int, n: int, port: int, side: str) -> list[str]:
+    """Ranks 0 and 1 wait at the rendezvous for rank 2, which comes once both have warned."""
+    import logging
+
+    import tdist.store._rendezvous as rendezvous
+
+    rendezvous._FIRST_WORD, rendezvous._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    told = dist.FileStore(side, n)
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING and "waiting at the rendezvous" in record.getMessage():
+                said.append(record.getMessage())
+                told.set(f"warned/{rank}", "1")
+
+    logging.getLogger("tdist").addHandler(Catch())
+    if rank == 2:
+        told.wait(["warned/0", "warned/1"], timedelta(seconds=30))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=60))
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0, 3.0]
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_rendezvous_that_waits_long_says_which_ranks_it_waits_for(tmp_path: Path) -> None:
+    """torch says nothing until its timeout (30 minutes by default); tdist warns after 30 s,
+    naming the ranks that have not come, then every minute; the late rank then joins."""
+    from tdist.testing import run_processes
+
+    results = run_processes(_late_rank_2, 3, free_port(), str(tmp_path / "side"), timeout=80, start_method="forkserver")
+    assert results[2] == [], results
+    for rank in (0, 1):
+        assert results[rank], results
+        assert results[rank][0].startswith(f"rank {rank}: waiting at the rendezvous at 127.0.0.1:"), results
+        assert "for rank(s) [2] of 3 (" in results[rank][0] and "it times out after 0:01:00" in results[rank][0], results
 
 
 def test_a_timed_out_all_to_all_single_is_named_so() -> None:

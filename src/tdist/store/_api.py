@@ -71,6 +71,9 @@ def multi_get_within(store: Any, keys: Sequence[str], timeout: timedelta) -> lis
     Raises:
         the store's timeout error: a key is still missing at the timeout.
     """
+    within = getattr(store, "_multi_get_within", None)  # (tdist's TCPStore: a wait of any length in one request)
+    if within is not None:
+        return list(within(keys, timeout))
     if getattr(store, "timeout", None) != timeout:
         store.wait(list(keys), timeout)
     return list(store.multi_get(list(keys)))

@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
-from .._core.errors import DistNetworkError
+from .._core.errors import DistNetworkError, StoreTimeoutError
 from ._api import Store, multi_get_within
 from ._protocol import OPENING, OPENING_ECHO
 
@@ -392,7 +392,6 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
         StoreTimeoutError: not every rank joined within ``timeout`` (a ``DistStoreError``, as
             torch's, and a ``DistTimeoutError``).
     """
-    from .._core.errors import StoreTimeoutError
 
     me = _holder_id()
     n = int(store.add(f"{_RDZV}/rank_{rank}", 1))
@@ -429,10 +428,10 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
     if int(store.add(base + "joined", 1)) >= world_size:
         verdict = store.compare_set(base + "full", "", "1")  # (unless an abort came first)
     else:
-        try:  # (one request where the store's timeout is ours, as for the store made here)
-            verdict = multi_get_within(store, [base + "full"], timeout)[0]
+        try:
+            verdict = _wait_for_the_others(store, base, rank, world_size, timeout, where)
         except StoreTimeoutError:
-            missing = [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
+            missing = _missing(store, base, world_size)
             message = (
                 f"the rendezvous at {where} timed out after {timeout.total_seconds():g} s (rank {rank} "
                 f"first): rank(s) {missing} of {world_size} never joined; are they running, with "
@@ -449,6 +448,43 @@ def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, wh
         raise _rendezvous_error(verdict.decode(errors="replace").removeprefix(_ABORTED))
     store._rdzv_claim = (base + f"rank_{rank}", me)
     store._rdzv_round = n  # (every rank of the round has the same: the group's key namespace)
+
+
+def _missing(store: Any, base: str, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
+
+
+_FIRST_WORD = 30.0  # seconds of waiting before the first warning, and at most between two
+_WORD_EVERY = 60.0
+
+
+def _wait_for_the_others(store: Any, base: str, rank: int, world_size: int, timeout: timedelta, where: str) -> bytes:
+    """The round's verdict, once every rank has joined (or one aborted it). A wait that goes on
+    for 30 s is not silent: a warning names the ranks that have not come, then every minute;
+    the round times out after ``timeout`` (30 minutes by default, as in torch), with no warning
+    where it is shorter than the first.
+
+    Raises:
+        StoreTimeoutError: ``timeout`` passed.
+    """
+    total = timeout.total_seconds()
+    start = time.monotonic()
+    word = _FIRST_WORD
+    while True:
+        last = total <= word
+        chunk = max(0.0, (total if last else word) - (time.monotonic() - start))
+        try:  # (one request: tdist's TCPStore waits as long as asked)
+            return multi_get_within(store, [base + "full"], timedelta(seconds=chunk))[0]
+        except StoreTimeoutError:
+            if last:
+                raise
+        missing = _missing(store, base, world_size)
+        log.warning(
+            "rank %d: waiting at the rendezvous at %s for rank(s) %s of %d (%.0f s so far; it times out after %s); "
+            "are they running, with this address and world size?",
+            rank, where, missing, world_size, time.monotonic() - start, timeout,
+        )
+        word += _WORD_EVERY
 
 
 _ABORTED = "aborted: "

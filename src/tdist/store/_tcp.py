@@ -990,6 +990,13 @@ class TCPStore(Store):
         ms, seconds = self._wait_ms(None)
         return self._call(Op.MULTI_GET, (ms, *(check_key(k).encode() for k in keys)), seconds)
 
+    def _multi_get_within(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+        """``multi_get`` that waits up to ``timeout`` rather than the store's own: one request
+        (``_api.multi_get_within``)."""
+        keys = key_list(keys, "multi_get")
+        ms, seconds = self._wait_ms(timeout)
+        return self._call(Op.MULTI_GET, (ms, *(check_key(k).encode() for k in keys)), seconds)
+
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         keys = key_list(keys, "multi_set")
         if len(keys) != len(values):
@@ -1153,6 +1160,11 @@ class _OnTorchsServer(TCPStore):
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)
         self._foreign.set_timeout(timeout)
+
+    def _multi_get_within(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+        if self.timeout != timeout:
+            self._t.wait(list(keys), timeout)
+        return self._t.multi_get(keys)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._t.set(key, value)
