@@ -4,6 +4,7 @@ sockets, no threads that matter, no sleeps."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,27 @@ def test_the_executor_waits_on_the_next_versions_marker_bounded_by_the_decision(
     state = a.run(Op.JOIN, deadline=100.0)
     assert state.complete and clock.now == 2.5
     assert clock.waits == [(["changed/2"], 1.0), (["changed/2"], 1.0), (["changed/2"], 0.5)]
+
+
+def test_a_join_that_waits_for_nodes_says_so_after_30_s_then_every_minute(caplog: pytest.LogCaptureFixture) -> None:
+    store, clock = HashStore(), FakeClock()
+    a = StateExecutor(store, "a", Settings(2, 3), describe="c10d rendezvous of 'job'", clock=clock, wait=clock.wait)
+    with caplog.at_level(logging.WARNING), pytest.raises(RendezvousTimeoutError, match="1 of at least 2 nodes joined within 100 s"):
+        a.run(Op.JOIN, deadline=100.0, timeout=100.0)
+    said = [(r.getMessage(), r.levelno) for r in caplog.records if "waiting for more" in r.getMessage()]
+    assert said == [
+        (f"c10d rendezvous of 'job': 1 of at least 2 nodes joined round 0; waiting for more ({t} s so far; the join times out after 100 s)",
+         logging.WARNING)
+        for t in (30, 90)
+    ], said
+
+
+def test_a_round_in_its_last_call_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    store, clock = HashStore(), FakeClock()
+    a = StateExecutor(store, "a", Settings(1, 2, last_call=45.0, keep_alive_interval=100), clock=clock, wait=clock.wait)
+    with caplog.at_level(logging.WARNING):
+        assert a.run(Op.JOIN, deadline=100.0, timeout=100.0).complete
+    assert clock.now == 45.0 and not caplog.records
 
 
 class StallingStore(HashStore):

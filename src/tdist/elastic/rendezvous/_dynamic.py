@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 STATE_KEY = "state"
 _POLL = 1.0  # the longest wait between two reads of the state (and two checks of should_stop)
 _KEEP_MARKERS = 16  # change markers kept behind the current version
+_FIRST_WORD = 30.0  # seconds a join waits for nodes before it says so (then every _WORD_EVERY)
+_WORD_EVERY = 60.0
 _local_ids = itertools.count()  # (several handlers in one process are several nodes)
 
 Waiter = Callable[[list[str], float], None]
@@ -204,6 +206,8 @@ class StateExecutor:
         """
         self._timeout = timeout
         self.refresh()
+        start = self._clock()
+        word = _FIRST_WORD
         while True:
             action, _ = self.step(op, deadline)
             if action.step is Step.FINISH:
@@ -212,6 +216,9 @@ class StateExecutor:
                 if self.should_stop():
                     raise RendezvousClosedError(f"{self.describe}: interrupted")
                 now = self._clock()
+                if now - start >= word:
+                    word = now - start + _WORD_EVERY
+                    self._say_what_it_waits_for(op, now - start, timeout)
                 until = now + _POLL if action.until is None else min(action.until, now + _POLL)
                 planned = max(0.001, until - now)
                 self._wait([f"changed/{self.state.version + 1}"], planned)
@@ -219,6 +226,19 @@ class StateExecutor:
                 if late > self.settings.keep_alive_interval:  # (the store stalled: see _compare_set)
                     self.view = blind(self.view, late)
                 self.refresh()
+
+    def _say_what_it_waits_for(self, op: Op, waited: float, timeout: float | None) -> None:
+        """A join that waits for 30 s for too few nodes to start a round is not silent: a
+        warning says how many have joined (then every minute). A spare waiting for a round with
+        room, or a round waiting out its last call, says nothing: they wait by design."""
+        state = self.state
+        if op is not Op.JOIN or state.complete or self.me not in state.participants or len(state.participants) >= state.min_nodes:
+            return
+        log.warning(
+            "%s: %d of at least %d nodes joined round %d; waiting for more (%.0f s so far%s)",
+            self.describe, len(state.participants), state.min_nodes, state.round, waited,
+            "" if timeout is None else f"; the join times out after {timeout:g} s",
+        )
 
     def _timeout_message(self, op: Op, timeout: float | None) -> str:
         state, within = self.state, "in time" if timeout is None else f"within {timeout:g} s"
