@@ -763,6 +763,47 @@ def test_dropping_a_store_without_close_does_no_network_io_and_stops_its_server(
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
+def _signal_pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` is sent to process ``pid`` and not yet taken (False once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except FileNotFoundError:
+        return False
+    bit = 1 << (sig - 1)
+    return any(int(fields[k].strip(), 16) & bit for k in ("SigPnd", "ShdPnd"))
+
+
+def test_a_server_process_serves_on_after_a_sigterm_until_its_parent_stops_it() -> None:
+    """``timeout``, ``kill -TERM -PGID`` and Slurm's ``scancel`` send SIGTERM to every process of
+    the group at once: the store's host (``tdist run``'s agent, which leaves its rendezvous as it
+    stops) gets it too, and still needs the store. The server process serves on until its
+    parent stops it (or at most 30 s)."""
+    import signal
+
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    try:
+        assert s._server is not None and s._server.pid is not None
+        pid = s._server.pid
+        s.set("before", "1")
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not _signal_pending(pid, signal.SIGTERM), 10, "the server's process took the signal")
+        s.set("after", "2")
+        other = dist.TCPStore("127.0.0.1", s.port, timeout=timedelta(seconds=10))
+        assert other.multi_get(["before", "after"]) == [b"1", b"2"]
+        other.close()
+        assert s._server.exit_status() is None
+    finally:
+        s.close()
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 10, "the server's process ended with its store")
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
+
+
 def test_the_server_is_a_fresh_process_not_a_fork_of_a_threaded_one() -> None:
     # a fork of a process whose other threads hold locks (a logging handler's, OpenSSL's) can
     # wait on them forever in the child; the server is started as a new interpreter instead
