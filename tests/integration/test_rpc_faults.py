@@ -9,6 +9,7 @@ the run; the survivors end with ``shutdown(graceful=False)``, as a job that lost
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -183,6 +184,41 @@ def test_graceful_shutdown_waits_for_a_late_worker_beyond_the_rpc_timeout(backen
     took = run(_late_to_shutdown, backend, world_size=2, rpc_timeout=1.0, shared={"late_in": late_in})
     assert took[0][1], took  # rank 0 waited for the late worker
     assert took[1][0] < 2.0, took  # (the late one finds rank 0 waiting: no wait of its own)
+
+
+def _said_while_waiting(w: Worker) -> list[str]:
+    import logging
+
+    import tdist.rpc._agent as agent
+
+    warned = w.shared["warned"]
+    if w.rank == 1:
+        assert warned.wait(20)  # (late until rank 0 has said so)
+        w.shutdown()
+        return []
+    agent._FIRST_WORD, agent._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "RPC shutdown has waited" in record.getMessage():
+                said.append(f"{record.levelname}: {record.getMessage()}")
+                warned.set()
+
+    logging.getLogger("tdist.rpc").addHandler(Catch())
+    in_thread(w.shutdown, 20)
+    return said
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shutdown_that_waits_long_says_for_whom(backend: str) -> None:
+    """torch's graceful shutdown waits for a late worker without limit, and without a word;
+    tdist's says after 30 s (then every minute) which workers it waits for."""
+    import multiprocessing
+
+    said = run(_said_while_waiting, backend, world_size=2, shared={"warned": multiprocessing.get_context("fork").Event()})
+    assert said[0] and said[0][0].startswith("WARNING: "), said
+    assert re.search(rf"RPC shutdown has waited \d+ s for {name(1)} \(id 1\) to call shutdown \(it waits as long as they live\)$", said[0][0]), said
 
 
 def _shutdown_timeout_with_a_late_worker(w: Worker) -> str:

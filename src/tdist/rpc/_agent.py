@@ -75,6 +75,8 @@ __all__ = ["RpcAgent", "current_agent", "set_current_agent", "wait_replies"]
 
 log = logging.getLogger(__name__)
 
+_FIRST_WORD = 30.0  # seconds a shutdown barrier waits before it says for whom (then every _WORD_EVERY)
+_WORD_EVERY = 60.0
 _BARRIER_STEP = 0.5  # seconds a shutdown barrier waits on the store between looks at the missing
 
 _REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR, MsgKind.REPLY_OK_ACK))
@@ -1031,7 +1033,9 @@ class RpcAgent:
         self.store.set(f"{key}/{self.rank}", "1")
         if self.store.add(key, 1) >= self.world_size:
             self.store.set(f"{key}/done", "1")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        word = _FIRST_WORD
         while True:
             step = _BARRIER_STEP if deadline is None else min(_BARRIER_STEP, deadline - time.monotonic())
             try:
@@ -1058,6 +1062,14 @@ class RpcAgent:
                 if deadline is not None and time.monotonic() >= deadline:
                     names = ", ".join(self.describe(i) for i in missing)
                     raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {names}") from exc
+                waited = time.monotonic() - start
+                if waited >= word:  # (a wait without limit, by default, is not a silent one)
+                    word = waited + _WORD_EVERY
+                    log.warning(
+                        "%s: RPC shutdown has waited %.0f s for %s to call shutdown (%s)", self.label, waited,
+                        ", ".join(self.describe(i) for i in missing),
+                        "it waits as long as they live" if deadline is None else f"it gives up after {timeout:g} s",
+                    )
 
     def _lost_peer(self, peer: int) -> PeerError | None:
         """Why ``peer`` is known to be gone, or None while it may still come (a subclass may
