@@ -1212,6 +1212,47 @@ def test_a_rendezvous_that_waits_long_says_which_ranks_it_waits_for(tmp_path: Pa
         assert "for rank(s) [2] of 3 (" in results[rank][0] and "it times out after 0:01:00" in results[rank][0], results
 
 
+def _late_to_new_group(rank: int, n: int, port: int, side: str) -> list[str]:
+    """Ranks 0 and 1 wait in new_group for rank 2, which comes once both have warned."""
+    import logging
+
+    import tdist.transport._endpoint as endpoint
+
+    endpoint._FIRST_WORD, endpoint._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    told = dist.FileStore(side, n)
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING and "has waited" in record.getMessage():
+                said.append(record.getMessage())
+                told.set(f"warned/{rank}", "1")
+
+    logging.getLogger("tdist").addHandler(Catch())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=60))
+    if rank == 2:
+        told.wait(["warned/0", "warned/1"], timedelta(seconds=30))
+    group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=50))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=group)
+    assert t.tolist() == [3.0, 3.0]
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_new_group_that_waits_long_says_which_ranks_it_waits_for(tmp_path: Path) -> None:
+    """torch's waits silently for the group's timeout (30 minutes by default) for a rank that
+    never calls new_group; tdist warns after 30 s, then every minute, naming it."""
+    from tdist.testing import run_processes
+
+    results = run_processes(_late_to_new_group, 3, free_port(), str(tmp_path / "side"), timeout=80, start_method="forkserver")
+    assert results[2] == [], results
+    for rank in (0, 1):
+        assert results[rank], results
+        assert results[rank][0].startswith(f"rank {rank}: forming process group '1' has waited "), results
+        assert results[rank][0].endswith("for rank(s) [2], which have not come to it yet (it times out after 0:00:50)"), results
+
+
 def test_a_timed_out_all_to_all_single_is_named_so() -> None:
     gone = threading.Event()
 

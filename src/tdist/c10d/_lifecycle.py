@@ -154,7 +154,7 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
         store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
     ) -> BackendImpl:
         if getattr(found, "takes_gone", False):
-            return found(store, rank, size, timeout, gone=_gone_in_world(ranks))  # type: ignore[call-arg]
+            return found(store, rank, size, timeout, name=name, gone=_gone_in_world(ranks))  # type: ignore[call-arg]
         return found(store, rank, size, timeout)
 
     return make

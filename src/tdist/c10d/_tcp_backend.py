@@ -1764,8 +1764,10 @@ class ProcessGroupTCP(Backend):
         self.shutdown()
 
 
-def _create(store: Any, rank: int, size: int, timeout: timedelta, gone: Callable[[int], str | None] | None = None) -> Backend:
-    return ProcessGroupTCP(store, rank, size, timeout, gone=gone)
+def _create(
+    store: Any, rank: int, size: int, timeout: timedelta, name: str = "", gone: Callable[[int], str | None] | None = None
+) -> Backend:
+    return ProcessGroupTCP(store, rank, size, timeout, name=name, gone=gone)
 
 
 # (``_lifecycle`` gives it ``gone``: a sub-group's member that its world group knows gone)

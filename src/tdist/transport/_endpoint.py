@@ -98,6 +98,8 @@ log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of its meta
 _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
+_FIRST_WORD = 30.0  # seconds forming a group waits for its peers before it names them (then every _WORD_EVERY)
+_WORD_EVERY = 60.0
 _CMA_DEFER = 0.005
 
 
@@ -377,6 +379,8 @@ class Endpoint:
         its address and is ``gone`` fails the wait at once, naming it (else the store's wait
         runs out the group's timeout, naming a key)."""
         group = f"process group {self.name!r}" if self.name else "a process group"
+        start = time.monotonic()
+        word = _FIRST_WORD
         while True:
             left = deadline - time.monotonic()
             try:
@@ -385,6 +389,14 @@ class Endpoint:
             except StoreTimeoutError:
                 if left <= 1.0:
                     raise
+            waited = time.monotonic() - start
+            if waited >= word:  # (a group's timeout is 30 minutes by default: not a silent one)
+                word = waited + _WORD_EVERY
+                late = [peer for peer in peers if not store.check([f"ep/{peer}"])]
+                log.warning(
+                    "rank %d: forming %s has waited %.0f s for rank(s) %s, which have not come to it yet "
+                    "(it times out after %s)", self.rank, group, waited, late, timedelta(seconds=round(deadline - start)),
+                )
             for peer in peers:
                 why = gone(peer)
                 if why is not None and not store.check([f"ep/{peer}"]):
