@@ -469,6 +469,43 @@ def test_a_collective_that_waits_long_for_a_busy_rank_warns_naming_it_and_where_
         assert "ranks 0, 1 are waiting in all_reduce #2 (float32[8])" in m, m
 
 
+def _late_sender(rank: int, n: int, port: int, env: dict[str, str]) -> str:
+    """Rank 1 receives from rank 0, which is busy in code of its own until rank 1 has warned."""
+    import logging
+
+    os.environ.update(env)
+    os.environ["TDIST_FR_CHECK_AFTER"] = "0.1"
+    warnings: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and "has waited" in record.getMessage():
+                warnings.append(record.getMessage())
+                store.set("warned", "1")
+
+    logging.getLogger("tdist.c10d").addHandler(Catch())
+    store = tdist.TCPStore("127.0.0.1", port, is_master=rank == 0, world_size=n, timeout=timedelta(seconds=60))
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("pg", store), rank=rank, world_size=n, timeout=timedelta(seconds=60))
+    t = torch.full((4,), float(rank))
+    if rank == 0:
+        store.wait(["warned"])  # (the busy part of its own)
+        tdist.send(t, 1)
+    else:
+        tdist.recv(t, 0)
+        assert t.tolist() == [0.0] * 4
+    tdist.destroy_process_group()
+    return warnings[0] if warnings else "no warning"
+
+
+def test_a_receive_that_waits_long_warns_saying_where_its_sender_is(path: str, tmp_path: Path) -> None:
+    got = run_processes(_late_sender, 2, free_port(), _env(path, tmp_path), timeout=90)
+    assert got[0] == "no warning", got
+    m = got[1]
+    assert m.startswith("rank 1: recv 0->1 (p2p #1) (float32[4]) of group") and "has waited" in m, m
+    assert "rank 0, which was to send it, has recorded no operation in this group; its thread is now at " in m, m
+    assert f"{THIS_FILE}:" in m and "in _late_sender" in m, m
+
+
 # -- two ranks that both receive first: each waits for the other's send ------------------------
 def _receives_first(rank: int, n: int, port: int, scenario: str) -> str:
     os.environ["TDIST_FR_CHECK_AFTER"] = "0.5"

@@ -139,7 +139,8 @@ def head(rec: fr.Recorder) -> dict[str, Any]:
         "elsewhere": elsewhere,
         "entered": entered(me),
         "stuck": stuck(me) is not None,
-        "now_at": now_at(es[-1][fr.THREAD]) if es else None,
+        # (where the thread that issued its last operation here is now: the main one, before any)
+        "now_at": now_at(es[-1][fr.THREAD] if es else threading.main_thread().ident or 0),
     }
 
 
@@ -881,6 +882,8 @@ def _explain_p2p(
             doing = f"is in no operation of this group; its last is {_op(h['recent'][-1])}"
         else:
             doing = "has recorded no operation in this group"
+        if not busy and h.get("now_at"):
+            doing += f"; its thread is now at {h['now_at']}"
     return (
         f"What the ranks of group {group!r} were doing: rank {peer}, which was to {role} it, {doing}; "
         f"rank {me} is waiting in {describe_call(failed)}."
