@@ -466,3 +466,38 @@ def test_torchs_launcher_helpers_at_torchs_module_path(monkeypatch: pytest.Monke
         assert sock.getsockname()[1] > 0
     finally:
         sock.close()
+
+
+# -- waits for other nodes say for whom ----------------------------------------------------------
+def test_a_wait_for_other_nodes_names_them_after_30_s_then_every_minute(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import types
+    from datetime import timedelta
+
+    from tdist.elastic._agent import LocalAgent
+    from tdist.store._hash import HashStore
+
+    now = [0.0]
+
+    class Store(HashStore):
+        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+            now[0] += timeout.total_seconds() if timeout is not None else 0.0
+            if now[0] >= 100.0:
+                self.set("node2", "1")  # (the last node comes at 100 s)
+
+    store = Store()
+    store.set("node0", "1")
+    store.set("node1", "1")
+    me = types.SimpleNamespace(config=types.SimpleNamespace(node_rank=0), _clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING):
+        done = LocalAgent._until_keys(me, store, ["node0", "node1", "node2"], 600.0, lambda: False,  # type: ignore[arg-type]
+                                      what="waiting for the nodes to join")
+    assert done and now[0] == 100.0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "node 0: waiting for the nodes to join: waited 30 s for node(s) [2] (at most 570 s more)",
+        "node 0: waiting for the nodes to join: waited 90 s for node(s) [2] (at most 510 s more)",
+    ], said
+    caplog.clear()
+    assert not LocalAgent._until_keys(me, store, ["node0", "node3"], now[0] + 40.0, lambda: False)  # type: ignore[arg-type]
+    assert not caplog.records  # (without ``what``: a wait that says nothing)

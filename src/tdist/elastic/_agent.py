@@ -157,6 +157,8 @@ __all__ = ["LaunchError", "LocalAgent", "launch"]
 
 log = logging.getLogger(__name__)
 
+_FIRST_WORD = 30.0  # seconds a wait for other nodes goes on before it names them (then every _WORD_EVERY)
+_WORD_EVERY = 60.0
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
 _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
 # a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
@@ -1908,20 +1910,31 @@ class LocalAgent:
                 why.append(reason)
             return reason is not None
 
-        if not self._until_keys(store, keys, self._clock() + cfg.join_timeout, stop):
+        if not self._until_keys(store, keys, self._clock() + cfg.join_timeout, stop, what="waiting for the nodes to join"):
             if why:
                 raise LaunchError(f"node {cfg.node_rank}: {why[0]}")
             missing = [k for k in range(len(keys)) if not store.check([keys[k]])]
             raise LaunchError(f"node {cfg.node_rank}: {late(missing)}")
 
     def _until_keys(
-        self, store: Store, keys: list[str], deadline: float, stop: Callable[[], bool], poll: float = 1.0
+        self, store: Store, keys: list[str], deadline: float, stop: Callable[[], bool], poll: float = 1.0,
+        what: str = "",
     ) -> bool:
         """Wait until every key of ``keys`` is set (True), or until ``stop()`` says so or
-        ``deadline`` passes (False); ``stop`` is asked at least every ``poll`` seconds."""
+        ``deadline`` passes (False); ``stop`` is asked at least every ``poll`` seconds. With
+        ``what`` (node ``k``'s key is ``keys[k]``), a wait of 30 s says which nodes it waits
+        for, then every minute: ``node 0: <what>: waited 30 s for node(s) [1] ...``."""
+        start = self._clock()
+        word = _FIRST_WORD
         while not store.check(keys):
-            if stop() or self._clock() >= deadline:
+            now = self._clock()
+            if stop() or now >= deadline:
                 return False
+            if what and now - start >= word:
+                word = now - start + _WORD_EVERY
+                missing = [k for k, key in enumerate(keys) if not store.check([key])]
+                log.warning("node %d: %s: waited %.0f s for node(s) %s (at most %.0f s more)",
+                            self.config.node_rank, what, now - start, missing, deadline - now)
             with contextlib.suppress(DistStoreError):
                 store.wait(keys, timedelta(seconds=min(poll, max(0.01, deadline - self._clock()))))
         return True
@@ -1949,7 +1962,8 @@ class LocalAgent:
 
         try:
             store.set(keys[cfg.node_rank], b"1")
-            self._until_keys(store, keys, self._clock() + cfg.exit_barrier_timeout, stop, poll=0.1)
+            self._until_keys(store, keys, self._clock() + cfg.exit_barrier_timeout, stop, poll=0.1,
+                             what="its workers succeeded; waiting for the other nodes' workers to finish")
         except DistError as exc:
             log.warning("node %d: could not wait for the other nodes' workers: %s", cfg.node_rank, exc)
         return Outcome.PEER_FAILED if restart else Outcome.SUCCEEDED
@@ -1973,7 +1987,8 @@ class LocalAgent:
             if self._job_failed:
                 limit = min(limit, cfg.stop_timeout + _FAILED_EXIT_WAIT)
             signals = 0 if self._job_failed else 1
-            if not self._until_keys(store, keys, self._clock() + limit, lambda: self._signal_count > signals):
+            if not self._until_keys(store, keys, self._clock() + limit, lambda: self._signal_count > signals,
+                                    what="keeping the job's store up until every node has finished"):
                 log.warning("node %d: stopping the job's store before every node finished", cfg.node_rank)
                 return
             if cfg.rdzv_backend == "etcd" and cfg.node_rank == 0:  # the job is over: its keys leave etcd
