@@ -168,6 +168,35 @@ def _stuck() -> dict[str, Any]:
     return out
 
 
+def _late() -> dict[str, Any]:
+    """Ranks 0 and 1 wait in an all_reduce for rank 2, busy in code of its own until both have
+    warned (``TDIST_FR_CHECK_AFTER=0.1``: the warning comes after 1.5 s)."""
+    import logging
+
+    out_dir = os.environ["MPI_TEST_OUT"]
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING and "has waited" in record.getMessage():
+                said.append(record.getMessage())
+                with open(os.path.join(out_dir, f"warned{dist.get_rank()}"), "w"):
+                    pass
+
+    logging.getLogger("tdist.c10d").addHandler(Catch())
+    dist.init_process_group("mpi", timeout=timedelta(seconds=60))
+    r = dist.get_rank()
+    dist.barrier()
+    if r == 2:
+        until = time.monotonic() + 30
+        while time.monotonic() < until and not all(os.path.exists(os.path.join(out_dir, f"warned{q}")) for q in (0, 1)):
+            time.sleep(0.01)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"rank": r, "sum": t.tolist(), "said": said[:1]}
+
+
 def _split() -> dict[str, Any]:
     """``split_group`` on the mpi backend: each split's members make its communicator alone."""
     dist.init_process_group("mpi")
@@ -295,7 +324,7 @@ def _write(result: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "destroyed": _destroyed, "split": _split, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone}[case]()
+    result = {"ops": _ops, "stuck": _stuck, "dies": _dies, "destroyed": _destroyed, "split": _split, "hosts": _hosts, "rpc": _rpc_beside, "args": _args_checked, "alone": _alone, "late": _late}[case]()
     _write(result)
     if case in ("stuck", "dies"):
         # the survivors leave together: mpiexec ends the job's processes once one has left (a

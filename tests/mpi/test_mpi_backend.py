@@ -124,6 +124,17 @@ def test_a_stuck_collective_raises_naming_the_rank_that_never_reached_it() -> No
         assert waited < 30
 
 
+def test_a_collective_that_waits_long_for_a_busy_rank_warns_naming_it() -> None:
+    res = _mpiexec(3, "late", {"TDIST_FR_CHECK_AFTER": "0.1", "TDIST_FR_STACK": "1"})
+    assert [got["sum"] for got in res] == [[3.0] * 3] * 3, res
+    assert res[2]["said"] == [], res
+    for r in (0, 1):
+        (m,) = res[r]["said"]
+        assert m.startswith(f"rank {r}: all_reduce #2 (float32[3]) of group") and "on the mpi backend" in m, m
+        assert "rank 2 never entered all_reduce #2 (float32[3]); its last op is barrier #1" in m, m
+        assert "its thread is now at mpi_worker.py:" in m and "in _late" in m, m
+
+
 def test_split_group_works_on_the_mpi_backend() -> None:
     """(new_group's ``use_local_synchronization=True`` is refused on MPI, as torch's; a split,
     which is made by its members alone, said so though the program never asked for it)"""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import logging
 import os
 import secrets
 import socket
@@ -63,6 +64,8 @@ from ._types import (
     Work,
     as_red_op,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ProcessGroupMPI", "mpi_world", "mpi_world_store"]
 
@@ -454,6 +457,9 @@ class ProcessGroupMPI(Backend):
             from ._desync import Responder
 
             self._responder = Responder(store, self._fr)
+            from ._desync import watch
+
+            watch(self._fr, self._long_wait_check)  # (a wait of 30 s names who it waits for)
 
     @property
     def flight_recorder(self) -> fr.Recorder | None:
@@ -522,6 +528,28 @@ class ProcessGroupMPI(Backend):
         work = _MPIWork(self, what, requests, result, settle, time.monotonic() + seconds, peer, status, keep, entry)
         work._poll()
         return work
+
+    def _long_wait_check(self, entry: list[Any]) -> None:
+        """The watchdog's look at an operation that blocks (``_desync.watch``): from
+        ``_desync.long_wait()`` seconds on, each look logs a warning with what every rank is
+        doing (the group's timeout still ends the wait, as in torch)."""
+        from ._desync import ask_all, describe_call, explain, long_wait
+
+        rec = self._fr
+        if rec is None or self._store is None or self._closed or self._broken is not None or entry[fr.DONE]:
+            return
+        age = (time.time_ns() - entry[fr.STARTED]) / 1e9
+        if age < long_wait():
+            return
+        heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
+        if entry[fr.DONE]:
+            return
+        mine = fr.brief(fr.normalized(rec, entry), time.time_ns())
+        log.warning(
+            "rank %d: %s of group %r has waited %.0f s on the mpi backend, and waits on until the group's timeout (%s). %s",
+            self._rank, describe_call(mine), rec.label, age, timedelta(seconds=round(self._timeout)),
+            explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered),
+        )
 
     def _timed_out(self, what: str, peer: int, waited: float, entry: list[Any] | None = None) -> CollectiveTimeoutError:
         """The error of an operation past its deadline, naming who kept it waiting (what every
@@ -831,6 +859,10 @@ class ProcessGroupMPI(Backend):
             return
         if self._responder is not None:
             self._responder.stop()
+        if self._fr is not None:
+            from ._desync import unwatch
+
+            unwatch(self._fr)
         if self._broken is None and not MPI.Is_finalized():
             _quiet_barrier(self._exit_comm, min(self._timeout, _EXIT_WAIT))
         self._closed = True
