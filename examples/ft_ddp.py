@@ -8,8 +8,8 @@ file) and takes part from the next step.
 
 This process is the launcher: it hosts the job's store (the one part that must not fail: it
 is not fault tolerant itself), starts the workers (this file with ``--worker``) and a fifth
-one that waits until the job has reached ``--join-at`` steps before it asks to join (a spare
-kept ready: starting Python and torch takes seconds), and kills one worker when rank 0 has
+one that waits until the job has reached ``--join-at`` steps (and two steps past the kill)
+before it asks to join (a spare kept ready: starting Python and torch takes seconds), and kills one worker when rank 0 has
 reached ``--kill-at`` steps. Each
 worker runs ``tdist.elastic.ft.Manager``; the global batch stays 240 samples whatever the
 world size (each rank takes ``240 / world_size``), so the loss curve does not jump when the
@@ -85,8 +85,15 @@ def worker(args: argparse.Namespace) -> None:
         on_reconfigure=on_reconfigure,
     )
     print(f"{me} pid {os.getpid()} is node {mgr.name}", flush=True)
-    if args.join_after:  # (a spare, up and ready: it asks to join once the job is that far)
-        while int(store.get("progress")) < args.join_after if store.check(["progress"]) else True:
+    if args.join_after:  # (a spare, up and ready: it asks to join once the job is that far,
+        # and two steps past the kill: the job ran without the lost worker first, whatever the
+        # machine's load did to the launcher's timing)
+        def far_enough() -> bool:
+            if not store.check(["progress", "killed_at"]):
+                return False
+            return int(store.get("progress")) >= max(args.join_after, int(store.get("killed_at")) + 2)
+
+        while not far_enough():
             time.sleep(0.01)
         print(f"{me} asking to join after step {store.get('progress').decode()}", flush=True)
     mgr.start()
@@ -154,7 +161,9 @@ def launcher(args: argparse.Namespace) -> int:
             time.sleep(0.005)
         time.sleep(args.pace / 2)  # (somewhere inside a step)
         procs[victim].send_signal(signal.SIGKILL)
-        print(f"[launcher] killed w{victim} (pid {procs[victim].pid}) with SIGKILL after step {progress()}", flush=True)
+        killed_at = progress()
+        store.set("killed_at", str(killed_at))
+        print(f"[launcher] killed w{victim} (pid {procs[victim].pid}) with SIGKILL after step {killed_at}", flush=True)
         codes = {i: p.wait(timeout=300) for i, p in procs.items()}
     finally:
         for p in procs.values():
