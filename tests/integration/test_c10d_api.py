@@ -867,6 +867,72 @@ def test_new_group_with_a_member_that_died_fails_naming_it() -> None:
         master.close()
 
 
+def _formation_fails_on_rank_2(rank: int, ws: int, results_port: int, port: int, how: str) -> None:
+    import os
+
+    import tdist.transport._endpoint as endpoint
+
+    results = dist.TCPStore("127.0.0.1", results_port, timeout=timedelta(seconds=60))
+    if rank == 2:
+        if how == "raises":  # (as an address of TDIST_ADDR that is not this host's)
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(99, "Cannot assign requested address (injected)")
+
+            endpoint.Listeners = refuse  # type: ignore[assignment,misc]
+        elif how == "dies_before_its_address":
+            endpoint.Endpoint._build_mesh = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
+        else:
+            endpoint.Endpoint._connect_mesh = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
+                                timeout=timedelta(seconds=60))
+        out = "formed"
+    except Exception as exc:
+        out = f"{time.monotonic() - start:.0f} s: {type(exc).__name__}: {exc}"
+    results.set(f"result{rank}", out)
+    # (a program that fails ends through sys.exit, and rank 0's store serves the others until
+    # they have left: this forked child ends with os._exit, and waits for them instead)
+    results.wait(["result0", "result1"])
+    os._exit(0)
+
+
+@pytest.mark.parametrize("how", ["raises", "dies_before_its_address", "dies_before_connecting"])
+def test_a_rank_that_fails_or_dies_while_the_group_forms_is_named_at_once(how: str) -> None:
+    """torch (gloo) waits for the group's timeout (30 minutes by default) for a rank that
+    failed to make its listener, or died, while the group formed, then names a store key.
+    tdist's ranks fail within seconds, naming it: its error, or its process gone."""
+    import multiprocessing
+
+    # (the results wait 40 s at most, below the group's 60 s: a wait that runs out the group's
+    # timeout fails here)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=40))
+    port = free_port()
+    procs = [multiprocessing.get_context("fork").Process(target=_formation_fails_on_rank_2, args=(r, 3, master.port, port, how))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r: master.get(f"result{r}").decode() for r in ((0, 1, 2) if how == "raises" else (0, 1))}
+        for r in (0, 1):
+            seconds = int(got[r].split(" s: ")[0]) if " s: " in got[r] else None
+            assert seconds is not None and seconds < 30, got
+            assert "rank 2" in got[r], got
+        if how == "raises":
+            assert got[2].endswith("OSError: [Errno 99] Cannot assign requested address (injected)"), got
+            for r in (0, 1):
+                assert (f"PeerError: rank {r}: forming process group '0': rank 2 failed to form it: OSError: [Errno 99] "
+                        "Cannot assign requested address (injected)") in got[r], got
+        elif how == "dies_before_its_address":
+            for r in (0, 1):
+                assert "rank 2 never published its address, and it is gone: its process, pid " in got[r], got
+        else:
+            assert any("rank 2 has not connected, and it is gone: its process, pid " in got[r] for r in (0, 1)), got
+    finally:
+        join_or_kill(procs)
+        master.close()
+
+
 def test_a_sub_groups_failure_says_which_global_rank_each_of_its_ranks_is() -> None:
     """In ``new_group([1, 2])``, the transport's messages name the group's ranks ("rank 1"
     is global rank 2): the error says which global rank each is."""

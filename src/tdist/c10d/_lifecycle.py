@@ -84,7 +84,8 @@ class _DistributedBackendOptions:
         self.global_ranks_in_group = global_ranks_in_group
 
 
-_Creator = Callable[[Store, int, int, timedelta, str, list[int]], BackendImpl]
+# (store, rank, size, timeout, name, global ranks, ``gone``: why a member is known gone, or None)
+_Creator = Callable[[Store, int, int, timedelta, str, list[int], Callable[[int], str | None] | None], BackendImpl]
 
 
 def mpi4py_installed() -> bool:
@@ -107,7 +108,8 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
         fn, extended = plugin.creator_fn, plugin.extended_api
 
         def make_plugin(
-            store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
+            store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int],
+            gone: Callable[[int], str | None] | None = None,
         ) -> BackendImpl:
             from ._foreign_backend import ForeignBackend, is_torchs
             from ._torch_pg import StoreForTorch
@@ -151,23 +153,26 @@ def _creator_for(backend: str, pg_options: Any) -> _Creator:
     found = creator
 
     def make(
-        store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
+        store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int],
+        gone: Callable[[int], str | None] | None = None,
     ) -> BackendImpl:
         if getattr(found, "takes_gone", False):
-            return found(store, rank, size, timeout, name=name, gone=_gone_in_world(ranks))  # type: ignore[call-arg]
+            return found(store, rank, size, timeout, name=name, gone=gone)  # type: ignore[call-arg]
         return found(store, rank, size, timeout)
 
     return make
 
 
-def _gone_in_world(ranks: list[int]) -> Callable[[int], str | None] | None:
-    """For a new group of global ``ranks``: ``gone(group_rank)``, why the default group knows
-    that member gone (its process died, or it left), else None; None where there is no default
-    group yet (this is it)."""
-    world = current_world()
-    default = None if world is None else world.default_pg
+def _gone_in_world(world: World, ranks: list[int]) -> Callable[[int], str | None] | None:
+    """For a new group of global ``ranks`` in ``world``: ``gone(group_rank)``, why the default
+    group knows that member gone (its process died, or it left), else None. For the default
+    group itself (none yet): why its rendezvous knows the process that claimed the rank gone
+    (``claims_gone``: on this host), where a rendezvous made the store."""
+    default = world.default_pg
     if default is None:
-        return None
+        from ..store._rendezvous import claims_gone
+
+        return claims_gone(world.owned_store) if world.owned_store is not None else None
 
     def gone(group_rank: int) -> str | None:
         try:
@@ -217,7 +222,10 @@ def _make_group(
     pg = ProcessGroup(prefix_store, group_rank, size)
     pg._set_group_name(name)
     pg._set_group_desc(desc)
-    impl = creator(PrefixStore("cpu/", prefix_store), group_rank, size, timeout, name, global_ranks)
+    impl = creator(
+        PrefixStore("cpu/", prefix_store), group_rank, size, timeout, name, global_ranks,
+        _gone_in_world(world, global_ranks),
+    )
     recorder = getattr(impl, "flight_recorder", None)
     if recorder is not None:  # (the flight record names the group as torch's does)
         recorder.identify(name, desc, global_ranks)
@@ -392,6 +400,13 @@ def init_process_group(
     except BaseException:
         for g in list(world.groups):
             _shutdown_quietly(g)
+        if world.owned_store is not None:
+            # (as ``destroy_process_group`` does: a store served from a thread here retires,
+            # answering the other ranks, which learn of this failure through it, until they
+            # have left, even while this process exits)
+            release_claim(world.owned_store)
+            with contextlib.suppress(Exception):
+                world.owned_store.close()  # type: ignore[attr-defined]
         release_world(world)
         raise
     if os.getenv("TORCH_DIST_INIT_BARRIER", "0") == "1":

@@ -467,9 +467,11 @@ class ProcessGroupMPI(Backend):
         return self._fr
     @classmethod
     def create(
-        cls, store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int]
+        cls, store: Store, rank: int, size: int, timeout: timedelta, name: str, ranks: list[int],
+        gone: Callable[[int], str | None] | None = None,
     ) -> ProcessGroupMPI:
-        """The group of global ranks ``ranks`` (every rank of it calls this; no other does)."""
+        """The group of global ranks ``ranks`` (every rank of it calls this; no other does;
+        ``gone`` is not used: MPI makes the communicator)."""
         world = MPI.COMM_WORLD
         if list(ranks) == list(range(world.Get_size())):
             comm = world.Dup()

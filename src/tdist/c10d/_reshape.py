@@ -258,7 +258,7 @@ def _standalone(store: Any, rank: int, size: int, timeout: timedelta, name: str,
     pg = ProcessGroup(store, rank, size)
     pg._set_group_name(name)
     pg._set_group_desc(desc)
-    impl = _creator_for(Backend.GLOO, None)(PrefixStore("cpu/", store), rank, size, timeout, name, list(range(size)))
+    impl = _creator_for(Backend.GLOO, None)(PrefixStore("cpu/", store), rank, size, timeout, name, list(range(size)), None)
     pg._set_backend(impl, _display_name(Backend.GLOO, impl), timeout, None)
     return pg
 

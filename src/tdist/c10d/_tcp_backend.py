@@ -441,6 +441,37 @@ class ProcessGroupTCP(Backend):
         # The shared-memory arena's half of this rank goes out with its address: one exchange
         # through the store, one wait for the other ranks. (The connections are then made in a
         # thread while the arena is joined.)
+        try:
+            self._form(store, rank, size, name, gone)
+        except BaseException as exc:
+            # (a rank that fails on its own says so: the others fail at once, naming it, where
+            # they would wait for it until the group's timeout; not one that failed for them)
+            if size > 1 and not isinstance(exc, (DistTimeoutError, PeerError)):
+                Endpoint.publish_failure(store, rank, exc)
+            raise
+        # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
+        # diagnosis requests (``_desync``)
+        self._fr = fr.make_recorder(rank, size, self._timeout)
+        if self._fr is not None:
+            _recording.add(self)
+        self._timed = self._fr is not None and self._fr.timed  # (stamp inline completions)
+        if self._fr is not None:
+            self._fr.busy = self._lock.locked  # (a short entry runs under the lock)
+        self._responder: Responder | None = None
+        self._watching = False  # (the desync check's watch started: ``_after_forming``)
+        self._verdict: CollectiveMismatchError | None = None  # the desync check's
+        if self._fr is not None:
+            self._fr.identify(name=name or None)
+            if size > 1:
+                # (the responder, and the watch of the desync check, start on the endpoint's
+                # first heartbeat round, on its reader thread: forming the group starts no
+                # thread for them, and the responder connects once the group is up)
+                self._responder = Responder(store, self._fr, start=False)
+                self._ep.add_tick(self._after_forming)
+
+    def _form(self, store: Any, rank: int, size: int, name: str, gone: Callable[[int], str | None] | None) -> None:
+        """Exchange addresses and this host's arena halves through ``store``, join the arena,
+        make the connections."""
         offer = self._offer_arena(rank, size, name)
         try:
             self._ep = Endpoint(
@@ -476,25 +507,6 @@ class ProcessGroupTCP(Backend):
             # (the arena proves what lanes need: x86's store order, and that these processes
             # may open each other's descriptors): small point-to-point messages go by lane
             self._ep.enable_lanes()
-        # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
-        # diagnosis requests (``_desync``)
-        self._fr = fr.make_recorder(rank, size, self._timeout)
-        if self._fr is not None:
-            _recording.add(self)
-        self._timed = self._fr is not None and self._fr.timed  # (stamp inline completions)
-        if self._fr is not None:
-            self._fr.busy = self._lock.locked  # (a short entry runs under the lock)
-        self._responder: Responder | None = None
-        self._watching = False  # (the desync check's watch started: ``_after_forming``)
-        self._verdict: CollectiveMismatchError | None = None  # the desync check's
-        if self._fr is not None:
-            self._fr.identify(name=name or None)
-            if size > 1:
-                # (the responder, and the watch of the desync check, start on the endpoint's
-                # first heartbeat round, on its reader thread: forming the group starts no
-                # thread for them, and the responder connects once the group is up)
-                self._responder = Responder(store, self._fr, start=False)
-                self._ep.add_tick(self._after_forming)
 
     def _after_forming(self) -> None:
         """Each of the endpoint's heartbeat rounds (on its reader thread): the first starts the

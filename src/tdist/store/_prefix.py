@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ._api import Store, as_bytes, check_key, key_list
+from ._api import Store, as_bytes, check_key, key_list, multi_get_within
 
 __all__ = ["PrefixStore"]
 
@@ -127,6 +127,15 @@ class PrefixStore(Store):
         """The values of every ``prefix/key``, waiting for all of them."""
         keys = key_list(keys, "multi_get")
         return self._store.multi_get(self._keys(keys))
+
+    def _multi_get_within(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
+        """``multi_get`` waiting up to ``timeout`` (``_api.multi_get_within``: one request on
+        tdist's ``TCPStore``)."""
+        keys = key_list(keys, "multi_get")
+        if type(self).multi_get is not PrefixStore.multi_get or type(self).wait is not PrefixStore.wait:
+            self.wait(keys, timeout)  # (a subclass's own reads: they are what it says)
+            return self.multi_get(keys)
+        return multi_get_within(self._store, self._keys(keys), timeout)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Set every ``prefix/key`` to the matching value."""

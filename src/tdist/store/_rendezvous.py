@@ -42,6 +42,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
+from .._core._process import proc_stat
 from .._core.errors import DistNetworkError, StoreTimeoutError
 from ._api import Store, multi_get_within
 from ._protocol import OPENING, OPENING_ECHO
@@ -489,6 +490,39 @@ def _wait_for_the_others(store: Any, base: str, rank: int, world_size: int, time
 
 _ABORTED = "aborted: "
 _TIMED_OUT = "timed out: "
+
+
+def claims_gone(store: Any) -> Callable[[int], str | None] | None:
+    """For the group formed right after a checked join on ``store``: ``gone(rank)``, why that
+    rank's process is known gone (on this host: the process that claimed the rank has exited),
+    else None; None where ``store`` had no checked join. Each claim is read once, when first
+    asked about (the caller asks only about a rank that keeps it waiting)."""
+    n = getattr(store, "_rdzv_round", None)
+    if n is None:
+        return None
+    claims: dict[int, str] = {}
+    here = socket.gethostname()
+
+    def gone(rank: int) -> str | None:
+        key = f"{_RDZV}/{n}/rank_{rank}"
+        if rank not in claims:
+            try:
+                claims[rank] = store.get(key).decode(errors="replace") if store.check([key]) else ""
+            except Exception:  # (the store failed: nothing known)
+                return None
+        host, _, rest = claims[rank].removeprefix("released|").partition("|")
+        try:
+            pid = int(rest.partition("|")[0])
+        except ValueError:
+            return None
+        if host != here or pid == os.getpid():
+            return None
+        fields = proc_stat(pid)
+        if fields is None or fields[0] in ("Z", "X"):
+            return f"its process, pid {pid}, has exited"
+        return None
+
+    return gone
 
 
 def release_claim(store: Any) -> None:

@@ -56,6 +56,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 from .._core import auth, spin
+from .._core._process import proc_stat
 from .._core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -67,6 +68,7 @@ from .._core.errors import (
     StoreTimeoutError,
 )
 from .._core.threads import QuickThread
+from ..store._api import multi_get_within
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
@@ -100,6 +102,14 @@ _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
 # how long a reader waits for the receive of a cross-memory message before buffering it
 _FIRST_WORD = 30.0  # seconds forming a group waits for its peers before it names them (then every _WORD_EVERY)
 _WORD_EVERY = 60.0
+_FAILED = "ep/failed"  # a rank that failed to form the group says so here (``publish_failure``)
+
+
+def _publish(store: Any, rank: int, why: str) -> None:
+    """Say in ``store`` that ``rank`` ``why`` (``"failed to form it: ..."``), unless another
+    rank's failure was said first. Never raises."""
+    with contextlib.suppress(Exception):
+        store.compare_set(_FAILED, "", json.dumps({"rank": rank, "why": why[:2000]}))
 _CMA_DEFER = 0.005
 
 
@@ -301,6 +311,8 @@ class Endpoint:
         self._by_fd = self._table.by_fd
         self._reader: threading.Thread | None = None
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
+        self._gone = gone
+        self._formation_store: Any = None  # (the group's store, while the connections are made)
         if size > 1:
             self._build_mesh(store, timeout, extra, gone)
         if not connect_later:
@@ -325,6 +337,7 @@ class Endpoint:
             self._reader = QuickThread(self._read_loop, f"tdist-rd-{self.name}-{self.rank}")
             self._reader.start()
         finally:
+            self._formation_store = None  # (the store is the owner's; the endpoint keeps none)
             self._meshed.set()
 
     def add_tick(self, tick: Callable[[], None]) -> None:
@@ -353,12 +366,11 @@ class Endpoint:
         if extra is not None:
             info["x"] = extra
         store.set(f"ep/{self.rank}", json.dumps(info))
+        self._formation_store = store
         try:  # (every rank's address first, in one request: the group's other set-up may go on while we connect)
             peers = [peer for peer in range(self.size) if peer != self.rank]
             keys = [f"ep/{peer}" for peer in peers] + ([] if self.rank == 0 else ["ep/token"])
-            if gone is not None:
-                self._wait_for_addresses(store, keys, peers, deadline, gone)
-            got = store.multi_get(keys)
+            got = self._wait_for_addresses(store, keys, peers, deadline)
             if self.rank != 0:
                 self._token = got.pop()
             self._table.token = self._token
@@ -372,39 +384,75 @@ class Endpoint:
             self.peer_extras[peer] = pinfo.get("x")
         self._to_mesh = (listeners, infos, deadline, timeout)  # (made by ``connected()``)
 
-    def _wait_for_addresses(
-        self, store: Any, keys: list[str], peers: list[int], deadline: float, gone: Callable[[int], str | None]
-    ) -> None:
-        """Wait for the peers' addresses, a second at a time: a peer that has not published
-        its address and is ``gone`` fails the wait at once, naming it (else the store's wait
-        runs out the group's timeout, naming a key)."""
-        group = f"process group {self.name!r}" if self.name else "a process group"
+    def _wait_for_addresses(self, store: Any, keys: list[str], peers: list[int], deadline: float) -> list[bytes]:
+        """The values of ``keys`` (the peers' addresses), waited for a second at a time (one
+        request each, on tdist's store): a peer that has not published its address and is
+        known gone, or a rank that failed to form the group (``publish_failure``), fails the
+        wait at once, naming it (else the store's wait runs out the group's timeout, naming a
+        key); a wait of 30 s names the ranks it waits for, then every minute."""
         start = time.monotonic()
         word = _FIRST_WORD
         while True:
             left = deadline - time.monotonic()
             try:
-                store.wait(keys, timedelta(seconds=max(0.001, min(1.0, left))))
-                return
+                return list(multi_get_within(store, keys, timedelta(seconds=max(0.001, min(1.0, left)))))
             except StoreTimeoutError:
                 if left <= 1.0:
                     raise
-            waited = time.monotonic() - start
-            if waited >= word:  # (a group's timeout is 30 minutes by default: not a silent one)
-                word = waited + _WORD_EVERY
-                late = [peer for peer in peers if not store.check([f"ep/{peer}"])]
-                log.warning(
-                    "rank %d: forming %s has waited %.0f s for rank(s) %s, which have not come to it yet "
-                    "(it times out after %s)", self.rank, group, waited, late, timedelta(seconds=round(deadline - start)),
-                )
-            for peer in peers:
-                why = gone(peer)
-                if why is not None and not store.check([f"ep/{peer}"]):
-                    raise PeerError(
-                        f"rank {self.rank}: forming {group}: rank {peer} never published its address, "
-                        f"and it is gone: {why}",
-                        peer=peer,
-                    )
+            late = [peer for peer in peers if not store.check([f"ep/{peer}"])]
+            trouble = self._formation_trouble(store, late, "never published its address")
+            if trouble is not None:
+                raise trouble
+            word = self._say_who_is_late(start, word, deadline, late)
+
+    def _group(self) -> str:
+        return f"process group {self.name!r}" if self.name else "a process group"
+
+    def _say_who_is_late(self, start: float, word: float, deadline: float, late: list[int]) -> float:
+        """Forming the group has waited ``word`` seconds or more: say for whom. Returns when
+        to say it next (30 s, then every minute)."""
+        waited = time.monotonic() - start
+        if waited < word:
+            return word
+        log.warning(
+            "rank %d: forming %s has waited %.0f s for rank(s) %s, which have not come to it yet "
+            "(it times out after %s)", self.rank, self._group(), waited, late, timedelta(seconds=round(deadline - start)),
+        )
+        return waited + _WORD_EVERY
+
+    def _formation_trouble(self, store: Any, late: list[int], doing: str) -> PeerError | None:
+        """Why forming the group cannot end well, where that is known: a rank said it failed
+        to form it (``publish_failure``), or a rank of ``late`` is gone (the owner's ``gone``,
+        or, on this host, its process as ``/proc`` says, once its address is known)."""
+        try:
+            raw = store.multi_get([_FAILED]) if store.check([_FAILED]) else None
+        except DistError:
+            raw = None
+        if raw:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                failed = json.loads(raw[0])
+                peer = int(failed["rank"])
+                if peer != self.rank:
+                    return PeerError(f"rank {self.rank}: forming {self._group()}: rank {peer} {failed['why']}", peer=peer)
+        for peer in late:
+            why = self._gone(peer) if self._gone is not None else None
+            if why is None and self.same_host(peer) and self._peer_pids.get(peer, -1) > 0:
+                pid = self._peer_pids[peer]
+                fields = proc_stat(pid)
+                if fields is None or fields[0] in ("Z", "X"):
+                    why = f"its process, pid {pid}, has exited"
+            if why is not None:
+                # (said in the store too: a rank of another host cannot see it for itself)
+                _publish(store, peer, f"{doing}, and it is gone: {why} (as rank {self.rank} found)")
+                return PeerError(f"rank {self.rank}: forming {self._group()}: rank {peer} {doing}, and it is gone: {why}", peer=peer)
+        return None
+
+    @staticmethod
+    def publish_failure(store: Any, rank: int, error: BaseException) -> None:
+        """Tell the other ranks forming a group on ``store`` that this rank failed to, and why
+        (the first failure said is the one they name): they fail at once, where they would
+        wait for it until the group's timeout. Never raises."""
+        _publish(store, rank, f"failed to form it: {type(error).__name__}: {error}")
 
     def _connect_mesh(self, listeners: Listeners, infos: dict[int, PeerAddress], deadline: float, timeout: float) -> None:
         """Dial every lower rank and let every higher one in, all side by side in this thread
@@ -421,7 +469,8 @@ class Endpoint:
                 )
             missing = self._table.mesh(
                 {peer: infos[peer] for peer in range(self.rank)}, doorway,
-                (peer for peer in range(self.size) if peer != self.rank), deadline, self._destroyed,
+                (peer for peer in range(self.size) if peer != self.rank), deadline,
+                self._mesh_watch(self._formation_store, deadline),
             )
             if missing:
                 raise DistTimeoutError(
@@ -439,6 +488,34 @@ class Endpoint:
             if doorway is not None:
                 doorway.close()
             listeners.close()
+
+    def _mesh_watch(self, store: Any, deadline: float) -> Callable[[], BaseException | None]:
+        """What ``Table.mesh`` asks between its polls while the connections are made (at most
+        a second apart): the group destroyed meanwhile, and, once a second, whether a rank not
+        connected yet is known gone or failed (``_formation_trouble``); a wait of 30 s names
+        the ranks it waits for, then every minute."""
+        start = next_look = time.monotonic()
+        next_look += 1.0
+        word = _FIRST_WORD
+
+        def watch() -> BaseException | None:
+            nonlocal next_look, word
+            destroyed = self._destroyed()
+            if destroyed is not None or store is None:
+                return destroyed
+            now = time.monotonic()
+            if now < next_look:
+                return None
+            next_look = now + 1.0
+            late = sorted(set(range(self.size)) - {self.rank} - self._peers.keys())
+            if not late:
+                return None
+            trouble = self._formation_trouble(store, late, "has not connected")
+            if trouble is None:
+                word = self._say_who_is_late(start, word, deadline, late)
+            return trouble
+
+        return watch
 
     def _destroyed(self) -> DistError | None:
         if self._closing:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # readable, one-shot: each event goes to one reader, who arms the link again when done
 ARMED = select.EPOLLIN | select.EPOLLONESHOT
 _DISARMED = select.EPOLLONESHOT
+_MESH_LOOK = 1.0  # the longest poll of ``mesh`` between two looks at ``stopped``
 
 L = TypeVar("L", bound=Link)
 
@@ -339,7 +340,7 @@ class Table(Generic[L]):
                     if fd >= 0:
                         ready.register(fd, events)
                     due = min(due, dialer.until())
-                ready.poll(max(0.0, due - now) * 1000)
+                ready.poll(max(0.0, min(due - now, _MESH_LOOK)) * 1000)  # (``stopped`` is asked a second apart at most)
         except BaseException:
             for link in self.close():
                 with contextlib.suppress(OSError):
