@@ -487,3 +487,55 @@ def _dynamic_refused(w: Worker) -> None:
 @pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values == ("process_group",)])
 def test_process_group_agent_refuses_dynamic_membership(backend: str) -> None:
     run(_dynamic_refused, backend, world_size=1, init=False, timeout=20)
+
+
+# -- a worker that dies while the group forms --------------------------------------------------
+def _init_rpc_with_worker_2_dying(rank: int, results_port: int, port: int) -> None:
+    from datetime import timedelta
+
+    import tdist
+    from tdist.rpc import _agent
+
+    results = tdist.TCPStore("127.0.0.1", results_port, timeout=timedelta(seconds=60))
+    if rank == 2:  # (past the rendezvous, before it publishes what the others wait for)
+        _agent.RpcAgent.gather = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        rpc.init_rpc(name(rank), rank=rank, world_size=3,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
+        out = "joined"
+    except RuntimeError as exc:
+        out = f"{time.monotonic() - start:.0f} s: {exc}"
+    results.set(f"result{rank}", out)
+    results.wait(["result0", "result1"])  # (rank 0's store serves rank 1 until it is done)
+    os._exit(0)
+
+
+def test_a_worker_that_dies_while_init_rpc_forms_the_group_is_named_at_once() -> None:
+    """torch's agent waits for its rendezvous timeout for a worker that died after the
+    rendezvous; tdist's workers fail within seconds, naming it (on its host: its process
+    found gone)."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import tdist
+
+    master = tdist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=40))
+    port = free_port()
+    procs = [multiprocessing.get_context("fork").Process(target=_init_rpc_with_worker_2_dying, args=(r, master.port, port))
+             for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        for r in (0, 1):
+            got = master.get(f"result{r}").decode()
+            assert " s: " in got and int(got.split(" s: ")[0]) < 30, got
+            assert got.endswith("init_rpc: the worker with id 2 never joined, and it is gone: "
+                                f"its process, pid {procs[2].pid}, has exited"), got
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        master.close()

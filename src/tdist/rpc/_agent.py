@@ -950,11 +950,31 @@ class RpcAgent:
         """
         self.store.set(f"{self._prefix}/{what}/{self.rank}", value)
         keys = [f"{self._prefix}/{what}/{i}" for i in range(world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=timeout))
-        except (DistStoreError, TimeoutError) as exc:
-            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-            raise RuntimeError(f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)") from exc
+        from ..store._rendezvous import claims_gone
+
+        gone = claims_gone(self.store)  # (a worker of this host whose process is gone: said at once)
+        start = time.monotonic()
+        word = _FIRST_WORD
+        while True:
+            left = start + timeout - time.monotonic()
+            try:  # (a second at a time: a worker gone meanwhile is named, and a long wait said)
+                self.store.wait(keys, timedelta(seconds=max(0.01, min(1.0, left))))
+                break
+            except (DistStoreError, TimeoutError) as exc:
+                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+                if left <= 1.0:
+                    raise RuntimeError(
+                        f"{self.label}: init_rpc timed out waiting for workers with ids {missing} to join ({world_size} expected)"
+                    ) from exc
+                for i in missing:
+                    why = gone(i) if gone is not None else None
+                    if why is not None:
+                        raise RuntimeError(f"{self.label}: init_rpc: the worker with id {i} never joined, and it is gone: {why}") from exc
+                waited = time.monotonic() - start
+                if waited >= word:
+                    word = waited + _WORD_EVERY
+                    log.warning("%s: init_rpc has waited %.0f s for the workers with ids %s to join (it times out after %g s)",
+                                self.label, waited, missing, timeout)
         values = list(self.store.multi_get(keys))
         # read: a worker whose init_rpc fails after this (an invalid device map, a name used
         # twice: every worker fails alike) waits for the others' reads before it leaves, so
