@@ -318,7 +318,6 @@ class StoreServer:
         self._handed_over = False
         self._handed = threading.Event()
         self._retired: float | None = None  # since when nobody is connected to a retired server
-        self._terminated: float | None = None  # when its process got SIGTERM (``_serve_spawned``)
         self.retire_grace = 2.0
         self.idle_wait = 1.0  # the longest sleep of the loop with nothing due (tests lengthen it)
         self._idle = threading.Event()  # retired and nobody connected (or stopped): wait_idle
@@ -903,9 +902,6 @@ class StoreServer:
                         log.debug("store server on port %d: retired and idle: stopping", self.port)
                         self._unlisten()
                         break
-                if self._terminated is not None and clock() - self._terminated >= _TERM_GRACE:
-                    log.info("store server on port %d: stopping %g s after SIGTERM", self.port, _TERM_GRACE)
-                    break
                 if parent_pid is not None and now >= next_ppid_check:
                     next_ppid_check = now + 1.0
                     if os.getppid() != parent_pid:
@@ -2090,9 +2086,6 @@ class StoreServer:
             callback()
 
 
-_TERM_GRACE = 30.0  # seconds a server process serves on after a SIGTERM (see ``_serve_spawned``)
-
-
 # What the store server's own interpreter runs: tdist's errors without torch (``_process``),
 # the server module alone, then ``_serve_spawned`` with the descriptor of its configuration.
 _BOOT = (
@@ -2120,13 +2113,12 @@ def _serve_spawned(boot_fd: int) -> None:
     os.close(boot_fd)
     _process.close_other_fds([cfg["handover"], cfg["control"], cfg["status"]])
     sys.path.extend(p for p in cfg["path"] if p not in sys.path)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is for the parent, which stops us
-    # A SIGTERM usually comes to the whole process group at once (``timeout``, ``kill -TERM
-    # -PGID``, Slurm's ``scancel``): the parent, which stops this server as it ends, got it too,
-    # and its clean-up (leaving a rendezvous, its workers' last requests) needs the store. So
-    # it serves on until its parent stops it or dies, for at most ``_TERM_GRACE`` seconds.
-    terminated: list[float] = []
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: terminated.append(time.monotonic()))
+    # A ^C, and usually a SIGTERM, come to the whole process group at once (a terminal;
+    # ``timeout``, ``kill -TERM -PGID``, Slurm's ``scancel``): they are for the parent, which
+    # stops this server as it ends (or, gone, is missed within a second), and whose clean-up
+    # (leaving a rendezvous, its workers' last requests) still needs the store
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Every rank waits on the store: when the cores are oversubscribed, it should get the CPU
     # first (lowering the nice value needs privileges; without them this is a no-op).
     with contextlib.suppress(OSError):
@@ -2148,9 +2140,6 @@ def _serve_spawned(boot_fd: int) -> None:
             os._exit(0)
         handover.close()
         server._status_w = cfg["status"]
-        if terminated:  # (before it served: the grace counts from then)
-            server._terminated = terminated[0]
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: setattr(server, "_terminated", time.monotonic()))
         server._serve_and_close(cfg["control"], parent_pid=cfg["parent"])
     except BaseException:
         log.exception("store server process for port %s failed", cfg.get("host"))
