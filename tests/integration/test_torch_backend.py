@@ -918,3 +918,31 @@ def test_torchruns_store_is_told_from_tdists_and_refused_by_ft(monkeypatch: pyte
     finally:
         ours.close()
         del torchs
+
+
+def _late_rank(rank: int, n: int, port: int) -> list[float]:
+    """The last rank publishes its address 2.5 s after the others wait for it."""
+    import time
+
+    from tdist.c10d._tcp_backend import ProcessGroupTCP
+
+    if rank == n - 1:
+        offer = ProcessGroupTCP._offer_arena
+
+        def late(self: Any, *args: Any) -> Any:
+            time.sleep(2.5)  # (longer than one of the waits the others make)
+            return offer(self, *args)
+
+        ProcessGroupTCP._offer_arena = late  # type: ignore[method-assign]
+    _init(rank, n, port)
+    t = torch.ones(2)
+    tdc.all_reduce(t)
+    tdc.destroy_process_group()
+    return t.tolist()
+
+
+def test_a_rank_late_to_torchs_init_process_group_is_waited_for() -> None:
+    """On torch's store, forming the group waits for a late rank in one wait, as long as the
+    group's timeout: torch's client raises its own error at the end of a shorter one (and logs
+    it), which must not end the formation."""
+    assert run_processes(_late_rank, 3, free_port(), timeout=60) == [[3.0, 3.0]] * 3

@@ -5,6 +5,7 @@ the ``SIGUSR1`` handler's manners, and the answers' JSON."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -464,3 +465,33 @@ def test_a_store_lost_with_rank_0_says_that_rank_0_hosted_it() -> None:
     sub._ranks = [1, 2, 3]  # (a group without global rank 0: its rank 0 is global rank 1)
     _, said = D.ask_all(_LostStore(), sub, {0: "its process has exited"}, grace=0.5)
     assert "hosted it" not in said, said
+
+
+# -- the watchdog's looks at a blocked collective ------------------------------------------------
+def test_the_watchdog_looks_at_doubling_ages_at_most_max_gap_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Looks at ages 0.05, 0.1, 0.2, 0.4, 0.8, then every 0.5 s (``_MAX_GAP``): not at every
+    round of the watchdog once the age passed ``_MAX_GAP`` (which made a warning of a long wait
+    twice a second, with a question to every rank through the store)."""
+    monkeypatch.setenv("TDIST_FR_CHECK_AFTER", "0.05")
+    monkeypatch.setattr(D._Watchdog, "_PERIOD", 0.01)
+    monkeypatch.setattr(D._Watchdog, "_MAX_GAP", 0.5)
+    rec = _rec(0)
+    entry = rec.collective("all_reduce", (torch.Size([4]),), torch.float32)
+    entry[F.STARTED] = time.time_ns()
+    ages: list[float] = []
+    enough = threading.Event()
+
+    class Backend:
+        def check(self, e: list[Any]) -> None:
+            ages.append((time.time_ns() - e[F.STARTED]) / 1e9)
+            if ages[-1] >= 2.0:
+                enough.set()
+
+    backend = Backend()
+    D.watch(rec, backend.check)
+    try:
+        assert enough.wait(20)
+    finally:
+        D.unwatch(rec)
+    assert 7 <= len(ages) <= 10, ages  # (0.05, 0.1, 0.2, 0.4, 0.8, 1.3, 1.8, 2.3; a late round may merge two)
+    assert all(b - a <= 0.5 + 0.2 for a, b in itertools.pairwise(ages)), ages

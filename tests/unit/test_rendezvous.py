@@ -318,3 +318,38 @@ def test_the_launchers_store_is_used_for_the_jobs_own_address_only(monkeypatch: 
     monkeypatch.delenv("TDIST_AGENT_STORE")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert _rendezvous._agent_store("127.0.0.1", 4000) == ("127.0.0.1", 4000)
+
+
+# -- what the checked join's claims tell of a rank that keeps the group waiting ------------------
+def test_claims_name_a_rank_gone_only_where_its_pid_means_its_process() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tdist._core._process import pid_space
+    from tdist.store._hash import HashStore
+    from tdist.store._rendezvous import _RDZV, claims_gone
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # (exited and reaped: its pid names no process)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store = HashStore()
+        assert claims_gone(store, 5) is None  # (no checked join on it)
+        store._rdzv_round = 3  # type: ignore[attr-defined]
+        here = pid_space()
+        claims = [
+            f"h|{dead.pid}|n0|{here}",  # gone
+            f"h|{dead.pid}|n1|another-boot|{os.stat('/proc/self/ns/pid').st_ino}",  # another machine's pids
+            f"released|h|{alive.pid}|n2|{here}",  # alive (a released claim: its process is what counts)
+            f"h|{os.getpid()}|n3|{here}",  # this process (ranks as threads of one process)
+            f"h|{dead.pid}|n4",  # a claim without its pid space: nothing known
+        ]
+        store.multi_set([f"{_RDZV}/3/rank_{r}" for r in range(5)], claims)
+        gone = claims_gone(store, 5)
+        assert gone is not None
+        assert [gone(r) for r in range(5)] == [f"its process, pid {dead.pid}, has exited", None, None, None, None]
+        assert gone(7) is None
+    finally:
+        alive.kill()
+        alive.wait()

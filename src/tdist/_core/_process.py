@@ -83,6 +83,32 @@ def proc_stat(pid: int) -> list[str] | None:
     return raw[raw.rfind(b")") + 1 :].decode(errors="replace").split() or None
 
 
+_PID_SPACE: list[str] = []
+
+
+def pid_space() -> str:
+    """This process's pid namespace on this boot of this machine (``"<boot id>|<inode>"``): a
+    process of an equal one is seen by its pid in this process's ``/proc``, and only then (a
+    host name is no proof: containers may share one, each with pids of its own). Read once."""
+    if not _PID_SPACE:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+                boot = f.read().decode(errors="replace").strip()
+            _PID_SPACE.append(f"{boot}|{os.stat('/proc/self/ns/pid').st_ino}")
+        except OSError:
+            _PID_SPACE.append("")  # (no /proc: nothing is known of other processes)
+    return _PID_SPACE[0]
+
+
+def gone_here(pid: int, space: str) -> str | None:
+    """Why process ``pid`` of pid space ``space`` (``pid_space()`` where it ran) is known to
+    have exited, or None: where ``space`` is not this process's, or the process runs (or
+    cannot be looked at)."""
+    if not space or space != pid_space() or pid <= 0 or pid == os.getpid():
+        return None
+    return None if pid_alive(pid) else f"its process, pid {pid}, has exited"
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` (of this pid space) still runs: an exited one not yet reaped by
     its parent (a zombie) does not; a process of another user's does."""

@@ -549,7 +549,9 @@ class _Watchdog:
                         if (now - e[fr.STARTED]) / 1e9 >= due:
                             if len(self._due) > 1000:
                                 self._due.clear()
-                            self._due[key] = min(due * 2, self._MAX_GAP)
+                            # (the next look after twice as long, at most a minute later: an
+                            # age capped at a minute had every later look come at once)
+                            self._due[key] = min(due * 2, due + self._MAX_GAP)
                             try:
                                 check(e)
                             except Exception as exc:

@@ -167,12 +167,12 @@ def _gone_in_world(world: World, ranks: list[int]) -> Callable[[int], str | None
     """For a new group of global ``ranks`` in ``world``: ``gone(group_rank)``, why the default
     group knows that member gone (its process died, or it left), else None. For the default
     group itself (none yet): why its rendezvous knows the process that claimed the rank gone
-    (``claims_gone``: on this host), where a rendezvous made the store."""
+    (``claims_gone``: in this pid space), where a rendezvous made the store."""
     default = world.default_pg
     if default is None:
         from ..store._rendezvous import claims_gone
 
-        return claims_gone(world.owned_store) if world.owned_store is not None else None
+        return claims_gone(world.owned_store, len(ranks)) if world.owned_store is not None else None
 
     def gone(group_rank: int) -> str | None:
         try:

@@ -390,16 +390,22 @@ class _MPIWork(Work):
         mine = to_seconds(timeout)
         until = time.monotonic() + mine if mine else None
         slow = time.monotonic() + 1.0
-        while not self._poll(_POLLS):
-            now = time.monotonic()
-            if now >= self._deadline:
-                err = self._backend._timed_out(self._op, self._peer, now - self._started, self._entry)
-                self._backend._broken = err
-                self._fail(err)
-                break
-            if until is not None and now >= until:
-                raise CollectiveTimeoutError(f"rank {self._backend.rank()}: {self._op}: wait timed out after {mine} s")
-            time.sleep(0 if now < slow else 1e-4)  # (the GIL for other threads; after a second, the core too)
+        waited = self._backend._waited
+        key = (id(self._entry), threading.get_ident())
+        waited.add(key)  # (a thread waits on it: the watchdog may warn of it)
+        try:
+            while not self._poll(_POLLS):
+                now = time.monotonic()
+                if now >= self._deadline:
+                    err = self._backend._timed_out(self._op, self._peer, now - self._started, self._entry)
+                    self._backend._broken = err
+                    self._fail(err)
+                    break
+                if until is not None and now >= until:
+                    raise CollectiveTimeoutError(f"rank {self._backend.rank()}: {self._op}: wait timed out after {mine} s")
+                time.sleep(0 if now < slow else 1e-4)  # (the GIL for other threads; after a second, the core too)
+        finally:
+            waited.discard(key)
         return super().wait(timeout)
 
     def get_future(self) -> Any:
@@ -452,6 +458,7 @@ class ProcessGroupMPI(Backend):
         self._closed = False
         # the flight record, and its answers to a timed-out rank's questions (``_desync``)
         self._fr = fr.make_recorder(self._rank, self._size, self._timeout)
+        self._waited: set[tuple[int, int]] = set()  # (id of an entry, a thread blocked in its wait)
         self._responder: Any = None
         if self._fr is not None and store is not None and self._size > 1:
             from ._desync import Responder
@@ -532,13 +539,15 @@ class ProcessGroupMPI(Backend):
         return work
 
     def _long_wait_check(self, entry: list[Any]) -> None:
-        """The watchdog's look at an operation that blocks (``_desync.watch``): from
-        ``_desync.long_wait()`` seconds on, each look logs a warning with what every rank is
-        doing (the group's timeout still ends the wait, as in torch)."""
+        """The watchdog's look at an operation that blocks (``_desync.watch``), where a thread
+        waits for it: from ``_desync.long_wait()`` seconds on, each look logs a warning with
+        what every rank is doing (the group's timeout still ends the wait, as in torch)."""
         from ._desync import ask_all, describe_call, explain, long_wait
 
         rec = self._fr
         if rec is None or self._store is None or self._closed or self._broken is not None or entry[fr.DONE]:
+            return
+        if not any(e == id(entry) for e, _ in list(self._waited)):  # (done in MPI maybe, not waited for yet)
             return
         age = (time.time_ns() - entry[fr.STARTED]) / 1e9
         if age < long_wait():

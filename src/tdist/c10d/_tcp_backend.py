@@ -444,9 +444,10 @@ class ProcessGroupTCP(Backend):
         try:
             self._form(store, rank, size, name, gone)
         except BaseException as exc:
-            # (a rank that fails on its own says so: the others fail at once, naming it, where
-            # they would wait for it until the group's timeout; not one that failed for them)
-            if size > 1 and not isinstance(exc, (DistTimeoutError, PeerError)):
+            # (a rank that fails on its own, as a listener that cannot take its address, says
+            # so: the others fail at once, naming it, where they would wait for it until the
+            # group's timeout; not one that failed for them, nor over a peer, which it names)
+            if size > 1 and not isinstance(exc, DistError):  # (tdist's errors are about its peers)
                 Endpoint.publish_failure(store, rank, exc)
             raise
         # the flight record (None with TDIST_FR_BUFFER_SIZE=0) and its answers to the group's
@@ -605,7 +606,8 @@ class ProcessGroupTCP(Backend):
             return
         if entry[fr.PEER] is not None:
             self._check_receives_crossed(entry)
-            if (_time_ns() - entry[STARTED]) / 1e9 >= long_wait() and not entry[DONE] and self._broken is None:
+            src, dst = entry[fr.PEER]
+            if min(src, dst) >= 0 and (_time_ns() - entry[STARTED]) / 1e9 >= long_wait() and not entry[DONE] and self._broken is None:
                 heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
                 self._warn_of_long_wait(entry, fr.brief(fr.normalized(rec, entry), _time_ns()), heads, unanswered)
             return

@@ -952,7 +952,7 @@ class RpcAgent:
         keys = [f"{self._prefix}/{what}/{i}" for i in range(world_size)]
         from ..store._rendezvous import claims_gone
 
-        gone = claims_gone(self.store)  # (a worker of this host whose process is gone: said at once)
+        gone = claims_gone(self.store, world_size)  # (a worker of this pid space whose process is gone: said at once)
         start = time.monotonic()
         word = _FIRST_WORD
         while True:

@@ -13,7 +13,7 @@ from typing import Any
 from .._core.deadline import to_seconds
 from .._core.errors import DistStoreError, StoreValueError
 
-__all__ = ["DEFAULT_TIMEOUT", "Store", "as_bytes", "check_key", "multi_get_within"]
+__all__ = ["DEFAULT_TIMEOUT", "Store", "as_bytes", "check_key", "multi_get_within", "waits_in_chunks"]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -78,11 +78,21 @@ def multi_get_within(store: Any, keys: Sequence[str], timeout: timedelta) -> lis
         store.wait(list(keys), timeout)
     return list(store.multi_get(list(keys)))
 
+def waits_in_chunks(store: Any) -> bool:
+    """Whether ``store`` takes short waits cheaply and quietly (``Store._waits_in_chunks``)."""
+    return bool(getattr(store, "_waits_in_chunks", False))
+
+
 class Store:
     """Base class of every store; a Python subclass may implement the abstract methods.
 
     Thread-safety: every concrete store in tdist may be used from several threads at once.
     """
+
+    # Whether a wait shorter than the store's timeout is cheap and quiet, and ends in tdist's
+    # ``StoreTimeoutError``: a caller that waits long may then wait a second at a time, looking
+    # around between its waits (tdist's own stores; not torch's, whose client logs each one)
+    _waits_in_chunks = False
 
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         self._timeout = self._check_timeout(timeout)

@@ -179,6 +179,8 @@ class FileStore(Store):
         DistStoreError: the file cannot be opened, or is not a tdist FileStore file.
     """
 
+    _waits_in_chunks = True
+
     def __init__(self, file_name: str, world_size: int = -1) -> None:
         super().__init__(DEFAULT_TIMEOUT)
         if not isinstance(file_name, (str, os.PathLike)):

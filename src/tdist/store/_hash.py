@@ -49,6 +49,8 @@ class HashStore(Store):
     data (with its own timeout).
     """
 
+    _waits_in_chunks = True
+
     def __init__(self) -> None:
         super().__init__(DEFAULT_TIMEOUT)
         self._shared = _Shared()

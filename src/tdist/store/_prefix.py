@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ._api import Store, as_bytes, check_key, key_list, multi_get_within
+from ._api import Store, as_bytes, check_key, key_list, multi_get_within, waits_in_chunks
 
 __all__ = ["PrefixStore"]
 
@@ -127,6 +127,10 @@ class PrefixStore(Store):
         """The values of every ``prefix/key``, waiting for all of them."""
         keys = key_list(keys, "multi_get")
         return self._store.multi_get(self._keys(keys))
+
+    @property
+    def _waits_in_chunks(self) -> bool:  # type: ignore[override]
+        return waits_in_chunks(self._store)
 
     def _multi_get_within(self, keys: Sequence[str], timeout: timedelta) -> list[bytes]:
         """``multi_get`` waiting up to ``timeout`` (``_api.multi_get_within``: one request on

@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
-from .._core._process import proc_stat
+from .._core._process import gone_here, pid_space
 from .._core.errors import DistNetworkError, StoreTimeoutError
 from ._api import Store, multi_get_within
 from ._protocol import OPENING, OPENING_ECHO
@@ -357,7 +357,8 @@ _RDZV = "tdist_rdzv"
 
 
 def _holder_id() -> str:
-    return f"{socket.gethostname()}|{os.getpid()}|{uuid.uuid4().hex[:8]}"
+    """``host|pid|nonce|pid space`` (``_process.pid_space``: where the pid means this process)."""
+    return f"{socket.gethostname()}|{os.getpid()}|{uuid.uuid4().hex[:8]}|{pid_space()}"
 
 
 def _describe_holder(value: str) -> str:
@@ -368,9 +369,11 @@ def _describe_holder(value: str) -> str:
 
 def _holder_gone(value: str) -> bool:
     """Whether the process that holds a claim is gone, or is this one (a group of ours that
-    was not destroyed: an init that failed after its rendezvous); only known on this host."""
+    was not destroyed: an init that failed after its rendezvous); only known on this host, in
+    this pid space (where the claim says which: ``_holder_id``)."""
     host, _, rest = value.partition("|")
-    if host != socket.gethostname():
+    fields = rest.split("|", 2)
+    if host != socket.gethostname() or (len(fields) == 3 and fields[2] != pid_space()):
         return False
     try:
         pid = int(rest.partition("|")[0])
@@ -492,35 +495,29 @@ _ABORTED = "aborted: "
 _TIMED_OUT = "timed out: "
 
 
-def claims_gone(store: Any) -> Callable[[int], str | None] | None:
-    """For the group formed right after a checked join on ``store``: ``gone(rank)``, why that
-    rank's process is known gone (on this host: the process that claimed the rank has exited),
-    else None; None where ``store`` had no checked join. Each claim is read once, when first
-    asked about (the caller asks only about a rank that keeps it waiting)."""
+def claims_gone(store: Any, size: int) -> Callable[[int], str | None] | None:
+    """For the group of ``size`` ranks formed right after a checked join on ``store``:
+    ``gone(rank)``, why that rank's process is known to have exited (one of this pid space:
+    ``_process.gone_here``), else None; None where ``store`` had no checked join. The claims
+    are read once, in one request, when first asked about (the caller asks only once ranks
+    keep it waiting; every rank of the round claimed its rank before the round completed)."""
     n = getattr(store, "_rdzv_round", None)
     if n is None:
         return None
-    claims: dict[int, str] = {}
-    here = socket.gethostname()
+    claims: list[str] = []
 
     def gone(rank: int) -> str | None:
-        key = f"{_RDZV}/{n}/rank_{rank}"
-        if rank not in claims:
+        if not claims:
             try:
-                claims[rank] = store.get(key).decode(errors="replace") if store.check([key]) else ""
+                claims.extend(v.decode(errors="replace") for v in store.multi_get([f"{_RDZV}/{n}/rank_{r}" for r in range(size)]))
             except Exception:  # (the store failed: nothing known)
                 return None
-        host, _, rest = claims[rank].removeprefix("released|").partition("|")
-        try:
-            pid = int(rest.partition("|")[0])
-        except ValueError:
+        if not 0 <= rank < len(claims):
             return None
-        if host != here or pid == os.getpid():
+        fields = claims[rank].removeprefix("released|").split("|", 3)
+        if len(fields) < 4 or not fields[1].isdigit():
             return None
-        fields = proc_stat(pid)
-        if fields is None or fields[0] in ("Z", "X"):
-            return f"its process, pid {pid}, has exited"
-        return None
+        return gone_here(int(fields[1]), fields[3])
 
     return gone
 

@@ -56,7 +56,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 from .._core import auth, spin
-from .._core._process import proc_stat
+from .._core._process import gone_here, pid_space
 from .._core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -68,7 +68,7 @@ from .._core.errors import (
     StoreTimeoutError,
 )
 from .._core.threads import QuickThread
-from ..store._api import multi_get_within
+from ..store._api import multi_get_within, waits_in_chunks
 from . import _handshake
 from ._dial import Doorway, Listeners, PeerAddress
 from ._lane import MAX_RECORD, RECORD, Lane, Record
@@ -277,6 +277,7 @@ class Endpoint:
         self._closing = False
         self._peer_hosts: dict[int, str] = {}
         self._peer_pids: dict[int, int] = {}
+        self._peer_spaces: dict[int, str] = {}  # (each peer's pid space: ``_process.pid_space``)
         self.peer_extras: dict[int, Any] = {}  # (each peer's ``extra``)
         self._xfer_ids = itertools.count(1)
         self._pid = os.getpid()
@@ -363,6 +364,7 @@ class Endpoint:
             self._token = secrets.token_bytes(TOKEN_SIZE)
             store.set("ep/token", self._token)
         info: dict[str, Any] = dict(listeners.address)
+        info["ps"] = pid_space()  # (where its pid means its process: ``_formation_trouble``)
         if extra is not None:
             info["x"] = extra
         store.set(f"ep/{self.rank}", json.dumps(info))
@@ -370,7 +372,7 @@ class Endpoint:
         try:  # (every rank's address first, in one request: the group's other set-up may go on while we connect)
             peers = [peer for peer in range(self.size) if peer != self.rank]
             keys = [f"ep/{peer}" for peer in peers] + ([] if self.rank == 0 else ["ep/token"])
-            got = self._wait_for_addresses(store, keys, peers, deadline)
+            got = self._wait_for_addresses(store, keys, peers, deadline, timeout)
             if self.rank != 0:
                 self._token = got.pop()
             self._table.token = self._token
@@ -381,49 +383,58 @@ class Endpoint:
         for peer, pinfo in infos.items():
             self._peer_hosts[peer] = pinfo["host"]
             self._peer_pids[peer] = int(pinfo["pid"])
+            self._peer_spaces[peer] = str(pinfo.get("ps", ""))
             self.peer_extras[peer] = pinfo.get("x")
         self._to_mesh = (listeners, infos, deadline, timeout)  # (made by ``connected()``)
 
-    def _wait_for_addresses(self, store: Any, keys: list[str], peers: list[int], deadline: float) -> list[bytes]:
+    def _wait_for_addresses(self, store: Any, keys: list[str], peers: list[int], deadline: float, timeout: float) -> list[bytes]:
         """The values of ``keys`` (the peers' addresses), waited for a second at a time (one
-        request each, on tdist's store): a peer that has not published its address and is
-        known gone, or a rank that failed to form the group (``publish_failure``), fails the
-        wait at once, naming it (else the store's wait runs out the group's timeout, naming a
-        key); a wait of 30 s names the ranks it waits for, then every minute."""
-        start = time.monotonic()
+        request each, on tdist's stores): a peer that is known gone, or a rank that failed to
+        form the group (``publish_failure``), fails the wait at once, naming it (else the
+        store's wait runs out the group's timeout, naming a key); a wait of 30 s names the
+        ranks it waits for, then every minute. On torch's store (whose client logs each wait
+        that times out) one wait, unless the owner knows members gone (``gone``)."""
+        chunks = waits_in_chunks(store)
+        if not chunks and self._gone is None:
+            return list(store.multi_get(keys))
+        start = deadline - timeout
         word = _FIRST_WORD
         while True:
             left = deadline - time.monotonic()
+            step = timedelta(seconds=max(0.001, min(1.0, left)))
             try:
-                return list(multi_get_within(store, keys, timedelta(seconds=max(0.001, min(1.0, left)))))
+                if chunks:
+                    return list(multi_get_within(store, keys, step))
+                store.wait(keys, step)
+                return list(store.multi_get(keys))
             except StoreTimeoutError:
                 if left <= 1.0:
                     raise
-            late = [peer for peer in peers if not store.check([f"ep/{peer}"])]
-            trouble = self._formation_trouble(store, late, "never published its address")
+            trouble = self._formation_trouble(store, peers, "never published its address", addresses=True)
             if trouble is not None:
                 raise trouble
-            word = self._say_who_is_late(start, word, deadline, late)
+            if time.monotonic() - start >= word:  # (only then: a look at every peer's address)
+                word = self._say_who_is_late(start, timeout, [peer for peer in peers if not store.check([f"ep/{peer}"])])
 
     def _group(self) -> str:
         return f"process group {self.name!r}" if self.name else "a process group"
 
-    def _say_who_is_late(self, start: float, word: float, deadline: float, late: list[int]) -> float:
-        """Forming the group has waited ``word`` seconds or more: say for whom. Returns when
-        to say it next (30 s, then every minute)."""
+    def _say_who_is_late(self, start: float, timeout: float, late: list[int]) -> float:
+        """Forming the group (since ``start``) has waited long: say for whom. Returns when to
+        say it next, in seconds since ``start`` (then every minute)."""
         waited = time.monotonic() - start
-        if waited < word:
-            return word
         log.warning(
             "rank %d: forming %s has waited %.0f s for rank(s) %s, which have not come to it yet "
-            "(it times out after %s)", self.rank, self._group(), waited, late, timedelta(seconds=round(deadline - start)),
+            "(it times out after %s)", self.rank, self._group(), waited, late, timedelta(seconds=round(timeout)),
         )
         return waited + _WORD_EVERY
 
-    def _formation_trouble(self, store: Any, late: list[int], doing: str) -> PeerError | None:
+    def _formation_trouble(self, store: Any, peers: list[int], doing: str, addresses: bool = False) -> PeerError | None:
         """Why forming the group cannot end well, where that is known: a rank said it failed
-        to form it (``publish_failure``), or a rank of ``late`` is gone (the owner's ``gone``,
-        or, on this host, its process as ``/proc`` says, once its address is known)."""
+        to form it (``publish_failure``), or a rank of ``peers`` is gone (the owner's ``gone``,
+        or its process, where its pid means one here: ``_process.gone_here``). Costs one store
+        request, and more only where it finds one (``addresses``: whether the gone rank had
+        published its address)."""
         try:
             raw = store.multi_get([_FAILED]) if store.check([_FAILED]) else None
         except DistError:
@@ -434,17 +445,19 @@ class Endpoint:
                 peer = int(failed["rank"])
                 if peer != self.rank:
                     return PeerError(f"rank {self.rank}: forming {self._group()}: rank {peer} {failed['why']}", peer=peer)
-        for peer in late:
+        for peer in peers:
             why = self._gone(peer) if self._gone is not None else None
-            if why is None and self.same_host(peer) and self._peer_pids.get(peer, -1) > 0:
-                pid = self._peer_pids[peer]
-                fields = proc_stat(pid)
-                if fields is None or fields[0] in ("Z", "X"):
-                    why = f"its process, pid {pid}, has exited"
-            if why is not None:
-                # (said in the store too: a rank of another host cannot see it for itself)
-                _publish(store, peer, f"{doing}, and it is gone: {why} (as rank {self.rank} found)")
-                return PeerError(f"rank {self.rank}: forming {self._group()}: rank {peer} {doing}, and it is gone: {why}", peer=peer)
+            if why is None and peer in self._peer_pids:
+                why = gone_here(self._peer_pids[peer], self._peer_spaces.get(peer, ""))
+            if why is None:
+                continue
+            if addresses:
+                with contextlib.suppress(DistError):
+                    if store.check([f"ep/{peer}"]):
+                        doing = "published its address"
+            # (said in the store too: a rank that cannot see it for itself learns it)
+            _publish(store, peer, f"{doing}, and it is gone: {why} (as rank {self.rank} found)")
+            return PeerError(f"rank {self.rank}: forming {self._group()}: rank {peer} {doing}, and it is gone: {why}", peer=peer)
         return None
 
     @staticmethod
@@ -470,7 +483,7 @@ class Endpoint:
             missing = self._table.mesh(
                 {peer: infos[peer] for peer in range(self.rank)}, doorway,
                 (peer for peer in range(self.size) if peer != self.rank), deadline,
-                self._mesh_watch(self._formation_store, deadline),
+                self._mesh_watch(self._formation_store, deadline, timeout),
             )
             if missing:
                 raise DistTimeoutError(
@@ -489,13 +502,13 @@ class Endpoint:
                 doorway.close()
             listeners.close()
 
-    def _mesh_watch(self, store: Any, deadline: float) -> Callable[[], BaseException | None]:
+    def _mesh_watch(self, store: Any, deadline: float, timeout: float) -> Callable[[], BaseException | None]:
         """What ``Table.mesh`` asks between its polls while the connections are made (at most
         a second apart): the group destroyed meanwhile, and, once a second, whether a rank not
-        connected yet is known gone or failed (``_formation_trouble``); a wait of 30 s names
-        the ranks it waits for, then every minute."""
-        start = next_look = time.monotonic()
-        next_look += 1.0
+        connected yet is known gone or failed (``_formation_trouble``); a wait of 30 s (since
+        forming began) names the ranks it waits for, then every minute."""
+        start = deadline - timeout
+        next_look = time.monotonic() + 1.0
         word = _FIRST_WORD
 
         def watch() -> BaseException | None:
@@ -511,8 +524,8 @@ class Endpoint:
             if not late:
                 return None
             trouble = self._formation_trouble(store, late, "has not connected")
-            if trouble is None:
-                word = self._say_who_is_late(start, word, deadline, late)
+            if trouble is None and now - start >= word:
+                word = self._say_who_is_late(start, timeout, late)
             return trouble
 
         return watch
