@@ -544,6 +544,10 @@ class Endpoint:
         return self._peer_hosts.get(peer, "")
 
     def peer_pid(self, peer: int) -> int:
+        """``peer``'s pid where it means a process of this pid space (else -1: a container of
+        this host with pids of its own, say)."""
+        if self._peer_spaces.get(peer, pid_space()) != pid_space():
+            return -1
         return self._peer_pids.get(peer, -1)
 
     def untaken_tags(self, peer: int, below: int) -> list[int]:
