@@ -1238,23 +1238,30 @@ def test_a_rendezvous_that_times_out_fails_every_waiting_rank_with_its_reason() 
         assert took < 30, results
 
 
-def _late_rank_2(rank: int, n: int, port: int, side: str) -> list[str]:
-    """Ranks 0 and 1 wait at the rendezvous for rank 2, which comes once both have warned."""
+def _warnings_said(rank: int, told: Any, words: str) -> list[str]:
+    """The warnings of tdist's loggers with ``words`` in them, as they come; each says so in
+    ``told`` (``warned/<rank>``)."""
     import logging
 
-    import tdist.store._rendezvous as rendezvous
-
-    rendezvous._FIRST_WORD, rendezvous._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
-    told = dist.FileStore(side, n)
     said: list[str] = []
 
     class Catch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno == logging.WARNING and "waiting at the rendezvous" in record.getMessage():
+            if record.levelno == logging.WARNING and words in record.getMessage():
                 said.append(record.getMessage())
                 told.set(f"warned/{rank}", "1")
 
     logging.getLogger("tdist").addHandler(Catch())
+    return said
+
+
+def _late_rank_2(rank: int, n: int, port: int, side: str) -> list[str]:
+    """Ranks 0 and 1 wait at the rendezvous for rank 2, which comes once both have warned."""
+    import tdist.store._rendezvous as rendezvous
+
+    rendezvous._FIRST_WORD, rendezvous._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    told = dist.FileStore(side, n)
+    said = _warnings_said(rank, told, "waiting at the rendezvous")
     if rank == 2:
         told.wait(["warned/0", "warned/1"], timedelta(seconds=30))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=60))
@@ -1280,21 +1287,11 @@ def test_a_rendezvous_that_waits_long_says_which_ranks_it_waits_for(tmp_path: Pa
 
 def _late_to_new_group(rank: int, n: int, port: int, side: str) -> list[str]:
     """Ranks 0 and 1 wait in new_group for rank 2, which comes once both have warned."""
-    import logging
-
     import tdist.transport._endpoint as endpoint
 
     endpoint._FIRST_WORD, endpoint._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
     told = dist.FileStore(side, n)
-    said: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno == logging.WARNING and "has waited" in record.getMessage():
-                said.append(record.getMessage())
-                told.set(f"warned/{rank}", "1")
-
-    logging.getLogger("tdist").addHandler(Catch())
+    said = _warnings_said(rank, told, "has waited")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=60))
     if rank == 2:
         told.wait(["warned/0", "warned/1"], timedelta(seconds=30))
