@@ -400,6 +400,28 @@ def test_client_connect_errors() -> None:
         dist.TCPStore("127.0.0.1", 70000, is_master=True)
 
 
+def test_a_client_that_cannot_connect_for_long_says_so_before_it_gives_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A master late by 30 s is no start-up skew (a wrong MASTER_PORT, a master that failed):
+    the client warns then, and every minute, until its timeout (30 minutes in a group)."""
+    import logging
+
+    from tdist.store import _tcp
+
+    monkeypatch.setattr(_tcp, "_FIRST_WORD", 0.3)  # (30 s and a minute)
+    monkeypatch.setattr(_tcp, "_WORD_EVERY", 0.6)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with caplog.at_level(logging.WARNING, "tdist.store._tcp"), pytest.raises(DistNetworkError, match=r"within 1\.2 s"):
+        dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=1.2))
+    said = [r.getMessage() for r in caplog.records if "still trying to connect" in r.getMessage()]
+    assert 1 <= len(said) <= 2, said
+    assert said[0].startswith(f"TCPStore client: still trying to connect to the store at 127.0.0.1:{port} ("), said
+    assert "Connection refused" in said[0] and said[0].endswith("(it gives up after 1.2 s)"), said
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_a_master_listens_on_every_address_of_its_host_as_torchs_does(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's server listens on every local address, whatever host name its master is given:

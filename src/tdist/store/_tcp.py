@@ -66,6 +66,8 @@ _INIT_KEY = "init/"
 # how long past a blocking request's own timeout the client waits for the server's answer
 _GRACE = 5.0
 _CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
+_FIRST_WORD = 30.0  # seconds a client tries to connect before it says so (then every _WORD_EVERY)
+_WORD_EVERY = 60.0
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
 
@@ -453,6 +455,7 @@ class TCPStore(Store):
         # and for any other error, the delay doubles to 0.5 s, so that many ranks waiting for a
         # late master do not flood its host.
         delay = 0.00025
+        word = _FIRST_WORD
         last_exc: BaseException | None = None
         own, self._own = self._own, None
         own_conn, self._own_conn = self._own_conn, None
@@ -500,6 +503,13 @@ class TCPStore(Store):
             now = time.monotonic()
             if now + delay > deadline:
                 break
+            if now - start >= word:  # (a master late by 30 s is no longer the usual start-up skew)
+                word = now - start + _WORD_EVERY
+                log.warning(
+                    "TCPStore client: still trying to connect to the store at %s (%.0f s so far; last error: %s); is "
+                    "the master process running, and are the host and port (MASTER_ADDR/MASTER_PORT) right? "
+                    "(it gives up after %g s)", self._addr, now - start, last_exc, timeout,
+                )
             time.sleep(delay)
             early = now - start < 0.1 and isinstance(last_exc, (ConnectionRefusedError, FileNotFoundError))
             delay = min(delay * 2, 0.002) if early else min(max(delay, 0.001) * 2, 0.5)
