@@ -1394,9 +1394,22 @@ def start_launcher(work: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def outputs(nodes: list[subprocess.Popen[str]], timeout: float = 20) -> list[tuple[str, str]]:
-    """Each node's (stdout, stderr) once it exits; a node still running at the end is killed."""
+    """Each node's (stdout, stderr) once it exits; a node still running at the end is killed.
+
+    Raises:
+        AssertionError: a node ran past ``timeout`` (with every node's output so far, and the
+            processes still there: a hang is not a bare timeout).
+    """
+    deadline = time.monotonic() + timeout
     try:
-        return [p.communicate(timeout=timeout) for p in nodes]
+        return [p.communicate(timeout=max(0.1, deadline - time.monotonic())) for p in nodes]
+    except subprocess.TimeoutExpired:
+        left = subprocess.run(["ps", "-eo", "pid,ppid,stat,etime,args"], capture_output=True, text=True, timeout=10).stdout
+        left = "\n".join(line[:200] for line in left.splitlines() if "tdist" in line)
+        for p in nodes:
+            p.kill()
+        said = [f"node {k} (exit {p.wait()}):\n{p.communicate()[1][-3000:]}" for k, p in enumerate(nodes)]
+        raise AssertionError(f"a node ran past {timeout:g} s; processes:\n{left}\n" + "\n".join(said)) from None
     finally:
         for p in nodes:
             if p.poll() is None:
@@ -1637,6 +1650,7 @@ def test_a_node_whose_workers_finished_restarts_with_a_node_whose_worker_failed(
     assert lines == sorted([f"rank {r} attempt 0" for r in range(3)] + [f"rank {r} attempt 1" for r in range(4)])
 
 
+@pytest.mark.timeout(60)  # (past the nodes' 40 s: a hang shows their output)
 @pytest.mark.parametrize("backend", ["c10d", "etcd"])
 def test_elastic_node_range(work: Path, backend: str, request: pytest.FixtureRequest) -> None:
     # --nnodes 1:3: two nodes come; after the last call they run as a job of two nodes
