@@ -495,3 +495,14 @@ def test_the_watchdog_looks_at_doubling_ages_at_most_max_gap_apart(monkeypatch: 
         D.unwatch(rec)
     assert 7 <= len(ages) <= 10, ages  # (0.05, 0.1, 0.2, 0.4, 0.8, 1.3, 1.8, 2.3; a late round may merge two)
     assert all(b - a <= 0.5 + 0.2 for a, b in itertools.pairwise(ages)), ages
+
+
+def test_explain_a_receive_from_any_rank_says_what_every_other_rank_does() -> None:
+    recv = {**_b("recv", 1, "float32[3]"), "p2p": [-1, 0]}
+    late = {**_h(_b("barrier", 2, "", "completed")), "now_at": "train.py:9 in load"}
+    text = D.explain(0, 3, recv, {0: _h(recv), 1: _h(_b("all_reduce", 3)), 2: late}, {}, "0")
+    assert text == (
+        "What the ranks of group '0' were doing: rank 1 is in all_reduce #3 (float32[4], running for 1.5 s); "
+        "rank 2 is in no operation of this group; its last is barrier #2 (completed 1.5 s ago); its thread is now at "
+        "train.py:9 in load; rank 0 is waiting in recv any->0 (p2p #1) (float32[3]), from any rank."
+    ), text

@@ -748,7 +748,7 @@ def describe_call(b: Mapping[str, Any]) -> str:
     """An entry of the diagnosis as a call: ``all_reduce #3 (float32[4], op=SUM)``."""
     if b.get("p2p"):
         src, dst = b["p2p"]
-        text = f"{b['op']} {src}->{dst} (p2p #{b['seq']})"
+        text = f"{b['op']} {_end(src)}->{dst} (p2p #{b['seq']})"
     else:
         text = f"{b['op']} #{b['seq']}"
     shown = ", ".join(x for x in (b.get("sig"), b.get("detail")) if x)
@@ -759,7 +759,7 @@ def _op(b: Mapping[str, Any]) -> str:
     """An entry with its state: ``broadcast #411 (float32[10], completed 31.0 s ago) at x.py:8``."""
     if b.get("p2p"):
         src, dst = b["p2p"]
-        name = f"{b['op']} {src}->{dst} (p2p #{b['seq']}"
+        name = f"{b['op']} {_end(src)}->{dst} (p2p #{b['seq']}"
     else:
         name = f"{b['op']} #{b['seq']} ("
     sig = b.get("sig")
@@ -779,6 +779,11 @@ def _op(b: Mapping[str, Any]) -> str:
     if b.get("where"):
         text += f" at {b['where']}"
     return text
+
+
+def _end(rank: int) -> str:
+    """A point-to-point operation's end: ``"any"`` for a receive from any rank."""
+    return "any" if rank < 0 else str(rank)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -865,28 +870,39 @@ def _explain_p2p(
     me: int, failed: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None], gone: Mapping[int, str],
     group: str, unanswered: str,
 ) -> str:
-    """``explain`` of a point-to-point operation: what the other side was doing."""
+    """``explain`` of a point-to-point operation: what the other side was doing (every other
+    rank, for a receive from any rank)."""
     src, dst = failed["p2p"]
     peer = src if me == dst else dst
+    if peer < 0:  # (``recv`` from any rank: any of them could send it)
+        others = "; ".join(f"rank {q} {_doing(q, heads, gone, unanswered)}" for q in sorted(heads) if q != me)
+        return (
+            f"What the ranks of group {group!r} were doing: {others or 'no other rank answered'}; "
+            f"rank {me} is waiting in {describe_call(failed)}, from any rank."
+        )
     role = "send" if peer == src else "receive"
+    return (
+        f"What the ranks of group {group!r} were doing: rank {peer}, which was to {role} it, "
+        f"{_doing(peer, heads, gone, unanswered)}; rank {me} is waiting in {describe_call(failed)}."
+    )
+
+
+def _doing(peer: int, heads: Mapping[int, Mapping[str, Any] | None], gone: Mapping[int, str], unanswered: str) -> str:
+    """What rank ``peer`` is doing, in a phrase (``_explain_p2p``)."""
     h = heads.get(peer)
     if peer in gone:
-        doing = gone[peer]
-    elif h is None:
-        doing = unanswered
+        return gone[peer]
+    if h is None:
+        return unanswered
+    busy = [(b, None) for b in h.get("recent") or [] if b.get("state") != "completed"]
+    busy += [(b, b.get("group")) for b in h.get("elsewhere") or []]
+    if busy:
+        b, other = busy[-1]
+        doing = f"is in {_op(b)}" + (f" of group {other!r}" if other else "")
+    elif h.get("recent"):
+        doing = f"is in no operation of this group; its last is {_op(h['recent'][-1])}"
     else:
-        busy = [(b, None) for b in h.get("recent") or [] if b.get("state") != "completed"]
-        busy += [(b, b.get("group")) for b in h.get("elsewhere") or []]
-        if busy:
-            b, other = busy[-1]
-            doing = f"is in {_op(b)}" + (f" of group {other!r}" if other else "")
-        elif h.get("recent"):
-            doing = f"is in no operation of this group; its last is {_op(h['recent'][-1])}"
-        else:
-            doing = "has recorded no operation in this group"
-        if not busy and h.get("now_at"):
-            doing += f"; its thread is now at {h['now_at']}"
-    return (
-        f"What the ranks of group {group!r} were doing: rank {peer}, which was to {role} it, {doing}; "
-        f"rank {me} is waiting in {describe_call(failed)}."
-    )
+        doing = "has recorded no operation in this group"
+    if not busy and h.get("now_at"):
+        doing += f"; its thread is now at {h['now_at']}"
+    return doing

@@ -606,8 +606,7 @@ class ProcessGroupTCP(Backend):
             return
         if entry[fr.PEER] is not None:
             self._check_receives_crossed(entry)
-            src, dst = entry[fr.PEER]
-            if min(src, dst) >= 0 and (_time_ns() - entry[STARTED]) / 1e9 >= long_wait() and not entry[DONE] and self._broken is None:
+            if (_time_ns() - entry[STARTED]) / 1e9 >= long_wait() and not entry[DONE] and self._broken is None:
                 heads, unanswered = ask_all(self._store, rec, {}, None, 1.0)
                 self._warn_of_long_wait(entry, fr.brief(fr.normalized(rec, entry), _time_ns()), heads, unanswered)
             return
