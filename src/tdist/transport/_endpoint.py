@@ -551,7 +551,7 @@ class Endpoint:
         info = self._formation_infos[peer]
         sock = socket.socket(socket.AF_INET6 if ":" in str(info["addr"]) else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock.settimeout(0.1)  # (this thread also serves the door: a refusal comes back in a round trip)
+            sock.settimeout(0.5)
             sock.connect((info["addr"], int(info["port"])))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         except ConnectionRefusedError:
