@@ -314,8 +314,6 @@ class Endpoint:
         self._budget = spin.Budget()  # (a waiter's spin on the lanes)
         self._gone = gone
         self._formation_store: Any = None  # (the group's store, while the connections are made)
-        self._formation_infos: dict[int, PeerAddress] = {}  # (the peers' addresses, meanwhile)
-        self._probed = 0  # (the last peer whose listener ``_mesh_watch`` tried)
         if size > 1:
             self._build_mesh(store, timeout, extra, gone)
         if not connect_later:
@@ -341,7 +339,6 @@ class Endpoint:
             self._reader.start()
         finally:
             self._formation_store = None  # (the store is the owner's; the endpoint keeps none)
-            self._formation_infos = {}
             self._meshed.set()
 
     def add_tick(self, tick: Callable[[], None]) -> None:
@@ -389,7 +386,6 @@ class Endpoint:
             self._peer_spaces[peer] = str(pinfo.get("ps", ""))
             self.peer_extras[peer] = pinfo.get("x")
         self._to_mesh = (listeners, infos, deadline, timeout)  # (made by ``connected()``)
-        self._formation_infos = infos
 
     def _wait_for_addresses(self, store: Any, keys: list[str], peers: list[int], deadline: float, timeout: float) -> list[bytes]:
         """The values of ``keys`` (the peers' addresses), waited for a second at a time (one
@@ -528,41 +524,11 @@ class Endpoint:
             if not late:
                 return None
             trouble = self._formation_trouble(store, late, "has not connected")
-            if trouble is None:
-                trouble = self._probe_one(store, late)
             if trouble is None and now - start >= word:
                 word = self._say_who_is_late(start, timeout, late)
             return trouble
 
         return watch
-
-    def _probe_one(self, store: Any, late: list[int]) -> PeerError | None:
-        """One higher rank of ``late`` (in turn) whose pid says nothing here (another host, or
-        pid space): is its listener there? A refused connection says its process has gone (or
-        has given up on the group: a listener stays open until the connections are made); a
-        connection made is dropped at once with a reset, which its door takes for a dialer that
-        gave up. (A lower rank is dialed by this one, whose dialer counts refusals itself.)"""
-        mine = pid_space()
-        far = [q for q in late if q > self.rank and self._peer_spaces.get(q, "") != mine and q in self._formation_infos]
-        if not far:
-            return None
-        peer = next((q for q in far if q > self._probed), far[0])
-        self._probed = peer
-        info = self._formation_infos[peer]
-        sock = socket.socket(socket.AF_INET6 if ":" in str(info["addr"]) else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(0.5)
-            sock.connect((info["addr"], int(info["port"])))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except ConnectionRefusedError:
-            why = f"its listener at {info['addr']}:{info['port']} refuses connections (its process has exited, or has given up on the group)"
-            _publish(store, peer, f"has not connected, and it is gone: {why} (as rank {self.rank} found)")
-            return PeerError(f"rank {self.rank}: forming {self._group()}: rank {peer} has not connected, and it is gone: {why}", peer=peer)
-        except OSError:  # (no answer, or no route: nothing known)
-            pass
-        finally:
-            sock.close()
-        return None
 
     def _destroyed(self) -> DistError | None:
         if self._closing:
