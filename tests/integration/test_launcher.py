@@ -1408,7 +1408,7 @@ def outputs(nodes: list[subprocess.Popen[str]], timeout: float = 20) -> list[tup
         left = "\n".join(line[:200] for line in left.splitlines() if "tdist" in line)
         for p in nodes:
             p.kill()
-        said = [f"node {k} (exit {p.wait()}):\n{p.communicate()[1][-3000:]}" for k, p in enumerate(nodes)]
+        said = [f"node {k} (exit {p.wait(10)}):\n{p.communicate(timeout=10)[1][-3000:]}" for k, p in enumerate(nodes)]
         raise AssertionError(f"a node ran past {timeout:g} s; processes:\n{left}\n" + "\n".join(said)) from None
     finally:
         for p in nodes:

@@ -68,6 +68,7 @@ _GRACE = 5.0
 _CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
 _FIRST_WORD = 30.0  # seconds a client tries to connect before it says so (then every _WORD_EVERY)
 _WORD_EVERY = 60.0
+_ATTEMPT = 5.0  # the most seconds one attempt to connect to the store may take
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
 
@@ -475,7 +476,9 @@ class TCPStore(Store):
                 elif try_unix:
                     sock = self._try_unix(deadline)
                 if sock is None:
-                    remaining = max(0.05, deadline - time.monotonic())
+                    # (5 s an attempt at most: a host that drops the packets would hold one
+                    # attempt for the kernel's SYN retries, about two minutes, past any warning)
+                    remaining = max(0.05, min(deadline - time.monotonic(), _ATTEMPT))
                     sock = socket.create_connection((self._connect_host, self._port), timeout=remaining)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self._transport = "tcp"
