@@ -253,6 +253,42 @@ def test_the_client_forms_a_quorum_on_a_store_and_times_out_with_a_message() -> 
         _QuorumClient(store, "c", q.Node(HERE, 3), st, clock).join(q.Join(0, -1, q.Node(HERE, 3)), FAR, FAR)
 
 
+def test_a_leave_is_done_once_its_write_won_whatever_becomes_of_the_store_after() -> None:
+    """The member that serves the job's store after a fail-over stops once it sees the others
+    out of the state: a leaving member's marks after its winning write may find the store gone
+    (it said "could not leave" though it had left)."""
+    from tdist._core.errors import DistNetworkError
+
+    class GoneAfterTheWrite(HashStore):
+        gone = False
+
+        def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+            value = super().compare_set(key, expected_value, desired_value)
+            self.gone = self.gone or (value == desired_value and b'"members":["a"]' in value)
+            return value
+
+        def set(self, key: str, value: str | bytes) -> None:
+            if self.gone:
+                raise DistNetworkError("lost the connection to the store (its server stopped)")
+            super().set(key, value)
+
+    store, clock = GoneAfterTheWrite(), FakeClock()
+    st = q.Settings(min_size=2, max_size=2)
+    a = _QuorumClient(store, "a", q.Node(HERE, 1), st, clock)
+    b = _QuorumClient(store, "b", q.Node(HERE, 2), st, clock)
+
+    def wait(self: _QuorumClient, until: float | None) -> None:  # (no sleeping: time jumps)
+        clock.now = until if until is not None else clock.now + 1.0
+        self.refresh()
+
+    a._wait = wait.__get__(a)  # type: ignore[method-assign]
+    with pytest.raises(DistTimeoutError):  # (a is a candidate: b's join forms the quorum)
+        a.join(q.Join(0, -1, a.node), 3.0, 3.0)
+    assert b.join(q.Join(0, -1, b.node), FAR, FAR).members == ("a", "b")
+    b.leave(FAR)  # (its write leaves ["a"]: the store is gone from then on)
+    assert store.gone and "b" not in a.refresh().members
+
+
 def test_state_transfer_keeps_structure_and_receives_into_own_tensors() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 2))
     opt = torch.optim.Adam(model.parameters())

@@ -183,17 +183,26 @@ class _QuorumClient:
         count of writes, cheaper than reading the state)."""
         return self.store.add(WRITES_KEY, 0) != self._writes
 
-    def _write(self, action: q.Action, req: q.Join | None = None) -> bool:
+    def _write(self, action: q.Action, req: q.Join | None = None, leaving: bool = False) -> bool:
+        """Write the state ``action`` makes (compare-and-set); whether it won. ``leaving``: the
+        marks that follow a won write are best effort (the member that serves the job's store
+        after a fail-over may stop once it sees this node out of the state: this node's leave
+        is done all the same)."""
         new = q.apply(self.state, action, self.me, req)
         data = new.encode()
         current = self.store.compare_set(STATE_KEY, self._raw, data)
         won = current == data
         if won:
             log.debug("ft: node %s: %s -> version %d (epoch %d)", self.me, action.step.value, new.version, new.epoch)
-            self.store.set(f"changed/{new.version}", b"")
-            self.store.add(WRITES_KEY, 1)
-            if new.version > _KEEP_MARKERS:
-                self.store.delete_key(f"changed/{new.version - _KEEP_MARKERS}")
+            try:
+                self.store.set(f"changed/{new.version}", b"")
+                self.store.add(WRITES_KEY, 1)
+                if new.version > _KEEP_MARKERS:
+                    self.store.delete_key(f"changed/{new.version - _KEEP_MARKERS}")
+            except DistError as exc:
+                if not leaving:
+                    raise
+                log.debug("ft: node %s: left; the marks after it did not go through: %s", self.me, exc)
         self._seen(current)
         return won
 
@@ -250,7 +259,7 @@ class _QuorumClient:
                 return
             if action.step is q.Step.ERROR_TIMEOUT:
                 raise DistTimeoutError(f"fault-tolerant job: node {self.me} could not leave in time")
-            self._write(action)
+            self._write(action, leaving=True)
 
     def _timeout_message(self, req: q.Join, timeout: float) -> str:
         state = self.state
