@@ -68,22 +68,29 @@ def test_collectives_across_three_hosts() -> None:
     assert results[3]["paths"] == ["10.77.0.1", "10.77.0.2"]
 
 
+def _results_of(procs: list[subprocess.Popen[str]], ranks: tuple[int, ...], timeout: float) -> list[dict[str, object]]:
+    """The last JSON line of each of ``ranks`` (which must exit 0 within ``timeout``); every
+    process still running then is killed."""
+    try:
+        results = []
+        for rank in ranks:
+            out, err = procs[rank].communicate(timeout=timeout)
+            assert procs[rank].returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
 def test_a_rank_on_another_host_that_dies_while_the_group_forms_is_named_in_seconds() -> None:
     """gloo waits for its timeout (30 minutes by default). tdist's ranks name it, by its pid,
     which means its process here (another network namespace, the same pid namespace)."""
     with _netns.hosts(2) as hosts:
         procs = launch(hosts, [0, 0, 1], "dies", 29622)
-        try:
-            results = []
-            for rank in (0, 1):
-                out, err = procs[rank].communicate(timeout=50)
-                assert procs[rank].returncode == 0, err[-3000:]
-                results.append(json.loads(out.strip().splitlines()[-1]))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(10)
+        results = _results_of(procs, (0, 1), 50)
     for r in results:
         assert r["error"] is not None and "rank 2 has not connected, and it is gone: its process, pid " in r["error"], r
         assert r["elapsed"] < 20, r
@@ -100,16 +107,12 @@ def test_rank_killed_on_another_host() -> None:
                 assert procs[rank].stdout is not None
                 assert json.loads(procs[rank].stdout.readline()) == {"inside": rank}
             os.kill(victim, signal.SIGKILL)
-            results = []
-            for rank in (0, 2):
-                out, err = procs[rank].communicate(timeout=30)
-                assert procs[rank].returncode == 0, err[-3000:]
-                results.append(json.loads(out.strip().splitlines()[-1]))
-        finally:
+        except BaseException:
             for p in procs:
-                if p.poll() is None:
-                    p.kill()
+                p.kill()
                 p.wait(10)
+            raise
+        results = _results_of(procs, (0, 2), 30)
     for r in results:
         assert r["error"] is not None and "rank 1" in r["error"], r
         assert r["elapsed"] < 5, r

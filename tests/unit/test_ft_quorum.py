@@ -230,20 +230,26 @@ class FakeClock:
         return self.now
 
 
-def test_the_client_forms_a_quorum_on_a_store_and_times_out_with_a_message() -> None:
-    store, clock = HashStore(), FakeClock()
-    st = q.Settings(min_size=2, max_size=2)
+def _a_then_b(store: HashStore, clock: FakeClock, st: q.Settings) -> tuple[_QuorumClient, _QuorumClient, q.State]:
+    """a asks to join alone and times out (its clock jumps: no sleeping), as a candidate still;
+    b's join then forms the quorum of both. Returns the clients and that state."""
     a = _QuorumClient(store, "a", q.Node(HERE, 1), st, clock)
     b = _QuorumClient(store, "b", q.Node(HERE, 2), st, clock)
 
-    def wait(self: _QuorumClient, until: float | None) -> None:  # (no sleeping: time jumps)
+    def wait(self: _QuorumClient, until: float | None) -> None:
         clock.now = until if until is not None else clock.now + 1.0
         self.refresh()
 
     a._wait = wait.__get__(a)  # type: ignore[method-assign]
     with pytest.raises(DistTimeoutError, match="1 of at least 2 nodes came within 3 s"):
         a.join(q.Join(0, -1, a.node), 3.0, 3.0)
-    state = b.join(q.Join(0, -1, b.node), FAR, FAR)  # (a is still a candidate: its beat stands still...)
+    return a, b, b.join(q.Join(0, -1, b.node), FAR, FAR)  # (a is still a candidate: its beat stands still...)
+
+
+def test_the_client_forms_a_quorum_on_a_store_and_times_out_with_a_message() -> None:
+    store, clock = HashStore(), FakeClock()
+    st = q.Settings(min_size=2, max_size=2)
+    a, b, state = _a_then_b(store, clock, st)
     assert state.epoch == 1 and state.members == ("a", "b")
     b.leave(FAR)
     state = a.refresh()
@@ -272,19 +278,9 @@ def test_a_leave_is_done_once_its_write_won_whatever_becomes_of_the_store_after(
                 raise DistNetworkError("lost the connection to the store (its server stopped)")
             super().set(key, value)
 
-    store, clock = GoneAfterTheWrite(), FakeClock()
-    st = q.Settings(min_size=2, max_size=2)
-    a = _QuorumClient(store, "a", q.Node(HERE, 1), st, clock)
-    b = _QuorumClient(store, "b", q.Node(HERE, 2), st, clock)
-
-    def wait(self: _QuorumClient, until: float | None) -> None:  # (no sleeping: time jumps)
-        clock.now = until if until is not None else clock.now + 1.0
-        self.refresh()
-
-    a._wait = wait.__get__(a)  # type: ignore[method-assign]
-    with pytest.raises(DistTimeoutError):  # (a is a candidate: b's join forms the quorum)
-        a.join(q.Join(0, -1, a.node), 3.0, 3.0)
-    assert b.join(q.Join(0, -1, b.node), FAR, FAR).members == ("a", "b")
+    store = GoneAfterTheWrite()
+    a, b, state = _a_then_b(store, FakeClock(), q.Settings(min_size=2, max_size=2))
+    assert state.members == ("a", "b")
     b.leave(FAR)  # (its write leaves ["a"]: the store is gone from then on)
     assert store.gone and "b" not in a.refresh().members
 
