@@ -1260,9 +1260,9 @@ def _warnings_said(rank: int, told: Any, words: str) -> list[str]:
 
 def _late_rank_2(rank: int, n: int, port: int, side: str) -> list[str]:
     """Ranks 0 and 1 wait at the rendezvous for rank 2, which comes once both have warned."""
-    import tdist.store._rendezvous as rendezvous
+    from tdist._core import patience
 
-    rendezvous._FIRST_WORD, rendezvous._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    patience.FIRST, patience.EVERY = 0.5, 1.0  # (30 s and a minute)
     told = dist.FileStore(side, n)
     said = _warnings_said(rank, told, "waiting at the rendezvous")
     if rank == 2:
@@ -1290,9 +1290,9 @@ def test_a_rendezvous_that_waits_long_says_which_ranks_it_waits_for(tmp_path: Pa
 
 def _late_to_new_group(rank: int, n: int, port: int, side: str) -> list[str]:
     """Ranks 0 and 1 wait in new_group for rank 2, which comes once both have warned."""
-    import tdist.transport._endpoint as endpoint
+    from tdist._core import patience
 
-    endpoint._FIRST_WORD, endpoint._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    patience.FIRST, patience.EVERY = 0.5, 1.0  # (30 s and a minute)
     told = dist.FileStore(side, n)
     said = _warnings_said(rank, told, "has waited")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=60))

@@ -189,14 +189,14 @@ def test_graceful_shutdown_waits_for_a_late_worker_beyond_the_rpc_timeout(backen
 def _said_while_waiting(w: Worker) -> list[str]:
     import logging
 
-    import tdist.rpc._agent as agent
+    from tdist._core import patience
 
     warned = w.shared["warned"]
     if w.rank == 1:
         assert warned.wait(20)  # (late until rank 0 has said so)
         w.shutdown()
         return []
-    agent._FIRST_WORD, agent._WORD_EVERY = 0.5, 1.0  # (30 s and a minute)
+    patience.FIRST, patience.EVERY = 0.5, 1.0  # (30 s and a minute)
     said: list[str] = []
 
     class Catch(logging.Handler):

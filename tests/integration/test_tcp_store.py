@@ -407,10 +407,9 @@ def test_a_client_that_cannot_connect_for_long_says_so_before_it_gives_up(
     the client warns then, and every minute, until its timeout (30 minutes in a group)."""
     import logging
 
-    from tdist.store import _tcp
+    from tdist._core import patience
 
-    monkeypatch.setattr(_tcp, "_FIRST_WORD", 0.3)  # (30 s; the next, a minute later, is past the timeout)
-    monkeypatch.setattr(_tcp, "_WORD_EVERY", 60.0)
+    monkeypatch.setattr(patience, "FIRST", 0.3)  # (30 s; the next, a minute later, is past the timeout)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

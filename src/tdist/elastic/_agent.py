@@ -80,7 +80,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
-from .._core import auth
+from .._core import auth, patience
 from .._core._process import proc_stat
 from .._core._reaper import job_reaper, kill_marked, with_token
 from .._core.deadline import Clock
@@ -157,8 +157,6 @@ __all__ = ["LaunchError", "LocalAgent", "launch"]
 
 log = logging.getLogger(__name__)
 
-_FIRST_WORD = 30.0  # seconds a wait for other nodes goes on before it names them (then every _WORD_EVERY)
-_WORD_EVERY = 60.0
 _READER_JOIN = 2.0  # seconds to wait for a worker's output after it exited
 _OUTPUT_LINES = 20  # lines of each worker's output kept for the post-mortem
 # a flight-recorder dump's name in a rank's log directory, <name><rank> (torch's default prefix's)
@@ -1925,13 +1923,13 @@ class LocalAgent:
         ``what`` (node ``k``'s key is ``keys[k]``), a wait of 30 s says which nodes it waits
         for, then every minute: ``node 0: <what>: waited 30 s for node(s) [1] ...``."""
         start = self._clock()
-        word = _FIRST_WORD
+        word = patience.FIRST
         while not store.check(keys):
             now = self._clock()
             if stop() or now >= deadline:
                 return False
             if what and now - start >= word:
-                word = now - start + _WORD_EVERY
+                word = now - start + patience.EVERY
                 missing = [k for k, key in enumerate(keys) if not store.check([key])]
                 log.warning("node %d: %s: waited %.0f s for node(s) %s (at most %.0f s more)",
                             self.config.node_rank, what, now - start, missing, deadline - now)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._core import spin
+from .._core import patience, spin
 from .._core.errors import DistError, DistNetworkError, DistStoreError, DistTimeoutError, PeerError
 from ..c10d._threads import ParkedTeam
 from ..transport import _serialization as ser
@@ -75,8 +75,6 @@ __all__ = ["RpcAgent", "current_agent", "set_current_agent", "wait_replies"]
 
 log = logging.getLogger(__name__)
 
-_FIRST_WORD = 30.0  # seconds a shutdown barrier waits before it says for whom (then every _WORD_EVERY)
-_WORD_EVERY = 60.0
 _BARRIER_STEP = 0.5  # seconds a shutdown barrier waits on the store between looks at the missing
 
 _REPLIES = frozenset((MsgKind.REPLY_OK, MsgKind.REPLY_ERR, MsgKind.REPLY_OK_ACK))
@@ -954,7 +952,7 @@ class RpcAgent:
 
         gone = claims_gone(self.store, world_size)  # (a worker of this pid space whose process is gone: said at once)
         start = time.monotonic()
-        word = _FIRST_WORD
+        word = patience.FIRST
         while True:
             left = start + timeout - time.monotonic()
             try:  # (a second at a time: a worker gone meanwhile is named, and a long wait said)
@@ -972,7 +970,7 @@ class RpcAgent:
                         raise RuntimeError(f"{self.label}: init_rpc: the worker with id {i} never joined, and it is gone: {why}") from exc
                 waited = time.monotonic() - start
                 if waited >= word:
-                    word = waited + _WORD_EVERY
+                    word = waited + patience.EVERY
                     log.warning("%s: init_rpc has waited %.0f s for the workers with ids %s to join (it times out after %g s)",
                                 self.label, waited, missing, timeout)
         values = list(self.store.multi_get(keys))
@@ -1055,7 +1053,7 @@ class RpcAgent:
             self.store.set(f"{key}/done", "1")
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        word = _FIRST_WORD
+        word = patience.FIRST
         while True:
             step = _BARRIER_STEP if deadline is None else min(_BARRIER_STEP, deadline - time.monotonic())
             try:
@@ -1084,7 +1082,7 @@ class RpcAgent:
                     raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {names}") from exc
                 waited = time.monotonic() - start
                 if waited >= word:  # (a wait without limit, by default, is not a silent one)
-                    word = waited + _WORD_EVERY
+                    word = waited + patience.EVERY
                     log.warning(
                         "%s: RPC shutdown has waited %.0f s for %s to call shutdown (%s)", self.label, waited,
                         ", ".join(self.describe(i) for i in missing),

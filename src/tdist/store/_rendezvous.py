@@ -42,6 +42,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse, urlunparse
 
+from .._core import patience
 from .._core._process import gone_here, pid_space
 from .._core.errors import DistNetworkError, StoreTimeoutError
 from ._api import Store, multi_get_within
@@ -458,8 +459,6 @@ def _missing(store: Any, base: str, world_size: int) -> list[int]:
     return [r for r in range(world_size) if not store.check([base + f"rank_{r}"])]
 
 
-_FIRST_WORD = 30.0  # seconds of waiting before the first warning, and at most between two
-_WORD_EVERY = 60.0
 
 
 def _wait_for_the_others(store: Any, base: str, rank: int, world_size: int, timeout: timedelta, where: str) -> bytes:
@@ -473,7 +472,7 @@ def _wait_for_the_others(store: Any, base: str, rank: int, world_size: int, time
     """
     total = timeout.total_seconds()
     start = time.monotonic()
-    word = _FIRST_WORD
+    word = patience.FIRST
     while True:
         last = total <= word
         chunk = max(0.0, (total if last else word) - (time.monotonic() - start))
@@ -488,7 +487,7 @@ def _wait_for_the_others(store: Any, base: str, rank: int, world_size: int, time
             "are they running, with this address and world size?",
             rank, where, missing, world_size, time.monotonic() - start, timeout,
         )
-        word += _WORD_EVERY
+        word += patience.EVERY
 
 
 _ABORTED = "aborted: "

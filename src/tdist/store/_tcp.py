@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
-from .._core import auth, spin
+from .._core import auth, patience, spin
 from .._core.errors import (
     AuthenticationError,
     DistError,
@@ -66,8 +66,6 @@ _INIT_KEY = "init/"
 # how long past a blocking request's own timeout the client waits for the server's answer
 _GRACE = 5.0
 _CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
-_FIRST_WORD = 30.0  # seconds a client tries to connect before it says so (then every _WORD_EVERY)
-_WORD_EVERY = 60.0
 _ATTEMPT = 5.0  # the most seconds one attempt to connect to the store may take
 _WILDCARD = ("", "0.0.0.0", "::", "*")
 
@@ -456,7 +454,7 @@ class TCPStore(Store):
         # and for any other error, the delay doubles to 0.5 s, so that many ranks waiting for a
         # late master do not flood its host.
         delay = 0.00025
-        word = _FIRST_WORD
+        word = patience.FIRST
         last_exc: BaseException | None = None
         own, self._own = self._own, None
         own_conn, self._own_conn = self._own_conn, None
@@ -507,7 +505,7 @@ class TCPStore(Store):
             if now + delay > deadline:
                 break
             if now - start >= word:  # (a master late by 30 s is no longer the usual start-up skew)
-                word = now - start + _WORD_EVERY
+                word = now - start + patience.EVERY
                 log.warning(
                     "TCPStore client: still trying to connect to the store at %s (%.0f s so far; last error: %s); is "
                     "the master process running, and are the host and port (MASTER_ADDR/MASTER_PORT) right? "

@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, cast
 
-from .._core import auth, spin
+from .._core import auth, patience, spin
 from .._core._process import gone_here, pid_space
 from .._core.errors import (
     CollectiveMismatchError,
@@ -99,10 +99,9 @@ log = logging.getLogger(__name__)
 
 _SEQ = struct.Struct("<Q")  # a numbered socket message's number, in front of its meta
 _NUMBERED = {Kind.DATA: Kind.DATA_SEQ, Kind.DATA_CMA: Kind.DATA_CMA_SEQ}
-# how long a reader waits for the receive of a cross-memory message before buffering it
-_FIRST_WORD = 30.0  # seconds forming a group waits for its peers before it names them (then every _WORD_EVERY)
-_WORD_EVERY = 60.0
 _FAILED = "ep/failed"  # a rank that failed to form the group says so here (``publish_failure``)
+# how long a reader waits for the receive of a cross-memory message before buffering it
+_CMA_DEFER = 0.005
 
 
 def _publish(store: Any, rank: int, why: str) -> None:
@@ -110,7 +109,6 @@ def _publish(store: Any, rank: int, why: str) -> None:
     rank's failure was said first. Never raises."""
     with contextlib.suppress(Exception):
         store.compare_set(_FAILED, "", json.dumps({"rank": rank, "why": why[:2000]}))
-_CMA_DEFER = 0.005
 
 
 class RecvHandle:
@@ -398,7 +396,7 @@ class Endpoint:
         if not chunks and self._gone is None:
             return list(store.multi_get(keys))
         start = deadline - timeout
-        word = _FIRST_WORD
+        word = patience.FIRST
         while True:
             left = deadline - time.monotonic()
             step = timedelta(seconds=max(0.001, min(1.0, left)))
@@ -427,7 +425,7 @@ class Endpoint:
             "rank %d: forming %s has waited %.0f s for rank(s) %s, which have not come to it yet "
             "(it times out after %s)", self.rank, self._group(), waited, late, timedelta(seconds=round(timeout)),
         )
-        return waited + _WORD_EVERY
+        return waited + patience.EVERY
 
     def _formation_trouble(self, store: Any, peers: list[int], doing: str, addresses: bool = False) -> PeerError | None:
         """Why forming the group cannot end well, where that is known: a rank said it failed
@@ -509,7 +507,7 @@ class Endpoint:
         forming began) names the ranks it waits for, then every minute."""
         start = deadline - timeout
         next_look = time.monotonic() + 1.0
-        word = _FIRST_WORD
+        word = patience.FIRST
 
         def watch() -> BaseException | None:
             nonlocal next_look, word

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from ..._core import patience
 from ..._core.deadline import Clock
 from ..._core.errors import DistError, StoreTimeoutError
 from ...store._api import Store
@@ -72,8 +73,6 @@ log = logging.getLogger(__name__)
 STATE_KEY = "state"
 _POLL = 1.0  # the longest wait between two reads of the state (and two checks of should_stop)
 _KEEP_MARKERS = 16  # change markers kept behind the current version
-_FIRST_WORD = 30.0  # seconds a join waits for nodes before it says so (then every _WORD_EVERY)
-_WORD_EVERY = 60.0
 _local_ids = itertools.count()  # (several handlers in one process are several nodes)
 
 Waiter = Callable[[list[str], float], None]
@@ -207,7 +206,7 @@ class StateExecutor:
         self._timeout = timeout
         self.refresh()
         start = self._clock()
-        word = _FIRST_WORD
+        word = patience.FIRST
         while True:
             action, _ = self.step(op, deadline)
             if action.step is Step.FINISH:
@@ -217,7 +216,7 @@ class StateExecutor:
                     raise RendezvousClosedError(f"{self.describe}: interrupted")
                 now = self._clock()
                 if now - start >= word:
-                    word = now - start + _WORD_EVERY
+                    word = now - start + patience.EVERY
                     self._say_what_it_waits_for(op, now - start, timeout)
                 until = now + _POLL if action.until is None else min(action.until, now + _POLL)
                 planned = max(0.001, until - now)

@@ -1,0 +1,10 @@
+"""How long a wait goes on before it says what it waits for: a wait of other processes (ranks
+at a rendezvous or forming a group, workers at an RPC shutdown, nodes of a launcher, a store
+that does not answer) that lasts ``FIRST`` seconds logs a warning naming them, then one every
+``EVERY`` seconds, until it ends or times out. One place for every such wait, read when each
+wait starts (tests shorten them)."""
+
+from __future__ import annotations
+
+FIRST = 30.0  # seconds before the first word: longer than a start-up's usual skew
+EVERY = 60.0  # seconds between two words after it
