@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import urlparse, urlunparse
 
 from .._core import patience
-from .._core._process import gone_here, pid_space
+from .._core._process import gone_here, pid_alive, pid_space
 from .._core.errors import DistNetworkError, StoreTimeoutError
 from ._api import Store, multi_get_within
 from ._protocol import OPENING, OPENING_ECHO
@@ -368,24 +368,26 @@ def _describe_holder(value: str) -> str:
     return f"pid {pid} on {host}"
 
 
+def _parse_claim(value: str) -> tuple[str, int, str | None] | None:
+    """A claim's (``_holder_id``) host, pid and pid space (None in a claim without one), with
+    or without its ``released|``; None where it is none."""
+    fields = value.removeprefix("released|").split("|", 3)
+    if len(fields) < 3 or not fields[1].isdigit():
+        return None
+    return fields[0], int(fields[1]), fields[3] if len(fields) == 4 else None
+
+
 def _holder_gone(value: str) -> bool:
     """Whether the process that holds a claim is gone, or is this one (a group of ours that
     was not destroyed: an init that failed after its rendezvous); only known on this host, in
     this pid space (where the claim says which: ``_holder_id``)."""
-    host, _, rest = value.partition("|")
-    fields = rest.split("|", 2)
-    if host != socket.gethostname() or (len(fields) == 3 and fields[2] != pid_space()):
+    claim = _parse_claim(value)
+    if claim is None:
         return False
-    try:
-        pid = int(rest.partition("|")[0])
-        if pid == os.getpid():
-            return True
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (ValueError, PermissionError):
+    host, pid, space = claim
+    if host != socket.gethostname() or (space is not None and space != pid_space()):
         return False
-    return False
+    return pid == os.getpid() or not pid_alive(pid)
 
 
 def _checked_join(store: Any, rank: int, world_size: int, timeout: timedelta, where: str) -> None:
@@ -513,10 +515,10 @@ def claims_gone(store: Any, size: int) -> Callable[[int], str | None] | None:
                 return None
         if not 0 <= rank < len(claims):
             return None
-        fields = claims[rank].removeprefix("released|").split("|", 3)
-        if len(fields) < 4 or not fields[1].isdigit():
+        claim = _parse_claim(claims[rank])
+        if claim is None or claim[2] is None:  # (a claim that does not say its pid space)
             return None
-        return gone_here(int(fields[1]), fields[3])
+        return gone_here(claim[1], claim[2])
 
     return gone
 
