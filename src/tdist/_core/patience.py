@@ -8,3 +8,17 @@ from __future__ import annotations
 
 FIRST = 30.0  # seconds before the first word: longer than a start-up's usual skew
 EVERY = 60.0  # seconds between two words after it
+
+
+class Words:
+    """When one wait speaks: ``due(waited)`` is True once ``waited`` (seconds since the wait
+    began) reaches ``FIRST``, then again ``EVERY`` seconds after each time it was."""
+
+    def __init__(self) -> None:
+        self._next = FIRST
+
+    def due(self, waited: float) -> bool:
+        if waited < self._next:
+            return False
+        self._next = waited + EVERY
+        return True

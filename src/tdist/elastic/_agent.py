@@ -1923,13 +1923,12 @@ class LocalAgent:
         ``what`` (node ``k``'s key is ``keys[k]``), a wait of 30 s says which nodes it waits
         for, then every minute: ``node 0: <what>: waited 30 s for node(s) [1] ...``."""
         start = self._clock()
-        word = patience.FIRST
+        words = patience.Words()
         while not store.check(keys):
             now = self._clock()
             if stop() or now >= deadline:
                 return False
-            if what and now - start >= word:
-                word = now - start + patience.EVERY
+            if what and words.due(now - start):
                 missing = [k for k, key in enumerate(keys) if not store.check([key])]
                 log.warning("node %d: %s: waited %.0f s for node(s) %s (at most %.0f s more)",
                             self.config.node_rank, what, now - start, missing, deadline - now)

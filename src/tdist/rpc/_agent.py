@@ -952,7 +952,7 @@ class RpcAgent:
 
         gone = claims_gone(self.store, world_size)  # (a worker of this pid space whose process is gone: said at once)
         start = time.monotonic()
-        word = patience.FIRST
+        words = patience.Words()
         while True:
             left = start + timeout - time.monotonic()
             try:  # (a second at a time: a worker gone meanwhile is named, and a long wait said)
@@ -969,8 +969,7 @@ class RpcAgent:
                     if why is not None:
                         raise RuntimeError(f"{self.label}: init_rpc: the worker with id {i} never joined, and it is gone: {why}") from exc
                 waited = time.monotonic() - start
-                if waited >= word:
-                    word = waited + patience.EVERY
+                if words.due(waited):
                     log.warning("%s: init_rpc has waited %.0f s for the workers with ids %s to join (it times out after %g s)",
                                 self.label, waited, missing, timeout)
         values = list(self.store.multi_get(keys))
@@ -1053,7 +1052,7 @@ class RpcAgent:
             self.store.set(f"{key}/done", "1")
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        word = patience.FIRST
+        words = patience.Words()
         while True:
             step = _BARRIER_STEP if deadline is None else min(_BARRIER_STEP, deadline - time.monotonic())
             try:
@@ -1081,8 +1080,7 @@ class RpcAgent:
                     names = ", ".join(self.describe(i) for i in missing)
                     raise DistTimeoutError(f"{self.label}: RPC shutdown timed out after {timeout:g} s waiting for {names}") from exc
                 waited = time.monotonic() - start
-                if waited >= word:  # (a wait without limit, by default, is not a silent one)
-                    word = waited + patience.EVERY
+                if words.due(waited):  # (a wait without limit, by default, is not a silent one)
                     log.warning(
                         "%s: RPC shutdown has waited %.0f s for %s to call shutdown (%s)", self.label, waited,
                         ", ".join(self.describe(i) for i in missing),

@@ -454,7 +454,7 @@ class TCPStore(Store):
         # and for any other error, the delay doubles to 0.5 s, so that many ranks waiting for a
         # late master do not flood its host.
         delay = 0.00025
-        word = patience.FIRST
+        words = patience.Words()
         last_exc: BaseException | None = None
         own, self._own = self._own, None
         own_conn, self._own_conn = self._own_conn, None
@@ -504,8 +504,7 @@ class TCPStore(Store):
             now = time.monotonic()
             if now + delay > deadline:
                 break
-            if now - start >= word:  # (a master late by 30 s is no longer the usual start-up skew)
-                word = now - start + patience.EVERY
+            if words.due(now - start):  # (a master late by 30 s is no longer the usual start-up skew)
                 log.warning(
                     "TCPStore client: still trying to connect to the store at %s (%.0f s so far; last error: %s); is "
                     "the master process running, and are the host and port (MASTER_ADDR/MASTER_PORT) right? "

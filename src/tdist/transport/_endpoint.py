@@ -396,7 +396,7 @@ class Endpoint:
         if not chunks and self._gone is None:
             return list(store.multi_get(keys))
         start = deadline - timeout
-        word = patience.FIRST
+        words = patience.Words()
         while True:
             left = deadline - time.monotonic()
             step = timedelta(seconds=max(0.001, min(1.0, left)))
@@ -411,21 +411,19 @@ class Endpoint:
             trouble = self._formation_trouble(store, peers, "never published its address", addresses=True)
             if trouble is not None:
                 raise trouble
-            if time.monotonic() - start >= word:  # (only then: a look at every peer's address)
-                word = self._say_who_is_late(start, timeout, [peer for peer in peers if not store.check([f"ep/{peer}"])])
+            if words.due(time.monotonic() - start):  # (only then: a look at every peer's address)
+                self._say_who_is_late(start, timeout, [peer for peer in peers if not store.check([f"ep/{peer}"])])
 
     def _group(self) -> str:
         return f"process group {self.name!r}" if self.name else "a process group"
 
-    def _say_who_is_late(self, start: float, timeout: float, late: list[int]) -> float:
-        """Forming the group (since ``start``) has waited long: say for whom. Returns when to
-        say it next, in seconds since ``start`` (then every minute)."""
-        waited = time.monotonic() - start
+    def _say_who_is_late(self, start: float, timeout: float, late: list[int]) -> None:
+        """Forming the group (since ``start``) has waited long: say for whom."""
         log.warning(
             "rank %d: forming %s has waited %.0f s for rank(s) %s, which have not come to it yet "
-            "(it times out after %s)", self.rank, self._group(), waited, late, timedelta(seconds=round(timeout)),
+            "(it times out after %s)", self.rank, self._group(), time.monotonic() - start, late,
+            timedelta(seconds=round(timeout)),
         )
-        return waited + patience.EVERY
 
     def _formation_trouble(self, store: Any, peers: list[int], doing: str, addresses: bool = False) -> PeerError | None:
         """Why forming the group cannot end well, where that is known: a rank said it failed
@@ -507,10 +505,10 @@ class Endpoint:
         forming began) names the ranks it waits for, then every minute."""
         start = deadline - timeout
         next_look = time.monotonic() + 1.0
-        word = patience.FIRST
+        words = patience.Words()
 
         def watch() -> BaseException | None:
-            nonlocal next_look, word
+            nonlocal next_look
             destroyed = self._destroyed()
             if destroyed is not None or store is None:
                 return destroyed
@@ -522,8 +520,8 @@ class Endpoint:
             if not late:
                 return None
             trouble = self._formation_trouble(store, late, "has not connected")
-            if trouble is None and now - start >= word:
-                word = self._say_who_is_late(start, timeout, late)
+            if trouble is None and words.due(now - start):
+                self._say_who_is_late(start, timeout, late)
             return trouble
 
         return watch

@@ -206,7 +206,7 @@ class StateExecutor:
         self._timeout = timeout
         self.refresh()
         start = self._clock()
-        word = patience.FIRST
+        words = patience.Words()
         while True:
             action, _ = self.step(op, deadline)
             if action.step is Step.FINISH:
@@ -215,8 +215,7 @@ class StateExecutor:
                 if self.should_stop():
                     raise RendezvousClosedError(f"{self.describe}: interrupted")
                 now = self._clock()
-                if now - start >= word:
-                    word = now - start + patience.EVERY
+                if words.due(now - start):
                     self._say_what_it_waits_for(op, now - start, timeout)
                 until = now + _POLL if action.until is None else min(action.until, now + _POLL)
                 planned = max(0.001, until - now)
