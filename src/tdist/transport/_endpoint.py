@@ -313,7 +313,7 @@ class Endpoint:
         self._gone = gone
         self._formation_store: Any = None  # (the group's store, while the connections are made)
         if size > 1:
-            self._build_mesh(store, timeout, extra, gone)
+            self._build_mesh(store, timeout, extra)
         if not connect_later:
             self.connected()
 
@@ -355,7 +355,7 @@ class Endpoint:
                 p.lane_ok = True
 
     # -- building the mesh ---------------------------------------------------------------------
-    def _build_mesh(self, store: Any, timeout: float, extra: Any, gone: Callable[[int], str | None] | None) -> None:
+    def _build_mesh(self, store: Any, timeout: float, extra: Any) -> None:
         deadline = time.monotonic() + timeout
         listeners = Listeners(advertised_address(store), self._label, f"tdist-ep-{self.rank}", max(16, self.size))
         if self.rank == 0:
