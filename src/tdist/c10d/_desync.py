@@ -60,7 +60,7 @@ from . import _flight_recorder as fr
 
 __all__ = [
     "GRACE", "Responder", "ask_all", "check_after", "compatible", "crossed", "cycle", "describe_call", "diagnose", "entered", "explain", "frames_of",
-    "head", "long_wait", "mismatch", "now_at", "request_dumps", "stuck", "unwatch", "watch",
+    "head", "long_wait", "mismatch", "now_at", "request_dumps", "say_long_wait", "stuck", "unwatch", "watch",
 ]
 
 log = logging.getLogger(__name__)
@@ -497,6 +497,19 @@ def long_wait() -> float:
     """Seconds after which a collective that the desync check finds blocked, with nothing
     wrong, is reported in a warning at each check (15 times ``check_after()``: 30 s)."""
     return 15 * check_after()
+
+
+def say_long_wait(
+    rank: int, size: int, group: str, mine: Mapping[str, Any], heads: Mapping[int, Mapping[str, Any] | None],
+    unanswered: str, age: float, timeout: float, backend: str = "",
+) -> None:
+    """The warning of a wait past ``long_wait()`` that nothing explains as wrong: what it is,
+    how long it has waited, and what every rank of the group is doing (``explain``)."""
+    log.warning(
+        "rank %d: %s of group %r has waited %.0f s%s, and waits on until the group's timeout (%s). %s",
+        rank, describe_call(mine), group, age, f" on the {backend} backend" if backend else "",
+        timedelta(seconds=round(timeout)), explain(rank, size, mine, heads, {}, group, unanswered),
+    )
 
 
 class _Watchdog:

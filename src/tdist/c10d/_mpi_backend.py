@@ -542,7 +542,7 @@ class ProcessGroupMPI(Backend):
         """The watchdog's look at an operation that blocks (``_desync.watch``), where a thread
         waits for it: from ``_desync.long_wait()`` seconds on, each look logs a warning with
         what every rank is doing (the group's timeout still ends the wait, as in torch)."""
-        from ._desync import ask_all, describe_call, explain, long_wait
+        from ._desync import ask_all, long_wait, say_long_wait
 
         rec = self._fr
         if rec is None or self._store is None or self._closed or self._broken is not None or entry[fr.DONE]:
@@ -556,11 +556,7 @@ class ProcessGroupMPI(Backend):
         if entry[fr.DONE]:
             return
         mine = fr.brief(fr.normalized(rec, entry), time.time_ns())
-        log.warning(
-            "rank %d: %s of group %r has waited %.0f s on the mpi backend, and waits on until the group's timeout (%s). %s",
-            self._rank, describe_call(mine), rec.label, age, timedelta(seconds=round(self._timeout)),
-            explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered),
-        )
+        say_long_wait(self._rank, self._size, rec.label, mine, heads, unanswered, age, self._timeout, "mpi")
 
     def _timed_out(self, what: str, peer: int, waited: float, entry: list[Any] | None = None) -> CollectiveTimeoutError:
         """The error of an operation past its deadline, naming who kept it waiting (what every

@@ -68,6 +68,7 @@ from ._desync import (
     mismatch,
     receives_crossed,
     request_dumps,
+    say_long_wait,
     stuck,
     unwatch,
     watch,
@@ -645,11 +646,7 @@ class ProcessGroupTCP(Backend):
         age = (_time_ns() - entry[STARTED]) / 1e9
         if age < long_wait():
             return
-        log.warning(
-            "rank %d: %s of group %r has waited %.0f s, and waits on until the group's timeout (%s). %s",
-            self._rank, describe_call(mine), rec.label, age, timedelta(seconds=round(self._timeout)),
-            explain(self._rank, self._size, mine, heads, {}, rec.label, unanswered),
-        )
+        say_long_wait(self._rank, self._size, rec.label, mine, heads, unanswered, age, self._timeout)
 
     def _break_with(self, verdict: CollectiveMismatchError, dump: bool = True, also: Sequence[ProcessGroupTCP] = ()) -> None:
         """Break the group with the desync check's ``verdict``: every rank's call fails with it;
