@@ -471,10 +471,20 @@ def test_a_store_lost_with_rank_0_says_that_rank_0_hosted_it() -> None:
 def test_the_watchdog_looks_at_doubling_ages_at_most_max_gap_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Looks at ages 0.05, 0.1, 0.2, 0.4, 0.8, then every 0.5 s (``_MAX_GAP``): not at every
     round of the watchdog once the age passed ``_MAX_GAP`` (which made a warning of a long wait
-    twice a second, with a question to every rank through the store)."""
-    monkeypatch.setenv("TDIST_FR_CHECK_AFTER", "0.05")
+    twice a second, with a question to every rank through the store). A group watched under
+    the default setting, before the setting changed, keeps the watchdog's thread going: the
+    thread reads the setting at each round (it took the first group's, 2 s, for the process)."""
+    monkeypatch.delenv("TDIST_FR_CHECK_AFTER", raising=False)
     monkeypatch.setattr(D._Watchdog, "_PERIOD", 0.01)
     monkeypatch.setattr(D._Watchdog, "_MAX_GAP", 0.5)
+
+    class Idle:
+        def check(self, e: list[Any]) -> None:
+            pass
+
+    earlier, idle = _rec(1), Idle()
+    D.watch(earlier, idle.check)
+    monkeypatch.setenv("TDIST_FR_CHECK_AFTER", "0.05")
     rec = _rec(0)
     entry = rec.collective("all_reduce", (torch.Size([4]),), torch.float32)
     entry[F.STARTED] = time.time_ns()
@@ -493,6 +503,7 @@ def test_the_watchdog_looks_at_doubling_ages_at_most_max_gap_apart(monkeypatch: 
         assert enough.wait(20)
     finally:
         D.unwatch(rec)
+        D.unwatch(earlier)
     assert 7 <= len(ages) <= 10, ages  # (0.05, 0.1, 0.2, 0.4, 0.8, 1.3, 1.8, 2.3; a late round may merge two)
     assert all(b - a <= 0.5 + 0.2 for a, b in itertools.pairwise(ages)), ages
 

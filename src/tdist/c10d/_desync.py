@@ -534,10 +534,10 @@ class _Watchdog:
         with self._lock:
             self._watched[rec.pg_id] = (weakref.ref(rec), weakref.WeakMethod(check))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, args=(after,), name="tdist-fr-watchdog", daemon=True)
+                self._thread = threading.Thread(target=self._run, name="tdist-fr-watchdog", daemon=True)
                 self._thread.start()
 
-    def _run(self, after: float) -> None:
+    def _run(self) -> None:
         while True:
             time.sleep(self._PERIOD)
             with self._lock:
@@ -545,6 +545,9 @@ class _Watchdog:
                 if not items:  # (every group is gone: the next one starts a new thread)
                     self._thread = None
                     return
+            # (read each round: the thread outlives the group that started it, and the setting
+            # may change in between)
+            after = check_after() or float("inf")
             now = time.time_ns()
             for pg_id, (rref, mref) in items:
                 rec, check = rref(), mref()
