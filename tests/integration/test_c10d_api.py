@@ -126,6 +126,78 @@ def test_all_reduce_dtypes_views_numpy_complex(ws: int) -> None:
         assert res["complex"] == [complex(total, 2 * total), complex(0, -total)]
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("ws", [2, 3])
+def test_tensors_whose_elements_share_memory(ws: int, shm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expanded tensor (stride 0) or overlapping windows (``unfold``) in ``all_reduce``,
+    ``reduce`` and ``broadcast``: each memory location takes the result of its elements, on
+    the arena and over sockets, as gloo (``copy_`` refuses such a tensor); where a collective
+    writes other ranks' data into one (``all_gather``), it is refused before anything is sent,
+    on every rank, and the group goes on."""
+    monkeypatch.setenv("TDIST_SHM", shm)
+
+    def body(rank: int, ws: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        t = torch.full((1,), rank + 1.0).expand(3)
+        dist.all_reduce(t)
+        out["all_reduce"] = t.tolist()
+        t = torch.full((1, 1), rank + 1).expand(2, 3)
+        dist.reduce(t, 0, op=dist.ReduceOp.MAX)
+        out["reduce"] = t.tolist()
+        t = torch.full((1,), rank + 5.0).expand(4)
+        dist.broadcast(t, ws - 1)  # (the root's tensor is expanded too)
+        out["broadcast"] = t.tolist()
+        base = torch.arange(5.0) + rank
+        windows = base.unfold(0, 3, 1)  # rows [0:3], [1:4], [2:5]: shared elements
+        dist.all_reduce(windows)
+        out["unfold"] = (windows.tolist(), base.tolist())
+        try:
+            dist.all_gather([torch.zeros(1).expand(2) for _ in range(ws)], torch.ones(2))
+        except RuntimeError as exc:
+            out["all_gather"] = str(exc)
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        out["after"] = t.tolist()
+        return out
+
+    total = sum(range(1, ws + 1))
+    base = sum(torch.arange(5.0) + r for r in range(ws))
+    for rank, res in enumerate(spmd(body, ws)):
+        assert res["all_reduce"] == [float(total)] * 3
+        assert res["reduce"] == [[ws if rank == 0 else rank + 1] * 3] * 2
+        assert res["broadcast"] == [ws + 4.0] * 4
+        assert res["unfold"] == (base.unfold(0, 3, 1).tolist(), base.tolist())
+        assert "all_gather: unsupported operation: more than one element of the written-to tensor" in res["all_gather"]
+        assert res["after"] == [float(ws)] * 2
+
+
+def test_collectives_on_meta_tensors_do_nothing() -> None:
+    """torch's meta kernels: a collective on meta tensors (a model not yet materialised) sends
+    nothing and returns ``None`` (a completed ``Work`` where one is asked for); the group stays
+    in step."""
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, device="meta")
+
+    def body(rank: int, ws: int) -> list[Any]:
+        m = meta(4)
+        got: list[Any] = [
+            dist.all_reduce(m), dist.broadcast(m, 0), dist.reduce(m, 1),
+            dist.all_gather([meta(4), meta(4)], m), dist.all_gather_single(meta(8), m),
+            dist.reduce_scatter_single(meta(2), m), dist.all_to_all_single(meta(4), m),
+            dist.scatter(m, [meta(4), meta(4)] if rank == 0 else None, 0),
+            dist.send(m, 1) if rank == 0 else dist.recv(m, 0),
+        ]
+        work = dist.all_reduce(m, async_op=True)
+        assert work is not None and work.is_completed() and work.wait()
+        assert dist.isend(m, 1 - rank) is not None
+        t = torch.full((2,), rank + 1.0)
+        dist.all_reduce(t)
+        return [*got, t.tolist()]
+
+    for rank, res in enumerate(spmd(body, 2)):
+        assert res == [None] * 8 + [None if rank == 0 else -1, [3.0, 3.0]]
+
+
 @pytest.mark.parametrize("ws", SIZES)
 def test_broadcast_and_reduce_from_every_root(ws: int) -> None:
     def body(rank: int, ws: int) -> list[Any]:

@@ -13,16 +13,18 @@ numpy arrays are accepted wherever a tensor is: ``as_tensor`` wraps them with
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 import sys
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from .._core.errors import DistBackendError
-from ._types import RedOpType
+from ._shm._tensors import overlaps
+from ._types import RedOpType, Work
 
 __all__ = [
     "CollectiveArgumentError",
@@ -38,6 +40,7 @@ __all__ = [
     "check_rooted_list",
     "check_split_sizes",
     "check_tag",
+    "check_written",
     "ensure_same_dtype",
     "real_view",
     "real_views",
@@ -62,6 +65,8 @@ def as_tensor(param: object, param_name: str) -> torch.Tensor:
     """
     if isinstance(param, torch.Tensor):
         if param.layout is not torch.strided or not param.is_cpu:
+            if param.is_meta:
+                raise OnMeta(f"{_caller()}: {param_name} is on the meta device")
             dense_cpu(_caller(), [param])
         return param
     if _is_numpy(param):
@@ -104,6 +109,34 @@ def as_tensor_list(param: object, param_name: str) -> list[torch.Tensor]:
             f"{[type(p) for p in param]}."
         )
     return [as_tensor(p, param_name) for p in param]
+
+
+class OnMeta(RuntimeError):
+    """A tensor on the meta device reached a collective (raised by ``as_tensor`` before
+    anything is sent; ``meta_noop`` turns it into torch's no-op)."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def meta_noop(fn: _F) -> _F:
+    """``fn``, doing nothing on tensors on the meta device, as torch's meta kernels of the
+    collectives (a model not yet materialised, FSDP's deferred init): it returns ``None``, a
+    completed ``Work`` where one is asked for (``async_op``, ``isend``, ``irecv``), and -1 for
+    ``recv``'s sender. Nothing is sent, so the ranks stay in step."""
+    name = fn.__name__
+    wants_work = name in ("isend", "irecv")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OnMeta:
+            if wants_work or kwargs.get("async_op"):
+                return Work.completed([], name)
+            return -1 if name == "recv" else None
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _caller() -> str:
@@ -378,6 +411,23 @@ def check_split_sizes(
             f"add up to {sum(sizes)}, but dim 0 of {name} is {rows}"
         )
     return sizes
+
+
+def check_written(tensors: torch.Tensor | Sequence[torch.Tensor], what: str, name: str) -> None:
+    """Where a collective writes each rank's own data, no two elements of ``name`` may share
+    memory (an expanded tensor), as torch's ``copy_`` refuses; refused here before anything
+    is sent, so that no rank goes on alone.
+
+    Raises:
+        CollectiveArgumentError: torch's words, with the operation and the argument.
+    """
+    for t in _as_iterable(tensors):
+        if t.dim() > 0 and overlaps(t):
+            raise CollectiveArgumentError(
+                f"{what}: unsupported operation: more than one element of the written-to tensor "
+                f"refers to a single memory location ({name}: shape {tuple(t.shape)}, stride "
+                f"{t.stride()}). Please clone() the tensor before performing the operation."
+            )
 
 
 def dense_cpu(op: str, *tensor_lists: Sequence[torch.Tensor]) -> None:

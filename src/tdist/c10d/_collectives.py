@@ -152,6 +152,7 @@ def _deprecated(old: str, new: str) -> None:
 
 
 # -- collectives -----------------------------------------------------------------------------------
+@C.meta_noop
 def broadcast(
     tensor: torch.Tensor,
     src: int | None = None,
@@ -181,6 +182,7 @@ def broadcast(
     return _finish(pg.broadcast([C.real_view(t)], opts), async_op)
 
 
+@C.meta_noop
 def all_reduce(
     tensor: torch.Tensor,
     op: ReduceOp | RedOpType = ReduceOp.SUM,
@@ -227,6 +229,7 @@ def _sparse_all_reduce(tensor: torch.Tensor, op: ReduceOp | RedOpType, group: Gr
     return Work.completed([tensor], "all_reduce") if async_op else None
 
 
+@C.meta_noop
 def reduce(
     tensor: torch.Tensor,
     dst: int | None = None,
@@ -258,6 +261,7 @@ def reduce(
     return _finish(pg.reduce([C.real_view(t)], opts), async_op)
 
 
+@C.meta_noop
 def all_gather(
     tensor_list: list[torch.Tensor],
     tensor: torch.Tensor,
@@ -276,6 +280,7 @@ def all_gather(
         CollectiveArgumentError: ``tensor_list`` does not have one entry per rank.
     """
     outs = C.as_tensor_list(tensor_list, "tensor_list")
+    C.check_written(outs, "all_gather", "tensor_list")
     t = C.as_tensor(tensor, "tensor")
     C.ensure_same_dtype(outs, t)
     if _not_member(group):
@@ -287,6 +292,7 @@ def all_gather(
     return _finish(pg.allgather([C.real_views(outs)], [C.real_view(t)], opts), async_op)
 
 
+@C.meta_noop
 def all_gather_single(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
@@ -305,6 +311,7 @@ def all_gather_single(
         CollectiveArgumentError: ``output_tensor`` has neither shape.
     """
     out = C.as_tensor(output_tensor, "output_tensor")
+    C.check_written(out, "all_gather_single", "output_tensor")
     inp = C.as_tensor(input_tensor, "input_tensor")
     if _not_member(group):
         warn_not_in_group("all_gather_single", _global_rank_or_minus_one())
@@ -343,6 +350,7 @@ def _all_gather_base(
     return all_gather_single(output_tensor, input_tensor, group, async_op)
 
 
+@C.meta_noop
 def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
@@ -364,6 +372,7 @@ def gather(
     """
     t = C.as_tensor(tensor, "tensor")
     outs = C.as_tensor_list(gather_list, "gather_list") if gather_list else []
+    C.check_written(outs, "gather", "gather_list")
     C.ensure_same_dtype(t, outs)
     if _not_member(group):
         warn_not_in_group("gather", _global_rank_or_minus_one())
@@ -381,6 +390,7 @@ def gather(
     return _finish(pg.gather(output, [C.real_view(t)], opts), async_op)
 
 
+@C.meta_noop
 def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
@@ -401,6 +411,7 @@ def scatter(
     """
     t = C.as_tensor(tensor, "tensor")
     ins = C.as_tensor_list(scatter_list, "scatter_list") if scatter_list else []
+    C.check_written(t, "scatter", "tensor")
     C.ensure_same_dtype(t, ins)
     implied = src is None and group_src is None
     if implied:
@@ -419,6 +430,7 @@ def scatter(
     return _finish(pg.scatter([C.real_view(t)], inputs, opts), async_op)
 
 
+@C.meta_noop
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
@@ -439,6 +451,7 @@ def reduce_scatter(
             not of ``output``'s shape.
     """
     out = C.as_tensor(output, "output")
+    C.check_written(out, "reduce_scatter", "output")
     ins = C.as_tensor_list(input_list, "input_list")
     C.ensure_same_dtype(out, ins)
     if _not_member(group):
@@ -454,6 +467,7 @@ def reduce_scatter(
     return _finish(pg.reduce_scatter([C.real_view(out)], [C.real_views(ins)], opts), async_op)
 
 
+@C.meta_noop
 def reduce_scatter_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -472,6 +486,7 @@ def reduce_scatter_single(
         CollectiveArgumentError: ``input`` is not ``size`` blocks of ``output``'s shape.
     """
     out = C.as_tensor(output, "output")
+    C.check_written(out, "reduce_scatter_single", "output")
     inp = C.as_tensor(input, "input")
     if _not_member(group):
         warn_not_in_group("reduce_scatter_single", _global_rank_or_minus_one())
@@ -515,6 +530,7 @@ def _reduce_scatter_base(
     return reduce_scatter_single(output, input, op, group, async_op)
 
 
+@C.meta_noop
 def all_to_all(
     output_tensor_list: list[torch.Tensor],
     input_tensor_list: list[torch.Tensor],
@@ -536,6 +552,7 @@ def all_to_all(
         warn_not_in_group("all_to_all", _global_rank_or_minus_one())
         return None
     outs = C.as_tensor_list(output_tensor_list, "output_tensor_list")
+    C.check_written(outs, "all_to_all", "output_tensor_list")
     ins = C.as_tensor_list(input_tensor_list, "input_tensor_list")
     C.ensure_same_dtype(outs, ins)
     pg = _resolve(group)
@@ -545,6 +562,7 @@ def all_to_all(
     return _finish(pg.alltoall(C.real_views(outs), C.real_views(ins), opts), async_op)
 
 
+@C.meta_noop
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -568,6 +586,7 @@ def all_to_all_single(
         warn_not_in_group("all_to_all_single", _global_rank_or_minus_one())
         return None
     out = C.as_tensor(output, "output")
+    C.check_written(out, "all_to_all_single", "output")
     inp = C.as_tensor(input, "input")
     C.ensure_same_dtype(out, inp)
     pg = _resolve(group)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import logging
 import operator
+import os
 import sys
 import threading
 import time
@@ -1210,9 +1211,15 @@ def check_disjoint(ranks_per_subgroup_list: Sequence[Sequence[int]]) -> None:
             seen[r] = ranks
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tdist's own files
+
+
 def warn_not_in_group(op_name: str, global_rank: int) -> None:
     """torch's warning for a non-member calling a collective on a sub-group."""
+    frame, level = sys._getframe(1), 2  # (the caller's caller: the first frame outside tdist)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
     warnings.warn(
         f"Running {op_name} on global rank {global_rank} which does not belong to the given group.",
-        stacklevel=3,
+        stacklevel=level,
     )

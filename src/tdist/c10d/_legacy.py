@@ -181,6 +181,7 @@ def _copy_out(work: Work, src: torch.Tensor, dsts: Sequence[torch.Tensor], op: s
     return _finish(chain_work([work], op, finish), async_op)
 
 
+@C.meta_noop
 def all_reduce_multigpu(
     tensor_list: list[torch.Tensor],
     op: ReduceOp | RedOpType = ReduceOp.SUM,
@@ -208,6 +209,7 @@ def all_reduce_multigpu(
     return _copy_out(work, local, ts, "all_reduce_multigpu", async_op)
 
 
+@C.meta_noop
 def broadcast_multigpu(
     tensor_list: list[torch.Tensor],
     src: int,
@@ -232,6 +234,7 @@ def broadcast_multigpu(
     return _copy_out(work, lead, ts, "broadcast_multigpu", async_op)
 
 
+@C.meta_noop
 def reduce_multigpu(
     tensor_list: list[torch.Tensor],
     dst: int,
@@ -261,6 +264,7 @@ def reduce_multigpu(
     return _copy_out(work, local, [ts[dst_tensor]] if is_root else [], "reduce_multigpu", async_op)
 
 
+@C.meta_noop
 def all_gather_multigpu(
     output_tensor_lists: list[list[torch.Tensor]],
     input_tensor_list: list[torch.Tensor],
@@ -305,6 +309,7 @@ def all_gather_multigpu(
     return _finish(chain_work(works, "all_gather_multigpu", finish), async_op)
 
 
+@C.meta_noop
 def reduce_scatter_multigpu(
     output_tensor_list: list[torch.Tensor],
     input_tensor_lists: list[list[torch.Tensor]],

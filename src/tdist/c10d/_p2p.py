@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 
+@C.meta_noop
 def isend(
     tensor: torch.Tensor,
     dst: int | None = None,
@@ -68,6 +69,7 @@ def isend(
     return pg.send([C.real_view(t)], peer, tag)
 
 
+@C.meta_noop
 def irecv(
     tensor: torch.Tensor,
     src: int | None = None,
@@ -100,6 +102,7 @@ def irecv(
     return pg.recv([C.real_view(t)], peer, tag)
 
 
+@C.meta_noop
 def send(
     tensor: torch.Tensor,
     dst: int | None = None,
@@ -125,6 +128,7 @@ def send(
     pg.send([C.real_view(t)], peer, tag).wait()
 
 
+@C.meta_noop
 def recv(
     tensor: torch.Tensor,
     src: int | None = None,

@@ -75,6 +75,7 @@ from ._desync import (
 )
 from ._flight_recorder import DONE, STARTED, UNTIMED, Recorder
 from ._reduce import reduce_into
+from ._shm._tensors import copy_back
 from ._threads import PARALLEL_BYTES, capped
 from ._types import (
     AllgatherOptions,
@@ -320,7 +321,7 @@ class _Flat:
 
     def commit(self) -> None:
         if not self.direct:
-            self.orig.copy_(self.flat.view(self.orig.shape))
+            copy_back(self.orig, self.flat)
 
 
 class _RecvWork(Work):

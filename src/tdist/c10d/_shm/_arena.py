@@ -40,7 +40,7 @@ from .._threads import PARALLEL_BYTES, capped
 from .._types import RedOpType, as_red_op
 from ._core import ArenaCore
 from ._layout import _D, _W, _X, _dtype_code, _Kind, _round_up
-from ._tensors import Reducer, _check_tensor, _flat, _reducer
+from ._tensors import Reducer, _check_tensor, _flat, _reducer, copy_back
 
 __all__ = ["ShmArena"]
 
@@ -134,7 +134,7 @@ class ShmArena(ArenaCore):
                 flat, copied = _flat(tensor)
                 self._reduce(_Kind.ALL_REDUCE, flat, red, fn, -1, deadline)
                 if copied:
-                    tensor.copy_(flat.view(tensor.shape))
+                    copy_back(tensor, flat)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -166,7 +166,7 @@ class ShmArena(ArenaCore):
                     flat, copied = tensor.reshape(-1), False  # read only: a copy will do
                 self._reduce(_Kind.REDUCE, flat, red, fn, root, deadline)
                 if copied:
-                    tensor.copy_(flat.view(tensor.shape))
+                    copy_back(tensor, flat)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -341,7 +341,7 @@ class ShmArena(ArenaCore):
         self._arrive(f0, deadline)
         self._pipeline(nf, write, read)
         if copied and not is_root:
-            tensor.copy_(flat.view(tensor.shape))
+            copy_back(tensor, flat)
 
     def all_gather(
         self,

@@ -70,13 +70,47 @@ def _make_reducer(dtype: torch.dtype, op: RedOpType) -> Reducer | Exception:
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A 1-D view of ``t``'s elements in order, or a contiguous copy (then True: copy back)."""
+    """A 1-D view of ``t``'s elements in order, or a contiguous copy (then True: copy back,
+    with ``copy_back``)."""
     if t.is_contiguous():
         return t.view(-1), False
+    if overlaps(t):
+        return t.reshape(-1).clone(), True
     try:
         return t.view(-1), False  # a strided 1-D view (x[::2], m[:, 1]) needs no copy
     except RuntimeError:
         return t.reshape(-1), True
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: an expanded tensor (stride 0), an
+    ``unfold``ed or ``as_strided`` view whose rows overlap. (Sufficient, not necessary: the
+    dims sorted by stride, each must step past all the memory of the dims below it.)"""
+    extent = 1  # elements spanned by the dims taken so far
+    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if stride < extent:
+            return True
+        extent += stride * (n - 1)
+    return False
+
+
+def copy_back(dst: torch.Tensor, values: torch.Tensor) -> None:
+    """``dst.copy_(values)`` for a result worked on in a contiguous copy, ``values`` holding
+    ``dst``'s elements in order; also where elements of ``dst`` share memory (which
+    ``copy_`` refuses): each memory location takes the value of one of the elements on it.
+    For what ``all_reduce``, ``reduce`` and ``broadcast`` leave in a tensor, those elements
+    agree (they were one value on every rank), as gloo's results do."""
+    if not overlaps(dst):
+        dst.copy_(values.view(dst.shape))
+        return
+    if dst.numel() == 0:
+        return
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(dst.shape, dst.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n) * stride
+    offsets = offsets.reshape(-1)
+    memory = dst.as_strided((int(offsets.max()) + 1,), (1,))
+    memory.index_put_((offsets,), values.reshape(-1))
 
 
 def _check_tensor(t: object, what: str) -> torch.Tensor:
