@@ -561,6 +561,18 @@ def test_tdists_gather_into_tensor_future_holds_a_view_per_rank_as_gloos() -> No
         assert got == [[[0, 2 * k, [2]] for k in range(n)], [[0, 3 * k, [1, 3]] for k in range(n)]]
 
 
+class _OffCpu(torch.Tensor):
+    """A tensor that says it is on an XPU device (and has no data anywhere)."""
+
+    @staticmethod
+    def __new__(cls, n: int) -> _OffCpu:
+        return torch.Tensor._make_wrapper_subclass(cls, (n,), dtype=torch.float32, device="xpu")  # type: ignore[attr-defined,no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(f"_OffCpu has no data ({func})")
+
+
 def _bad_input(rank: int, n: int, port: int, api: str) -> dict[str, Any]:
     d: Any = tdc
     if api == "tdist":  # tdist's own functions refuse the same, with the same types
@@ -571,16 +583,18 @@ def _bad_input(rank: int, n: int, port: int, api: str) -> dict[str, Any]:
         _init(rank, n, port)
     try:
         out: dict[str, Any] = {}
-        off_cpu = torch.ones(2, device="meta")  # (no CUDA here: any device but the CPU)
+        off_cpu = _OffCpu(2)  # (no accelerator here: a tensor that only says where it lives)
         for name, call in {
             "all_reduce": lambda: d.all_reduce(off_cpu),
             "broadcast": lambda: d.broadcast(off_cpu, src=0),
             "all_gather": lambda: d.all_gather([torch.empty(2) for _ in range(n)], off_cpu),
             "send": lambda: d.send(off_cpu, dst=(rank + 1) % n),
         }.items():
-            with pytest.raises(RuntimeError, match=r"tdist: \w+ got a tensor on meta.*\.cpu\(\)"):
+            with pytest.raises(RuntimeError, match=r"tdist: \w+ got a tensor on xpu.*\.cpu\(\)"):
                 call()
             out[name] = "refused"
+        meta = torch.ones(2, device="meta")  # (as gloo's meta kernels: nothing happens)
+        out["meta"] = [d.all_reduce(meta), d.broadcast(meta, src=0), d.send(meta, dst=(rank + 1) % n)]
         sparse = torch.eye(3).to_sparse()
         with pytest.raises(NotImplementedError, match=r"broadcast does not take torch\.sparse_coo"):
             d.broadcast(sparse, src=0)
@@ -607,6 +621,7 @@ def test_bad_input_is_refused_with_torchs_error_types_and_the_group_goes_on(api:
     for r in results:
         assert r["sparse"] == [True, want.tolist()]
         assert r["after"] == [float(n)] * 2
+        assert r["meta"] == [None, None, None]
 
 
 def _refusals(rank: int, n: int, port: int, which: str) -> dict[str, Any]:

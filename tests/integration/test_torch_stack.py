@@ -394,3 +394,23 @@ def test_torchs_training_stack_under_tdists_module_paths(tmp_path: Path) -> None
         "same": True, "spec": "torch.distributed.fsdp", "sum": 28.0,
         "files": [".metadata", "__0_0.distcp", "__1_0.distcp"],
     }
+
+
+def _sharded_tensor_device(rank: int, n: int) -> dict[str, Any]:
+    from torch.distributed._shard.sharded_tensor import empty as sharded_empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    group = tdc.group.WORLD
+    assert group is not None
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])  # every row on rank 0
+    st = sharded_empty(spec, 4, 2)
+    return {"name": group._get_backend_name(), "device": str(st.device), "local": len(st.local_shards())}
+
+
+@pytest.mark.parametrize("backend", ["gloo", "tdist-api"])
+def test_torch_code_that_asks_the_backend_name_sees_a_gloo_group(backend: str) -> None:
+    """torch's own code branches on ``_get_backend_name() == "gloo"`` (a CPU group): a
+    ShardedTensor with no shard on a rank says it lives on the CPU there, under
+    ``tdist.init_process_group("gloo")`` as under torch's (no CUDA needed)."""
+    res = _run(_sharded_tensor_device, 2, backend)
+    assert res == [{"name": "gloo", "device": "cpu", "local": 1}, {"name": "gloo", "device": "cpu", "local": 0}]

@@ -65,8 +65,6 @@ def as_tensor(param: object, param_name: str) -> torch.Tensor:
     """
     if isinstance(param, torch.Tensor):
         if param.layout is not torch.strided or not param.is_cpu:
-            if param.is_meta:
-                raise OnMeta(f"{_caller()}: {param_name} is on the meta device")
             dense_cpu(_caller(), [param])
         return param
     if _is_numpy(param):
@@ -433,10 +431,13 @@ def check_written(tensors: torch.Tensor | Sequence[torch.Tensor], what: str, nam
 def dense_cpu(op: str, *tensor_lists: Sequence[torch.Tensor]) -> None:
     """Refuse, before any rank sends a byte, what tdist's backends cannot serve: a tensor off
     the CPU (``RuntimeError``, torch's type for a device with no backend), or a sparse one
-    (``NotImplementedError``, as gloo, which reduces sparse tensors in ``all_reduce`` only)."""
+    (``NotImplementedError``, as gloo, which reduces sparse tensors in ``all_reduce`` only).
+    A tensor on the meta device raises ``OnMeta``, which ``meta_noop`` turns into nothing."""
     for tensors in tensor_lists:
         for t in tensors:
             if t.device.type != "cpu":
+                if t.is_meta:
+                    raise OnMeta(f"{op}: a tensor on the meta device")
                 raise RuntimeError(
                     f"tdist: {op} got a tensor on {t.device}; tdist serves CPU tensors only. Move "
                     "it with .cpu(), or give that device a backend of its own "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -37,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as tdc
@@ -48,7 +49,7 @@ from ..store import PrefixStore
 from ..store._api import Store
 from . import _types as T
 from ._backend_config import Backend
-from ._checks import CollectiveArgumentError
+from ._checks import CollectiveArgumentError, OnMeta
 from ._checks import dense_cpu as _check
 from ._group import GroupInfo, ProcessGroup, SplitMerge, _d, _dd, chain_work
 from ._profiling import profiled
@@ -330,6 +331,23 @@ def _small(outputs: Any, limit: int) -> bool:
 _held = _Held()
 
 
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _skips_meta(method: _M) -> _M:
+    """``method``, doing nothing on tensors on the meta device (a completed work), as torch's
+    meta kernels of gloo's operations."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except OnMeta:
+            return TorchWork(T.Work.completed([], method.__name__), [])
+
+    return run  # type: ignore[return-value]
+
+
 class TorchWork(_TorchWork):  # type: ignore[misc]
     """A tdist ``Work`` as torch's: what torch's functions and modules wait on (kept alive
     until waited for: see ``_Held``)."""
@@ -587,6 +605,11 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         tdist's backend.)"""
         return self._shown_name or BACKEND_NAME
 
+    def _get_backend_name(self) -> str:
+        """``name()``: torch's own code branches on it ("gloo": the group's tensors live on
+        the CPU; SyncBatchNorm, ShardedTensor's device), as it does on its gloo group."""
+        return self.name()
+
     # (a group written in Python registers no per-device backend with torch, whose Python code
     # asks for them: ``_get_pg_default_device`` (distributed checkpoints' state-dict loading),
     # ``_device_capability``, ``_set_pg_timeout``; this group is its own CPU backend)
@@ -631,11 +654,13 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         return f"TorchProcessGroup(tdist, rank={self.rank()}, size={self.size()})"
 
     # -- collectives ---------------------------------------------------------------------------
+    @_skips_meta
     @profiled("broadcast", "broadcast_")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("broadcast", tensors)
         return TorchWork(self._b.broadcast(_d(tensors), _opts(T.BroadcastOptions, opts)), tensors)
 
+    @_skips_meta
     @profiled("all_reduce", "allreduce_")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         if opts is not None and not hasattr(opts, "reduceOp"):  # allreduce(tensors, op)
@@ -647,23 +672,27 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         _check("allreduce", tensors)
         return TorchWork(self._b.allreduce(_d(tensors), _opts(T.AllreduceOptions, opts)), tensors)
 
+    @_skips_meta
     @profiled("all_reduce", "allreduce_coalesced_")
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allreduce_coalesced", tensors)
         o = _opts(T.AllreduceOptions, opts)
         return _all(tensors, [self._b.allreduce([t], o) for t in _d(tensors)])
 
+    @_skips_meta
     @profiled("reduce", "reduce_")
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("reduce", tensors)
         return TorchWork(self._b.reduce(_d(tensors), _opts(T.ReduceOptions, opts)), tensors)
 
+    @_skips_meta
     @profiled("all_gather", "allgather_")
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("allgather", inputs, *outputs)
         work = self._b.allgather(_dd(outputs), inputs, _opts(T.AllgatherOptions, opts))
         return TorchWork(work, _flat(outputs))
 
+    @_skips_meta
     @profiled("all_gather", "_allgather_base_")
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("all_gather_into_tensor", [output, input])
@@ -676,16 +705,19 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
     ) -> TorchWork:
         return _pairwise(self._b._allgather_base, outputs, inputs, _opts(T.AllgatherOptions, opts))
 
+    @_skips_meta
     @profiled("gather", "gather_")
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("gather", inputs, *outputs)
         return TorchWork(self._b.gather(_dd(outputs), inputs, _opts(T.GatherOptions, opts)), _flat(outputs))
 
+    @_skips_meta
     @profiled("scatter", "scatter_")
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> TorchWork:
         _check("scatter", outputs, *inputs)
         return TorchWork(self._b.scatter(_d(outputs), inputs, _opts(T.ScatterOptions, opts)), outputs)
 
+    @_skips_meta
     @profiled("reduce_scatter", "reduce_scatter_")
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
@@ -693,6 +725,7 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
         _check("reduce_scatter", outputs, *inputs)
         return TorchWork(self._b.reduce_scatter(_d(outputs), inputs, _opts(T.ReduceScatterOptions, opts)), outputs)
 
+    @_skips_meta
     @profiled("reduce_scatter", "_reduce_scatter_base_")
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         _check("reduce_scatter_tensor", [output, input])
@@ -705,11 +738,13 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
     ) -> TorchWork:
         return _pairwise(self._b._reduce_scatter_base, outputs, inputs, _opts(T.ReduceScatterOptions, opts))
 
+    @_skips_meta
     @profiled("all_to_all", "alltoall_")
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
         _check("all_to_all", outputs, inputs)
         return TorchWork(self._b.alltoall(_d(outputs), inputs, _opts(T.AllToAllOptions, opts)), outputs)
 
+    @_skips_meta
     @profiled("all_to_all", "alltoall_base_")
     def alltoall_base(
         self,
@@ -734,6 +769,7 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
             o.timeout = timeout
         self._b.monitored_barrier(o, wait_all_ranks)
 
+    @_skips_meta
     @profiled("all_gather", "allgather_coalesced_")
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -764,16 +800,19 @@ class TorchProcessGroup(SplitMerge, _TorchProcessGroup):  # type: ignore[misc]
     all_to_all_single = alltoall_base
 
     # -- point to point ------------------------------------------------------------------------
+    @_skips_meta
     @profiled("send", "send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> TorchWork:
         _check("send", tensors)
         return TorchWork(self._b.send(tensors, dst, tag), tensors)
 
+    @_skips_meta
     @profiled("recv", "recv_")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> TorchWork:
         _check("recv", tensors)
         return TorchWork(self._b.recv(_d(tensors), src, tag), tensors)
 
+    @_skips_meta
     @profiled("recvAnySource", "recv_any_source_")
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> TorchWork:
         _check("recv", tensors)
