@@ -15,6 +15,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from torch._C._distributed_c10d import Work as _TorchWork
+
 from .._core.deadline import to_seconds
 from .._core.errors import CollectiveTimeoutError, DistError
 
@@ -210,13 +212,15 @@ _OP_TYPES = {
 }
 
 
-class Work:
-    """The handle of a process-group operation (``torch.distributed.Work``).
+class Work(_TorchWork):
+    """The handle of a process-group operation: a ``torch.distributed.Work`` (its ``boxed()``
+    and ``Work.unbox`` too), whose methods are these.
 
     A backend completes it with ``_complete(result)`` or ``_fail(exc)`` from any thread.
     """
 
     def __init__(self, op: str = "", peer: str = "", result: list[Any] | None = None) -> None:
+        _TorchWork.__init__(self)
         self._op = op
         # the event is made only if someone waits before completion: most operations finish
         # in the caller's thread, and an Event (a Condition and two locks) costs microseconds
