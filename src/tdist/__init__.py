@@ -41,6 +41,7 @@ def _load() -> None:
     private = (
         "_all_gather_base", "_reduce_scatter_base", "_clear_group_cache", "_register_stream",
         "_coalescing_manager", "_CoalescingManager", "_rank_not_in_group", "_get_default_group",
+        "_get_process_group_name",
         *public.TORCH_PRIVATE,
     )
     c10d = public.distributed_c10d

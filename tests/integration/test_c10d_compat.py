@@ -157,3 +157,69 @@ def test_breakpoint_stops_one_rank_in_the_debugger_and_the_others_wait_for_it(tm
     assert printed is not None, out0
     assert "ATTENTION" not in out1 and "after 0: 2.0" in out1 and "after 1: 2.0" in out1, out1
     assert printed.start() > out0.index("after 0: 2.0"), out0  # (it stopped on the second call)
+
+
+def _private_helpers(rank: int, world: int, port: int, which: str) -> dict[str, Any]:
+    """torch's private helpers of ``distributed_c10d`` that libraries call, on gloo (torch's
+    module) or on tdist (tdist's module of the same path)."""
+    import os
+    import warnings
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if which == "gloo":
+        import torch.distributed as d
+    else:
+        import tdist as d  # type: ignore[no-redef]
+    c10d: Any = d.distributed_c10d
+    d.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        g = d.new_group([0, 1])
+        solo = d.new_group([1])
+        out: dict[str, Any] = {
+            "sizes": [c10d._get_group_size(None), c10d._get_group_size(g)],
+            "name": c10d._get_process_group_name(g) == g.group_name != c10d._get_process_group_name(d.group.WORLD),
+            "unknown name": c10d._get_process_group_name(object()),
+            "resolve": c10d._resolve_process_group(g.group_name) is g,
+            "object device": c10d._get_object_coll_device(g),
+            "timeout": c10d._get_default_timeout("gloo"),
+            "tag": c10d._get_group_tag(g) == f"ptd:{g.group_name}",
+            "found": c10d._find_pg_by_ranks_and_tag(c10d._get_group_tag(g), [0, 1]) is g,
+            "maps": [c10d._world.pg_group_ranks[g], c10d._world.pg_map[g][0], c10d._world.pg_names[g] == g.group_name],
+            "names": sorted(c10d._pg_names.values(), key=int) if rank == 1 else len(c10d._pg_names),
+            "config": {k: v for k, v in c10d._get_pg_config(g).items() if k != "pg_desc"},
+            "pg ranks": c10d._pg_group_ranks[g],
+        }
+        with pytest.raises(RuntimeError, match="Could not resolve the process group"):
+            c10d._resolve_process_group("no such group")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out["device"] = str(c10d._get_pg_default_device(g))
+            out["global"] = c10d._get_global_rank(g, 1)
+        out["warned"] = sorted({type(w.message).__name__ for w in seen})
+        data, size = c10d._object_to_tensor({"rank": rank}, torch.device("cpu"), g)
+        out["object"] = [data.dtype, size.tolist() == [data.numel()], c10d._tensor_to_object(data, size.item(), g)]
+        c10d._store_based_barrier(rank, c10d._get_default_store(), "mine", world, timedelta(seconds=20))
+        tagged = c10d._new_group_with_tag([0, 1], pg_tag="mine")
+        out["tagged"] = [
+            c10d._find_pg_by_ranks_and_tag("mine", [0, 1]) is tagged,
+            c10d._get_group_tag(tagged),
+            c10d._find_or_create_pg_by_ranks_and_tag("mine", [0, 1], 2) is tagged,
+        ]
+        if rank == 1:
+            out["solo"] = c10d._get_group_size(solo)
+        t = torch.ones(2)
+        d.all_reduce(t, group=tagged)
+        out["after"] = t.tolist()
+        return out
+    finally:
+        d.destroy_process_group()
+
+
+def test_torchs_private_helpers_answer_on_tdist_as_on_gloo() -> None:
+    """``_get_group_size``, ``_get_process_group_name``, ``_resolve_process_group``, ``_world``
+    and the module's maps, tags, ``_object_to_tensor``, ``_store_based_barrier``...: the same
+    answers from ``tdist.distributed_c10d`` as from torch's module over gloo."""
+    want = run_processes(_private_helpers, 2, free_port(), "gloo", timeout=100)
+    got = run_processes(_private_helpers, 2, free_port(), "tdist", timeout=100)
+    assert want[0]["names"] and want[1]["names"] == ["0", "1", "2"]
+    assert got == want

@@ -14,8 +14,10 @@ module's ``CollectiveMismatchError``)::
     │   │                                       with arguments that do not fit
     │   ├── CollectiveTimeoutError (DistTimeoutError)  a collective or point-to-point operation
     │   │                                       did not finish within its timeout
-    │   └── CollectiveArgumentError (ValueError)  [c10d._checks] an argument a collective cannot
-    │                                           work with (where torch's gloo raises RuntimeError)
+    │   ├── CollectiveArgumentError (ValueError)  [c10d._checks] an argument a collective cannot
+    │   │                                       work with (where torch's gloo raises RuntimeError)
+    │   └── OnMeta                              [c10d._checks] a tensor on the meta device reached
+    │                                           a collective: caught there, which does nothing
     ├── DistNetworkError                        a connection could not be made or was lost
     │   ├── AuthenticationError                 the peer did not prove the shared secret
     │   └── TorchServerError                    [store._tcp] tdist's store client reached torch's

@@ -109,7 +109,7 @@ def as_tensor_list(param: object, param_name: str) -> list[torch.Tensor]:
     return [as_tensor(p, param_name) for p in param]
 
 
-class OnMeta(RuntimeError):
+class OnMeta(DistBackendError):
     """A tensor on the meta device reached a collective (raised by ``as_tensor`` before
     anything is sent; ``meta_noop`` turns it into torch's no-op)."""
 
