@@ -223,3 +223,28 @@ def test_torchs_private_helpers_answer_on_tdist_as_on_gloo() -> None:
     got = run_processes(_private_helpers, 2, free_port(), "tdist", timeout=100)
     assert want[0]["names"] and want[1]["names"] == ["0", "1", "2"]
     assert got == want
+
+
+def _sparse_sum(rank: int, world: int, port: int) -> list[Any]:
+    import os
+    import warnings
+
+    import tdist as d
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    d.init_process_group("gloo", timeout=timedelta(seconds=20))
+    try:
+        t = torch.sparse_coo_tensor([[rank, 2]], [1.0, 2.0], (3,), check_invariants=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            d.all_reduce(t)
+        return [t.to_dense().tolist(), [str(w.message)[:60] for w in seen]]
+    finally:
+        d.destroy_process_group()
+
+
+def test_a_sparse_all_reduce_warns_of_nothing() -> None:
+    """gloo's one sparse collective, in fresh interpreters (torch warns once per process): the
+    sum, and no warning about sparse invariant checks (the entries from peers are checked)."""
+    got = run_processes(_sparse_sum, 2, free_port(), timeout=100, start_method="spawn")
+    assert got == [[[1.0, 1.0, 4.0], []]] * 2

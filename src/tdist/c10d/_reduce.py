@@ -73,5 +73,6 @@ def sparse_all_reduce(
         torch.cat([i[:, :c] for i, c in zip(all_i, k, strict=True)], dim=1),
         torch.cat([v[:c] for v, c in zip(all_v, k, strict=True)]),
         t.shape,
+        check_invariants=True,  # (indices from peers: out of bounds is an error, not a crash)
     ).coalesce()
     t.copy_(total)
