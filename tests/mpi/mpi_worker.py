@@ -44,6 +44,11 @@ def _ops() -> dict[str, Any]:
     nc = torch.ones(4, 6)[:, ::2] * (r + 1)  # (non-contiguous: one staging copy)
     dist.all_reduce(nc)
     out["noncontig"] = nc.tolist()
+    ex = torch.full((1,), r + 1.0).expand(3)  # (elements sharing memory: written back once each)
+    dist.all_reduce(ex)
+    exb = torch.full((1, 1), r + 5.0).expand(2, 2)
+    dist.broadcast(exb, src=2)
+    out["expanded"] = [ex.tolist(), exb.tolist()]
     bf = torch.arange(4, dtype=torch.bfloat16) * 1.5 if r == 1 else torch.zeros(4, dtype=torch.bfloat16)
     dist.broadcast(bf, src=1)  # (bytes: any dtype)
     out["bcast_bf16"] = bf.float().tolist()

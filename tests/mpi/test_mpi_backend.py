@@ -91,6 +91,7 @@ def check_ops(res: list[dict[str, Any]]) -> None:
         assert got["avg"] == [2.0] * 4
         assert got["bxor"] == [1 ^ 2 ^ 3] * 6
         assert got["noncontig"] == [[6.0] * 3] * 4
+        assert got["expanded"] == [[6.0] * 3, [[7.0] * 2] * 2]
         assert got["bcast_bf16"] == [0.0, 1.5, 3.0, 4.5]
         assert got["all_gather"] == [[float(k)] * (k + 1) for k in range(n)]
         assert got["all_gather_into_tensor"] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
