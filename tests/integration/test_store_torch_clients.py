@@ -100,6 +100,8 @@ def exercise(c: Any) -> list[Any]:
         outcome(lambda: c.set("big", b"\xff" * 300_000)),
         outcome(lambda: len(c.get("big"))),
         outcome(lambda: c.num_keys()),
+        outcome(lambda: sorted(c.list_keys())),
+        outcome(lambda: c.get("k")),  # (in step after the list)
     ]
 
 
@@ -110,6 +112,19 @@ def test_torchs_client_gets_from_a_tdist_server_what_it_gets_from_torchs(server:
     assert got == expected
     # (the cancelled wait timed out, as on torch's server, and queue_pop on empty raised)
     assert expected[11][0] == "DistStoreError" and expected[27][0] == "QueueEmptyError"
+
+
+def test_torchs_client_lists_the_keys_it_can_name(server: StoreServer) -> None:
+    """``list_keys`` of torch's client: its own keys and tdist's under its namespace, never
+    tdist's own. (A server in another process: torch's client holds the GIL while it lists.)"""
+    theirs = torch_client(server.port)
+    ours = tdist.TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=5))
+    theirs.set("from_torch", "t")
+    ours.set("torch:/from_tdist", b"d")
+    ours.set("not_theirs", b"x")
+    assert ours.check(["not_theirs"])  # (a round trip: its quiet sets are served by now)
+    assert sorted(theirs.list_keys()) == ["from_tdist", "from_torch"]
+    assert theirs.get("from_torch") == b"t"  # (in step after the list)
 
 
 def test_tdist_and_torch_clients_share_the_keys_torchs_client_names(thread_server: StoreServer) -> None:

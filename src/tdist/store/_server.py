@@ -1882,6 +1882,11 @@ class StoreServer:
                 self._changes((key,), changed=False)
         elif kind == Query.GETNUMKEYS:  # (the keys a torch client can name)
             out += Reply.number(sum(1 for key in state.data if key.startswith(TORCH_KEYS) or key == "init/"))
+        elif kind == Query.LIST_KEYS:  # (those keys, as torch's server keeps them: its client strips them)
+            out += Reply.values([
+                (key if key == "init/" else key[len(TORCH_KEYS):]).encode()
+                for key in state.data if key.startswith(TORCH_KEYS) or key == "init/"
+            ])
         elif args[0] != _TORCH_MAGIC:  # VALIDATE (again)
             raise RemoteProtocolError("VALIDATE with the wrong magic number")
 

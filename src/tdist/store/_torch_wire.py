@@ -60,6 +60,7 @@ class Query:
     QUEUE_PUSH = 14
     QUEUE_POP = 15
     QUEUE_LEN = 16
+    LIST_KEYS = 17
 
 
 # a query's arguments, in order: k = a key or value (u64 length, bytes), q = an i64, u = a u32,
@@ -82,6 +83,7 @@ _SHAPES: dict[int, str] = {
     Query.QUEUE_PUSH: "kk",
     Query.QUEUE_POP: "k",
     Query.QUEUE_LEN: "k",
+    Query.LIST_KEYS: "",
 }
 
 
@@ -213,6 +215,11 @@ class Reply:
     @staticmethod
     def number(n: int) -> bytes:
         return _I64.pack(n)
+
+    @staticmethod
+    def values(items: list[bytes]) -> bytes:
+        """A count, then each item as ``value`` (``LIST_KEYS``' reply)."""
+        return _U64.pack(len(items)) + b"".join(_U64.pack(len(v)) + v for v in items)
 
     @staticmethod
     def nonce(n: int) -> bytes:
