@@ -140,8 +140,10 @@ def test_torchruns_helpers() -> None:
 
 
 def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_error_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
+    """The failure report is the exception's words, printed by nothing else (as torch's: a
+    program that catches the error prints no report; uncaught, Python prints it once)."""
     mine = tmp_path / "launcher_error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(mine))
     # (the run's log directory keeps the worker's error file, as torchrun's does: in tmp_path)
@@ -156,9 +158,18 @@ def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_
     rank, failure = info.value.get_first_failure()
     assert (rank, failure.local_rank, failure.exitcode) == (1, 1, 1)
     assert "rank one fails" in str(failure.message) and "fail_on_rank_one" in str(info.value)
+    assert "Root Cause" in str(info.value) and "Root Cause" not in capfd.readouterr().err
     # the root cause's error file, as this process's, with the worker's exit code
     data = json.loads(mine.read_text())
     assert data["message"]["errorCode"] == 1 and "rank one fails" in data["message"]["message"]
+
+
+def test_a_launch_config_without_logs_specs_gets_torchs_default() -> None:
+    from tdist.elastic.multiprocessing import DefaultLogsSpecs
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    assert isinstance(config.logs_specs, DefaultLogsSpecs) and os.path.isdir(config.logs_specs.root_log_dir)
+    os.rmdir(config.logs_specs.root_log_dir)
 
 
 def test_torchruns_functions_parse_its_options_and_run_the_job(tmp_path: Path) -> None:

@@ -352,7 +352,9 @@ def test_traceback_tail_picks_the_last_traceback() -> None:
              "more noise\n", "Traceback (most recent call last):\n", '  File "x.py", line 1\n',
              "ValueError: boom\n"]
     assert traceback_tail(lines) == 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: boom'
-    assert traceback_tail(["a\n", "b\n", "c\n"], max_lines=2) == "...\nb\nc"
+    assert traceback_tail(["a\n", "b\n", "c\n"], max_lines=2) == (
+        "<N/A> (no Python traceback on stderr, which ended:)\n...\nb\nc"
+    )
     assert traceback_tail([]).startswith("<N/A>")
 
 

@@ -340,6 +340,10 @@ class LocalAgent:
         self.last_exits: list[WorkerExit] = []
         self.last_attempt = 0
         self.title = ""  # what the failure report calls the job (default: its entrypoint)
+        # where the failure report goes: stderr (the tdist command), or kept here for the
+        # exception a programmatic caller raises (``tdist.launcher.api``: torch's prints nothing)
+        self.keep_report = False
+        self.failure_report: str | None = None
         self._signal_count = 0
         self._wake_r = -1
         self._wake_w = -1
@@ -909,7 +913,10 @@ class LocalAgent:
                     # came is reported with its error, as torchrun's)
                     error_files=self._error_files(restart_count, exits), post_mortem=post_mortem,
                 )
-                self._write(self._err, report.encode() + b"\n")
+                if self.keep_report:
+                    self.failure_report = report
+                else:
+                    self._write(self._err, report.encode() + b"\n")
                 if self._stacks:  # (the report names the snapshot's files: they stay)
                     self._loose_snapshot = None
             elif outcome is Outcome.INTERRUPTED and self._leaving:

@@ -786,7 +786,8 @@ def describe_returncode(returncode: int) -> str:
 
 
 def traceback_tail(lines: Sequence[str], max_lines: int = 20) -> str:
-    """The last Python traceback in ``lines`` (a worker's last stderr lines), else their end."""
+    """The last Python traceback in ``lines`` (a worker's last stderr lines), else their end
+    under a line that says there is none."""
     lines = [line.rstrip("\n") for line in lines]
     start = None
     for i in range(len(lines) - 1, -1, -1):
@@ -798,6 +799,8 @@ def traceback_tail(lines: Sequence[str], max_lines: int = 20) -> str:
         picked = ["...", *picked[-max_lines:]]
     if not picked:
         return "<N/A> (nothing on stderr)"
+    if start is None:  # (what it wrote last is not a traceback: said so, then shown)
+        return "\n".join(["<N/A> (no Python traceback on stderr, which ended:)", *picked])
     return "\n".join(picked)
 
 

@@ -49,9 +49,8 @@ class LaunchConfig:
         min_nodes, max_nodes: the job's node count, or its elastic range (c10d or etcd).
         nproc_per_node: workers on this node.
         logs_specs: where the workers' logs go: ``tdist.elastic.multiprocessing.DefaultLogsSpecs``
-            or torch's (its log directory, redirects, tee and local ranks filter are read), or
-            ``None`` (a temporary directory, removed at the end unless a worker wrote an error
-            file).
+            or torch's (its log directory, redirects, tee and local ranks filter are read);
+            ``None``: a ``DefaultLogsSpecs()`` (a new temporary directory), as torch's.
         run_id: the job's id (``TORCHELASTIC_RUN_ID``; empty: a random one).
         role: ``ROLE_NAME``.
         rdzv_endpoint: ``host[:port]``: static, node 0's store (port required); c10d, where the
@@ -107,6 +106,10 @@ class LaunchConfig:
     shutdown_timeout: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logs_specs is None:
+            from ..elastic.multiprocessing import DefaultLogsSpecs
+
+            self.logs_specs = DefaultLogsSpecs()
         if self.rdzv_timeout != -1:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         elif "timeout" not in self.rdzv_configs:
@@ -174,6 +177,7 @@ def launch_agent(
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
         agent = LocalAgent(cfg)
         agent.title = name
+        agent.keep_report = True  # (it goes in the ChildFailedError: printed if uncaught)
         code = agent.run()
         if code != 0:
             raise _failure(agent, name, code)
@@ -191,7 +195,10 @@ def _failure(agent: LocalAgent, name: str, code: int) -> BaseException:
 
     if agent.signum is not None:
         return agent.signal_exception()
-    return ChildFailedError(name=name, failures=agent.process_failures(code))
+    exc = ChildFailedError(name=name, failures=agent.process_failures(code))
+    if agent.failure_report:  # (its words: tdist's report, with the post-mortem)
+        exc.args = ("\n" + agent.failure_report,)
+    return exc
 
 
 def _tdist_config(
