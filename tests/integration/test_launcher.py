@@ -1893,6 +1893,23 @@ def test_sigterm_to_a_node_of_an_elastic_job_is_a_scale_down(work: Path) -> None
     assert sorted(sums) == ["rank 0 of 2 sum 2", "rank 1 of 2 sum 2"]
 
 
+@pytest.mark.timeout(90)
+def test_sigterm_to_the_only_node_of_an_elastic_job_stops_the_job(work: Path) -> None:
+    """No other node goes on: SIGTERM to the one node of a 1:2 job is an interruption, exit 1
+    (as torchrun), not a scale-down's 0."""
+    (work / "wait.py").write_text("import time\nprint('running', flush=True)\ntime.sleep(60)\n")
+    node = start_launcher(work, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                          "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1",
+                          "--monitor-interval", "0.2", "wait.py")
+    assert node.stdout is not None
+    while "running" not in (line := node.stdout.readline()):
+        assert line, "the launcher ended before its worker ran"
+    node.send_signal(signal.SIGTERM)
+    ((_, err),) = outputs([node], timeout=60)
+    assert node.returncode == 1, err
+    assert "stopped the workers on SIGTERM" in err and "left the job" not in err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_node_whose_agent_stops_is_dropped_and_the_others_re_form(work: Path) -> None:

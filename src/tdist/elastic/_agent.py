@@ -823,11 +823,12 @@ class LocalAgent:
         return now < self._settle_until and self._peer_failure()[0] is None
 
     def _scale_down(self) -> bool:
-        """SIGTERM to a node of an elastic job (a MIN:MAX range): it leaves the job on purpose,
-        and the others re-form without it (no failure counted)."""
+        """SIGTERM to a node of an elastic job (a MIN:MAX range) that others run with: it
+        leaves the job on purpose, and the others re-form without it (no failure counted). (The
+        job's only node stops it: an interruption, as torchrun's.)"""
         return (
             self._signum == signal.SIGTERM and self._dynamic() is not None and self._joined
-            and self._min_nodes < self._max_nodes
+            and self._min_nodes < self._max_nodes and self.config.nnodes > 1
         )
 
     def _try_to_host(self, secret: str) -> StoreServer | None:
