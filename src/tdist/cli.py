@@ -27,6 +27,10 @@ __all__ = ["console_main", "main"]
 log = logging.getLogger(__name__)
 
 
+
+#: torchrun's ``--numa-binding`` modes (torch.numa.binding's ``AffinityMode``)
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
 def _opt(*names: str) -> list[str]:
     """``--foo-bar`` and torchrun's ``--foo_bar``."""
     out: list[str] = []
@@ -304,11 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"as torchrun's: a line of a worker's {std} that --tee sends to the console and "
                          f"its file and that holds one of these strings is copied, with its prefix, to "
                          f"attempt_<n>/filtered_{std}.log in the run's log directory (a double comma is a comma)")
-    for flag, default, what in (
-        ("--logs-specs", None, "torchrun's LogsSpecs entry point (tdist run lays out --log-dir as torchrun's default)"),
-        ("--numa-binding", None, "torchrun's NUMA binding to GPUs (CPU workers here: none)"),
-    ):
-        run.add_argument(*_opt(flag), default=default, metavar="VALUE", help=f"{what}; accepted and not used")
+    run.add_argument(*_opt("--logs-specs"), default=None, metavar="VALUE",
+                     help="torchrun's LogsSpecs entry point (tdist run lays out --log-dir as torchrun's "
+                     "default); accepted and not used")
+    run.add_argument(*_opt("--numa-binding"), default=None, choices=NUMA_MODES,
+                     help="torchrun's NUMA binding to GPUs (CPU workers here: none); accepted and not used")
     run.add_argument(*_opt("--event-log-handler"), default="null", metavar="NAME",
                      help="where the launcher's worker events go (tdist.elastic.events: null, console)")
     run.add_argument(*_opt("--virtual-local-rank"), action="store_true",

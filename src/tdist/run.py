@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def get_args_parser() -> argparse.ArgumentParser:
     """torchrun's argument parser: its options, defaults and ``dest`` names."""
-    from .cli import _pet_defaults
+    from .cli import NUMA_MODES, _pet_defaults
     from .elastic._policy import comma_separated
 
     p = argparse.ArgumentParser(description="Torch Distributed Elastic Training Launcher (tdist)")
@@ -77,7 +77,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     opt("--master-port", type=int, default=None)
     opt("--local-addr", type=str, default=None)
     opt("--logs-specs", type=str, default=None)
-    opt("--numa-binding", type=str, default=None)
+    opt("--numa-binding", type=str, default=None, choices=NUMA_MODES)
     opt("--signals-to-handle", type=str, default="SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     opt("--shutdown-timeout", type=int, default=None)
     opt("--virtual-local-rank", action="store_true")

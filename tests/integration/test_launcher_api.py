@@ -216,3 +216,15 @@ def test_the_legacy_launcher_gives_each_worker_its_local_rank_argument(tmp_path:
         tdist.launch.main(["--nproc_per_node", "1", "--use_env", "--master_port", "0", str(script), "--lr", "0.1"])
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="--use-env"):
         tdist.launch.main(["--no-python", "--master_port", "0", "true"])
+
+
+def test_numa_binding_takes_torchruns_modes_alone() -> None:
+    """``--numa-binding``: torchrun's modes (accepted, nothing to bind on CPU workers); another
+    value is a usage error, on ``tdist.run``'s parser and on the ``tdist run`` command."""
+    from tdist.cli import build_parser
+
+    assert tdist_run.parse_args(["--numa-binding", "socket", "x.py"]).numa_binding == "socket"
+    for parse in (lambda a: tdist_run.parse_args(a), lambda a: build_parser().parse_args(["run", *a])):
+        with pytest.raises(SystemExit) as info:
+            parse(["--numa-binding", "bogus", "x.py"])
+        assert info.value.code == 2
