@@ -208,6 +208,11 @@ def unpicklable_result() -> Any:
     return lambda: 1
 
 
+def lock_result() -> Any:
+    """A value the callee cannot send back, whose pickling raises TypeError."""
+    return threading.Lock()
+
+
 # -- async_execution ---------------------------------------------------------------------------
 
 

@@ -664,6 +664,7 @@ def _uncrossable(w: Worker) -> dict[str, Any]:
     # a result the callee cannot send back (torch's remote().to_here() of one hangs: not tried)
     for mode in ("sync", "async") if TORCH else MODES:
         out[f"result/{mode}"] = _attempt(call, mode, p, f.unpicklable_result)
+        out[f"lock/{mode}"] = _attempt(call, mode, p, f.lock_result)
     # a function the caller's module has and the callee's lacks (as one defined in the caller's
     # __main__ only): the callee cannot unpickle the request
     fname = f"only_on_caller_{w.rank}"
@@ -693,6 +694,10 @@ def test_a_result_or_function_that_cannot_cross_fails_as_a_runtime_error(backend
             got = obs[f"result/{mode}"]
             assert got is not None and "RuntimeError" in got["mro"], (mode, got)
             assert "Can't pickle local object" in got["text"], (mode, got)
+        for mode in ("sync", "async") if TORCH else MODES:  # (the pickler's TypeError: a RuntimeError)
+            got = obs[f"lock/{mode}"]
+            assert got is not None and "RuntimeError" in got["mro"], (mode, got)
+            assert "TypeError: cannot pickle '_thread.lock' object" in got["text"], (mode, got)
             got = obs[f"missing/{mode}"]
             assert got is not None and "RuntimeError" in got["mro"], (mode, got)
             assert re.search(PICKLER_HINT_RE, got["text"]), (mode, got)

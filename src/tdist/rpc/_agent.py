@@ -801,7 +801,19 @@ class RpcAgent:
         except (DistError, OSError) as exc:
             log.debug("%s: could not reply to %s: %s", self.label, self.describe(dst), exc)
         except BaseException as exc:  # the result could not be serialized: say so
-            self._reply_error(dst, tag, _errors.capture(exc, self.label))
+            self._reply_error(dst, tag, self._unsendable(exc))
+
+    def _unsendable(self, exc: BaseException) -> Any:
+        """The error record of a result that could not be serialized (``exc``: the pickler's
+        error), which the caller raises as a ``RuntimeError``, as torch's: its own type where
+        that is rebuilt as a ``RuntimeError`` too (``_errors``' rule 5); a ``TypeError`` or
+        ``ValueError``, which would be rebuilt as such and read as the function's own, as a
+        ``RuntimeError`` that names it (torch's words)."""
+        if not isinstance(exc, (TypeError, ValueError)):
+            return _errors.capture(exc, self.label)
+        failed = RuntimeError(f"{type(exc).__name__}: {exc}")
+        failed.__cause__ = exc
+        return _errors.capture(failed.with_traceback(exc.__traceback__), self.label)
 
     def _reply_error(self, dst: int, tag: int, record: Any) -> None:
         try:
@@ -902,7 +914,7 @@ class RpcAgent:
             except (DistError, OSError) as exc:
                 log.debug("%s: could not reply to %s: %s", self.label, self.describe(src), exc)
             except BaseException as exc:  # the value could not be serialized: say so
-                self._reply_error(src, tag, _errors.capture(exc, self.label))
+                self._reply_error(src, tag, self._unsendable(exc))
                 self._reply(src, ack[2], ack[3], answer=False)
             return
         self._reply(src, tag, value)
