@@ -75,6 +75,43 @@ def test_one_string_is_not_a_list_of_keys_bytes_are_a_key_and_counters_wrap_at_6
         master.close()
 
 
+@pytest.mark.parametrize("kind", ["hash", "file", "tcp"])
+def test_what_torchs_bindings_take_for_an_amount_a_prefix_a_value_and_a_timeout(kind: str, tmp_path: object) -> None:
+    """torch's ``int64_t`` takes what stands for an int (numpy's, a tensor's, a bool); a stored
+    counter must be decimal text of 64 bits (torch's parse fails past them: no wrapping, and no
+    digits with underscores, which Python's int() takes); a bytes prefix, a bytes subclass
+    value and ``timedelta.max`` (a wait of 31 years) are taken."""
+    import numpy as np
+
+    master = None
+    if kind == "hash":
+        store: tdist.Store = tdist.HashStore()
+    elif kind == "file":
+        store = tdist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
+    else:
+        master = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
+        store = tdist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=5))
+    assert [store.add("a", np.int64(3)), store.add("a", True), store.add("a", torch.tensor(2))] == [3, 4, 6]  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="amount must be int, got float"):
+        store.add("a", 1.5)  # type: ignore[arg-type]
+    for text in ("99999999999999999999", "-99999999999999999999", "1_000", "7x"):
+        store.set("c", text)
+        with pytest.raises(tdist.DistStoreError, match="not an integer of 64 bits"):
+            store.add("c", 1)
+        assert store.get("c") == text.encode()  # (unchanged, and the store goes on)
+    store.set("c", "-3")
+    assert store.add("c", 1) == -2
+    store.set("b", np.bytes_(b"q"))  # type: ignore[arg-type]
+    assert type(store.get("b")) is bytes
+    prefixed = tdist.PrefixStore(b"pb", store)  # type: ignore[arg-type]
+    prefixed.set("k", "v")
+    assert store.get("pb/k") == b"v"
+    store.set_timeout(timedelta.max)
+    assert store.timeout >= timedelta(days=365 * 30) and store.get("pb/k") == b"v"  # ("forever")
+    if master is not None:
+        master.close()
+
+
 class CoreOnly(tdist.Store):
     """A store that implements the core calls alone (a dict)."""
 

@@ -11,8 +11,14 @@ __all__ = ["Clock", "Deadline", "to_seconds"]
 Clock = Callable[[], float]
 
 
+#: the longest timeout, in seconds (about 31 years): a longer one (``timedelta.max``) is this,
+#: which the clock, ``poll`` and ``settimeout`` all take
+FOREVER = 1e9
+
+
 def to_seconds(timeout: timedelta | float | int | None, default: float | None = None) -> float | None:
-    """Turn a user timeout (timedelta or seconds) into seconds; ``None`` gives ``default``.
+    """Turn a user timeout (timedelta or seconds) into seconds, at most ``FOREVER``; ``None``
+    gives ``default``.
 
     Raises:
         TypeError: for anything else.
@@ -28,7 +34,7 @@ def to_seconds(timeout: timedelta | float | int | None, default: float | None = 
         raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {type(timeout).__name__}")
     if seconds < 0:
         raise ValueError(f"timeout must not be negative, got {seconds} s")
-    return seconds
+    return min(seconds, FOREVER)
 
 
 class Deadline:

@@ -24,10 +24,12 @@ def as_bytes(value: str | bytes | bytearray | memoryview, what: str = "value") -
     Raises:
         TypeError: for any other type.
     """
-    if isinstance(value, bytes):
+    if type(value) is bytes:
         return value
     if isinstance(value, str):
         return value.encode()
+    if isinstance(value, bytes):  # (a subclass, numpy's bytes_: stored and read back as bytes)
+        return bytes(value)
     if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
     raise TypeError(f"store {what} must be str or bytes, got {type(value).__name__}")
@@ -103,7 +105,7 @@ class Store:
             raise TypeError("store timeout must be a datetime.timedelta (or seconds), got None")
         seconds = to_seconds(timeout)
         assert seconds is not None
-        return timedelta(seconds=seconds)
+        return timedelta(seconds=seconds)  # (at most FOREVER: timedelta.max is 31 years)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """A store is a connection or a handle of this process, as torch's: it neither pickles

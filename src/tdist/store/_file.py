@@ -501,7 +501,7 @@ class FileStore(Store):
                 written; the store stays usable).
         """
         key = check_key(key)
-        check_amount(amount)
+        amount = check_amount(amount)
         with self._lock, self._flocked(exclusive=True):
             raw = self._state.data.get(key)
             value = wrap_int64(amount if raw is None else parse_counter(key, raw) + amount)

@@ -118,7 +118,7 @@ class HashStore(Store):
                 unchanged and stays usable).
         """
         key = check_key(key)
-        check_amount(amount)
+        amount = check_amount(amount)
         with self._shared.cond:
             value = self._shared.state.add(key, amount)
             self._shared.cond.notify_all()

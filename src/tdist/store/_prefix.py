@@ -23,7 +23,9 @@ class PrefixStore(Store):
         store: the store to delegate to.
     """
 
-    def __init__(self, prefix: str, store: Store) -> None:
+    def __init__(self, prefix: str | bytes, store: Store) -> None:
+        if isinstance(prefix, bytes):  # (torch's binding takes bytes for its std::string)
+            prefix = prefix.decode()
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore prefix must be str, got {type(prefix).__name__}")
         if store is None:

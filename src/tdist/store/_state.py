@@ -6,6 +6,8 @@ method returns nothing; callers learn which keys changed from the method they ca
 
 from __future__ import annotations
 
+import operator
+import re
 from collections import deque
 
 from .._core.errors import StoreValueError
@@ -22,29 +24,44 @@ def wrap_int64(value: int) -> int:
 
 
 def check_amount(amount: object) -> int:
-    """``add``'s ``amount``: an int of 64 bits (torch's binding takes an ``int64_t``).
+    """``add``'s ``amount`` as an int of 64 bits: an int, or what stands for one (``__index__``:
+    a numpy integer, a one-element integer tensor, a bool), as torch's binding of ``int64_t``
+    takes it.
 
     Raises:
-        TypeError: not an int, or one outside the signed 64-bit range.
+        TypeError: nothing an int stands for (a float, a string), or outside the signed
+            64-bit range.
     """
-    if isinstance(amount, bool) or not isinstance(amount, int):
-        raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
+    if type(amount) is not int:
+        try:
+            amount = operator.index(amount)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"add: amount must be int, got {type(amount).__name__}") from None
+    assert isinstance(amount, int)
     if not -(1 << 63) <= amount < (1 << 63):
         raise TypeError(f"add: amount {amount} does not fit in a signed 64-bit integer")
     return amount
 
 
+_DECIMAL = re.compile(rb"\s*[+-]?[0-9]+\s*")
+
+
 def parse_counter(key: str, raw: bytes) -> int:
-    """The integer stored at ``key`` (as decimal text, as torch stores it)."""
-    try:
-        text = raw.decode("ascii").strip()
-        return int(text)
-    except (UnicodeDecodeError, ValueError):
-        shown = raw[:40]
-        raise StoreValueError(
-            f"add: key {key!r} holds {shown!r}{'...' if len(raw) > 40 else ''}, which is not an "
-            "integer; add only works on keys created by add or set to decimal text"
-        ) from None
+    """The integer stored at ``key``: decimal text of a signed 64-bit integer, as torch stores
+    it (``add`` and ``set``).
+
+    Raises:
+        StoreValueError: anything else (torch's parse fails on a number out of range too).
+    """
+    if _DECIMAL.fullmatch(raw):
+        value = int(raw)
+        if -(1 << 63) <= value < (1 << 63):
+            return value
+    shown = raw[:40]
+    raise StoreValueError(
+        f"add: key {key!r} holds {shown!r}{'...' if len(raw) > 40 else ''}, which is not an "
+        "integer of 64 bits; add only works on keys created by add or set to decimal text"
+    )
 
 
 class KVState:
@@ -78,10 +95,8 @@ class KVState:
         if raw is None:
             value = amount
         else:
-            try:
-                value = int(raw) + amount  # int() of bytes: ASCII digits, as parse_counter takes
-            except ValueError:
-                value = parse_counter(key, raw) + amount  # raises the clear error
+            # (plain digits short enough for 64 bits, the usual counter: int() at once)
+            value = (int(raw) if raw.isdigit() and len(raw) < 19 else parse_counter(key, raw)) + amount
         if not -(1 << 63) <= value < (1 << 63):
             value = wrap_int64(value)
         data[key] = b"%d" % value

@@ -68,6 +68,7 @@ _GRACE = 5.0
 _CLOSE_PING = 5.0  # the most seconds close() waits for the server to confirm the last sets
 _ATTEMPT = 5.0  # the most seconds one attempt to connect to the store may take
 _WILDCARD = ("", "0.0.0.0", "::", "*")
+_POLL_MAX = 86400.0  # seconds: the longest one poll() waits (a wait of timedelta.max polls again)
 
 
 def _the_agents_port(port: int, exc: DistNetworkError) -> bool:
@@ -791,7 +792,7 @@ class TCPStore(Store):
         poller.register(sock, select.POLLOUT)
         while view:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not poller.poll(remaining * 1000):
+            if remaining <= 0 or not poller.poll(min(remaining, _POLL_MAX) * 1000):
                 if time.monotonic() >= deadline:
                     raise TimeoutError("send timed out")
                 continue
@@ -858,7 +859,7 @@ class TCPStore(Store):
                     poller.register(sock, select.POLLIN)
                     deadline = time.monotonic() + io_timeout
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not poller.poll(remaining * 1000):
+                if remaining <= 0 or not poller.poll(min(remaining, _POLL_MAX) * 1000):
                     if time.monotonic() >= deadline:
                         raise TimeoutError("no reply") from None
                 continue
@@ -958,8 +959,8 @@ class TCPStore(Store):
         return self._call(Op.GET, (check_key(key).encode(), ms), seconds)[0]
 
     def add(self, key: str, amount: int) -> int:
-        if type(amount) is not int and (isinstance(amount, bool) or not isinstance(amount, int)):
-            raise TypeError(f"add: amount must be int, got {type(amount).__name__}")
+        if type(amount) is not int:
+            amount = check_amount(amount)
         last_key, prefix = self._add_prefix
         if key != last_key or type(key) is not str:  # (a counter is usually added to again)
             k = check_key(key).encode()
