@@ -48,16 +48,19 @@ def test_a_prefix_store_over_torchs_store_and_a_torch_error_through_it() -> None
         tdist.PrefixStore("p", object())  # type: ignore[arg-type]
 
 
+def _store_of_kind(kind: str, tmp_path: object) -> tuple[tdist.Store, tdist.TCPStore | None]:
+    """A store of ``kind`` (``hash``, ``file``, ``tcp``: a client, and its master to close)."""
+    if kind == "hash":
+        return tdist.HashStore(), None
+    if kind == "file":
+        return tdist.FileStore(str(tmp_path) + "/store", 1), None  # type: ignore[operator]
+    master = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
+    return tdist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=5)), master
+
+
 @pytest.mark.parametrize("kind", ["hash", "file", "tcp"])
 def test_one_string_is_not_a_list_of_keys_bytes_are_a_key_and_counters_wrap_at_64_bits(kind: str, tmp_path: object) -> None:
-    master = None
-    if kind == "hash":
-        store: tdist.Store = tdist.HashStore()
-    elif kind == "file":
-        store = tdist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
-    else:
-        master = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
-        store = tdist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=5))
+    store, master = _store_of_kind(kind, tmp_path)
     store.set("abc", "1")
     for call in (store.check, store.wait, store.multi_get):
         with pytest.raises(TypeError, match="keys must be a list of str"):
@@ -83,14 +86,7 @@ def test_what_torchs_bindings_take_for_an_amount_a_prefix_a_value_and_a_timeout(
     value and ``timedelta.max`` (a wait of 31 years) are taken."""
     import numpy as np
 
-    master = None
-    if kind == "hash":
-        store: tdist.Store = tdist.HashStore()
-    elif kind == "file":
-        store = tdist.FileStore(str(tmp_path) + "/store", 1)  # type: ignore[operator]
-    else:
-        master = tdist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
-        store = tdist.TCPStore("127.0.0.1", master.port, 1, False, timedelta(seconds=5))
+    store, master = _store_of_kind(kind, tmp_path)
     assert [store.add("a", np.int64(3)), store.add("a", True), store.add("a", torch.tensor(2))] == [3, 4, 6]  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="amount must be int, got float"):
         store.add("a", 1.5)  # type: ignore[arg-type]
