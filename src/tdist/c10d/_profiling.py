@@ -29,15 +29,16 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.autograd.profiler import record_function
 
-from ._types import Work, _comm_name, _set_comm_name
+from ._types import Work
 
 __all__ = ["profiled", "record_comm"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
-_get_name = _comm_name
-_set_name = _set_comm_name
+_c10d = torch._C._distributed_c10d
+_get_name: Callable[[], str] = getattr(_c10d, "_get_comm_profiling_name", lambda: "")
+_set_name: Callable[[str], None] = getattr(_c10d, "_set_comm_profiling_name", lambda name: None)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch._C import _distributed_c10d as _c10d
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from .._core.deadline import to_seconds
@@ -213,10 +212,6 @@ _OP_TYPES = {
 }
 
 
-_comm_name: Callable[[], str] = getattr(_c10d, "_get_comm_profiling_name", lambda: "")
-_set_comm_name: Callable[[str], None] = getattr(_c10d, "_set_comm_profiling_name", lambda name: None)
-
-
 class Work(_TorchWork):
     """The handle of a process-group operation: a ``torch.distributed.Work`` (its ``boxed()``
     and ``Work.unbox`` too), whose methods are these.
@@ -225,15 +220,7 @@ class Work(_TorchWork):
     """
 
     def __init__(self, op: str = "", peer: str = "", result: list[Any] | None = None) -> None:
-        name = _comm_name()
-        if name:  # (torch's Work opens a profiler range of ``record_comm``'s name: ours does)
-            _set_comm_name("")
-            try:
-                _TorchWork.__init__(self)
-            finally:
-                _set_comm_name(name)
-        else:
-            _TorchWork.__init__(self)
+        _TorchWork.__init__(self)
         self._op = op
         # the event is made only if someone waits before completion: most operations finish
         # in the caller's thread, and an Event (a Condition and two locks) costs microseconds
