@@ -171,21 +171,6 @@ def test_tensors_whose_elements_share_memory(ws: int, shm: str, monkeypatch: pyt
         assert res["after"] == [float(ws)] * 2
 
 
-def test_an_async_work_is_torchs_work_and_boxes() -> None:
-    """What ``async_op=True`` returns is a ``torch.distributed.Work``: torch's code that checks
-    the type, boxes it (``work.boxed()``, as torch's meta registrations) and unboxes it back
-    (``Work.unbox``) takes it."""
-    def body(rank: int, ws: int) -> list[Any]:
-        t = torch.full((2,), rank + 1.0)
-        work = dist.all_reduce(t, async_op=True)
-        assert work is not None
-        back = dist.Work.unbox(work.boxed())
-        back.wait()
-        return [isinstance(work, torch.distributed.Work), back is work, t.tolist(), dist.Work is not None]
-
-    assert spmd(body, 2) == [[True, True, [3.0, 3.0], True]] * 2
-
-
 def test_collectives_on_meta_tensors_do_nothing() -> None:
     """torch's meta kernels: a collective on meta tensors (a model not yet materialised) sends
     nothing and returns ``None`` (a completed ``Work`` where one is asked for); the group stays

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch._C._distributed_c10d import Work as _TorchWork
-
 from .._core.deadline import to_seconds
 from .._core.errors import CollectiveTimeoutError, DistError
 
@@ -212,15 +210,13 @@ _OP_TYPES = {
 }
 
 
-class Work(_TorchWork):
-    """The handle of a process-group operation: a ``torch.distributed.Work`` (its ``boxed()``
-    and ``Work.unbox`` too), whose methods are these.
+class Work:
+    """The handle of a process-group operation (``torch.distributed.Work``).
 
     A backend completes it with ``_complete(result)`` or ``_fail(exc)`` from any thread.
     """
 
     def __init__(self, op: str = "", peer: str = "", result: list[Any] | None = None) -> None:
-        _TorchWork.__init__(self)
         self._op = op
         # the event is made only if someone waits before completion: most operations finish
         # in the caller's thread, and an Event (a Condition and two locks) costs microseconds
