@@ -299,9 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(*_opt("--no-python"), action="store_true",
                      help="run the entrypoint as a program, not a Python script")
     run.add_argument(*_opt("--run-path"), action="store_true",
-                     help="torchrun's: run the script with runpy.run_path in its interpreter, "
-                     "which is what a worker does with a script here anyway (a script, not -m or "
-                     "--no-python)")
+                     help="torchrun's: run the script with runpy.run_path under @record (its "
+                     "exception fills the worker's error file; a script, not -m or --no-python)")
     # torchrun's options that change nothing here: accepted, so that its command lines run
     for std in ("stdout", "stderr"):
         run.add_argument(*_opt(f"--duplicate-{std}-filters"), type=comma_separated, default=[], metavar="S,S,...",
@@ -486,6 +485,7 @@ def _run(ns: argparse.Namespace) -> int:
             ft=ns.ft,
             module=ns.module,
             no_python=ns.no_python,
+            run_path=ns.run_path,
             stop_timeout=ns.stop_timeout,
             signals=ns.signals_to_handle,
             python=os.environ.get("PYTHON_EXEC") or sys.executable,

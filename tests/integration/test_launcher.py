@@ -1175,6 +1175,24 @@ def test_only_teed_lines_are_prefixed_and_never_twice(work: Path) -> None:
     ], res.stdout
 
 
+def test_run_path_records_the_scripts_error_as_torchruns(work: Path) -> None:
+    """``--run-path``: the script runs under ``@record``, so its exception is the root cause's
+    error file (torchrun's), with the script's folder first on ``sys.path`` as for ``python
+    script``."""
+    (work / "sub").mkdir()
+    (work / "sub" / "helper.py").write_text("WORD = 'from the folder'\n")
+    (work / "sub" / "job.py").write_text(
+        "import os\nfrom helper import WORD\nprint(WORD, flush=True)\n"
+        "if os.environ['RANK'] == '1':\n    raise ValueError('boom from rank 1')\n"
+    )
+    res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--run-path", "sub/job.py")
+    assert res.returncode == 1, res.stderr
+    assert res.stdout.splitlines() == ["from the folder"] * 2, res.stdout
+    root = res.stderr.split("Root Cause")[1].split("Post-mortem")[0]
+    (error_file,) = [line for line in root.splitlines() if line.strip().startswith("error_file:")]
+    assert error_file.endswith("/error.json") and "ValueError: boom from rank 1" in root, res.stderr
+
+
 def test_torchrun_environment_defaults_and_options(work: Path) -> None:
     # PET_<option> (Kubeflow's PyTorchJob sets them), and torchrun's options that change
     # nothing here are accepted; --virtual-local-rank: LOCAL_RANK 0, one device each

@@ -138,6 +138,8 @@ class LaunchConfig:
             and joins the running job; the others go on.
         module: run ``python -m entrypoint``.
         no_python: run ``entrypoint`` as a program, without the Python interpreter.
+        run_path: run the script ``entrypoint`` with ``runpy.run_path`` under ``@record``
+            (torchrun's ``--run-path``: an escaping exception fills the worker's error file).
         stop_timeout: seconds between the stop signal and SIGKILL when stopping workers (30,
             torchrun's ``--shutdown-timeout``).
         signals: the signals that stop the job (torchrun's ``--signals-to-handle``): each is
@@ -220,6 +222,7 @@ class LaunchConfig:
     ft: bool = False
     module: bool = False
     no_python: bool = False
+    run_path: bool = False
     stop_timeout: float = 30.0
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     monitor_interval: float = 0.5
@@ -485,6 +488,8 @@ def worker_command(config: LaunchConfig, local_rank: int | None = None) -> list[
         return [config.entrypoint, *args]
     if config.module:
         return [config.python, "-u", "-m", config.entrypoint, *args]
+    if config.run_path:  # (as torchrun's: the script runs under @record)
+        return [config.python, "-u", "-m", "tdist.elastic.multiprocessing._run_path", config.entrypoint, *args]
     return [config.python, "-u", config.entrypoint, *args]
 
 
