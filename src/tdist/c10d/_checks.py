@@ -420,7 +420,7 @@ def check_written(tensors: torch.Tensor | Sequence[torch.Tensor], what: str, nam
         CollectiveArgumentError: torch's words, with the operation and the argument.
     """
     for t in _as_iterable(tensors):
-        if t.dim() > 0 and overlaps(t):
+        if not t.is_contiguous() and overlaps(t):
             raise CollectiveArgumentError(
                 f"{what}: unsupported operation: more than one element of the written-to tensor "
                 f"refers to a single memory location ({name}: shape {tuple(t.shape)}, stride "

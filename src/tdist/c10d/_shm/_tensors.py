@@ -86,6 +86,8 @@ def overlaps(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory: an expanded tensor (stride 0), an
     ``unfold``ed or ``as_strided`` view whose rows overlap. (Sufficient, not necessary: the
     dims sorted by stride, each must step past all the memory of the dims below it.)"""
+    if t.is_contiguous():  # (the usual case, at C speed: its elements are apart)
+        return False
     extent = 1  # elements spanned by the dims taken so far
     for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
         if stride < extent:
