@@ -117,22 +117,28 @@ class OnMeta(DistBackendError):
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def meta_noop(fn: _F) -> _F:
+def _meta_result(name: str, kwargs: dict[str, Any]) -> Any:
+    """What a public collective ``name`` returns on meta tensors: ``None``, a completed
+    ``Work`` where one is asked for (``async_op``, ``isend``, ``irecv``), -1 for ``recv``'s
+    sender."""
+    if name in ("isend", "irecv") or kwargs.get("async_op"):
+        return Work.completed([], name)
+    return -1 if name == "recv" else None
+
+
+def meta_noop(fn: _F, result: Callable[[str, dict[str, Any]], Any] = _meta_result) -> _F:
     """``fn``, doing nothing on tensors on the meta device, as torch's meta kernels of the
-    collectives (a model not yet materialised, FSDP's deferred init): it returns ``None``, a
-    completed ``Work`` where one is asked for (``async_op``, ``isend``, ``irecv``), and -1 for
-    ``recv``'s sender. Nothing is sent, so the ranks stay in step."""
+    collectives (a model not yet materialised, FSDP's deferred init): where ``OnMeta`` is
+    raised (before anything is sent, so the ranks stay in step) it returns ``result(name of
+    fn, its keyword arguments)``."""
     name = fn.__name__
-    wants_work = name in ("isend", "irecv")
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except OnMeta:
-            if wants_work or kwargs.get("async_op"):
-                return Work.completed([], name)
-            return -1 if name == "recv" else None
+            return result(name, kwargs)
 
     return wrapper  # type: ignore[return-value]
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import os
 import queue
@@ -49,7 +48,7 @@ from ..store import PrefixStore
 from ..store._api import Store
 from . import _types as T
 from ._backend_config import Backend
-from ._checks import CollectiveArgumentError, OnMeta
+from ._checks import CollectiveArgumentError, meta_noop
 from ._checks import dense_cpu as _check
 from ._group import GroupInfo, ProcessGroup, SplitMerge, _d, _dd, chain_work
 from ._profiling import profiled
@@ -337,15 +336,7 @@ _M = TypeVar("_M", bound=Callable[..., Any])
 def _skips_meta(method: _M) -> _M:
     """``method``, doing nothing on tensors on the meta device (a completed work), as torch's
     meta kernels of gloo's operations."""
-
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except OnMeta:
-            return TorchWork(T.Work.completed([], method.__name__), [])
-
-    return run  # type: ignore[return-value]
+    return meta_noop(method, lambda name, kwargs: TorchWork(T.Work.completed([], name), []))
 
 
 class TorchWork(_TorchWork):  # type: ignore[misc]
