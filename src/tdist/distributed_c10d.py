@@ -28,8 +28,15 @@ from .c10d._api import (
     _reduce_scatter_base,
     new_group,
 )
-from .c10d._group import GroupMember
-from .c10d._world import get_backend_config, get_global_rank, get_process_group_ranks, get_rank
+from .c10d._group import GroupMember, current_world
+from .c10d._world import (
+    _resolve,
+    get_backend_config,
+    get_global_rank,
+    get_process_group_ranks,
+    get_rank,
+)
+from .c10d._world import _world as _world_of_this_thread
 from .constants import default_pg_timeout
 
 _log = logging.getLogger(__name__)
@@ -90,13 +97,6 @@ def _handle(world: Any, pg: Any) -> Any:
     return pg if twin is None else twin
 
 
-def _ours(pg: Any) -> Any:
-    """Our group for ``pg`` (torch's twin of one of ours, or ours; ``None``: the default)."""
-    from .c10d._world import _resolve
-
-    return _resolve(pg)
-
-
 class _World:
     """torch's ``_world``: the registry of this process's groups, as torch's private maps
     (``pg_map``, ``pg_names``, ``pg_group_ranks``, ``pg_backend_config``, ``group_count``,
@@ -104,8 +104,6 @@ class _World:
     by the groups the program holds. For reading: groups are made with ``new_group``."""
 
     def _groups(self) -> list[tuple[Any, Any]]:
-        from .c10d._group import current_world
-
         world = current_world()
         if world is None or world.default_pg is None:
             return []
@@ -224,25 +222,25 @@ def _get_pg_default_device(group: Any = None) -> torch.device:
         "please use `_device_capability(group)`. ",
         stacklevel=2,
     )
-    _ours(group)
+    _resolve(group)
     return torch.device("cpu")
 
 
 def _get_object_coll_device(group: Any = None) -> str:
     """``"cpu"``: where object collectives of ``group`` stage their bytes."""
-    _ours(group)
+    _resolve(group)
     return "cpu"
 
 
 def _device_capability(group: Any = None) -> list[str]:
     """The device types ``group`` serves: ``["cpu"]``."""
-    _ours(group)
+    _resolve(group)
     return ["cpu"]
 
 
 def _get_group_size(group: Any) -> int:
     """The size of ``group`` (``None``: the default group's)."""
-    return int(_ours(group).size())
+    return int(_resolve(group).size())
 
 
 def _get_group_size_by_name(group_name: str) -> int:
@@ -358,11 +356,8 @@ def _get_all_pg_configs() -> list[dict[str, Any]]:
 
 
 def _handle_of(group: Any) -> Any:
-    from .c10d._group import current_world
-
-    ours = _ours(group)
-    world = current_world()
-    return ours if world is None else _handle(world, ours)
+    """What the program holds for ``group`` (``None``: the default group)."""
+    return _handle(_world_of_this_thread(), _resolve(group))
 
 
 def _is_barrier_after_init() -> int:
