@@ -1813,6 +1813,14 @@ class StoreServer:
         key = _decode_key(raw)
         return key if key == "init/" else TORCH_KEYS + key
 
+    def _torch_names(self) -> list[bytes]:
+        """The keys a client of torch's can name, as torch's server keeps them (its client
+        strips the ``/`` it put before each): ``init/`` and those under ``TORCH_KEYS``."""
+        return [
+            (key if key == "init/" else key[len(TORCH_KEYS):]).encode()
+            for key in self._state.data if key.startswith(TORCH_KEYS) or key == "init/"
+        ]
+
     def _torch_query(self, conn: _Conn, kind: int, args: list[bytes | int]) -> None:
         state, out, key_of = self._state, conn.out, self._torch_key
         if kind == Query.PING:
@@ -1880,13 +1888,10 @@ class StoreServer:
             out += Reply.number(int(deleted))
             if deleted:
                 self._changes((key,), changed=False)
-        elif kind == Query.GETNUMKEYS:  # (the keys a torch client can name)
-            out += Reply.number(sum(1 for key in state.data if key.startswith(TORCH_KEYS) or key == "init/"))
-        elif kind == Query.LIST_KEYS:  # (those keys, as torch's server keeps them: its client strips them)
-            out += Reply.values([
-                (key if key == "init/" else key[len(TORCH_KEYS):]).encode()
-                for key in state.data if key.startswith(TORCH_KEYS) or key == "init/"
-            ])
+        elif kind == Query.GETNUMKEYS:
+            out += Reply.number(len(self._torch_names()))
+        elif kind == Query.LIST_KEYS:
+            out += Reply.values(self._torch_names())
         elif args[0] != _TORCH_MAGIC:  # VALIDATE (again)
             raise RemoteProtocolError("VALIDATE with the wrong magic number")
 
