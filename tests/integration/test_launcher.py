@@ -1182,8 +1182,13 @@ def test_run_path_records_the_scripts_error_as_torchruns(work: Path) -> None:
     (work / "sub").mkdir()
     (work / "sub" / "helper.py").write_text("WORD = 'from the folder'\n")
     (work / "sub" / "job.py").write_text(
-        "import os\nfrom helper import WORD\nprint(WORD, flush=True)\n"
-        "if os.environ['RANK'] == '1':\n    raise ValueError('boom from rank 1')\n"
+        "import os, time\nfrom helper import WORD\nprint(WORD, flush=True)\n"
+        "said = os.path.join(os.environ['TEST_OUT'], 'said')\n"
+        "if os.environ['RANK'] == '0':\n    open(said, 'w').close()\n"
+        "if os.environ['RANK'] == '1':  # (once rank 0 has printed: the launcher then stops it)\n"
+        "    end = time.monotonic() + 20\n"
+        "    while not os.path.exists(said) and time.monotonic() < end:\n        time.sleep(0.01)\n"
+        "    raise ValueError('boom from rank 1')\n"
     )
     res = tdist_run(work, "--nproc-per-node", "2", "--master-port", "0", "--run-path", "sub/job.py")
     assert res.returncode == 1, res.stderr

@@ -133,6 +133,7 @@ def environment_and_folder(rank: int, world_size: int, name: str) -> tuple[str |
     return os.environ.get(name), os.getcwd()
 
 
+@pytest.mark.timeout(90)  # (four spawned interpreters, each importing torch: 30 s on a loaded host)
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_processes_get_the_callers_environment_and_folder_as_it_is_at_the_call(
     start_method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
