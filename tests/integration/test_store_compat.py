@@ -12,6 +12,7 @@ import torch.distributed as torch_dist
 
 import tdist
 from tdist.distributed_c10d import _get_default_store
+from tdist.store._foreign import ForeignStore
 from tdist.testing import free_port, run_processes
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,3 +157,29 @@ def test_a_timeout_of_none_and_a_subclass_that_skips_stores_init_are_type_errors
 
     with pytest.raises(TypeError, match=r"must call Store\.__init__"):
         tdist.PrefixStore("p", Bare())
+
+
+def test_a_torch_store_error_leaves_no_cycle_through_the_callers_frame() -> None:
+    """tdist's error for torch's store error kept the frame that raised it, and so every
+    caller's frame up to the catch, in a reference cycle: what those frames held lived until
+    a collection, and a forked child that collected it destroyed the parent's torch
+    ``TCPStore`` server, joining a thread it does not have (``std::system_error``, SIGABRT)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def caller() -> weakref.ref[Held]:
+        held = Held()  # (what a caller's frame holds: a torch store with its threads, say)
+        store = ForeignStore(torch_dist.HashStore())
+        with pytest.raises(tdist.DistStoreError):
+            store.wait(["absent"], timedelta(milliseconds=10))
+        return weakref.ref(held)
+
+    gc.disable()
+    try:
+        gc.collect()
+        assert caller()() is None  # (freed with the frame, no collection needed)
+    finally:
+        gc.enable()

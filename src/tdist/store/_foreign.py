@@ -71,7 +71,10 @@ class ForeignStore(Store):
             ours = _as_ours(exc)
             if ours is exc:
                 raise
-            raise ours from exc
+            try:
+                raise ours from exc
+            finally:  # (no cycle through this frame: the callers' frames, and what they hold,
+                del ours  # torch's stores with their threads among it, go when the error goes)
 
     @property
     def wrapped(self) -> Any:
