@@ -4,6 +4,8 @@ edge of 64 bits, and a Python ``Store`` subclass that implements only the core c
 
 from __future__ import annotations
 
+import gc
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -164,9 +166,6 @@ def test_a_torch_store_error_leaves_no_cycle_through_the_callers_frame() -> None
     caller's frame up to the catch, in a reference cycle: what those frames held lived until
     a collection, and a forked child that collected it destroyed the parent's torch
     ``TCPStore`` server, joining a thread it does not have (``std::system_error``, SIGABRT)."""
-    import gc
-    import weakref
-
     class Held:
         pass
 
