@@ -261,11 +261,11 @@ def _serve(job: _Job) -> NoReturn:
 
     name = worker_name(job.rank)
     log.info("master-worker: %s (rank %d) serves the master", name, job.rank)
-    failure: BaseException | None = None
+    failure: str | None = None
     try:
         _rpc().shutdown()  # graceful: returns once the master (and every worker) shut down
     except DistError as exc:  # the master or another worker was lost
-        failure = exc
+        failure = str(exc)
     finally:
         if is_initialized():
             with contextlib.suppress(Exception):

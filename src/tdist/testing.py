@@ -391,7 +391,10 @@ def _collect(
                     failure_at = time.monotonic()
                     break
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:  # (no cycle through this frame: see ``errors.fresh``)
+            del failure
     missing = [r for r in range(world_size) if r not in results]
     if missing:
         details = ", ".join(f"rank {r} (pid {procs[r].pid})" for r in missing)

@@ -82,6 +82,10 @@ import sys
 from . import _process
 
 TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
+if TYPE_CHECKING:
+    from typing import Any, TypeVar
+
+    _E = TypeVar("_E", bound=BaseException)
 
 if TYPE_CHECKING or not _process.TORCHLESS or "torch" in sys.modules:
     from torch.distributed import DistBackendError as _TorchBackendError
@@ -198,3 +202,121 @@ class CollectiveTimeoutError(DistBackendError, DistTimeoutError):
     and the ranks its failure aborted (``PeerError``) fail with one family, so one ``except``
     catches the failure on every rank. A ``DistTimeoutError`` (and ``TimeoutError``) too.
     """
+
+
+def fresh(exc: _E) -> _E:
+    """A copy of ``exc`` without its traceback: what to raise where ``exc`` is kept (on a work,
+    a peer, a future, a broken group), and what to keep of an exception that is raised.
+
+    An exception raised carries every frame it passes through, each with its locals. Kept by
+    an object that one of those frames holds (a work's ``wait`` raising the work's error), it
+    makes a cycle that only the garbage collector frees, and every caller's frame up to the
+    catch lives until then with what it holds (tensors; a torch store with its threads, which
+    a forked child that collected it destroyed, and aborted). Raised again, it grows its
+    traceback by the new frames each time. The copy (``copy_into``) has the same type, text,
+    attributes, notes and causes; keep one, raise another, and no kept object refers to a
+    raised one's frames. Where no copy is the same (a user's exception rebuilt from an RPC
+    whose state cannot be set from outside), this gives ``exc`` itself.
+    """
+    try:
+        new = copy_into(exc, type(exc))
+    except BaseException:  # (a ``__new__`` of a user's type that wants other arguments...)
+        return exc
+    return exc if new is None else new  # type: ignore[return-value]  # (of exc's own type)
+
+
+def fail_future(fut: Any, exc: BaseException) -> None:
+    """``fut.set_exception(exc)`` for a ``torch.futures.Future``, except that its ``wait()`` and
+    ``value()`` raise a copy of ``exc`` (``fresh``) each time. torch's raise ``exc`` itself,
+    whose traceback then gains every waiter's frames, and the future keeps it in C++, where the
+    garbage collector cannot see: those frames, and what they held, were never freed."""
+    if not isinstance(exc, Exception):  # (torch's own check and words)
+        raise AssertionError(f"{exc} is of type {type(exc)}, not an Exception.")
+    fut._set_unwrap_func(_raise_fresh)
+    fut.set_result(exc)
+
+
+def _raise_fresh(exc: BaseException) -> None:
+    raise fresh(exc)
+
+
+def copy_into(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
+    """``exc``'s state in a new instance of ``cls`` (``exc``'s type or one derived from it),
+    made without calling a constructor (one may take other arguments than ``args``): its
+    ``args``, ``__dict__`` (notes among it), the public fields kept outside them
+    (``OSError.filename``, ``StopIteration.value``), cause and context; no traceback.
+
+    Returns:
+        The copy, or ``None`` where it would differ from ``exc`` in a public attribute or its
+        text.
+
+    Raises:
+        what ``cls.__new__`` or the user's attributes raise (the caller fences it).
+    """
+    args = exc.args
+    new = _blank(cls, args)
+    new.args = args
+    new.__dict__.update(getattr(exc, "__dict__", {}))
+    notes = new.__dict__.get("__notes__")
+    if type(notes) is list:  # (a caller's ``add_note`` on the copy stays off the original)
+        new.__notes__ = list(notes)
+    for name in dir(exc):
+        if name.startswith("_") or name == "args":
+            continue
+        try:
+            value = getattr(exc, name)
+            if callable(value) or _same_value(getattr(new, name, None), value):
+                continue
+            setattr(new, name, value)
+        except Exception:  # (read-only or derived: the comparison below decides)
+            continue
+    new.__cause__ = exc.__cause__
+    new.__context__ = exc.__context__
+    new.__suppress_context__ = exc.__suppress_context__
+    if not same_public_state(exc, new) or _text(new) != _text(exc):
+        return None
+    return new
+
+
+def _blank(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
+    """A new ``cls`` from the first ``__new__`` in its bases that makes one: a class with two
+    built-in bases (``CollectiveTimeoutError``: ``RuntimeError`` and ``TimeoutError``) gets
+    ``RuntimeError.__new__`` by name, which refuses to make it; ``OSError``'s does."""
+    for base in cls.__mro__:
+        make = base.__dict__.get("__new__")
+        if make is None:
+            continue
+        try:
+            new = make(cls, *args)
+        except TypeError:  # (not kept: a cycle through this frame would keep the callers')
+            continue
+        if isinstance(new, cls):
+            return new
+    raise TypeError(f"no __new__ in the bases of {cls.__qualname__} makes one")
+
+
+def same_public_state(old: BaseException, new: BaseException) -> bool:
+    """Whether every public, non-callable attribute of ``new`` equals the one of ``old``."""
+    # (__dict__ was copied: this catches state a constructor derives from its argument, a
+    # property over args, or keeps outside __dict__: slots, C fields)
+    for name in set(dir(old)) | set(dir(new)):
+        if name.startswith("_") or name == "args":
+            continue
+        a = getattr(old, name, None)
+        b = getattr(new, name, None)
+        if callable(a) and callable(b):
+            continue
+        if not _same_value(a, b):
+            return False
+    return True
+
+
+def _same_value(a: object, b: object) -> bool:
+    return a is b or (type(a) is type(b) and bool(a == b))
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as err:  # (a user's ``__str__``: two that fail alike are alike)
+        return f"<str() failed: {type(err).__name__}>"

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import rpc
+from .._core.errors import fail_future, fresh
 from ..c10d._threads import capped, usable_cores
 from ..rpc import _agent as _agent_module
 from ..rpc import _hooks
@@ -724,13 +725,13 @@ def _when_all(sent: list[tuple[int, Any]]) -> Any:
         try:
             f.wait()
         except BaseException as exc:
-            errors.append(exc)
+            errors.append(fresh(exc))  # (the list, which this frame holds, keeps it: see ``fresh``)
         with lock:
             left[0] -= 1
             last = left[0] == 0
         if last:
             if errors:
-                out.set_exception(errors[0])
+                fail_future(out, errors[0])
             else:
                 out.set_result(None)
 
@@ -761,7 +762,7 @@ def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id:
         # here: its ``backward`` says it, once; the workers it passes on its way back do not)
         if isinstance(exc, Exception):
             exc = _node_failure(exc, prefix=pass_id >> 48 != _rank())
-        out.set_exception(exc)
+        fail_future(out, exc)
 
     def run() -> None:
         try:
@@ -779,7 +780,7 @@ def _backward_from_send(context_id: int, msg_id: int, grads: list[Any], pass_id:
             try:
                 f.wait()
             except BaseException as exc:
-                out.set_exception(exc)  # (said by the worker where it failed)
+                fail_future(out, exc)  # (said by the worker where it failed)
                 return
             out.set_result(None)
 
@@ -832,7 +833,10 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         wait_replies(_local_pass(ctx, roots, [torch.ones_like(r) for r in roots], retain, pass_))
     except Exception as exc:
         failure = _node_failure(exc)
-        raise failure from failure.__cause__
+        try:
+            raise failure from failure.__cause__
+        finally:  # (no cycle through this frame: see ``errors.fresh``)
+            del failure
     finally:
         _pass_done()
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .._core.errors import CollectiveMismatchError, DistBackendError, DistError, PeerError
+from .._core.errors import CollectiveMismatchError, DistBackendError, DistError, PeerError, fresh
 
 if TYPE_CHECKING:
     from ..store import Store
@@ -327,7 +327,7 @@ class CollectiveChecker:
                     )
                     if self._fail is not None:
                         self._fail(err)
-                    raise err
+                    raise fresh(err)  # (``err`` is kept: see ``fresh``)
             failure = self._broken() if self._broken is not None else None
             if failure is not None:
                 raise DistBackendError(

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from .._core.errors import fresh
 from ..store import FileStore, PrefixStore, Store
 from . import _flight_recorder as fr
 
@@ -453,7 +454,7 @@ def ask_all(
         try:
             box.append(_ask(s if s is not None else store, rec, gone, dump, grace))
         except Exception as exc:
-            box.append(exc)
+            box.append(fresh(exc))  # (the box, which this frame holds, keeps it: see ``fresh``)
         finally:
             if s is not None:
                 _close(s)

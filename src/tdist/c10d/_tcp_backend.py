@@ -46,6 +46,7 @@ from .._core.errors import (
     DistError,
     DistTimeoutError,
     PeerError,
+    fresh,
 )
 from ..transport import Endpoint, RecvHandle
 from ..transport._liveness import GROUP_STALL, default_interval, default_stall_timeout
@@ -364,7 +365,7 @@ class _RecvWork(Work):
                 self._fail(exc)
                 if exc is caught:
                     raise
-                raise exc from caught
+                raise fresh(exc) from caught  # (the verdict is kept: see ``fresh``)
             self._settle()
         return super().wait(timeout)
 
@@ -897,7 +898,7 @@ class ProcessGroupTCP(Backend):
                 if entry is not None:
                     self._explain(entry, exc)
                 self._name_global_ranks(exc)
-                self._broken = exc
+                self._broken = fresh(exc)  # (``exc`` was raised here: see ``fresh``)
                 self._abort(f"{work._op} failed on rank {self._rank}: {exc}")
             work._fail(exc)
             return

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as tdc
 from torch._C._distributed_c10d import Work as _Work
 
-from .._core.errors import DistError
+from .._core.errors import DistError, fresh
 from ..store import PrefixStore
 from ..store._api import Store
 from . import _types as T
@@ -466,7 +466,7 @@ class _Failed:
 def _unwrap(fut: Any) -> Any:
     value = fut.value()
     if isinstance(value, _Failed):
-        raise value.exc
+        raise fresh(value.exc)  # (the future keeps its own: see ``fresh``)
     return value
 
 

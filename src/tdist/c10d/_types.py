@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._core.deadline import to_seconds
-from .._core.errors import CollectiveTimeoutError, DistError
+from .._core.errors import CollectiveTimeoutError, DistError, fail_future, fresh
 
 __all__ = [
     "AllToAllOptions",
@@ -267,7 +267,7 @@ class Work:
                 f"Work.wait: {self._op or 'operation'} did not complete within {seconds:g} s"
             )
         if self._exc is not None:
-            raise self._exc
+            raise fresh(self._exc)  # (the work keeps its own: see ``fresh``)
         return True
 
     def is_completed(self) -> bool:
@@ -377,7 +377,7 @@ class Work:
         with self._lock:
             if self._is_done:
                 return
-            self._exc = exc
+            self._exc = None if exc is None else fresh(exc)  # (``exc`` may be raised: see ``fresh``)
             if result is not None:
                 self._result = result
             if source_rank >= 0:
@@ -397,7 +397,7 @@ class Work:
         if fut is None or fut.done():
             return
         if self._exc is not None:
-            fut.set_exception(self._exc)
+            fail_future(fut, self._exc)
         else:
             fut.set_result(self._result)
 

@@ -41,7 +41,14 @@ from typing import Any
 import torch
 
 from .._core import patience, spin
-from .._core.errors import DistError, DistNetworkError, DistStoreError, DistTimeoutError, PeerError
+from .._core.errors import (
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistTimeoutError,
+    PeerError,
+    fresh,
+)
 from ..c10d._threads import ParkedTeam
 from ..transport import _serialization as ser
 from . import _errors, _remote_profiling
@@ -147,7 +154,10 @@ def wait_replies(calls: list[tuple[int, Any]]) -> list[Any]:
         except Exception as exc:
             errors.append(exc)
     if errors:
-        raise errors[0]
+        try:
+            raise errors[0]
+        finally:  # (no cycle through this frame: see ``errors.fresh``)
+            errors.clear()
     return results
 
 
@@ -488,7 +498,7 @@ class RpcAgent:
                 if mine:
                     err: BaseException
                     if isinstance(exc, PeerError):
-                        err = exc
+                        err = fresh(exc)  # (kept by the future: see ``fresh``)
                     elif isinstance(exc, DistTimeoutError) or (deadline is not None and time.monotonic() >= deadline):
                         # (a first contact that the call's deadline cut short: the call timed out)
                         err = self._timeout_error(call)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._core.errors import DistTimeoutError
+from .._core.errors import DistTimeoutError, fresh
 from . import _errors
 
 __all__ = ["CallText", "LazyText", "RpcTimeoutError", "call_counts"]
@@ -107,13 +107,13 @@ class _SyncReply:
         if not self._done:
             _wait_future(self, None)
         if self._exc is not None:
-            raise self._exc
+            raise fresh(self._exc)  # (kept, and raised again by a later call: see ``fresh``)
         return self._value
 
     def value(self) -> Any:
         """The result of a done future (its exception raised)."""
         if self._exc is not None:
-            raise self._exc
+            raise fresh(self._exc)  # (kept, and raised again by a later call: see ``fresh``)
         return self._value
 
 

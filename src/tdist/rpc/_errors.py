@@ -119,6 +119,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, cast
 
+from .._core.errors import copy_into, same_public_state
+
 __all__ = [
     "MAX_PICKLED_BYTES",
     "MAX_TEXT_CHARS",
@@ -517,7 +519,7 @@ def _with_message(
         new.__dict__.update(exc.__dict__)
         if type(new) is not type(exc) or new.args != (text,) or str(new) != text:
             return None
-        if not _same_public_state(exc, new):
+        if not same_public_state(exc, new):
             return None
     except BaseException:
         return None
@@ -678,30 +680,11 @@ def _also_runtime_error(exc: Exception, record: RemoteExceptionRecord, call: str
 
 
 def _copy_into(exc: Exception, made: type[BaseException]) -> Exception | None:
-    args = exc.args
-    new = made.__new__(made, *args)
-    assert isinstance(new, Exception)
-    new.args = args
-    new.__dict__.update(getattr(exc, "__dict__", {}))
-    # fields the constructor (not __new__) sets, or that live outside args: OSError.filename,
-    # AttributeError.name, StopIteration.value...
-    for name in dir(exc):
-        if name.startswith("_") or name == "args":
-            continue
-        try:
-            value = getattr(exc, name)
-            if callable(value) or _same_value(getattr(new, name, None), value):
-                continue
-            setattr(new, name, value)
-        except BaseException:  # read-only or derived: _same_public_state decides
-            continue
-    new.__cause__ = exc.__cause__
-    new.__context__ = exc.__context__
-    new.__suppress_context__ = exc.__suppress_context__
-    new.__traceback__ = exc.__traceback__
-    if not _same_public_state(exc, new) or _safe_str(new) != _safe_str(exc):
+    new = copy_into(exc, made)
+    if new is None:
         return None
-    return new
+    assert isinstance(new, Exception)
+    return new.with_traceback(exc.__traceback__)
 
 
 def _fallback(record: RemoteExceptionRecord, call: str | None, reason: str) -> RemoteError:
@@ -750,26 +733,6 @@ def _message_shaped_type(cls: type[BaseException]) -> bool:
     # The default __str__ returns args[0] for one argument: the text we extend is what str()
     # shows. A custom __str__ (KeyError, OSError, user classes) would hide or mangle it.
     return getattr(cls, "__str__", None) is BaseException.__str__
-
-
-def _same_public_state(old: BaseException, new: BaseException) -> bool:
-    """Whether every public, non-callable attribute of ``new`` equals the one of ``old``."""
-    # __dict__ was copied, so this catches state the constructor derives from its argument
-    # (StopIteration.value, a property over args) or keeps outside __dict__ (slots, C fields).
-    for name in set(dir(old)) | set(dir(new)):
-        if name.startswith("_") or name == "args":
-            continue
-        a = getattr(old, name, None)
-        b = getattr(new, name, None)
-        if callable(a) and callable(b):
-            continue
-        if not _same_value(a, b):
-            return False
-    return True
-
-
-def _same_value(a: object, b: object) -> bool:
-    return a is b or (type(a) is type(b) and bool(a == b))
 
 
 # --- describe_call --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._core.errors import fail_future
 from ._errors import plain_type, runtime_twin
 
 __all__ = ["Future"]
@@ -43,6 +44,12 @@ class Future(torch.futures.Future[Any]):
 
         self.add_done_callback(run)
         return out
+
+    def set_exception(self, result: BaseException) -> None:
+        """torch's, whose ``wait()`` and ``value()`` raise a copy of ``result`` each time
+        (``errors.fail_future``: torch's raise the object it keeps, which then holds every
+        waiter's frames for good)."""
+        fail_future(self, result)
 
 
 _BOTH: dict[type[BaseException], type[BaseException] | None] = {}

@@ -16,7 +16,6 @@ is a fork. Unpickling makes an owner object on the owner and a user object anywh
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import queue
 import threading
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._core.errors import DistError, PeerError
+from .._core.errors import DistError, PeerError, fresh
 from . import _errors, _hooks, _remote_profiling
 from ._agent import RpcAgent, current_agent, note_unconfirmed, serialization_peer
 from ._calls import CallText, LazyText, RpcTimeoutError
@@ -350,7 +349,7 @@ class RRef:
         def follow(f: Any) -> None:
             exc = _future_error(f)
             if isinstance(exc, (RpcTimeoutError, PeerError)):
-                fut.set_exception(copy.copy(exc).with_traceback(None))
+                fut.set_exception(fresh(exc))
             else:
                 fut.set_result(None)
 
@@ -475,7 +474,7 @@ class RRef:
             if isinstance(exc, PeerError):
                 # a copy: the stored error raised here would keep this frame, and so this
                 # RRef, alive through its traceback (a cycle that holds the owner's value)
-                raise copy.copy(exc).with_traceback(None) from None
+                raise fresh(exc) from None
         reason = self._agent.rref_ctx.lost.get(self._rref_id)
         if reason is not None:
             raise PeerError(

@@ -257,13 +257,16 @@ class FailoverStore(Store):
             self._standbys = [s for s in standbys if s != self._at]
         return standbys
 
-    def _fail_over(self, failed: TCPStore, exc: DistError) -> None:
+    def _fail_over(self, failed: TCPStore, exc: DistError) -> bool:
+        """Go over to a standby after ``failed`` lost ``exc``: False if there is none (the
+        caller raises ``exc``, which is not raised here: a frame that holds the error it raises
+        makes a cycle, see ``errors.fresh``)."""
         with self._lock:
             if self._store is not failed:
-                return  # (another thread did it)
+                return True  # (another thread did it)
             targets = list(self._standbys)
             if not targets:
-                raise exc
+                return False
             # (a standby takes over the moment it sees the server go, or after ``_SILENCE``;
             # until then it holds our connection unanswered; one that refuses it is gone)
             patience = min(self._timeout.total_seconds(), 2 * _SILENCE)
@@ -296,13 +299,17 @@ class FailoverStore(Store):
                         failed.close()
                     self._store, self._at = store, target
                     self._standbys = [t for t in targets if t != target]
-                    return
+                    del last  # (an error caught here: no cycle through this frame)
+                    return True
                 time.sleep(0.05)
             self._standbys = targets
-            raise DistNetworkError(
-                f"the store at {self._at} was lost ({exc}) and no standby ({', '.join(self._standbys or ['none left'])}) "
-                f"took over within {patience:g} s (last error: {last})"
-            ) from exc
+            try:
+                raise DistNetworkError(
+                    f"the store at {self._at} was lost ({exc}) and no standby ({', '.join(self._standbys or ['none left'])}) "
+                    f"took over within {patience:g} s (last error: {last})"
+                ) from exc
+            finally:
+                del last, exc
 
     def _call(self, name: str, call: Callable[[TCPStore], Any]) -> Any:
         store = self._store
@@ -314,7 +321,8 @@ class FailoverStore(Store):
             # lost, or stalled (its connection is then given up): the server may be gone
             if not isinstance(exc, DistNetworkError) and store._broken is None:
                 raise
-            self._fail_over(store, exc)
+            if not self._fail_over(store, exc):
+                raise
             if name in _ONCE:
                 raise DistNetworkError(
                     f"the store at {store.host}:{store.port} was lost during {name}, which may or may not "

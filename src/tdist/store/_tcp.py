@@ -32,6 +32,7 @@ from .._core.errors import (
     QueueEmptyError,
     StoreTimeoutError,
     StoreValueError,
+    fresh,
 )
 from .._core.net import literal_loopback
 from .._core.peercred import check_unix_peer
@@ -491,7 +492,8 @@ class TCPStore(Store):
                 self._decoder.seal = self._recv_seal
                 self._quiet_sent = False
                 self._pid = os.getpid()
-                return
+                last_exc = None  # (an error kept in a local past its ``except``, whose traceback
+                return  # has this frame, makes a cycle: see ``errors.fresh``)
             except (AuthenticationError, TorchServerError):
                 if sock is not None:
                     sock.close()
@@ -514,11 +516,14 @@ class TCPStore(Store):
             time.sleep(delay)
             early = now - start < 0.1 and isinstance(last_exc, (ConnectionRefusedError, FileNotFoundError))
             delay = min(delay * 2, 0.002) if early else min(max(delay, 0.001) * 2, 0.5)
-        raise DistNetworkError(
-            f"could not connect to the store at {self._addr} within {timeout:g} s "
-            f"(last error: {last_exc}); check that the master process is running and that "
-            "the host and port (MASTER_ADDR/MASTER_PORT) are right"
-        ) from last_exc
+        try:
+            raise DistNetworkError(
+                f"could not connect to the store at {self._addr} within {timeout:g} s "
+                f"(last error: {last_exc}); check that the master process is running and that "
+                "the host and port (MASTER_ADDR/MASTER_PORT) are right"
+            ) from last_exc
+        finally:
+            last_exc = None
 
     def _try_unix(self, deadline: float) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -669,7 +674,7 @@ class TCPStore(Store):
             except OSError as exc:
                 raise self._lost(op, exc) from exc
         if deferred is not None:
-            raise deferred
+            raise fresh(deferred)  # (not the local: see ``fresh``)
         if frame.code == Status.OK:
             return frame.fields
         raise self._error(op, frame, wait)
@@ -754,8 +759,7 @@ class TCPStore(Store):
         broken = self._broken
         if broken is not None:
             # (a fresh error that names this request: the first one's text named its own)
-            err = type(broken)(f"{op.name.removesuffix('_QUIET')} cannot be sent: {broken}")
-            raise err from broken
+            raise type(broken)(f"{op.name.removesuffix('_QUIET')} cannot be sent: {broken}") from broken
         if self._closed:
             raise DistStoreError(f"TCPStore client for {self._addr} is closed")
         if self._sock is None or self._pid != _current_pid[0]:
@@ -876,7 +880,7 @@ class TCPStore(Store):
                 return frame
 
     def _fail(self, err: DistError) -> None:
-        self._broken = err
+        self._broken = fresh(err)  # (``err`` is raised: see ``fresh``)
         self._direct = None
         if self._sock is not None:
             with contextlib.suppress(OSError):

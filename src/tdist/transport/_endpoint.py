@@ -66,6 +66,7 @@ from .._core.errors import (
     PeerError,
     RemoteProtocolError,
     StoreTimeoutError,
+    fresh,
 )
 from .._core.threads import QuickThread
 from ..store._api import multi_get_within, waits_in_chunks
@@ -410,7 +411,7 @@ class Endpoint:
                     raise
             trouble = self._formation_trouble(store, peers, "never published its address", addresses=True)
             if trouble is not None:
-                raise trouble
+                raise fresh(trouble)  # (not the local: see ``fresh``)
             if words.due(time.monotonic() - start):  # (only then: a look at every peer's address)
                 self._say_who_is_late(start, timeout, [peer for peer in peers if not store.check([f"ep/{peer}"])])
 
@@ -693,18 +694,18 @@ class Endpoint:
             step = max(0.05, self.heartbeat_interval / 2)
             while not done.wait(step):
                 if p.error is not None:
-                    raise p.error
+                    raise fresh(p.error)
                 now = time.monotonic()
                 stalled = self._stalled(p, what, now)
                 if stalled is not None:
-                    raise stalled
+                    raise fresh(stalled)
                 if deadline is not None and now >= deadline:
                     raise self._send_timed_out(p, what)
         finally:
             with self._lock:
                 p.copies.pop(xfer, None)
         if copy.err < 0:  # (the connection was lost first)
-            raise p.error or self._lost(p, None, what)
+            raise fresh(p.error or self._lost(p, None, what))
         if copy.err:
             log.info(
                 "rank %d: rank %d cannot read this process's memory (%s); sending inline from now on",
@@ -806,7 +807,7 @@ class Endpoint:
             if isinstance(failure, PeerError):
                 # say which operation the failure hit; the cause stays attached
                 raise PeerError(f"{what or handle.what} failed: {failure}", peer=failure.peer) from failure
-            raise failure
+            raise fresh(failure)
         return handle
 
     def _send_timed_out(self, p: _Peer, what: str) -> CollectiveTimeoutError:
@@ -876,12 +877,12 @@ class Endpoint:
     # -- internals -----------------------------------------------------------------------------
     def _peer(self, peer: int, what: str) -> _Peer:
         if self._broken is not None:
-            raise self._broken
+            raise fresh(self._broken)
         p = self._peers.get(peer)
         if p is None:
             raise ValueError(f"rank {self.rank}: no peer rank {peer} in a group of {self.size}")
         if p.error is not None:
-            raise p.error
+            raise fresh(p.error)
         return p
 
     def _sendmsg(
@@ -913,8 +914,7 @@ class Endpoint:
             end = time.monotonic() + 1.0
             while p.error is None and not p.read_over and not self._closing and time.monotonic() < end:
                 time.sleep(0.001)
-            err = self._lost(p, exc, what)
-            raise err from exc
+            raise fresh(self._lost(p, exc, what)) from exc
 
     def _stalled(self, p: _Peer, what: str, now: float) -> DistError | None:
         """If nothing has come from ``p`` for ``stall_timeout``: fail it (every waiter on it

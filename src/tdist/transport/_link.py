@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from .._core import auth
+from .._core.errors import fresh
 from .._core.net import literal_family
 from .._core.peercred import unix_peer
 from . import _handshake
@@ -233,7 +234,7 @@ class Link:
                 if err is None and not started and deadline is not None and now >= deadline:
                     err = timed_out()
                 if err is not None:
-                    raise err
+                    raise fresh(err)  # (often a peer's kept error: see ``fresh``)
 
         self.write(parts, tagging, blocked)
 

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-from .._core.errors import DistNetworkError, PeerError
+from .._core.errors import DistNetworkError, PeerError, fresh
 from . import _handshake
 from ._dial import Dialer, Doorway, PeerAddress
 from ._link import Link
@@ -316,7 +316,7 @@ class Table(Generic[L]):
             while True:
                 stop = stopped()
                 if stop is not None:
-                    raise stop
+                    raise fresh(stop)  # (often a kept error: see ``fresh``)
                 for peer, dialer in list(dialers.items()):
                     made = dialer.step()
                     if made is not None:

@@ -94,6 +94,7 @@ from ..._core.errors import (
     DistBackendError,
     DistError,
     PeerError,
+    fresh,
 )
 from ...store._api import Store, multi_get_within
 from ...transport._liveness import STALL_CAUSES, still_running
@@ -492,7 +493,7 @@ class ArenaCore:
         """Mark the arena broken and tell every peer why."""
         if self._broken is not None or self._mm is None:
             return
-        self._broken = exc
+        self._broken = fresh(exc)  # (``exc`` is raised: see ``fresh``)
         text = f"{type(exc).__name__}: {exc}".encode(errors="replace")[: _ERR_BYTES]
         try:
             w = self._w
