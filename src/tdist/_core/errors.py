@@ -73,6 +73,13 @@ bug in the remote function. ``RemoteError`` is a ``RuntimeError`` as torch's fal
 ``RemoteTraceback`` an ``Exception`` as ``concurrent.futures``' own. torch's rendezvous errors
 (``torch.distributed.elastic.rendezvous.api``) derive from ``Exception``, not ``RuntimeError``;
 ours have the same bases, so an ``except`` clause treats them as it treats torch's.
+
+Kept errors. An error that outlives its raise (a work's, a peer's, a future's, a broken group's
+or store client's, one in a local past its ``except``) is never the one raised: it is kept as
+``fresh(exc)`` and raised as ``fresh(kept)``; a torch future fails with ``fail_future``. An
+exception raised holds every frame it passes, and a frame its caller's: kept where one of
+those frames reaches it, it makes a cycle that holds them all until a collection
+(``tests/integration/test_error_cycles.py``).
 """
 
 from __future__ import annotations
