@@ -1336,7 +1336,9 @@ def _late_rank_2(rank: int, n: int, port: int, side: str) -> list[str]:
 
     patience.FIRST, patience.EVERY = 0.5, 1.0  # (30 s and a minute)
     told = dist.FileStore(side, n)
-    said = _warnings_said(rank, told, "waiting at the rendezvous")
+    # (the warnings that name rank 2 alone: on a loaded host rank 1 may come after rank 0's
+    # first warning, which then names both)
+    said = _warnings_said(rank, told, "for rank(s) [2] of 3 (")
     if rank == 2:
         told.wait(["warned/0", "warned/1"], timedelta(seconds=30))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n, timeout=timedelta(seconds=60))
