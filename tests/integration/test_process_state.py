@@ -35,6 +35,19 @@ def test_importing_the_command_line_does_not_import_torch() -> None:
     assert _python("import sys\nimport tdist.cli\nprint('torch' in sys.modules)") == "False"
 
 
+def test_a_worker_of_tdist_run_that_imports_tdist_does_not_import_torch(tmp_path: Path) -> None:
+    """Its status thread (``TDIST_STATUS_DIR``) loads ``tdist.elastic._inspect``, and loaded the
+    launcher's agent, and torch, with its package (1.2 s of CPU in a worker that needs none)."""
+    code = (
+        "import os, sys\n"
+        f"os.environ.update(TDIST_STATUS_DIR={str(tmp_path)!r}, RANK='0', LOCAL_RANK='0', WORLD_SIZE='1')\n"
+        "import tdist\n"
+        "from tdist.elastic import report_progress\n"
+        "print('torch' in sys.modules, 'tdist.elastic._inspect' in sys.modules)"
+    )
+    assert _python(code) == "False True"
+
+
 def test_init_rpc_writes_no_environment_variable() -> None:
     code = (
         "import os, tdist.rpc as rpc\n"
