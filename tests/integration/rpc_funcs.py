@@ -545,6 +545,10 @@ def scripted_affine() -> torch.jit.ScriptModule:
     return torch.jit.script(Affine(3, 2))
 
 
+def traced_affine() -> torch.jit.ScriptModule:
+    return torch.jit.trace(Affine(3, 2), torch.ones(1, 3))  # type: ignore[no-any-return]
+
+
 class SlowCounter(Counter):
     """A ``Counter`` whose constructor takes ``seconds``."""
 

@@ -343,6 +343,24 @@ def test_torchscript_functions_run_by_name(backend: str) -> None:
     run(_script_functions, backend, world_size=2)
 
 
+def _script_modules(w: Worker) -> None:
+    p = w.peer()
+    x = torch.ones(1, 3)
+    for mode in MODES:
+        for make in (f.scripted_affine, f.traced_affine):  # (a result, as torch's RPC sends one)
+            m = call(mode, p, make)
+            assert isinstance(m, torch.jit.ScriptModule), (mode, make, type(m))
+            # (an argument, and the result of its run there: torch's RPC sends a module only as
+            # the whole result)
+            assert torch.equal(call(mode, p, f.call_module, (m, x)), m(x)), (mode, make)
+    w.barrier()
+
+
+@better_than_torch
+def test_torchscript_modules_cross_as_results_and_arguments(backend: str) -> None:
+    run(_script_modules, backend, world_size=2)
+
+
 def _async_script_functions(w: Worker) -> None:
     p = w.peer()
     for mode in MODES:  # async_execution over TorchScript: the reply waits for its future

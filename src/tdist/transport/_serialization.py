@@ -201,11 +201,29 @@ def _reduce_script_function(fn: Any) -> Any:
     return (_script_function, (fn.qualified_name,))
 
 
+def _load_script_module(saved: bytes) -> Any:
+    return torch.jit.load(io.BytesIO(saved))  # type: ignore[no-untyped-call]
+
+
+def _reduce_script_module(module: Any) -> Any:
+    # a scripted or traced module, whose pickling torch refuses: as ``torch.jit.save`` writes
+    # it (torch's RPC sends a module so, where it is the whole result), anywhere in a message
+    saved = io.BytesIO()
+    torch.jit.save(module, saved)
+    return (_load_script_module, (saved.getvalue(),))
+
+
+# (the classes ``torch.jit.script``, ``torch.jit.trace`` and ``torch.jit.load`` make; exact types)
+_SCRIPT_MODULES = (torch.jit._script.RecursiveScriptModule, torch.jit._trace.TracedModule, torch.jit._trace.TopLevelTracedModule)
+
+
 def _sync_dispatch() -> None:
     _DISPATCH.clear()
     _DISPATCH.update(copyreg.dispatch_table)
     _DISPATCH[torch.Tensor] = _reduce_tensor
     _DISPATCH[torch.jit.ScriptFunction] = _reduce_script_function
+    for kind in _SCRIPT_MODULES:
+        _DISPATCH[kind] = _reduce_script_module
     _synced[0] = len(copyreg.dispatch_table)
 
 
