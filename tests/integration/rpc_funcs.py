@@ -545,6 +545,10 @@ def scripted_affine() -> torch.jit.ScriptModule:
     return torch.jit.script(Affine(3, 2))
 
 
+def meta_tensor() -> torch.Tensor:
+    return torch.empty(2, device="meta")
+
+
 def traced_affine() -> torch.jit.ScriptModule:
     return torch.jit.trace(Affine(3, 2), torch.ones(1, 3))  # type: ignore[no-any-return]
 

@@ -361,6 +361,31 @@ def test_torchscript_modules_cross_as_results_and_arguments(backend: str) -> Non
     run(_script_modules, backend, world_size=2)
 
 
+def _other_devices(w: Worker) -> None:
+    if w.rank == 0:
+        p = w.peer()
+        meta = torch.empty(2, device="meta")
+        request = f"Request device mapping is not available for destination {p}, but found tensor on device: meta"
+        for attempt in (
+            lambda: rpc.rpc_sync(p, torch.add, args=(meta, 1)),
+            lambda: rpc.rpc_async(p, torch.add, args=(meta, 1)),  # (raised by the call, as torch's)
+            lambda: rpc.remote(p, torch.add, args=(meta, 1)),
+            lambda: rpc.rpc_sync(p, f.identity, args=([torch.ones(1), {"t": meta}],)),
+        ):
+            with pytest.raises(RuntimeError, match=re.escape(request)):
+                attempt()
+        reply = f"Response device mapping is not available for destination {w.me}, but found tensor on device: meta"
+        for mode in MODES:
+            with pytest.raises(RuntimeError, match=re.escape(reply)):
+                call(mode, p, f.meta_tensor)
+        assert rpc.rpc_sync(p, f.add, args=(1, 2)) == 3  # (nothing else broke)
+    w.barrier()
+
+
+def test_a_tensor_on_another_device_needs_a_device_map_as_in_torch(backend: str) -> None:
+    run(_other_devices, backend, world_size=2)
+
+
 def _async_script_functions(w: Worker) -> None:
     p = w.peer()
     for mode in MODES:  # async_execution over TorchScript: the reply waits for its future

@@ -126,9 +126,33 @@ class _ThreadState(threading.local):
     # while a request is unpickled: the user RRefs made from it that their owner has not
     # confirmed yet (``note_unconfirmed``); the request runs once they are
     unconfirmed: list[Any] | None = None
+    # while a message is pickled: the agent and whether it is a request (else a reply)
+    sending: tuple[Any, bool] | None = None
 
 
 _tls = _ThreadState()
+
+
+def _refuse_device(tensor: torch.Tensor) -> None:
+    """A tensor on another device than the CPU in a message to a worker that no device map
+    sends to: torch's error (its TensorPipe agent sends only CPU tensors by default)."""
+    sending, dst = _tls.sending, _tls.peer
+    if sending is None or dst is None:  # (not an RPC message: an object collective's, say)
+        return
+    agent, request = sending
+    info = agent._workers.get(dst)
+    name = info.name if info is not None else str(dst)
+    if info is not None and agent._get_device_map(info):
+        return
+    raise RuntimeError(
+        "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to CPU before "
+        "sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` to explicitly configure "
+        f"device mapping. {'Request' if request else 'Response'} device mapping is not available for destination "
+        f"{name}, but found tensor on device: {tensor.device}"
+    )
+
+
+ser.device_hook[0] = _refuse_device
 
 
 def current_agent(required: bool = True) -> RpcAgent | None:
@@ -691,14 +715,15 @@ class RpcAgent:
         finally:
             _tls.peer, _tls.unconfirmed = old, old_unconfirmed
 
-    def encode(self, dst: int, body: Any) -> list[memoryview]:
-        """Serialize ``body`` for ``dst`` (RRefs inside fork for ``dst``)."""
-        old = _tls.peer
-        _tls.peer = dst
+    def encode(self, dst: int, body: Any, kind: MsgKind) -> list[memoryview]:
+        """Serialize ``body``, a message of ``kind``, for ``dst`` (RRefs inside fork for
+        ``dst``; a tensor on another device than the CPU needs a device map to ``dst``)."""
+        old, old_sending = _tls.peer, _tls.sending
+        _tls.peer, _tls.sending = dst, (self, kind in REQUESTS)
         try:
             return ser.dumps(body)
         finally:
-            _tls.peer = old
+            _tls.peer, _tls.sending = old, old_sending
 
     def _accept_request(self, src: int, tag: int, kind: MsgKind, body: Any, unconfirmed: list[Any]) -> None:
         """Run a request; one that carried user RRefs not confirmed yet (``unconfirmed``) once

@@ -152,7 +152,7 @@ class ProcessGroupAgent(RpcAgent):
 
     # -- moving messages ------------------------------------------------------------------------
     def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None, answer: bool = False) -> None:
-        parts = self.encode(dst, body)
+        parts = self.encode(dst, body, kind)
         if dst == self.rank:
             # a call to ourselves: copy semantics as for any peer, no process group
             data = bytearray(b"".join(parts))

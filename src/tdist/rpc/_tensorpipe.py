@@ -211,7 +211,7 @@ class TensorPipeAgent(RpcAgent):
             self._on_message(src, tag, meta, lambda lenient=False: ser.loads(payload, lenient))
 
     def _transmit(self, dst: int, tag: int, kind: MsgKind, body: Any, deadline: float | None, answer: bool = False) -> None:
-        parts = self.encode(dst, body)
+        parts = self.encode(dst, body, kind)
         if dst == self.rank:
             # a call to ourselves: copy semantics as for any peer, no socket
             data = bytearray(b"".join(parts))

@@ -20,6 +20,7 @@ import io
 import pickle
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -126,11 +127,19 @@ def _storage_of(storage: Any) -> _Storage:
     return made
 
 
+# what is told of a tensor on another device than the CPU met while pickling (RPC refuses one
+# that no device map sends, as torch's does: ``rpc._agent``); ``None``: nothing
+device_hook: list[Callable[[torch.Tensor], None] | None] = [None]
+
+
 def _reduce_tensor(obj: torch.Tensor) -> Any:
     # plain CPU tensors travel as raw bytes beside the pickle (subclasses such as nn.Parameter
-    # match no entry of the dispatch table and keep torch's own reduction, as do sparse,
-    # quantized and non-CPU tensors here)
+    # match no entry of the dispatch table and keep torch's own reduction, their data comes
+    # here, as do sparse, quantized and non-CPU tensors, which keep torch's reduction too)
     if obj.layout != torch.strided or obj.is_quantized or not obj.is_cpu:
+        hook = device_hook[0]
+        if hook is not None and obj.device.type != "cpu":
+            hook(obj)
         return cast(Any, obj).__reduce_ex__(5)
     t = obj.detach() if obj.requires_grad else obj
     # a lazily conjugated or negated tensor (``z.conj()``, ``z.conj().imag``) goes as its bytes
