@@ -88,6 +88,35 @@ def test_a_collective_that_times_out_and_the_broken_group_after_it() -> None:
         assert freed(lambda: pgs[0].send([t], 1, 0).wait()) == ("PeerError", True)
 
 
+def test_a_receive_that_times_out_at_the_groups_deadline() -> None:
+    with pair(timeout=0.5) as pgs:
+        assert freed(lambda: pgs[1].recv([torch.zeros(3)], 0, 7).wait()) == ("CollectiveTimeoutError", True)
+
+
+def test_a_future_that_a_then_callback_failed_keeps_none_of_its_frames() -> None:
+    """torch's future keeps its error in C++, where the collector cannot see: the callback's
+    frames, which the error's traceback held, and what they held, were never freed."""
+    from tdist.rpc._future import Future
+
+    refs: list[weakref.ref[Held]] = []
+
+    def fail(done: object) -> None:
+        held = Held()  # (what the failing callback's frame holds)
+        refs.append(weakref.ref(held))
+        raise ValueError("the callback failed")
+
+    def run() -> None:
+        first: Any = Future()
+        then = first.then(fail)
+        first.set_result(1)
+        with pytest.raises(ValueError, match="the callback failed"):
+            then.wait()
+
+    run()
+    gc.collect()
+    assert len(refs) == 1 and refs[0]() is None
+
+
 def test_a_receive_whose_own_wait_times_out() -> None:
     with pair(timeout=30) as pgs:
         work = pgs[1].recv([torch.zeros(3)], 0, 7)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tdist._core.errors import CollectiveTimeoutError, DistError, PeerError, fail_future, fresh
+from tdist._core.errors import (
+    CollectiveTimeoutError,
+    DistError,
+    PeerError,
+    fail_future,
+    fresh,
+    origin,
+)
 
 
 def raised(exc: BaseException) -> BaseException:
@@ -16,7 +23,7 @@ def raised(exc: BaseException) -> BaseException:
         return caught
 
 
-def test_a_copy_has_the_type_text_attributes_notes_and_causes_and_no_traceback() -> None:
+def test_a_copy_has_the_type_text_attributes_notes_and_causes_and_no_frames() -> None:
     cause = raised(OSError("reset"))
     kept = PeerError("rank 1 was lost", peer=1)
     kept.__cause__ = cause
@@ -31,8 +38,15 @@ def test_a_copy_has_the_type_text_attributes_notes_and_causes_and_no_traceback()
     assert copy.__notes__ == ["what rank 1 was doing"]
     copy.add_note("a caller's own note")  # (on the copy alone: the next copy has the kept notes)
     assert kept.__notes__ == ["what rank 1 was doing"]
-    assert copy.__cause__ is cause and copy.__context__ is cause and copy.__suppress_context__
-    assert copy.__traceback__ is None
+    assert copy.__suppress_context__ and copy.__traceback__ is None
+    # its cause a copy too, without frames (one the copy kept would reach the frames below the
+    # keeper's, and theirs through ``f_back``); one copy for the cause and the context alike
+    assert type(copy.__cause__) is OSError and str(copy.__cause__) == "reset" and copy.__cause__ is not cause
+    assert copy.__cause__.__traceback__ is None and copy.__context__ is copy.__cause__
+    # where each was raised, as a summary without frames (what an RPC's remote traceback shows)
+    assert [f.name for f in origin(copy)] == [f.name for f in origin(copy.__cause__)] == ["raised"]
+    assert origin(fresh(copy)) is origin(copy)  # (a copy of a copy: where the first was raised)
+    assert origin(kept) is None and origin(fresh(DistError("never raised"))) is None
 
 
 def test_raising_copies_leaves_the_kept_one_without_frames() -> None:

@@ -85,6 +85,7 @@ those frames reaches it, it makes a cycle that holds them all until a collection
 from __future__ import annotations
 
 import sys
+from types import BuiltinFunctionType
 
 from . import _process
 
@@ -212,35 +213,72 @@ class CollectiveTimeoutError(DistBackendError, DistTimeoutError):
 
 
 def fresh(exc: _E) -> _E:
-    """A copy of ``exc`` without its traceback: what to raise where ``exc`` is kept (on a work,
-    a peer, a future, a broken group), and what to keep of an exception that is raised.
+    """A copy of ``exc`` without frames: what to raise where ``exc`` is kept (on a work, a peer,
+    a future, a broken group), and what to keep of an exception that is raised.
 
-    An exception raised carries every frame it passes through, each with its locals. Kept by
-    an object that one of those frames holds (a work's ``wait`` raising the work's error), it
-    makes a cycle that only the garbage collector frees, and every caller's frame up to the
-    catch lives until then with what it holds (tensors; a torch store with its threads, which
-    a forked child that collected it destroyed, and aborted). Raised again, it grows its
-    traceback by the new frames each time. The copy (``copy_into``) has the same type, text,
-    attributes, notes and causes; keep one, raise another, and no kept object refers to a
-    raised one's frames. Where no copy is the same (a user's exception rebuilt from an RPC
-    whose state cannot be set from outside), this gives ``exc`` itself.
+    An exception raised carries every frame it passes through, each with its locals, and a
+    frame its caller's. Kept by an object that one of those frames reaches (a work's ``wait``
+    raising the work's error; a future failed by a function that holds it), it makes a cycle
+    that only the garbage collector frees, or nothing (a torch future keeps its error in C++):
+    every caller's frame up to the catch lives on with what it holds (tensors; a torch store
+    with its threads, which a forked child that collected it destroyed, and aborted). Raised
+    again, it grows its traceback by the new frames each time.
+
+    The copy (``copy_into``) has the same type, text, attributes and notes; its cause and
+    context are copies too, made alike; where the exception was raised (its traceback, as
+    ``traceback.extract_tb`` gives it, without the frames) stays with each (``origin``), for
+    what reports it later (an RPC's remote traceback). Keep one, raise another, and no kept
+    object refers to a frame. Where no copy is the same (a user's exception whose state cannot
+    be set from outside), this gives ``exc`` itself, and its causes as they are.
     """
+    return _fresh(exc, {})  # type: ignore[return-value]  # (of exc's own type)
+
+
+def _fresh(exc: BaseException, made: dict[int, BaseException]) -> BaseException:
+    done = made.get(id(exc))
+    if done is not None:  # (a chain that loops: ``raise a.__cause__ from a``)
+        return done
     try:
         new = copy_into(exc, type(exc))
-    except BaseException:  # (a ``__new__`` of a user's type that wants other arguments...)
+    except Exception:  # (a ``__new__`` of a user's type that wants other arguments...)
+        new = None
+    if new is None:
         return exc
-    return exc if new is None else new  # type: ignore[return-value]  # (of exc's own type)
+    made[id(exc)] = new
+    if origin(exc) is None and exc.__traceback__ is not None:  # (a copy keeps its origin: copied)
+        import traceback  # (on a failure only: 3 ms to import)
+
+        new.__dict__[_ORIGIN] = traceback.extract_tb(exc.__traceback__)
+    if exc.__cause__ is not None:
+        new.__cause__ = _fresh(exc.__cause__, made)
+    if exc.__context__ is not None:
+        new.__context__ = _fresh(exc.__context__, made)
+    return new
+
+
+# the attribute of a copy ``fresh`` made that says where the exception it copies was raised:
+# that traceback's summary (``traceback.StackSummary``: no frames). In ``__dict__``, as an
+# attribute ``copy_into`` copies and pickling carries: no table can hold a built-in exception
+# by a weak reference
+_ORIGIN = "_tdist_origin"
+
+
+def origin(exc: BaseException) -> Any:
+    """Where the exception that ``exc``, a copy ``fresh`` made, was made from was raised: a
+    ``traceback.StackSummary``; ``None`` if it was not raised, or ``exc`` is no such copy."""
+    return getattr(exc, "__dict__", {}).get(_ORIGIN)
 
 
 def fail_future(fut: Any, exc: BaseException) -> None:
-    """``fut.set_exception(exc)`` for a ``torch.futures.Future``, except that its ``wait()`` and
-    ``value()`` raise a copy of ``exc`` (``fresh``) each time. torch's raise ``exc`` itself,
-    whose traceback then gains every waiter's frames, and the future keeps it in C++, where the
-    garbage collector cannot see: those frames, and what they held, were never freed."""
+    """``fut.set_exception(exc)`` for a ``torch.futures.Future``, except that it keeps a copy of
+    ``exc`` (``fresh``) and its ``wait()`` and ``value()`` raise a copy of that each time.
+    torch's keeps ``exc`` and raises it, whose traceback has (and gains) frames that may hold
+    the future, which keeps it in C++, where the garbage collector cannot see: those frames,
+    and what they held, were never freed."""
     if not isinstance(exc, Exception):  # (torch's own check and words)
         raise AssertionError(f"{exc} is of type {type(exc)}, not an Exception.")
     fut._set_unwrap_func(_raise_fresh)
-    fut.set_result(exc)
+    fut.set_result(fresh(exc))  # (the function that fails it may hold it: see ``fresh``)
 
 
 def _raise_fresh(exc: BaseException) -> None:
@@ -286,13 +324,16 @@ def copy_into(exc: BaseException, cls: type[BaseException]) -> BaseException | N
 
 
 def _blank(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
-    """A new ``cls`` from the first ``__new__`` in its bases that makes one: a class with two
-    built-in bases (``CollectiveTimeoutError``: ``RuntimeError`` and ``TimeoutError``) gets
-    ``RuntimeError.__new__`` by name, which refuses to make it; ``OSError``'s does."""
+    """A new ``cls`` from its first ``__new__``, or, where that is a built-in one that refuses
+    (a class with two built-in bases, ``CollectiveTimeoutError``: ``RuntimeError.__new__``,
+    found first by name, refuses to make it; ``OSError``'s does), the next built-in one's. A
+    ``__new__`` written in Python is the class's own say: what it raises is raised."""
     for base in cls.__mro__:
         make = base.__dict__.get("__new__")
         if make is None:
             continue
+        if not isinstance(make, BuiltinFunctionType):
+            return _checked(make(cls, *args), cls)
         try:
             new = make(cls, *args)
         except TypeError:  # (not kept: a cycle through this frame would keep the callers')
@@ -300,6 +341,13 @@ def _blank(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
         if isinstance(new, cls):
             return new
     raise TypeError(f"no __new__ in the bases of {cls.__qualname__} makes one")
+
+
+def _checked(made: object, cls: type[BaseException]) -> BaseException:
+    """``made``, which a ``__new__`` of ``cls`` returned, if it is a ``cls``."""
+    if not isinstance(made, cls):
+        raise TypeError(f"{cls.__qualname__}.__new__ returned a {type(made).__qualname__}")
+    return made
 
 
 def same_public_state(old: BaseException, new: BaseException) -> bool:

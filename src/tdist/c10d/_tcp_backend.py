@@ -363,9 +363,12 @@ class _RecvWork(Work):
                     if exc is caught:  # (what every rank of the group was doing, as a collective's failure says)
                         self._backend._explain(self._entry, exc)
                 self._fail(exc)
-                if exc is caught:
-                    raise
-                raise fresh(exc) from caught  # (the verdict is kept: see ``fresh``)
+                try:
+                    if exc is caught:
+                        raise
+                    raise fresh(exc) from caught  # (the verdict is kept: see ``fresh``)
+                finally:  # (no cycle through this frame: see ``errors.fresh``)
+                    del exc
             self._settle()
         return super().wait(timeout)
 

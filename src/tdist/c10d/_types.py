@@ -374,10 +374,11 @@ class Work:
         self._finish(exc, None, -1)
 
     def _finish(self, exc: BaseException | None, result: list[Any] | None, source_rank: int) -> None:
+        kept = None if exc is None else fresh(exc)  # (``exc`` may be raised: see ``fresh``)
         with self._lock:
             if self._is_done:
                 return
-            self._exc = None if exc is None else fresh(exc)  # (``exc`` may be raised: see ``fresh``)
+            self._exc = kept
             if result is not None:
                 self._result = result
             if source_rank >= 0:

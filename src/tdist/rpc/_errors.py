@@ -119,7 +119,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .._core.errors import copy_into, same_public_state
+from .._core.errors import copy_into, origin, same_public_state
 
 __all__ = [
     "MAX_PICKLED_BYTES",
@@ -366,7 +366,9 @@ def _rebuild_bare(cls: type[BaseException], args: tuple[Any, ...], state: dict[s
 
 def _format_traceback(exc: BaseException) -> str:
     try:
-        return "".join(_traceback.format_exception(exc)).rstrip("\n")
+        report = _traceback.TracebackException.from_exception(exc)
+        _raised_where(report, exc, set())
+        return "".join(report.format()).rstrip("\n")
     except BaseException:
         pass
     # A chain the formatter chokes on: the frames of the exception itself still tell a lot.
@@ -376,6 +378,21 @@ def _format_traceback(exc: BaseException) -> str:
         frames = ""
     head = "Traceback (most recent call last):\n" if frames else ""
     return f"{head}{frames}{type(exc).__name__}: {_safe_str(exc)}"
+
+
+def _raised_where(report: _traceback.TracebackException, exc: BaseException, seen: set[int]) -> None:
+    """Where an exception of the chain is a kept copy (``errors.fresh``: a failed future's),
+    the frames where the exception it copies was raised, not where the copy was."""
+    if id(exc) in seen:
+        return
+    seen.add(id(exc))
+    where = origin(exc)
+    if where is not None:
+        report.stack = where
+    if report.__cause__ is not None and exc.__cause__ is not None:
+        _raised_where(report.__cause__, exc.__cause__, seen)
+    if report.__context__ is not None and exc.__context__ is not None:
+        _raised_where(report.__context__, exc.__context__, seen)
 
 
 # --- rebuild (caller side) ------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._core.errors import fail_future
+from .._core.errors import fail_future, fresh
 from ._errors import plain_type, runtime_twin
 
 __all__ = ["Future"]
@@ -86,7 +86,7 @@ def _as_runtime_error(exc: BaseException, text: str | None = None) -> BaseExcept
         out.args = exc.args
     except Exception:  # (a constructor of its own that __new__ cannot mimic)
         return exc
-    out._tdist_original = exc  # type: ignore[attr-defined]
+    out._tdist_original = fresh(exc)  # type: ignore[attr-defined]  # (no frames: see ``errors.fresh``)
     out._tdist_text = text  # type: ignore[attr-defined]
     out.__cause__ = exc.__cause__
     out.__context__ = exc.__context__

@@ -271,7 +271,7 @@ class FailoverStore(Store):
             # until then it holds our connection unanswered; one that refuses it is gone)
             patience = min(self._timeout.total_seconds(), 2 * _SILENCE)
             deadline = time.monotonic() + patience
-            last: BaseException = exc
+            last = str(exc)  # (its text: an error kept in a local makes a cycle, ``errors.fresh``)
             while targets and time.monotonic() < deadline:
                 for target in list(targets):
                     host, port = _split(target)
@@ -279,10 +279,10 @@ class FailoverStore(Store):
                         socket.create_connection((host, port), timeout=1.0).close()
                     except ConnectionRefusedError as err:
                         targets.remove(target)
-                        last = err
+                        last = str(err)
                         continue
                     except OSError as err:
-                        last = err
+                        last = str(err)
                         continue
                     try:
                         store = TCPStore(host, port, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
@@ -290,7 +290,7 @@ class FailoverStore(Store):
                     except AuthenticationError:
                         raise
                     except DistError as err:
-                        last = err
+                        last = str(err)
                         continue
                     store.set_timeout(self._timeout)
                     log.warning("store client: the store at %s was lost (%s); using its standby at %s",
@@ -299,17 +299,13 @@ class FailoverStore(Store):
                         failed.close()
                     self._store, self._at = store, target
                     self._standbys = [t for t in targets if t != target]
-                    del last  # (an error caught here: no cycle through this frame)
                     return True
                 time.sleep(0.05)
             self._standbys = targets
-            try:
-                raise DistNetworkError(
-                    f"the store at {self._at} was lost ({exc}) and no standby ({', '.join(self._standbys or ['none left'])}) "
-                    f"took over within {patience:g} s (last error: {last})"
-                ) from exc
-            finally:
-                del last, exc
+            raise DistNetworkError(
+                f"the store at {self._at} was lost ({exc}) and no standby ({', '.join(self._standbys or ['none left'])}) "
+                f"took over within {patience:g} s (last error: {last})"
+            ) from exc
 
     def _call(self, name: str, call: Callable[[TCPStore], Any]) -> Any:
         store = self._store

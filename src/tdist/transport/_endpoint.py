@@ -956,6 +956,8 @@ class Endpoint:
                 f"lost{detail}; the process died or closed its socket",
                 peer=p.rank,
             )
+        if exc is not None:  # (kept with the error, without the frames: see ``fresh``)
+            err.__cause__ = fresh(exc)
         self._fail_peer(p, err)
         return err
 
