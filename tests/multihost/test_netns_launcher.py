@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_launcher import _RESIZE_BUSY
+from tests.integration.test_launcher_nodes import _RESIZE_BUSY
 from tests.multihost import _netns
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
