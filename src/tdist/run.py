@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._core import lazy
+
 __all__ = [
     "config_from_args",
     "determine_local_world_size",
@@ -267,10 +269,4 @@ _REEXPORTED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _REEXPORTED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy.names(__name__, _REEXPORTED)

@@ -356,6 +356,25 @@ def test_a_dump_being_written_has_a_name_torchs_analyzer_skips(tmp_path: Path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nccl_trace_rank_3"]
 
 
+def test_a_groups_failure_dump_is_not_replaced_by_its_later_failures(tmp_path: Path) -> None:
+    """A rank that skipped a collective is asked for its dump when the others fail, carries on,
+    and fails at its next call: its second failure dump recorded the collective it had skipped,
+    and torch's analyzer then found no rank missing. A new group's failure writes it again, and
+    an asked-for dump (``dump_all``) always does."""
+    path = tmp_path / "rank_0"
+    group = _rec(0)
+    F.write_dump(str(path), 0, failed=group)
+    at_failure = path.read_bytes()
+    group.one("all_reduce", torch.ones(1))  # (what the rank does after: not in the failure's dump)
+    F.write_dump(str(path), 0, failed=group)
+    assert path.read_bytes() == at_failure
+    F.write_dump(str(path), 0)  # (asked for)
+    assert path.read_bytes() != at_failure
+    path.unlink()
+    F.write_dump(str(path), 0, failed=_rec(0))  # (another group's failure)
+    assert path.exists()
+
+
 class _CountingStore(HashStore):
     """A store whose clones are counted (a responder's connection is a clone)."""
 

@@ -318,7 +318,7 @@ class Responder:
         if prefix and req.get("from") != rec.rank:
             try:
                 g = rec.global_rank
-                fr.write_dump(f"{prefix}{g}", g)
+                fr.write_dump(f"{prefix}{g}", g, failed=rec if req.get("first") else None)
             except Exception as exc:
                 log.warning("rank %d: flight-recorder dump failed: %s", rec.rank, exc)
         store.set(f"fr/head/{req['k']}/{rec.rank}", json.dumps(head(rec)))
@@ -372,24 +372,25 @@ def _stop_responders_at_exit() -> None:
 atexit.register(_stop_responders_at_exit)
 
 
-def request_dumps(store: Any, rec: fr.Recorder, prefix: str, timeout: float) -> list[str]:
+def request_dumps(store: Any, rec: fr.Recorder, prefix: str, timeout: float, first: bool = False) -> list[str]:
     """Have every rank of ``rec``'s group write its dump to ``<prefix><global rank>`` (this rank
     first, then the others through their responders); returns the paths of the ranks that did
-    within ``timeout``."""
+    within ``timeout``. ``first``: the group's failure has them written, and a later failure of
+    it does not replace them (``fr.write_dump``)."""
     mine = rec.global_rank
-    fr.write_dump(f"{prefix}{mine}", mine)
-    heads, _ = ask_all(store, rec, {}, prefix, timeout)
+    fr.write_dump(f"{prefix}{mine}", mine, failed=rec if first else None)
+    heads, _ = ask_all(store, rec, {}, prefix, timeout, first=first)
     return sorted(f"{prefix}{h['global_rank']}" for h in heads.values() if h is not None)
 
 
 def _ask(
-    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None, grace: float
+    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None, grace: float, first: bool
 ) -> tuple[dict[int, dict[str, Any] | None], str | None]:
     """Ask every member for its head (the executor of ``diagnose``); returns the answers and,
     if the store failed meanwhile, why."""
     rank, size = rec.rank, rec.size
     k = store.add("fr/asks", 1)
-    payload = json.dumps({"k": k, "from": rank, "dump": dump}).encode()
+    payload = json.dumps({"k": k, "from": rank, "dump": dump, **({"first": True} if first else {})}).encode()
     store.multi_set([f"fr/ask/{q}/{k}" for q in range(size)], [payload] * size)
     keys = {q: f"fr/head/{k}/{q}" for q in range(size) if q != rank and q not in gone}
     heads: dict[int, dict[str, Any] | None] = dict.fromkeys(keys)
@@ -437,12 +438,13 @@ def diagnose(
         The explanation (never raises: a store that cannot be asked is said so).
     """
     mine = fr.brief(fr.normalized(rec, failed), time.time_ns())
-    heads, unanswered = ask_all(store, rec, gone, dump, grace)
+    heads, unanswered = ask_all(store, rec, gone, dump, grace, first=True)
     return explain(rec.rank, rec.size, mine, heads, gone, rec.label, unanswered)
 
 
 def ask_all(
-    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None = None, grace: float = GRACE
+    store: Any, rec: fr.Recorder, gone: Mapping[int, str], dump: str | None = None, grace: float = GRACE,
+    first: bool = False,
 ) -> tuple[dict[int, dict[str, Any] | None], str]:
     """Every member's ``head`` (``None`` for those that did not answer within ``grace``; this
     rank's own, read here), and what to say of a rank that did not answer. Asks from a helper
@@ -452,7 +454,7 @@ def ask_all(
     def run() -> None:
         s = clone_store(store)
         try:
-            box.append(_ask(s if s is not None else store, rec, gone, dump, grace))
+            box.append(_ask(s if s is not None else store, rec, gone, dump, grace, first))
         except Exception as exc:
             box.append(fresh(exc))  # (the box, which this frame holds, keeps it: see ``fresh``)
         finally:

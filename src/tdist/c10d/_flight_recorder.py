@@ -224,8 +224,8 @@ class Recorder:
     """
 
     __slots__ = (
-        "__weakref__", "_ranks", "busy", "cap", "desc", "n", "name", "p2p_seq", "pg_id", "pid",
-        "rank", "ranks_fn", "ring", "short", "size", "stack", "timed", "timeout_ms",
+        "__weakref__", "_ranks", "busy", "cap", "desc", "failure_dumps", "n", "name", "p2p_seq", "pg_id",
+        "pid", "rank", "ranks_fn", "ring", "short", "size", "stack", "timed", "timeout_ms",
     )
 
     def __init__(self, rank: int, size: int, capacity: int, timeout_s: float = 1800.0) -> None:
@@ -252,6 +252,8 @@ class Recorder:
         # (whether a backend may make short entries: neither stacks nor true completion times)
         self.short = not (self.stack or self.timed)
         self.pid = os.getpid()
+        # (the dumps a failure of this group had this process write: ``write_dump``)
+        self.failure_dumps: set[str] = set()
         _recorders.add(self)
 
     # -- identity ------------------------------------------------------------------------------
@@ -658,9 +660,15 @@ def dump_dict(global_rank: int | None = None) -> dict[str, Any]:
     return out
 
 
-def write_dump(path: str, global_rank: int | None = None) -> str:
+def write_dump(path: str, global_rank: int | None = None, failed: Recorder | None = None) -> str:
     """Write ``dump_dict(global_rank)`` to ``path`` (pickled, as torch's; atomically); returns
-    ``path``."""
+    ``path``. ``failed``: the group whose failure has it written, once per path: what the ranks
+    did when the group first failed, which a later failure of the group (a rank that carried
+    on, and failed at its next call) must not replace with what it did since (the collective it
+    never reached, recorded after all, hid the hang from torch's analyzer). A new group's
+    failure writes it again."""
+    if failed is not None and path in failed.failure_dumps:
+        return path
     data = pickle.dumps(dump_dict(global_rank))
     directory = os.path.dirname(path)
     if directory:
@@ -671,6 +679,8 @@ def write_dump(path: str, global_rank: int | None = None) -> str:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+    if failed is not None:
+        failed.failure_dumps.add(path)
     return path
 
 

@@ -581,7 +581,7 @@ class ProcessGroupMPI(Backend):
             text = diagnose(self._store, rec, entry, {}, prefix)
             if prefix is not None:
                 try:
-                    fr.write_dump(f"{prefix}{rec.global_rank}", rec.global_rank)
+                    fr.write_dump(f"{prefix}{rec.global_rank}", rec.global_rank, failed=rec)
                 except OSError:
                     pass
             return CollectiveTimeoutError(f"{err}\n{text}")

@@ -598,7 +598,7 @@ class ProcessGroupTCP(Backend):
         if rec is None or not fr.dump_on_failure():
             return
         try:
-            request_dumps(self._store, rec, fr.dump_prefix(), 1.0)
+            request_dumps(self._store, rec, fr.dump_prefix(), 1.0, first=True)
         except Exception as err:  # (the store may be what failed)
             log.warning("rank %d: writing the flight-record dumps failed: %s", self._rank, err)
 
@@ -958,7 +958,7 @@ class ProcessGroupTCP(Backend):
         if prefix is not None:
             try:
                 g = rec.global_rank
-                fr.write_dump(f"{prefix}{g}", g)
+                fr.write_dump(f"{prefix}{g}", g, failed=rec)
             except OSError as err:
                 log.warning("rank %d: writing the flight-recorder dump failed: %s", self._rank, err)
 

@@ -11,7 +11,7 @@ import it there (the agent's modules do, through the exception tree: about 1.2 s
 
 from __future__ import annotations
 
-import importlib
+from .._core import lazy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -22,22 +22,11 @@ if TYPE_CHECKING:
 __all__ = ["LaunchConfig", "LaunchError", "LocalAgent", "launch", "report_progress"]
 
 _WHERE = {
-    "LaunchConfig": "_policy",
-    "LaunchError": "_agent",
-    "LocalAgent": "_agent",
-    "launch": "_agent",
-    "report_progress": "_inspect",
+    "LaunchConfig": "._policy",
+    "LaunchError": "._agent",
+    "LocalAgent": "._agent",
+    "launch": "._agent",
+    "report_progress": "._inspect",
 }
 
-
-def __getattr__(name: str) -> object:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy.names(__name__, _WHERE)

@@ -12,7 +12,7 @@ server, started as a fresh interpreter, imports ``_server`` alone) does not pay 
 
 from __future__ import annotations
 
-import importlib
+from .._core import lazy
 
 TYPE_CHECKING = False  # (typing is not imported at run time: see tdist/__init__)
 
@@ -40,14 +40,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> object:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy.names(__name__, _WHERE)
