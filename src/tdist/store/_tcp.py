@@ -464,66 +464,62 @@ class TCPStore(Store):
         if own is not None and os.getpid() != self._pid:  # (a forked child: its parent's pair)
             own = None
         try_unix = own is None and _is_local(self._connect_host) and os.environ.get("TDIST_STORE_UNIX", "1") != "0"
-        try:  # (``last_exc`` goes on every way out: an error kept in a local past its ``except``,
-            # whose traceback has this frame, makes a cycle, see ``errors.fresh``)
-            while True:
-                sock: socket.socket | None = None
-                try:
-                    if own is not None:
-                        sock, own = own, None
-                        self._transport = "unix"
-                        self._send_seal = self._recv_seal = None
-                        if own_conn is not None and self._server is not None:
-                            self._direct = (self._server, own_conn)
-                    elif try_unix:
-                        sock = self._try_unix(deadline)
-                    if sock is None:
-                        # (5 s an attempt at most: a host that drops the packets would hold one
-                        # attempt for the kernel's SYN retries, about two minutes, past any warning)
-                        remaining = max(0.05, min(deadline - time.monotonic(), _ATTEMPT))
-                        sock = socket.create_connection((self._connect_host, self._port), timeout=remaining)
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        self._transport = "tcp"
-                        sock.sendall(OPENING)  # (over TCP the client speaks first: ``_protocol``)
-                        self._handshake(sock, deadline, opened=True)
-                    sock.setblocking(False)
-                    self._sock = sock
-                    self._spin_poll = select.poll()
-                    self._spin_poll.register(sock, select.POLLIN)
-                    self._decoder = FrameDecoder()
-                    self._decoder.seal = self._recv_seal
-                    self._quiet_sent = False
-                    self._pid = os.getpid()
-                    return
-                except (AuthenticationError, TorchServerError):
-                    if sock is not None:
-                        sock.close()
-                    raise
-                except (OSError, DistNetworkError) as exc:
-                    if sock is not None:
-                        sock.close()
-                    last_exc = exc
-                    if self._refused_is_final and isinstance(exc, ConnectionRefusedError):
-                        break
-                now = time.monotonic()
-                if now + delay > deadline:
+        while True:
+            sock: socket.socket | None = None
+            try:
+                if own is not None:
+                    sock, own = own, None
+                    self._transport = "unix"
+                    self._send_seal = self._recv_seal = None
+                    if own_conn is not None and self._server is not None:
+                        self._direct = (self._server, own_conn)
+                elif try_unix:
+                    sock = self._try_unix(deadline)
+                if sock is None:
+                    # (5 s an attempt at most: a host that drops the packets would hold one
+                    # attempt for the kernel's SYN retries, about two minutes, past any warning)
+                    remaining = max(0.05, min(deadline - time.monotonic(), _ATTEMPT))
+                    sock = socket.create_connection((self._connect_host, self._port), timeout=remaining)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._transport = "tcp"
+                    sock.sendall(OPENING)  # (over TCP the client speaks first: ``_protocol``)
+                    self._handshake(sock, deadline, opened=True)
+                sock.setblocking(False)
+                self._sock = sock
+                self._spin_poll = select.poll()
+                self._spin_poll.register(sock, select.POLLIN)
+                self._decoder = FrameDecoder()
+                self._decoder.seal = self._recv_seal
+                self._quiet_sent = False
+                self._pid = os.getpid()
+                return
+            except (AuthenticationError, TorchServerError):
+                if sock is not None:
+                    sock.close()
+                raise
+            except (OSError, DistNetworkError) as exc:
+                if sock is not None:
+                    sock.close()
+                last_exc = fresh(exc)  # (a copy: no cycle through this frame, ``errors.fresh``)
+                if self._refused_is_final and isinstance(exc, ConnectionRefusedError):
                     break
-                if words.due(now - start):  # (a master late by 30 s is no longer the usual start-up skew)
-                    log.warning(
-                        "TCPStore client: still trying to connect to the store at %s (%.0f s so far; last error: %s); is "
-                        "the master process running, and are the host and port (MASTER_ADDR/MASTER_PORT) right? "
-                        "(it gives up after %g s)", self._addr, now - start, last_exc, timeout,
-                    )
-                time.sleep(delay)
-                early = now - start < 0.1 and isinstance(last_exc, (ConnectionRefusedError, FileNotFoundError))
-                delay = min(delay * 2, 0.002) if early else min(max(delay, 0.001) * 2, 0.5)
-            raise DistNetworkError(
-                f"could not connect to the store at {self._addr} within {timeout:g} s "
-                f"(last error: {last_exc}); check that the master process is running and that "
-                "the host and port (MASTER_ADDR/MASTER_PORT) are right"
-            ) from last_exc
-        finally:
-            last_exc = None
+            now = time.monotonic()
+            if now + delay > deadline:
+                break
+            if words.due(now - start):  # (a master late by 30 s is no longer the usual start-up skew)
+                log.warning(
+                    "TCPStore client: still trying to connect to the store at %s (%.0f s so far; last error: %s); is "
+                    "the master process running, and are the host and port (MASTER_ADDR/MASTER_PORT) right? "
+                    "(it gives up after %g s)", self._addr, now - start, last_exc, timeout,
+                )
+            time.sleep(delay)
+            early = now - start < 0.1 and isinstance(last_exc, (ConnectionRefusedError, FileNotFoundError))
+            delay = min(delay * 2, 0.002) if early else min(max(delay, 0.001) * 2, 0.5)
+        raise DistNetworkError(
+            f"could not connect to the store at {self._addr} within {timeout:g} s "
+            f"(last error: {last_exc}); check that the master process is running and that "
+            "the host and port (MASTER_ADDR/MASTER_PORT) are right"
+        ) from last_exc
 
     def _try_unix(self, deadline: float) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
