@@ -847,27 +847,33 @@ class TCPStore(Store):
                 if frame is not None:
                     return frame
                 break
-        poller: select.poll | None = None
-        deadline = 0.0
+        # sleep until the reply is readable (the socket's own poller, registered at connect),
+        # then read: where the spin above found nothing, or did not run, a read first would only
+        # fail (an exception, and a system call, for each reply)
+        poll = self._spin_poll.poll
+        slept = spinning == 0.0 or not buffered
+        if slept:
+            budget.missed()
+        deadline = time.monotonic() + io_timeout
         while True:
+            if slept:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not poll(min(remaining, _POLL_MAX) * 1000):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError("no reply")
+                    continue
             pending = decoder.pending_length()
             size = 65536 if pending is None else max(65536, min(pending + 4 - decoder.buffered, 1 << 24))
             try:
                 data = sock.recv(size)
             except BlockingIOError:
-                if poller is None:
+                if not slept:
                     budget.missed()
-                    poller = select.poll()
-                    poller.register(sock, select.POLLIN)
-                    deadline = time.monotonic() + io_timeout
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not poller.poll(min(remaining, _POLL_MAX) * 1000):
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError("no reply") from None
+                    slept = True
                 continue
             if not data:
                 raise ConnectionResetError("connection closed by the server")
-            if poller is None and spinning:
+            if not slept and spinning:
                 budget.caught()
             frame = decoder.parse_whole(data)
             if frame is not None:
