@@ -411,6 +411,56 @@ def test_a_responder_connects_after_its_group_forms_and_one_stopped_before_never
         r.join(10)
 
 
+class _TorchLikeStore(HashStore):
+    """A store that a responder treats as torch's (it looks for its requests instead of waiting
+    on them), whose clones are itself, and whose first ``failing_gets`` reads fail."""
+
+    failing_gets = 0
+
+    def _torch_store(self) -> Any:
+        return object()  # (not a TCPStore: no server to watch)
+
+    def clone(self) -> HashStore:
+        return self
+
+    def get(self, key: str) -> bytes:
+        if key.startswith("fr/ask/") and self.failing_gets:
+            self.failing_gets -= 1
+            raise TimeoutError("a slow store")
+        return super().get(key)
+
+
+def _ask(store: HashStore, rank: int, k: int) -> None:
+    store.set(f"fr/ask/{rank}/{k}", json.dumps({"k": k, "from": 0, "dump": None}))
+
+
+def test_a_request_number_that_never_comes_does_not_hold_up_the_later_ones() -> None:
+    # (an asker that took request number 1 and never wrote its request: it died, or its store
+    # calls timed out on a loaded host; the responders waited for number 1 for good, and no
+    # later diagnosis of the group heard from them: a culprit's dump never came)
+    from datetime import timedelta
+
+    store = _TorchLikeStore()
+    r = D.Responder(store, _rec(2))
+    try:
+        assert not r._ours
+        _ask(store, 2, 2)
+        store.wait(["fr/head/2/2"], timedelta(seconds=20))
+        assert json.loads(store.get("fr/head/2/2"))["rank"] == 2
+        # two asks that land out of order, within the time a lost one is given: both answered
+        _ask(store, 2, 4)
+        _ask(store, 2, 3)
+        store.wait(["fr/head/3/2", "fr/head/4/2"], timedelta(seconds=20))
+        # a request that cannot be read at once is read again, not passed over
+        store.failing_gets = 2
+        _ask(store, 2, 5)
+        store.wait(["fr/head/5/2"], timedelta(seconds=20))
+        assert not store.check(["fr/head/1/2"])  # (the lost one: nobody asked it)
+    finally:
+        r.stop()
+        r.join(10)
+
+
 def test_short_entries_read_as_full_ones_and_run_only_while_their_group_is_busy() -> None:
     rec = _rec(0, cap=4)
     busy = [True]

@@ -8,9 +8,11 @@ the shared one would hold it for everyone), blocked in ``wait`` on the key
 
 A rank whose operation fails (``diagnose``) takes a request number (``add("fr/asks", 1)``),
 sets ``fr/ask/<q>/<k>`` for every member ``q`` (itself included, so that every responder sees
-every number in turn), and waits a short grace for the answers ``fr/head/<k>/<q>``: each rank's
-``head``, the last few entries of the group's record, its last completed collective, and what
-its process is doing in other groups (a rank stuck in another group's collective is a classic
+every number in turn; on torch's store, where responders look instead of waiting, a number
+that a later one has overtaken for a second is given up: its asker died, or its store calls
+failed, and it would hold up every later request), and waits a short grace for the answers
+``fr/head/<k>/<q>``: each rank's ``head``, the last few entries of the group's record, its last
+completed collective, and what its process is doing in other groups (a rank stuck in another group's collective is a classic
 deadlock). Ranks the transport already knows to be gone are not waited for; a rank that does
 not answer in time (stopped by ``SIGSTOP``, hung holding the GIL, or without a responder) is
 named as such. ``explain``, a pure function of the answers, turns them into one sentence per
@@ -76,6 +78,9 @@ _DEFERRING, _CONNECTING, _CONNECTED = 0, 1, 2
 _RECENT = 4
 _POLL = 0.01  # seconds between two looks at the answers
 _POLL_EVERY = 0.5  # seconds between two looks of a responder on torch's store (see Responder)
+# a request number that a later one has overtaken for this long is taken as lost (its asker took
+# the number, and its request never came: the asker died, or its store calls timed out)
+_LOST_AFTER = 1.0
 
 
 def clone_store(store: Any) -> Any:
@@ -226,6 +231,7 @@ class Responder:
         self._store = store
         self._rec = rec
         self._next = 1
+        self._overtaken_at: float | None = None  # (since when a later request is there: ``_overtaken``)
         self._stopped = False
         self._started = False
         self._start_lock = threading.Lock()
@@ -273,6 +279,7 @@ class Responder:
         self._state = _CONNECTED
         rank = self._rec.rank
         failures = 0
+        unread = 0  # failed reads of the request that is there
         try:
             while not self._stopped:
                 key = f"fr/ask/{rank}/{self._next}"
@@ -281,6 +288,8 @@ class Responder:
                     if self._ours:
                         store.wait([key], _WAIT)
                     elif not store.check([key]):
+                        if self._overtaken(store):
+                            continue
                         if self._rest(watch):
                             return
                         continue
@@ -292,17 +301,47 @@ class Responder:
                     continue
                 if self._stopped:
                     return
+                request: bytes | None = None
                 try:
                     request = store.get(key)
+                except Exception as exc:  # (read again: a store slow for a while must not lose it)
+                    log.debug("rank %d: flight-recorder responder of group %s: %s", rank, self._rec.label, exc)
+                    unread += 1
+                    if unread < 3:
+                        continue
+                unread = 0  # (read, or given up after three tries)
+                try:
                     store.delete_key(key)
-                    self._answer(store, request)
+                    if request is not None:
+                        self._answer(store, request)
                 except Exception as exc:
                     log.debug("rank %d: flight-recorder responder of group %s: %s", rank, self._rec.label, exc)
                 self._next += 1
+                self._overtaken_at = None
         finally:
             _close(store)
             if watch is not None:
                 watch.close()
+
+    def _overtaken(self, store: Any) -> bool:
+        """Whether the awaited request number is lost, and the responder moves on to the next
+        (on torch's store, at each look that finds it absent). The request numbers come in
+        turn, and one that never comes would leave every later request of the group
+        unanswered: so once the next one has been there for ``_LOST_AFTER`` seconds while this
+        one is not, this one is given up (the asks of two ranks that fail at once land within
+        milliseconds of each other, in either order)."""
+        if not store.check([f"fr/ask/{self._rec.rank}/{self._next + 1}"]):
+            self._overtaken_at = None
+            return False
+        now = time.monotonic()
+        if self._overtaken_at is None:
+            self._overtaken_at = now
+        if now - self._overtaken_at < _LOST_AFTER:
+            return False
+        log.debug("rank %d: request %d of group %s never came; on to the next", self._rec.rank, self._next, self._rec.label)
+        self._next += 1
+        self._overtaken_at = None
+        return True
 
     def _rest(self, watch: Any) -> bool:
         """Between two looks at torch's store: whether to leave (stopped meanwhile, or the
