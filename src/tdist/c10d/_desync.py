@@ -4,13 +4,15 @@ what each rank of the group was doing, read through the group's store.
 Theory of operation. Every backend that keeps a flight record runs a ``Responder``: a daemon
 thread on a connection of its own to the group's store (a ``clone()``; a blocking ``wait`` on
 the shared one would hold it for everyone), blocked in ``wait`` on the key
-``fr/ask/<rank>/<k>`` for the next request number ``k``. It costs nothing while nobody asks.
+``fr/ask/<rank>/<k>`` for the next request number ``k``. While nobody asks it costs a
+store request every 10 s.
 
 A rank whose operation fails (``diagnose``) takes a request number (``add("fr/asks", 1)``),
 sets ``fr/ask/<q>/<k>`` for every member ``q`` (itself included, so that every responder sees
-every number in turn; on torch's store, where responders look instead of waiting, a number
-that a later one has overtaken for a second is given up: its asker died, or its store calls
-failed, and it would hold up every later request), and waits a short grace for the answers
+every number in turn; a number that a later one has overtaken for a second is given up: its
+asker died, or its store calls failed, and it would hold up every later request. A responder
+on torch's store notices at its next look, one on tdist's when its wait, 10 s at a time, ends),
+and waits a short grace for the answers
 ``fr/head/<k>/<q>``: each rank's ``head``, the last few entries of the group's record, its last
 completed collective, and what its process is doing in other groups (a rank stuck in another group's collective is a classic
 deadlock). Ranks the transport already knows to be gone are not waited for; a rank that does
@@ -69,7 +71,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GRACE = 2.0  # seconds the asking rank waits for the others' answers
-_WAIT = timedelta(hours=1)  # one blocking wait of a responder (it waits again after)
+# one blocking wait of a responder on tdist's store (it looks for a lost request number, and
+# waits again, after it); a shorter one while a later request is there (``_overtaken``)
+_WAIT = timedelta(seconds=10)
+_WAIT_OVERTAKEN = timedelta(seconds=1.5)
 # a responder connects this long after its group forms: the connection (a new client of the
 # store, with its handshake) would otherwise compete with the group's own set-up, and a group
 # that fails at once leaves with no responder to stop
@@ -286,7 +291,7 @@ class Responder:
                 t0 = time.monotonic()
                 try:
                     if self._ours:
-                        store.wait([key], _WAIT)
+                        store.wait([key], _WAIT if self._overtaken_at is None else _WAIT_OVERTAKEN)
                     elif not store.check([key]):
                         if self._overtaken(store):
                             continue
@@ -298,6 +303,9 @@ class Responder:
                     failures = failures + 1 if time.monotonic() - t0 < 1.0 else 0
                     if failures >= 3 or (not self._ours and self._rest(watch)):
                         return
+                    if self._ours and not failures:  # (a wait that timed out)
+                        with contextlib.suppress(Exception):
+                            self._overtaken(store)
                     continue
                 if self._stopped:
                     return
@@ -325,11 +333,11 @@ class Responder:
 
     def _overtaken(self, store: Any) -> bool:
         """Whether the awaited request number is lost, and the responder moves on to the next
-        (on torch's store, at each look that finds it absent). The request numbers come in
-        turn, and one that never comes would leave every later request of the group
-        unanswered: so once the next one has been there for ``_LOST_AFTER`` seconds while this
-        one is not, this one is given up (the asks of two ranks that fail at once land within
-        milliseconds of each other, in either order)."""
+        (on torch's store, at each look that finds it absent; on tdist's, when a wait for it
+        times out). The request numbers come in turn, and one that never comes would leave every
+        later request of the group unanswered: so once the next one has been there for
+        ``_LOST_AFTER`` seconds while this one is not, this one is given up (the asks of two
+        ranks that fail at once land within milliseconds of each other, in either order)."""
         if not store.check([f"fr/ask/{self._rec.rank}/{self._next + 1}"]):
             self._overtaken_at = None
             return False
