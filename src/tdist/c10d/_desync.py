@@ -4,21 +4,21 @@ what each rank of the group was doing, read through the group's store.
 Theory of operation. Every backend that keeps a flight record runs a ``Responder``: a daemon
 thread on a connection of its own to the group's store (a ``clone()``; a blocking ``wait`` on
 the shared one would hold it for everyone), blocked in ``wait`` on the key
-``fr/ask/<rank>/<k>`` for the next request number ``k``. While nobody asks it costs a
-store request every 10 s.
+``fr/ask/<rank>/<k>`` for the next request number ``k``. While nobody asks it costs a store
+request every 10 s.
 
 A rank whose operation fails (``diagnose``) takes a request number (``add("fr/asks", 1)``),
 sets ``fr/ask/<q>/<k>`` for every member ``q`` (itself included, so that every responder sees
 every number in turn; a number that a later one has overtaken for a second is given up: its
 asker died, or its store calls failed, and it would hold up every later request. A responder
 on torch's store notices at its next look, one on tdist's when its wait, 10 s at a time, ends),
-and waits a short grace for the answers
-``fr/head/<k>/<q>``: each rank's ``head``, the last few entries of the group's record, its last
-completed collective, and what its process is doing in other groups (a rank stuck in another group's collective is a classic
-deadlock). Ranks the transport already knows to be gone are not waited for; a rank that does
-not answer in time (stopped by ``SIGSTOP``, hung holding the GIL, or without a responder) is
-named as such. ``explain``, a pure function of the answers, turns them into one sentence per
-kind of behaviour, culprits first: "rank 2 never entered all_reduce #412 (float32[1024]); its
+and waits a short grace for the answers ``fr/head/<k>/<q>``: each rank's ``head``, the last few
+entries of the group's record, its last completed collective, and what its process is doing in
+other groups (a rank stuck in another group's collective is a classic deadlock). Ranks the
+transport already knows to be gone are not waited for; a rank that does not answer in time
+(stopped by ``SIGSTOP``, hung holding the GIL, or without a responder) is named as such.
+``explain``, a pure function of the answers, turns them into one sentence per kind of
+behaviour, culprits first: "rank 2 never entered all_reduce #412 (float32[1024]); its
 last op is broadcast #411 (float32[10], completed 31.0 s ago) at train.py:88; ranks 0, 1, 3 are
 waiting in all_reduce #412 (float32[1024])". The request may also ask every rank to write its
 flight-recorder dump, so that a failure leaves the dumps of the whole group, the healthy ranks'
