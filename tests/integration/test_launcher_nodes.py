@@ -284,7 +284,7 @@ def test_a_node_whose_workers_finished_restarts_with_a_node_whose_worker_failed(
         "import os, sys, time\n"
         "attempt, rank = int(os.environ['TORCHELASTIC_RESTART_COUNT']), int(os.environ['RANK'])\n"
         "open(f'pid{rank}.{attempt}', 'w').write(str(os.getpid()))\n"
-        "if attempt == 0 and rank == 3:  # (fails once node 0's workers have exited)\n"
+        "if attempt == 0 and rank == 3:  # (fails once node 0's workers have exited, and rank 2 has said its line)\n"
         "    end = time.monotonic() + 20\n"
         "    def gone(r):  # (exited, and reaped by its launcher)\n"
         "        try:\n"
@@ -296,10 +296,11 @@ def test_a_node_whose_workers_finished_restarts_with_a_node_whose_worker_failed(
         "        except OSError:\n"
         "            return True\n"
         "        return False\n"
-        "    while not (gone(0) and gone(1)) and time.monotonic() < end:\n"
+        "    while not (gone(0) and gone(1) and os.path.exists('said2.0')) and time.monotonic() < end:\n"
         "        time.sleep(0.01)\n"
         "    sys.exit(3)\n"
-        "print('rank', rank, 'attempt', attempt)\n"
+        "print('rank', rank, 'attempt', attempt, flush=True)\n"
+        "open(f'said{rank}.{attempt}', 'w').close()\n"
     )
     nodes = [start_node(work, port, k, "--max-restarts", "1", "late.py") for k in (1, 0)]
     outs = outputs(nodes, timeout=40)
