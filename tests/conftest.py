@@ -30,6 +30,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tdist.testing import free_port  # noqa: E402
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _flight_record_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
@@ -46,12 +48,6 @@ def _flight_record_dumps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
         os.environ.pop("TORCH_FR_DUMP_TEMP_FILE", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """A private etcd on 127.0.0.1 for the session: (host, client port)."""
@@ -59,7 +55,7 @@ def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     if binary is None:
         pytest.fail("etcd is not installed: run scripts/setup.sh (it installs the etcd-server package)")
     data: Path = tmp_path_factory.mktemp("etcd")
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     with open(data / "log.txt", "wb") as log:
         proc = subprocess.Popen(
             [binary, "--data-dir", str(data / "d"), "--name", "tdist-test",

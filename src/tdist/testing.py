@@ -27,10 +27,8 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import random
 import select
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -38,6 +36,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
+from ._core import ports
 from ._core._process import die_with
 from ._core.errors import DistError, DistTimeoutError
 from .store._tcp import TCPStore
@@ -85,39 +84,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago.
 
     Another process may take it before you bind it; prefer binding port 0 where you can. It is
-    drawn at random below the kernel's ephemeral range (``ip_local_port_range``), where the
-    kernel never puts a port of its own choosing: a port the kernel chose (``bind`` to port 0,
-    or the local end of an outgoing connection) went, now and then, to another process before
-    the caller bound it ("Address already in use" in a loaded test run). Where that range leaves
-    no room below it, the kernel chooses.
+    drawn at random below the kernel's ephemeral range (``_core.ports``), where the kernel never
+    hands one out of its own accord.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    low = _ephemeral_low()
-    if low > _FREE_PORTS_FROM + 1024:
-        for _ in range(64):
-            port = _random.randrange(_FREE_PORTS_FROM, low)
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue  # (in use, or in TIME_WAIT: another)
-                return port
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-_FREE_PORTS_FROM = 15000  # (``free_port`` draws from here to the ephemeral range)
-_random = random.SystemRandom()  # (not the caller's seeded ``random``: forked ranks would agree)
-
-
-def _ephemeral_low() -> int:
-    """The lowest port of the kernel's ephemeral range (32768 where it cannot be read)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+    return ports.free_port(host)
 
 
 def _signal_text(code: int | None) -> str:

@@ -198,7 +198,7 @@ def test_free_port_can_be_bound() -> None:
 def test_free_port_is_none_the_kernel_would_hand_out(monkeypatch: pytest.MonkeyPatch) -> None:
     # (below the ephemeral range: a port the kernel chose went to another process, now and then,
     # before the caller bound it, in a loaded test run)
-    from tdist import testing
+    from tdist._core import ports as testing
 
     low = testing._ephemeral_low()
     ports = {free_port() for _ in range(50)}

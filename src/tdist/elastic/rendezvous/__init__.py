@@ -308,10 +308,10 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 # -- the handlers -----------------------------------------------------------------------------
 def _free_port(host: str = "") -> int:
-    """A port free on ``host`` now (the OS's pick; whoever binds it next has it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on ``host`` now (whoever binds it next has it: ``_core.ports``)."""
+    from ..._core.ports import free_port
+
+    return free_port(host)
 
 
 def parse_rendezvous_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
