@@ -246,12 +246,25 @@ def _answering(monkeypatch: pytest.MonkeyPatch, spin: float, quiet: bool, ping: 
 
 
 def test_requests_that_come_while_a_poller_waits_for_them_are_all_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tdist.transport import _messenger
+
+    caught: list[bool] = []  # (each wait of the answering poller: whether a request came in it)
+    await_next = _messenger.Messenger._await_next
+
+    def record(self: Any, c: Any, held: bool = False) -> Any:
+        got = await_next(self, c, held)
+        caught.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_messenger.Messenger, "_await_next", record)
     with _answering(monkeypatch, 0.002, quiet=True, ping=False) as (a, b):
         for i in range(300):  # one at a time, as rpc_sync does: most arrive while b polls
             a.send(1, i, i)
             assert a.get()[1:] == (i, b"\x01", ("re", i))
         c = _conn_to(b, 0)
-        assert c.gaps.seconds() > 0  # requests came while b waited: the waits go on
+        # requests came while b waited for them (a loaded host may have paused its waits since:
+        # eight late ones in a row do, so the budget's state at the end says nothing)
+        assert sum(caught) >= 10, (len(caught), sum(caught))
         # the wait ends (its 2 ms): the connection is armed again for any poller
         wait_until(lambda: not c.spinner and not c.rlock.locked(), 10, "b's poller stops waiting on the connection")
         a.send(1, 999, "late")
