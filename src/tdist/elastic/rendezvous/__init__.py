@@ -52,6 +52,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 from ..._core.errors import DistError
+from ..._core.ports import free_port
 from ...store._api import Store
 from ...store._prefix import PrefixStore
 
@@ -116,7 +117,7 @@ class RendezvousStoreInfo:
         and ``server_port`` (else a free port) in ``store``; every rank reads them."""
         if rank == 0:
             store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, (local_addr or socket.getfqdn()).encode())
-            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(server_port or _free_port()).encode())
+            store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(server_port or free_port("")).encode())
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
         return RendezvousStoreInfo(addr, port)
@@ -307,13 +308,6 @@ def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 # -- the handlers -----------------------------------------------------------------------------
-def _free_port(host: str = "") -> int:
-    """A port free on ``host`` now (whoever binds it next has it: ``_core.ports``)."""
-    from ..._core.ports import free_port
-
-    return free_port(host)
-
-
 def parse_rendezvous_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     """``host``, ``host:port`` or ``[v6 address]:port`` -> (host, port); ``default_port`` when
     none is given (a negative default: a port is required).

@@ -9,6 +9,8 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from ..._core.ports import free_port
+
 __all__ = ["create_c10d_store", "get_free_port", "get_socket_with_port"]
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,5 @@ def get_socket_with_port() -> socket.socket:
 
 
 def get_free_port() -> int:
-    """A port that was free a moment ago (the rendezvous's pick of one)."""
-    from ..rendezvous import _free_port
-
-    return _free_port()
+    """A port that was free a moment ago (the rendezvous's pick of one: ``_core.ports``)."""
+    return free_port("")
