@@ -55,12 +55,19 @@ def _config(**kw: object) -> LaunchConfig:
                         rdzv_endpoint="127.0.0.1:0", max_restarts=0, run_id="api", **kw)  # type: ignore[arg-type]
 
 
-def test_elastic_launch_returns_each_workers_value_by_rank_and_runs_programs() -> None:
+def test_elastic_launch_returns_each_workers_value_by_rank_and_runs_programs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = signal.getsignal(signal.SIGINT)
     assert elastic_launch(_config(), reduce_ranks)(2.0) == {0: 6.0, 1: 6.0}
     out = elastic_launch(_config(), sys.executable)("-c", "import os; assert os.environ['WORLD_SIZE'] == '2'")
     assert out == {0: None, 1: None}
     assert signal.getsignal(signal.SIGINT) is before  # (the launcher's handlers are gone)
+    # the temporary log directories that the default logs specs made held nothing: gone (torch's
+    # stay); what is left is the registry of running jobs (`tdist status`'s), empty
+    assert [p.name for p in tmp_path.iterdir()] == [f"tdist-jobs-{os.getuid()}"]
+    assert not list((tmp_path / f"tdist-jobs-{os.getuid()}").iterdir())
 
 
 def test_a_worker_that_wrote_no_value_in_the_last_attempt_has_none_not_an_earlier_one() -> None:
@@ -162,6 +169,9 @@ def test_a_failed_worker_raises_torchs_child_failed_error_and_record_passes_its_
     # the root cause's error file, as this process's, with the worker's exit code
     data = json.loads(mine.read_text())
     assert data["message"]["errorCode"] == 1 and "rank one fails" in data["message"]["message"]
+    # the temporary log directory stays, for the worker's error file that the report names
+    (kept,) = tmp_path.glob("torchelastic_*/api_*/attempt_0/1/error.json")
+    assert "rank one fails" in kept.read_text()
 
 
 def test_a_launch_config_without_logs_specs_gets_torchs_default() -> None:

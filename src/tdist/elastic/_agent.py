@@ -997,13 +997,15 @@ class LocalAgent:
                 if os.path.exists(base) and not os.path.isdir(base):
                     raise LaunchError(f"--log-dir {base}: is not a directory")
                 os.makedirs(base, exist_ok=True)
+                if cfg.log_dir_is_temporary:
+                    self._temp_base = base
             safe_id = cfg.run_id.replace(os.sep, "_")[:200]  # (a / in the id nests no directory)
             self._run_dir = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
         except OSError as exc:
             raise LaunchError(f"cannot make the run's log directory under {cfg.log_dir or tempfile.gettempdir()}: {exc}") from exc
         log.info("log directory set to: %s", self._run_dir)
         writes_logs = any(stream_route(cfg, r).files for r in range(cfg.nproc_per_node))
-        self._keeps_logs = cfg.log_dir is not None or writes_logs
+        self._keeps_logs = (cfg.log_dir is not None and not cfg.log_dir_is_temporary) or writes_logs
         if self._temp_base is not None and not self._keeps_logs:
             _remove_if_killed(self._temp_base)
         if writes_logs:

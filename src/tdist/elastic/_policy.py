@@ -177,6 +177,9 @@ class LaunchConfig:
             directory, removed at the end unless a stream went to a file in it.
             ``os.devnull``: no files at all (no error files either), every stream on the
             console.
+        log_dir_is_temporary: ``log_dir`` is a temporary directory made for the launch (a
+            ``DefaultLogsSpecs()`` without a ``log_dir``): removed at the end, as None's,
+            unless a stream or an error file went into it.
         redirects: the streams written to files instead of the console (one ``Std`` for every
             local rank, or one per local rank).
         tee: the streams written to files and to the console, where their lines carry the
@@ -243,6 +246,7 @@ class LaunchConfig:
     keep_alive_max_attempt: int = 3
     local_ranks_filter: frozenset[int] | None = None
     log_dir: str | None = None
+    log_dir_is_temporary: bool = False
     redirects: Std | Mapping[int, Std] = Std.NONE
     tee: Std | Mapping[int, Std] = Std.NONE
     start_method: str = "spawn"
@@ -393,6 +397,7 @@ def logs_settings(specs: Any) -> dict[str, Any]:
     ranks_filter = getattr(specs, "_local_ranks_filter", None)
     return {
         "log_dir": getattr(specs, "root_log_dir", None),
+        "log_dir_is_temporary": bool(getattr(specs, "_temporary", False)),
         "redirects": std(getattr(specs, "_redirects", 0)),
         "tee": std(getattr(specs, "_tee", 0)),
         "local_ranks_filter": frozenset(ranks_filter) if ranks_filter else None,

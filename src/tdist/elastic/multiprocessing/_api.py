@@ -163,15 +163,19 @@ class DefaultLogsSpecs(LogsSpecs):
         tee: Std | Mapping[int, Std] = Std.NONE,
         local_ranks_filter: set[int] | None = None,
     ) -> None:
+        made = False
         if log_dir != os.devnull:
             if not log_dir:
-                log_dir = tempfile.mkdtemp(prefix="torchelastic_")
+                log_dir, made = tempfile.mkdtemp(prefix="torchelastic_"), True
             elif os.path.isfile(log_dir):
                 raise NotADirectoryError(f"log_dir: {log_dir} is a file")
             else:
                 os.makedirs(log_dir, exist_ok=True)
         super().__init__(log_dir, redirects, tee, local_ranks_filter)
         self._run_log_dir: str | None = None
+        # (a temporary directory of its own: a launch that leaves no log or error file in it
+        # removes it at its end, where torch's stays behind in /tmp)
+        self._temporary = made
 
     @property
     def root_log_dir(self) -> str:
