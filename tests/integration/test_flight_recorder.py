@@ -11,6 +11,8 @@ store outlives every rank, whatever happens to them); ranks wait on store keys, 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import multiprocessing
 import os
 import pickle
@@ -172,12 +174,21 @@ def _run(scenario: str, env: dict[str, str], api: str = "tdist", pg_timeout: flo
 
 
 def _fr_trace(dumps: Path) -> str:
-    """torch's analyzer on the dumps in ``dumps`` (its log goes to stderr)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps), "-p", "rank_"],
-        capture_output=True, text=True, timeout=60,
-    )
-    return proc.stdout + proc.stderr
+    """What torch's analyzer (``python -m torch.distributed.flight_recorder.fr_trace``) says of
+    the dumps in ``dumps``: its ``main``, run here (a fresh interpreter would import torch again),
+    its printed lines and its log (a logger of its own, whose handler writes to stderr) caught."""
+    from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
+    from torch.distributed.flight_recorder.fr_trace import main
+
+    logger = FlightRecorderLogger().logger
+    said = io.StringIO()
+    handlers, logger.handlers = logger.handlers, [logging.StreamHandler(said)]
+    try:
+        with contextlib.redirect_stdout(said):
+            main([str(dumps), "-p", "rank_"])
+    finally:
+        logger.handlers = handlers
+    return said.getvalue()
 
 
 # -- hangs: the error names the culprit and what it was doing --------------------------------------
