@@ -38,8 +38,8 @@ def two_nodes(work: Path) -> Iterator[tuple[Path, int]]:
     yield work, free_port()
 
 
-def start_node(work: Path, port: int, rank: int, *args: str) -> subprocess.Popen[str]:
-    return start_launcher(work, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+def start_node(work: Path, port: int, rank: int, *args: str, nproc: int = 2) -> subprocess.Popen[str]:
+    return start_launcher(work, "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", str(nproc),
                           "--master-port", str(port), "--monitor-interval", "0.1", "--stop-timeout", "2", *args)
 
 
@@ -221,7 +221,7 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
         "dist.destroy_process_group()\n"
     )
     nodes = [
-        start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
+        start_launcher(work, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
                       "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", "etcd/job", "--local-addr", "127.0.0.1",
                       "--join-timeout", "20", "e.py")
         for _ in range(2)
@@ -229,15 +229,15 @@ def test_etcd_rendezvous(work: Path, etcd_endpoint: tuple[str, int]) -> None:
     outs = outputs(nodes, timeout=40)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
-    assert lines == [f"rank {r} group {r // 2} sum 4" for r in range(4)]
+    assert lines == [f"rank {r} group {r} sum 2" for r in range(2)]
     assert EtcdStore(host, port, prefix="/tdist/etcd%2Fjob").num_keys() == 0  # the job left etcd clean
     assert EtcdStore(host, port, prefix="/tdist/etcd").num_keys() == 0  # (and nested no other job's)
 
 
 @pytest.mark.parametrize("rdzv", ["c10d", "static"])
 def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int], rdzv: str) -> None:
-    # torchrun's fault-tolerant form: --max-restarts with several nodes; rank 3 (node 1) fails in
-    # the first attempt while the others wait; every node restarts its group, and the second
+    # torchrun's fault-tolerant form: --max-restarts with several nodes; rank 1 (node 1) fails in
+    # the first attempt while rank 0 waits; every node restarts its group, and the second
     # attempt's workers form a group across the nodes (static: a torch program, whose keys
     # node 0 clears between the attempts, and never the launchers' own)
     work, port = two_nodes
@@ -246,9 +246,9 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int], 
         "attempt, rank = int(os.environ['TORCHELASTIC_RESTART_COUNT']), int(os.environ['RANK'])\n"
         "if attempt == 0:\n"
         "    open(f'up{rank}', 'w').close()\n"
-        "    if rank == 3:  # (fails once the others wait)\n"
+        "    if rank == 1:  # (fails once the other waits)\n"
         "        end = time.monotonic() + 20\n"
-        "        while not all(os.path.exists(f'up{r}') for r in range(3)) and time.monotonic() < end:\n"
+        "        while not os.path.exists('up0') and time.monotonic() < end:\n"
         "            time.sleep(0.01)\n"
         "        sys.exit(9)\n"
         "    time.sleep(60)\n"
@@ -259,20 +259,20 @@ def test_a_failure_on_one_node_restarts_every_node(two_nodes: tuple[Path, int], 
     )
     if rdzv == "c10d":
         nodes = [
-            start_launcher(work, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            start_launcher(work, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                           "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1", "--monitor-interval", "0.1",
                           "--stop-timeout", "2", "ft.py", "tdist")
             for _ in range(2)
         ]
     else:
-        nodes = [start_node(work, port, k, "--max-restarts", "1", "ft.py", "torch") for k in (1, 0)]
+        nodes = [start_node(work, port, k, "--max-restarts", "1", "ft.py", "torch", nproc=1) for k in (1, 0)]
     outs = outputs(nodes, timeout=40)
     assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
-    assert lines == [f"rank {r} attempt 1 sum 4" for r in range(4)]
+    assert lines == [f"rank {r} attempt 1 sum 2" for r in range(2)]
     said = outs[0][1] + outs[1][1]
-    assert "worker rank 3 failed (exit code 9); restarting the worker group (restart 1 of 1)" in said
-    assert "rank 3 exited with code 9; restarting the worker group (restart 1 of 1)" in said
+    assert "worker rank 1 failed (exit code 9); restarting the worker group (restart 1 of 1)" in said
+    assert "rank 1 exited with code 9; restarting the worker group (restart 1 of 1)" in said
 
 
 def test_a_node_whose_workers_finished_restarts_with_a_node_whose_worker_failed(two_nodes: tuple[Path, int]) -> None:
@@ -323,13 +323,13 @@ def test_elastic_node_range(work: Path, backend: str, request: pytest.FixtureReq
         "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], 'sum', int(t.item()))\n"
         "dist.destroy_process_group()\n"
     )
-    args = ["--nnodes", "1:3", "--nproc-per-node", "2", "--rdzv-backend", backend, "--rdzv-endpoint",
+    args = ["--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", backend, "--rdzv-endpoint",
             f"{host}:{port}", "--rdzv-id", f"elastic-{backend}", "--rdzv-conf", "last_call_timeout=1",
             "--local-addr", "127.0.0.1", "el.py"]
     outs = outputs([start_launcher(work, *args) for _ in range(2)], timeout=40)
     assert all("rank" in o[0] for o in outs), [o[1] for o in outs]
     lines = sorted(outs[0][0].splitlines() + outs[1][0].splitlines())
-    assert lines == [f"rank {r} of 4 sum 4" for r in range(4)]
+    assert lines == [f"rank {r} of 2 sum 2" for r in range(2)]
 
 
 def test_a_node_that_comes_later_joins_a_running_elastic_job(work: Path) -> None:
