@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -153,16 +154,42 @@ def _files_left(tmp: Path) -> list[str]:
     return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.name.startswith("tdist-jobs-"))
 
 
-def _wait_ready(proc: subprocess.Popen[str], n: int = 2) -> list[str]:
-    """Read ``proc``'s output until ``n`` lines said "ready"; those lines."""
+def _wait_ready(proc: subprocess.Popen[str], n: int = 2, within: float = 30.0) -> list[str]:
+    """Read ``proc``'s output until ``n`` lines said "ready" (within ``within`` seconds: else
+    fail, saying where its processes are, not hang to the test's timeout); those lines."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()  # (read raw: a text stream's buffer hides lines from select)
+    deadline = time.monotonic() + within
+    buf = b""
     seen: list[str] = []
     while len(seen) < n:
-        line = proc.stdout.readline()
-        assert line, f"the launcher ended before its workers were ready: {proc.wait()} {proc.stderr and proc.stderr.read()}"
-        if "ready" in line:
-            seen.append(line)
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(
+                f"{len(seen)} of {n} processes said ready within {within:g} s ({seen}); the "
+                f"launcher's processes:\n{_where(proc.pid)}"
+            )
+        chunk = os.read(fd, 65536)
+        assert chunk, f"the launcher ended before its workers were ready: {proc.wait()} {proc.stderr and proc.stderr.read()}"
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        seen += [line.decode() for line in lines if b"ready" in line]
     return seen
+
+
+def _where(pid: int) -> str:
+    """Process ``pid`` and its descendants: pid, state, the kernel function each waits in and
+    its command line."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,wchan:32=,args="], capture_output=True, text=True, timeout=10)
+    rows = [line.split(None, 4) for line in out.stdout.splitlines()]
+    family, found = {pid}, True
+    while found:
+        found = False
+        for row in rows:
+            if len(row) == 5 and int(row[1]) in family and int(row[0]) not in family:
+                family.add(int(row[0]))
+                found = True
+    return "\n".join(" ".join(row)[:300] for row in rows if len(row) == 5 and int(row[0]) in family)
 
 
 def _kill_9_and_find_nothing_left(proc: subprocess.Popen[str], mark: str, whom: str) -> None:
