@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 from ._core import ports
-from ._core._process import die_with
+from ._core._process import die_with, prctl
 from ._core.errors import DistError, DistTimeoutError
 from .store._tcp import TCPStore
 
@@ -310,6 +310,7 @@ def run_processes(
     # typeshed types a context chosen at run time as BaseContext, which lacks Process
     ctx: Any = multiprocessing.get_context(start_method)
     carried = (dict(os.environ), os.getcwd()) if start_method == "forkserver" else None
+    prctl()  # (looked up here: a forked rank then neither imports nor dlopens it)
     name = getattr(fn, "__name__", "fn")
     procs: list[multiprocessing.process.BaseProcess] = []
     readers: list[multiprocessing.connection.Connection] = []

@@ -31,22 +31,36 @@ TORCHLESS = False
 _PR_SET_PDEATHSIG = 1
 
 
+_PRCTL: list[Callable[..., int] | None] = []
+
+
+def prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, looked up once per process (None off Linux). A process that forks
+    looks it up first, so that its forked child neither imports nor ``dlopen``s: another thread
+    of the parent may have held the loader's lock at the fork, which the child would wait on
+    for good."""
+    if not _PRCTL:
+        found = None
+        if sys.platform.startswith("linux"):
+            import ctypes  # (here: the store server's process imports this module and needs no ctypes)
+
+            with contextlib.suppress(OSError, AttributeError):
+                found = ctypes.CDLL(None, use_errno=True).prctl
+        _PRCTL.append(found)
+    return _PRCTL[0]
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` for ``subprocess.Popen`` that asks the kernel to SIGKILL the child when
     the calling thread's process dies (the thread must live as long as the child: the signal
     follows the thread that forked); None where the kernel has no such request."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes  # (here: the store server's process imports this module and needs no ctypes)
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    call = prctl()
+    if call is None:
         return None
     parent = os.getpid()
 
     def child() -> None:  # runs between fork and exec: nothing here may take a lock
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        call(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the request took effect
             os._exit(1)
 
@@ -57,16 +71,11 @@ def die_with(parent: int | None) -> None:
     """In a child already running Python (a ``multiprocessing`` process): ask the kernel to
     SIGKILL this process when the thread that started it dies, and exit at once if
     ``parent`` (its expected parent's pid; None: not checked) is gone already. Nothing where
-    the kernel has no such request."""
-    if not sys.platform.startswith("linux"):
+    the kernel has no such request. (A forking parent calls ``prctl()`` first.)"""
+    call = prctl()
+    if call is None:
         return
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    call(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if parent is not None and os.getppid() != parent:
         os._exit(1)
 
