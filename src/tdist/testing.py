@@ -12,7 +12,9 @@ Every helper has a hard timeout and reaps what it starts::
 ``fn(rank, world_size, *args)`` runs once per rank. The first rank that raises fails the whole
 run: its exception is re-raised in the caller with a note naming the rank (and, for processes,
 the remote traceback), so ``pytest.raises(ValueError)`` still works. A run that outlives its
-timeout raises ``RankTimeoutError`` naming the ranks still running.
+timeout raises ``RankTimeoutError`` naming the ranks still running; a process rank's error
+(``RankTimeoutError``, ``RankFailedError``) carries a note with where each of its threads was
+when it was stopped, or when it crashed.
 
 Threads cannot be killed: ranks left running after a failure or a timeout are daemon threads
 that end when the code they run gives up (close their stores to hurry them). Processes are
@@ -22,13 +24,16 @@ killed (SIGTERM, then SIGKILL) and always reaped.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
 import select
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -224,6 +229,7 @@ def _process_main(
     conn: multiprocessing.connection.Connection,
     caller: int | None = None,
     forkserver: tuple[dict[str, str], str] | None = None,
+    stacks: str | None = None,
 ) -> None:
     """The body of one rank's process: run ``fn`` and send back its result or exception. It
     dies with ``caller``, the process that called ``run_processes``, even one killed with
@@ -232,7 +238,13 @@ def _process_main(
     lives as long as its children, since they hold its keep-alive pipe), a thread that waits
     on a pidfd of the caller. ``forkserver``: the caller's environment and working folder,
     which a forkserver's child takes instead of the forkserver's own (as a spawned one has
-    them)."""
+    them). ``stacks``: the file where its threads' stacks go when it is stopped (SIGTERM, by
+    ``_reap``) or crashes (``faulthandler``'s), for the caller's error."""
+    if stacks is not None:
+        with contextlib.suppress(OSError):
+            out = open(stacks, "w")  # (open for the handlers, for the process's life)
+            faulthandler.register(signal.SIGTERM, file=out, all_threads=True, chain=True)
+            faulthandler.enable(file=out, all_threads=True)
     if forkserver is not None:
         env, cwd = forkserver
         os.environ.clear()
@@ -314,22 +326,34 @@ def run_processes(
     name = getattr(fn, "__name__", "fn")
     procs: list[multiprocessing.process.BaseProcess] = []
     readers: list[multiprocessing.connection.Connection] = []
+    stacks = tempfile.mkdtemp(prefix="tdist-ranks-")
     try:
-        for rank in range(world_size):
-            r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_process_main, args=(fn, rank, world_size, args, w, os.getpid(), carried), name=f"rank{rank}-{name}",
-                daemon=True,
-            )
-            p.start()
-            w.close()
-            procs.append(p)
-            readers.append(r)
-        return _collect(procs, readers, name, world_size, timeout, grace)
+        try:
+            for rank in range(world_size):
+                r, w = ctx.Pipe(duplex=False)
+                p = ctx.Process(
+                    target=_process_main, name=f"rank{rank}-{name}", daemon=True,
+                    args=(fn, rank, world_size, args, w, os.getpid(), carried, os.path.join(stacks, f"rank{rank}")),
+                )
+                p.start()
+                w.close()
+                procs.append(p)
+                readers.append(r)
+            return _collect(procs, readers, name, world_size, timeout, grace)
+        finally:
+            _reap(procs)
+            for r in readers:
+                r.close()
+    except (RankTimeoutError, RankFailedError) as exc:
+        for rank in exc.ranks if isinstance(exc, RankTimeoutError) else [exc.rank]:
+            with contextlib.suppress(OSError):
+                with open(os.path.join(stacks, f"rank{rank}")) as f:
+                    where = f.read().strip()
+                if where:
+                    exc.add_note(f"[tdist.testing] rank {rank} was at:\n{where}")
+        raise
     finally:
-        _reap(procs)
-        for r in readers:
-            r.close()
+        shutil.rmtree(stacks, ignore_errors=True)
 
 
 def _collect(

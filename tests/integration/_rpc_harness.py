@@ -16,13 +16,11 @@ under torch).
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import gc
 import multiprocessing
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +29,7 @@ from typing import Any, Literal
 
 import pytest
 
-from tdist.testing import RankFailedError, RankTimeoutError, free_port, run_processes
+from tdist.testing import free_port, run_processes
 
 from .._sync import wait_until as wait_until  # (the scenarios' modules take it from here)
 
@@ -138,12 +136,10 @@ class Worker:
 
 def _worker_main(rank: int, world_size: int, scenario: Callable[[Worker], Any], backend: str,
                  port: int, barrier: Any, shared: dict[str, Any], init: bool,
-                 options_kwargs: dict[str, Any], env: dict[str, str], stacks_dir: str) -> Any:
+                 options_kwargs: dict[str, Any], env: dict[str, str]) -> Any:
+    # (a rank killed for running past the timeout, or one that crashes, says where it was in
+    # run_processes' error)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
-    # a rank killed for running past the timeout (SIGTERM) first writes where it hung
-    stacks = open(os.path.join(stacks_dir, f"rank{rank}.txt"), "w")  # open for the handler
-    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
-    faulthandler.enable(file=stacks, all_threads=True)  # (and one that crashes, where)
     w = Worker(rank, world_size, backend, port, barrier, shared, dict(options_kwargs))
     if init:
         w.init()
@@ -175,22 +171,10 @@ def run(scenario: Callable[[Worker], Any], backend: str, *, world_size: int = WO
         **options_kwargs: passed to the backend's options (``rpc_timeout=...``).
     """
     barrier = multiprocessing.get_context(start_method).Barrier(world_size)
-    with tempfile.TemporaryDirectory(prefix="rpc-stacks-") as stacks_dir:
-        try:
-            return run_processes(
-                _worker_main, world_size, scenario, backend, free_port(), barrier, shared or {},
-                init, options_kwargs, env or {}, stacks_dir, timeout=timeout,
-                start_method=start_method,
-            )
-        except (RankTimeoutError, RankFailedError) as exc:
-            for rank in exc.ranks if isinstance(exc, RankTimeoutError) else [exc.rank]:
-                path = os.path.join(stacks_dir, f"rank{rank}.txt")
-                if os.path.exists(path):
-                    with open(path) as stacks:
-                        text = stacks.read()
-                    if text:
-                        exc.add_note(f"--- rank {rank} ({name(rank)}) was at:\n{text}")
-            raise
+    return run_processes(
+        _worker_main, world_size, scenario, backend, free_port(), barrier, shared or {},
+        init, options_kwargs, env or {}, timeout=timeout, start_method=start_method,
+    )
 
 
 _observed: dict[tuple[str, str, str], Any] = {}

@@ -185,6 +185,26 @@ def test_processes_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
     assert time.monotonic() - start < 6
     assert info.value.ranks == [1]
     assert gone(int(pidfile.read_text()))  # killed and reaped
+    # where it hung, every thread of it, written as it was stopped
+    notes = "\n".join(info.value.__notes__)
+    assert "rank 1 was at:" in notes and "in hang_on_one" in notes, notes
+    assert "rank 0" not in notes  # (it had finished)
+
+
+def crash_on_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # (a segfault)
+    return rank
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_processes_crashed_rank_says_where(start_method: str) -> None:
+    with pytest.raises(RankFailedError, match=r"rank 1 of 2 \(pid \d+\) exited with exit code -11 \(SIGSEGV\)") as info:
+        run_processes(crash_on_one, 2, timeout=20, start_method=start_method)  # type: ignore[arg-type]
+    notes = "\n".join(info.value.__notes__)
+    assert "Segmentation fault" in notes and "in crash_on_one" in notes, notes
 
 
 # -- ports and stores --------------------------------------------------------------------------
