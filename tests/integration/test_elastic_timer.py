@@ -5,12 +5,16 @@ launcher's timer server and counts as a failed worker."""
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from .._sync import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -23,6 +27,8 @@ WORKER = textwrap.dedent(
     print("timer file", os.environ.get("TORCHELASTIC_TIMER_FILE"), flush=True)
     if sys.argv[1] == "env":
         sys.exit(0)
+    if sys.argv[1] == "wait":
+        threading.Event().wait(60)
     from tdist.elastic import timer
     timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
     with timer.expires(after=30, scope="warm-up"):  # (in time: released)
@@ -37,7 +43,7 @@ WORKER = textwrap.dedent(
 )
 
 
-def _tdist_run(work: Path, *args: str, action: str, **extra: str) -> subprocess.CompletedProcess[str]:
+def _command(work: Path, *args: str, action: str, **extra: str) -> tuple[list[str], dict[str, str]]:
     (work / "worker.py").write_text(WORKER)
     (work / "tmp").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "TDIST_"))}
@@ -47,10 +53,13 @@ def _tdist_run(work: Path, *args: str, action: str, **extra: str) -> subprocess.
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
         **extra,
     )
-    return subprocess.run(
-        [sys.executable, "-m", "tdist.cli", "run", "--master-port", "0", "--stop-timeout", "5", *args, "worker.py", action],
-        cwd=work, env=env, capture_output=True, text=True, timeout=80,
-    )
+    cmd = [sys.executable, "-m", "tdist.cli", "run", "--master-port", "0", "--stop-timeout", "5", *args, "worker.py", action]
+    return cmd, env
+
+
+def _tdist_run(work: Path, *args: str, action: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    cmd, env = _command(work, *args, action=action, **extra)
+    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=80)
 
 
 def test_a_worker_that_overruns_its_timer_is_killed_and_reported_as_the_failure(tmp_path: Path) -> None:
@@ -87,3 +96,21 @@ def test_without_the_switch_no_timer_server_runs(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "timer file None" in res.stdout.splitlines()
     assert not list((tmp_path / "tmp").glob("watchdog_timer_*"))
+
+
+def test_kill_9_of_the_launcher_leaves_no_pipe(tmp_path: Path) -> None:
+    # the pipe whose path the launcher made up goes with the rest of the job (its reaper's)
+    cmd, env = _command(tmp_path, "--nproc-per-node", "1", action="wait", TORCHELASTIC_ENABLE_FILE_TIMER="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().startswith(b"timer file "), "the worker did not start"
+        (pipe,) = (tmp_path / "tmp").glob("watchdog_timer_*")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        wait_until(lambda: not pipe.exists(), 20, "the launcher's pipe to go")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -535,6 +535,7 @@ class LocalAgent:
         except OSError as exc:
             raise LaunchError(f"{ENABLE_FILE_TIMER_ENV}=1: cannot make the timers' named pipe {path}: {exc}") from exc
         self._timer_server.start()
+        _remove_if_killed(path)  # (as its orderly stop removes it)
         self._timer_file = None if given else path
         log.info("node %d: expiration timers served at %s", self.config.node_rank, path)
 
