@@ -19,15 +19,40 @@ bounded window that ends early when the claim breaks (``holds_for(pred, window, 
 
 A test's processes are reaped, whatever happened, with ``join_or_kill(procs)``: each gets a
 while to end on its own, then is killed.
+
+A line that a test's subprocess prints is read with ``read_line(stream, timeout, what)``, not
+``stream.readline()``, which blocks for good where the process hangs without a word (and
+pytest-timeout then ends the whole xdist worker, with its tests still to run).
 """
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
+
+
+def read_line(stream: IO[Any], timeout: float, what: str) -> str:
+    """The next line of a subprocess's pipe ``stream`` (text or bytes), ``""`` at its end; fail
+    naming ``what`` after ``timeout`` seconds. It reads the pipe's descriptor a byte at a time,
+    so that nothing past the line leaves the pipe (a later ``communicate()`` gets the rest); so
+    ``stream`` must not have been read through its own buffer before."""
+    fd = stream.fileno()
+    deadline = time.monotonic() + timeout
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"{what}: no line within {timeout:g} s (so far {bytes(line)!r})")
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode(errors="replace")
 
 
 def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:

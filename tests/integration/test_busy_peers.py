@@ -26,6 +26,8 @@ import pytest
 from tdist.testing import free_port, run_processes
 from tdist.transport._liveness import _LOOK_APART, still_running
 
+from .._sync import read_line
+
 STALL_S = 1.0
 BUSY_S = 3.5  # (the call that holds the interpreter lock: several stall timeouts)
 
@@ -115,7 +117,7 @@ _CHILD = textwrap.dedent("""
 def test_still_running_is_a_process_that_uses_cpu(how: str) -> None:
     child = subprocess.Popen([sys.executable, "-c", _CHILD, how], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        assert child.stdout is not None and read_line(child.stdout, 60, "the child's ready") == "ready\n"
         if how == "exited":
             child.kill()
             child.wait(10)

@@ -5,7 +5,6 @@ launcher's timer server and counts as a failed worker."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .._sync import wait_until
+from .._sync import read_line, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -104,8 +103,7 @@ def test_kill_9_of_the_launcher_leaves_no_pipe(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready and proc.stdout.readline().startswith(b"timer file "), "the worker did not start"
+        assert read_line(proc.stdout, 60, "the worker's start").startswith("timer file ")
         (pipe,) = (tmp_path / "tmp").glob("watchdog_timer_*")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)

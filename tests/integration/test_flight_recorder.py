@@ -32,7 +32,7 @@ import torch
 import tdist
 from tdist.testing import free_port, run_processes
 
-from .._sync import wait_until
+from .._sync import read_line, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -600,7 +600,7 @@ def test_ranks_that_leave_after_the_store_host_print_nothing(tmp_path: Path) -> 
                                       stderr=subprocess.PIPE, env=env, text=True))
     try:
         for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+            assert p.stdout is not None and read_line(p.stdout, 60, "a rank's ready").strip() == "ready"
         outs = []
         for p in procs:  # (rank 0 first, and gone before the next is told)
             out, err = p.communicate("go\n", timeout=60)

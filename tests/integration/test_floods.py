@@ -23,6 +23,7 @@ import tdist
 from tdist.testing import run_threads
 from tdist.transport import Endpoint
 
+from .._sync import read_line
 from .test_security import _Node
 
 pytestmark = pytest.mark.timeout(90)
@@ -45,7 +46,7 @@ def test_a_store_out_of_descriptors_backs_off_says_so_once_and_serves_its_client
     held: list[socket.socket] = []
     try:
         assert proc.stdout is not None
-        port = int(proc.stdout.readline().split("127.0.0.1:")[1].split()[0])
+        port = int(read_line(proc.stdout, 60, "tdist store's address").split("127.0.0.1:")[1].split()[0])
         client = tdist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=10), secret="flood")
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (32, 32))  # (few descriptors left)
         cpu0, t0 = _cpu_seconds(proc.pid), time.monotonic()

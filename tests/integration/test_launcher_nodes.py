@@ -21,6 +21,7 @@ import pytest
 import tdist
 from tdist.testing import free_port
 
+from .._sync import read_line
 from ._launcher import (
     launcher_env,
     tdist_cmd,
@@ -352,7 +353,7 @@ def test_a_node_that_comes_later_joins_a_running_elastic_job(work: Path) -> None
             "--stop-timeout", "2", "sc.py"]
     first = start_launcher(work, *args)
     assert first.stdout is not None
-    assert first.stdout.readline().startswith("start ")  # (running alone)
+    assert read_line(first.stdout, 25, "the first node's start").startswith("start ")  # (running alone)
     second = start_launcher(work, *args)
     (out1, err1), (out2, err2) = outputs([first, second], timeout=40)
     assert first.returncode == 0 and second.returncode == 0, (err1, err2)
@@ -457,7 +458,7 @@ def test_store_command_serves_until_interrupted(work: Path) -> None:
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = read_line(proc.stdout, 25, "tdist store's address")
         assert line.startswith("tdist store: serving on 127.0.0.1:")
         assert "clients must prove TDIST_SECRET" in line
         port = int(line.split("127.0.0.1:")[1].split()[0])
@@ -524,7 +525,7 @@ def _three_nodes(work: Path, script: str = _RESIZE, keep_alive: int = 1) -> tupl
     for k, node in enumerate(nodes):
         assert node.stdout is not None
         while not any(line.endswith("of 3") for line in seen[k]):
-            line = node.stdout.readline()
+            line = read_line(node.stdout, 60, f"launcher {k}'s worker in a group of three")
             assert line, f"launcher {k} ended before its worker ran in a group of three"
             seen[k].append(line.rstrip("\n"))
     return nodes, seen
@@ -561,7 +562,7 @@ def test_sigterm_to_the_only_node_of_an_elastic_job_stops_the_job(work: Path) ->
                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1",
                           "--monitor-interval", "0.2", "wait.py")
     assert node.stdout is not None
-    while "running" not in (line := node.stdout.readline()):
+    while "running" not in (line := read_line(node.stdout, 60, "the worker's running")):
         assert line, "the launcher ended before its worker ran"
     node.send_signal(signal.SIGTERM)
     ((_, err),) = outputs([node], timeout=60)
@@ -801,7 +802,7 @@ def test_dump_takes_the_stacks_of_a_worker_stuck_in_a_system_call(work: Path) ->
     proc = subprocess.Popen(tdist_cmd("run", "--nproc-per-node", "1", "--master-port", "0", "stuck.py"), cwd=work,
                             env=launcher_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        assert proc.stdout is not None and "ready" in read_line(proc.stdout, 25, "the worker's ready")
         res = subprocess.run(tdist_cmd("dump", "--out", str(work / "d")), cwd=work, env=launcher_env(work),
                              capture_output=True, text=True, timeout=30)
         assert res.returncode == 0, res.stderr

@@ -33,6 +33,8 @@ from tdist.elastic.multiprocessing import (
     start_processes,
 )
 
+from .._sync import read_line
+
 pytestmark = pytest.mark.timeout(90)
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -422,7 +424,7 @@ def test_stopping_cut_short_by_a_second_signal_says_so_not_the_whole_timeout(cap
          "print('ready', flush=True)\ntime.sleep(60)"],
         stdout=subprocess.PIPE, start_new_session=True,
     )
-    assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+    assert child.stdout is not None and read_line(child.stdout, 60, "the child's ready") == "ready\n"
     with caplog.at_level("WARNING", logger="tdist"):
         stop_processes([child], signal.SIGTERM, 30.0, cut_short=lambda: True)
     assert child.poll() is not None  # (killed)

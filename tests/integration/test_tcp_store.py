@@ -38,7 +38,7 @@ from tdist.store._protocol import (
     encode_int,
 )
 
-from .._sync import wait_inside, wait_until, when_inside
+from .._sync import read_line, wait_inside, wait_until, when_inside
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -714,7 +714,7 @@ def test_server_process_exits_with_its_parent(tmp_path: object) -> None:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        port = int(proc.stdout.readline())
+        port = int(read_line(proc.stdout, 40, "the store's port"))
         client = dist.TCPStore("127.0.0.1", port, timeout=timedelta(seconds=5))
         assert client.get("alive") == b"1"
         client.close()

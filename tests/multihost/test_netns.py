@@ -14,6 +14,8 @@ import pytest
 
 from tests.multihost import _netns
 
+from .._sync import read_line
+
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 WORKER = str(Path(__file__).with_name("netns_worker.py"))
@@ -101,11 +103,11 @@ def test_rank_killed_on_another_host() -> None:
         procs = launch(hosts, [0, 1, 0], "kill", 29621)
         try:
             assert procs[1].stdout is not None
-            line = procs[1].stdout.readline()  # rank 1 (on host 1) says who it is, then hangs
+            line = read_line(procs[1].stdout, 60, "rank 1's victim")  # rank 1 (on host 1) says who it is, then hangs
             victim = int(json.loads(line)["victim"])
             for rank in (0, 2):  # they say when they wait on it in the all_reduce
                 assert procs[rank].stdout is not None
-                assert json.loads(procs[rank].stdout.readline()) == {"inside": rank}
+                assert json.loads(read_line(procs[rank].stdout, 60, f"rank {rank} inside")) == {"inside": rank}
             os.kill(victim, signal.SIGKILL)
         except BaseException:
             for p in procs:

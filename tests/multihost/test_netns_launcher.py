@@ -13,6 +13,8 @@ import pytest
 from tests.integration.test_launcher_nodes import _RESIZE_BUSY
 from tests.multihost import _netns
 
+from .._sync import read_line
+
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +49,7 @@ def test_kill_9_of_the_host_of_the_rendezvous_store_on_another_host(tmp_path: Pa
             for k, node in enumerate(nodes):
                 assert node.stdout is not None
                 while True:
-                    line = node.stdout.readline()
+                    line = read_line(node.stdout, 90, f"host {k}'s worker in a job of three")
                     assert line, f"host {k}'s launcher ended before its worker ran in a job of three: {node.communicate()[1][-3000:]}"
                     if line.rstrip().endswith("of 3"):
                         break
