@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .._sync import wait_until
+from .._sync import read_line, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,22 +157,16 @@ def _wait_ready(proc: subprocess.Popen[str], n: int = 2, within: float = 30.0) -
     """Read ``proc``'s output until ``n`` lines said "ready" (within ``within`` seconds: else
     fail, saying where its processes are, not hang to the test's timeout); those lines."""
     assert proc.stdout is not None
-    fd = proc.stdout.fileno()  # (read raw: a text stream's buffer hides lines from select)
     deadline = time.monotonic() + within
-    buf = b""
     seen: list[str] = []
     while len(seen) < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise AssertionError(
-                f"{len(seen)} of {n} processes said ready within {within:g} s ({seen}); the "
-                f"launcher's processes:\n{_where(proc.pid)}"
-            )
-        chunk = os.read(fd, 65536)
-        assert chunk, f"the launcher ended before its workers were ready: {proc.wait()} {proc.stderr and proc.stderr.read()}"
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        seen += [line.decode() for line in lines if b"ready" in line]
+        try:
+            line = read_line(proc.stdout, max(0.0, deadline - time.monotonic()), f"{n} processes' ready")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; ready: {seen}; the launcher's processes:\n{_where(proc.pid)}") from None
+        assert line, f"the launcher ended before its workers were ready: {proc.wait()} {proc.stderr and proc.stderr.read()}"
+        if "ready" in line:
+            seen.append(line)
     return seen
 
 
