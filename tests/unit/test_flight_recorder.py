@@ -416,6 +416,7 @@ class _TorchLikeStore(HashStore):
     on them), whose clones are itself, and whose first ``failing_gets`` reads fail."""
 
     failing_gets = 0
+    failing_sets = 0
 
     def _torch_store(self) -> Any:
         return object()  # (not a TCPStore: no server to watch)
@@ -428,6 +429,12 @@ class _TorchLikeStore(HashStore):
             self.failing_gets -= 1
             raise TimeoutError("a slow store")
         return super().get(key)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        if self.failing_sets:
+            self.failing_sets -= 1
+            raise TimeoutError("a slow store")
+        super().multi_set(keys, values)
 
 
 def _ask(store: HashStore, rank: int, k: int) -> None:
@@ -458,6 +465,20 @@ def test_a_request_number_that_never_comes_does_not_hold_up_the_later_ones(kind:
         _ask(store, 2, 5)
         store.wait(["fr/head/5/2"], timedelta(seconds=20))
         assert not store.check(["fr/head/1/2"])  # (the lost one: nobody asked it)
+    finally:
+        r.stop()
+        r.join(10)
+
+
+def test_an_ask_whose_request_cannot_be_written_at_once_is_written_again() -> None:
+    # (the asker took its number; a store slow for a moment failed the request's write: the
+    # responders would pass the number over, and the diagnosis heard from nobody)
+    store = _TorchLikeStore()
+    store.failing_sets = 2
+    r = D.Responder(store, _rec(1, size=2))
+    try:
+        heads, _ = D.ask_all(store, _rec(0, size=2), {}, grace=20.0)
+        assert heads[1] is not None and heads[1]["rank"] == 1 and store.failing_sets == 0
     finally:
         r.stop()
         r.join(10)

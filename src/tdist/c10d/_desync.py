@@ -436,15 +436,22 @@ def _ask(
     """Ask every member for its head (the executor of ``diagnose``); returns the answers and,
     if the store failed meanwhile, why."""
     rank, size = rec.rank, rec.size
+    deadline = time.monotonic() + grace
     k = store.add("fr/asks", 1)
     payload = json.dumps({"k": k, "from": rank, "dump": dump, **({"first": True} if first else {})}).encode()
-    store.multi_set([f"fr/ask/{q}/{k}" for q in range(size)], [payload] * size)
+    for tries in range(1, 4):  # (written again: a store slow for a while must not lose the ask)
+        try:
+            store.multi_set([f"fr/ask/{q}/{k}" for q in range(size)], [payload] * size)
+            break
+        except Exception as exc:
+            log.debug("rank %d: writing request %d: %r", rank, k, exc)
+            if tries == 3 or time.monotonic() >= deadline:
+                raise
     keys = {q: f"fr/head/{k}/{q}" for q in range(size) if q != rank and q not in gone}
     heads: dict[int, dict[str, Any] | None] = dict.fromkeys(keys)
     broke = None
     # (each answer is read as soon as it is there: the store's host may be one of the ranks,
     # and leave once it has its own answers)
-    deadline = time.monotonic() + grace
     pending = dict(keys)
     while pending:
         try:
