@@ -40,10 +40,12 @@ WORKER = textwrap.dedent(
         os._exit(0)
     subprocess.Popen(sleeper, stdout=subprocess.DEVNULL, start_new_session=True)
     subprocess.Popen(sleeper, stdout=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "")})
+    # (one write: under python -u, print writes "ready" and its newline apart, and two workers'
+    # lines on one pipe came out as "readyready\\n\\n", one line)
     if len(sys.argv) > 2 and sys.argv[2] == "exit":
-        print("ready", flush=True)
+        os.write(1, b"ready\\n")
         sys.exit(0)
-    print("ready", flush=True)
+    os.write(1, b"ready\\n")
     signal.pause()
     """
 )
@@ -67,7 +69,7 @@ RANKS = textwrap.dedent(
     from tdist.testing import run_processes
 
     def body(rank, world_size, mark):
-        print("ready", os.getpid(), flush=True)
+        os.write(1, f"ready {os.getpid()}\\n".encode())  # (one write: see WORKER)
         signal.pause()
 
     if __name__ == "__main__":
