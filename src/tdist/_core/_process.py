@@ -19,6 +19,7 @@ thread, safely while another thread forks (see there).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import select
 import signal
@@ -31,23 +32,20 @@ TORCHLESS = False
 _PR_SET_PDEATHSIG = 1
 
 
-_PRCTL: list[Callable[..., int] | None] = []
-
-
+@functools.cache
 def prctl() -> Callable[..., int] | None:
     """libc's ``prctl``, looked up once per process (None off Linux). A process that forks
     looks it up first, so that its forked child neither imports nor ``dlopen``s: another thread
     of the parent may have held the loader's lock at the fork, which the child would wait on
     for good."""
-    if not _PRCTL:
-        found = None
-        if sys.platform.startswith("linux"):
-            import ctypes  # (here: the store server's process imports this module and needs no ctypes)
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # (here: the store server's process imports this module and needs no ctypes)
 
-            with contextlib.suppress(OSError, AttributeError):
-                found = ctypes.CDLL(None, use_errno=True).prctl
-        _PRCTL.append(found)
-    return _PRCTL[0]
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def die_with_parent() -> Callable[[], None] | None:
