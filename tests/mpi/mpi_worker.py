@@ -312,11 +312,15 @@ def _args_checked() -> dict[str, Any]:
 
 
 def _alone() -> dict[str, Any]:
-    """Started without mpiexec, where the job says 2 processes: refused."""
+    """Started without mpiexec, where the job says 2 processes: refused, MPI finalized at once
+    (MPICH's lone process keeps a shared-memory file of its pid until then)."""
+    from mpi4py import MPI
+
     try:
         dist.init_process_group("mpi")
     except RuntimeError as exc:
-        return {"error": str(exc)}
+        segment = f"/dev/shm/mpich_shm_{os.getpid():x}_0"
+        return {"error": str(exc), "finalized": MPI.Is_finalized(), "segment_left": os.path.exists(segment)}
     return {"error": None, "world_size": dist.get_world_size()}
 
 

@@ -108,7 +108,7 @@ def mpi_world(rank: int = -1, world_size: int = -1) -> tuple[int, int]:
     me, n = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     if n == 1 and tasks.isdigit() and int(tasks) > 1 and "SLURM_PROCID" in os.environ:
-        raise RuntimeError(
+        raise _refused(
             f"init_process_group('mpi'): srun started {tasks} tasks, but MPI sees a world of 1 "
             f"(this is task {os.environ['SLURM_PROCID']}): srun did not hand MPI its PMI; run "
             "`srun --mpi=pmi2 ...` (or set MpiDefault=pmi2 in slurm.conf)"
@@ -117,7 +117,7 @@ def mpi_world(rank: int = -1, world_size: int = -1) -> tuple[int, int]:
     wanted = world_size if world_size >= 0 else int(env_size) if env_size.isdigit() else -1
     if n == 1 and wanted > 1:
         said = f"world_size={world_size}" if world_size >= 0 else f"WORLD_SIZE={env_size}"
-        raise RuntimeError(
+        raise _refused(
             f"init_process_group('mpi'): MPI sees a world of 1 process, but {said}: this process "
             "was not started by an MPI launcher (a launcher such as torchrun starts each worker as "
             f"an MPI world of its own, where each would train alone as rank 0); run `mpiexec -n "
@@ -130,6 +130,16 @@ def mpi_world(rank: int = -1, world_size: int = -1) -> tuple[int, int]:
             stacklevel=3,
         )
     return me, n
+
+
+def _refused(text: str) -> RuntimeError:
+    """The error of a refused MPI world, MPI finalized first. A lone MPI process (MPICH's
+    singleton) holds a shared-memory file (``/dev/shm/mpich_shm_<pid>_0``) until it finalizes;
+    the tasks of a refused job are then often killed (``srun --kill-on-bad-exit`` when one of
+    them exits), and a task killed before its exit handlers ran left the file behind."""
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    return RuntimeError(text)
 
 
 def mpi_world_store(rank: int, world_size: int, timeout: timedelta) -> tuple[Store, int, int]:
